@@ -1,0 +1,51 @@
+"""User-facing errors: `path:line:col: error: message` plus a hint, exit code 2.
+
+Internal bugs are not UserErrors; they surface as tracebacks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Location:
+    """A point in a source or rules file: 1-based line, 0-based character column."""
+
+    path: str
+    line: int = 1
+    col: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}:{self.col + 1}"
+
+
+class UserError(Exception):
+    """A problem with the user's input (model file, options, rules, plan); exits 2."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, location: Location | None = None, hint: str | None = None,
+                 related: list[tuple[Location, str]] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.location = location
+        self.hint = hint
+        self.related = related or []
+
+    def format(self) -> str:
+        where = f"{self.location}: " if self.location else ""
+        lines = [f"{where}error: {self.message}"]
+        lines += [f"{loc}: note: {text}" for loc, text in self.related]
+        if self.hint:
+            lines.append(f"  hint: {self.hint}")
+        return "\n".join(lines)
+
+
+def display_path(path: str | Path) -> str:
+    """A path relative to the working directory when it is below it, else absolute."""
+    path = Path(path).resolve()
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)

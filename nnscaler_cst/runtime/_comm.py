@@ -1,0 +1,520 @@
+"""Named collectives for generated per-rank model code, and process-group setup.
+
+This file is copied verbatim next to the generated per-rank model files, so it
+imports nothing but the Python standard library and torch.
+
+What it does
+------------
+* ``setup`` / ``teardown`` initialise torch.distributed and cut the world into a
+  3-D device mesh (tp fastest-varying, then dp, then pp).  The mesh axes are the
+  module-level ``Axis`` objects ``TP``, ``DP`` and ``PP``; ``setup`` fills them in
+  place, so ``from _comm import TP`` taken before ``setup`` stays valid.
+* Every collective is a small ``torch.autograd.Function`` whose name states what
+  it does in both directions, in the Megatron-LM vocabulary:
+
+  =====================  ==========================  ==========================
+  function               forward                     backward
+  =====================  ==========================  ==========================
+  ``tp_copy``            identity                    all-reduce(sum)
+  ``tp_reduce``          all-reduce(sum)             identity
+  ``tp_scatter``         keep this rank's slice      all-gather
+  ``tp_gather``          all-gather                  keep this rank's slice
+  =====================  ==========================  ==========================
+
+  plus a vocabulary-parallel embedding and cross entropy, bucketed gradient
+  synchronisation for data parallelism, and blocking p2p for pipeline stages.
+* On an axis of size 1 every collective is the identity and no
+  torch.distributed function is called, so generated code also runs in one
+  plain process without ``setup``.
+* ``COUNTERS`` counts calls and bytes put on the wire, for benchmarks.
+
+What it must not do
+-------------------
+* Import anything but the standard library and torch (never ``nnscaler_cst``).
+* Hide communication: every byte this module moves goes through one of the
+  named functions below, is visible at the call site in the generated source,
+  and is counted by ``_record``.  No hooks, no implicit global syncs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+__all__ = [
+    "Axis", "TP", "DP", "PP", "GLOBAL_RANK",
+    "setup", "teardown", "axis_ranks",
+    "tp_copy", "tp_reduce", "tp_scatter", "tp_gather",
+    "vocab_parallel_embedding", "vocab_parallel_cross_entropy",
+    "sync_grads",
+    "send_forward", "recv_forward", "send_backward", "recv_backward",
+    "COUNTERS", "reset_counters",
+]
+
+
+# --------------------------------------------------------------------------
+# Device mesh
+# --------------------------------------------------------------------------
+
+class Axis:
+    """One axis of the device mesh.
+
+    name:  "tp", "dp" or "pp".
+    size:  number of ranks along the axis (1 = axis not used).
+    rank:  index of this process along the axis, in [0, size).
+    group: the torch.distributed ProcessGroup of this rank's line along the
+           axis, or None when size == 1.
+    ranks: global ranks in that group, ordered by their index along the axis.
+    """
+
+    def __init__(self, name: str, size: int = 1, rank: int = 0, group=None):
+        self.name = name
+        self.size = size
+        self.rank = rank
+        self.group = group
+        self.ranks: list[int] = [rank]
+
+    def _reset(self) -> None:
+        self.size, self.rank, self.group, self.ranks = 1, 0, None, [GLOBAL_RANK]
+
+    def __repr__(self) -> str:
+        return f"Axis({self.name!r}, size={self.size}, rank={self.rank}, ranks={self.ranks})"
+
+
+TP = Axis("tp")
+DP = Axis("dp")
+PP = Axis("pp")
+GLOBAL_RANK = 0
+
+
+def setup(rank: int, world_size: int, *, tp: int = 1, dp: int = 1, pp: int = 1,
+          backend: str | None = None) -> None:
+    """Initialise torch.distributed (if needed) and build the tp x dp x pp mesh.
+
+    Global rank = ((pp_index * dp) + dp_index) * tp + tp_index.
+    MASTER_ADDR / MASTER_PORT come from the environment (as torchrun sets them).
+    Must be called by every rank with the same mesh sizes.
+    """
+    global GLOBAL_RANK
+    assert tp * dp * pp == world_size, (
+        f"mesh tp={tp} x dp={dp} x pp={pp} = {tp * dp * pp} ranks, "
+        f"but world_size is {world_size}")
+    if not dist.is_initialized():
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+    assert dist.get_rank() == rank and dist.get_world_size() == world_size, (
+        f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+        f"{dist.get_world_size()}, but setup was called with rank {rank} of {world_size}")
+    GLOBAL_RANK = rank
+
+    def global_rank(p: int, d: int, t: int) -> int:
+        return (p * dp + d) * tp + t
+
+    # Every line of ranks along each axis, in one fixed order.  new_group is
+    # collective over the whole world, so every rank creates every group (in
+    # the same order) and keeps the one it belongs to.
+    lines = {
+        TP: [[global_rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
+        DP: [[global_rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        PP: [[global_rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
+    }
+    for axis, axis_lines in lines.items():
+        axis._reset()
+        if len(axis_lines[0]) == 1:
+            continue  # size-1 axis: no group, every collective is the identity
+        for ranks in axis_lines:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                axis.size, axis.rank = len(ranks), ranks.index(rank)
+                axis.group, axis.ranks = group, ranks
+
+
+def teardown() -> None:
+    """Destroy the default process group (if any) and reset the mesh axes."""
+    global GLOBAL_RANK
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    GLOBAL_RANK = 0
+    for axis in (TP, DP, PP):
+        axis._reset()
+
+
+def axis_ranks(axis: Axis) -> list[int]:
+    """Global ranks of this rank's group along ``axis``, ordered by axis index."""
+    return list(axis.ranks)
+
+
+# --------------------------------------------------------------------------
+# Communication counter: every transfer goes through _record
+# --------------------------------------------------------------------------
+
+COUNTERS = {"all_reduce": 0, "all_gather": 0, "send": 0, "recv": 0, "bytes": 0}
+
+
+def reset_counters() -> None:
+    for key in COUNTERS:
+        COUNTERS[key] = 0
+
+
+def _record(kind: str, sent: torch.Tensor | None) -> None:
+    """Count one call of ``kind`` and the bytes this rank puts on the wire."""
+    COUNTERS[kind] += 1
+    if sent is not None:
+        COUNTERS["bytes"] += sent.numel() * sent.element_size()
+
+
+def _all_reduce(t: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce of a contiguous tensor over ``axis``."""
+    _record("all_reduce", t)
+    dist.all_reduce(t, op=op, group=axis.group)
+    return t
+
+
+def _all_gather(t: torch.Tensor, axis: Axis) -> list[torch.Tensor]:
+    """All-gather ``t`` over ``axis``; returns one tensor per axis index."""
+    t = t.contiguous()
+    _record("all_gather", t)
+    parts = [torch.empty_like(t) for _ in range(axis.size)]
+    dist.all_gather(parts, t, group=axis.group)
+    return parts
+
+
+# --------------------------------------------------------------------------
+# Tensor-parallel mappings
+# --------------------------------------------------------------------------
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Forward: identity.  Backward: all-reduce(sum) of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.contiguous().clone(), ctx.axis), None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """Forward: all-reduce(sum).  Backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        return _all_reduce(x.contiguous().clone(), axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _check_split(size: int, axis: Axis, groups: int, what: str) -> int:
+    """Length of one rank's slice of one group block along a split dim."""
+    parts = axis.size * groups
+    if size % parts != 0:
+        raise ValueError(
+            f"{what}: dim of size {size} cannot be split into {groups} group(s) "
+            f"x {axis.size} {axis.name} ranks")
+    return size // parts
+
+
+def _keep_slice(x: torch.Tensor, axis: Axis, dim: int, groups: int) -> torch.Tensor:
+    """This rank's slice of ``dim`` of ``x``, viewed as (groups, size/groups)."""
+    dim = dim % x.dim()
+    chunk = _check_split(x.shape[dim], axis, groups, "tp_scatter")
+    blocks = x.unflatten(dim, (groups, axis.size, chunk))   # [..., groups, size, chunk, ...]
+    return blocks.select(dim + 1, axis.rank).flatten(dim, dim + 1).contiguous()
+
+
+def _gather_slices(x: torch.Tensor, axis: Axis, dim: int, groups: int) -> torch.Tensor:
+    """Inverse of _keep_slice: all-gather the slices of every rank along ``dim``."""
+    dim = dim % x.dim()
+    if x.shape[dim] % groups != 0:
+        raise ValueError(f"tp_gather: dim of size {x.shape[dim]} is not divisible "
+                         f"into {groups} group(s)")
+    chunk = x.shape[dim] // groups
+    parts = [p.unflatten(dim, (groups, chunk)) for p in _all_gather(x, axis)]
+    return torch.stack(parts, dim=dim + 1).flatten(dim, dim + 2)  # [..., groups*size*chunk, ...]
+
+
+class _ScatterToTensorParallel(torch.autograd.Function):
+    """Forward: keep this rank's slice of ``dim``.  Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, axis, dim, groups):
+        ctx.axis, ctx.dim, ctx.groups = axis, dim, groups
+        return _keep_slice(x, axis, dim, groups)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_slices(grad, ctx.axis, ctx.dim, ctx.groups), None, None, None
+
+
+class _GatherFromTensorParallel(torch.autograd.Function):
+    """Forward: all-gather along ``dim``.  Backward: keep this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, axis, dim, groups):
+        ctx.axis, ctx.dim, ctx.groups = axis, dim, groups
+        return _gather_slices(x, axis, dim, groups)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _keep_slice(grad, ctx.axis, ctx.dim, ctx.groups), None, None, None
+
+
+def tp_copy(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """Copy to the tensor-parallel region: fwd identity, bwd all-reduce(sum)."""
+    if axis.size == 1:
+        return x
+    return _CopyToTensorParallel.apply(x, axis)
+
+
+def tp_reduce(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """Reduce from the tensor-parallel region: fwd all-reduce(sum), bwd identity."""
+    if axis.size == 1:
+        return x
+    return _ReduceFromTensorParallel.apply(x, axis)
+
+
+def tp_scatter(x: torch.Tensor, axis: Axis, dim: int, groups: int = 1) -> torch.Tensor:
+    """Scatter to the tensor-parallel region: fwd keep this rank's slice of
+    ``dim``, bwd all-gather.
+
+    ``groups`` > 1 is for fused projections: ``dim`` is viewed as ``groups``
+    equal blocks and every block is split, e.g. groups=3 on a fused q|k|v dim
+    keeps [q_r | k_r | v_r].
+    """
+    if axis.size == 1:
+        return x
+    return _ScatterToTensorParallel.apply(x, axis, dim, groups)
+
+
+def tp_gather(x: torch.Tensor, axis: Axis, dim: int, groups: int = 1) -> torch.Tensor:
+    """Gather from the tensor-parallel region: fwd all-gather along ``dim``
+    (respecting ``groups``, the exact inverse of ``tp_scatter``), bwd keep this
+    rank's slice of the gradient."""
+    if axis.size == 1:
+        return x
+    return _GatherFromTensorParallel.apply(x, axis, dim, groups)
+
+
+# --------------------------------------------------------------------------
+# Vocabulary parallelism
+# --------------------------------------------------------------------------
+
+def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, axis: Axis,
+                             padding_idx: int | None = None) -> torch.Tensor:
+    """Partial embedding lookup in a vocabulary-split table.
+
+    ``weight`` holds rows [axis.rank * V_local, (axis.rank + 1) * V_local) of the
+    full table.  Rows for ids outside that range are zero; the caller sums the
+    partial results with ``tp_reduce``.  ``padding_idx`` is a global index.
+    Differentiable w.r.t. ``weight`` through ordinary autograd.
+    """
+    if axis.size == 1:
+        return F.embedding(ids, weight, padding_idx)
+    v_local = weight.shape[0]
+    start = axis.rank * v_local
+    outside = (ids < start) | (ids >= start + v_local)
+    local_ids = (ids - start).masked_fill(outside, 0)
+    local_pad = None
+    if padding_idx is not None and start <= padding_idx < start + v_local:
+        local_pad = padding_idx - start
+    out = F.embedding(local_ids, weight, local_pad)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross entropy over logits split on the vocabulary (last) dim.
+
+    Forward communication: one all-reduce(max) of the row maxima and one
+    all-reduce(sum) of [sum exp, target logit, (sum logits)] stacked together.
+    Backward is local: softmax - (1 - eps) * onehot - eps / V, scaled.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, axis, ignore_index, reduction, label_smoothing):
+        out_dtype = logits.dtype
+        v_local = logits.shape[-1]
+        vocab = v_local * axis.size
+        x = logits.reshape(-1, v_local)
+        if x.dtype in (torch.float16, torch.bfloat16):
+            x = x.float()
+        t = target.reshape(-1)
+
+        # Numerically stable: subtract the global row maximum.
+        row_max = _all_reduce(x.max(dim=-1).values.contiguous(), axis, dist.ReduceOp.MAX)
+        x = x - row_max.unsqueeze(-1)
+
+        start = axis.rank * v_local
+        ignored = t == ignore_index
+        local = (t >= start) & (t < start + v_local) & ~ignored
+        local_t = (t - start).masked_fill(~local, 0)
+        target_logit = x.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~local, 0.0)
+
+        exp = x.exp()
+        stats = [exp.sum(dim=-1), target_logit]
+        if label_smoothing > 0:
+            stats.append(x.sum(dim=-1))
+        stats = _all_reduce(torch.stack(stats), axis)
+        log_z = stats[0].log()
+
+        loss = (1.0 - label_smoothing) * (log_z - stats[1])
+        if label_smoothing > 0:
+            loss = loss + label_smoothing * (log_z - stats[2] / vocab)
+        loss = loss.masked_fill(ignored, 0.0)
+
+        n_valid = (~ignored).sum()
+        if reduction == "none":
+            out = loss.view(target.shape)
+        elif reduction == "sum":
+            out = loss.sum()
+        else:  # mean over non-ignored targets (0/0 = nan when all ignored, as torch)
+            out = loss.sum() / n_valid
+
+        softmax = exp.div_(stats[0].unsqueeze(-1))
+        ctx.save_for_backward(softmax, local, local_t, ignored, n_valid)
+        ctx.shape, ctx.dtype = logits.shape, out_dtype
+        ctx.reduction, ctx.label_smoothing, ctx.vocab = reduction, label_smoothing, vocab
+        return out.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        softmax, local, local_t, ignored, n_valid = ctx.saved_tensors
+        eps = ctx.label_smoothing
+        grad = softmax
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_t] -= (1.0 - eps) * local.to(grad.dtype)
+        if eps > 0:
+            grad -= eps / ctx.vocab
+        grad.masked_fill_(ignored.unsqueeze(-1), 0.0)
+
+        g = grad_out.to(grad.dtype)
+        if ctx.reduction == "none":
+            grad *= g.reshape(-1, 1)
+        elif ctx.reduction == "sum":
+            grad *= g
+        else:
+            grad *= g / n_valid
+        return grad.view(ctx.shape).to(ctx.dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, axis: Axis,
+                                 ignore_index: int = -100, reduction: str = "mean",
+                                 label_smoothing: float = 0.0) -> torch.Tensor:
+    """Cross entropy of logits split over the vocabulary (last dim) across ``axis``.
+
+    Rank r holds columns [r * V_local, (r + 1) * V_local); ``target`` holds
+    global class indices with shape ``logits.shape[:-1]``.  Computes what
+    ``F.cross_entropy(full_logits.view(-1, V), target.view(-1), ...)`` computes
+    on the full logits (for reduction "none" the result has ``target``'s shape).
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if target.shape != logits.shape[:-1]:
+        raise ValueError(f"target shape {tuple(target.shape)} must be logits shape "
+                         f"{tuple(logits.shape)} without the last (vocabulary) dim")
+    if axis.size == 1:
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                               ignore_index=ignore_index, reduction=reduction,
+                               label_smoothing=label_smoothing)
+        return loss.view(target.shape) if reduction == "none" else loss
+    return _VocabParallelCrossEntropy.apply(logits, target, axis, ignore_index, reduction,
+                                            float(label_smoothing))
+
+
+# --------------------------------------------------------------------------
+# Data parallelism
+# --------------------------------------------------------------------------
+
+def sync_grads(params: Iterable[torch.nn.Parameter], axis: Axis, *, average: bool,
+               bucket_bytes: int = 25 * 2**20) -> None:
+    """All-reduce ``.grad`` of every parameter over ``axis``, in buckets.
+
+    Grads of the same dtype and device are flattened into buckets of at most
+    ``bucket_bytes`` (a single larger grad gets a bucket of its own), one
+    all-reduce per bucket, in the order the params are given.  Params whose
+    grad is None are skipped.  With ``average`` the result is divided by
+    ``axis.size``.
+    """
+    if axis.size == 1:
+        return
+    open_buckets: dict[tuple, list[torch.Tensor]] = {}
+    open_bytes: dict[tuple, int] = {}
+
+    def flush(key):
+        grads = open_buckets.pop(key)
+        open_bytes.pop(key)
+        flat = _all_reduce(torch.cat([g.reshape(-1) for g in grads]), axis)
+        if average:
+            flat.div_(axis.size)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if g.is_sparse:
+            raise NotImplementedError("sync_grads does not handle sparse gradients")
+        key = (g.dtype, g.device)
+        nbytes = g.numel() * g.element_size()
+        if key in open_buckets and open_bytes[key] + nbytes > bucket_bytes:
+            flush(key)
+        open_buckets.setdefault(key, []).append(g)
+        open_bytes[key] = open_bytes.get(key, 0) + nbytes
+    for key in list(open_buckets):  # dicts keep first-seen order: same on every rank
+        flush(key)
+
+
+# --------------------------------------------------------------------------
+# Pipeline point-to-point (blocking, global ranks, no autograd)
+# --------------------------------------------------------------------------
+
+def _p2p_device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _send(x: torch.Tensor, dst: int) -> None:
+    x = x.contiguous()
+    _record("send", x)
+    dist.send(x, dst)
+
+
+def _recv(shape, dtype: torch.dtype, src: int) -> torch.Tensor:
+    buf = torch.empty(shape, dtype=dtype, device=_p2p_device())
+    _record("recv", None)  # bytes are counted once, on the sending side
+    dist.recv(buf, src)
+    return buf
+
+
+def send_forward(x: torch.Tensor, dst: int) -> None:
+    """Send an activation to the next pipeline stage (global rank ``dst``)."""
+    _send(x.detach(), dst)
+
+
+def recv_forward(shape, dtype: torch.dtype, src: int) -> torch.Tensor:
+    """Receive an activation from the previous pipeline stage (global rank ``src``)."""
+    return _recv(shape, dtype, src)
+
+
+def send_backward(grad: torch.Tensor, dst: int) -> None:
+    """Send a gradient to the previous pipeline stage (global rank ``dst``)."""
+    _send(grad.detach(), dst)
+
+
+def recv_backward(shape, dtype: torch.dtype, src: int) -> torch.Tensor:
+    """Receive a gradient from the next pipeline stage (global rank ``src``)."""
+    return _recv(shape, dtype, src)

@@ -1,0 +1,1 @@
+"""Stage 1: parse source files with LibCST and locate nodes by position."""

@@ -1,0 +1,124 @@
+"""Parsed source files and the index from a code position to its LibCST node.
+
+Parses only; never executes the user's code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import libcst as cst
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+from ..errors import Location, UserError, display_path
+
+
+@dataclass(frozen=True, order=True)
+class Span:
+    """A source range: 1-based lines, 0-based character columns, end exclusive."""
+
+    path: str
+    line: int
+    col: int
+    end_line: int
+    end_col: int
+
+    @property
+    def start(self) -> Location:
+        return Location(display_path(self.path), self.line, self.col)
+
+    def __str__(self) -> str:
+        return str(self.start)
+
+    def contains(self, other: "Span") -> bool:
+        return (self.line, self.col) <= (other.line, other.col) and (other.end_line, other.end_col) <= (
+            self.end_line, self.end_col)
+
+
+# Expression nodes a traced call can be attributed to.
+_CALLISH = (cst.Call, cst.BinaryOperation, cst.UnaryOperation, cst.Subscript, cst.Comparison,
+            cst.AugAssign, cst.Attribute, cst.BooleanOperation)
+
+
+@dataclass
+class SourceFile:
+    path: Path
+    text: str
+    module: cst.Module
+    wrapper: MetadataWrapper = field(repr=False)
+
+    @classmethod
+    def parse(cls, path: Path) -> "SourceFile":
+        text = path.read_text(encoding="utf-8")
+        try:
+            module = cst.parse_module(text)
+        except cst.ParserSyntaxError as exc:
+            raise UserError(f"syntax error: {exc.message}",
+                            Location(display_path(path), exc.raw_line, exc.raw_column),
+                            hint="fix the syntax error; the file must be valid Python") from None
+        return cls(path, text, module, MetadataWrapper(module, unsafe_skip_copy=True))
+
+    @cached_property
+    def lines(self) -> list[str]:
+        return self.text.splitlines(keepends=True)
+
+    @cached_property
+    def positions(self):
+        return self.wrapper.resolve(PositionProvider)
+
+    @cached_property
+    def _index(self) -> dict[tuple[int, int, int, int], list[cst.CSTNode]]:
+        index: dict[tuple[int, int, int, int], list[cst.CSTNode]] = {}
+        for node, rng in self.positions.items():
+            if isinstance(node, _CALLISH):
+                key = (rng.start.line, rng.start.column, rng.end.line, rng.end.column)
+                index.setdefault(key, []).append(node)
+        return index
+
+    def span_of(self, node: cst.CSTNode) -> Span:
+        rng = self.positions[node]
+        return Span(str(self.path), rng.start.line, rng.start.column, rng.end.line, rng.end.column)
+
+    def char_col(self, line: int, byte_col: int) -> int:
+        """Convert a UTF-8 byte offset within a line (what co_positions gives) to characters."""
+        if line < 1 or line > len(self.lines):
+            return byte_col
+        return len(self.lines[line - 1].encode("utf-8")[:byte_col].decode("utf-8", errors="ignore"))
+
+    def node_at(self, line: int, col: int, end_line: int, end_col: int) -> cst.CSTNode | None:
+        """The expression node a bytecode position range refers to.
+
+        An exact match wins; otherwise the smallest call-like node containing the range and ending
+        where it ends (multi-line method chains start the range at `.meth`, not at the receiver).
+        """
+        exact = self._index.get((line, col, end_line, end_col))
+        if exact:
+            return min(exact, key=lambda n: isinstance(n, cst.Attribute))
+        best, best_start = None, None
+        for (l0, c0, l1, c1), nodes in self._index.items():
+            if (l1, c1) != (end_line, end_col) or (l0, c0) > (line, col):
+                continue
+            for node in nodes:
+                if not isinstance(node, cst.Attribute) and (best_start is None or (l0, c0) > best_start):
+                    best, best_start = node, (l0, c0)
+        return best
+
+
+class SourceSet:
+    """Every source file the tool reads, parsed once."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, SourceFile] = {}
+
+    def get(self, path: str | Path) -> SourceFile:
+        key = str(Path(path).resolve())
+        if key not in self._files:
+            self._files[key] = SourceFile.parse(Path(key))
+        return self._files[key]
+
+    def __contains__(self, path: str) -> bool:
+        return str(Path(path).resolve()) in self._files
+
+    def files(self) -> list[SourceFile]:
+        return list(self._files.values())

@@ -1,0 +1,51 @@
+"""Canonical names for torch callables and for what a model file called."""
+from __future__ import annotations
+
+import types
+
+import torch
+
+_C_NAMESPACES = {
+    "torch._C._nn": "torch.nn.functional",
+    "torch._C._linalg": "torch.linalg",
+    "torch._C._special": "torch.special",
+    "torch._C._fft": "torch.fft",
+    "torch._C._VariableFunctions": "torch",
+}
+
+
+def torch_func_name(func) -> str:
+    """torch.matmul, Tensor.view, torch.nn.functional.gelu, Tensor.T ..."""
+    name = getattr(func, "__name__", repr(func))
+    qualname = getattr(func, "__qualname__", name) or name
+    module = getattr(func, "__module__", None)
+    if name == "__get__" and hasattr(func, "__self__"):  # tensor property such as .T or .shape
+        return f"Tensor.{func.__self__.__name__}"
+    if qualname.split(".")[0] in ("TensorBase", "_TensorBase", "Tensor"):
+        return f"Tensor.{name}"
+    if qualname.startswith("_VariableFunctionsClass"):
+        return f"torch.{name}"
+    if module in _C_NAMESPACES:
+        return f"{_C_NAMESPACES[module]}.{name}"
+    if module:
+        return f"{module}.{name}"
+    return name
+
+
+def qualified_type(obj_type: type) -> str:
+    return f"{obj_type.__module__}.{obj_type.__qualname__}"
+
+
+def short_type(qualified: str) -> str:
+    """torch.nn.modules.linear.Linear -> torch.nn.Linear; others unchanged."""
+    if qualified.startswith("torch.nn.modules."):
+        return "torch.nn." + qualified.rsplit(".", 1)[1]
+    return qualified
+
+
+def is_tensor(value) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def function_name(code: types.CodeType, module_name: str) -> str:
+    return f"{module_name}.{code.co_qualname}"

@@ -1,0 +1,103 @@
+"""What a trace records: tensors, torch calls, and site invocations.
+
+Plain data; no torch objects are kept here beyond what the tracer needs for identity.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..source.files import Span
+
+# Where a tensor operand sits in the source call: ("self",), ("pos", i) or ("kw", name).
+ArgPath = tuple
+
+
+@dataclass
+class TensorInfo:
+    tid: int
+    shape: tuple[int, ...]
+    dtype: str
+    requires_grad: bool
+    producer: int | None = None        # node index; None for inputs, parameters, buffers
+    param: str | None = None           # canonical parameter name
+    buffer: str | None = None
+    input_name: str | None = None      # name of the model input it is
+
+    @property
+    def nbytes(self) -> int:
+        size = {"torch.float64": 8, "torch.int64": 8, "torch.float16": 2, "torch.bfloat16": 2,
+                "torch.bool": 1, "torch.int32": 4}.get(self.dtype, 4)
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * size
+
+
+@dataclass
+class Operand:
+    """A named input of a site invocation: a tensor, or a plain value (ints, None, ...)."""
+
+    name: str
+    path: ArgPath | None      # where it sits in the user's call; None for module parameters
+    tid: int | None = None    # set for tensors
+    value: Any = None         # set for non-tensors (kept only when small and printable)
+
+
+@dataclass
+class OpCall:
+    """One torch call, as TorchFunctionMode saw it."""
+
+    func: str                       # canonical name: torch.matmul, Tensor.view, torch.nn.functional.gelu
+    node: int                       # the invocation it belongs to
+    inputs: list[int]
+    outputs: list[int]
+    mapped: bool
+
+
+@dataclass
+class Node:
+    """One invocation of a source site: the model file called `callee` at `span`."""
+
+    index: int
+    span: Span | None               # None when no frame of the model's own files was on the stack
+    callee: str                     # what the model file called: a torch function or method, a module type, a helper
+    callee_kind: str                # "torch", "module" or "function"
+    module_path: str                # e.g. transformer.h.0.attn
+    operands: list[Operand] = field(default_factory=list)
+    ops: list[int] = field(default_factory=list)      # OpCall indices
+    outputs: list[int] = field(default_factory=list)  # tensors produced here and used elsewhere, in order
+    produced: list[int] = field(default_factory=list)  # every tensor produced inside, in order
+    mapped: bool = False
+
+    @property
+    def inputs(self) -> list[int]:
+        return [op.tid for op in self.operands if op.tid is not None]
+
+    def operand(self, name: str) -> Operand | None:
+        return next((op for op in self.operands if op.name == name), None)
+
+
+@dataclass
+class ParamInfo:
+    name: str                        # canonical (first) name
+    aliases: list[str]               # every name it is reachable by (tied weights)
+    shape: tuple[int, ...]
+    module_type: str                 # owner module's class, fully qualified
+    attr: str                        # attribute name on the owner (weight, bias)
+    ctor_span: Span | None           # constructor call that created it, in the model's files
+    tid: int | None = None
+
+
+@dataclass
+class Trace:
+    mode: str                        # "fake" or "real"
+    own_files: list[str]
+    nodes: list[Node]
+    ops: list[OpCall]
+    tensors: dict[int, TensorInfo]
+    params: dict[str, ParamInfo]     # canonical name -> info
+    inputs: dict[str, int]           # model input name -> tensor id
+    loss: int | None                 # tensor id of the training loss
+    module_types: dict[str, str]     # module path -> fully qualified class
+    batch_size: int | None = None

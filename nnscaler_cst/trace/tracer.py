@@ -1,0 +1,359 @@
+"""Trace: build the model, run forward + loss + backward once, record every torch call.
+
+Each torch call is attributed to the innermost frame in the model's own files (its exact
+code position via co_positions), and grouped with the other calls made from that same
+frame position into one Node: "the model file called `callee` here". Parameters are tied
+to the constructor call that created them.
+
+The trace runs under FakeTensorMode when it can (no real memory or compute), else on real
+CPU tensors. It must not rewrite anything.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from ..errors import Location, UserError, display_path
+from ..source.entry import Entry, user_frame_location
+from ..source.files import SourceSet, Span
+from .naming import qualified_type, short_type, torch_func_name
+from .records import Node, OpCall, Operand, ParamInfo, TensorInfo, Trace
+
+_TORCH_DIR = str(Path(torch.__file__).parent)
+_OUR_DIR = str(Path(__file__).resolve().parents[1])
+_MODULE_CALL = {"_wrapped_call_impl", "_call_impl"}
+_WRAPPER_NAMES = {"wrapper", "inner", "wrapped", "decorate_context", "_fn", "new_fn"}
+
+
+class _CtorRecorder:
+    """Records, while the model is built, the call stack that created each Parameter.
+
+    The model's own files are known only after the build, so the stack is kept as
+    (file, position, type being constructed) per frame and resolved afterwards.
+    """
+
+    def __init__(self):
+        self.stacks: dict[int, list[tuple]] = {}
+        self._original = None
+
+    def __enter__(self):
+        original = torch.nn.Parameter.__new__
+        stacks = self.stacks
+
+        def recording_new(cls, data=None, requires_grad=True):
+            param = original(cls, data, requires_grad)
+            stack, frame = [], sys._getframe(1)
+            while frame is not None:
+                owner = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
+                constructing = type(owner) if isinstance(owner, torch.nn.Module) else None
+                stack.append((frame.f_code.co_filename, _position(frame), constructing))
+                frame = frame.f_back
+            stacks[id(param)] = stack
+            return param
+
+        self._original = original
+        torch.nn.Parameter.__new__ = staticmethod(recording_new)
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.Parameter.__new__ = self._original
+        return False
+
+
+def _position(frame) -> tuple | None:
+    positions = list(frame.f_code.co_positions())
+    index = frame.f_lasti // 2
+    return positions[index] if 0 <= index < len(positions) else None
+
+
+class Tracer(TorchFunctionMode):
+    def __init__(self, sources: SourceSet, entry: Entry, library_modules: tuple[str, ...] = ()):
+        super().__init__()
+        self.sources = sources
+        self.entry = entry
+        self.library_modules = tuple(library_modules)
+        self.own_files: set[str] = {str(entry.path)}
+        self.nodes: list[Node] = []
+        self.ops: list[OpCall] = []
+        self.tensors: dict[int, TensorInfo] = {}
+        self._tid_of: dict[int, int] = {}     # id(tensor) -> tid
+        self._keep: list[Any] = []             # keeps traced tensors alive so ids stay unique
+        self._module_names: dict[int, str] = {}
+        self._current: tuple | None = None     # (frame id, lasti) of the open invocation
+        self._recording = False
+
+    # ---- frames -------------------------------------------------------------------------
+    def own_frame(self, frame):
+        while frame is not None:
+            if frame.f_code.co_filename in self.own_files:
+                return frame
+            frame = frame.f_back
+        return None
+
+    def _callee(self, func, frame, own) -> tuple[str, str, Any]:
+        """What the own frame called: (name, kind, callee frame or None)."""
+        chain = []
+        while frame is not None and frame is not own:
+            chain.append(frame)
+            frame = frame.f_back
+        chain = [f for f in chain if not f.f_code.co_filename.startswith(_OUR_DIR)]
+        if not chain:
+            return torch_func_name(func), "torch", None
+        outer = chain[-1]
+        if outer.f_code.co_name in _MODULE_CALL and isinstance(outer.f_locals.get("self"), torch.nn.Module):
+            return short_type(qualified_type(type(outer.f_locals["self"]))), "module", outer
+        if outer.f_code.co_filename.startswith(_TORCH_DIR):
+            return torch_func_name(func), "torch", None
+        i = len(chain) - 1
+        while i > 0 and chain[i].f_code.co_name in _WRAPPER_NAMES:
+            i -= 1
+        inner = chain[i]
+        return f"{inner.f_globals.get('__name__', '?')}.{inner.f_code.co_qualname}", "function", inner
+
+    def _module_path(self, own) -> str:
+        frame = own
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, torch.nn.Module) and id(owner) in self._module_names:
+                return self._module_names[id(owner)]
+            frame = frame.f_back
+        return ""
+
+    # ---- tensors ------------------------------------------------------------------------
+    def _tid(self, tensor: torch.Tensor, **info) -> int:
+        key = id(tensor)
+        if key in self._tid_of:
+            return self._tid_of[key]
+        tid = len(self.tensors)
+        self._tid_of[key] = tid
+        self._keep.append(tensor)
+        self.tensors[tid] = TensorInfo(tid, tuple(tensor.shape), str(tensor.dtype),
+                                       bool(tensor.requires_grad), **info)
+        return tid
+
+    # ---- the mode -----------------------------------------------------------------------
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._recording:
+            flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            if flat_out:
+                self._record(func, args, kwargs, flat_out)
+        return out
+
+    def _record(self, func, args, kwargs, flat_out):
+        caller = sys._getframe(2)
+        own = self.own_frame(caller)
+        in_tids = [self._tid(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        key = (id(own), own.f_lasti) if own is not None else None
+        if key is None or key != self._current:
+            self._open_node(func, args, kwargs, caller, own)
+            self._current = key
+        node = self.nodes[-1]
+        out_tids = []
+        for tensor in flat_out:
+            self._tid_of.pop(id(tensor), None)   # an in-place result is a new version
+            tid = self._tid(tensor, producer=node.index)
+            out_tids.append(tid)
+            node.produced.append(tid)
+        self.ops.append(OpCall(torch_func_name(func), node.index, in_tids, out_tids, node.mapped))
+        node.ops.append(len(self.ops) - 1)
+
+    def _open_node(self, func, args, kwargs, caller, own):
+        span, mapped = None, False
+        if own is not None:
+            pos = _position(own)
+            if pos and pos[0] is not None:
+                source = self.sources.get(own.f_code.co_filename)
+                line, end_line, col, end_col = pos
+                span = Span(str(source.path), line, source.char_col(line, col), end_line,
+                            source.char_col(end_line, end_col))
+                mapped = source.node_at(span.line, span.col, span.end_line, span.end_col) is not None
+        callee, kind, callee_frame = self._callee(func, caller, own) if own is not None else (
+            torch_func_name(func), "torch", None)
+        node = Node(len(self.nodes), span, callee, kind, self._module_path(own) if own else "", mapped=mapped)
+        node.operands = self._operands(func, kind, callee_frame, args, kwargs)
+        self.nodes.append(node)
+
+    def _operands(self, func, kind, callee_frame, args, kwargs) -> list[Operand]:
+        """Name every input of the invocation and where it sits in the user's call."""
+        operands: list[Operand] = []
+        if kind == "module":
+            module = callee_frame.f_locals["self"]
+            call_args, call_kwargs = callee_frame.f_locals.get("args", ()), callee_frame.f_locals.get("kwargs", {})
+            for i, value in enumerate(call_args):
+                operands.append(self._operand(f"arg{i}", ("pos", i), value))
+            for name, value in call_kwargs.items():
+                operands.append(self._operand(name, ("kw", name), value))
+            for name, param in module.named_parameters(recurse=True):
+                operands.append(Operand(f"self.{name}", None, tid=self._tid(param)))
+            for name, buf in module.named_buffers(recurse=True):
+                operands.append(Operand(f"self.{name}", None, tid=self._tid(buf)))
+        elif kind == "function":
+            code = callee_frame.f_code
+            n_pos = code.co_argcount + code.co_kwonlyargcount
+            for i, name in enumerate(code.co_varnames[:n_pos]):
+                if name in callee_frame.f_locals:
+                    path = ("pos", i) if i < code.co_argcount else ("kw", name)
+                    operands.append(self._operand(name, path, callee_frame.f_locals[name]))
+            if code.co_flags & 0x08:  # **kwargs
+                extra = callee_frame.f_locals.get(code.co_varnames[n_pos + bool(code.co_flags & 0x04)], {})
+                for name, value in (extra or {}).items():
+                    operands.append(self._operand(name, ("kw", name), value))
+        else:
+            is_method = torch_func_name(func).startswith("Tensor.") and bool(args)
+            for i, value in enumerate(args):
+                path = ("self",) if (i == 0 and is_method) else ("pos", i - int(is_method))
+                operands.append(self._operand(f"arg{i}", path, value))
+            for name, value in kwargs.items():
+                operands.append(self._operand(name, ("kw", name), value))
+        return operands
+
+    def _operand(self, name, path, value) -> Operand:
+        if isinstance(value, torch.Tensor):
+            return Operand(name, path, tid=self._tid(value))
+        if isinstance(value, (int, float, bool, str, type(None), torch.dtype, torch.Size)) or (
+                isinstance(value, (tuple, list)) and len(value) <= 8 and all(
+                    isinstance(v, (int, float, type(None))) for v in value)):
+            return Operand(name, path, value=value)
+        if isinstance(value, (tuple, list)):
+            return Operand(name, path, value=tuple(self._tid(v) if isinstance(v, torch.Tensor) else None
+                                                   for v in value) if len(value) <= 8 else None)
+        return Operand(name, path, value=None)
+
+    # ---- driver -------------------------------------------------------------------------
+    def run(self, mode: str) -> Trace:
+        entry = self.entry
+        ctx = _fake_mode() if mode == "fake" else contextlib.nullcontext()
+        with ctx:
+            torch.manual_seed(0)
+            with _CtorRecorder() as ctors:
+                model = self._call_user(entry.build, "build()")
+            self._add_model_files(model)
+            ctor_sites = {key: self._ctor_site(stack) for key, stack in ctors.stacks.items()}
+            inputs = self._call_user(entry.example_inputs, "example_inputs()")
+            params = self._params(model, ctor_sites)
+            for name, buf in model.named_buffers():
+                self._tid(buf, buffer=name)
+            input_tids = self._inputs(inputs)
+            model.train()
+            self._recording = True
+            try:
+                with self:
+                    output = self._call_user(lambda: entry.call_model(model, inputs), "the model's forward")
+                    loss = self._call_user(lambda: entry.loss(output), "loss()")
+            finally:
+                self._recording = False
+            if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+                raise UserError("loss() did not return a scalar tensor", Location(display_path(entry.path)),
+                                hint="return the training loss as a 0-dim tensor")
+            loss_tid = self._tid_of.get(id(loss))
+            self._call_user(loss.backward, "backward()")
+        self._set_outputs(loss_tid)
+        batch = next((self.tensors[t].shape[0] for t in input_tids.values() if self.tensors[t].shape), None)
+        return Trace(mode, sorted(self.own_files), self.nodes, self.ops, self.tensors, params, input_tids,
+                     loss_tid, {name: qualified_type(type(m)) for name, m in model.named_modules()}, batch)
+
+    def _call_user(self, fn, what: str):
+        try:
+            return fn()
+        except UserError:
+            raise
+        except Exception as exc:
+            loc = user_frame_location(exc, self.own_files) or Location(display_path(self.entry.path))
+            raise UserError(f"{what} raised {type(exc).__name__}: {exc}", loc,
+                            hint="the model must run on its example inputs on one CPU device") from exc
+
+    def _add_model_files(self, model: torch.nn.Module) -> None:
+        """The model's own files: where its module classes are defined, unless torch or a library."""
+        for name, module in model.named_modules():
+            self._module_names[id(module)] = name
+            mod_name = type(module).__module__
+            if mod_name.startswith("torch.") or mod_name.startswith(self.library_modules):
+                continue
+            path = sys.modules[mod_name].__dict__.get("__file__") if mod_name in sys.modules else None
+            if path and path.endswith(".py"):
+                self.own_files.add(str(Path(path).resolve()))
+        # co_filename is the path as imported; compare both spellings
+        self.own_files |= {str(Path(p)) for p in list(self.own_files)}
+        for path in list(self.own_files):
+            self.sources.get(path)
+            for mod in list(sys.modules.values()):
+                file = getattr(mod, "__file__", None)
+                if file and str(Path(file).resolve()) == path:
+                    self.own_files.add(file)
+
+    def _params(self, model, ctor_sites) -> dict[str, ParamInfo]:
+        params: dict[str, ParamInfo] = {}
+        by_id: dict[int, ParamInfo] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if id(param) in by_id:
+                by_id[id(param)].aliases.append(name)
+                continue
+            owner_path, _, attr = name.rpartition(".")
+            owner = model.get_submodule(owner_path)
+            span, ctor_type = ctor_sites.get(id(param), (None, None))
+            info = ParamInfo(name, [name], tuple(param.shape), ctor_type or short_type(qualified_type(type(owner))),
+                             attr, span, tid=self._tid(param, param=name))
+            params[name] = by_id[id(param)] = info
+        return params
+
+    def _ctor_site(self, stack) -> tuple[Span | None, str | None]:
+        """The own-file call that created a parameter, and the type it constructed there.
+
+        `nn.Linear(...)` in the model file gives torch.nn.Linear; `nn.Parameter(...)` written
+        directly in the model file gives torch.nn.Parameter.
+        """
+        ctor_type = "torch.nn.Parameter"
+        for file, pos, constructing in stack:
+            if file in self.own_files:
+                if not pos or pos[0] is None:
+                    return None, ctor_type
+                source = self.sources.get(file)
+                return Span(str(source.path), pos[0], source.char_col(pos[0], pos[2]), pos[1],
+                            source.char_col(pos[1], pos[3])), ctor_type
+            if constructing is not None:
+                ctor_type = short_type(qualified_type(constructing))
+        return None, None
+
+    def _inputs(self, inputs) -> dict[str, int]:
+        items = inputs.items() if isinstance(inputs, dict) else (
+            (f"arg{i}", v) for i, v in enumerate(inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
+        return {name: self._tid(value, input_name=name) for name, value in items if isinstance(value, torch.Tensor)}
+
+    def _set_outputs(self, loss_tid) -> None:
+        """A node's outputs: what it produced that another node (or the loss) consumes."""
+        consumed: set[tuple[int, int]] = set()
+        for node in self.nodes:
+            for tid in node.inputs:
+                consumed.add((tid, node.index))
+            for op_index in node.ops:
+                for tid in self.ops[op_index].inputs:
+                    consumed.add((tid, node.index))
+        used_elsewhere = {tid for tid, user in consumed if self.tensors[tid].producer not in (None, user)}
+        for node in self.nodes:
+            node.outputs = [t for t in node.produced if t in used_elsewhere or t == loss_tid]
+
+
+@contextlib.contextmanager
+def _fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        yield
+
+
+def trace_model(entry: Entry, sources: SourceSet, *, library_modules=(), mode: str = "auto") -> Trace:
+    """Trace under fake tensors; fall back to real CPU tensors when fake mode cannot run."""
+    if mode in ("auto", "fake"):
+        try:
+            return Tracer(sources, entry, library_modules).run("fake")
+        except UserError:
+            if mode == "fake":
+                raise
+    return Tracer(sources, entry, library_modules).run("real")
