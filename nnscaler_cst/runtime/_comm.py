@@ -198,7 +198,7 @@ class _CopyToTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad.contiguous().clone(), ctx.axis), None
+        return grad, None
 
 
 class _ReduceFromTensorParallel(torch.autograd.Function):

@@ -9,6 +9,17 @@ from typing import Any
 
 from ..source.files import Span
 
+class TensorList(tuple):
+    """An operand value that is a list of tensors, by tensor id."""
+
+
+class _Unknown:
+    def __repr__(self) -> str:
+        return "<value>"
+
+
+UNKNOWN = _Unknown()   # an argument value the trace did not keep (objects, large lists)
+
 # Where a tensor operand sits in the source call: ("self",), ("pos", i) or ("kw", name).
 ArgPath = tuple
 

@@ -23,7 +23,7 @@ from ..errors import Location, UserError, display_path
 from ..source.entry import Entry, user_frame_location
 from ..source.files import SourceSet, Span
 from .naming import qualified_type, short_type, torch_func_name
-from .records import Node, OpCall, Operand, ParamInfo, TensorInfo, Trace
+from .records import UNKNOWN, Node, OpCall, Operand, ParamInfo, TensorInfo, TensorList, Trace
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _OUR_DIR = str(Path(__file__).resolve().parents[1])
@@ -218,14 +218,9 @@ class Tracer(TorchFunctionMode):
     def _operand(self, name, path, value) -> Operand:
         if isinstance(value, torch.Tensor):
             return Operand(name, path, tid=self._tid(value))
-        if isinstance(value, (int, float, bool, str, type(None), torch.dtype, torch.Size)) or (
-                isinstance(value, (tuple, list)) and len(value) <= 8 and all(
-                    isinstance(v, (int, float, type(None))) for v in value)):
-            return Operand(name, path, value=value)
-        if isinstance(value, (tuple, list)):
-            return Operand(name, path, value=tuple(self._tid(v) if isinstance(v, torch.Tensor) else None
-                                                   for v in value) if len(value) <= 8 else None)
-        return Operand(name, path, value=None)
+        if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) for v in value):
+            return Operand(name, path, value=TensorList(self._tid(v) for v in value))
+        return Operand(name, path, value=_plain(value))
 
     # ---- driver -------------------------------------------------------------------------
     def run(self, mode: str) -> Trace:
@@ -339,6 +334,23 @@ class Tracer(TorchFunctionMode):
         used_elsewhere = {tid for tid, user in consumed if self.tensors[tid].producer not in (None, user)}
         for node in self.nodes:
             node.outputs = [t for t in node.produced if t in used_elsewhere or t == loss_tid]
+
+
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, type(Ellipsis))
+
+
+def _plain(value, depth=0):
+    """Keep small, printable argument values (ints, shapes, slices); drop everything else."""
+    if isinstance(value, torch.SymInt):
+        return int(value)
+    if isinstance(value, _SCALARS):
+        return value
+    if isinstance(value, slice):
+        return slice(*(_plain(v, depth + 1) for v in (value.start, value.stop, value.step)))
+    if isinstance(value, (tuple, list, torch.Size)) and len(value) <= 16 and depth < 3:
+        items = tuple(_plain(v, depth + 1) for v in value)
+        return UNKNOWN if any(v is UNKNOWN for v in items) else items
+    return UNKNOWN
 
 
 @contextlib.contextmanager

@@ -1,0 +1,240 @@
+"""Dimension labels of one op invocation (dimops-style), instantiated on traced shapes.
+
+Every dim of every tensor an op touches carries factors (label, size). A label shared
+between tensors means "splitting this label splits these dims together". A label is
+*reduced* (`k+`) when splitting it leaves the output as partial sums, *fixed* (`d^`) when it
+must not be split, and may need a special implementation (`impl`) to be split at all.
+A dim made of several factors, like `(3 c)` for a fused q|k|v projection, splits on one
+factor: the tensor is then sharded in `groups` interleaved blocks.
+
+This module is pure data and arithmetic on shapes; it knows nothing of torch or source.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+
+class DimsError(ValueError):
+    """An annotation does not fit the traced shapes."""
+
+
+@dataclass(frozen=True)
+class Factor:
+    label: str
+    size: int
+
+
+@dataclass
+class TensorDims:
+    tid: int
+    dims: list[tuple[Factor, ...]]
+
+    def where(self, label: str) -> tuple[int, int] | None:
+        """(dim, groups) where `label` sits: groups is the product of the factors before it."""
+        for d, factors in enumerate(self.dims):
+            groups = 1
+            for factor in factors:
+                if factor.label == label:
+                    return d, groups
+                groups *= factor.size
+        return None
+
+    def labels(self) -> set[str]:
+        return {f.label for factors in self.dims for f in factors}
+
+
+@dataclass
+class OpDims:
+    inputs: dict[str, TensorDims]           # operand name -> dims
+    outputs: list[TensorDims]
+    reduced: set[str] = field(default_factory=set)
+    fixed: set[str] = field(default_factory=set)
+    impl: dict[str, str] = field(default_factory=dict)
+
+    def sizes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for tensor in [*self.inputs.values(), *self.outputs]:
+            for factors in tensor.dims:
+                for f in factors:
+                    out[f.label] = f.size
+        return out
+
+    def splittable(self) -> list[str]:
+        """Labels that may be split, in first-seen order, without broadcast or literal factors."""
+        seen: list[str] = []
+        for tensor in [*self.inputs.values(), *self.outputs]:
+            for factors in tensor.dims:
+                for f in factors:
+                    if f.label not in seen and f.label not in self.fixed and not f.label[0].isdigit():
+                        seen.append(f.label)
+        out_labels = set().union(*(t.labels() for t in self.outputs)) if self.outputs else set()
+        return [l for l in seen if l in out_labels or l in self.reduced or l in self.impl]
+
+
+# ---- the annotation language -------------------------------------------------------------
+# "arg0|input: *b k+, self.weight: n k+, self.bias?: n -> *b n"
+_TOKEN = re.compile(r"\(([^)]*)\)|(\*?[A-Za-z_][A-Za-z_0-9]*[+^]?|\d+)")
+
+
+@dataclass
+class DimSpec:
+    tokens: list[list[str]]     # per dim: factor tokens; a variadic dim is ["*name"]
+
+
+@dataclass
+class OperandSpec:
+    names: list[str]            # aliases: positional "argN" and keyword names
+    optional: bool
+    dims: DimSpec
+
+
+@dataclass
+class Annotation:
+    operands: list[OperandSpec]
+    outputs: list[DimSpec]
+    variadic_outputs: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> "Annotation":
+        if "->" not in text:
+            raise ValueError(f"annotation needs '->': {text!r}")
+        left, right = text.split("->", 1)
+        operands = []
+        for part in filter(None, (p.strip() for p in left.split(","))):
+            name, _, dims = part.partition(":")
+            name = name.strip()
+            optional = name.endswith("?")
+            operands.append(OperandSpec(name.rstrip("?").split("|"), optional, _parse_dims(dims)))
+        right = right.strip()
+        variadic = right.startswith("[") and right.endswith("]...")
+        if variadic:
+            right = right[1:-4]
+        # nothing after `->` is one scalar output (a loss)
+        outputs = [_parse_dims(p) for p in right.split(",")] if right else [DimSpec([])]
+        return cls(operands, outputs, variadic)
+
+
+def _parse_dims(text: str) -> DimSpec:
+    tokens = []
+    for match in _TOKEN.finditer(text.strip()):
+        group, single = match.groups()
+        tokens.append(group.split() if group is not None else [single])
+    return DimSpec(tokens)
+
+
+def _strip(token: str) -> tuple[str, str]:
+    if token[-1] in "+^":
+        return token[:-1], token[-1]
+    return token, ""
+
+
+def bind(annotation: Annotation, shapes: dict[str, tuple[int, ...]], tids: dict[str, int],
+         out_shapes: list[tuple[int, ...]], out_tids: list[int]) -> OpDims:
+    """Instantiate an annotation on the shapes of one invocation."""
+    sizes: dict[str, int] = {}
+    result = OpDims({}, [])
+    pending: list[tuple[str | None, DimSpec, tuple[int, ...], int]] = []
+    for spec in annotation.operands:
+        name = next((n for n in spec.names if n in shapes), None)
+        if name is None:
+            if spec.optional:
+                continue
+            raise DimsError(f"operand {spec.names[0]} is not a tensor here")
+        pending.append((name, spec.dims, shapes[name], tids[name]))
+    out_specs = annotation.outputs
+    if annotation.variadic_outputs:
+        out_specs = out_specs * len(out_shapes)
+    if len(out_specs) != len(out_shapes):
+        raise DimsError(f"expected {len(out_specs)} outputs, traced {len(out_shapes)}")
+    pending += [(None, spec, shape, tid) for spec, shape, tid in zip(out_specs, out_shapes, out_tids)]
+    variadic_len: dict[str, int] = {}
+    # composite dims such as (g r) take their sizes from plain dims, so bind those first
+    order = sorted(range(len(pending)), key=lambda i: any(len(t) > 1 for t in pending[i][1].tokens))
+    bound: dict[int, list[tuple[Factor, ...]]] = {}
+    for i in order:
+        _, spec, shape, _ = pending[i]
+        bound[i] = _bind_tensor(spec, shape, sizes, variadic_len, result)
+    for i, (name, _, _, tid) in enumerate(pending):
+        if name is None:
+            result.outputs.append(TensorDims(tid, bound[i]))
+        else:
+            result.inputs[name] = TensorDims(tid, bound[i])
+    return result
+
+
+def _bind_tensor(spec: DimSpec, shape, sizes, variadic_len, result: OpDims) -> list[tuple[Factor, ...]]:
+    fixed_count = sum(1 for t in spec.tokens if not t[0].startswith("*"))
+    dims: list[tuple[Factor, ...]] = []
+    position = 0
+    for tokens in spec.tokens:
+        if tokens[0].startswith("*"):
+            base, mark = _strip(tokens[0][1:])
+            count = len(shape) - fixed_count
+            if count < 0:
+                raise DimsError(f"rank {len(shape)} is too small for {spec.tokens}")
+            variadic_len[base] = max(variadic_len.get(base, 0), count)
+            for i in range(count):
+                label = f"{base}{count - 1 - i}"   # right-aligned, as broadcasting aligns
+                dims.append(_factor(label, mark, shape[position], sizes, result))
+                position += 1
+            continue
+        if position >= len(shape):
+            raise DimsError(f"rank {len(shape)} does not match {spec.tokens}")
+        dims.append(_factors(tokens, shape[position], sizes, result))
+        position += 1
+    if position != len(shape):
+        raise DimsError(f"rank {len(shape)} does not match {spec.tokens}")
+    return dims
+
+
+def _factor(label, mark, size, sizes, result) -> tuple[Factor, ...]:
+    if size == 1 and label not in sizes:
+        return ()                              # a broadcast dim carries no label
+    if label in sizes and sizes[label] != size:
+        if size == 1:
+            return ()
+        if sizes[label] == 1:
+            sizes[label] = size
+        else:
+            raise DimsError(f"dim {label} is {sizes[label]} in one tensor and {size} in another")
+    sizes[label] = size
+    if mark == "+":
+        result.reduced.add(label)
+    elif mark == "^":
+        result.fixed.add(label)
+    return (Factor(label, size),)
+
+
+def _factors(tokens, size, sizes, result) -> tuple[Factor, ...]:
+    if len(tokens) == 1:
+        if tokens[0].isdigit():
+            return (Factor(tokens[0], int(tokens[0])),) if size != 1 else ()
+        label, mark = _strip(tokens[0])
+        return _factor(label, mark, size, sizes, result)
+    known, unknown = 1, []
+    for token in tokens:
+        label, _ = _strip(token)
+        if token.isdigit():
+            known *= int(token)
+        elif label in sizes:
+            known *= sizes[label]
+        else:
+            unknown.append(label)
+    if len(unknown) > 1:
+        raise DimsError(f"cannot infer the sizes of {tokens} from {size}")
+    if unknown:
+        if size % known:
+            raise DimsError(f"{size} is not divisible into {tokens}")
+        sizes[unknown[0]] = size // known
+    elif known != size:
+        raise DimsError(f"{tokens} is {known}, traced {size}")
+    out = []
+    for token in tokens:
+        if token.isdigit():
+            out.append(Factor(token, int(token)))
+        else:
+            label, mark = _strip(token)
+            out.extend(_factor(label, mark, sizes[label], sizes, result))
+    return tuple(out)
+

@@ -1,0 +1,110 @@
+"""The op graph: traced invocations annotated with split rules, grouped by source site.
+
+A *site* is one place in the model's source where it calls something (`self.c_attn(x)` at
+line 47). Every instance of a class runs the same source, so a site is also the unit of
+every rewrite decision: the 12 blocks of a GPT share the sites of one Block. Repeated
+blocks are recognised as module paths of the same class under one container.
+
+Builds and summarises; decides nothing.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ..source.files import Span
+from ..trace.records import Node, Trace
+from .dims import OpDims
+from .oprules import OpRule, RuleSet, annotate
+
+SiteKey = tuple[Span, str]      # (span, callee)
+
+
+@dataclass
+class Site:
+    key: SiteKey
+    nodes: list[Node]
+    rule: OpRule | None
+    dims: OpDims | None          # the first invocation's labels
+    problem: str | None
+
+    @property
+    def span(self) -> Span:
+        return self.key[0]
+
+    @property
+    def callee(self) -> str:
+        return self.key[1]
+
+
+@dataclass
+class Graph:
+    trace: Trace
+    rules: RuleSet
+    dims: dict[int, OpDims]                     # node index -> labels
+    node_rule: dict[int, OpRule]
+    problems: dict[int, str]
+    sites: dict[SiteKey, Site]
+    consumers: dict[int, list[tuple[int, str]]] = field(default_factory=dict)  # tid -> [(node, operand)]
+    blocks: dict[str, list[str]] = field(default_factory=dict)  # block class -> module paths
+
+    @property
+    def nodes(self) -> list[Node]:
+        return self.trace.nodes
+
+    def site_of(self, node: Node) -> Site | None:
+        return self.sites.get((node.span, node.callee)) if node.span else None
+
+    def summary(self) -> dict[str, int]:
+        ops = self.trace.ops
+        annotated = sum(len(n.ops) for n in self.nodes if n.index in self.dims)
+        return {
+            "compute_ops": len(ops),
+            "mapped": sum(1 for op in ops if op.mapped),
+            "annotated": annotated,
+            "sites": len(self.sites),
+            "nodes": len(self.nodes),
+            "unannotated_sites": sum(1 for s in self.sites.values() if s.dims is None),
+            "block_kinds": len(self.blocks),
+        }
+
+
+def build_graph(trace: Trace, rules: RuleSet) -> Graph:
+    dims, node_rule, problems = {}, {}, {}
+    for node in trace.nodes:
+        rule, node_dims, problem = annotate(node, trace, rules)
+        if rule is not None:
+            node_rule[node.index] = rule
+        if node_dims is not None:
+            dims[node.index] = node_dims
+        else:
+            problems[node.index] = problem
+    grouped: dict[SiteKey, list[Node]] = defaultdict(list)
+    for node in trace.nodes:
+        if node.span is not None:
+            grouped[(node.span, node.callee)].append(node)
+    sites = {}
+    for key, nodes in grouped.items():
+        first = nodes[0].index
+        sites[key] = Site(key, nodes, node_rule.get(first), dims.get(first), problems.get(first))
+    consumers: dict[int, list[tuple[int, str]]] = defaultdict(list)
+    for node in trace.nodes:
+        for operand in node.operands:
+            if operand.tid is not None:
+                consumers[operand.tid].append((node.index, operand.name))
+            elif isinstance(operand.value, tuple) and type(operand.value).__name__ == "TensorList":
+                for k, tid in enumerate(operand.value):
+                    consumers[tid].append((node.index, f"{operand.name}[{k}]"))
+    return Graph(trace, rules, dims, node_rule, problems, sites, dict(consumers), repeated_blocks(trace))
+
+
+def repeated_blocks(trace: Trace) -> dict[str, list[str]]:
+    """Classes instantiated at several indices of one container (h.0, h.1, ...)."""
+    by_pattern: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for path, cls in trace.module_types.items():
+        match = re.fullmatch(r"(.*)\.(\d+)", path)
+        if match:
+            by_pattern[(match.group(1), cls)].append(path)
+    return {f"{cls.rsplit('.', 1)[-1]} ({container}.*)": paths
+            for (container, cls), paths in by_pattern.items() if len(paths) > 1}

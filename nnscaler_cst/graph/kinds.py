@@ -1,0 +1,331 @@
+"""Dimension labels computed from an op's arguments and shapes, for ops whose split rule is
+structural (elementwise broadcasting, view/reshape, transpose, split, cat, slicing, reductions).
+
+Each function takes the shapes and argument values of one invocation and returns OpDims.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..trace.records import UNKNOWN
+from .dims import DimsError, Factor, OpDims, TensorDims
+
+Shapes = dict[str, tuple[int, ...]]
+
+
+class Call:
+    """One invocation as the kinds see it: tensor operands, plain arguments, outputs."""
+
+    def __init__(self, shapes: Shapes, tids: dict[str, int], values: dict[str, Any],
+                 out_shapes: list[tuple[int, ...]], out_tids: list[int], lists: dict[str, list[int]]):
+        self.shapes, self.tids, self.values = shapes, tids, values
+        self.out_shapes, self.out_tids, self.lists = out_shapes, out_tids, lists
+
+    def arg(self, *names, default=None):
+        for name in names:
+            if name in self.values:
+                return self.values[name]
+        return default
+
+    def first_tensor(self) -> str:
+        if "arg0" in self.shapes:
+            return "arg0"
+        if not self.shapes:
+            raise DimsError("no tensor operand")
+        return next(iter(self.shapes))
+
+
+def _norm(dim: int, rank: int) -> int:
+    if not isinstance(dim, int):
+        raise DimsError(f"dim {dim!r} is not an int")
+    return dim + rank if dim < 0 else dim
+
+
+def _labelled(shape, prefix="d") -> list[tuple[Factor, ...]]:
+    return [(Factor(f"{prefix}{i}", s),) if s != 1 else () for i, s in enumerate(shape)]
+
+
+def elementwise(call: Call, fixed_arg: tuple[str, ...] = (), fixed_last: int = 0) -> OpDims:
+    """Broadcasting op: output dims labelled d0.., inputs aligned to the right."""
+    rank = max([len(s) for s in [*call.shapes.values(), *call.out_shapes]] or [0])
+    out_shape = call.out_shapes[0] if call.out_shapes else ()
+    full = [1] * (rank - len(out_shape)) + list(out_shape)
+    labels = [f"d{i}" for i in range(rank)]
+    fixed = set(labels[rank - fixed_last:]) if fixed_last else set()
+    if fixed_arg:
+        dim = call.arg(*fixed_arg)
+        if dim is not None:
+            for d in (dim if isinstance(dim, (tuple, list)) else (dim,)):
+                fixed.add(labels[_norm(d, rank)])
+
+    def dims_of(shape):
+        offset = rank - len(shape)
+        return [(Factor(labels[offset + i], s),) if s != 1 and s == full[offset + i] else ()
+                for i, s in enumerate(shape)]
+
+    inputs = {n: TensorDims(call.tids[n], dims_of(s)) for n, s in call.shapes.items()}
+    for name, tids in call.lists.items():
+        inputs.update({f"{name}[{i}]": TensorDims(t, []) for i, t in enumerate(tids)})
+    outputs = [TensorDims(t, dims_of(s) if len(s) <= rank else _labelled(s, "o"))
+               for t, s in zip(call.out_tids, call.out_shapes)]
+    return OpDims(inputs, outputs, fixed=fixed)
+
+
+def replicate(call: Call) -> OpDims:
+    """No dim may be split: the op runs whole on every device (factories, masks, ...)."""
+    inputs = {n: TensorDims(call.tids[n], []) for n in call.shapes}
+    return OpDims(inputs, [TensorDims(t, []) for t in call.out_tids])
+
+
+def reshape(call: Call) -> OpDims:
+    """view/reshape/flatten/unsqueeze/squeeze: match dims by products of sizes.
+
+    One input dim becoming several output dims (C -> heads, head_dim) splits on the first
+    of them only, so that each shard stays contiguous; likewise several becoming one.
+    """
+    name = call.first_tensor()
+    src, dst = call.shapes[name], call.out_shapes[0]
+    in_dims: list[tuple[Factor, ...]] = [() for _ in src]
+    out_dims: list[tuple[Factor, ...]] = [() for _ in dst]
+    fixed: set[str] = set()
+    i = j = 0
+    counter = 0
+    while i < len(src) or j < len(dst):
+        if i < len(src) and src[i] == 1:
+            i += 1
+            continue
+        if j < len(dst) and dst[j] == 1:
+            j += 1
+            continue
+        if i >= len(src) or j >= len(dst):
+            raise DimsError(f"cannot align {src} with {dst}")
+        gi, gj = [i], [j]
+        a, b = src[i], dst[j]
+        while a != b:
+            if a < b:
+                i += 1
+                if i >= len(src):
+                    raise DimsError(f"cannot align {src} with {dst}")
+                gi.append(i)
+                a *= src[i]
+            else:
+                j += 1
+                if j >= len(dst):
+                    raise DimsError(f"cannot align {src} with {dst}")
+                gj.append(j)
+                b *= dst[j]
+        many = gi if len(gi) > 1 else gj
+        if len(gi) > 1 and len(gj) > 1:
+            for k in gi:
+                in_dims[k] = (Factor(f"x{counter}_{k}", src[k]),)
+                fixed.add(f"x{counter}_{k}")
+            for k in gj:
+                out_dims[k] = (Factor(f"y{counter}_{k}", dst[k]),)
+                fixed.add(f"y{counter}_{k}")
+        else:
+            sizes = src if many is gi else dst
+            factors = []
+            for n, k in enumerate(x for x in many if sizes[x] != 1):
+                label = f"r{counter}_{n}"
+                factors.append(Factor(label, sizes[k]))
+                if n > 0:
+                    fixed.add(label)
+            single = gj[0] if many is gi else gi[0]
+            if many is gi:
+                for f, k in zip(factors, [x for x in gi if src[x] != 1]):
+                    in_dims[k] = (f,)
+                out_dims[single] = tuple(factors)
+            else:
+                for f, k in zip(factors, [x for x in gj if dst[x] != 1]):
+                    out_dims[k] = (f,)
+                in_dims[single] = tuple(factors)
+        counter += 1
+        i += 1
+        j += 1
+    return OpDims({name: TensorDims(call.tids[name], in_dims)}, [TensorDims(call.out_tids[0], out_dims)],
+                  fixed=fixed)
+
+
+def transpose(call: Call) -> OpDims:
+    name = call.first_tensor()
+    src = call.shapes[name]
+    rank = len(src)
+    order = list(range(rank))
+    func_dims = call.arg("arg1", "dim0"), call.arg("arg2", "dim1")
+    if func_dims[0] is None:                       # .T / .mT / .t()
+        func_dims = (-2, -1) if rank >= 2 else (0, 0)
+    a, b = (_norm(d, rank) for d in func_dims)
+    order[a], order[b] = order[b], order[a]
+    return _permuted(call, name, order)
+
+
+def permute(call: Call) -> OpDims:
+    name = call.first_tensor()
+    rank = len(call.shapes[name])
+    dims = call.arg("arg1", "dims")
+    if isinstance(dims, int):
+        dims = [call.arg(f"arg{i}") for i in range(1, rank + 1)]
+    return _permuted(call, name, [_norm(d, rank) for d in dims])
+
+
+def _permuted(call: Call, name: str, order: list[int]) -> OpDims:
+    in_dims = _labelled(call.shapes[name])
+    out_dims = [in_dims[k] for k in order]
+    return OpDims({name: TensorDims(call.tids[name], in_dims)}, [TensorDims(call.out_tids[0], out_dims)])
+
+
+def split(call: Call) -> OpDims:
+    """split/chunk into equal pieces: the dim is (pieces, c) and each output has c."""
+    name = call.first_tensor()
+    src = call.shapes[name]
+    dim = _norm(call.arg("arg2", "dim", default=0), len(src))
+    sizes = {s[dim] for s in call.out_shapes}
+    in_dims = _labelled(src)
+    outs = [_labelled(s) for s in call.out_shapes]
+    if len(sizes) == 1 and len(call.out_shapes) > 1:
+        piece = sizes.pop()
+        in_dims[dim] = (Factor(str(len(call.out_shapes)), len(call.out_shapes)), Factor("c", piece))
+        for out in outs:
+            out[dim] = (Factor("c", piece),)
+    else:
+        for out, shape in zip(outs, call.out_shapes):
+            out[dim] = (Factor(f"p{id(out)}", shape[dim]),)
+        in_dims[dim] = (Factor("whole", src[dim]),)
+    op = OpDims({name: TensorDims(call.tids[name], in_dims)},
+                [TensorDims(t, d) for t, d in zip(call.out_tids, outs)])
+    op.fixed |= {f.label for f in in_dims[dim] if f.label == "whole"} | {
+        f.label for out in outs for f in out[dim] if f.label.startswith("p")}
+    return op
+
+
+def cat(call: Call, new_dim: bool = False) -> OpDims:
+    """cat/stack of equal pieces along dim: the output dim is (pieces, c)."""
+    name = next(iter(call.lists), None)
+    if name is None:
+        raise DimsError("no tensor list operand")
+    tids = call.lists[name]
+    shapes = call.values.get(f"{name}.shapes")
+    out = call.out_shapes[0]
+    dim = _norm(call.arg("arg1", "dim", default=0), len(out))
+    in_shape = shapes[0]
+    labels = _labelled(out)
+    if not new_dim and len({s[dim] for s in shapes}) == 1:
+        labels[dim] = (Factor(str(len(tids)), len(tids)), Factor("c", in_shape[dim]))
+        in_dims = [list(labels[:dim]) + [(Factor("c", in_shape[dim]),)] + list(labels[dim + 1:])]
+    elif new_dim:
+        labels[dim] = (Factor(str(len(tids)), len(tids)),) if len(tids) > 1 else ()
+        in_dims = [list(labels[:dim]) + list(labels[dim + 1:])]
+    else:
+        labels[dim] = (Factor("whole", out[dim]),)
+        in_dims = [list(labels[:dim]) + [(Factor(f"part{k}", s[dim]),)] + list(labels[dim + 1:])
+                   for k, s in enumerate(shapes)]
+    inputs = {f"{name}[{k}]": TensorDims(t, list(in_dims[min(k, len(in_dims) - 1)]))
+              for k, t in enumerate(tids)}
+    for n in call.shapes:
+        inputs[n] = TensorDims(call.tids[n], [])
+    op = OpDims(inputs, [TensorDims(call.out_tids[0], labels)])
+    op.fixed |= {"whole"} | {f"part{k}" for k in range(len(tids))}
+    return op
+
+
+def getitem(call: Call) -> OpDims:
+    """Indexing with slices, ints, None and ...: full slices keep a dim's label."""
+    name = call.first_tensor()
+    src = call.shapes[name]
+    index = call.arg("arg1")
+    if not isinstance(index, tuple):
+        index = (index,)
+    if "arg1" not in call.values or any(ix is UNKNOWN or isinstance(ix, str) for ix in index):
+        raise DimsError("indexing with tensors or unknown values")
+    in_dims = _labelled(src)
+    out_dims: list[tuple[Factor, ...]] = []
+    fixed: set[str] = set()
+    explicit = sum(1 for ix in index if ix is not None and ix is not Ellipsis)
+    d = 0
+    for ix in index:
+        if ix is Ellipsis:
+            for _ in range(len(src) - explicit):
+                out_dims.append(in_dims[d])
+                d += 1
+        elif ix is None:
+            out_dims.append(())
+        elif isinstance(ix, slice):
+            if ix == slice(None) or (ix.start in (None, 0) and ix.stop is None and ix.step in (None, 1)):
+                out_dims.append(in_dims[d])
+            else:
+                fixed |= {f.label for f in in_dims[d]}
+                out_dims.append(())
+            d += 1
+        elif isinstance(ix, int):
+            fixed |= {f.label for f in in_dims[d]}
+            d += 1
+        else:
+            raise DimsError(f"unsupported index {ix!r}")
+    out_dims += in_dims[d:]
+    out_shape = call.out_shapes[0]
+    if len(out_dims) != len(out_shape):
+        raise DimsError(f"index {index!r} does not match the output rank")
+    out_dims = [f if f and f[0].size == s else () for f, s in zip(out_dims, out_shape)]
+    return OpDims({name: TensorDims(call.tids[name], in_dims)}, [TensorDims(call.out_tids[0], out_dims)],
+                  fixed=fixed)
+
+
+def reduce(call: Call, summing: bool) -> OpDims:
+    """sum/mean/max over dims: a summed dim splits into partial sums; others must stay whole."""
+    name = call.first_tensor()
+    src = call.shapes[name]
+    in_dims = _labelled(src)
+    dims = call.arg("arg1", "dim")
+    if dims is None:
+        reduced = list(range(len(src)))
+    else:
+        reduced = [_norm(d, len(src)) for d in (dims if isinstance(dims, (tuple, list)) else (dims,))]
+    keepdim = bool(call.arg("arg2", "keepdim", default=False))
+    out_dims = [() if k in reduced else in_dims[k] for k in range(len(src)) if keepdim or k not in reduced]
+    labels = {f.label for k in reduced for f in in_dims[k]}
+    op = OpDims({name: TensorDims(call.tids[name], in_dims)}, [TensorDims(call.out_tids[0], out_dims)])
+    if summing:
+        op.reduced |= labels
+    else:
+        op.fixed |= labels
+    return op
+
+
+def passthrough(call: Call) -> OpDims:
+    """Output i has the labels of tensor input i (caches, casts returning several tensors)."""
+    names = list(call.shapes)
+    inputs, outputs = {}, []
+    for k, (tid, shape) in enumerate(zip(call.out_tids, call.out_shapes)):
+        if k < len(names) and call.shapes[names[k]] == shape:
+            dims = _labelled(shape, f"t{k}_")
+            inputs[names[k]] = TensorDims(call.tids[names[k]], dims)
+            outputs.append(TensorDims(tid, dims))
+        else:
+            outputs.append(TensorDims(tid, []))
+    for n in names:
+        inputs.setdefault(n, TensorDims(call.tids[n], []))
+    return OpDims(inputs, outputs)
+
+
+def einsum(call: Call) -> OpDims:
+    """torch.einsum("bhqd,bhkd->bhqk", ...): letters missing from the output are summed."""
+    equation = call.arg("arg0", "equation")
+    if not isinstance(equation, str) or "->" not in equation or "..." in equation:
+        raise DimsError("einsum needs an explicit equation without ...")
+    lhs, rhs = equation.replace(" ", "").split("->")
+    names = [n for n in call.shapes]
+    parts = lhs.split(",")
+    if len(parts) != len(names):
+        raise DimsError("einsum operand count mismatch")
+    inputs = {n: TensorDims(call.tids[n], [(Factor(c, s),) for c, s in zip(p, call.shapes[n])])
+              for n, p in zip(names, parts)}
+    out = TensorDims(call.out_tids[0], [(Factor(c, s),) for c, s in zip(rhs, call.out_shapes[0])])
+    return OpDims(inputs, [out], reduced=set(lhs.replace(",", "")) - set(rhs))
+
+
+KINDS: dict[str, Callable[..., OpDims]] = {
+    "elementwise": elementwise, "replicate": replicate, "reshape": reshape, "transpose": transpose,
+    "permute": permute, "split": split, "cat": cat, "stack": lambda c: cat(c, new_dim=True),
+    "getitem": getitem, "sum": lambda c: reduce(c, True), "reduce": lambda c: reduce(c, False),
+    "passthrough": passthrough, "einsum": einsum,
+}

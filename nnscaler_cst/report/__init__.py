@@ -1,0 +1,1 @@
+"""What the commands print: rich tables for people, JSON for machines."""

@@ -1,0 +1,73 @@
+"""`inspect`: one row per call site with its source position, shapes and split annotation."""
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+
+from ..errors import display_path
+from ..graph.graph import Graph, Site
+
+
+def _shape(shape) -> str:
+    return "(" + ", ".join(map(str, shape)) + ")"
+
+
+def _splittable(site: Site) -> list[str]:
+    if site.dims is None:
+        return []
+    sizes = site.dims.sizes()
+    out = []
+    for label in site.dims.splittable():
+        mark = "+" if label in site.dims.reduced else ""
+        impl = f" via {site.dims.impl[label]}" if label in site.dims.impl else ""
+        out.append(f"{label}{mark}={sizes[label]}{impl}")
+    return out
+
+
+def site_record(site: Site, graph: Graph) -> dict[str, Any]:
+    node = site.nodes[0]
+    tensors = graph.trace.tensors
+    paths = sorted({n.module_path for n in site.nodes})
+    return {
+        "location": f"{display_path(site.span.path)}:{site.span.line}:{site.span.col + 1}",
+        "module_path": paths[0] if paths else "",
+        "instances": len(site.nodes),
+        "callee": site.callee,
+        "inputs": {name: list(tensors[tid].shape) for name, tid in
+                   ((op.name, op.tid) for op in node.operands if op.tid is not None)},
+        "outputs": [list(tensors[t].shape) for t in node.outputs],
+        "dtypes": sorted({tensors[t].dtype.replace("torch.", "") for t in node.outputs}),
+        "ops": len(node.ops),
+        "annotation": site.rule.name if site.rule and site.dims is not None else None,
+        "problem": site.problem,
+        "splittable": _splittable(site),
+    }
+
+
+def inspect_json(graph: Graph) -> dict[str, Any]:
+    summary = graph.summary()
+    return {"summary": summary, "trace_mode": graph.trace.mode,
+            "blocks": {k: len(v) for k, v in graph.blocks.items()},
+            "sites": [site_record(s, graph) for s in graph.sites.values()]}
+
+
+def inspect_table(graph: Graph) -> tuple[Table, str]:
+    table = Table(show_lines=False, header_style="bold")
+    for column in ("site", "module", "callee", "shapes", "annotation", "splittable dims"):
+        table.add_column(column, overflow="fold")
+    for site in graph.sites.values():
+        record = site_record(site, graph)
+        ins = " ".join(_shape(s) for s in record["inputs"].values())
+        outs = " ".join(_shape(s) for s in record["outputs"])
+        module = record["module_path"] + (f" ×{record['instances']}" if record["instances"] > 1 else "")
+        annotation = record["annotation"] or f"[red]{record['problem']}[/red]"
+        table.add_row(record["location"], module, site.callee.replace("torch.nn.functional.", "F."),
+                      f"{ins} → {outs}", annotation, " ".join(record["splittable"]))
+    summary = graph.summary()
+    ops = max(summary["compute_ops"], 1)
+    line = (f"{summary['sites']} sites, {summary['compute_ops']} compute ops: "
+            f"{100 * summary['mapped'] / ops:.1f}% mapped to a source node, "
+            f"{100 * summary['annotated'] / ops:.1f}% annotated; "
+            f"{summary['block_kinds']} repeated block kind(s); traced with {graph.trace.mode} tensors")
+    return table, line
