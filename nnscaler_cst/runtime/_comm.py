@@ -38,7 +38,6 @@ What it must not do
 
 from __future__ import annotations
 
-import os
 from typing import Iterable
 
 import torch
@@ -46,7 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 __all__ = [
-    "Axis", "TP", "DP", "PP", "GLOBAL_RANK",
+    "Axis", "TP", "DP", "PP",
     "setup", "teardown", "axis_ranks",
     "tp_copy", "tp_reduce", "tp_scatter", "tp_gather",
     "vocab_parallel_embedding", "vocab_parallel_cross_entropy",
@@ -88,7 +87,7 @@ class Axis:
 TP = Axis("tp")
 DP = Axis("dp")
 PP = Axis("pp")
-GLOBAL_RANK = 0
+GLOBAL_RANK = 0  # rebound by setup: read it as _comm.GLOBAL_RANK, not via `from _comm import`
 
 
 def setup(rank: int, world_size: int, *, tp: int = 1, dp: int = 1, pp: int = 1,
@@ -198,7 +197,7 @@ class _CopyToTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return _all_reduce(grad.contiguous().clone(), ctx.axis), None
 
 
 class _ReduceFromTensorParallel(torch.autograd.Function):

@@ -1,0 +1,473 @@
+"""Spec of nnscaler_cst/runtime/_comm.py: real gloo process groups on CPU, no mocks.
+
+Every multi-process test runs a module-level ``_check_*`` function on each rank
+of a pool of spawned processes (one free port per pool, hard timeout per check).  Each rank builds
+the same full tensors from a fixed seed and compares its distributed result
+with a single-process reference computed from those full tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from nnscaler_cst.runtime import _comm
+from nnscaler_cst.runtime._comm import DP, PP, TP
+
+TIMEOUT_S = 120      # hard limit for one check on all ranks
+FAIL_GRACE_S = 10    # how long to wait for the other ranks once one has failed
+
+
+# --------------------------------------------------------------------------
+# Harness: a pool of gloo ranks kept alive for the whole module
+# --------------------------------------------------------------------------
+#
+# Starting a process (importing torch) costs seconds on 2 cores, so each world
+# size gets one pool of spawned ranks that runs one check per test.  Before
+# every check each rank calls ``_comm.setup`` with that test's mesh (on the
+# already initialised world).  Any failure or timeout kills the pool; the next
+# test starts a fresh one.
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_server(rank, world_size, port, tasks, results):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    try:
+        _comm.setup(rank, world_size, tp=world_size, backend="gloo")
+        while (task := tasks.get()) is not None:
+            check, mesh = task
+            try:
+                _comm.setup(rank, world_size, **mesh)
+                check(rank, world_size)
+                results.put((rank, None))
+            except BaseException:
+                results.put((rank, traceback.format_exc()))
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+    finally:
+        _comm.teardown()
+
+
+class RankPool:
+    """``world_size`` spawned processes sharing one gloo world."""
+
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = _free_port()
+        self.procs = [ctx.Process(target=_rank_server, daemon=True,
+                                  args=(r, world_size, port, self.tasks[r], self.results))
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, check, mesh: dict) -> list[str]:
+        """Run ``check`` on every rank; return the failure tracebacks (empty =
+        success).  Kills the pool on any failure or on timeout."""
+        for q in self.tasks:
+            q.put((check, mesh))
+        failures, reported = [], set()
+        start = time.monotonic()
+        deadline = start + TIMEOUT_S
+        while len(reported) < self.world_size:
+            try:
+                rank, tb = self.results.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                missing = sorted(set(range(self.world_size)) - reported)
+                failures.append(f"ranks {missing} still running after "
+                                f"{time.monotonic() - start:.0f}s; pool killed")
+                break
+            reported.add(rank)
+            if tb is not None:
+                failures.append(f"rank {rank}:\n{tb}")
+                # peers may be stuck in a collective the failed rank never joins
+                deadline = min(deadline, time.monotonic() + FAIL_GRACE_S)
+        if failures:
+            self.kill()
+        return failures
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join()
+
+    def close(self) -> None:
+        for q in self.tasks:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+        self.kill()
+
+
+class Ranks:
+    """Test-facing handle: ``ranks.run(check, world_size, **mesh)``."""
+
+    def __init__(self):
+        self.pools: dict[int, RankPool] = {}
+
+    def run(self, check, world_size: int, **mesh) -> None:
+        """Run ``check(rank, world_size)`` on ``world_size`` gloo ranks after
+        ``_comm.setup(..., **mesh)`` (default mesh: all ranks on TP).  A failure
+        on any rank fails the test with that rank's traceback."""
+        pool = self.pools.get(world_size)
+        if pool is None or not pool.alive():
+            pool = self.pools[world_size] = RankPool(world_size)
+        failures = pool.run(check, mesh or {"tp": world_size})
+        if failures:
+            pytest.fail(f"{check.__name__} on {world_size} ranks failed:\n" + "\n".join(failures),
+                        pytrace=False)
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    handle = Ranks()
+    yield handle
+    handle.close()
+
+
+def _full(*shape, seed=0, dtype=torch.float64):
+    """Same tensor on every rank (seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=dtype)
+
+
+def _slice_of(full, rank, size, dim, groups=1):
+    """Reference for tp_scatter: rank's slice of every one of ``groups`` blocks."""
+    return torch.cat([block.chunk(size, dim)[rank] for block in full.chunk(groups, dim)], dim)
+
+
+# --------------------------------------------------------------------------
+# tp_copy / tp_reduce
+# --------------------------------------------------------------------------
+
+def _check_tp_copy(rank, world):
+    x = _full(3, 4).requires_grad_()
+    y = _comm.tp_copy(x, TP)
+    assert_close(y, x)                                   # forward: identity
+    (y * _full(3, 4, seed=10 + rank)).sum().backward()   # rank-specific upstream grad
+    expected = sum(_full(3, 4, seed=10 + r) for r in range(world))
+    assert_close(x.grad, expected)                       # backward: sum over ranks
+
+
+@pytest.mark.slow
+def test_tp_copy_is_identity_forward_and_sums_grads_backward(ranks):
+    ranks.run(_check_tp_copy, 2)
+
+
+def _check_tp_reduce(rank, world):
+    x = _full(3, 4, seed=rank).requires_grad_()          # a different partial per rank
+    y = _comm.tp_reduce(x, TP)
+    assert_close(y, sum(_full(3, 4, seed=r) for r in range(world)))  # forward: sum
+    upstream = _full(3, 4, seed=99)
+    (y * upstream).sum().backward()
+    assert_close(x.grad, upstream)                       # backward: identity
+
+
+@pytest.mark.slow
+def test_tp_reduce_sums_forward_and_is_identity_backward(ranks):
+    ranks.run(_check_tp_reduce, 2)
+
+
+# --------------------------------------------------------------------------
+# tp_scatter / tp_gather
+# --------------------------------------------------------------------------
+
+def _check_tp_scatter(rank, world):
+    for dim, groups in [(-1, 1), (0, 1), (-1, 3), (1, 3)]:
+        full = _full(6, 12).requires_grad_()
+        part = _comm.tp_scatter(full, TP, dim=dim, groups=groups)
+        assert_close(part, _slice_of(full.detach(), rank, world, dim, groups))
+        # Every rank weights its slice with the matching slice of one common
+        # weight W, so the gathered gradient of the replicated input is W.
+        weight = _full(6, 12, seed=5)
+        (part * _slice_of(weight, rank, world, dim, groups)).sum().backward()
+        assert_close(full.grad, weight)
+
+
+@pytest.mark.slow
+def test_tp_scatter_keeps_rank_slice_forward_and_gathers_grads_backward(ranks):
+    ranks.run(_check_tp_scatter, 2)
+
+
+def _check_tp_gather_fused_qkv(rank, world):
+    c = 4 * world
+    q, k, v = _full(2, c, seed=1), _full(2, c, seed=2), _full(2, c, seed=3)
+    qkv = torch.cat([q, k, v], dim=-1)
+    local = torch.cat([q.chunk(world, -1)[rank], k.chunk(world, -1)[rank],
+                       v.chunk(world, -1)[rank]], dim=-1).requires_grad_()   # [q_r | k_r | v_r]
+    gathered = _comm.tp_gather(local, TP, dim=-1, groups=3)
+    assert_close(gathered, qkv)                          # forward: [q | k | v]
+    weight = _full(2, 3 * c, seed=7)
+    (gathered * weight).sum().backward()
+    assert_close(local.grad, _slice_of(weight, rank, world, -1, groups=3))  # backward: slice
+
+
+@pytest.mark.slow
+def test_tp_gather_of_fused_qkv_slices_gives_full_qkv_and_slices_grads_backward(ranks):
+    ranks.run(_check_tp_gather_fused_qkv, 2)
+
+
+def _check_scatter_gather_inverse(rank, world):
+    for dim, groups in [(0, 1), (-1, 1), (1, 3), (-1, 2)]:
+        full = _full(4, 12, 6 * world)
+        assert_close(_comm.tp_gather(_comm.tp_scatter(full, TP, dim, groups), TP, dim, groups), full)
+        local = _slice_of(full, rank, world, dim, groups)
+        assert_close(_comm.tp_scatter(_comm.tp_gather(local, TP, dim, groups), TP, dim, groups), local)
+    # gradients flow through the round trip unchanged
+    x = _full(4, 12).requires_grad_()
+    y = _comm.tp_gather(_comm.tp_scatter(x, TP, dim=1, groups=3), TP, dim=1, groups=3)
+    upstream = _full(4, 12, seed=3)
+    (y * upstream).sum().backward()
+    assert_close(x.grad, upstream)
+
+
+@pytest.mark.slow
+def test_tp_scatter_and_tp_gather_are_inverses(ranks):
+    ranks.run(_check_scatter_gather_inverse, 2)
+
+
+# --------------------------------------------------------------------------
+# Vocabulary-parallel embedding and cross entropy
+# --------------------------------------------------------------------------
+
+def _check_vocab_parallel_embedding(rank, world):
+    vocab, dim, pad = 4 * world, 3, 5
+    table = _full(vocab, dim)
+    ids = torch.tensor([[0, 5, 7, 3], [pad, 1, 6, 2], [4, 4, 0, 7]])
+    v_local = vocab // world
+    rows = slice(rank * v_local, (rank + 1) * v_local)
+    local_w = table[rows].clone().requires_grad_()
+
+    partial = _comm.vocab_parallel_embedding(ids, local_w, TP, padding_idx=pad)
+    outside = (ids < rows.start) | (ids >= rows.stop)
+    assert (partial[outside] == 0).all()                 # rows of other ranks are zero
+    out = _comm.tp_reduce(partial, TP)
+
+    full_w = table.clone().requires_grad_()
+    ref = F.embedding(ids, full_w, padding_idx=pad)
+    assert_close(out, ref)
+
+    upstream = _full(*ref.shape, seed=4)
+    (out * upstream).sum().backward()
+    (ref * upstream).sum().backward()
+    assert_close(local_w.grad, full_w.grad[rows])        # includes a zero padding row
+
+
+@pytest.mark.slow
+def test_vocab_parallel_embedding_plus_tp_reduce_equals_full_embedding(ranks):
+    ranks.run(_check_vocab_parallel_embedding, 2)
+
+
+def _check_vocab_parallel_cross_entropy(rank, world):
+    vocab, ignore = 5 * world, -100
+    v_local = vocab // world
+    cols = slice(rank * v_local, (rank + 1) * v_local)
+    logits_full = _full(2, 3, vocab)
+    target = torch.tensor([[0, 7, ignore], [9, 4, ignore]])  # targets in both shards
+    cases = [(red, 0.0) for red in ("mean", "sum", "none")] + [("mean", 0.1), ("none", 0.2)]
+    for reduction, smoothing in cases:
+        local = logits_full[..., cols].clone().requires_grad_()
+        loss = _comm.vocab_parallel_cross_entropy(local, target, TP, ignore_index=ignore,
+                                                  reduction=reduction, label_smoothing=smoothing)
+        full = logits_full.clone().requires_grad_()
+        ref = F.cross_entropy(full.view(-1, vocab), target.view(-1), ignore_index=ignore,
+                              reduction=reduction, label_smoothing=smoothing)
+        if reduction == "none":
+            ref = ref.view(target.shape)
+        assert_close(loss, ref, msg=f"forward {reduction}, smoothing {smoothing}")
+
+        upstream = _full(*ref.shape, seed=8) if reduction == "none" else torch.tensor(1.7, dtype=ref.dtype)
+        (loss * upstream).sum().backward()
+        (ref * upstream).sum().backward()
+        assert_close(local.grad, full.grad[..., cols], msg=f"grad {reduction}, smoothing {smoothing}")
+
+
+@pytest.mark.slow
+def test_vocab_parallel_cross_entropy_matches_full_cross_entropy_and_grad(ranks):
+    ranks.run(_check_vocab_parallel_cross_entropy, 2)
+
+
+def _check_vocab_parallel_cross_entropy_stability(rank, world):
+    # float32 logits around 1e4 overflow exp() unless the global max is subtracted;
+    # the winning column lives on rank 1 only.
+    vocab = 4 * world
+    v_local = vocab // world
+    cols = slice(rank * v_local, (rank + 1) * v_local)
+    logits_full = (_full(5, vocab, dtype=torch.float32) + 1e4)
+    logits_full[:, vocab - 1] += 30.0
+    target = torch.tensor([0, vocab - 1, 3, -100, 5])
+    local = logits_full[:, cols].clone().requires_grad_()
+    loss = _comm.vocab_parallel_cross_entropy(local, target, TP)
+    full = logits_full.clone().requires_grad_()
+    ref = F.cross_entropy(full, target)
+    assert torch.isfinite(loss)
+    assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    loss.backward()
+    ref.backward()
+    assert_close(local.grad, full.grad[:, cols], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_vocab_parallel_cross_entropy_is_numerically_stable_in_float32(ranks):
+    ranks.run(_check_vocab_parallel_cross_entropy_stability, 2)
+
+
+# --------------------------------------------------------------------------
+# Data-parallel gradient sync
+# --------------------------------------------------------------------------
+
+def _sync_grads_params(rank):
+    shapes = [((10,), torch.float32), ((2, 3), torch.float32), ((4, 5), torch.float32),
+              ((3,), torch.float64), ((7,), torch.float32), ((4,), torch.float32)]
+    params = []
+    for i, (shape, dtype) in enumerate(shapes):
+        p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
+        if i != 4:                                       # param 4 has no grad
+            p.grad = _full(*shape, seed=100 * rank + i, dtype=dtype)
+        params.append(p)
+    return params
+
+
+def _check_sync_grads(rank, world):
+    for average in (True, False):
+        params = _sync_grads_params(rank)
+        _comm.reset_counters()
+        # 64 bytes per bucket: float32 [10]+[2,3] | [4,5] | [4] and float64 [3]
+        _comm.sync_grads(params, DP, average=average, bucket_bytes=64)
+        assert _comm.COUNTERS["all_reduce"] == 4
+        per_rank = [_sync_grads_params(r) for r in range(world)]
+        for i, p in enumerate(params):
+            if i == 4:
+                assert p.grad is None
+                continue
+            total = sum(ps[i].grad for ps in per_rank)
+            assert_close(p.grad, total / world if average else total)
+
+
+@pytest.mark.slow
+def test_sync_grads_averages_or_sums_over_dp_in_several_buckets(ranks):
+    ranks.run(_check_sync_grads, 4, dp=4)
+
+
+# --------------------------------------------------------------------------
+# Mesh setup
+# --------------------------------------------------------------------------
+
+def _check_mesh_tp2_dp2(rank, world):
+    tp_groups, dp_groups = [[0, 1], [2, 3]], [[0, 2], [1, 3]]
+    assert _comm.axis_ranks(TP) == tp_groups[rank // 2]
+    assert _comm.axis_ranks(DP) == dp_groups[rank % 2]
+    assert _comm.axis_ranks(PP) == [rank]
+    assert (TP.size, TP.rank, DP.size, DP.rank, PP.size) == (2, rank % 2, 2, rank // 2, 1)
+    assert _comm.GLOBAL_RANK == rank
+    # the groups really are those ranks: sum the global ranks over each axis
+    me = torch.tensor([float(rank)])
+    assert _comm.tp_reduce(me, TP).item() == sum(tp_groups[rank // 2])
+    assert _comm.tp_reduce(me, DP).item() == sum(dp_groups[rank % 2])
+
+
+@pytest.mark.slow
+def test_setup_tp2_dp2_puts_tp_fastest_then_dp(ranks):
+    ranks.run(_check_mesh_tp2_dp2, 4, tp=2, dp=2)
+
+
+def _check_mesh_tp2_pp2(rank, world):
+    assert _comm.axis_ranks(TP) == [[0, 1], [2, 3]][rank // 2]
+    assert _comm.axis_ranks(PP) == [[0, 2], [1, 3]][rank % 2]
+    assert (PP.size, PP.rank, DP.size) == (2, rank // 2, 1)
+
+
+@pytest.mark.slow
+def test_setup_tp2_pp2_puts_pp_slowest(ranks):
+    ranks.run(_check_mesh_tp2_pp2, 4, tp=2, pp=2)
+
+
+def test_setup_rejects_mesh_that_does_not_cover_the_world():
+    with pytest.raises(AssertionError, match="tp=2 x dp=2 x pp=1 = 4 ranks, but world_size is 2"):
+        _comm.setup(0, 2, tp=2, dp=2)
+    assert not dist.is_initialized()
+
+
+# --------------------------------------------------------------------------
+# Pipeline p2p
+# --------------------------------------------------------------------------
+
+def _check_send_recv(rank, world):
+    act, grad = _full(2, 3, seed=1), _full(2, 3, seed=2, dtype=torch.float32)
+    _comm.reset_counters()
+    if rank == 0:
+        _comm.send_forward(act, dst=1)
+        assert_close(_comm.recv_backward((2, 3), torch.float32, src=1), grad)
+        assert _comm.COUNTERS["send"] == 1 and _comm.COUNTERS["recv"] == 1
+        assert _comm.COUNTERS["bytes"] == act.numel() * act.element_size()
+    else:
+        assert_close(_comm.recv_forward((2, 3), torch.float64, src=0), act)
+        _comm.send_backward(grad, dst=0)
+
+
+@pytest.mark.slow
+def test_send_and_recv_move_activations_forward_and_grads_backward(ranks):
+    ranks.run(_check_send_recv, 2, pp=2)
+
+
+# --------------------------------------------------------------------------
+# Size-1 axes: everything is the identity, in one plain process
+# --------------------------------------------------------------------------
+
+def test_size_one_axes_are_identity_without_torch_distributed():
+    assert not dist.is_initialized()
+    _comm.reset_counters()
+    axis = _comm.Axis("tp")
+    assert (axis.size, axis.rank, axis.group) == (1, 0, None)
+
+    x = _full(4, 6).requires_grad_()
+    assert _comm.tp_copy(x, axis) is x
+    assert _comm.tp_reduce(x, axis) is x
+    assert _comm.tp_scatter(x, axis, dim=-1, groups=3) is x
+    assert _comm.tp_gather(x, axis, dim=0) is x
+
+    table = _full(8, 3).requires_grad_()
+    ids = torch.tensor([[0, 7, 2]])
+    assert_close(_comm.vocab_parallel_embedding(ids, table, axis, padding_idx=2),
+                 F.embedding(ids, table, padding_idx=2))
+
+    logits, target = _full(2, 3, 8), torch.tensor([[1, -100, 7], [0, 3, 3]])
+    for reduction in ("mean", "sum", "none"):
+        ref = F.cross_entropy(logits.view(-1, 8), target.view(-1), reduction=reduction)
+        out = _comm.vocab_parallel_cross_entropy(logits, target, axis, reduction=reduction)
+        assert_close(out, ref.view(target.shape) if reduction == "none" else ref)
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.tensor([1.0, 2.0, 3.0])
+    _comm.sync_grads([p], axis, average=True)
+    assert_close(p.grad, torch.tensor([1.0, 2.0, 3.0]))
+
+    assert all(v == 0 for v in _comm.COUNTERS.values())
+    assert not dist.is_initialized()
