@@ -27,4 +27,4 @@ def analyze(model_file: str | Path, *, model_class: str | None = None, trace_mod
     sources = SourceSet()
     entry = load_entry(model_file, sources, model_class)
     trace = trace_model(entry, sources, library_modules=rules.library_modules, mode=trace_mode)
-    return Analysis(entry, sources, trace, build_graph(trace, rules), rules)
+    return Analysis(entry, sources, trace, build_graph(trace, rules, sources), rules)

@@ -40,7 +40,8 @@ def _run(fn):
     except UserError as exc:
         if _state["verbose"]:
             traceback.print_exc()
-        err_console.print(exc.format(), markup=False, highlight=False)
+        # soft_wrap: never break a message into lines; editors parse `path:line:col: error:`
+        err_console.print(exc.format(), markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(exc.exit_code)
 
 

@@ -13,7 +13,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ..source.files import Span
+from ..source.files import SourceSet, Span
 from ..trace.records import Node, Trace
 from .dims import OpDims
 from .oprules import OpRule, RuleSet, annotate
@@ -48,6 +48,14 @@ class Graph:
     sites: dict[SiteKey, Site]
     consumers: dict[int, list[tuple[int, str]]] = field(default_factory=dict)  # tid -> [(node, operand)]
     blocks: dict[str, list[str]] = field(default_factory=dict)  # block class -> module paths
+    sources: SourceSet | None = None
+
+    def source_node(self, node: Node):
+        """The LibCST node of a traced invocation's call site."""
+        if node.span is None or self.sources is None:
+            return None
+        span = node.span
+        return self.sources.get(span.path).node_at(span.line, span.col, span.end_line, span.end_col)
 
     @property
     def nodes(self) -> list[Node]:
@@ -55,6 +63,16 @@ class Graph:
 
     def site_of(self, node: Node) -> Site | None:
         return self.sites.get((node.span, node.callee)) if node.span else None
+
+    def partial_bias(self, index: int) -> str | None:
+        """The operand a split on a summed label adds once after the reduction (a bias)."""
+        rule = self.node_rule.get(index)
+        return rule.partial.get("bias") if rule and rule.partial else None
+
+    def param_operands(self, index: int) -> list[tuple[str, int]]:
+        tensors = self.trace.tensors
+        return [(op.name, op.tid) for op in self.nodes[index].operands
+                if op.tid is not None and tensors[op.tid].param is not None]
 
     def summary(self) -> dict[str, int]:
         ops = self.trace.ops
@@ -70,7 +88,7 @@ class Graph:
         }
 
 
-def build_graph(trace: Trace, rules: RuleSet) -> Graph:
+def build_graph(trace: Trace, rules: RuleSet, sources: SourceSet | None = None) -> Graph:
     dims, node_rule, problems = {}, {}, {}
     for node in trace.nodes:
         rule, node_dims, problem = annotate(node, trace, rules)
@@ -96,7 +114,7 @@ def build_graph(trace: Trace, rules: RuleSet) -> Graph:
             elif isinstance(operand.value, tuple) and type(operand.value).__name__ == "TensorList":
                 for k, tid in enumerate(operand.value):
                     consumers[tid].append((node.index, f"{operand.name}[{k}]"))
-    return Graph(trace, rules, dims, node_rule, problems, sites, dict(consumers), repeated_blocks(trace))
+    return Graph(trace, rules, dims, node_rule, problems, sites, dict(consumers), repeated_blocks(trace), sources)
 
 
 def repeated_blocks(trace: Trace) -> dict[str, list[str]]:

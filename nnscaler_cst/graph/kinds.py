@@ -292,12 +292,12 @@ def reduce(call: Call, summing: bool) -> OpDims:
 
 
 def passthrough(call: Call) -> OpDims:
-    """Output i has the labels of tensor input i (caches, casts returning several tensors)."""
+    """Output i is tensor input i (caches, several casts): equal shapes split together."""
     names = list(call.shapes)
     inputs, outputs = {}, []
     for k, (tid, shape) in enumerate(zip(call.out_tids, call.out_shapes)):
         if k < len(names) and call.shapes[names[k]] == shape:
-            dims = _labelled(shape, f"t{k}_")
+            dims = _labelled(shape, f"s{'x'.join(map(str, shape))}_")
             inputs[names[k]] = TensorDims(call.tids[names[k]], dims)
             outputs.append(TensorDims(tid, dims))
         else:

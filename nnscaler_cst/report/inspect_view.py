@@ -20,7 +20,7 @@ def _splittable(site: Site) -> list[str]:
     out = []
     for label in site.dims.splittable():
         mark = "+" if label in site.dims.reduced else ""
-        impl = f" via {site.dims.impl[label]}" if label in site.dims.impl else ""
+        impl = f" via {site.dims.impl[label].split('(')[0]}" if label in site.dims.impl else ""
         out.append(f"{label}{mark}={sizes[label]}{impl}")
     return out
 

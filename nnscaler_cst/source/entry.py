@@ -6,6 +6,7 @@ and calls the user's code; it does not trace or rewrite it.
 from __future__ import annotations
 
 import importlib.util
+import linecache
 import sys
 import traceback
 from dataclasses import dataclass
@@ -51,7 +52,9 @@ def user_frame_location(exc: BaseException, files: set[str]) -> Location | None:
     found = None
     for frame in traceback.extract_tb(exc.__traceback__):
         if str(Path(frame.filename).resolve()) in files:
-            col = (frame.colno or 0)
+            # colno is a UTF-8 byte offset (from co_positions); Location wants characters
+            line = linecache.getline(frame.filename, frame.lineno or 1)
+            col = len(line.encode("utf-8")[:frame.colno or 0].decode("utf-8", errors="ignore"))
             found = Location(display_path(frame.filename), frame.lineno or 1, col)
     return found
 

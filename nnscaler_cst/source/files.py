@@ -9,7 +9,7 @@ from functools import cached_property
 from pathlib import Path
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, PositionProvider
+from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
 
 from ..errors import Location, UserError, display_path
 
@@ -54,8 +54,15 @@ class SourceFile:
         try:
             module = cst.parse_module(text)
         except cst.ParserSyntaxError as exc:
-            raise UserError(f"syntax error: {exc.message}",
-                            Location(display_path(path), exc.raw_line, exc.raw_column),
+            # Python's own compiler (compiling does not run anything) places the error where the
+            # user expects it, e.g. at an unclosed `(`; LibCST reports where its parser gave up.
+            message, where = exc.message, Location(display_path(path), exc.raw_line, exc.raw_column)
+            try:
+                compile(text, str(path), "exec", dont_inherit=True)
+            except SyntaxError as py_exc:
+                message = py_exc.msg
+                where = Location(display_path(path), py_exc.lineno or 1, max((py_exc.offset or 1) - 1, 0))
+            raise UserError(f"syntax error: {message}", where,
                             hint="fix the syntax error; the file must be valid Python") from None
         return cls(path, text, module, MetadataWrapper(module, unsafe_skip_copy=True))
 
@@ -66,6 +73,21 @@ class SourceFile:
     @cached_property
     def positions(self):
         return self.wrapper.resolve(PositionProvider)
+
+    @cached_property
+    def parents(self):
+        return self.wrapper.resolve(ParentNodeProvider)
+
+    def value_is_whole(self, node: cst.CSTNode) -> bool:
+        """Whether an expression's value is used as it is: not unpacked, not indexed into."""
+        parent = self.parents.get(node)
+        if isinstance(parent, cst.Assign):
+            return not any(isinstance(t.target, (cst.Tuple, cst.List)) for t in parent.targets)
+        if isinstance(parent, cst.Subscript) and parent.value is node:
+            return False
+        if isinstance(parent, (cst.Return, cst.Expr)):
+            return True
+        return True
 
     @cached_property
     def _index(self) -> dict[tuple[int, int, int, int], list[cst.CSTNode]]:

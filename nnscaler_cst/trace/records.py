@@ -112,3 +112,4 @@ class Trace:
     loss: int | None                 # tensor id of the training loss
     module_types: dict[str, str]     # module path -> fully qualified class
     batch_size: int | None = None
+    size_queries: list[tuple[Span, int, int | None]] = field(default_factory=list)  # (site, tensor, dim)

@@ -11,6 +11,7 @@ CPU tensors. It must not rewrite anything.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from .records import UNKNOWN, Node, OpCall, Operand, ParamInfo, TensorInfo, Tens
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _OUR_DIR = str(Path(__file__).resolve().parents[1])
 _MODULE_CALL = {"_wrapped_call_impl", "_call_impl"}
+_SIZE_QUERIES = {"Tensor.size", "Tensor.shape"}
 _WRAPPER_NAMES = {"wrapper", "inner", "wrapped", "decorate_context", "_fn", "new_fn"}
 
 
@@ -87,6 +89,7 @@ class Tracer(TorchFunctionMode):
         self._module_names: dict[int, str] = {}
         self._current: tuple | None = None     # (frame id, lasti) of the open invocation
         self._recording = False
+        self.size_queries: list[tuple[Span, int, int | None]] = []
 
     # ---- frames -------------------------------------------------------------------------
     def own_frame(self, frame):
@@ -145,7 +148,19 @@ class Tracer(TorchFunctionMode):
             flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             if flat_out:
                 self._record(func, args, kwargs, flat_out)
+            elif args and isinstance(args[0], torch.Tensor) and torch_func_name(func) in _SIZE_QUERIES:
+                self._record_size_query(args, kwargs)
         return out
+
+    def _record_size_query(self, args, kwargs):
+        """`x.size(-1)` / `x.shape`: where a size came from, so a rewrite never divides it twice."""
+        own = self.own_frame(sys._getframe(2))
+        if own is None:
+            return
+        span = self._span(own)
+        if span is not None:
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            self.size_queries.append((span, self._tid(args[0]), dim if isinstance(dim, int) else None))
 
     def _record(self, func, args, kwargs, flat_out):
         caller = sys._getframe(2)
@@ -165,15 +180,20 @@ class Tracer(TorchFunctionMode):
         self.ops.append(OpCall(torch_func_name(func), node.index, in_tids, out_tids, node.mapped))
         node.ops.append(len(self.ops) - 1)
 
+    def _span(self, own) -> Span | None:
+        pos = _position(own)
+        if not pos or pos[0] is None:
+            return None
+        source = self.sources.get(own.f_code.co_filename)
+        line, end_line, col, end_col = pos
+        return Span(str(source.path), line, source.char_col(line, col), end_line, source.char_col(end_line, end_col))
+
     def _open_node(self, func, args, kwargs, caller, own):
         span, mapped = None, False
         if own is not None:
-            pos = _position(own)
-            if pos and pos[0] is not None:
-                source = self.sources.get(own.f_code.co_filename)
-                line, end_line, col, end_col = pos
-                span = Span(str(source.path), line, source.char_col(line, col), end_line,
-                            source.char_col(end_line, end_col))
+            span = self._span(own)
+            if span is not None:
+                source = self.sources.get(span.path)
                 mapped = source.node_at(span.line, span.col, span.end_line, span.end_col) is not None
         callee, kind, callee_frame = self._callee(func, caller, own) if own is not None else (
             torch_func_name(func), "torch", None)
@@ -253,7 +273,8 @@ class Tracer(TorchFunctionMode):
         self._set_outputs(loss_tid)
         batch = next((self.tensors[t].shape[0] for t in input_tids.values() if self.tensors[t].shape), None)
         return Trace(mode, sorted(self.own_files), self.nodes, self.ops, self.tensors, params, input_tids,
-                     loss_tid, {name: qualified_type(type(m)) for name, m in model.named_modules()}, batch)
+                     loss_tid, {name: qualified_type(type(m)) for name, m in model.named_modules()}, batch,
+                     self.size_queries)
 
     def _call_user(self, fn, what: str):
         try:
@@ -356,8 +377,15 @@ def _plain(value, depth=0):
 @contextlib.contextmanager
 def _fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        yield
+    # FakeTensorMode logs a traceback of its own when a user op fails (shape mismatch); the
+    # failure reaches the user as one UserError instead, so keep its logger quiet meanwhile.
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    was_disabled, fake_log.disabled = fake_log.disabled, True
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            yield
+    finally:
+        fake_log.disabled = was_disabled
 
 
 def trace_model(entry: Entry, sources: SourceSet, *, library_modules=(), mode: str = "auto") -> Trace:

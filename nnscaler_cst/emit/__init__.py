@@ -1,0 +1,1 @@
+"""Stage 7: rewrite the user's source with LibCST, and write the output directory."""

@@ -1,0 +1,248 @@
+"""Apply planned edits to one source file in one LibCST traversal.
+
+Each concern is a class of its own with a one-line DESCRIPTION (shard constructors, local
+sizes, collectives); they share one traversal because every edit is keyed by the position
+of a node in the *original* file, which a previous traversal would shift. Statement comments
+are appended last, keeping the user's own comment.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import libcst as cst
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+from ..errors import UserError
+from ..materialize.edits import CtorEdit, Edits, SiteEdit
+from ..source.files import SourceFile, Span
+from .expr import COLLECTIVE_NOTES, bias_added, code, collective, divided, parenthesized
+
+AXIS = "TP"
+
+
+@dataclass
+class Context:
+    """What the concerns share while rewriting one file."""
+
+    edits: Edits
+    notes: dict[Span, list[str]] = field(default_factory=dict)    # node span -> comment fragments
+    used: set[str] = field(default_factory=set)                   # _comm names the file now calls
+    needs_torch: bool = False
+
+    def note(self, span: Span, text: str) -> None:
+        fragments = self.notes.setdefault(span, [])
+        if text not in fragments:
+            fragments.append(text)
+
+
+def _arg_index(call: cst.Call, path: tuple) -> int | None:
+    if path[0] == "pos":
+        positional = [i for i, a in enumerate(call.args) if a.keyword is None and not a.star]
+        return positional[path[1]] if path[1] < len(positional) else None
+    if path[0] == "kw":
+        return next((i for i, a in enumerate(call.args) if a.keyword and a.keyword.value == path[1]), None)
+    return None
+
+
+def _replace_arg(call: cst.Call, index: int, value: cst.BaseExpression) -> cst.Call:
+    args = list(call.args)
+    args[index] = args[index].with_changes(value=value)
+    return call.with_changes(args=args)
+
+
+class ShardConstructors:
+    DESCRIPTION = "Divide the constructor arguments that size a split parameter."
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+
+    def leave(self, span: Span, node: cst.CSTNode) -> cst.CSTNode:
+        edits = self.ctx.edits.ctors.get(span)
+        if not edits or not isinstance(node, cst.Call):
+            return node
+        for edit in edits:
+            node = self._apply(span, node, edit)
+            self.ctx.note(span, edit.note)
+        return node
+
+    def _apply(self, span: Span, call: cst.Call, edit: CtorEdit) -> cst.Call:
+        if edit.aliases[0].startswith("factory:"):     # nn.Parameter(torch.ones(a, b))
+            dim = int(edit.aliases[0].split(":")[1])
+            inner = call.args[0].value if call.args else None
+            if not isinstance(inner, cst.Call) or _arg_index(inner, ("pos", dim)) is None:
+                raise UserError("cannot find the size argument of this parameter's factory call", span.start)
+            index = _arg_index(inner, ("pos", dim))
+            return _replace_arg(call, 0, _replace_arg(inner, index, divided(inner.args[index].value, edit.divisor)))
+        for alias in edit.aliases:
+            path = ("pos", int(alias[3:])) if re.fullmatch(r"arg\d+", alias) else ("kw", alias)
+            index = _arg_index(call, path)
+            if index is not None:
+                return _replace_arg(call, index, divided(call.args[index].value, edit.divisor))
+        raise UserError(f"the constructor call does not pass {'/'.join(edit.aliases)} explicitly; "
+                        "cannot write its local size", span.start,
+                        hint="pass the size as an argument in the model file")
+
+
+class LocalSizes:
+    DESCRIPTION = "Rewrite the size arguments of split views and splits to local sizes."
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+
+    def leave(self, span: Span, node: cst.CSTNode) -> cst.CSTNode:
+        site = self.ctx.edits.sites.get(span)
+        if site is None or not site.sizes or not isinstance(node, cst.Call):
+            return node
+        for edit in site.sizes:
+            index = _arg_index(node, edit.path)
+            if index is None:
+                raise UserError("cannot find the size argument to make local", span.start)
+            value = node.args[index].value
+            if edit.item is None:
+                self.ctx.note(span, f"local size: {code(value)} / {edit.divisor}")
+                node = _replace_arg(node, index, divided(value, edit.divisor))
+            elif isinstance(value, (cst.Tuple, cst.List)) and edit.item < len(value.elements) and not isinstance(
+                    value.elements[edit.item], cst.StarredElement):
+                elements = list(value.elements)
+                element = elements[edit.item]
+                elements[edit.item] = element.with_changes(value=divided(element.value, edit.divisor))
+                self.ctx.note(span, f"local size: {code(element.value)} / {edit.divisor}")
+                node = _replace_arg(node, index, value.with_changes(elements=elements))
+            else:
+                raise UserError(f"the size of split dim {edit.item} comes from `{code(value)}`, which the "
+                                "rewrite cannot make local", span.start,
+                                hint="write the sizes out in the call, or use -1 for the split dim")
+        return node
+
+
+class InsertCollectives:
+    DESCRIPTION = "Wrap arguments and results in named collectives; swap in split implementations."
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+
+    def leave(self, span: Span, node: cst.CSTNode) -> cst.CSTNode:
+        site = self.ctx.edits.sites.get(span)
+        if site is None:
+            return node
+        for path, steps in site.args.items():
+            node = self._wrap_operand(span, node, path, steps)
+        bias = self._bias(span, node, site) if site.bias is not None else None
+        if site.replace is not None:
+            node = self._replace(span, node, site)
+        for k, step in enumerate(site.result):
+            if step.op == "reduce" and bias is not None and k == 0:
+                node = bias_added(collective(step, node, AXIS), bias)
+            else:
+                node = collective(step, node, AXIS)
+            self._used(span, step)
+        return node
+
+    def _used(self, span: Span, step) -> None:
+        name, meaning = COLLECTIVE_NOTES[step.op]
+        self.ctx.used.update({name, AXIS})
+        self.ctx.note(span, f"{name}: {meaning}")
+
+    def _wrap_operand(self, span, node, path, steps):
+        def wrap(expr):
+            for step in steps:
+                expr = collective(step, expr, AXIS)
+                self._used(span, step)
+            return expr
+
+        if isinstance(node, cst.Call) and path[0] in ("pos", "kw"):
+            index = _arg_index(node, path)
+            if index is not None:
+                return _replace_arg(node, index, wrap(node.args[index].value))
+        if isinstance(node, cst.Call) and path == ("self",) and isinstance(node.func, cst.Attribute):
+            return node.with_changes(func=node.func.with_changes(value=wrap(node.func.value)))
+        if isinstance(node, cst.BinaryOperation):
+            if path == ("self",):
+                return node.with_changes(left=wrap(node.left))
+            if path == ("pos", 0):
+                return node.with_changes(right=wrap(node.right))
+        if isinstance(node, cst.Subscript) and path == ("self",):
+            return node.with_changes(value=wrap(node.value))
+        raise UserError(f"cannot insert {'+'.join(s.op for s in steps)} on this argument", span.start,
+                        hint="assign the value to a variable and pass that")
+
+    def _template_values(self, span, call: cst.Call) -> dict[str, str]:
+        values = {"self": code(call.func)}
+        positional = [a for a in call.args if a.keyword is None and not a.star]
+        for i, arg in enumerate(positional):
+            values[f"arg{i}"] = code(arg.value)
+        keywords = [a for a in call.args if a.keyword is not None or a.star]
+        values["kwargs"] = "".join(", " + code(a).rstrip(", ").strip() for a in keywords)
+        return values
+
+    def _replace(self, span, node, site: SiteEdit):
+        if not isinstance(node, cst.Call):
+            raise UserError("only a call can be replaced by a split implementation", span.start)
+        template = site.replace
+        try:
+            text = template.format(**self._template_values(span, node))
+        except (KeyError, IndexError) as exc:
+            raise UserError(f"the call does not pass {exc} that `{template}` needs", span.start) from None
+        self.ctx.needs_torch |= "torch." in text
+        function = template.split("(")[0]
+        if "." not in function:
+            self.ctx.used.update({function, AXIS})
+        for note in site.notes:
+            self.ctx.note(span, note)
+        return cst.parse_expression(text)
+
+    def _bias(self, span, call, site: SiteEdit) -> cst.BaseExpression:
+        """The bias of a row-parallel call, read before the call is replaced."""
+        if not isinstance(call, cst.Call):
+            raise UserError("a row-parallel bias needs a call", span.start)
+        if site.bias.startswith("self."):
+            return cst.parse_expression(f"{code(call.func)}.{site.bias[5:]}")
+        return cst.parse_expression(self._template_values(span, call)[site.bias])
+
+
+class FileRewriter(cst.CSTTransformer):
+    """Runs the concerns over one file and comments every statement they changed."""
+
+    METADATA_DEPENDENCIES = (PositionProvider,)
+
+    def __init__(self, source: SourceFile, ctx: Context):
+        super().__init__()
+        self.path = str(source.path)
+        self.ctx = ctx
+        self.concerns = [ShardConstructors(ctx), LocalSizes(ctx), InsertCollectives(ctx)]
+
+    def _span(self, node) -> Span:
+        rng = self.get_metadata(PositionProvider, node)
+        return Span(self.path, rng.start.line, rng.start.column, rng.end.line, rng.end.column)
+
+    def _leave_expr(self, original, updated):
+        span = self._span(original)
+        for concern in self.concerns:
+            updated = concern.leave(span, updated)
+        return updated
+
+    leave_Call = leave_BinaryOperation = leave_Subscript = _leave_expr
+
+    def leave_Attribute(self, original, updated):
+        if isinstance(updated.value, cst.BinaryOperation):     # (a + b).view(...) keeps its parentheses
+            return updated.with_changes(value=parenthesized(updated.value))
+        return updated
+
+    def leave_SimpleStatementLine(self, original, updated):
+        span = self._span(original)
+        fragments = [text for s, texts in self.ctx.notes.items() if span.contains(s) for text in texts]
+        if not fragments:
+            return updated
+        comment = "# " + "; ".join(dict.fromkeys(fragments))
+        trailing = updated.trailing_whitespace
+        if trailing.comment is not None:
+            comment = f"{trailing.comment.value} | {comment[2:]}"
+        return updated.with_changes(trailing_whitespace=trailing.with_changes(
+            whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(comment)))
+
+
+def rewrite_module(source: SourceFile, edits: Edits) -> tuple[cst.Module, Context]:
+    ctx = Context(edits)
+    wrapper = MetadataWrapper(source.module)
+    return wrapper.visit(FileRewriter(source, ctx)), ctx

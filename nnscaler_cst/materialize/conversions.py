@@ -1,0 +1,49 @@
+"""The collective sequence that turns a producer's layout into the layout a consumer needs.
+
+Steps are named after the output's _comm.py functions:
+  reduce  (P -> R)  fwd all-reduce, bwd identity
+  gather  (S -> R)  fwd all-gather, bwd keep own slice
+  scatter (R -> S)  fwd keep own slice, bwd all-gather
+  copy    (R -> R consumed by a split op) fwd identity, bwd all-reduce of the partial gradient
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..plan.cost import DeviceSpec, all_gather_time, all_reduce_time
+from ..plan.layouts import Layout
+
+
+@dataclass(frozen=True)
+class Step:
+    op: str                    # reduce | gather | scatter | copy
+    dim: int = -1
+    groups: int = 1
+
+
+def conversion(have: Layout, need: Layout, *, consumer_split: bool, requires_grad: bool) -> list[Step] | None:
+    """Steps from `have` to `need`, or None when no sequence can produce `need` (a partial sum)."""
+    if need.kind == "P":
+        return None
+    steps: list[Step] = []
+    if have.kind == "P":
+        steps.append(Step("reduce"))
+        have = Layout("R")
+    if have.kind == "S" and have != need:
+        steps.append(Step("gather", have.dim, have.groups))
+        have = Layout("R")
+    if have.kind == "R" and need.kind == "S":
+        steps.append(Step("scatter", need.dim, need.groups))
+    elif need.kind == "R" and consumer_split and requires_grad:
+        steps.append(Step("copy"))
+    return steps
+
+
+def conversion_time(steps: list[Step], full_nbytes: float, n: int, device: DeviceSpec) -> float:
+    total = 0.0
+    for step in steps:
+        if step.op in ("reduce", "copy"):
+            total += all_reduce_time(full_nbytes, n, device)
+        else:
+            total += all_gather_time(full_nbytes, n, device)
+    return total

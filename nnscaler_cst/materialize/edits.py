@@ -1,0 +1,289 @@
+"""From a solved tensor-parallel axis to the source edits that realise it.
+
+For every tensor edge, the conversion its consumer needs (materialize/conversions.py) is
+placed once: the steps every consumer shares go on the producer's expression, the rest on
+each consumer's argument. Split sites get their size arguments divided, row-parallel sites
+their bias moved after the reduction, vocabulary-split sites their split implementation,
+and constructors of split parameters their size arguments divided.
+
+Edits are keyed by source span, so one edit serves every instance of a site; instances that
+would need different edits are refused. Decides nothing about the plan; writes no source.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ..errors import UserError
+from ..graph.graph import Graph
+from ..plan.layouts import REPLICATE, R, Layout, layouts_for
+from ..plan.search import AxisPlan
+from .size_args import SIZE_ARGUMENTS, SPLIT_SIZES, locate_size_argument
+from ..source.files import Span
+from ..trace.records import Node, TensorList
+from .conversions import Step, conversion
+
+
+
+@dataclass(frozen=True)
+class SizeEdit:
+    path: tuple             # argument path in the call: ("pos", i) / ("kw", name)
+    item: int | None        # element of a tuple/list literal, or None for the whole argument
+    divisor: int
+    note: str
+
+
+@dataclass
+class CtorEdit:
+    aliases: list[str]      # constructor argument: positional "argN" and keyword names
+    divisor: int
+    note: str
+
+
+@dataclass
+class SiteEdit:
+    result: list[Step] = field(default_factory=list)               # wrap the call's result
+    args: dict[tuple, list[Step]] = field(default_factory=dict)    # wrap an argument
+    sizes: list[SizeEdit] = field(default_factory=list)
+    replace: str | None = None      # a template for the whole call (split impl, row-parallel)
+    bias: str | None = None         # added after the reduction of a row-parallel call
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Edits:
+    axis: str
+    n: int
+    sites: dict[Span, SiteEdit]
+    ctors: dict[Span, list[CtorEdit]]
+    param_layout: dict[str, Layout]         # every parameter's layout on this axis (split ones S)
+    partial_grad_params: list[str]
+
+    def site(self, span: Span) -> SiteEdit:
+        return self.sites.setdefault(span, SiteEdit())
+
+
+def _steps_note(steps: list[Step]) -> str:
+    return " + ".join(s.op for s in steps)
+
+
+def plan_edits(graph: Graph, plan: AxisPlan) -> Edits:
+    n = plan.n
+    trace = graph.trace
+    tensors = trace.tensors
+    edits = Edits(plan.axis, n, {}, {}, plan.param_layout, plan.partial_grad_params)
+    layout = {}
+
+    def lay(node: Node):
+        key = node.index
+        if key not in layout:
+            names = [op.name for op in node.operands if op.tid is not None]
+            layout[key] = layouts_for(graph.dims.get(node.index), plan.node_choice[node.index], names)
+        return layout[key]
+
+    # what each consumer needs of each tensor
+    needs: dict[int, list[tuple[Node | None, tuple | None, list[Step]]]] = defaultdict(list)
+    have: dict[int, Layout] = {}
+    for node in graph.nodes:
+        for k, tid in enumerate(node.outputs):
+            outs = lay(node).outputs
+            have[tid] = outs[k] if k < len(outs) else R
+    for node in graph.nodes:
+        wanted = lay(node)
+        for operand in node.operands:
+            if operand.tid is None or tensors[operand.tid].param is not None:
+                continue
+            info = tensors[operand.tid]
+            steps = conversion(have.get(operand.tid, R), wanted.inputs[operand.name],
+                               consumer_split=wanted.split, requires_grad=info.requires_grad)
+            if steps is None:
+                raise UserError(f"{node.callee} would need a partial sum as input", _loc(node))
+            needs[operand.tid].append((node, operand.path, steps))
+        for operand in node.operands:   # tensors inside lists (torch.cat) must arrive whole
+            if isinstance(operand.value, TensorList) and wanted.split is False:
+                for tid in operand.value:
+                    steps = conversion(have.get(tid, R), R, consumer_split=False, requires_grad=False)
+                    needs[tid].append((node, None, steps))
+    if trace.loss is not None:
+        needs[trace.loss].append((None, None, conversion(have.get(trace.loss, R), R, consumer_split=False,
+                                                          requires_grad=False)))
+
+    # steps shared by every use of every instance of a producer's output go on the producer
+    by_output: dict[tuple, list[tuple[int, Node | None, tuple | None, list[Step]]]] = defaultdict(list)
+    for tid, uses in needs.items():
+        producer = tensors[tid].producer
+        node = graph.nodes[producer] if producer is not None else None
+        key = (node.span, node.callee, node.outputs.index(tid)) if node is not None and node.span else ("tensor", tid)
+        by_output[key] += [(tid, consumer, path, steps) for consumer, path, steps in uses]
+    for key, uses in by_output.items():
+        producer = tensors[uses[0][0]].producer
+        node = graph.nodes[producer] if producer is not None else None
+        prefix = _common_prefix([steps for _, _, _, steps in uses])
+        if prefix and node is not None and key[0] != "tensor" and _wrappable(graph, node):
+            _put(edits.site(node.span).__dict__, "result", prefix, node)
+        else:
+            prefix = []
+        for tid, consumer, path, steps in uses:
+            rest = steps[len(prefix):]
+            if not rest:
+                continue
+            if consumer is None or path is None or not consumer.mapped:
+                where = consumer or node
+                raise UserError(f"cannot place {_steps_note(rest)} for a tensor of {tensors[tid].shape}: "
+                                "the value is not an argument written in the model's source", _loc(where),
+                                hint="pass the tensor as a plain argument, or pin this op to replicate")
+            site = edits.site(consumer.span)
+            if site.args.get(path, rest) != rest:
+                raise UserError(f"instances of {consumer.callee} need different conversions", _loc(consumer))
+            site.args[path] = rest
+
+    for node in graph.nodes:
+        choice = plan.node_choice[node.index]
+        if choice == REPLICATE or node.span is None:
+            continue
+        _split_site_edits(graph, node, choice, n, edits, lay(node), have)
+    _ctor_edits(graph, edits)
+    return edits
+
+
+def _loc(node: Node | None):
+    return node.span.start if node is not None and node.span is not None else None
+
+
+def _common_prefix(lists: list[list[Step]]) -> list[Step]:
+    prefix: list[Step] = []
+    for items in zip(*lists):
+        if any(item != items[0] for item in items):
+            break
+        prefix.append(items[0])
+    return prefix
+
+
+def _wrappable(graph: Graph, node: Node) -> bool:
+    """A producer's result can carry a conversion when it is one tensor used whole."""
+    if not (node.mapped and node.span is not None and len(node.outputs) == 1):
+        return False
+    call = graph.source_node(node)
+    return call is not None and graph.sources.get(node.span.path).value_is_whole(call)
+
+
+def _put(target: dict, key: str, value, node: Node) -> None:
+    if target[key] and target[key] != value:
+        raise UserError(f"instances of {node.callee} need different conversions", _loc(node))
+    target[key] = value
+
+
+def _split_site_edits(graph: Graph, node: Node, choice: str, n: int, edits: Edits, layouts,
+                      have: dict[int, Layout]) -> None:
+    dims = graph.dims[node.index]
+    rule = graph.node_rule[node.index]
+    site = edits.site(node.span)
+    if choice in dims.impl:
+        template = dims.impl[choice]
+        _same(site, "replace", template, node)
+        _note(site, f"split {n}-way by {template.split('(')[0]}")
+    elif choice in dims.reduced:
+        bias = graph.partial_bias(node.index)
+        present = bias is not None and node.operand(bias) is not None and node.operand(bias).tid is not None
+        if present:
+            _same(site, "replace", rule.partial["expr"], node)
+            _same(site, "bias", bias, node)
+            _note(site, "partial sums reduced, bias added once")
+    _size_edits(graph, node, choice, n, site, layouts, have)
+
+
+def _note(site: SiteEdit, text: str) -> None:
+    if text not in site.notes:
+        site.notes.append(text)
+
+
+def _same(site: SiteEdit, key: str, value, node: Node) -> None:
+    current = getattr(site, key)
+    if current is not None and current != value:
+        raise UserError(f"instances of {node.callee} need different rewrites", _loc(node))
+    setattr(site, key, value)
+
+
+def _size_edits(graph: Graph, node: Node, choice: str, n: int, site: SiteEdit, layouts,
+                have: dict[int, Layout]) -> None:
+    """Divide the size arguments that describe a split output dim.
+
+    A size read from a tensor that is itself split (`logits.size(-1)`) is already local at
+    run time and is left alone.
+    """
+    if node.callee not in SIZE_ARGUMENTS | SPLIT_SIZES or _reads_local_size(graph, node, have):
+        return
+    out = layouts.outputs[0] if layouts.outputs else R
+    if out.kind != "S":
+        return
+    if node.callee in SPLIT_SIZES:
+        dim = node.operand("arg2") or node.operand("dim")
+        rank = len(graph.trace.tensors[node.outputs[0]].shape)
+        if layouts.inputs.get("arg0", R).kind != "S" or out.dim != (dim.value % rank if dim else 0):
+            return
+        size = node.operand("arg1") or node.operand("split_size") or node.operand("split_size_or_sections")
+        items = [None] if isinstance(size.value, int) else list(range(len(size.value)))
+        new = [SizeEdit(size.path, item, n, f"pieces / {n}") for item in items]
+    else:
+        located = locate_size_argument(graph, node, out.dim)
+        if located is None:
+            return
+        if isinstance(located, str):
+            raise UserError(located, _loc(node), hint="write the sizes out in the call, or use -1 for the split dim")
+        path, item = located
+        new = [SizeEdit(path, item, n, f"dim {out.dim} / {n}")]
+    for edit in new:
+        if edit not in site.sizes:
+            site.sizes.append(edit)
+
+
+def _reads_local_size(graph: Graph, node: Node, have: dict[int, Layout]) -> bool:
+    for span, tid, dim in graph.trace.size_queries:
+        layout = have.get(tid, R)
+        if layout.kind == "S" and node.span.contains(span):
+            rank = len(graph.trace.tensors[tid].shape)
+            if dim is None or dim % rank == layout.dim:
+                return True
+    return False
+
+
+def _ctor_edits(graph: Graph, edits: Edits) -> None:
+    """Divide the constructor argument behind each split dim of a parameter."""
+    rules = graph.rules.ctors
+    by_span: dict[Span, dict[str, tuple]] = defaultdict(dict)
+    for name, info in graph.trace.params.items():
+        layout = edits.param_layout.get(name, R)
+        if layout.kind != "S":
+            continue
+        if info.ctor_span is None:
+            raise UserError(f"parameter {name} is split but was not created in the model's own files")
+        rule = rules.get(info.module_type)
+        if rule is None:
+            raise UserError(f"no [[ctor]] rule says how {info.module_type} sizes {info.attr}; "
+                            f"cannot split {name}", info.ctor_span.start,
+                            hint="add a [[ctor]] entry to rules/ops/*.toml")
+        per_dim = rule.params.get(info.attr) or rule.params.get("*")
+        if per_dim is None or (per_dim != [["*"]] and layout.dim >= len(per_dim)):
+            raise UserError(f"the [[ctor]] rule for {info.module_type} does not cover {info.attr}",
+                            info.ctor_span.start)
+        aliases = [f"factory:{layout.dim}"] if per_dim == [["*"]] else per_dim[layout.dim]
+        note = f"{'/'.join(a for a in aliases if not a.startswith('arg'))} / {edits.n}"
+        if layout.groups > 1:
+            note += f", {layout.groups} fused blocks split alike"
+        key = tuple(aliases)
+        previous = by_span[info.ctor_span].get(key)
+        if previous is not None and previous != layout.groups:
+            raise UserError(f"instances of this constructor split {info.attr} differently", info.ctor_span.start)
+        by_span[info.ctor_span][key] = layout.groups
+        ctor_list = edits.ctors.setdefault(info.ctor_span, [])
+        if all(e.aliases != aliases for e in ctor_list):
+            ctor_list.append(CtorEdit(aliases, edits.n, note))
+    # a constructor used for both split and whole parameters cannot be rewritten in place
+    for name, info in graph.trace.params.items():
+        if info.ctor_span in edits.ctors and edits.param_layout.get(name, R).kind != "S":
+            rule = rules.get(info.module_type)
+            dims = rule.params.get(info.attr, []) if rule else []
+            touched = {a for e in edits.ctors[info.ctor_span] for a in e.aliases}
+            if any(set(d) & touched for d in dims):
+                raise UserError(f"{name} stays whole but shares its constructor with split parameters",
+                                info.ctor_span.start)

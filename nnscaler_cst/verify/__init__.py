@@ -1,0 +1,1 @@
+"""Stage 8: prove a rewrite right by running it against the single-device model."""

@@ -1,0 +1,145 @@
+"""Numerical equivalence: the generated code on N gloo processes against the original on one.
+
+Same initial weights (the single-device state dict, sharded by the output's own
+shard_state_dict), same batches, K AdamW steps; per-step losses and the merged parameters
+after the last step are compared. Every process runs under a deadline: a rank that dies or
+hangs ends the run with an error, never a hang.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+WORKER = Path(__file__).with_name("worker.py")
+
+
+class VerifyError(Exception):
+    """A process failed or timed out; the run proves nothing."""
+
+
+@dataclass
+class VerifyResult:
+    world_size: int
+    steps: int
+    reference_losses: list[float]
+    parallel_losses: list[float]
+    max_abs_error: float
+    max_rel_error: float
+    worst_param: str
+    tolerance: dict[str, float]
+    seconds: float
+    counters: list[dict] = field(default_factory=list)
+
+    @property
+    def loss_errors(self) -> list[float]:
+        return [abs(a - b) for a, b in zip(self.reference_losses, self.parallel_losses)]
+
+    @property
+    def passed(self) -> bool:
+        tol = self.tolerance
+        losses_ok = all(e <= tol["loss_atol"] + tol["rtol"] * abs(r)
+                        for e, r in zip(self.loss_errors, self.reference_losses))
+        return losses_ok and self.max_abs_error <= tol["param_atol"]
+
+    def to_json(self) -> dict:
+        return {"passed": self.passed, "world_size": self.world_size, "steps": self.steps,
+                "reference_losses": self.reference_losses, "parallel_losses": self.parallel_losses,
+                "loss_errors": self.loss_errors, "max_abs_error": self.max_abs_error,
+                "max_rel_error": self.max_rel_error, "worst_param": self.worst_param,
+                "tolerance": self.tolerance, "seconds": round(self.seconds, 2)}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_all(commands: list[tuple[list[str], dict]], timeout: float) -> None:
+    """Start every command; wait for all; on the first failure or the deadline kill the rest."""
+    procs = []
+    for cmd, env in commands:
+        log = tempfile.TemporaryFile()
+        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log, env))
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            states = [p.poll() for p, _, _ in procs]
+            failed = [(k, code) for k, code in enumerate(states) if code not in (None, 0)]
+            if failed:
+                k, code = failed[0]
+                raise VerifyError(f"process {procs[k][2].get('RANK', 'reference')} exited with {code}:\n"
+                                  + _tail(procs[k][1]))
+            if all(code == 0 for code in states):
+                return
+            if time.monotonic() > deadline:
+                waiting = [procs[k][2].get("RANK", "reference") for k, c in enumerate(states) if c is None]
+                raise VerifyError(f"timed out after {timeout:.0f}s waiting for rank(s) {', '.join(waiting)} "
+                                  "(a deadlock or a hang)")
+            time.sleep(0.05)
+    finally:
+        for p, log, _ in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+
+
+def _tail(log, lines: int = 25) -> str:
+    log.seek(0)
+    return "\n".join(log.read().decode(errors="replace").splitlines()[-lines:])
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ)
+    env.update({k: str(v) for k, v in extra.items()})
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1e-3, seed: int = 0,
+               timeout: float = 300.0, param_atol: float = 5e-4, loss_atol: float = 1e-4,
+               rtol: float = 1e-4) -> VerifyResult:
+    out_dir = Path(out_dir).resolve()
+    started = time.monotonic()
+    sys.path.insert(0, str(out_dir.parent))
+    try:
+        package = importlib.import_module(out_dir.name)
+        package = importlib.reload(package)
+    finally:
+        sys.path.remove(str(out_dir.parent))
+    world = package.WORLD_SIZE
+    common = ["--steps", str(steps), "--lr", str(lr), "--seed", str(seed)]
+    with tempfile.TemporaryDirectory(prefix="nnscaler-verify-") as workdir:
+        _run_all([([sys.executable, str(WORKER), "reference", str(entry_file), workdir, *common], _env())], timeout)
+        port = free_port()
+        commands = [([sys.executable, str(WORKER), "rank", str(out_dir), workdir, *common],
+                     _env(RANK=r, WORLD_SIZE=world, LOCAL_RANK=r, MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+                    for r in range(world)]
+        _run_all(commands, timeout)
+        ref = torch.load(Path(workdir) / "reference.pt")
+        ranks = [torch.load(Path(workdir) / f"rank{r}.pt") for r in range(world)]
+    merged = package.merge_state_dicts([r["state"] for r in ranks])
+    max_abs, max_rel, worst = 0.0, 0.0, ""
+    for name, expected in ref["state"].items():
+        got = merged[name]
+        if got.shape != expected.shape:
+            raise VerifyError(f"merged {name} has shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
+        diff = (got.float() - expected.float()).abs()
+        err = diff.max().item() if diff.numel() else 0.0
+        rel = (diff / expected.float().abs().clamp_min(1e-6)).max().item() if diff.numel() else 0.0
+        if err > max_abs:
+            max_abs, worst = err, name
+        max_rel = max(max_rel, rel)
+    return VerifyResult(world, steps, ref["losses"], ranks[0]["losses"], max_abs, max_rel, worst,
+                        {"param_atol": param_atol, "loss_atol": loss_atol, "rtol": rtol},
+                        time.monotonic() - started, [r["counters"] for r in ranks])

@@ -1,0 +1,96 @@
+"""One process of a verify run, started as a plain script (`python worker.py ...`).
+
+It imports only torch and the files under test, and makes `import nnscaler_cst` fail, so a
+passing run also proves the generated code is self-contained.
+
+    worker.py reference ENTRY_FILE WORKDIR --steps K --lr LR --seed S
+    worker.py rank OUTPUT_DIR WORKDIR --steps K --lr LR --seed S   (RANK, WORLD_SIZE, MASTER_* set)
+"""
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+
+sys.modules["nnscaler_cst"] = None  # the code under test must not need the tool
+
+import torch  # noqa: E402
+
+
+def load_file(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def loss_of(module, output):
+    if hasattr(module, "loss"):
+        return module.loss(output)
+    return output if isinstance(output, torch.Tensor) else output.loss
+
+
+def batch_for(module, step, seed):
+    torch.manual_seed(seed + step)
+    return module.example_inputs()
+
+
+def reference(args):
+    entry = load_file(os.path.abspath(args.target), "verify_entry")
+    torch.manual_seed(args.seed)
+    model = entry.build()
+    torch.save(model.state_dict(), os.path.join(args.workdir, "init.pt"))
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    losses = []
+    for step in range(args.steps):
+        batch = batch_for(entry, step, args.seed)
+        output = model(**batch) if isinstance(batch, dict) else model(*batch)
+        loss = loss_of(entry, output)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    torch.save({"losses": losses, "state": model.state_dict()}, os.path.join(args.workdir, "reference.pt"))
+
+
+def rank(args):
+    folder = os.path.abspath(args.target)
+    sys.path.insert(0, os.path.dirname(folder))
+    package = importlib.import_module(os.path.basename(folder))
+    train = importlib.import_module(f"{package.__name__}.train")
+    comm = importlib.import_module(f"{package.__name__}._comm")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    comm.setup(rank, world, tp=package.TP_SIZE, dp=package.DP_SIZE, backend="gloo")
+    module = package.rank_module(rank)
+    torch.manual_seed(args.seed)
+    model = module.build()
+    init = torch.load(os.path.join(args.workdir, "init.pt"))
+    model.load_state_dict(package.shard_state_dict(init, rank))
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    comm.reset_counters()
+    losses = []
+    for step in range(args.steps):
+        losses.append(train.train_step(model, optimizer, batch_for(module, step, args.seed), module))
+    torch.save({"losses": losses, "state": model.state_dict(), "counters": dict(comm.COUNTERS)},
+               os.path.join(args.workdir, f"rank{rank}.pt"))
+    comm.teardown()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("role", choices=["reference", "rank"])
+    parser.add_argument("target")
+    parser.add_argument("workdir")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    (reference if args.role == "reference" else rank)(args)
+
+
+if __name__ == "__main__":
+    main()
