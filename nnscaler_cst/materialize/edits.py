@@ -98,6 +98,7 @@ def plan_edits(graph: Graph, plan: AxisPlan) -> Edits:
                                consumer_split=wanted.split, requires_grad=info.requires_grad)
             if steps is None:
                 raise UserError(f"{node.callee} would need a partial sum as input", _loc(node))
+            _refuse_forced_regather(graph, plan, node, steps, info.shape)
             needs[operand.tid].append((node, operand.path, steps))
         for operand in node.operands:   # tensors inside lists (torch.cat) must arrive whole
             if isinstance(operand.value, TensorList) and wanted.split is False:
@@ -144,6 +145,23 @@ def plan_edits(graph: Graph, plan: AxisPlan) -> Edits:
         _split_site_edits(graph, node, choice, n, edits, lay(node), have)
     _ctor_edits(graph, edits)
     return edits
+
+
+def _refuse_forced_regather(graph: Graph, plan: AxisPlan, node: Node, steps: list[Step], shape) -> None:
+    """A split tensor gathered or re-split only because its consumer could not be split (no rule,
+    or sizes that do not divide) means the plan does not apply to this model: say where and why."""
+    if not any(step.op in ("gather", "scatter") for step in steps):
+        return
+    if node.index not in graph.dims:
+        raise UserError(f"{node.callee} has no split rule but its input {tuple(shape)} is split "
+                        f"over {plan.n} devices", _loc(node),
+                        hint=f"add a rule for {node.callee} to rules/ops/*.toml, or plan without --tp")
+    from ..plan.search import site_id
+    options = plan.options.get(site_id(graph, node.index))
+    reasons = sorted({why for why in (options.why.values() if options else ()) if "not divisible" in why})
+    if reasons:
+        raise UserError(f"cannot split {node.callee} {plan.n} ways: {reasons[0]}", _loc(node),
+                        hint="choose a --tp that divides the model's sizes (heads, vocabulary, hidden)")
 
 
 def _loc(node: Node | None):

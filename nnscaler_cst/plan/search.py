@@ -59,7 +59,7 @@ def option_valid(graph: Graph, index: int, label: str, n: int) -> str | None:
     dims = graph.dims[index]
     size = dims.sizes().get(label)
     if size is None or size % n:
-        return f"{label}={size} is not divisible by {n}"
+        return f"a dim of size {size} is not divisible by {n} devices"
     node = graph.nodes[index]
     if node.callee in SIZE_ARGUMENTS:
         out = layouts_for(dims, label, []).outputs
