@@ -17,6 +17,7 @@ def verify_table(result: VerifyResult) -> Group:
         table.add_row(str(step), f"{ref:.7f}", f"{par:.7f}", f"{err:.2e}")
     verdict = Text("PASSED" if result.passed else "FAILED", style="bold green" if result.passed else "bold red")
     summary = Text(f"merged parameters after the last step: max abs error {result.max_abs_error:.2e} "
-                   f"({result.worst_param}), max rel error {result.max_rel_error:.2e}; tolerance "
-                   f"{result.tolerance['param_atol']:.0e}; {result.seconds:.1f}s  ")
+                   f"({result.worst_param}), tolerance {result.tolerance['param_atol']:.0e}; first-step "
+                   f"gradients: max error {result.max_grad_error:.2e} of the largest ({result.worst_grad}), "
+                   f"tolerance {result.tolerance['grad_rtol']:.0e}; {result.seconds:.1f}s  ")
     return Group(table, summary + verdict)

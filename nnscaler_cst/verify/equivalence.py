@@ -35,6 +35,8 @@ class VerifyResult:
     max_abs_error: float
     max_rel_error: float
     worst_param: str
+    max_grad_error: float            # first step, relative to each parameter's largest gradient
+    worst_grad: str
     tolerance: dict[str, float]
     seconds: float
     counters: list[dict] = field(default_factory=list)
@@ -48,13 +50,14 @@ class VerifyResult:
         tol = self.tolerance
         losses_ok = all(e <= tol["loss_atol"] + tol["rtol"] * abs(r)
                         for e, r in zip(self.loss_errors, self.reference_losses))
-        return losses_ok and self.max_abs_error <= tol["param_atol"]
+        return losses_ok and self.max_abs_error <= tol["param_atol"] and self.max_grad_error <= tol["grad_rtol"]
 
     def to_json(self) -> dict:
         return {"passed": self.passed, "world_size": self.world_size, "steps": self.steps,
                 "reference_losses": self.reference_losses, "parallel_losses": self.parallel_losses,
                 "loss_errors": self.loss_errors, "max_abs_error": self.max_abs_error,
                 "max_rel_error": self.max_rel_error, "worst_param": self.worst_param,
+                "max_grad_error": self.max_grad_error, "worst_grad": self.worst_grad,
                 "tolerance": self.tolerance, "seconds": round(self.seconds, 2)}
 
 
@@ -108,7 +111,7 @@ def _env(**extra) -> dict:
 
 def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1e-3, seed: int = 0,
                timeout: float = 300.0, param_atol: float = 5e-4, loss_atol: float = 1e-4,
-               rtol: float = 1e-4) -> VerifyResult:
+               rtol: float = 1e-4, grad_rtol: float = 1e-3) -> VerifyResult:
     out_dir = Path(out_dir).resolve()
     started = time.monotonic()
     sys.path.insert(0, str(out_dir.parent))
@@ -131,15 +134,29 @@ def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1
     merged = package.merge_state_dicts([r["state"] for r in ranks])
     max_abs, max_rel, worst = 0.0, 0.0, ""
     for name, expected in ref["state"].items():
-        got = merged[name]
-        if got.shape != expected.shape:
-            raise VerifyError(f"merged {name} has shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
-        diff = (got.float() - expected.float()).abs()
+        diff = _difference(name, merged, expected)
         err = diff.max().item() if diff.numel() else 0.0
         rel = (diff / expected.float().abs().clamp_min(1e-6)).max().item() if diff.numel() else 0.0
         if err > max_abs:
             max_abs, worst = err, name
         max_rel = max(max_rel, rel)
+    grads = package.merge_state_dicts([r["grads"] for r in ranks])
+    max_grad, worst_grad = 0.0, ""
+    for name, expected in ref["grads"].items():
+        scale = expected.float().abs().max().item() if expected.numel() else 0.0
+        err = _difference(name, grads, expected).max().item() / max(scale, 1e-8) if expected.numel() else 0.0
+        if err > max_grad:
+            max_grad, worst_grad = err, name
     return VerifyResult(world, steps, ref["losses"], ranks[0]["losses"], max_abs, max_rel, worst,
-                        {"param_atol": param_atol, "loss_atol": loss_atol, "rtol": rtol},
+                        max_grad, worst_grad,
+                        {"param_atol": param_atol, "loss_atol": loss_atol, "rtol": rtol, "grad_rtol": grad_rtol},
                         time.monotonic() - started, [r["counters"] for r in ranks])
+
+
+def _difference(name: str, merged: dict, expected: torch.Tensor) -> torch.Tensor:
+    if name not in merged:
+        raise VerifyError(f"the parallel run has no {name}")
+    got = merged[name]
+    if got.shape != expected.shape:
+        raise VerifyError(f"merged {name} has shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
+    return (got.float() - expected.float()).abs()

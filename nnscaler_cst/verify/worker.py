@@ -36,6 +36,22 @@ def batch_for(module, step, seed):
     return module.example_inputs()
 
 
+def capture_first_gradients(model, optimizer):
+    """Keep every parameter's gradient as the optimizer first sees it (after any all-reduce)."""
+    captured = {}
+    step = optimizer.step
+
+    def step_and_capture(*a, **k):
+        if not captured:
+            for name, param in model.named_parameters(remove_duplicate=False):
+                if param.grad is not None:
+                    captured[name] = param.grad.detach().clone()
+        return step(*a, **k)
+
+    optimizer.step = step_and_capture
+    return captured
+
+
 def reference(args):
     entry = load_file(os.path.abspath(args.target), "verify_entry")
     torch.manual_seed(args.seed)
@@ -43,6 +59,7 @@ def reference(args):
     torch.save(model.state_dict(), os.path.join(args.workdir, "init.pt"))
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    grads = capture_first_gradients(model, optimizer)
     losses = []
     for step in range(args.steps):
         batch = batch_for(entry, step, args.seed)
@@ -52,7 +69,8 @@ def reference(args):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    torch.save({"losses": losses, "state": model.state_dict()}, os.path.join(args.workdir, "reference.pt"))
+    torch.save({"losses": losses, "state": model.state_dict(), "grads": grads},
+               os.path.join(args.workdir, "reference.pt"))
 
 
 def rank(args):
@@ -70,11 +88,12 @@ def rank(args):
     model.load_state_dict(package.shard_state_dict(init, rank))
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    grads = capture_first_gradients(model, optimizer)
     comm.reset_counters()
     losses = []
     for step in range(args.steps):
         losses.append(train.train_step(model, optimizer, batch_for(module, step, args.seed), module))
-    torch.save({"losses": losses, "state": model.state_dict(), "counters": dict(comm.COUNTERS)},
+    torch.save({"losses": losses, "state": model.state_dict(), "grads": grads, "counters": dict(comm.COUNTERS)},
                os.path.join(args.workdir, f"rank{rank}.pt"))
     comm.teardown()
 
