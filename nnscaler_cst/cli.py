@@ -20,7 +20,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Rewrite a single-device PyTorch model into explicit per-rank parallel source.")
 console = Console()
 err_console = Console(stderr=True)
-SUBCOMMANDS = {"rewrite", "inspect", "verify", "plan", "schedule"}
+SUBCOMMANDS = {"rewrite", "inspect", "verify", "plan", "explain", "schedule"}
 
 _state = {"verbose": False}
 
@@ -70,23 +70,34 @@ def inspect(model_file: Path = typer.Argument(..., help="model or entry file"),
 
 TpOpt = typer.Option(None, "--tp", help="tensor-parallel size")
 DpOpt = typer.Option(None, "--dp", help="data-parallel size")
-PlanOpt = typer.Option(None, "--plan", help="dp | tp | megatron (default: what --tp/--dp imply)")
+PlanOpt = typer.Option(None, "--plan", help="a table in rules/plans (dp, megatron, auto, ...); "
+                       "default: what --tp/--dp imply")
+DevicesOpt = typer.Option(None, "--devices", help="devices for --plan auto")
+ClusterOpt = typer.Option(None, "--cluster", help="device/cluster spec in rules/devices (default cpu-gloo)")
+BudgetOpt = typer.Option(None, "--memory-budget", help="bytes of memory per device the plan may use")
 OutOpt = typer.Option(None, "--out", "-o", help="output folder")
 
 
 def _options(model_file: Path, **given):
     """Command-line options over [tool.nnscaler-rewrite] defaults over built-in defaults."""
     from .config import project_defaults
-    defaults = {"tp": 1, "dp": 1, "plan": None, "out": "parallel", "model": None}
+    defaults = {"tp": None, "dp": None, "plan": None, "out": "parallel", "model": None, "devices": None,
+                "cluster": "cpu-gloo", "memory_budget": None}
     defaults.update(project_defaults(model_file))
     return {k: (v if v is not None else defaults.get(k)) for k, v in given.items()}
+
+
+def _request(opts: dict):
+    from .rewrite import PlanRequest
+    return PlanRequest(opts["plan"], opts["tp"], opts["dp"], opts["devices"], opts["cluster"],
+                       float(opts["memory_budget"]) if opts["memory_budget"] is not None else None)
 
 
 def _rewrite(model_file: Path, opts: dict):
     from .analysis import analyze
     from .rewrite import rewrite as do_rewrite
     analysis = analyze(model_file, model_class=opts["model"])
-    return analysis, do_rewrite(analysis, plan_name=opts["plan"], tp=int(opts["tp"]), dp=int(opts["dp"]))
+    return analysis, do_rewrite(analysis, _request(opts))
 
 
 def _unified_diff(old: str, new: str, old_name: str, new_name: str) -> str:
@@ -106,6 +117,8 @@ def _print_diff(text: str) -> None:
 @app.command()
 def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
             plan: Optional[str] = PlanOpt, tp: Optional[int] = TpOpt, dp: Optional[int] = DpOpt,
+            devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
+            memory_budget: Optional[float] = BudgetOpt,
             out: Optional[Path] = OutOpt, model: Optional[str] = ModelOpt,
             diff: Optional[int] = typer.Option(None, "--diff", help="show the diff of the model file "
                                                "against this rank's file instead of writing"),
@@ -120,7 +133,8 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
     from .errors import display_path
 
     def body():
-        opts = _options(model_file, tp=tp, dp=dp, plan=plan, out=out, model=model)
+        opts = _options(model_file, tp=tp, dp=dp, plan=plan, out=out, model=model, devices=devices,
+                        cluster=cluster, memory_budget=memory_budget)
         analysis, result = _rewrite(model_file, opts)
         out_dir = Path(opts["out"])
         if diff is not None:
@@ -153,6 +167,8 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
 @app.command()
 def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
            plan: Optional[str] = PlanOpt, tp: Optional[int] = TpOpt, dp: Optional[int] = DpOpt,
+           devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
+           memory_budget: Optional[float] = BudgetOpt,
            out: Optional[Path] = typer.Option(None, "--out", "-o", help="output folder: rewritten first "
                                               "when --tp/--dp/--plan is given, else verified as it is"),
            model: Optional[str] = ModelOpt,
@@ -169,9 +185,10 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
     from .report.verify_view import verify_table
 
     def body():
-        opts = _options(model_file, tp=tp, dp=dp, plan=plan, out=out, model=model)
+        opts = _options(model_file, tp=tp, dp=dp, plan=plan, out=out, model=model, devices=devices,
+                        cluster=cluster, memory_budget=memory_budget)
         out_dir = Path(opts["out"])
-        if tp is not None or dp is not None or plan is not None or not out_dir.exists():
+        if any(v is not None for v in (tp, dp, plan, devices)) or not out_dir.exists():
             _, result = _rewrite(model_file, opts)
             write_output(out_dir, result.files, force=force)
         try:
@@ -187,6 +204,61 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
             raise typer.Exit(1)
 
     _run(body)
+
+
+def _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, model, json_out, explain, verbose):
+    _state["verbose"] = verbose
+    from .analysis import analyze
+    from .plan.cost import load_cluster
+    from .plan.explain import binding_constraints
+    from .plan.tables import load_table, source_annotations
+    from .report.plan_view import plan_json, plan_table
+    from .rewrite import _table_names, build_plan
+
+    def body():
+        opts = _options(model_file, tp=tp, dp=dp, plan=plan, model=model, devices=devices, cluster=cluster,
+                        memory_budget=memory_budget)
+        request = _request(opts)
+        analysis = analyze(model_file, model_class=opts["model"])
+        solved, tp_plan = build_plan(analysis, request)
+        binding = None
+        if explain and tp_plan is not None:
+            graph = analysis.graph
+            names = _table_names(request, solved.mesh["tp"], solved.mesh["dp"]) if request.plan != "auto" else []
+            constraints = [c for n in names for c in load_table(n).for_axis("tp")] + \
+                [c for c in source_annotations(graph) if c.axis == "tp"]
+            device = load_cluster(request.cluster).axis(1, solved.mesh["tp"])
+            binding = binding_constraints(graph, tp_plan, constraints, device, memory_budget=request.memory_budget,
+                                          data_parallel=solved.mesh["dp"])
+        if json_out:
+            print(json.dumps(plan_json(analysis.graph, solved, tp_plan, binding), indent=1))
+        else:
+            console.print(plan_table(analysis.graph, solved, tp_plan, binding))
+
+    _run(body)
+
+
+@app.command()
+def plan(model_file: Path = typer.Argument(..., help="model or entry file"),
+         plan: Optional[str] = PlanOpt, tp: Optional[int] = TpOpt, dp: Optional[int] = DpOpt,
+         devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
+         memory_budget: Optional[float] = BudgetOpt, model: Optional[str] = ModelOpt,
+         json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
+         explain: bool = typer.Option(False, "--explain", help="also show which constraints bind"),
+         verbose: bool = VerboseOpt):
+    """Show the chosen plan: per op its split, n and devices; per device time and memory."""
+    _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, model, json_out, explain, verbose)
+
+
+@app.command()
+def explain(model_file: Path = typer.Argument(..., help="model or entry file"),
+            plan: Optional[str] = PlanOpt, tp: Optional[int] = TpOpt, dp: Optional[int] = DpOpt,
+            devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
+            memory_budget: Optional[float] = BudgetOpt, model: Optional[str] = ModelOpt,
+            json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
+            verbose: bool = VerboseOpt):
+    """`plan --explain`: the plan and the constraints that bind it."""
+    _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, model, json_out, True, verbose)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,10 +19,12 @@ from .errors import UserError, display_path
 from .materialize.edits import Edits, plan_edits
 from .plan.ir import OpAssign, OpTrans, Plan
 from .plan.layouts import REPLICATE
-from .plan.search import AxisPlan, Constraints, search_axis
+from .plan.auto import dp_only, search_auto
+from .plan.cost import load_cluster
+from .plan.search import AxisPlan, search_axis
+from .plan.tables import load_table, source_annotations
 
 COMM_SOURCE = Path(__file__).parent / "runtime" / "_comm.py"
-PLAN_NAMES = {"dp", "tp", "megatron"}
 
 
 @dataclass
@@ -33,30 +35,58 @@ class Rewrite:
     files: dict[str, str]
 
 
-def choose_plan(name: str | None, tp: int, dp: int) -> str:
+@dataclass
+class PlanRequest:
+    """What the user asked for: a plan table and a mesh (or devices to search over)."""
+
+    plan: str | None = None
+    tp: int | None = None
+    dp: int | None = None
+    devices: int | None = None
+    cluster: str = "cpu-gloo"
+    memory_budget: float | None = None
+
+
+def _table_names(request: PlanRequest, tp: int, dp: int) -> list[str]:
     """--plan defaults to what the sizes imply: --tp alone megatron, --dp alone dp, both 2-D."""
-    if name in (None, "auto-sizes"):
-        if tp > 1 and dp > 1:
-            return "megatron+dp"
-        return "megatron" if tp > 1 else "dp"
-    if name not in PLAN_NAMES:
-        raise UserError(f"unknown plan {name!r}", hint=f"choose one of {sorted(PLAN_NAMES)}")
+    name = {"tp": "megatron"}.get(request.plan, request.plan)
+    if name is None:
+        return (["megatron"] if tp > 1 else []) + (["dp"] if dp > 1 or tp == 1 else [])
     if name == "dp" and tp > 1:
         raise UserError("--plan dp splits no op over --tp; drop --tp or use --plan megatron")
-    if name in ("tp", "megatron") and tp == 1:
+    table = load_table(name)
+    if "tp" in table.axes and "dp" not in table.axes and tp == 1:
         raise UserError(f"--plan {name} needs --tp N with N > 1")
-    name = "megatron" if name == "tp" else name
-    return f"{name}+dp" if dp > 1 and name != "dp" else name
+    return [name] + (["dp"] if dp > 1 and name != "dp" else [])
 
 
-def build_plan(analysis: Analysis, plan_name: str, tp: int, dp: int) -> tuple[Plan, AxisPlan | None]:
+def build_plan(analysis: Analysis, request: PlanRequest) -> tuple[Plan, AxisPlan | None]:
+    """Solve the plan: each table's constraints, plus the model's own annotations."""
     graph = analysis.graph
-    plan = Plan(plan_name, {"tp": tp, "dp": dp})
-    tp_plan = None
-    if tp > 1:
-        tp_plan = search_axis(graph, "tp", tp, Constraints(require_split_params=True,
-                                                            allow_partial_param_grads=False))
-        plan.estimated_step_seconds += tp_plan.cost
+    cluster = load_cluster(request.cluster)
+    annotations = source_annotations(graph)
+    if request.plan == "auto":
+        devices = request.devices or (request.tp or 1) * (request.dp or 1)
+        if devices < 2:
+            raise UserError("--plan auto needs --devices N (N > 1)")
+        best, _ = search_auto(graph, devices, cluster, annotations, request.memory_budget)
+        tp, dp, tp_plan, name = best.tp, best.dp, best.tp_plan, f"auto(tp={best.tp},dp={best.dp})"
+    else:
+        tp, dp = request.tp or 1, request.dp or 1
+        if tp < 1 or dp < 1:
+            raise UserError("--tp and --dp must be at least 1")
+        names = _table_names(request, tp, dp)
+        tables = [load_table(n) for n in names]
+        constraints = [c for t in tables for c in t.for_axis("tp")] + [c for c in annotations if c.axis == "tp"]
+        batch = analysis.trace.batch_size or 1
+        if dp > 1 and batch % dp:
+            raise UserError(f"the batch of {batch} is not divisible by --dp {dp}",
+                            next((c.location for t in tables for c in t.for_axis("dp")), None))
+        tp_plan = search_axis(graph, "tp", tp, constraints, cluster.axis(1, tp), memory_budget=request.memory_budget,
+                              data_parallel=dp) if tp > 1 else None
+        name = "+".join(names)
+    plan = Plan(name, {"tp": tp, "dp": dp})
+    plan.estimated_step_seconds = tp_plan.cost if tp_plan is not None else dp_only(graph, dp, cluster)[0]
     for site in graph.sites.values():
         where = f"{display_path(site.span.path)}:{site.span.line}:{site.span.col + 1}"
         if tp_plan is not None:
@@ -67,10 +97,10 @@ def build_plan(analysis: Analysis, plan_name: str, tp: int, dp: int) -> tuple[Pl
         if dp > 1:
             plan.trans.append(OpTrans(where, site.callee, "dp", "batch", dp))
             plan.assign += [OpAssign(where, "dp", i, plan.devices_of("dp", i)) for i in range(dp)]
-    for name, info in analysis.trace.params.items():
-        layout = tp_plan.param_layout.get(name) if tp_plan else None
-        plan.params[name] = {"aliases": info.aliases, "shape": list(info.shape),
-                             "tp": str(layout) if layout else "R", "dp": "R"}
+    for pname, info in analysis.trace.params.items():
+        layout = tp_plan.param_layout.get(pname) if tp_plan else None
+        plan.params[pname] = {"aliases": info.aliases, "shape": list(info.shape),
+                              "tp": str(layout) if layout else "R", "dp": "R"}
     return plan, tp_plan
 
 
@@ -114,11 +144,8 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
     return files
 
 
-def rewrite(analysis: Analysis, *, plan_name: str | None, tp: int, dp: int) -> Rewrite:
-    if tp < 1 or dp < 1:
-        raise UserError("--tp and --dp must be at least 1")
-    name = choose_plan(plan_name, tp, dp)
-    plan, tp_plan = build_plan(analysis, name, tp, dp)
+def rewrite(analysis: Analysis, request: PlanRequest) -> Rewrite:
+    plan, tp_plan = build_plan(analysis, request)
     edits = plan_edits(analysis.graph, tp_plan) if tp_plan is not None else None
     label = display_path(analysis.entry.path)
     return Rewrite(plan, tp_plan, edits, render(analysis, plan, edits, label))

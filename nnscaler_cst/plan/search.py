@@ -3,25 +3,27 @@ plan's constraints, minimising the analytical cost with z3.
 
 Variables are per *site*, not per invocation: all instances of a site run the same source,
 so they must be split alike, and a model with 96 identical blocks has the variables of one.
+Constraints are tracked z3 assertions, so a contradictory set comes back as an unsat core
+naming each constraint's file and line.
 """
 from __future__ import annotations
 
-import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import z3
 
-from ..errors import UserError
-from ..graph.dims import OpDims
+from ..errors import Location, UserError
 from ..graph.graph import Graph
 from ..materialize.conversions import conversion, conversion_time
 from ..materialize.size_args import SIZE_ARGUMENTS, locate_size_argument
 from .cost import DeviceSpec, all_reduce_time, compute_time, node_flops
 from .layouts import REPLICATE, R, Layout, layouts_for
 from .refine import refine_factors
+from .tables import Constraint, leaves_partial_param_grad
 
 SiteId = tuple
+BYTES_PER_PARAM_STATE = 16      # fp32 weight, gradient and two AdamW moments
 
 
 @dataclass
@@ -34,7 +36,7 @@ class SiteOptions:
     nodes: list[int]
     options: list[str]                        # option names, from the first instance
     labels: dict[int, list[str]] = field(default_factory=dict)
-    why: dict[str, str] = field(default_factory=dict)   # option -> the constraint that removed it
+    why: dict[str, str] = field(default_factory=dict)   # option -> why it is not possible
 
 
 @dataclass
@@ -44,9 +46,11 @@ class AxisPlan:
     site_choice: dict[SiteId, str]
     node_choice: dict[int, str]
     param_layout: dict[str, Layout]        # canonical param name -> layout on this axis
-    partial_grad_params: list[str]         # replicated params whose grads need an all-reduce
-    cost: float
+    partial_grad_params: list[str]         # whole params whose grads need an all-reduce
+    cost: float                            # seconds per step, this axis's share
+    memory: float                          # bytes per device: weights, optimizer state, activations
     options: dict[SiteId, SiteOptions]
+    restricted: dict[str, list[SiteId]] = field(default_factory=dict)   # constraint id -> sites it narrowed
 
 
 def site_id(graph: Graph, index: int) -> SiteId:
@@ -63,8 +67,10 @@ def option_valid(graph: Graph, index: int, label: str, n: int) -> str | None:
     node = graph.nodes[index]
     if node.callee in SIZE_ARGUMENTS:
         out = layouts_for(dims, label, []).outputs
-        if out and out[0].kind == "S" and isinstance(locate_size_argument(graph, node, out[0].dim), str):
-            return locate_size_argument(graph, node, out[0].dim)
+        if out and out[0].kind == "S":
+            problem = locate_size_argument(graph, node, out[0].dim)
+            if isinstance(problem, str):
+                return problem
     if label in dims.reduced and label not in dims.impl:
         bias = graph.partial_bias(index)
         for name, tensor in dims.inputs.items():
@@ -73,29 +79,8 @@ def option_valid(graph: Graph, index: int, label: str, n: int) -> str | None:
     return None
 
 
-class Constraints:
-    """The plan's restrictions on choices; see rules/plans/*.toml."""
-
-    def __init__(self, require_split_params: bool = False, allow_partial_param_grads: bool = True,
-                 pinned: dict[SiteId, str] | None = None):
-        self.require_split_params = require_split_params
-        self.allow_partial_param_grads = allow_partial_param_grads
-        self.pinned = pinned or {}
-
-    def reject(self, graph: Graph, index: int, choice: str) -> str | None:
-        params = graph.param_operands(index)
-        matrix = any(len(graph.trace.tensors[tid].shape) >= 2 for _, tid in params)
-        if choice == REPLICATE:
-            return "parameterized ops are split" if self.require_split_params and matrix else None
-        dims = graph.dims[index]
-        bias = graph.partial_bias(index) if choice in dims.reduced else None
-        for name, tid in params:
-            if name == bias:
-                continue
-            where = dims.inputs[name].where(choice) if name in dims.inputs else None
-            if where is None and not self.allow_partial_param_grads:
-                return f"parameter {name} would be replicated with a partial gradient"
-        return None
+def _operand_names(graph: Graph, index: int) -> list[str]:
+    return [op.name for op in graph.nodes[index].operands if op.tid is not None]
 
 
 def _signature(graph: Graph, index: int, label: str):
@@ -103,7 +88,8 @@ def _signature(graph: Graph, index: int, label: str):
     return tuple(sorted((k, str(v)) for k, v in lay.inputs.items())), tuple(map(str, lay.outputs))
 
 
-def site_options(graph: Graph, n: int, constraints: Constraints) -> dict[SiteId, SiteOptions]:
+def site_options(graph: Graph, n: int) -> dict[SiteId, SiteOptions]:
+    """Every valid way to split each site n ways (constraints of the plan come later)."""
     grouped: dict[SiteId, list[int]] = defaultdict(list)
     for node in graph.nodes:
         grouped[site_id(graph, node.index)].append(node.index)
@@ -115,8 +101,7 @@ def site_options(graph: Graph, n: int, constraints: Constraints) -> dict[SiteId,
         for i in nodes:
             allowed = {}
             for label in [REPLICATE, *(graph.dims[i].splittable() if splittable else [])]:
-                reason = (option_valid(graph, i, label, n) if label != REPLICATE else None) or \
-                    constraints.reject(graph, i, label)
+                reason = option_valid(graph, i, label, n) if label != REPLICATE else None
                 if reason:
                     why.setdefault(label, reason)
                 else:
@@ -124,114 +109,196 @@ def site_options(graph: Graph, n: int, constraints: Constraints) -> dict[SiteId,
             per_node[i] = allowed
         first = per_node[nodes[0]]
         common = [sig for sig in first if all(sig in per_node[i] for i in nodes)]
-        options = [first[sig] for sig in common]
-        if sid in constraints.pinned:
-            keep = [k for k, name in enumerate(options) if name == constraints.pinned[sid]]
-            for k, name in enumerate(options):
-                if k not in keep:
-                    why[name] = f"pinned to {constraints.pinned[sid]}"
-            common, options = [common[k] for k in keep], [options[k] for k in keep]
-        labels = {i: [per_node[i][sig] for sig in common] for i in nodes}
-        result[sid] = SiteOptions(sid, nodes, options, labels, why)
+        result[sid] = SiteOptions(sid, nodes, [first[s] for s in common],
+                                  {i: [per_node[i][s] for s in common] for i in nodes}, why)
     return result
 
 
-def _operand_names(graph: Graph, index: int) -> list[str]:
-    return [op.name for op in graph.nodes[index].operands if op.tid is not None]
-
-
-def search_axis(graph: Graph, axis: str, n: int, constraints: Constraints,
-                device: DeviceSpec = DeviceSpec()) -> AxisPlan:
+def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
+                device: DeviceSpec = DeviceSpec(), *, memory_budget: float | None = None,
+                data_parallel: int = 1) -> AxisPlan:
+    """The cheapest per-site split satisfying `constraints`; `data_parallel` divides the batch."""
     refine_factors(graph)
     tensors = graph.trace.tensors
-    options = site_options(graph, n, constraints)
-    for sid, opts in options.items():
-        if not opts.options:
-            node = graph.nodes[opts.nodes[0]]
-            reasons = "; ".join(f"{c}: {w}" for c, w in opts.why.items())
-            raise UserError(f"no way to place {node.callee} on {n} devices ({reasons})",
-                            node.span.start if node.span else None)
+    options = site_options(graph, n)
     sids = list(options)
     var = {sid: z3.Int(f"site{k}") for k, sid in enumerate(sids)}
-    solver = z3.Optimize()
-    terms = []
-    layout_cache: dict[tuple[int, str], object] = {}
+    hard: list = []
+    tracked: list[tuple[z3.BoolRef, z3.BoolRef, Constraint | str]] = []
+    restricted: dict[str, list[SiteId]] = defaultdict(list)
+    for sid in sids:
+        hard += [var[sid] >= 0, var[sid] < len(options[sid].options)]
+    for constraint in constraints:
+        for sid in sids:
+            opts = options[sid]
+            selected = [i for i in opts.nodes if constraint.selects(graph, i)]
+            if not selected:
+                continue
+            allowed = [k for k in range(len(opts.options))
+                       if all(constraint.allows(graph, i, opts.labels[i][k]) for i in selected)]
+            if len(allowed) < len(opts.options):
+                restricted[constraint.id].append(sid)
+                literal = z3.Bool(f"{constraint.id}#{len(tracked)}")
+                tracked.append((literal, z3.Or([var[sid] == k for k in allowed]) if allowed else z3.BoolVal(False),
+                                constraint))
 
-    def lay(index: int, choice: str):
-        key = (index, choice)
-        if key not in layout_cache:
-            layout_cache[key] = layouts_for(graph.dims.get(index), choice, _operand_names(graph, index))
-        return layout_cache[key]
+    terms, memory_terms, impossible = _cost_terms(graph, options, var, n, device, data_parallel)
+    hard += impossible
+    param_vars, param_hard = _param_layout_vars(graph, options, var)
+    hard += param_hard
+    if memory_budget is not None:
+        memory = z3.Sum(memory_terms(param_vars)) if tensors else z3.IntVal(0)
+        literal = z3.Bool("memory-budget")
+        tracked.append((literal, memory <= int(memory_budget), "memory-budget"))
+
+    checker = z3.Solver()
+    checker.add(*hard)
+    for literal, expr, _ in tracked:
+        checker.assert_and_track(expr, literal)
+    if checker.check() != z3.sat:
+        _report_core(checker.unsat_core(), tracked, options, axis, n, memory_budget)
+
+    solver = z3.Optimize()
+    solver.add(*hard, *[expr for _, expr, _ in tracked])
+    objective = z3.Sum(terms) if terms else z3.IntVal(0)
+    solver.minimize(objective)
+    solver.check()
+    model = solver.model()
+    picked = {sid: model.eval(var[sid]).as_long() for sid in sids}
+    node_choice = {i: options[sid].labels[i][picked[sid]] for sid in sids for i in options[sid].nodes}
+    param_layout = {p: layouts[model.eval(pv).as_long()] for p, (pv, layouts) in param_vars.items()}
+    partial = [p for p in _partial_grad_params(graph, node_choice)]
+    cost = model.eval(objective).as_long() / 1e9
+    for name in partial:
+        cost += all_reduce_time(tensors[graph.trace.params[name].tid].nbytes, n, device)
+    memory = sum(model.eval(t).as_long() for t in memory_terms(param_vars)) if tensors else 0
+    return AxisPlan(axis, n, {sid: options[sid].options[k] for sid, k in picked.items()}, node_choice,
+                    param_layout, partial, cost, float(memory), options, dict(restricted))
+
+
+def _report_core(core, tracked, options, axis: str, n: int, memory_budget) -> None:
+    names = {str(c) for c in core}
+    related: list[tuple[Location, str]] = []
+    seen = set()
+    for literal, _, constraint in tracked:
+        if str(literal) not in names:
+            continue
+        if constraint == "memory-budget":
+            key, item = "memory-budget", (Location("--memory-budget"), f"memory per device <= {memory_budget:.3g} bytes")
+        else:
+            key, item = constraint.id, (constraint.location, constraint.describe())
+        if key not in seen:
+            seen.add(key)
+            related.append(item)
+    raise UserError(f"no {axis} plan on {n} devices satisfies these {len(related)} constraints together",
+                    related[0][0] if related else None, related=related,
+                    hint="drop or relax one of the constraints listed (the unsat core)")
+
+
+def _partial_grad_params(graph: Graph, node_choice: dict[int, str]) -> list[str]:
+    out: list[str] = []
+    for node in graph.nodes:
+        label = node_choice[node.index]
+        if node.index in graph.dims and leaves_partial_param_grad(graph, node.index, label):
+            dims = graph.dims[node.index]
+            bias = graph.partial_bias(node.index) if label in dims.reduced else None
+            for name, tid in graph.param_operands(node.index):
+                pname = graph.trace.tensors[tid].param
+                if name != bias and (name not in dims.inputs or dims.inputs[name].where(label) is None) \
+                        and pname not in out:
+                    out.append(pname)
+    return out
+
+
+def _param_layout_vars(graph: Graph, options, var):
+    """One layout per parameter, whoever uses it (tied weights stay tied)."""
+    uses: dict[str, list[tuple[SiteId, dict[int, Layout]]]] = defaultdict(list)
+    for node in graph.nodes:
+        sid = site_id(graph, node.index)
+        for name, tid in graph.param_operands(node.index):
+            need = {b: layouts_for(graph.dims.get(node.index), label, _operand_names(graph, node.index)).inputs[name]
+                    for b, label in enumerate(options[sid].labels[node.index])}
+            uses[graph.trace.tensors[tid].param].append((sid, need))
+    param_vars, hard = {}, []
+    for p, entries in uses.items():
+        layouts = sorted({l for _, u in entries for l in u.values()}, key=str)
+        pv = z3.Int(f"param_{len(param_vars)}")
+        hard += [pv >= 0, pv < len(layouts)]
+        for sid, need in entries:
+            for b, layout in need.items():
+                hard.append(z3.Implies(var[sid] == b, pv == layouts.index(layout)))
+        param_vars[p] = (pv, layouts)
+    return param_vars, hard
+
+
+def _cost_terms(graph: Graph, options, var, n: int, device: DeviceSpec, data_parallel: int):
+    """z3 terms of the step time (ns), a function giving per-device memory terms (bytes), and
+    the pairs of choices no collective sequence can connect."""
+    tensors = graph.trace.tensors
+    layout_cache: dict = {}
+
+    def lay(index: int, label: str):
+        if (index, label) not in layout_cache:
+            layout_cache[(index, label)] = layouts_for(graph.dims.get(index), label, _operand_names(graph, index))
+        return layout_cache[(index, label)]
 
     def ns(seconds: float) -> int:
-        return int(round(seconds * 1e9))
+        return int(round(seconds * 1e9 / data_parallel))
 
-    # compute, and gradient all-reduces of parameters left replicated under a split
-    for sid in sids:
-        opts = options[sid]
-        solver.add(var[sid] >= 0, var[sid] < len(opts.options))
-        for k, choice in enumerate(opts.options):
-            total = 0.0
+    terms, activation, impossible = [], [], []
+    for sid, opts in options.items():
+        for k in range(len(opts.options)):
+            total, saved = 0.0, 0.0
             for i in opts.nodes:
-                flops = node_flops(graph.nodes[i], graph.dims.get(i), graph.trace)
-                total += compute_time(flops, n if choice != REPLICATE else 1, device)
+                label = opts.labels[i][k]
+                ways = n if label != REPLICATE else 1
+                total += compute_time(node_flops(graph.nodes[i], graph.dims.get(i), graph.trace), ways, device)
+                saved += sum(tensors[t].nbytes for t in graph.nodes[i].outputs) / ways
+                if graph.dims.get(i) is not None and leaves_partial_param_grad(graph, i, label):
+                    total += sum(all_reduce_time(tensors[tid].nbytes, n, device)
+                                 for _, tid in graph.param_operands(i))
             if total:
                 terms.append(z3.If(var[sid] == k, ns(total), 0))
+            if saved:
+                activation.append(z3.If(var[sid] == k, int(saved / data_parallel), 0))
 
-    # conversions on every edge, summed per pair of sites
+    producer_out = {tid: (node.index, k) for node in graph.nodes for k, tid in enumerate(node.outputs)}
     pair_cost: dict[tuple[SiteId, SiteId], dict[tuple[int, int], float | None]] = defaultdict(dict)
-    producer_out: dict[int, tuple[int, int]] = {}
-    for index, node in enumerate(graph.nodes):
-        for k, tid in enumerate(node.outputs):
-            producer_out[tid] = (index, k)
-    param_uses: dict[str, list[tuple[SiteId, dict[int, Layout]]]] = defaultdict(list)
     for node in graph.nodes:
-        v = node.index
-        sv = site_id(graph, v)
-        v_opts = options[sv].labels[v]
+        v, sv = node.index, site_id(graph, node.index)
         for operand in node.operands:
-            if operand.tid is None:
+            if operand.tid is None or tensors[operand.tid].param is not None:
                 continue
             info = tensors[operand.tid]
-            if info.param is not None:
-                bias = None
-                uses = {}
-                for b, choice in enumerate(v_opts):
-                    need = lay(v, choice).inputs[operand.name]
-                    uses[b] = need
-                param_uses[info.param].append((sv, uses))
-                continue
             source = producer_out.get(operand.tid)
-            for b, choice in enumerate(v_opts):
-                need_layouts = lay(v, choice)
-                need = need_layouts.inputs[operand.name]
+            for b, label in enumerate(options[sv].labels[v]):
+                wanted = lay(v, label)
+                need = wanted.inputs[operand.name]
                 if source is None:
-                    steps = conversion(R, need, consumer_split=need_layouts.split, requires_grad=info.requires_grad)
-                    cost = conversion_time(steps, info.nbytes, n, device)
+                    cost = conversion_time(conversion(R, need, consumer_split=wanted.split,
+                                                      requires_grad=info.requires_grad), info.nbytes, n, device)
                     if cost:
                         terms.append(z3.If(var[sv] == b, ns(cost), 0))
                     continue
                 u, k = source
                 su = site_id(graph, u)
-                for a, u_choice in enumerate(options[su].labels[u]):
-                    outs = lay(u, u_choice).outputs
-                    have = outs[k] if k < len(outs) else R
-                    steps = conversion(have, need, consumer_split=need_layouts.split,
+                table = pair_cost[(su, sv)]
+                for a, u_label in enumerate(options[su].labels[u]):
+                    outs = lay(u, u_label).outputs
+                    steps = conversion(outs[k] if k < len(outs) else R, need, consumer_split=wanted.split,
                                        requires_grad=info.requires_grad)
-                    table = pair_cost[(su, sv)]
                     if steps is None:
                         table[(a, b)] = None
                     elif table.get((a, b), 0.0) is not None:
                         table[(a, b)] = table.get((a, b), 0.0) + conversion_time(steps, info.nbytes, n, device)
-    # the loss must end up whole on every device
-    if graph.trace.loss is not None and graph.trace.loss in producer_out:
-        u, k = producer_out[graph.trace.loss]
+    loss = graph.trace.loss
+    if loss is not None and loss in producer_out:
+        u, k = producer_out[loss]
         su = site_id(graph, u)
-        for a, choice in enumerate(options[su].labels[u]):
-            outs = lay(u, choice).outputs
-            have = outs[k] if k < len(outs) else R
-            cost = conversion_time(conversion(have, R, consumer_split=False, requires_grad=False),
-                                   tensors[graph.trace.loss].nbytes, n, device)
+        for a, label in enumerate(options[su].labels[u]):
+            outs = lay(u, label).outputs
+            steps = conversion(outs[k] if k < len(outs) else R, R, consumer_split=False, requires_grad=False)
+            cost = conversion_time(steps, tensors[loss].nbytes, n, device)
             if cost:
                 terms.append(z3.If(var[su] == a, ns(cost), 0))
     for (su, sv), table in pair_cost.items():
@@ -240,47 +307,16 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: Constraints,
                 continue
             cond = var[su] == a if su == sv else z3.And(var[su] == a, var[sv] == b)
             if cost is None:
-                solver.add(z3.Not(cond))
+                impossible.append(z3.Not(cond))      # no collective sequence gives this layout
             elif cost:
                 terms.append(z3.If(cond, ns(cost), 0))
-    # a parameter has one layout, whoever uses it (tied weights); replicated under a split, its
-    # gradient is partial and costs an all-reduce
-    param_var = {}
-    for p, uses in param_uses.items():
-        layouts = sorted({l for _, u in uses for l in u.values()}, key=str)
-        pv = param_var[p] = z3.Int(f"param_{len(param_var)}")
-        solver.add(pv >= 0, pv < len(layouts))
-        for sv, u in uses:
-            for b, need in u.items():
-                solver.add(z3.Implies(var[sv] == b, pv == layouts.index(need)))
-        param_var[p] = (pv, layouts)
-    objective = z3.Sum(terms) if terms else z3.IntVal(0)
-    solver.minimize(objective)
-    if solver.check() != z3.sat:
-        raise UserError(f"no {axis} plan satisfies the constraints on {n} devices")
-    model = solver.model()
-    picked = {sid: model.eval(var[sid]).as_long() for sid in sids}
-    site_choice = {sid: options[sid].options[k] for sid, k in picked.items()}
-    node_choice = {i: options[sid].labels[i][picked[sid]] for sid in sids for i in options[sid].nodes}
-    param_layout = {p: layouts[model.eval(pv).as_long()] for p, (pv, layouts) in param_var.items()}
-    partial = _partial_grad_params(graph, node_choice, param_layout)
-    cost = model.eval(objective).as_long() / 1e9
-    for name in partial:
-        cost += all_reduce_time(tensors[graph.trace.params[name].tid].nbytes, n, device)
-    return AxisPlan(axis, n, site_choice, node_choice, param_layout, partial, cost, options)
 
+    def memory_terms(param_vars):
+        out = list(activation)
+        for p, (pv, layouts) in param_vars.items():
+            size = tensors[graph.trace.params[p].tid].nbytes // 4 * BYTES_PER_PARAM_STATE
+            for idx, layout in enumerate(layouts):
+                out.append(z3.If(pv == idx, size // (n if layout.kind == "S" else 1), 0))
+        return out
 
-def _partial_grad_params(graph: Graph, node_choice: dict[int, str], param_layout: dict[str, Layout]) -> list[str]:
-    """Replicated parameters used by a split op (not as its once-added bias): partial gradients."""
-    out = []
-    for node in graph.nodes:
-        choice = node_choice[node.index]
-        if choice == REPLICATE:
-            continue
-        dims: OpDims | None = graph.dims.get(node.index)
-        bias = graph.partial_bias(node.index) if dims and choice in dims.reduced else None
-        for name, tid in graph.param_operands(node.index):
-            pname = graph.trace.tensors[tid].param
-            if name != bias and param_layout.get(pname, R) == R and pname not in out:
-                out.append(pname)
-    return out
+    return terms, memory_terms, impossible

@@ -1,0 +1,157 @@
+"""Plan tables (rules/plans/*.toml) and in-source annotations, as constraints over op-trans.
+
+A constraint selects ops (all, by callee type, by module path pattern, by role: ops holding
+a weight matrix, or by the source line it is written next to) and restricts how they may be
+split along one mesh axis: `algo` = split | replicate | batch | a dim label, or `forbid`
+partial weight gradients. Each keeps its location so an unsatisfiable set can be reported
+line by line.
+
+Source annotation syntax, a comment on the line of a call in the model's own file:
+
+    y = self.attn(x)  # nnscaler: tp=replicate
+    h = self.fc1(x)   # nnscaler: tp=split
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import Location, UserError, display_path
+from ..graph.graph import Graph
+from ..graph.oprules import RULES_DIR
+from .layouts import REPLICATE
+
+ALGOS = {"split", "replicate", "batch"}
+_ANNOTATION = re.compile(r"#\s*nnscaler:\s*(.+)$")
+
+
+@dataclass
+class Constraint:
+    id: str
+    location: Location
+    axis: str
+    select: dict
+    algo: str | None = None
+    forbid: str | None = None
+    n: str | None = None
+
+    def selects(self, graph: Graph, index: int) -> bool:
+        node = graph.nodes[index]
+        sel = self.select
+        if sel.get("all"):
+            return True
+        if "callee" in sel:
+            callees = sel["callee"] if isinstance(sel["callee"], list) else [sel["callee"]]
+            if node.callee in callees:
+                return True
+        if "module" in sel and fnmatch.fnmatchcase(node.module_path, sel["module"]):
+            return True
+        if sel.get("params") == "matrix":
+            return any(len(graph.trace.tensors[tid].shape) >= 2 for _, tid in graph.param_operands(index))
+        if "line" in sel and node.span is not None:
+            path, line = sel["line"]
+            return node.span.path == path and node.span.line <= line <= node.span.end_line
+        return False
+
+    def allows(self, graph: Graph, index: int, label: str) -> bool:
+        if self.forbid == "partial-param-grads":
+            return not leaves_partial_param_grad(graph, index, label)
+        if self.algo in (None, "batch"):
+            return True
+        if self.algo == "replicate":
+            return label == REPLICATE
+        if self.algo == "split":
+            if label == REPLICATE:
+                return False
+            dims = graph.dims[index]
+            return all(len(graph.trace.tensors[tid].shape) < 2 or (
+                name in dims.inputs and dims.inputs[name].where(label) is not None)
+                for name, tid in graph.param_operands(index))
+        return label == self.algo
+
+    def describe(self) -> str:
+        what = f"{self.axis}={self.algo}" if self.algo else f"forbid {self.forbid} on {self.axis}"
+        return f"{self.id}: {what} for {self.select}"
+
+
+def leaves_partial_param_grad(graph: Graph, index: int, label: str) -> bool:
+    """A split that keeps a weight whole leaves each device with part of its gradient."""
+    if label == REPLICATE:
+        return False
+    dims = graph.dims[index]
+    bias = graph.partial_bias(index) if label in dims.reduced else None
+    return any(name != bias and (name not in dims.inputs or dims.inputs[name].where(label) is None)
+               for name, _ in graph.param_operands(index))
+
+
+@dataclass
+class PlanTable:
+    name: str
+    description: str
+    axes: list[str]
+    constraints: list[Constraint] = field(default_factory=list)
+    path: Path | None = None
+
+    def for_axis(self, axis: str) -> list[Constraint]:
+        return [c for c in self.constraints if c.axis == axis]
+
+
+def available_plans(rules_dir: Path = RULES_DIR) -> list[str]:
+    return sorted(p.stem for p in (rules_dir / "plans").glob("*.toml"))
+
+
+def load_table(name: str, rules_dir: Path = RULES_DIR) -> PlanTable:
+    path = rules_dir / "plans" / f"{name}.toml"
+    if not path.is_file():
+        raise UserError(f"unknown plan {name!r}", hint=f"plans: {', '.join(available_plans(rules_dir))} "
+                        f"(tables in {display_path(rules_dir / 'plans')})")
+    text = path.read_text()
+    shown = display_path(path)
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"invalid TOML: {exc}", Location(shown)) from None
+    head = data.get("plan", {})
+    table = PlanTable(head.get("name", name), head.get("description", ""), head.get("axes", []), path=path)
+    if "extends" in head:
+        table.constraints += load_table(head["extends"], rules_dir).constraints
+    lines = text.splitlines()
+    for k, entry in enumerate(data.get("constraint", [])):
+        cid = entry.get("id", f"{name}-{k}")
+        line = next((i + 1 for i, l in enumerate(lines) if re.match(rf'\s*id\s*=\s*"{re.escape(cid)}"', l)), 1)
+        location = Location(shown, line)
+        trans = entry.get("op_trans", {})
+        constraint = Constraint(cid, location, trans.get("axis", entry.get("axis", "tp")), entry.get("select", {}),
+                                algo=trans.get("algo"), forbid=entry.get("forbid"), n=trans.get("n"))
+        if constraint.algo is not None and constraint.algo not in ALGOS and not re.fullmatch(r"[\w.]+", constraint.algo):
+            raise UserError(f"unknown algo {constraint.algo!r}", location, hint=f"one of {sorted(ALGOS)} or a dim label")
+        if not constraint.select:
+            raise UserError("a constraint needs `select`", location)
+        table.constraints.append(constraint)
+    return table
+
+
+def source_annotations(graph: Graph) -> list[Constraint]:
+    """`# nnscaler: tp=replicate` comments in the model's own files."""
+    out = []
+    for path in graph.trace.own_files:
+        source = graph.sources.get(path) if graph.sources else None
+        if source is None:
+            continue
+        for number, line in enumerate(source.lines, 1):
+            match = _ANNOTATION.search(line)
+            if not match:
+                continue
+            for part in match.group(1).split(","):
+                axis, _, algo = part.strip().partition("=")
+                location = Location(display_path(path), number, match.start())
+                if not algo or axis not in ("tp", "dp"):
+                    raise UserError(f"bad annotation {part.strip()!r}", location,
+                                    hint="write `# nnscaler: tp=replicate` (or tp=split, tp=<dim label>)")
+                out.append(Constraint(f"annotation {display_path(path)}:{number}", location, axis,
+                                      {"line": (str(source.path), number)}, algo=algo.strip()))
+    # one constraint per annotated place, even if the file is seen under two spellings
+    return list({c.id + c.describe(): c for c in out}.values())
