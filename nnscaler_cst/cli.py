@@ -75,6 +75,10 @@ PlanOpt = typer.Option(None, "--plan", help="a table in rules/plans (dp, megatro
 DevicesOpt = typer.Option(None, "--devices", help="devices for --plan auto")
 ClusterOpt = typer.Option(None, "--cluster", help="device/cluster spec in rules/devices (default cpu-gloo)")
 BudgetOpt = typer.Option(None, "--memory-budget", help="bytes of memory per device the plan may use")
+PpOpt = typer.Option(None, "--pp", help="pipeline stages (ranks)")
+MicroOpt = typer.Option(None, "--micro-batches", help="micro-batches per step (default: pp x virtual stages)")
+ScheduleOpt = typer.Option(None, "--schedule", help="gpipe | 1f1b | interleaved, or any schedule table in rules/plans")
+StagesOpt = typer.Option(None, "--stages", help="block indices where stages 1.. begin, e.g. 6,12,18")
 OutOpt = typer.Option(None, "--out", "-o", help="output folder")
 
 
@@ -82,15 +86,18 @@ def _options(model_file: Path, **given):
     """Command-line options over [tool.nnscaler-rewrite] defaults over built-in defaults."""
     from .config import project_defaults
     defaults = {"tp": None, "dp": None, "plan": None, "out": "parallel", "model": None, "devices": None,
-                "cluster": "cpu-gloo", "memory_budget": None}
+                "cluster": "cpu-gloo", "memory_budget": None, "pp": 1, "micro_batches": None, "schedule": "1f1b",
+                "stages": None}
     defaults.update(project_defaults(model_file))
     return {k: (v if v is not None else defaults.get(k)) for k, v in given.items()}
 
 
 def _request(opts: dict):
     from .rewrite import PlanRequest
+    cuts = [int(x) for x in str(opts["stages"]).split(",")] if opts.get("stages") else None
     return PlanRequest(opts["plan"], opts["tp"], opts["dp"], opts["devices"], opts["cluster"],
-                       float(opts["memory_budget"]) if opts["memory_budget"] is not None else None)
+                       float(opts["memory_budget"]) if opts["memory_budget"] is not None else None,
+                       int(opts.get("pp") or 1), opts.get("micro_batches"), opts.get("schedule") or "1f1b", cuts)
 
 
 def _rewrite(model_file: Path, opts: dict):
@@ -118,7 +125,9 @@ def _print_diff(text: str) -> None:
 def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
             plan: Optional[str] = PlanOpt, tp: Optional[int] = TpOpt, dp: Optional[int] = DpOpt,
             devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
-            memory_budget: Optional[float] = BudgetOpt,
+            memory_budget: Optional[float] = BudgetOpt, pp: Optional[int] = PpOpt,
+            micro_batches: Optional[int] = MicroOpt, schedule: Optional[str] = ScheduleOpt,
+            stages: Optional[str] = StagesOpt,
             out: Optional[Path] = OutOpt, model: Optional[str] = ModelOpt,
             diff: Optional[int] = typer.Option(None, "--diff", help="show the diff of the model file "
                                                "against this rank's file instead of writing"),
@@ -134,7 +143,8 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
 
     def body():
         opts = _options(model_file, tp=tp, dp=dp, plan=plan, out=out, model=model, devices=devices,
-                        cluster=cluster, memory_budget=memory_budget)
+                        cluster=cluster, memory_budget=memory_budget, pp=pp, micro_batches=micro_batches,
+                        schedule=schedule, stages=stages)
         analysis, result = _rewrite(model_file, opts)
         out_dir = Path(opts["out"])
         if diff is not None:
@@ -168,7 +178,9 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
 def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
            plan: Optional[str] = PlanOpt, tp: Optional[int] = TpOpt, dp: Optional[int] = DpOpt,
            devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
-           memory_budget: Optional[float] = BudgetOpt,
+           memory_budget: Optional[float] = BudgetOpt, pp: Optional[int] = PpOpt,
+           micro_batches: Optional[int] = MicroOpt, schedule: Optional[str] = ScheduleOpt,
+           stages: Optional[str] = StagesOpt,
            out: Optional[Path] = typer.Option(None, "--out", "-o", help="output folder: rewritten first "
                                               "when --tp/--dp/--plan is given, else verified as it is"),
            model: Optional[str] = ModelOpt,
@@ -186,9 +198,11 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
 
     def body():
         opts = _options(model_file, tp=tp, dp=dp, plan=plan, out=out, model=model, devices=devices,
-                        cluster=cluster, memory_budget=memory_budget)
+                        cluster=cluster, memory_budget=memory_budget, pp=pp, micro_batches=micro_batches,
+                        schedule=schedule, stages=stages)
         out_dir = Path(opts["out"])
-        if any(v is not None for v in (tp, dp, plan, devices)) or not out_dir.exists():
+        if any(v is not None for v in (tp, dp, plan, devices, pp, micro_batches, schedule, stages)) \
+                or not out_dir.exists():
             _, result = _rewrite(model_file, opts)
             write_output(out_dir, result.files, force=force)
         try:

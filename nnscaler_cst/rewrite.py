@@ -13,11 +13,14 @@ import libcst as cst
 from . import __version__
 from .analysis import Analysis
 from .emit import templates
-from .emit.assemble import add_comm_import, merge_entry, model_files, with_header
-from .emit.rewrite import rewrite_module
+from .emit.assemble import add_comm_import, content_hash, merge_entry, model_files, with_header
+from .emit.rewrite import StageSplit, rewrite_module
 from .errors import UserError, display_path
 from .materialize.edits import Edits, plan_edits
-from .plan.ir import OpAssign, OpTrans, Plan
+from .plan.ir import OpAssign, OpOrder, OpTrans, Plan
+from .plan.pipeline import StagePlan, plan_stages
+from .plan.schedules import Action, load_schedule, schedule, to_csv
+from .verify.simulate import simulate
 from .plan.layouts import REPLICATE
 from .plan.auto import dp_only, search_auto
 from .plan.cost import load_cluster
@@ -33,6 +36,8 @@ class Rewrite:
     tp_plan: AxisPlan | None
     edits: Edits | None
     files: dict[str, str]
+    stages: StagePlan | None = None
+    orders: list[list[Action]] | None = None
 
 
 @dataclass
@@ -45,13 +50,17 @@ class PlanRequest:
     devices: int | None = None
     cluster: str = "cpu-gloo"
     memory_budget: float | None = None
+    pp: int = 1
+    micro_batches: int | None = None
+    schedule: str = "1f1b"
+    stage_cuts: list[int] | None = None
 
 
 def _table_names(request: PlanRequest, tp: int, dp: int) -> list[str]:
     """--plan defaults to what the sizes imply: --tp alone megatron, --dp alone dp, both 2-D."""
     name = {"tp": "megatron"}.get(request.plan, request.plan)
     if name is None:
-        return (["megatron"] if tp > 1 else []) + (["dp"] if dp > 1 or tp == 1 else [])
+        return (["megatron"] if tp > 1 else []) + (["dp"] if dp > 1 else [])
     if name == "dp" and tp > 1:
         raise UserError("--plan dp splits no op over --tp; drop --tp or use --plan megatron")
     table = load_table(name)
@@ -84,8 +93,8 @@ def build_plan(analysis: Analysis, request: PlanRequest) -> tuple[Plan, AxisPlan
                             next((c.location for t in tables for c in t.for_axis("dp")), None))
         tp_plan = search_axis(graph, "tp", tp, constraints, cluster.axis(1, tp), memory_budget=request.memory_budget,
                               data_parallel=dp) if tp > 1 else None
-        name = "+".join(names)
-    plan = Plan(name, {"tp": tp, "dp": dp})
+        name = "+".join(names) or "single"
+    plan = Plan(name, {"tp": tp, "dp": dp, "pp": request.pp})
     plan.estimated_step_seconds = tp_plan.cost if tp_plan is not None else dp_only(graph, dp, cluster)[0]
     for site in graph.sites.values():
         where = f"{display_path(site.span.path)}:{site.span.line}:{site.span.col + 1}"
@@ -104,24 +113,62 @@ def build_plan(analysis: Analysis, request: PlanRequest) -> tuple[Plan, AxisPlan
     return plan, tp_plan
 
 
-def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: str) -> dict[str, str]:
+def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: int, table: str) -> str:
+    mine = stages.stages_of(pp_rank)
+    tied = sorted({alias for group in stages.tied for alias in group})
+    lines = ["", "", f"# --- pipeline: what this rank runs ({table}; stages balanced by the cost model) ---",
+             f'PIPELINE_BLOCKS = "{stages.trunk.container}"',
+             f"PIPELINE_STAGE_COUNT = {stages.stages}",
+             f"PIPELINE_STAGES = {mine}  # the stages this rank runs",
+             f"STAGE_BLOCKS = {{{', '.join(f'{s}: {stages.block_ranges[s]}' for s in mine)}}}  "
+             f"# blocks of {stages.trunk.container} per stage",
+             f"STAGE_DROPS = {{{', '.join(f'{s}: {stages.drop[s]}' for s in mine)}}}  # modules other stages hold",
+             f"TIED_PARAMETERS = {tied}  # held by the first and last stage; gradients summed",
+             f'SCHEDULE = "{" ".join(map(str, orders[pp_rank]))}"  # this rank\'s order']
+    return "\n".join(lines) + "\n"
+
+
+def _schedule_comment(orders: list[list[Action]], table: str, micro: int) -> str:
+    lines = [f"# Pipeline schedule {table}: {len(orders)} ranks x {micro} micro-batches; "
+             "SF M = stage S forward (F) or backward (B) of micro-batch M"]
+    lines += [f"#   rank {r}: {' '.join(map(str, order))}" for r, order in enumerate(orders)]
+    return "\n".join(lines) + "\n"
+
+
+def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: str,
+           stages: StagePlan | None = None, orders: list[list[Action]] | None = None,
+           request: PlanRequest | None = None) -> dict[str, str]:
     entry = analysis.entry
     model_path, entry_path = model_files(analysis.trace.own_files, entry.path)
     empty = Edits("tp", 1, {}, {}, {}, [])
     main_source = analysis.sources.get(model_path or entry_path)
-    module, ctx = rewrite_module(main_source, edits or empty)
+    split = None
+    if stages is not None:
+        trunk = stages.trunk
+        split = StageSplit(trunk.function_span, trunk.loop_index, trunk.handoff, trunk.container)
+        if trunk.function_span.path != str(main_source.path):
+            raise UserError("the loop over the blocks is not in the model's main file")
+    module, ctx = rewrite_module(main_source, edits or empty, split)
     if model_path is not None:
         module = merge_entry(module, model_path, analysis.sources.get(entry_path).module, entry_path)
     module = add_comm_import(module, ctx.used, ctx.needs_torch)
     body = module.code
     files: dict[str, str] = {}
+    micro = len([a for a in orders[0] if a.kind == "F"]) // stages.virtual if orders else 0
     for rank in range(plan.world_size):
         coords = ", ".join(f"{a} {i}" for a, i in plan.coords(rank).items())
+        text = body
+        if stages is not None:
+            table = request.schedule if request else "schedule"
+            text = _schedule_comment(orders, table, micro) + body + _pipeline_section(
+                stages, orders, plan.coords(rank)["pp"], table)
         files[f"model_rank{rank}.py"] = with_header(
-            body, f"from {source_label}; plan {plan.describe()}; rank {rank} of {plan.world_size} ({coords})")
+            text, f"from {source_label}; plan {plan.describe()}; rank {rank} of {plan.world_size} ({coords})")
+    if orders is not None:
+        files["schedule.csv"] = to_csv(orders)
     comm = COMM_SOURCE.read_text()
     files["_comm.py"] = with_header(comm, "(named collectives; torch only)")
-    tp, dp = plan.mesh["tp"], plan.mesh["dp"]
+    tp, dp, pp = plan.mesh["tp"], plan.mesh["dp"], plan.mesh.get("pp", 1)
     splits = ""
     if edits is not None:
         for name, info in analysis.trace.params.items():
@@ -130,13 +177,16 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
                 splits += "".join(f"    {alias!r}: ({layout.dim}, {layout.groups}),\n" for alias in info.aliases)
     title = f"Parallel version of {source_label}: plan {plan.describe()}."
     files["__init__.py"] = with_header(templates.INIT.format(title=title, world=plan.world_size, tp=tp, dp=dp,
-                                                             splits=splits), f"from {source_label}")
+                                                             pp=pp, splits=splits), f"from {source_label}")
     partial = ", ".join(repr(a) for p in (edits.partial_grad_params if edits else [])
                         for a in analysis.trace.params[p].aliases)
+    pipeline_step = templates.PIPELINE_STEP.format(micro=micro) if stages is not None else ""
     files["train.py"] = with_header(templates.TRAIN.format(source=source_label, plan=plan.describe(),
                                                            world=plan.world_size, folder="<this folder>",
-                                                           partial=partial), f"from {source_label}")
-    plan_json = {"generated_by": f"nnscaler-rewrite {__version__}", "source": source_label, **plan.to_json()}
+                                                           partial=partial, pipeline_step=pipeline_step),
+                                    f"from {source_label}")
+    plan_json = {"generated_by": f"nnscaler-rewrite {__version__}", "source": source_label, **plan.to_json(),
+                 "file_hashes": {n: content_hash(t) for n, t in files.items() if not n.endswith(".py")}}
     files["plan.json"] = json.dumps(plan_json, indent=1, sort_keys=False) + "\n"
     for name, text in files.items():
         if name.endswith(".py"):
@@ -144,8 +194,38 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
     return files
 
 
+def plan_pipeline(analysis: Analysis, plan: Plan, request: PlanRequest) -> tuple[StagePlan, list[list[Action]]]:
+    """Stages as op_assign, the schedule as op_order; simulated before anything is written."""
+    table = load_schedule(request.schedule)
+    stages = plan_stages(analysis.graph, request.pp, table.virtual_stages, request.stage_cuts)
+    micro = request.micro_batches or request.pp * table.virtual_stages
+    batch = (analysis.trace.batch_size or 1) // plan.mesh["dp"]
+    if batch % micro:
+        raise UserError(f"a batch of {batch} per data-parallel rank does not split into {micro} micro-batches",
+                        hint="choose --micro-batches dividing the batch")
+    orders = schedule(table, request.pp, micro)
+    simulate(orders, stages.stages)
+    plan.name += f"+{table.name}"
+    plan.mesh["pp"] = request.pp
+    for index, stage in stages.node_stage.items():
+        node = analysis.graph.nodes[index]
+        if node.span is not None:
+            where = f"{display_path(node.span.path)}:{node.span.line}:{node.span.col + 1}"
+            assign = OpAssign(where, "pp", stage, plan.devices_of("pp", stages.rank_of(stage)))
+            if assign not in plan.assign:
+                plan.assign.append(assign)
+    for rank, order in enumerate(orders):
+        for before, after in zip(order, order[1:]):
+            plan.order.append(OpOrder(str(before), str(after), rank))
+    return stages, orders
+
+
 def rewrite(analysis: Analysis, request: PlanRequest) -> Rewrite:
     plan, tp_plan = build_plan(analysis, request)
+    stages = orders = None
+    if request.pp > 1:
+        stages, orders = plan_pipeline(analysis, plan, request)
     edits = plan_edits(analysis.graph, tp_plan) if tp_plan is not None else None
     label = display_path(analysis.entry.path)
-    return Rewrite(plan, tp_plan, edits, render(analysis, plan, edits, label))
+    files = render(analysis, plan, edits, label, stages, orders, request)
+    return Rewrite(plan, tp_plan, edits, files, stages, orders)

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import UserError, display_path
-from .assemble import read_header
+from .assemble import content_hash, read_header
 
 GENERATED_JSON_KEY = "generated_by"
 
@@ -24,6 +24,7 @@ def edited_or_foreign(out_dir: Path, new_files: dict[str, str]) -> tuple[list[st
     edited, foreign = [], []
     if not out_dir.exists():
         return edited, foreign
+    recorded = _recorded_hashes(out_dir)
     for path in sorted(out_dir.iterdir()):
         if path.name == "__pycache__" or path.name.endswith(".edited"):
             continue
@@ -31,6 +32,10 @@ def edited_or_foreign(out_dir: Path, new_files: dict[str, str]) -> tuple[list[st
             foreign.append(path.name)
             continue
         text = path.read_text(errors="replace")
+        if path.name in recorded:
+            if recorded[path.name] != content_hash(text):
+                edited.append(path.name)
+            continue
         if path.suffix == ".json":
             try:
                 if GENERATED_JSON_KEY in json.loads(text):
@@ -45,6 +50,15 @@ def edited_or_foreign(out_dir: Path, new_files: dict[str, str]) -> tuple[list[st
         elif header[0] != header[1]:
             edited.append(path.name)
     return edited, foreign
+
+
+def _recorded_hashes(out_dir: Path) -> dict[str, str]:
+    """Hashes plan.json keeps for generated files that cannot carry a header (schedule.csv)."""
+    try:
+        data = json.loads((out_dir / "plan.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data.get("file_hashes", {}) if GENERATED_JSON_KEY in data else {}
 
 
 def write_output(out_dir: Path, files: dict[str, str], *, force: bool = False) -> None:

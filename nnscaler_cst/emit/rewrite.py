@@ -22,10 +22,21 @@ AXIS = "TP"
 
 
 @dataclass
+class StageSplit:
+    """Cut the function that loops over the blocks into pipeline stages (plan/pipeline.py)."""
+
+    function: Span
+    loop_index: int
+    handoff: list[str]
+    container: str
+
+
+@dataclass
 class Context:
     """What the concerns share while rewriting one file."""
 
     edits: Edits
+    split: StageSplit | None = None
     notes: dict[Span, list[str]] = field(default_factory=dict)    # node span -> comment fragments
     used: set[str] = field(default_factory=set)                   # _comm names the file now calls
     needs_torch: bool = False
@@ -201,6 +212,48 @@ class InsertCollectives:
         return cst.parse_expression(self._template_values(span, call)[site.bias])
 
 
+class SplitStages:
+    DESCRIPTION = "Guard the prologue to stage 0, receive what it defines elsewhere, hand off after the loop."
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+
+    def leave_function(self, span: Span, function: cst.FunctionDef) -> cst.FunctionDef:
+        split = self.ctx.split
+        if split is None or span != split.function:
+            return function
+        body = list(function.body.body)
+        docstring = body[:1] if body and _is_docstring(body[0]) else []
+        index = split.loop_index
+        prologue, loop, epilogue = body[len(docstring):index], body[index], body[index + 1:]
+        names = ", ".join(split.handoff) + ("," if len(split.handoff) == 1 else "")
+        self.ctx.used.update({"pp_first_stage", "pp_receive", "pp_handoff"})
+        receive = cst.parse_statement(f"{names} = pp_receive()  # pipeline: from the previous stage\n")
+        head: list[cst.BaseStatement] = []
+        if prologue:
+            guard = cst.parse_statement("if pp_first_stage():  # pipeline: the first stage runs what precedes "
+                                        "the blocks\n    pass\nelse:\n    pass\n")
+            first = [prologue[0].with_changes(leading_lines=[]), *prologue[1:]]
+            guard = guard.with_changes(body=guard.body.with_changes(body=first),
+                                       orelse=guard.orelse.with_changes(body=guard.orelse.body.with_changes(
+                                           body=[receive])), leading_lines=prologue[0].leading_lines)
+            head = [guard]
+        else:
+            head = [cst.parse_statement(f"if not pp_first_stage():\n    {names} = pp_receive()\n")]
+        loop = loop.with_changes(body=loop.body.with_changes(header=cst.TrailingWhitespace(
+            whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(
+                f"# pipeline: this stage's blocks of {split.container} only"))))
+        handoff = cst.parse_statement(f"pp_handoff({', '.join(split.handoff)})  # pipeline: every stage but the "
+                                      "last hands these on and ends here\n")
+        return function.with_changes(body=function.body.with_changes(
+            body=[*docstring, *head, loop, handoff, *epilogue]))
+
+
+def _is_docstring(stmt: cst.BaseStatement) -> bool:
+    return isinstance(stmt, cst.SimpleStatementLine) and isinstance(stmt.body[0], cst.Expr) and isinstance(
+        stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
+
+
 class FileRewriter(cst.CSTTransformer):
     """Runs the concerns over one file and comments every statement they changed."""
 
@@ -211,6 +264,7 @@ class FileRewriter(cst.CSTTransformer):
         self.path = str(source.path)
         self.ctx = ctx
         self.concerns = [ShardConstructors(ctx), LocalSizes(ctx), InsertCollectives(ctx)]
+        self.stages = SplitStages(ctx)
 
     def _span(self, node) -> Span:
         rng = self.get_metadata(PositionProvider, node)
@@ -223,6 +277,9 @@ class FileRewriter(cst.CSTTransformer):
         return updated
 
     leave_Call = leave_BinaryOperation = leave_Subscript = _leave_expr
+
+    def leave_FunctionDef(self, original, updated):
+        return self.stages.leave_function(self._span(original), updated)
 
     def leave_Attribute(self, original, updated):
         if isinstance(updated.value, cst.BinaryOperation):     # (a + b).view(...) keeps its parentheses
@@ -242,7 +299,7 @@ class FileRewriter(cst.CSTTransformer):
             whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(comment)))
 
 
-def rewrite_module(source: SourceFile, edits: Edits) -> tuple[cst.Module, Context]:
-    ctx = Context(edits)
+def rewrite_module(source: SourceFile, edits: Edits, split: StageSplit | None = None) -> tuple[cst.Module, Context]:
+    ctx = Context(edits, split if split is not None and split.function.path == str(source.path) else None)
     wrapper = MetadataWrapper(source.module)
     return wrapper.visit(FileRewriter(source, ctx)), ctx

@@ -13,8 +13,9 @@ import importlib
 import torch
 
 WORLD_SIZE = {world}
-TP_SIZE = {tp}  # tensor-parallel ranks vary fastest: rank = dp_rank * TP_SIZE + tp_rank
+TP_SIZE = {tp}  # rank = (pp_rank * DP_SIZE + dp_rank) * TP_SIZE + tp_rank: tp varies fastest
 DP_SIZE = {dp}
+PP_SIZE = {pp}
 
 # Parameters split over the tensor-parallel axis: name -> (dim, groups). A dim with
 # groups > 1 holds that many fused blocks (q|k|v), each split alike. All others are whole.
@@ -23,7 +24,7 @@ TP_SPLITS = {{
 
 
 def coords(rank):
-    return {{"tp": rank % TP_SIZE, "dp": rank // TP_SIZE % DP_SIZE}}
+    return {{"tp": rank % TP_SIZE, "dp": rank // TP_SIZE % DP_SIZE, "pp": rank // (TP_SIZE * DP_SIZE)}}
 
 
 def rank_module(rank):
@@ -31,7 +32,47 @@ def rank_module(rank):
 
 
 def build(rank):
-    return rank_module(rank).build()
+    """This rank's model; with pipeline stages, a ModuleList of the stages it runs."""
+    module = rank_module(rank)
+    if PP_SIZE == 1:
+        return module.build()
+    return torch.nn.ModuleList(keep_stage(module.build(), stage, module) for stage in module.PIPELINE_STAGES)
+
+
+def keep_stage(model, stage, module):
+    """Keep only what one pipeline stage runs: its range of blocks, none of the dropped modules."""
+    parent_name, _, name = module.PIPELINE_BLOCKS.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    start, stop = module.STAGE_BLOCKS[stage]
+    setattr(parent, name, torch.nn.ModuleList(list(getattr(parent, name))[start:stop]))
+    for path in module.STAGE_DROPS[stage]:
+        owner_name, _, attr = path.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if isinstance(owner, torch.nn.ModuleDict):
+            del owner[attr]
+        else:
+            setattr(owner, attr, None)
+    return model
+
+
+def stage_key(name, stage, module):
+    """A single-device parameter name as one stage of `module` calls it, or None if not held."""
+    prefix = module.PIPELINE_BLOCKS + "."
+    if name.startswith(prefix):
+        index, _, rest = name[len(prefix):].partition(".")
+        start, stop = module.STAGE_BLOCKS[stage]
+        return f"{{prefix}}{{int(index) - start}}.{{rest}}" if start <= int(index) < stop else None
+    if any(name == d or name.startswith(d + ".") for d in module.STAGE_DROPS[stage]):
+        return None
+    return name
+
+
+def global_key(key, stage, module):
+    prefix = module.PIPELINE_BLOCKS + "."
+    if key.startswith(prefix):
+        index, _, rest = key[len(prefix):].partition(".")
+        return f"{{prefix}}{{int(index) + module.STAGE_BLOCKS[stage][0]}}.{{rest}}"
+    return key
 
 
 def shard(tensor, dim, groups, tp_rank):
@@ -46,15 +87,41 @@ def unshard(pieces, dim, groups):
 
 
 def shard_state_dict(state_dict, rank):
+    """This rank's share: its stages' parameters (renamed as the stage calls them), TP-sliced."""
     tp_rank = coords(rank)["tp"]
-    return {{name: shard(t, *TP_SPLITS[name], tp_rank) if name in TP_SPLITS else t.clone()
-            for name, t in state_dict.items()}}
+
+    def share(name, t):
+        return shard(t, *TP_SPLITS[name], tp_rank) if name in TP_SPLITS else t.clone()
+
+    if PP_SIZE == 1:
+        return {{name: share(name, t) for name, t in state_dict.items()}}
+    module = rank_module(rank)
+    out = {{}}
+    for local, stage in enumerate(module.PIPELINE_STAGES):
+        for name, t in state_dict.items():
+            key = stage_key(name, stage, module)
+            if key is not None:
+                out[f"{{local}}.{{key}}"] = share(name, t)
+    return out
 
 
 def merge_state_dicts(state_dicts):
-    """Ranks 0..TP_SIZE-1 (data-parallel replica 0) hold one copy of every parameter."""
-    return {{name: unshard([state_dicts[r][name] for r in range(TP_SIZE)], *TP_SPLITS[name])
-            if name in TP_SPLITS else t.clone() for name, t in state_dicts[0].items()}}
+    """The single-device state dict back from every rank's (data-parallel replica 0 suffices)."""
+    merged = {{}}
+    for pp in range(PP_SIZE):
+        ranks = [pp * DP_SIZE * TP_SIZE + tp for tp in range(TP_SIZE)]
+        module = rank_module(ranks[0])
+        for key, t in state_dicts[ranks[0]].items():
+            if PP_SIZE == 1:
+                name = key
+            else:
+                local, _, rest = key.partition(".")
+                name = global_key(rest, module.PIPELINE_STAGES[int(local)], module)
+            if name in merged:
+                continue  # a tied weight held by two stages: both copies are equal
+            merged[name] = unshard([state_dicts[r][key] for r in ranks], *TP_SPLITS[name]) \
+                if name in TP_SPLITS else t.clone()
+    return merged
 '''
 
 TRAIN = '''"""torchrun entry for {source} ({plan}).
@@ -80,7 +147,7 @@ if __package__ in (None, ""):  # run as a script: import the output folder as a 
     importlib.import_module(__package__)
 
 from . import _comm
-from . import DP_SIZE, TP_SIZE, WORLD_SIZE, rank_module, shard_state_dict
+from . import DP_SIZE, PP_SIZE, TP_SIZE, WORLD_SIZE, build, rank_module, shard_state_dict
 
 # Whole parameters whose gradient each tensor-parallel rank holds only in part.
 TP_PARTIAL_GRADS = [{partial}]
@@ -102,6 +169,8 @@ def loss_of(module, output):
         return module.loss(output)
     return output if isinstance(output, torch.Tensor) else output.loss
 
+
+{pipeline_step}
 
 def train_step(model, optimizer, batch, module):
     """One optimizer step on the full batch; returns the full batch's loss."""
@@ -137,20 +206,21 @@ def main():
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     assert world == WORLD_SIZE, f"this output was generated for {{WORLD_SIZE}} processes"
-    _comm.setup(rank, world, tp=TP_SIZE, dp=DP_SIZE)
+    _comm.setup(rank, world, tp=TP_SIZE, dp=DP_SIZE, pp=PP_SIZE)
     device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     module = rank_module(rank)
     torch.manual_seed(args.seed)
-    model = module.build()
+    model = build(rank)
     if args.init:
         model.load_state_dict(shard_state_dict(torch.load(args.init), rank))
     model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    step_fn = pipeline_train_step if PP_SIZE > 1 else train_step
     for step in range(args.steps):
-        loss = train_step(model, optimizer, batch_for(module, step, args.seed, device), module)
+        loss = step_fn(model, optimizer, batch_for(module, step, args.seed, device), module)
         if rank == 0:
             print(f"step {{step}} loss {{loss:.6f}}", flush=True)
     _comm.teardown()
@@ -158,4 +228,71 @@ def main():
 
 if __name__ == "__main__":
     main()
+'''
+
+
+PIPELINE_STEP = '''MICRO_BATCHES = {micro}
+
+
+def micro_batches(batch):
+    """The batch in MICRO_BATCHES equal slices of dim 0."""
+    def piece(x, m):
+        return x.chunk(MICRO_BATCHES, dim=0)[m] if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+    if isinstance(batch, dict):
+        return [{{k: piece(v, m) for k, v in batch.items()}} for m in range(MICRO_BATCHES)]
+    return [tuple(piece(v, m) for v in batch) for m in range(MICRO_BATCHES)]
+
+
+def pipeline_train_step(stages, optimizer, batch, module):
+    """One optimizer step: this rank's schedule (module.SCHEDULE, e.g. "0F0 0F1 0B0 ..."), then
+    the gradient all-reduces. Activations go forward and gradients back with isend/recv."""
+    micro = micro_batches(split_batch(batch))
+    pipeline = _comm.axis_ranks(_comm.PP)        # global ranks of this pipeline, by pipeline index
+    _comm.PIPE.stages = module.PIPELINE_STAGE_COUNT
+    local = {{stage: k for k, stage in enumerate(module.PIPELINE_STAGES)}}
+    last = module.PIPELINE_STAGE_COUNT - 1
+    held, requests, loss_sum = {{}}, [], torch.zeros(())
+    for action in module.SCHEDULE.split():
+        kind = "F" if "F" in action else "B"
+        stage, m = (int(x) for x in action.split(kind))
+        _comm.PIPE.stage = stage
+        before, after = pipeline[(stage - 1) % PP_SIZE], pipeline[(stage + 1) % PP_SIZE]
+        if kind == "F":
+            received = []
+            if stage > 0:
+                _comm.PIPE.inbox, received = _comm.recv_values(before, stage, m)
+            inputs = micro[m]
+            try:
+                output = stages[local[stage]](**inputs) if isinstance(inputs, dict) else stages[local[stage]](*inputs)
+                loss = loss_of(module, output) / MICRO_BATCHES
+                loss_sum += loss.detach()
+                sent = [loss]
+            except _comm.StageBoundary as boundary:
+                requests += _comm.send_values(boundary.values, after, stage + 1, m)
+                sent = _comm.flat_tensors(boundary.values)
+            held[(stage, m)] = (received, sent)
+        else:
+            received, sent = held.pop((stage, m))
+            if stage == last:
+                sent[0].backward()
+            else:
+                outputs = [t for t in sent if t.requires_grad]
+                torch.autograd.backward(outputs, _comm.recv_grads(sent, after, stage + 1, m))
+            if stage > 0:
+                requests += _comm.send_grads(received, before, stage, m)
+    for request in requests:
+        request.wait()
+    named = dict(stages.named_parameters())
+    tied = [p for key, p in named.items() if key.partition(".")[2] in module.TIED_PARAMETERS]
+    _comm.sync_grads(tied, _comm.PP_ENDS, average=False)    # the embedding and the head tied across stages
+    _comm.sync_grads([p for k, p in named.items() if k.partition(".")[2] in TP_PARTIAL_GRADS], _comm.TP,
+                     average=False)
+    _comm.sync_grads(list(stages.parameters()), _comm.DP, average=True)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    dist.all_reduce(loss_sum, group=_comm.PP.group)         # only the last stage holds the loss
+    if _comm.DP.size > 1:
+        dist.all_reduce(loss_sum, group=_comm.DP.group)
+        loss_sum /= _comm.DP.size
+    return loss_sum.item()
 '''

@@ -38,6 +38,7 @@ What it must not do
 
 from __future__ import annotations
 
+import pickle
 from typing import Iterable
 
 import torch
@@ -87,6 +88,7 @@ class Axis:
 TP = Axis("tp")
 DP = Axis("dp")
 PP = Axis("pp")
+PP_ENDS = Axis("pp_ends")  # the first and last stage of this rank's pipeline (tied embeddings)
 GLOBAL_RANK = 0  # rebound by setup: read it as _comm.GLOBAL_RANK, not via `from _comm import`
 
 
@@ -122,6 +124,7 @@ def setup(rank: int, world_size: int, *, tp: int = 1, dp: int = 1, pp: int = 1,
         DP: [[global_rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
         PP: [[global_rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
     }
+    lines[PP_ENDS] = [[line[0], line[-1]] for line in lines[PP]] if pp > 1 else [[rank]]
     for axis, axis_lines in lines.items():
         axis._reset()
         if len(axis_lines[0]) == 1:
@@ -139,7 +142,7 @@ def teardown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     GLOBAL_RANK = 0
-    for axis in (TP, DP, PP):
+    for axis in (TP, DP, PP, PP_ENDS):
         axis._reset()
 
 
@@ -517,3 +520,147 @@ def send_backward(grad: torch.Tensor, dst: int) -> None:
 def recv_backward(shape, dtype: torch.dtype, src: int) -> torch.Tensor:
     """Receive a gradient from the next pipeline stage (global rank ``src``)."""
     return _recv(shape, dtype, src)
+
+
+# --------------------------------------------------------------------------
+# Pipeline stages: which stage runs now, and what crosses a stage boundary
+# --------------------------------------------------------------------------
+
+class PipelineState:
+    """The stage this process is running (set by train.py's schedule loop before each step)."""
+
+    def __init__(self) -> None:
+        self.stage = 0
+        self.stages = 1
+        self.inbox: tuple = ()
+
+
+PIPE = PipelineState()
+
+
+class StageBoundary(Exception):
+    """Raised by pp_handoff on every stage but the last: this stage's forward ends there."""
+
+    def __init__(self, values: tuple):
+        super().__init__("pipeline stage boundary")
+        self.values = values
+
+
+def pp_first_stage() -> bool:
+    return PIPE.stage == 0
+
+
+def pp_receive() -> tuple:
+    """The values the previous stage handed over (train.py received them before the forward)."""
+    return PIPE.inbox
+
+
+def pp_handoff(*values):
+    """End this stage's forward with `values` for the next stage; a no-op on the last stage."""
+    if PIPE.stage < PIPE.stages - 1:
+        raise StageBoundary(values)
+
+
+class _TensorSlot:
+    """Stands for a tensor inside a pickled structure of handed-over values."""
+
+    def __init__(self, index: int, tensor: torch.Tensor):
+        self.index = index
+        self.shape, self.dtype, self.requires_grad = tuple(tensor.shape), tensor.dtype, tensor.requires_grad
+
+
+def _slots(value, tensors: list):
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return _TensorSlot(len(tensors) - 1, value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_slots(v, tensors) for v in value)
+    if isinstance(value, dict):
+        return {k: _slots(v, tensors) for k, v in value.items()}
+    return value
+
+
+def _filled(value, tensors: list):
+    if isinstance(value, _TensorSlot):
+        return tensors[value.index]
+    if isinstance(value, (tuple, list)):
+        return type(value)(_filled(v, tensors) for v in value)
+    if isinstance(value, dict):
+        return {k: _filled(v, tensors) for k, v in value.items()}
+    return value
+
+
+def _tag(kind: int, stage: int, micro: int, piece: int) -> int:
+    return ((kind * 256 + stage) * 16384 + micro) * 64 + piece
+
+
+def send_values(values: tuple, dst: int, stage: int, micro: int) -> list:
+    """Send handed-over values to global rank `dst` without waiting: a header (structure, shapes,
+    plain values), then each tensor. Returns the requests to wait on before the step ends."""
+    tensors: list = []
+    payload = torch.frombuffer(bytearray(pickle.dumps(_slots(values, tensors))), dtype=torch.uint8)
+    pieces = [torch.tensor([payload.numel()], dtype=torch.int64), payload,
+              *[t.detach().contiguous() for t in tensors]]
+    requests = []
+    for k, piece in enumerate(pieces):
+        _record("send", piece)
+        requests.append(dist.isend(piece.to(_p2p_device()), dst, tag=_tag(0, stage, micro, k)))
+    return requests
+
+
+def recv_values(src: int, stage: int, micro: int) -> tuple[tuple, list]:
+    """Receive what send_values sent; tensors that needed gradients on the sender need them here."""
+    size = torch.empty(1, dtype=torch.int64, device=_p2p_device())
+    dist.recv(size, src, tag=_tag(0, stage, micro, 0))
+    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=_p2p_device())
+    dist.recv(payload, src, tag=_tag(0, stage, micro, 1))
+    _record("recv", None)
+    structure = pickle.loads(payload.cpu().numpy().tobytes())
+    slots: list = []
+    _slots_of(structure, slots)
+    tensors = []
+    for k, slot in enumerate(slots):
+        buffer = torch.empty(slot.shape, dtype=slot.dtype, device=_p2p_device())
+        dist.recv(buffer, src, tag=_tag(0, stage, micro, 2 + k))
+        tensors.append(buffer.requires_grad_() if slot.requires_grad else buffer)
+    return _filled(structure, tensors), tensors
+
+
+def flat_tensors(values) -> list:
+    """The tensors inside handed-over values, in the order send_values sends them."""
+    tensors: list = []
+    _slots(values, tensors)
+    return tensors
+
+
+def _slots_of(value, found: list):
+    if isinstance(value, _TensorSlot):
+        found.append(value)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _slots_of(v, found)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _slots_of(v, found)
+    return value
+
+
+def send_grads(tensors: list, dst: int, stage: int, micro: int) -> list:
+    """Send the gradients of received tensors back to the previous stage, without waiting."""
+    requests = []
+    for k, t in enumerate(x for x in tensors if x.requires_grad):
+        grad = t.grad if t.grad is not None else torch.zeros_like(t)
+        _record("send", grad)
+        requests.append(dist.isend(grad.contiguous(), dst, tag=_tag(1, stage, micro, k)))
+    return requests
+
+
+def recv_grads(outputs: list, src: int, stage: int, micro: int) -> list:
+    """Gradients for this stage's outputs that need them, from the next stage."""
+    grads = []
+    for k, t in enumerate(x for x in outputs if x.requires_grad):
+        buffer = torch.empty(t.shape, dtype=t.dtype, device=_p2p_device())
+        dist.recv(buffer, src, tag=_tag(1, stage, micro, k))
+        _record("recv", None)
+        grads.append(buffer)
+    return grads

@@ -75,6 +75,7 @@ class Node:
     callee: str                     # what the model file called: a torch function or method, a module type, a helper
     callee_kind: str                # "torch", "module" or "function"
     module_path: str                # e.g. transformer.h.0.attn
+    callee_path: str | None = None  # the module called, when the callee is a module (transformer.h.0.attn.c_attn)
     operands: list[Operand] = field(default_factory=list)
     ops: list[int] = field(default_factory=list)      # OpCall indices
     outputs: list[int] = field(default_factory=list)  # tensors produced here and used elsewhere, in order
@@ -113,3 +114,4 @@ class Trace:
     module_types: dict[str, str]     # module path -> fully qualified class
     batch_size: int | None = None
     size_queries: list[tuple[Span, int, int | None]] = field(default_factory=list)  # (site, tensor, dim)
+    module_calls: dict[str, tuple[Span, int]] = field(default_factory=dict)  # path -> (call site, first node)

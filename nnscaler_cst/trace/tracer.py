@@ -90,6 +90,7 @@ class Tracer(TorchFunctionMode):
         self._current: tuple | None = None     # (frame id, lasti) of the open invocation
         self._recording = False
         self.size_queries: list[tuple[Span, int, int | None]] = []
+        self.module_calls: dict[str, tuple[Span, int]] = {}   # module path -> (call site, first node index)
 
     # ---- frames -------------------------------------------------------------------------
     def own_frame(self, frame):
@@ -152,6 +153,17 @@ class Tracer(TorchFunctionMode):
                 self._record_size_query(args, kwargs)
         return out
 
+    def _module_called(self, module, args):
+        """Where the model's own code calls each module (the loop over blocks, for pipelining)."""
+        path = self._module_names.get(id(module))
+        if path is None or path in self.module_calls:
+            return
+        own = self.own_frame(sys._getframe(1))
+        if own is not None and own.f_locals.get("self") is not module:
+            span = self._span(own)
+            if span is not None:
+                self.module_calls[path] = (span, len(self.nodes))
+
     def _record_size_query(self, args, kwargs):
         """`x.size(-1)` / `x.shape`: where a size came from, so a rewrite never divides it twice."""
         own = self.own_frame(sys._getframe(2))
@@ -198,6 +210,8 @@ class Tracer(TorchFunctionMode):
         callee, kind, callee_frame = self._callee(func, caller, own) if own is not None else (
             torch_func_name(func), "torch", None)
         node = Node(len(self.nodes), span, callee, kind, self._module_path(own) if own else "", mapped=mapped)
+        if kind == "module":
+            node.callee_path = self._module_names.get(id(callee_frame.f_locals["self"]))
         node.operands = self._operands(func, kind, callee_frame, args, kwargs)
         self.nodes.append(node)
 
@@ -259,12 +273,14 @@ class Tracer(TorchFunctionMode):
             input_tids = self._inputs(inputs)
             model.train()
             self._recording = True
+            hook = torch.nn.modules.module.register_module_forward_pre_hook(self._module_called)
             try:
                 with self:
                     output = self._call_user(lambda: entry.call_model(model, inputs), "the model's forward")
                     loss = self._call_user(lambda: entry.loss(output), "loss()")
             finally:
                 self._recording = False
+                hook.remove()
             if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
                 raise UserError("loss() did not return a scalar tensor", Location(display_path(entry.path)),
                                 hint="return the training loss as a 0-dim tensor")
@@ -274,7 +290,7 @@ class Tracer(TorchFunctionMode):
         batch = next((self.tensors[t].shape[0] for t in input_tids.values() if self.tensors[t].shape), None)
         return Trace(mode, sorted(self.own_files), self.nodes, self.ops, self.tensors, params, input_tids,
                      loss_tid, {name: qualified_type(type(m)) for name, m in model.named_modules()}, batch,
-                     self.size_queries)
+                     self.size_queries, self.module_calls)
 
     def _call_user(self, fn, what: str):
         try:

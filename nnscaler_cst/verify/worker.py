@@ -80,10 +80,11 @@ def rank(args):
     train = importlib.import_module(f"{package.__name__}.train")
     comm = importlib.import_module(f"{package.__name__}._comm")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    comm.setup(rank, world, tp=package.TP_SIZE, dp=package.DP_SIZE, backend="gloo")
+    comm.setup(rank, world, tp=package.TP_SIZE, dp=package.DP_SIZE, pp=package.PP_SIZE, backend="gloo")
     module = package.rank_module(rank)
     torch.manual_seed(args.seed)
-    model = module.build()
+    model = package.build(rank)
+    step = train.pipeline_train_step if package.PP_SIZE > 1 else train.train_step
     init = torch.load(os.path.join(args.workdir, "init.pt"))
     model.load_state_dict(package.shard_state_dict(init, rank))
     model.train()
@@ -91,8 +92,8 @@ def rank(args):
     grads = capture_first_gradients(model, optimizer)
     comm.reset_counters()
     losses = []
-    for step in range(args.steps):
-        losses.append(train.train_step(model, optimizer, batch_for(module, step, args.seed), module))
+    for k in range(args.steps):
+        losses.append(step(model, optimizer, batch_for(module, k, args.seed), module))
     torch.save({"losses": losses, "state": model.state_dict(), "grads": grads, "counters": dict(comm.COUNTERS)},
                os.path.join(args.workdir, f"rank{rank}.pt"))
     comm.teardown()

@@ -1,0 +1,226 @@
+"""Pipeline stages as op_assign: the loop over a model's repeated blocks is cut into stages.
+
+The function that loops over the blocks (found from where the trace saw each block called)
+splits into a prologue (before the loop: embeddings, masks), the loop, and an epilogue
+(after it: final norm, head, loss). Stage 0 runs the prologue, every stage runs its own
+contiguous range of blocks, the last stage runs the epilogue; the variables the prologue and
+the loop define and later code reads are handed from stage to stage. Blocks are balanced by
+the cost model, or cut where the user says (--stages). Decides; rewrites nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import libcst as cst
+
+from ..errors import UserError
+from ..graph.graph import Graph
+from ..source.files import Span
+from .cost import node_flops
+
+
+@dataclass
+class Trunk:
+    container: str                 # module path of the blocks' container: transformer.h
+    blocks: list[str]              # block module paths, in call order
+    function: cst.FunctionDef      # the function holding the loop
+    function_span: Span
+    loop_index: int                # position of the loop in the function body
+    handoff: list[str]             # variables handed from stage to stage
+
+
+@dataclass
+class StagePlan:
+    ranks: int                     # pipeline ranks D
+    virtual: int                   # stages per rank V (interleaving)
+    trunk: Trunk
+    block_ranges: list[tuple[int, int]]          # per stage s = 0..D*V-1: blocks [a, b)
+    node_stage: dict[int, int]
+    drop: dict[int, list[str]]                   # stage -> modules it does not hold
+    tied: list[list[str]] = field(default_factory=list)   # params held by several stages
+    stage_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def stages(self) -> int:
+        return self.ranks * self.virtual
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.ranks
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [s for s in range(self.stages) if self.rank_of(s) == rank]
+
+
+def find_trunk(graph: Graph) -> Trunk:
+    if not graph.blocks:
+        raise UserError("pipeline stages need a model built from repeated blocks (a ModuleList of "
+                        "one block class called in a loop)")
+    paths = max(graph.blocks.values(), key=len)
+    container = paths[0].rsplit(".", 1)[0]
+    calls = graph.trace.module_calls
+    blocks = sorted((p for p in paths if p in calls), key=lambda p: calls[p][1])
+    if len(blocks) < 2:
+        raise UserError(f"the blocks of {container} are not called from the model's own code")
+    span = calls[blocks[0]][0]
+    source = graph.sources.get(span.path)
+    node = source.node_at(span.line, span.col, span.end_line, span.end_col)
+    loop = node
+    while loop is not None and not isinstance(loop, cst.For):
+        loop = source.parents.get(loop)
+    function = source.parents.get(loop) if loop is not None else None
+    while function is not None and not isinstance(function, cst.FunctionDef):
+        function = source.parents.get(function)
+    if loop is None or function is None:
+        raise UserError(f"the blocks of {container} are not called in a `for` loop", span.start,
+                        hint="pipelining cuts the loop over the blocks into stages")
+    body = list(function.body.body)
+    if loop not in body:
+        raise UserError("the loop over the blocks must be a statement of the function's body, not nested",
+                        source.span_of(loop).start)
+    index = body.index(loop)
+    return Trunk(container, blocks, function, source.span_of(function), index,
+                 handoff_variables(function, index))
+
+
+def _names(nodes, store: bool) -> set[str]:
+    found: set[str] = set()
+
+    class Collect(cst.CSTVisitor):
+        def visit_Name(self, name: cst.Name) -> None:
+            found.add(name.value)
+
+    class Targets(cst.CSTVisitor):
+        def visit_AssignTarget(self, target):
+            target.target.visit(Collect())
+
+        def visit_AugAssign(self, node):
+            node.target.visit(Collect())
+
+        def visit_AnnAssign(self, node):
+            node.target.visit(Collect())
+
+        def visit_For(self, node):
+            node.target.visit(Collect())
+
+    for node in nodes:
+        node.visit(Targets() if store else Collect())
+    return found
+
+
+def handoff_variables(function: cst.FunctionDef, loop_index: int) -> list[str]:
+    """Variables set before or in the loop and read in it or after it, in first-set order."""
+    body = list(function.body.body)
+    prologue, loop, epilogue = body[:loop_index], body[loop_index], body[loop_index + 1:]
+    stored = _names(prologue, True) | (_names([loop], True) - _names([loop.target], False))
+    read = _names([loop.body, loop.iter], False) | _names(epilogue, False)
+    order = []
+    for stmt in [*prologue, loop]:
+        for name in sorted(_names([stmt], True)):
+            if name in stored and name in read and name not in order:
+                order.append(name)
+    return order
+
+
+def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | None = None) -> StagePlan:
+    trunk = find_trunk(graph)
+    stages = ranks * virtual
+    n_blocks = len(trunk.blocks)
+    if n_blocks < stages:
+        raise UserError(f"{n_blocks} blocks cannot fill {stages} pipeline stages",
+                        hint="use fewer stages (--pp, --virtual-stages)")
+    block_of: dict[int, int] = {}
+    for node in graph.nodes:
+        for b, path in enumerate(trunk.blocks):
+            if node.module_path == path or node.module_path.startswith(path + "."):
+                block_of[node.index] = b
+    first = min(block_of) if block_of else 0
+    last = max(block_of) if block_of else 0
+    cost = [0.0] * n_blocks
+    pro = epi = 0.0
+    for node in graph.nodes:
+        flops = node_flops(node, graph.dims.get(node.index), graph.trace)
+        if node.index in block_of:
+            cost[block_of[node.index]] += flops
+        elif node.index < first:
+            pro += flops
+        elif node.index > last:
+            epi += flops
+    if cuts:
+        bounds = [0, *cuts, n_blocks]
+        if len(bounds) != stages + 1 or bounds != sorted(set(bounds)):
+            raise UserError(f"--stages needs {stages - 1} increasing block indices between 1 and {n_blocks - 1}")
+        ranges = list(zip(bounds[:-1], bounds[1:]))
+    else:
+        ranges = _balanced(cost, stages, pro, epi)
+    stage_of_block = {b: s for s, (a, z) in enumerate(ranges) for b in range(a, z)}
+    node_stage = {}
+    current = 0
+    for node in graph.nodes:
+        if node.index in block_of:
+            current = stage_of_block[block_of[node.index]]
+        elif node.index > last:
+            current = stages - 1
+        node_stage[node.index] = current if node.index >= first else 0
+    seconds = [0.0] * stages
+    for node in graph.nodes:
+        seconds[node_stage[node.index]] += node_flops(node, graph.dims.get(node.index), graph.trace)
+    plan = StagePlan(ranks, virtual, trunk, ranges, node_stage, {}, stage_seconds=seconds)
+    _ownership(graph, plan)
+    return plan
+
+
+def _balanced(cost: list[float], stages: int, pro: float, epi: float) -> list[tuple[int, int]]:
+    """Contiguous ranges minimising the most expensive stage (prologue on 0, epilogue on last)."""
+    n = len(cost)
+    prefix = [0.0]
+    for c in cost:
+        prefix.append(prefix[-1] + c)
+    best: dict[tuple[int, int], tuple[float, list]] = {}
+
+    def solve(start: int, stage: int) -> tuple[float, list]:
+        if (start, stage) in best:
+            return best[(start, stage)]
+        extra = (pro if stage == 0 else 0.0)
+        if stage == stages - 1:
+            result = (prefix[n] - prefix[start] + extra + epi, [(start, n)])
+        else:
+            result = (float("inf"), [])
+            for end in range(start + 1, n - (stages - stage - 1) + 1):
+                here = prefix[end] - prefix[start] + extra
+                rest, ranges = solve(end, stage + 1)
+                if max(here, rest) < result[0]:
+                    result = (max(here, rest), [(start, end), *ranges])
+        best[(start, stage)] = result
+        return result
+
+    return solve(0, 0)[1]
+
+
+def _ownership(graph: Graph, plan: StagePlan) -> None:
+    """Which modules each stage drops (those it never calls), and which parameters several
+    stages hold (tied weights: the embedding on the first stage, the LM head on the last)."""
+    trace = graph.trace
+    used: dict[str, set[int]] = {}
+    for node in graph.nodes:
+        for path in filter(None, (node.module_path, node.callee_path)):
+            used.setdefault(path, set()).add(plan.node_stage[node.index])
+
+    def stages_using(module: str) -> set[int]:
+        return {s for path, stages in used.items() if path == module or path.startswith(module + ".")
+                for s in stages}
+
+    blocks = plan.trunk.blocks
+    owners = sorted({alias.rpartition(".")[0] for info in trace.params.values() for alias in info.aliases})
+    owners = [m for m in owners if not any(m == b or m.startswith(b + ".") for b in blocks)]
+    for stage in range(plan.stages):
+        drop = []
+        for module in owners:
+            if stage not in stages_using(module) and not any(module.startswith(d + ".") for d in drop):
+                drop.append(module)
+        plan.drop[stage] = drop
+    for info in trace.params.values():
+        holders = {s for alias in info.aliases for s in range(plan.stages)
+                   if alias.rpartition(".")[0] not in plan.drop[s] and not any(
+                       alias.startswith(b + ".") for b in blocks)}
+        if len(holders) > 1:
+            plan.tied.append(sorted(info.aliases))

@@ -1,0 +1,136 @@
+"""Pipeline schedules as op_order constraint tables (rules/plans/*.toml [schedule]), ordered by z3.
+
+A table states order constraints between one rank's forward steps F[k] and backward steps
+B[k] (k = 0..K-1), with expressions over k, the rank's pipeline index i, the ranks D, the
+micro-batches M, the stages per rank V, K = V*M and the warm-up W. A constraint may hold only
+`when` a condition does. z3 finds positions satisfying all of them; a new schedule is a new
+table, not new code.
+"""
+from __future__ import annotations
+
+import ast
+import re
+import tomllib
+from dataclasses import dataclass
+
+import z3
+
+from ..errors import Location, UserError, display_path
+from ..graph.oprules import RULES_DIR
+
+_CONSTRAINT = re.compile(r"^\s*([FB])\[(.+?)\]\s*<\s*([FB])\[(.+?)\]\s*(?:when\s+(.+))?$")
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str          # "F" or "B"
+    stage: int         # global (virtual) stage
+    micro: int
+
+    def __str__(self) -> str:          # torch.distributed.pipelining's action grammar
+        return f"{self.stage}{self.kind}{self.micro}"
+
+
+@dataclass
+class ScheduleTable:
+    name: str
+    description: str
+    virtual_stages: int
+    warmup: str
+    order: list[str]
+    forward_chunk: str
+    backward_chunk: str
+    micro_batch: str
+    location: Location
+
+
+def load_schedule(name: str) -> ScheduleTable:
+    path = RULES_DIR / "plans" / f"{name}.toml"
+    if not path.is_file():
+        known = sorted(p.stem for p in (RULES_DIR / "plans").glob("*.toml") if "[schedule]" in p.read_text())
+        raise UserError(f"unknown schedule {name!r}", hint=f"schedules: {', '.join(known)}")
+    data = tomllib.loads(path.read_text())
+    if "schedule" not in data:
+        raise UserError(f"{name} is a plan table, not a schedule", Location(display_path(path)))
+    head = data["schedule"]
+    return ScheduleTable(head.get("name", name), head.get("description", ""), int(head.get("virtual_stages", 1)),
+                         head.get("warmup", "0"), head.get("order", []), head.get("forward_chunk", "0"),
+                         head.get("backward_chunk", "0"), head.get("micro_batch", "k"),
+                         Location(display_path(path), _line(path, "order")))
+
+
+def _line(path, key: str) -> int:
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip().startswith(key):
+            return number
+    return 1
+
+
+_ALLOWED = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Compare, ast.BoolOp, ast.Name, ast.Constant, ast.Call,
+            ast.Load, ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod, ast.USub, ast.Eq, ast.NotEq, ast.Lt,
+            ast.LtE, ast.Gt, ast.GtE, ast.And, ast.Or, ast.Not)
+
+
+def evaluate(expression: str, env: dict[str, int], where: Location) -> int:
+    """Integer arithmetic over the table's names (and min/max); nothing else is evaluated."""
+    try:
+        tree = ast.parse(expression, mode="eval")
+    except SyntaxError:
+        raise UserError(f"cannot read the expression {expression!r}", where) from None
+    for node in ast.walk(tree):
+        if not isinstance(node, _ALLOWED) or (isinstance(node, ast.Call) and not (
+                isinstance(node.func, ast.Name) and node.func.id in ("min", "max"))):
+            raise UserError(f"{expression!r}: only integer arithmetic, comparisons, min and max", where)
+        if isinstance(node, ast.Name) and node.id not in env and node.id not in ("min", "max"):
+            raise UserError(f"{expression!r}: unknown name {node.id}", where, hint="names: " + ", ".join(env))
+    return eval(compile(tree, "<schedule>", "eval"), {"__builtins__": {}, "min": min, "max": max}, dict(env))
+
+
+def rank_order(table: ScheduleTable, rank: int, ranks: int, micro: int) -> list[Action]:
+    """One rank's actions in the order the table's constraints allow (z3)."""
+    V = table.virtual_stages
+    K = V * micro
+    env = {"i": rank, "D": ranks, "M": micro, "V": V, "K": K}
+    env["W"] = evaluate(table.warmup, env, table.location)
+    pos = {(kind, k): z3.Int(f"{kind}{k}") for kind in "FB" for k in range(K)}
+    solver = z3.Solver()
+    solver.add(z3.Distinct(*pos.values()))
+    for value in pos.values():
+        solver.add(value >= 0, value < 2 * K)
+    for text in table.order:
+        match = _CONSTRAINT.match(text)
+        if not match:
+            raise UserError(f"cannot read the order constraint {text!r}", table.location,
+                            hint="write `F[k] < B[k]`, optionally followed by `when i == 0`")
+        a_kind, a_index, b_kind, b_index, when = match.groups()
+        for k in range(K):
+            local = {**env, "k": k}
+            if when and not evaluate(when, local, table.location):
+                continue
+            a, b = evaluate(a_index, local, table.location), evaluate(b_index, local, table.location)
+            if 0 <= a < K and 0 <= b < K:
+                solver.add(pos[(a_kind, a)] < pos[(b_kind, b)])
+    if solver.check() != z3.sat:
+        raise UserError(f"the order constraints of schedule {table.name} contradict each other on rank {rank}",
+                        table.location)
+    model = solver.model()
+    steps = sorted(pos, key=lambda key: model.eval(pos[key]).as_long())
+    out = []
+    for kind, k in steps:
+        local = {**env, "k": k}
+        chunk = evaluate(table.forward_chunk if kind == "F" else table.backward_chunk, local, table.location)
+        m = evaluate(table.micro_batch, local, table.location)
+        out.append(Action(kind, chunk * ranks + rank, m))
+    return out
+
+
+def schedule(table: ScheduleTable, ranks: int, micro: int) -> list[list[Action]]:
+    if table.virtual_stages > 1 and micro % ranks:
+        raise UserError(f"schedule {table.name} needs the micro-batches ({micro}) to be a multiple of the "
+                        f"pipeline ranks ({ranks})", table.location)
+    return [rank_order(table, r, ranks, micro) for r in range(ranks)]
+
+
+def to_csv(orders: list[list[Action]]) -> str:
+    """One row per rank, one column per step: torch.distributed.pipelining's `0F0,1B3` grammar."""
+    return "\n".join(",".join(str(a) for a in order) for order in orders) + "\n"

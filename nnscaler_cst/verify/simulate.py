@@ -1,0 +1,92 @@
+"""Simulate every rank's pipeline order before any process runs: sends do not wait (isend),
+receives do. Each forward of stage s > 0 waits for stage s-1's forward of the same micro-batch;
+each backward waits for its own forward and for stage s+1's backward. If some rank waits for
+something no rank will ever send, the run would hang: say which step, on which ranks.
+
+The same walk, with times per action from the cost model, gives the timeline picture.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import UserError
+from ..plan.schedules import Action
+
+
+@dataclass
+class Event:
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+def _needs(action: Action, stages: int, ranks: int) -> list[tuple[Action, int | None]]:
+    """(the action this one waits for, the rank it comes from; None when it is this rank's own)."""
+    s, m = action.stage, action.micro
+    if action.kind == "F":
+        return [(Action("F", s - 1, m), (s - 1) % ranks)] if s > 0 else []
+    needs = [(Action("F", s, m), None)]
+    if s < stages - 1:
+        needs.append((Action("B", s + 1, m), (s + 1) % ranks))
+    return needs
+
+
+def simulate(orders: list[list[Action]], stages: int, *, forward_seconds: list[float] | None = None,
+             latency: float = 0.0) -> list[Event]:
+    ranks = len(orders)
+    expected = {Action(k, s, m) for order in orders for (k, s, m) in
+                [(a.kind, a.stage, a.micro) for a in order]}
+    for rank, order in enumerate(orders):
+        for step, action in enumerate(order):
+            if action.stage % ranks != rank:
+                raise UserError(f"rank {rank} step {step} runs {action}, a stage of rank {action.stage % ranks}")
+        seen = set()
+        for step, action in enumerate(order):
+            if action in seen:
+                raise UserError(f"rank {rank} runs {action} twice (step {step})")
+            seen.add(action)
+    done: dict[Action, float] = {}
+    position = [0] * ranks
+    clock = [0.0] * ranks
+    events: list[Event] = []
+    cost = forward_seconds or [1.0] * stages
+    while True:
+        progressed = False
+        for rank in range(ranks):
+            while position[rank] < len(orders[rank]):
+                action = orders[rank][position[rank]]
+                needs = _needs(action, stages, ranks)
+                if any(need not in done for need, _ in needs):
+                    break
+                ready = max([clock[rank]] + [done[n] + (latency if src is not None else 0.0) for n, src in needs])
+                length = cost[action.stage] * (1.0 if action.kind == "F" else 2.0)
+                events.append(Event(rank, action, ready, ready + length))
+                done[action] = clock[rank] = ready + length
+                position[rank] += 1
+                progressed = True
+        if all(position[r] == len(orders[r]) for r in range(ranks)):
+            return events
+        if not progressed:
+            waits = []
+            for rank in range(ranks):
+                if position[rank] == len(orders[rank]):
+                    continue
+                action = orders[rank][position[rank]]
+                for need, src in _needs(action, stages, ranks):
+                    if need not in done:
+                        who = "itself" if src is None else f"rank {src}"
+                        later = "never runs it" if need not in expected else "runs it only later"
+                        waits.append(f"rank {rank} at step {position[rank]} ({action}) waits for {need} "
+                                     f"from {who}, which {later}")
+            raise UserError("the pipeline schedule deadlocks: " + "; ".join(waits),
+                            hint="every receive needs its send earlier in the other rank's order")
+
+
+def bubble_fraction(events: list[Event], ranks: int) -> float:
+    """Idle time over total time, across ranks, from the first start to the last end."""
+    if not events:
+        return 0.0
+    span = max(e.end for e in events) - min(e.start for e in events)
+    busy = sum(e.end - e.start for e in events)
+    return 1.0 - busy / (span * ranks)
