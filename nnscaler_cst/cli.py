@@ -275,6 +275,46 @@ def explain(model_file: Path = typer.Argument(..., help="model or entry file"),
     _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, model, json_out, True, verbose)
 
 
+@app.command()
+def schedule(model_file: Path = typer.Argument(..., help="model or entry file"),
+             pp: int = typer.Option(2, "--pp", help="pipeline stages (ranks)"),
+             micro_batches: Optional[int] = MicroOpt, schedule: str = typer.Option("1f1b", "--schedule"),
+             stages: Optional[str] = StagesOpt, model: Optional[str] = ModelOpt,
+             picture: Optional[Path] = typer.Option(None, "--picture", help="write the timeline as SVG"),
+             csv: bool = typer.Option(False, "--csv", help="print the schedule in "
+                                      "torch.distributed.pipelining's action grammar"),
+             verbose: bool = VerboseOpt):
+    """Show each rank's pipeline order, simulated with the cost model's times (no processes run)."""
+    _state["verbose"] = verbose
+    from .analysis import analyze
+    from .plan.pipeline import plan_stages
+    from .plan.schedules import load_schedule, schedule as make_schedule, to_csv
+    from .report.timeline import timeline_svg
+    from .verify.simulate import bubble_fraction, simulate
+
+    def body():
+        analysis = analyze(model_file, model_class=model)
+        table = load_schedule(schedule)
+        cuts = [int(x) for x in stages.split(",")] if stages else None
+        plan = plan_stages(analysis.graph, pp, table.virtual_stages, cuts)
+        micro = micro_batches or pp * table.virtual_stages
+        orders = make_schedule(table, pp, micro)
+        events = simulate(orders, plan.stages, forward_seconds=plan.stage_seconds)
+        if csv:
+            sys.stdout.write(to_csv(orders))
+        else:
+            for rank, order in enumerate(orders):
+                console.print(f"rank {rank}: {' '.join(map(str, order))}", highlight=False)
+            blocks = ", ".join(f"stage {s}: blocks {a}-{b - 1}" for s, (a, b) in enumerate(plan.block_ranges))
+            console.print(f"{plan.trunk.container}: {blocks}; bubble {100 * bubble_fraction(events, pp):.1f}% "
+                          f"(cost model), 1F1B formula (D-1)/(D-1+M) = {100 * (pp - 1) / (pp - 1 + micro):.1f}%")
+        if picture:
+            picture.write_text(timeline_svg(events, pp, f"{schedule}: {pp} ranks x {micro} micro-batches"))
+            console.print(f"wrote {picture}")
+
+    _run(body)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     # `nnscaler-rewrite model.py ...` is the rewrite; the other commands are named first.

@@ -19,6 +19,9 @@ from pathlib import Path
 
 import torch
 
+from ..plan.schedules import Action
+from .simulate import simulate
+
 WORKER = Path(__file__).with_name("worker.py")
 
 
@@ -59,6 +62,24 @@ class VerifyResult:
                 "max_rel_error": self.max_rel_error, "worst_param": self.worst_param,
                 "max_grad_error": self.max_grad_error, "worst_grad": self.worst_grad,
                 "tolerance": self.tolerance, "seconds": round(self.seconds, 2)}
+
+
+def check_schedules(package) -> None:
+    """Simulate the pipeline order written in the rank files (hand edits included) first: a
+    schedule that would hang is refused before any process starts."""
+    if getattr(package, "PP_SIZE", 1) == 1:
+        return
+    stride = package.TP_SIZE * package.DP_SIZE
+    modules = [package.rank_module(p * stride) for p in range(package.PP_SIZE)]
+    orders = []
+    for module in modules:
+        order = []
+        for text in module.SCHEDULE.split():
+            kind = "F" if "F" in text else "B"
+            stage, micro = (int(x) for x in text.split(kind))
+            order.append(Action(kind, stage, micro))
+        orders.append(order)
+    simulate(orders, modules[0].PIPELINE_STAGE_COUNT)
 
 
 def free_port() -> int:
@@ -121,6 +142,7 @@ def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1
     finally:
         sys.path.remove(str(out_dir.parent))
     world = package.WORLD_SIZE
+    check_schedules(package)
     common = ["--steps", str(steps), "--lr", str(lr), "--seed", str(seed)]
     with tempfile.TemporaryDirectory(prefix="nnscaler-verify-") as workdir:
         _run_all([([sys.executable, str(WORKER), "reference", str(entry_file), workdir, *common], _env())], timeout)
