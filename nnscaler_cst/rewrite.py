@@ -23,6 +23,7 @@ from .plan.schedules import Action, load_schedule, schedule, to_csv
 from .verify.simulate import simulate
 from .plan.layouts import REPLICATE
 from .plan.auto import dp_only, search_auto
+from .plan.choices import choices_from_plan
 from .plan.cost import load_cluster
 from .plan.search import AxisPlan, search_axis
 from .plan.tables import load_table, source_annotations
@@ -225,7 +226,8 @@ def rewrite(analysis: Analysis, request: PlanRequest) -> Rewrite:
     stages = orders = None
     if request.pp > 1:
         stages, orders = plan_pipeline(analysis, plan, request)
-    edits = plan_edits(analysis.graph, tp_plan) if tp_plan is not None else None
+    choices = choices_from_plan(analysis.graph, plan, "tp")     # the rewrite reads the plan IR only
+    edits = plan_edits(analysis.graph, choices) if choices is not None else None
     label = display_path(analysis.entry.path)
     files = render(analysis, plan, edits, label, stages, orders, request)
     return Rewrite(plan, tp_plan, edits, files, stages, orders)

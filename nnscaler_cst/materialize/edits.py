@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ..errors import UserError
 from ..graph.graph import Graph
 from ..plan.layouts import REPLICATE, R, Layout, layouts_for
-from ..plan.search import AxisPlan
+from ..plan.choices import AxisChoices
 from .size_args import SIZE_ARGUMENTS, SPLIT_SIZES, locate_size_argument
 from ..source.files import Span
 from ..trace.records import Node, TensorList
@@ -67,7 +67,7 @@ def _steps_note(steps: list[Step]) -> str:
     return " + ".join(s.op for s in steps)
 
 
-def plan_edits(graph: Graph, plan: AxisPlan) -> Edits:
+def plan_edits(graph: Graph, plan: AxisChoices) -> Edits:
     n = plan.n
     trace = graph.trace
     tensors = trace.tensors
@@ -147,7 +147,7 @@ def plan_edits(graph: Graph, plan: AxisPlan) -> Edits:
     return edits
 
 
-def _refuse_forced_regather(graph: Graph, plan: AxisPlan, node: Node, steps: list[Step], shape) -> None:
+def _refuse_forced_regather(graph: Graph, plan: AxisChoices, node: Node, steps: list[Step], shape) -> None:
     """A split tensor gathered or re-split only because its consumer could not be split (no rule,
     or sizes that do not divide) means the plan does not apply to this model: say where and why."""
     if not any(step.op in ("gather", "scatter") for step in steps):

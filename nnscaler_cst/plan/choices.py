@@ -1,0 +1,58 @@
+"""Read a plan IR back into per-invocation splits: what the rewrite is given.
+
+op_trans names one algo per site (the split label of its first instance); every instance of
+that site takes the option with the same layouts. Parameter layouts and the parameters whose
+gradients stay partial follow from those choices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import UserError, display_path
+from ..graph.graph import Graph
+from .ir import Plan
+from .layouts import REPLICATE, Layout, layouts_for
+from .refine import refine_factors
+from .search import SiteOptions, _operand_names, _partial_grad_params, site_options
+
+
+def site_label(span) -> str:
+    return f"{display_path(span.path)}:{span.line}:{span.col + 1}"
+
+
+@dataclass
+class AxisChoices:
+    axis: str
+    n: int
+    node_choice: dict[int, str]
+    param_layout: dict[str, Layout]
+    partial_grad_params: list[str]
+    options: dict[tuple, SiteOptions]
+
+
+def choices_from_plan(graph: Graph, plan: Plan, axis: str = "tp") -> AxisChoices | None:
+    n = plan.mesh.get(axis, 1)
+    if n == 1:
+        return None
+    refine_factors(graph)
+    wanted = {(t.site, t.callee): t.algo for t in plan.trans if t.axis == axis}
+    options = site_options(graph, n)
+    node_choice: dict[int, str] = {}
+    for sid, opts in options.items():
+        algo = REPLICATE if sid[0] == "node" else wanted.get((site_label(sid[0]), sid[1]), REPLICATE)
+        if algo not in opts.options:
+            raise UserError(f"the plan splits {sid[1]} by {algo!r}, which this site does not allow "
+                            f"(options: {', '.join(opts.options)})", sid[0].start if sid[0] != "node" else None)
+        k = opts.options.index(algo)
+        for i in opts.nodes:
+            node_choice[i] = opts.labels[i][k]
+    param_layout: dict[str, Layout] = {}
+    for node in graph.nodes:
+        names = _operand_names(graph, node.index)
+        for name, tid in graph.param_operands(node.index):
+            layout = layouts_for(graph.dims.get(node.index), node_choice[node.index], names).inputs[name]
+            param = graph.trace.tensors[tid].param
+            if param_layout.setdefault(param, layout) != layout:
+                raise UserError(f"parameter {param} would need two layouts ({param_layout[param]}, {layout})",
+                                node.span.start if node.span else None)
+    return AxisChoices(axis, n, node_choice, param_layout, _partial_grad_params(graph, node_choice), options)
