@@ -12,6 +12,7 @@ import ast
 import re
 import tomllib
 from dataclasses import dataclass
+from pathlib import Path
 
 import z3
 
@@ -45,7 +46,8 @@ class ScheduleTable:
 
 
 def load_schedule(name: str) -> ScheduleTable:
-    path = RULES_DIR / "plans" / f"{name}.toml"
+    """A schedule by name (rules/plans/NAME.toml) or by path to your own table."""
+    path = Path(name) if name.endswith(".toml") else RULES_DIR / "plans" / f"{name}.toml"
     if not path.is_file():
         known = sorted(p.stem for p in (RULES_DIR / "plans").glob("*.toml") if "[schedule]" in p.read_text())
         raise UserError(f"unknown schedule {name!r}", hint=f"schedules: {', '.join(known)}")

@@ -103,8 +103,13 @@ def available_plans(rules_dir: Path = RULES_DIR) -> list[str]:
     return sorted(p.stem for p in (rules_dir / "plans").glob("*.toml"))
 
 
+def table_path(name: str, rules_dir: Path = RULES_DIR) -> Path:
+    """A table by name (rules/plans/NAME.toml) or by path (your own table, anywhere)."""
+    return Path(name) if name.endswith(".toml") else rules_dir / "plans" / f"{name}.toml"
+
+
 def load_table(name: str, rules_dir: Path = RULES_DIR) -> PlanTable:
-    path = rules_dir / "plans" / f"{name}.toml"
+    path = table_path(name, rules_dir)
     if not path.is_file():
         raise UserError(f"unknown plan {name!r}", hint=f"plans: {', '.join(available_plans(rules_dir))} "
                         f"(tables in {display_path(rules_dir / 'plans')})")
@@ -115,7 +120,7 @@ def load_table(name: str, rules_dir: Path = RULES_DIR) -> PlanTable:
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"invalid TOML: {exc}", Location(shown)) from None
     head = data.get("plan", {})
-    table = PlanTable(head.get("name", name), head.get("description", ""), head.get("axes", []), path=path)
+    table = PlanTable(head.get("name", path.stem), head.get("description", ""), head.get("axes", []), path=path)
     if "extends" in head:
         table.constraints += load_table(head["extends"], rules_dir).constraints
     lines = text.splitlines()
@@ -130,6 +135,12 @@ def load_table(name: str, rules_dir: Path = RULES_DIR) -> PlanTable:
             raise UserError(f"unknown algo {constraint.algo!r}", location, hint=f"one of {sorted(ALGOS)} or a dim label")
         if not constraint.select:
             raise UserError("a constraint needs `select`", location)
+        if constraint.n not in (None, f"|{constraint.axis}|"):
+            raise UserError(f"n = {constraint.n!r}: only n = |{constraint.axis}| (one piece per device of the "
+                            "axis) is supported yet", location)
+        if entry.get("op_assign", "distinct") != "distinct":
+            raise UserError("op_assign: only `distinct` (pieces on distinct devices of the axis) is supported",
+                            location)
         table.constraints.append(constraint)
     return table
 

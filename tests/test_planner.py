@@ -1,0 +1,168 @@
+"""The constraint-guided planner: tables, annotations, unsat cores, auto search, plan/explain."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from nnscaler_cst.analysis import analyze
+from nnscaler_cst.errors import UserError
+from nnscaler_cst.plan.cost import load_cluster
+from nnscaler_cst.plan.layouts import REPLICATE
+from nnscaler_cst.plan.search import search_axis
+from nnscaler_cst.plan.tables import load_table, source_annotations
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = ROOT / "fixtures" / "gpt.py"
+
+
+def cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def gpt_graph():
+    return analyze(GPT).graph
+
+
+def _gpt_copy(tmp_path: Path, edit=None) -> Path:
+    text = GPT.read_text()
+    if edit:
+        text = edit(text)
+    path = tmp_path / "gpt_model.py"
+    path.write_text(text)
+    return path
+
+
+def test_megatron_table_splits_every_weight_matrix_and_leaves_no_partial_weight_gradient(gpt_graph):
+    plan = search_axis(gpt_graph, "tp", 2, load_table("megatron").for_axis("tp"))
+    matrices = [p for p, info in gpt_graph.trace.params.items() if len(info.shape) >= 2]
+    assert matrices and all(plan.param_layout[p].kind == "S" for p in matrices)
+    assert plan.partial_grad_params == []
+
+
+def test_without_constraints_the_search_space_is_larger_and_no_more_expensive(gpt_graph):
+    constrained = search_axis(gpt_graph, "tp", 2, load_table("megatron").for_axis("tp"))
+    free = search_axis(gpt_graph, "tp", 2, [])
+    assert free.cost <= constrained.cost + 1e-12
+    assert sum(len(o.options) for o in free.options.values()) >= sum(
+        len(o.options) for o in constrained.options.values())
+
+
+def test_variables_are_per_site_so_depth_does_not_add_any(tmp_path):
+    shallow = analyze(_gpt_copy(tmp_path, lambda t: t.replace("n_layer: int = 4", "n_layer: int = 2"))).graph
+    deep = analyze(_gpt_copy(tmp_path, lambda t: t.replace("n_layer: int = 4", "n_layer: int = 8"))).graph
+    assert len(deep.nodes) > 3 * len(shallow.nodes) // 2
+    assert len(deep.sites) == len(shallow.sites)
+
+
+def test_contradictory_tables_exit_2_and_name_every_constraint_of_the_core(tmp_path):
+    table = tmp_path / "mine.toml"
+    table.write_text(textwrap.dedent("""\
+        [plan]
+        name = "mine"
+        axes = ["tp"]
+        extends = "megatron"
+
+        [[constraint]]
+        id = "linears-whole"
+        select = { callee = ["torch.nn.Linear"] }
+        op_trans = { axis = "tp", algo = "replicate" }
+        """))
+    result = cli(GPT, "--tp", "2", "--plan", table, "-o", tmp_path / "out")
+    assert result.returncode == 2
+    assert not (tmp_path / "out").exists()
+    assert re.search(r"rules/plans/megatron\.toml:\d+:\d+: .*split-weight-matrices", result.stderr)
+    assert re.search(rf"{re.escape(str(table))}:7:\d+: .*linears-whole", result.stderr)
+    assert "Traceback" not in result.stderr
+
+
+def test_a_source_annotation_pins_its_line(tmp_path):
+    model = _gpt_copy(tmp_path, lambda t: t.replace("        x = self.gelu(x)\n",
+                                                    "        x = self.gelu(x)  # nnscaler: tp=replicate\n"))
+    graph = analyze(model).graph
+    (annotation,) = source_annotations(graph)
+    assert annotation.location.line == model.read_text().splitlines().index(
+        "        x = self.gelu(x)  # nnscaler: tp=replicate") + 1
+    plan = search_axis(graph, "tp", 2, [annotation])
+    gelu = [sid for sid in plan.site_choice if sid[0] != "node" and sid[1] == "torch.nn.GELU"]
+    assert gelu and all(plan.site_choice[sid] == REPLICATE for sid in gelu)
+
+
+def test_an_annotation_contradicting_the_table_is_reported_with_its_source_line(tmp_path):
+    model = _gpt_copy(tmp_path, lambda t: t.replace("        x = self.c_fc(x)\n",
+                                                    "        x = self.c_fc(x)  # nnscaler: tp=replicate\n"))
+    line = model.read_text().splitlines().index("        x = self.c_fc(x)  # nnscaler: tp=replicate") + 1
+    result = cli(model, "--tp", "2", "-o", tmp_path / "out")
+    assert result.returncode == 2
+    assert f"gpt_model.py:{line}:" in result.stderr and "split-weight-matrices" in result.stderr
+
+
+def test_an_unknown_annotation_is_a_located_error(tmp_path):
+    model = _gpt_copy(tmp_path, lambda t: t.replace("        x = self.gelu(x)\n",
+                                                    "        x = self.gelu(x)  # nnscaler: tensor-parallel\n"))
+    with pytest.raises(UserError) as error:
+        source_annotations(analyze(model).graph)
+    assert error.value.location.path.endswith("gpt_model.py")
+
+
+def test_unsupported_piece_counts_are_refused_with_the_table_line(tmp_path):
+    table = tmp_path / "coshard.toml"
+    table.write_text('[plan]\naxes = ["tp"]\n\n[[constraint]]\nid = "c"\nselect = { all = true }\n'
+                     'op_trans = { axis = "tp", algo = "split", n = "2*|tp|" }\n')
+    with pytest.raises(UserError) as error:
+        load_table(str(table))
+    assert error.value.location.line == 5
+
+
+def test_cluster_axes_talk_inside_a_node_until_they_span_nodes():
+    a100 = load_cluster("a100-node")
+    assert a100.axis(1, 8).bandwidth == a100.intra_bandwidth
+    assert a100.axis(8, 2).bandwidth == a100.inter_bandwidth
+    assert load_cluster("dgx2-v100x32").devices == 32
+
+
+def test_plan_json_lists_every_site_with_its_split_and_devices():
+    result = cli("plan", GPT, "--tp", "2", "--dp", "2", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["mesh"] == {"tp": 2, "dp": 2, "pp": 1}
+    split = [op for op in data["ops"] if op["tp"] != "replicate"]
+    assert split and all(op["n"] == 2 and len(op["devices"]) == 2 for op in split)
+    assert {tuple(d) for op in split for d in op["devices"]} == {(0, 2), (1, 3)}
+    assert len(data["devices"]) == 4
+
+
+def test_explain_marks_a_constraint_binding_only_when_dropping_it_lowers_the_cost():
+    result = cli("explain", GPT, "--tp", "2", "--json")
+    assert result.returncode == 0, result.stderr
+    for item in json.loads(result.stdout)["binding_constraints"]:
+        if item["binding"]:
+            assert item["seconds_without"] < item["seconds_with"]
+        elif item["seconds_without"] is not None:
+            assert item["seconds_without"] >= item["seconds_with"] - 1e-12
+
+
+def test_auto_with_room_for_everything_prefers_pure_data_parallel(tmp_path):
+    result = cli(GPT, "--plan", "auto", "--devices", "4", "-o", tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "out" / "plan.json").read_text())["mesh"]["tp"] == 1
+
+
+@pytest.mark.slow
+def test_auto_under_a_budget_that_rules_out_data_parallel_picks_tensor_parallel_that_verifies(tmp_path):
+    graph = analyze(GPT).graph
+    weights = sum(graph.trace.tensors[p.tid].nbytes for p in graph.trace.params.values())
+    budget = weights * 4 * 0.8          # weights, gradients and AdamW state do not fit whole
+    result = cli("verify", GPT, "--plan", "auto", "--devices", "4", "--memory-budget", budget,
+                 "-o", tmp_path / "out", "--json", "--steps", "2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = json.loads(result.stdout[result.stdout.index("{"):])
+    assert out["passed"]
+    assert json.loads((tmp_path / "out" / "plan.json").read_text())["mesh"]["tp"] > 1
