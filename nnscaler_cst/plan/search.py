@@ -142,12 +142,11 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
                 tracked.append((literal, z3.Or([var[sid] == k for k in allowed]) if allowed else z3.BoolVal(False),
                                 constraint))
 
-    terms, memory_terms, impossible = _cost_terms(graph, options, var, n, device, data_parallel)
-    hard += impossible
-    param_vars, param_hard = _param_layout_vars(graph, options, var)
-    hard += param_hard
+    uses = _param_uses(graph, options)
+    terms, memory_terms, impossible = _cost_terms(graph, options, var, n, device, data_parallel, uses)
+    hard += impossible + _param_constraints(uses, var)
     if memory_budget is not None:
-        memory = z3.Sum(memory_terms(param_vars)) if tensors else z3.IntVal(0)
+        memory = z3.Sum(memory_terms) if memory_terms else z3.IntVal(0)
         literal = z3.Bool("memory-budget")
         tracked.append((literal, memory <= int(memory_budget), "memory-budget"))
 
@@ -166,12 +165,12 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
     model = solver.model()
     picked = {sid: model.eval(var[sid]).as_long() for sid in sids}
     node_choice = {i: options[sid].labels[i][picked[sid]] for sid in sids for i in options[sid].nodes}
-    param_layout = {p: layouts[model.eval(pv).as_long()] for p, (pv, layouts) in param_vars.items()}
-    partial = [p for p in _partial_grad_params(graph, node_choice)]
+    param_layout = {p: entries[0][1][picked[entries[0][0]]] for p, entries in uses.items()}
+    partial = _partial_grad_params(graph, node_choice)
     cost = model.eval(objective).as_long() / 1e9
     for name in partial:
         cost += all_reduce_time(tensors[graph.trace.params[name].tid].nbytes, n, device)
-    memory = sum(model.eval(t).as_long() for t in memory_terms(param_vars)) if tensors else 0
+    memory = sum(model.eval(t).as_long() for t in memory_terms)
     return AxisPlan(axis, n, {sid: options[sid].options[k] for sid, k in picked.items()}, node_choice,
                     param_layout, partial, cost, float(memory), options, dict(restricted))
 
@@ -210,30 +209,38 @@ def _partial_grad_params(graph: Graph, node_choice: dict[int, str]) -> list[str]
     return out
 
 
-def _param_layout_vars(graph: Graph, options, var):
-    """One layout per parameter, whoever uses it (tied weights stay tied)."""
-    uses: dict[str, list[tuple[SiteId, dict[int, Layout]]]] = defaultdict(list)
-    for node in graph.nodes:
-        sid = site_id(graph, node.index)
-        for name, tid in graph.param_operands(node.index):
-            need = {b: layouts_for(graph.dims.get(node.index), label, _operand_names(graph, node.index)).inputs[name]
-                    for b, label in enumerate(options[sid].labels[node.index])}
-            uses[graph.trace.tensors[tid].param].append((sid, need))
-    param_vars, hard = {}, []
-    for p, entries in uses.items():
-        layouts = sorted({l for _, u in entries for l in u.values()}, key=str)
-        pv = z3.Int(f"param_{len(param_vars)}")
-        hard += [pv >= 0, pv < len(layouts)]
-        for sid, need in entries:
-            for b, layout in need.items():
-                hard.append(z3.Implies(var[sid] == b, pv == layouts.index(layout)))
-        param_vars[p] = (pv, layouts)
-    return param_vars, hard
+def _param_uses(graph: Graph, options) -> dict[str, list[tuple[SiteId, list[Layout]]]]:
+    """Per parameter, the sites using it and the layout each of their options gives it."""
+    uses: dict[str, list[tuple[SiteId, list[Layout]]]] = defaultdict(list)
+    for sid, opts in options.items():
+        i = opts.nodes[0]   # option k gives the same layouts in every instance of a site
+        names = _operand_names(graph, i)
+        for node in opts.nodes:
+            for name, tid in graph.param_operands(node):
+                param = graph.trace.tensors[tid].param
+                if any(s == sid for s, _ in uses[param]):
+                    continue
+                layouts = [layouts_for(graph.dims.get(i), label, names).inputs[name] for label in opts.labels[i]]
+                uses[param].append((sid, layouts))
+    return uses
 
 
-def _cost_terms(graph: Graph, options, var, n: int, device: DeviceSpec, data_parallel: int):
-    """z3 terms of the step time (ns), a function giving per-device memory terms (bytes), and
-    the pairs of choices no collective sequence can connect."""
+def _param_constraints(uses, var) -> list:
+    """A parameter has one layout, whoever uses it: tied weights stay tied."""
+    hard = []
+    for entries in uses.values():
+        (first, first_layouts), *others = entries
+        for sid, layouts in others:
+            for a, la in enumerate(first_layouts):
+                for b, lb in enumerate(layouts):
+                    if la != lb:
+                        hard.append(z3.Not(z3.And(var[first] == a, var[sid] == b)))
+    return hard
+
+
+def _cost_terms(graph: Graph, options, var, n: int, device: DeviceSpec, data_parallel: int, uses):
+    """z3 terms of the step time (ns), of the memory per device (bytes), and the pairs of
+    choices no collective sequence can connect."""
     tensors = graph.trace.tensors
     layout_cache: dict = {}
 
@@ -263,34 +270,40 @@ def _cost_terms(graph: Graph, options, var, n: int, device: DeviceSpec, data_par
                 activation.append(z3.If(var[sid] == k, int(saved / data_parallel), 0))
 
     producer_out = {tid: (node.index, k) for node in graph.nodes for k, tid in enumerate(node.outputs)}
-    pair_cost: dict[tuple[SiteId, SiteId], dict[tuple[int, int], float | None]] = defaultdict(dict)
+    # Option k of a site gives the same layouts in every instance, so an edge's cost depends only
+    # on which sites, output and operand it joins: count edges, cost each kind once.
+    edges: dict[tuple, int] = defaultdict(int)
     for node in graph.nodes:
-        v, sv = node.index, site_id(graph, node.index)
+        sv = site_id(graph, node.index)
         for operand in node.operands:
             if operand.tid is None or tensors[operand.tid].param is not None:
                 continue
             info = tensors[operand.tid]
             source = producer_out.get(operand.tid)
-            for b, label in enumerate(options[sv].labels[v]):
-                wanted = lay(v, label)
-                need = wanted.inputs[operand.name]
-                if source is None:
-                    cost = conversion_time(conversion(R, need, consumer_split=wanted.split,
-                                                      requires_grad=info.requires_grad), info.nbytes, n, device)
-                    if cost:
-                        terms.append(z3.If(var[sv] == b, ns(cost), 0))
-                    continue
-                u, k = source
-                su = site_id(graph, u)
-                table = pair_cost[(su, sv)]
-                for a, u_label in enumerate(options[su].labels[u]):
-                    outs = lay(u, u_label).outputs
-                    steps = conversion(outs[k] if k < len(outs) else R, need, consumer_split=wanted.split,
-                                       requires_grad=info.requires_grad)
-                    if steps is None:
-                        table[(a, b)] = None
-                    elif table.get((a, b), 0.0) is not None:
-                        table[(a, b)] = table.get((a, b), 0.0) + conversion_time(steps, info.nbytes, n, device)
+            su, k = (site_id(graph, source[0]), source[1]) if source else (None, None)
+            edges[(su, k, sv, operand.name, info.nbytes, info.requires_grad)] += 1
+    pair_cost: dict[tuple[SiteId, SiteId], dict[tuple[int, int], float | None]] = defaultdict(dict)
+    for (su, k, sv, name, nbytes, requires_grad), count in edges.items():
+        v = options[sv].nodes[0]
+        for b, label in enumerate(options[sv].labels[v]):
+            wanted = lay(v, label)
+            need = wanted.inputs[name]
+            if su is None:
+                steps = conversion(R, need, consumer_split=wanted.split, requires_grad=requires_grad)
+                cost = count * conversion_time(steps, nbytes, n, device)
+                if cost:
+                    terms.append(z3.If(var[sv] == b, ns(cost), 0))
+                continue
+            u = options[su].nodes[0]
+            table = pair_cost[(su, sv)]
+            for a, u_label in enumerate(options[su].labels[u]):
+                outs = lay(u, u_label).outputs
+                steps = conversion(outs[k] if k < len(outs) else R, need, consumer_split=wanted.split,
+                                   requires_grad=requires_grad)
+                if steps is None:
+                    table[(a, b)] = None
+                elif table.get((a, b), 0.0) is not None:
+                    table[(a, b)] = table.get((a, b), 0.0) + count * conversion_time(steps, nbytes, n, device)
     loss = graph.trace.loss
     if loss is not None and loss in producer_out:
         u, k = producer_out[loss]
@@ -311,12 +324,10 @@ def _cost_terms(graph: Graph, options, var, n: int, device: DeviceSpec, data_par
             elif cost:
                 terms.append(z3.If(cond, ns(cost), 0))
 
-    def memory_terms(param_vars):
-        out = list(activation)
-        for p, (pv, layouts) in param_vars.items():
-            size = tensors[graph.trace.params[p].tid].nbytes // 4 * BYTES_PER_PARAM_STATE
-            for idx, layout in enumerate(layouts):
-                out.append(z3.If(pv == idx, size // (n if layout.kind == "S" else 1), 0))
-        return out
+    # weights, gradients and optimizer state, counted at the first site that uses each parameter
+    for param, ((sid, layouts), *_) in uses.items():
+        size = tensors[graph.trace.params[param].tid].nbytes // 4 * BYTES_PER_PARAM_STATE
+        for k, layout in enumerate(layouts):
+            activation.append(z3.If(var[sid] == k, size // (n if layout.kind == "S" else 1), 0))
 
-    return terms, memory_terms, impossible
+    return terms, activation, impossible
