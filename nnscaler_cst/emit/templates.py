@@ -270,6 +270,7 @@ def pipeline_train_step(stages, optimizer, batch, module):
             except _comm.StageBoundary as boundary:
                 requests += _comm.send_values(boundary.values, after, stage + 1, m)
                 sent = _comm.flat_tensors(boundary.values)
+            _comm.PIPE.inbox = ()       # what was received lives on in `held` until its backward only
             held[(stage, m)] = (received, sent)
         else:
             received, sent = held.pop((stage, m))
@@ -280,6 +281,7 @@ def pipeline_train_step(stages, optimizer, batch, module):
                 torch.autograd.backward(outputs, _comm.recv_grads(sent, after, stage + 1, m))
             if stage > 0:
                 requests += _comm.send_grads(received, before, stage, m)
+            del received, sent
     for request in requests:
         request.wait()
     named = dict(stages.named_parameters())

@@ -1,0 +1,353 @@
+"""Pipeline stage plans on the GPT fixture (issue 5): which blocks each stage runs, which modules
+it does not hold, which weight is tied across stages, how the model's forward is cut, and what
+each rank's build(rank) holds.
+
+The GPT fixture (fixtures/gpt.py) has 4 identical blocks in `transformer.h`, a prologue (token
+and position embeddings) before the loop over them and an epilogue (final LayerNorm, LM head,
+cross entropy) after it; `transformer.wte.weight` is `lm_head.weight` (weight tying).
+
+The stage plan is read through the planner (in process, one trace of the model), the emitted
+code through the command line (fresh processes), and the output package is imported in a
+subprocess that cannot import `nnscaler_cst`, as a user's training script would.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from nnscaler_cst.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+GPT = REPO / "fixtures" / "gpt.py"
+TIMEOUT_S = 300
+N_BLOCKS = 4
+BLOCKS = [f"transformer.h.{b}" for b in range(N_BLOCKS)]
+TIED = ["lm_head.weight", "transformer.wte.weight"]
+
+
+def run_cli(*args, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+# --------------------------------------------------------------------------------------------
+# The stage plan (plan/pipeline.py), in process
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def graph():
+    from nnscaler_cst.analysis import analyze
+    return analyze(GPT).graph
+
+
+def stages(graph, pp: int, cuts=None):
+    from nnscaler_cst.plan.pipeline import plan_stages
+    return plan_stages(graph, pp, 1, cuts)
+
+
+def test_the_trunk_is_the_loop_over_transformer_h_handing_on_x(graph):
+    from nnscaler_cst.plan.pipeline import find_trunk
+    trunk = find_trunk(graph)
+    assert trunk.container == "transformer.h"
+    assert trunk.blocks == BLOCKS
+    assert trunk.function.name.value == "forward"
+    # before the loop: b, t, pos, tok_emb, pos_emb, x; only x is read by the loop or after it
+    assert trunk.handoff == ["x"]
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_stages_are_contiguous_block_ranges_covering_every_block_once(graph, pp):
+    plan = stages(graph, pp)
+    ranges = plan.block_ranges
+    assert len(ranges) == pp and plan.stages == pp
+    assert ranges[0][0] == 0 and ranges[-1][1] == N_BLOCKS
+    for (a, b), (c, _) in zip(ranges, ranges[1:]):
+        assert b == c, ranges
+    assert all(b > a for a, b in ranges), ranges
+    covered = [block for a, b in ranges for block in range(a, b)]
+    assert covered == list(range(N_BLOCKS))
+
+
+def test_four_stages_get_one_block_each(graph):
+    assert stages(graph, 4).block_ranges == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+def test_two_stages_split_the_identical_blocks_evenly(graph):
+    """The blocks cost the same; the prologue (two embedding lookups) and the epilogue (a norm,
+    a 64x128 head and the loss) each cost less than one block (a block holds 64x192, 64x64,
+    64x256 and 256x64 matmuls plus attention), so 2 + 2 beats 1 + 3 and 3 + 1."""
+    assert stages(graph, 2).block_ranges == [(0, 2), (2, 4)]
+
+
+def test_stages_option_cuts_where_the_user_says(graph):
+    assert stages(graph, 2, [1]).block_ranges == [(0, 1), (1, 4)]
+    assert stages(graph, 2, [3]).block_ranges == [(0, 3), (3, 4)]
+    assert stages(graph, 4, [1, 2, 3]).block_ranges == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+@pytest.mark.parametrize("pp, cuts", [(2, [0]), (2, [4]), (2, [1, 2]), (4, [1, 3, 2]), (4, [1, 1, 2])])
+def test_stages_option_refuses_cuts_that_do_not_make_the_stages(graph, pp, cuts):
+    with pytest.raises(UserError, match="--stages"):
+        stages(graph, pp, cuts)
+
+
+def test_more_stages_than_blocks_is_refused(graph):
+    with pytest.raises(UserError, match="4 blocks cannot fill 5 pipeline stages"):
+        stages(graph, 5)
+
+
+def test_every_op_runs_on_the_stage_of_its_block_the_prologue_first_the_epilogue_last(graph):
+    plan = stages(graph, 2, [1])
+    stage_of_block = {0: 0, 1: 1, 2: 1, 3: 1}
+
+    def block_of(node):
+        path = node.module_path or ""
+        return next((b for b, p in enumerate(BLOCKS) if path == p or path.startswith(p + ".")), None)
+
+    in_blocks = [n.index for n in graph.nodes if block_of(n) is not None]
+    seen = set()
+    for node in graph.nodes:
+        stage = plan.node_stage[node.index]
+        block = block_of(node)
+        if block is not None:
+            assert stage == stage_of_block[block], (node.index, node.module_path, stage)
+        elif node.index < min(in_blocks):
+            assert stage == 0, (node.index, node.callee_path)
+        else:
+            assert node.index > max(in_blocks) and stage == 1, (node.index, node.callee_path)
+        seen.add((node.callee_path or node.module_path, stage))
+    for path, stage in [("transformer.wte", 0), ("transformer.wpe", 0), ("transformer.h.0.mlp.c_fc", 0),
+                        ("transformer.h.1.mlp.c_fc", 1), ("transformer.ln_f", 1), ("lm_head", 1)]:
+        assert (path, stage) in seen, (path, stage)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_the_first_stage_drops_the_head_and_final_norm_the_last_the_embeddings(graph, pp):
+    plan = stages(graph, pp)
+    assert sorted(plan.drop[0]) == ["lm_head", "transformer.ln_f"]
+    assert sorted(plan.drop[pp - 1]) == ["transformer.wpe", "transformer.wte"]
+    for middle in range(1, pp - 1):       # runs blocks only: holds none of the other modules
+        assert sorted(plan.drop[middle]) == ["lm_head", "transformer.ln_f", "transformer.wpe", "transformer.wte"]
+    for stage in range(pp):               # a stage never drops (part of) a block it runs
+        assert not any(d.startswith("transformer.h") for d in plan.drop[stage])
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_the_tied_embedding_and_head_weight_is_reported_tied(graph, pp):
+    assert [sorted(group) for group in stages(graph, pp).tied] == [TIED]
+
+
+# --------------------------------------------------------------------------------------------
+# The emitted code, through the command line
+# --------------------------------------------------------------------------------------------
+
+CASES = {  # name -> rewrite options
+    "pp2": ["--pp", 2, "--micro-batches", 4, "--schedule", "1f1b"],
+    "pp2_stages1": ["--pp", 2, "--micro-batches", 4, "--schedule", "gpipe", "--stages", 1],
+    "pp2_tp2": ["--pp", 2, "--tp", 2, "--micro-batches", 4, "--schedule", "1f1b"],
+}
+
+PROBE = r'''
+import importlib, importlib.util, json, sys
+sys.modules["nnscaler_cst"] = None          # the output must not need the tool
+import torch
+
+folder, entry_path, out_path = sys.argv[1:4]
+sys.path.insert(0, folder.rsplit("/", 1)[0])
+package = importlib.import_module(folder.rsplit("/", 1)[1])
+spec = importlib.util.spec_from_file_location("entry", entry_path)
+entry = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(entry)
+torch.manual_seed(0)
+reference = entry.build().state_dict()
+
+report = {"reference": {k: list(v.shape) for k, v in reference.items()}, "ranks": []}
+shards = []
+for rank in range(package.WORLD_SIZE):
+    module = package.rank_module(rank)
+    model = package.build(rank)
+    params = {}
+    for key, p in model.named_parameters(remove_duplicate=False):
+        local, _, rest = key.partition(".")
+        stage = module.PIPELINE_STAGES[int(local)]
+        params[package.global_key(rest, stage, module)] = list(p.shape)
+    shard = package.shard_state_dict(reference, rank)
+    shards.append(shard)
+    problem = model.load_state_dict(shard, strict=True)
+    loaded = model.state_dict()
+    # every value this rank holds is the reference's, under the single-device name
+    values = {}
+    for key, t in loaded.items():
+        local, _, rest = key.partition(".")
+        name = package.global_key(rest, module.PIPELINE_STAGES[int(local)], module)
+        full = reference[name]
+        if tuple(t.shape) == tuple(full.shape):
+            values[name] = "equal" if torch.equal(t, full) else "differs"
+        else:
+            tp = package.coords(rank)["tp"]
+            dim, groups = package.TP_SPLITS[name]
+            piece = full.unflatten(dim, (groups, -1)).chunk(package.TP_SIZE, dim + 1)[tp].flatten(dim, dim + 1)
+            values[name] = "slice" if torch.equal(t, piece) else "differs"
+    report["ranks"].append({
+        "stages": module.PIPELINE_STAGES,
+        "stage_blocks": {str(s): list(r) for s, r in module.STAGE_BLOCKS.items()},
+        "stage_drops": {str(s): d for s, d in module.STAGE_DROPS.items()},
+        "tied": module.TIED_PARAMETERS, "schedule": module.SCHEDULE, "pipeline_blocks": module.PIPELINE_BLOCKS,
+        "params": params, "values": values, "coords": package.coords(rank),
+    })
+merged = package.merge_state_dicts(shards)
+report["merged_keys"] = sorted(merged)
+report["merged_exact"] = sorted(k for k in reference if k in merged and merged[k].dtype == reference[k].dtype
+                                and torch.equal(merged[k], reference[k]))
+json.dump(report, open(out_path, "w"))
+'''
+
+
+def rewrite_and_probe(root: Path, name: str) -> dict:
+    folder = root / name
+    result = run_cli(GPT, *CASES[name], "-o", folder)
+    assert result.returncode == 0, result.stdout + result.stderr
+    probe = root / f"probe_{name}.py"
+    probe.write_text(PROBE)
+    out = root / f"probe_{name}.json"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    run = subprocess.run([sys.executable, str(probe), str(folder), str(GPT), str(out)], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return {"folder": folder, **json.loads(out.read_text())}
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline_outputs")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(rewrite_and_probe, root, name) for name in CASES}
+        yield {name: f.result() for name, f in futures.items()}
+
+
+def forward_of(text: str, cls: str) -> str:
+    """The source of `def forward` of class `cls`, dedented."""
+    start = text.index(f"class {cls}(")
+    body = text[start:]
+    begin = body.index("    def forward(")
+    rest = body[begin:].splitlines(keepends=True)
+    lines = [rest[0]]
+    for line in rest[1:]:
+        if line.strip() and not line.startswith("        "):
+            break
+        lines.append(line)
+    return textwrap.dedent("".join(lines)).rstrip() + "\n"
+
+
+EXPECTED_FORWARD = '''\
+def forward(self, idx, targets):
+    if pp_first_stage():  # pipeline: the first stage runs what precedes the blocks
+        b, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long)  # shape (t)
+        tok_emb = self.transformer.wte(idx)  # token embeddings of shape (b, t, n_embd)
+        pos_emb = self.transformer.wpe(pos)  # position embeddings of shape (t, n_embd)
+        x = self.transformer.drop(tok_emb + pos_emb)
+    else:
+        x, = pp_receive()  # pipeline: from the previous stage
+    for block in self.transformer.h:  # pipeline: this stage's blocks of transformer.h only
+        x = block(x)
+    pp_handoff(x)  # pipeline: every stage but the last hands these on and ends here
+    x = self.transformer.ln_f(x)
+    logits = self.lm_head(x)
+    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+    return loss
+'''
+
+
+def test_rank0_forward_guards_the_prologue_receives_otherwise_and_hands_off_after_the_loop(outputs):
+    text = (outputs["pp2"]["folder"] / "model_rank0.py").read_text()
+    assert forward_of(text, "GPT") == EXPECTED_FORWARD
+    assert re.search(r"^from \._comm import .*\bpp_first_stage\b", text, re.M)
+    assert re.search(r"^from \._comm import .*\bpp_handoff\b", text, re.M)
+    assert re.search(r"^from \._comm import .*\bpp_receive\b", text, re.M)
+
+
+def test_every_rank_runs_the_same_cut_forward_and_the_blocks_are_untouched(outputs):
+    folder = outputs["pp2"]["folder"]
+    original = GPT.read_text()
+    for rank in range(2):
+        text = (folder / f"model_rank{rank}.py").read_text()
+        assert forward_of(text, "GPT") == EXPECTED_FORWARD
+        assert forward_of(text, "Block") == forward_of(original, "Block")
+
+
+def test_each_rank_file_states_its_stage_blocks_drops_tied_weight_and_schedule(outputs):
+    ranks = outputs["pp2_stages1"]["ranks"]
+    assert [r["stages"] for r in ranks] == [[0], [1]]
+    assert ranks[0]["stage_blocks"] == {"0": [0, 1]}          # --stages 1: block 0 alone on stage 0
+    assert ranks[1]["stage_blocks"] == {"1": [1, 4]}
+    assert sorted(ranks[0]["stage_drops"]["0"]) == ["lm_head", "transformer.ln_f"]
+    assert sorted(ranks[1]["stage_drops"]["1"]) == ["transformer.wpe", "transformer.wte"]
+    assert all(sorted(r["tied"]) == TIED and r["pipeline_blocks"] == "transformer.h" for r in ranks)
+    # gpipe, 4 micro-batches: all forwards then all backwards
+    assert ranks[0]["schedule"] == "0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3"
+    assert ranks[1]["schedule"] == "1F0 1F1 1F2 1F3 1B0 1B1 1B2 1B3"
+
+
+def test_schedule_csv_holds_the_rank_files_schedules(outputs):
+    for name in ("pp2", "pp2_stages1"):
+        rows = (outputs[name]["folder"] / "schedule.csv").read_text().splitlines()
+        assert [row.replace(",", " ") for row in rows] == [r["schedule"] for r in outputs[name]["ranks"]]
+    # 1f1b, 2 ranks, 4 micro-batches: rank 0 warms up with one forward, rank 1 with none
+    assert outputs["pp2"]["ranks"][0]["schedule"] == "0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3"
+    assert outputs["pp2"]["ranks"][1]["schedule"] == "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3"
+
+
+@pytest.mark.parametrize("name, blocks", [("pp2", [[0, 1], [2, 3]]), ("pp2_stages1", [[0], [1, 2, 3]])])
+def test_each_rank_builds_only_its_stage_and_together_they_hold_the_model(outputs, name, blocks):
+    report = outputs[name]
+    reference = report["reference"]
+    first, last = (r["params"] for r in report["ranks"])
+    for rank, params in enumerate((first, last)):
+        for key, shape in params.items():
+            assert reference.get(key) == shape, (rank, key)
+        held = sorted({int(k.split(".")[2]) for k in params if k.startswith("transformer.h.")})
+        assert held == blocks[rank]
+    # rank 0 holds the tied weight as the embedding, rank 1 as the head
+    assert "transformer.wte.weight" in first and "lm_head.weight" not in first
+    assert "lm_head.weight" in last and "transformer.wte.weight" not in last
+    assert not (set(first) - set(TIED)) & (set(last) - set(TIED))
+    assert set(first) | set(last) == set(reference)
+
+
+@pytest.mark.parametrize("name", ["pp2", "pp2_stages1", "pp2_tp2"])
+def test_shard_then_merge_state_dicts_is_exact(outputs, name):
+    report = outputs[name]
+    assert report["merged_keys"] == sorted(report["reference"])
+    assert report["merged_exact"] == sorted(report["reference"])
+
+
+@pytest.mark.parametrize("name", ["pp2", "pp2_stages1", "pp2_tp2"])
+def test_each_shard_holds_the_reference_values_under_the_stage_names(outputs, name):
+    """load_state_dict(strict=True) succeeded in the probe; here: the values are the right ones,
+    e.g. rank 1's first local block is block 2 (pp2) or block 1 (--stages 1) of the model."""
+    for rank, info in enumerate(outputs[name]["ranks"]):
+        wrong = {k: v for k, v in info["values"].items() if v == "differs"}
+        assert not wrong, (rank, wrong)
+
+
+def test_pp_by_tp_ranks_split_the_stage_parameters_between_tensor_parallel_ranks(outputs):
+    report = outputs["pp2_tp2"]
+    ranks = report["ranks"]
+    assert [(r["coords"]["pp"], r["coords"]["tp"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for r in ranks:
+        slices = {k for k, v in r["values"].items() if v == "slice"}
+        assert "transformer.h.{}.mlp.c_fc.weight".format(2 * r["coords"]["pp"]) in slices, slices
+    assert ranks[0]["params"].keys() == ranks[1]["params"].keys()
+    assert ranks[2]["params"].keys() == ranks[3]["params"].keys()
+    fc = "transformer.h.0.mlp.c_fc.weight"
+    assert ranks[0]["params"][fc][0] * 2 == report["reference"][fc][0]
