@@ -61,9 +61,6 @@ class Graph:
     def nodes(self) -> list[Node]:
         return self.trace.nodes
 
-    def site_of(self, node: Node) -> Site | None:
-        return self.sites.get((node.span, node.callee)) if node.span else None
-
     def partial_bias(self, index: int) -> str | None:
         """The operand a split on a summed label adds once after the reduction (a bias)."""
         rule = self.node_rule.get(index)

@@ -121,7 +121,7 @@ def plan_edits(graph: Graph, plan: AxisChoices) -> Edits:
         node = graph.nodes[producer] if producer is not None else None
         prefix = _common_prefix([steps for _, _, _, steps in uses])
         if prefix and node is not None and key[0] != "tensor" and _wrappable(graph, node):
-            _put(edits.site(node.span).__dict__, "result", prefix, node)
+            _same(edits.site(node.span), "result", prefix, node)
         else:
             prefix = []
         for tid, consumer, path, steps in uses:
@@ -185,12 +185,6 @@ def _wrappable(graph: Graph, node: Node) -> bool:
     return call is not None and graph.sources.get(node.span.path).value_is_whole(call)
 
 
-def _put(target: dict, key: str, value, node: Node) -> None:
-    if target[key] and target[key] != value:
-        raise UserError(f"instances of {node.callee} need different conversions", _loc(node))
-    target[key] = value
-
-
 def _split_site_edits(graph: Graph, node: Node, choice: str, n: int, edits: Edits, layouts,
                       have: dict[int, Layout]) -> None:
     dims = graph.dims[node.index]
@@ -216,8 +210,9 @@ def _note(site: SiteEdit, text: str) -> None:
 
 
 def _same(site: SiteEdit, key: str, value, node: Node) -> None:
+    """Set one edit of a site; every instance of the site must ask for the same."""
     current = getattr(site, key)
-    if current is not None and current != value:
+    if current and current != value:
         raise UserError(f"instances of {node.callee} need different rewrites", _loc(node))
     setattr(site, key, value)
 

@@ -1,9 +1,6 @@
 """Canonical names for torch callables and for what a model file called."""
 from __future__ import annotations
 
-import types
-
-import torch
 
 _C_NAMESPACES = {
     "torch._C._nn": "torch.nn.functional",
@@ -41,11 +38,3 @@ def short_type(qualified: str) -> str:
     if qualified.startswith("torch.nn.modules."):
         return "torch.nn." + qualified.rsplit(".", 1)[1]
     return qualified
-
-
-def is_tensor(value) -> bool:
-    return isinstance(value, torch.Tensor)
-
-
-def function_name(code: types.CodeType, module_name: str) -> str:
-    return f"{module_name}.{code.co_qualname}"
