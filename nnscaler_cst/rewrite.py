@@ -14,6 +14,7 @@ from . import __version__
 from .analysis import Analysis
 from .emit import templates
 from .emit.assemble import add_comm_import, content_hash, merge_entry, model_files, with_header
+from .emit.output import generated_json
 from .emit.rewrite import StageSplit, rewrite_module
 from .errors import UserError, display_path
 from .materialize.edits import Edits, plan_edits
@@ -188,7 +189,7 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
                                     f"from {source_label}")
     plan_json = {"generated_by": f"nnscaler-rewrite {__version__}", "source": source_label, **plan.to_json(),
                  "file_hashes": {n: content_hash(t) for n, t in files.items() if not n.endswith(".py")}}
-    files["plan.json"] = json.dumps(plan_json, indent=1, sort_keys=False) + "\n"
+    files["plan.json"] = generated_json(plan_json)
     for name, text in files.items():
         if name.endswith(".py"):
             cst.parse_module(text)   # the output must be valid Python; fail before writing

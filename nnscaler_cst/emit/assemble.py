@@ -77,6 +77,11 @@ def merge_entry(model: cst.Module, model_path: Path, entry: cst.Module, entry_pa
     if package:
         model = model.visit(AbsoluteImports(package))
     entry = entry.visit(DropImportedNames(_defined_names(model)))
+    present = {cst.Module([]).code_for_node(stmt).strip() for stmt in model.body
+               if isinstance(stmt, cst.SimpleStatementLine)}
+    entry = entry.with_changes(body=[stmt for stmt in entry.body if not (
+        isinstance(stmt, cst.SimpleStatementLine) and isinstance(stmt.body[0], (cst.Import, cst.ImportFrom))
+        and cst.Module([]).code_for_node(stmt).strip() in present)])
     header = cst.EmptyLine(comment=cst.Comment(f"# --- entry file {display_path(entry_path)}: "
                                                "build(), example_inputs() ---"))
     body = list(entry.body)

@@ -26,7 +26,7 @@ def edited_or_foreign(out_dir: Path, new_files: dict[str, str]) -> tuple[list[st
         return edited, foreign
     recorded = _recorded_hashes(out_dir)
     for path in sorted(out_dir.iterdir()):
-        if path.name == "__pycache__" or path.name.endswith(".edited"):
+        if path.name == "__pycache__" or ".edited" in path.name:
             continue
         if path.is_dir():
             foreign.append(path.name)
@@ -37,12 +37,11 @@ def edited_or_foreign(out_dir: Path, new_files: dict[str, str]) -> tuple[list[st
                 edited.append(path.name)
             continue
         if path.suffix == ".json":
-            try:
-                if GENERATED_JSON_KEY in json.loads(text):
-                    continue
-            except ValueError:
-                pass
-            foreign.append(path.name)
+            state = json_state(text)
+            if state is None:
+                foreign.append(path.name)
+            elif state == "edited":
+                edited.append(path.name)
             continue
         header = read_header(text)
         if header is None:
@@ -50,6 +49,24 @@ def edited_or_foreign(out_dir: Path, new_files: dict[str, str]) -> tuple[list[st
         elif header[0] != header[1]:
             edited.append(path.name)
     return edited, foreign
+
+
+def generated_json(data: dict) -> str:
+    """plan.json as written: its content hash covers every other key, so edits show."""
+    body = json.dumps(data, indent=1) + "\n"
+    return json.dumps({**data, "content_hash": content_hash(body)}, indent=1) + "\n"
+
+
+def json_state(text: str) -> str | None:
+    """"generated", "edited" (hash no longer matches), or None when the tool did not write it."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or GENERATED_JSON_KEY not in data:
+        return None
+    recorded = data.pop("content_hash", None)
+    return "generated" if recorded == content_hash(json.dumps(data, indent=1) + "\n") else "edited"
 
 
 def _recorded_hashes(out_dir: Path) -> dict[str, str]:
@@ -71,16 +88,17 @@ def write_output(out_dir: Path, files: dict[str, str], *, force: bool = False) -
         raise UserError(f"generated files were edited by hand since they were written: "
                         + ", ".join(display_path(out_dir / f) for f in edited),
                         hint="commit or move your edits, or pass --force (edited files are kept as "
-                             "NAME.edited)")
+                             "NAME.edited, NAME.edited.2, ...)")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         for name, text in files.items():
             (staging / name).write_text(text, encoding="utf-8")
+        kept = [p for p in out_dir.glob("*.edited*")] if out_dir.exists() else []
+        for path in kept:
+            shutil.copy2(path, staging / path.name)
         for name in edited:
-            shutil.copy2(out_dir / name, staging / f"{name}.edited")
-        for kept in out_dir.glob("*.edited") if out_dir.exists() else []:
-            shutil.copy2(kept, staging / kept.name)
+            shutil.copy2(out_dir / name, staging / _free_name(staging, f"{name}.edited"))
         if out_dir.exists():
             retired = out_dir.with_name(f".{out_dir.name}.old")
             shutil.rmtree(retired, ignore_errors=True)
@@ -91,6 +109,15 @@ def write_output(out_dir: Path, files: dict[str, str], *, force: bool = False) -
             os.rename(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _free_name(folder: Path, name: str) -> str:
+    """NAME.edited, or NAME.edited.2, .3, ... when earlier edits are kept already."""
+    candidate, number = name, 1
+    while (folder / candidate).exists():
+        number += 1
+        candidate = f"{name}.{number}"
+    return candidate
 
 
 def stale_files(out_dir: Path, files: dict[str, str]) -> list[str]:

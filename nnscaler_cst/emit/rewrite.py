@@ -19,6 +19,7 @@ from ..source.files import SourceFile, Span
 from .expr import COLLECTIVE_NOTES, bias_added, code, collective, divided, parenthesized
 
 AXIS = "TP"
+_LOOSER_THAN_ADD = (cst.LeftShift, cst.RightShift, cst.BitAnd, cst.BitXor, cst.BitOr)
 
 
 @dataclass
@@ -276,7 +277,7 @@ class FileRewriter(cst.CSTTransformer):
             updated = concern.leave(span, updated)
         return updated
 
-    leave_Call = leave_BinaryOperation = leave_Subscript = _leave_expr
+    leave_Call = _leave_expr
 
     def leave_FunctionDef(self, original, updated):
         return self.stages.leave_function(self._span(original), updated)
@@ -285,6 +286,32 @@ class FileRewriter(cst.CSTTransformer):
         if isinstance(updated.value, cst.BinaryOperation):     # (a + b).view(...) keeps its parentheses
             return updated.with_changes(value=parenthesized(updated.value))
         return updated
+
+    # A `reduced + bias` sum put where a call was must keep the user's precedence. The user's own
+    # tree never holds an unparenthesized sum in these places, so only inserted sums are touched.
+    @staticmethod
+    def _bare_sum(expr) -> bool:
+        return isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, cst.Add) and not expr.lpar
+
+    def leave_UnaryOperation(self, original, updated):
+        if self._bare_sum(updated.expression) and not isinstance(updated.operator, cst.Not):
+            return updated.with_changes(expression=parenthesized(updated.expression))
+        return updated
+
+    def leave_BinaryOperation(self, original, updated):
+        updated = self._leave_expr(original, updated)
+        if not isinstance(updated, cst.BinaryOperation) or isinstance(updated.operator, _LOOSER_THAN_ADD):
+            return updated
+        if self._bare_sum(updated.right):
+            updated = updated.with_changes(right=parenthesized(updated.right))
+        if self._bare_sum(updated.left) and not isinstance(updated.operator, (cst.Add, cst.Subtract)):
+            updated = updated.with_changes(left=parenthesized(updated.left))
+        return updated
+
+    def leave_Subscript(self, original, updated):
+        if self._bare_sum(updated.value):
+            updated = updated.with_changes(value=parenthesized(updated.value))
+        return self._leave_expr(original, updated)
 
     def leave_SimpleStatementLine(self, original, updated):
         span = self._span(original)
