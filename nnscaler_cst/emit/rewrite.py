@@ -41,6 +41,7 @@ class Context:
     notes: dict[Span, list[str]] = field(default_factory=dict)    # node span -> comment fragments
     used: set[str] = field(default_factory=set)                   # _comm names the file now calls
     needs_torch: bool = False
+    visited: set[Span] = field(default_factory=set)               # expression spans the concerns saw
 
     def note(self, span: Span, text: str) -> None:
         fragments = self.notes.setdefault(span, [])
@@ -143,6 +144,9 @@ class InsertCollectives:
         bias = self._bias(span, node, site) if site.bias is not None else None
         if site.replace is not None:
             node = self._replace(span, node, site)
+        if site.result and isinstance(node, cst.AugAssign):
+            raise UserError("cannot convert the result of an augmented assignment in place", span.start,
+                            hint="write `x = x + y` instead of `x += y` here")
         for k, step in enumerate(site.result):
             if step.op == "reduce" and bias is not None and k == 0:
                 node = bias_added(collective(step, node, AXIS), bias)
@@ -175,6 +179,16 @@ class InsertCollectives:
             if path == ("pos", 0):
                 return node.with_changes(right=wrap(node.right))
         if isinstance(node, cst.Subscript) and path == ("self",):
+            return node.with_changes(value=wrap(node.value))
+        if isinstance(node, cst.Comparison) and len(node.comparisons) == 1:
+            if path == ("self",):
+                return node.with_changes(left=wrap(node.left))
+            if path == ("pos", 0):
+                target = node.comparisons[0]
+                return node.with_changes(comparisons=[target.with_changes(comparator=wrap(target.comparator))])
+        if isinstance(node, cst.UnaryOperation) and path == ("self",):
+            return node.with_changes(expression=wrap(node.expression))
+        if isinstance(node, cst.AugAssign) and path == ("pos", 0):
             return node.with_changes(value=wrap(node.value))
         raise UserError(f"cannot insert {'+'.join(s.op for s in steps)} on this argument", span.start,
                         hint="assign the value to a variable and pass that")
@@ -273,11 +287,12 @@ class FileRewriter(cst.CSTTransformer):
 
     def _leave_expr(self, original, updated):
         span = self._span(original)
+        self.ctx.visited.add(span)
         for concern in self.concerns:
             updated = concern.leave(span, updated)
         return updated
 
-    leave_Call = _leave_expr
+    leave_Call = leave_Comparison = leave_BooleanOperation = leave_AugAssign = _leave_expr
 
     def leave_FunctionDef(self, original, updated):
         return self.stages.leave_function(self._span(original), updated)
@@ -294,6 +309,9 @@ class FileRewriter(cst.CSTTransformer):
         return isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, cst.Add) and not expr.lpar
 
     def leave_UnaryOperation(self, original, updated):
+        updated = self._leave_expr(original, updated)
+        if not isinstance(updated, cst.UnaryOperation):
+            return updated
         if self._bare_sum(updated.expression) and not isinstance(updated.operator, cst.Not):
             return updated.with_changes(expression=parenthesized(updated.expression))
         return updated
@@ -329,4 +347,11 @@ class FileRewriter(cst.CSTTransformer):
 def rewrite_module(source: SourceFile, edits: Edits, split: StageSplit | None = None) -> tuple[cst.Module, Context]:
     ctx = Context(edits, split if split is not None and split.function.path == str(source.path) else None)
     wrapper = MetadataWrapper(source.module)
-    return wrapper.visit(FileRewriter(source, ctx)), ctx
+    module = wrapper.visit(FileRewriter(source, ctx))
+    path = str(source.path)
+    missed = [span for span, site in edits.sites.items() if span.path == path and span not in ctx.visited and (
+        site.result or site.args or site.sizes or site.replace)]
+    missed += [span for span in edits.ctors if span.path == path and span not in ctx.visited]
+    if missed:
+        raise UserError("the rewrite found no node for a planned edit here (please report it)", min(missed).start)
+    return module, ctx

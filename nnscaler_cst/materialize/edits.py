@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ..errors import UserError
 from ..graph.graph import Graph
 from ..plan.layouts import REPLICATE, R, Layout, layouts_for
-from ..plan.choices import AxisChoices
+from ..plan.search import AxisChoices
 from .size_args import SIZE_ARGUMENTS, SPLIT_SIZES, locate_size_argument
 from ..source.files import Span
 from ..trace.records import Node, TensorList
@@ -67,7 +67,9 @@ def _steps_note(steps: list[Step]) -> str:
     return " + ".join(s.op for s in steps)
 
 
-def plan_edits(graph: Graph, plan: AxisChoices) -> Edits:
+def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True) -> Edits:
+    """`strict`: refuse a split tensor gathered because its consumer cannot be split (a named plan
+    that does not apply to this model); a free search may choose such gathers."""
     n = plan.n
     trace = graph.trace
     tensors = trace.tensors
@@ -98,7 +100,8 @@ def plan_edits(graph: Graph, plan: AxisChoices) -> Edits:
                                consumer_split=wanted.split, requires_grad=info.requires_grad)
             if steps is None:
                 raise UserError(f"{node.callee} would need a partial sum as input", _loc(node))
-            _refuse_forced_regather(graph, plan, node, steps, info.shape)
+            if strict:
+                _refuse_forced_regather(graph, plan, node, steps, info.shape)
             needs[operand.tid].append((node, operand.path, steps))
         for operand in node.operands:   # tensors inside lists (torch.cat) must arrive whole
             if isinstance(operand.value, TensorList) and wanted.split is False:

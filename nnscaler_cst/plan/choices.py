@@ -6,28 +6,16 @@ gradients stay partial follow from those choices.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ..errors import UserError, display_path
 from ..graph.graph import Graph
 from .ir import Plan
 from .layouts import REPLICATE, Layout, layouts_for
 from .refine import refine_factors
-from .search import SiteOptions, _operand_names, _partial_grad_params, site_options
+from .search import AxisChoices, _operand_names, _partial_grad_params, site_options
 
 
 def site_label(span) -> str:
     return f"{display_path(span.path)}:{span.line}:{span.col + 1}"
-
-
-@dataclass
-class AxisChoices:
-    axis: str
-    n: int
-    node_choice: dict[int, str]
-    param_layout: dict[str, Layout]
-    partial_grad_params: list[str]
-    options: dict[tuple, SiteOptions]
 
 
 def choices_from_plan(graph: Graph, plan: Plan, axis: str = "tp") -> AxisChoices | None:

@@ -40,17 +40,51 @@ class SiteOptions:
 
 
 @dataclass
-class AxisPlan:
+class AxisChoices:
+    """How every invocation is split along one axis: what the rewrite needs (plan/choices.py
+    reads it back from the plan IR)."""
+
     axis: str
     n: int
-    site_choice: dict[SiteId, str]
     node_choice: dict[int, str]
     param_layout: dict[str, Layout]        # canonical param name -> layout on this axis
     partial_grad_params: list[str]         # whole params whose grads need an all-reduce
+    options: dict[SiteId, SiteOptions]
+
+
+@dataclass
+class AxisPlan:
+    """The search's result: the choices, and what only the search knows about them."""
+
+    choices: AxisChoices
+    site_choice: dict[SiteId, str]
     cost: float                            # seconds per step, this axis's share
     memory: float                          # bytes per device: weights, optimizer state, activations
-    options: dict[SiteId, SiteOptions]
     restricted: dict[str, list[SiteId]] = field(default_factory=dict)   # constraint id -> sites it narrowed
+
+    @property
+    def axis(self) -> str:
+        return self.choices.axis
+
+    @property
+    def n(self) -> int:
+        return self.choices.n
+
+    @property
+    def node_choice(self) -> dict[int, str]:
+        return self.choices.node_choice
+
+    @property
+    def param_layout(self) -> dict[str, Layout]:
+        return self.choices.param_layout
+
+    @property
+    def partial_grad_params(self) -> list[str]:
+        return self.choices.partial_grad_params
+
+    @property
+    def options(self) -> dict[SiteId, SiteOptions]:
+        return self.choices.options
 
 
 def site_id(graph: Graph, index: int) -> SiteId:
@@ -124,7 +158,7 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
     sids = list(options)
     var = {sid: z3.Int(f"site{k}") for k, sid in enumerate(sids)}
     hard: list = []
-    tracked: list[tuple[z3.BoolRef, z3.BoolRef, Constraint | str]] = []
+    tracked: list[tuple[z3.BoolRef, z3.BoolRef, Constraint]] = []
     restricted: dict[str, list[SiteId]] = defaultdict(list)
     for sid in sids:
         hard += [var[sid] >= 0, var[sid] < len(options[sid].options)]
@@ -145,24 +179,17 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
     uses = _param_uses(graph, options)
     terms, memory_terms, impossible = _cost_terms(graph, options, var, n, device, data_parallel, uses)
     hard += impossible + _param_constraints(uses, var)
-    if memory_budget is not None:
-        memory = z3.Sum(memory_terms) if memory_terms else z3.IntVal(0)
-        literal = z3.Bool("memory-budget")
-        tracked.append((literal, memory <= int(memory_budget), "memory-budget"))
 
     checker = z3.Solver()
     checker.add(*hard)
     for literal, expr, _ in tracked:
         checker.assert_and_track(expr, literal)
     if checker.check() != z3.sat:
-        _report_core(checker.unsat_core(), tracked, options, axis, n, memory_budget)
+        _report_core(checker.unsat_core(), tracked, options, axis, n)
 
-    solver = z3.Optimize()
-    solver.add(*hard, *[expr for _, expr, _ in tracked])
     objective = z3.Sum(terms) if terms else z3.IntVal(0)
-    solver.minimize(objective)
-    solver.check()
-    model = solver.model()
+    memory_total = z3.Sum(memory_terms) if memory_terms else z3.IntVal(0)
+    model = _minimize(hard + [expr for _, expr, _ in tracked], objective, memory_total, memory_budget, axis, n)
     picked = {sid: model.eval(var[sid]).as_long() for sid in sids}
     node_choice = {i: options[sid].labels[i][picked[sid]] for sid in sids for i in options[sid].nodes}
     param_layout = {p: entries[0][1][picked[entries[0][0]]] for p, entries in uses.items()}
@@ -171,21 +198,45 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
     for name in partial:
         cost += all_reduce_time(tensors[graph.trace.params[name].tid].nbytes, n, device)
     memory = sum(model.eval(t).as_long() for t in memory_terms)
-    return AxisPlan(axis, n, {sid: options[sid].options[k] for sid, k in picked.items()}, node_choice,
-                    param_layout, partial, cost, float(memory), options, dict(restricted))
+    choices = AxisChoices(axis, n, node_choice, param_layout, partial, options)
+    return AxisPlan(choices, {sid: options[sid].options[k] for sid, k in picked.items()}, cost, float(memory),
+                    dict(restricted))
 
 
-def _report_core(core, tracked, options, axis: str, n: int, memory_budget) -> None:
+def _minimize(constraints: list, objective, memory, budget: float | None, axis: str, n: int):
+    """The cheapest assignment. Under a memory budget the cheapest plan is kept when it fits,
+    else the plan using least memory, cheapest among those. (z3 with the budget as a hard
+    bound on this sum takes minutes; two optimisations take seconds.)"""
+    solver = z3.Optimize()
+    solver.add(*constraints)
+    solver.minimize(objective)
+    solver.check()
+    model = solver.model()
+    if budget is None or model.eval(memory).as_long() <= budget:
+        return model
+    solver = z3.Optimize()
+    solver.set(priority="lex")
+    solver.add(*constraints)
+    solver.minimize(memory)
+    solver.minimize(objective)
+    solver.check()
+    model = solver.model()
+    least = model.eval(memory).as_long()
+    if least > budget:
+        raise UserError(f"no {axis} plan on {n} devices fits the memory budget: the least it needs is "
+                        f"{least:.4g} bytes per device, the budget is {budget:.4g}",
+                        hint="raise --memory-budget, or use more devices")
+    return model
+
+
+def _report_core(core, tracked, options, axis: str, n: int) -> None:
     names = {str(c) for c in core}
     related: list[tuple[Location, str]] = []
     seen = set()
     for literal, _, constraint in tracked:
         if str(literal) not in names:
             continue
-        if constraint == "memory-budget":
-            key, item = "memory-budget", (Location("--memory-budget"), f"memory per device <= {memory_budget:.3g} bytes")
-        else:
-            key, item = constraint.id, (constraint.location, constraint.describe())
+        key, item = constraint.id, (constraint.location, constraint.describe())
         if key not in seen:
             seen.add(key)
             related.append(item)
