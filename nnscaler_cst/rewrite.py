@@ -4,7 +4,6 @@ plan (op_trans/op_assign per axis) -> edits -> rewritten source -> rendered file
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -85,7 +85,7 @@ def write_output(out_dir: Path, files: dict[str, str], *, force: bool = False) -
         raise UserError(f"{display_path(out_dir)} holds files nnscaler-rewrite did not write: "
                         + ", ".join(foreign), hint="choose another -o folder, or move those files")
     if edited and not force:
-        raise UserError(f"generated files were edited by hand since they were written: "
+        raise UserError("generated files were edited by hand since they were written: "
                         + ", ".join(display_path(out_dir / f) for f in edited),
                         hint="commit or move your edits, or pass --force (edited files are kept as "
                              "NAME.edited, NAME.edited.2, ...)")

@@ -15,7 +15,7 @@ def timeline_svg(events: list[Event], ranks: int, title: str) -> str:
     micro = max((e.action.micro for e in events), default=0) + 1
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{LEFT + WIDTH + 20}" '
              f'height="{TOP + ranks * ROW + 50}" font-family="monospace" font-size="12">',
-             f'<rect width="100%" height="100%" fill="white"/>',
+             '<rect width="100%" height="100%" fill="white"/>',
              f'<text x="{LEFT}" y="20" font-size="14">{escape(title)}; bubble '
              f'{100 * bubble_fraction(events, ranks):.1f}%</text>']
     for rank in range(ranks):
