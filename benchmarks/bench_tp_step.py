@@ -51,14 +51,11 @@ over all timed steps (rounds x steps), after ``warmup`` untimed steps per varian
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import os
 import platform
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -68,6 +65,8 @@ import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import load_file, load_package, free_port, revision  # noqa: E402
 FIXTURE = ROOT / "fixtures" / "gpt.py"
 
 # The bigger config for the step-time benchmark.
@@ -131,30 +130,6 @@ def rewrite(model_file: Path, out_dir: Path, tp: int = 2) -> tuple[float, float 
     return time.perf_counter() - t0, float(m.group(1)) / 1e3 if m else None
 
 
-def load_file(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def load_package(out_dir: Path):
-    """The generated package, imported the way nnscaler_cst/verify/worker.py does."""
-    out_dir = Path(out_dir).resolve()
-    sys.path.insert(0, str(out_dir.parent))
-    package = importlib.import_module(out_dir.name)
-    train = importlib.import_module(f"{package.__name__}.train")
-    comm = importlib.import_module(f"{package.__name__}._comm")
-    return package, train, comm
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(script: Path, args: list[str], world: int = 2, timeout: float = 1800.0) -> None:
     """Run ``script _rank ARGS`` on ``world`` processes (RANK/WORLD_SIZE/MASTER_* set, one
     intra-op thread each); raise with the failing rank's output on error or timeout."""
@@ -204,18 +179,6 @@ def machine() -> dict:
     return {"cores": os.cpu_count(), "cpu": _cpu_model(), "torch": torch.__version__,
             "python": platform.python_version(), "loadavg": os.getloadavg(),
             "revision": revision()}
-
-
-def revision() -> str:
-    """The repository's HEAD, with '+dirty' when nnscaler_cst/ or fixtures/ differ from it."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "nnscaler_cst", "fixtures",
-                                "rules"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _cpu_model() -> str:

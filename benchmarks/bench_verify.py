@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import revision  # noqa: E402
 FIXTURE = ROOT / "fixtures" / "gpt.py"
 
 # verify starts its reference and rank processes with OMP_NUM_THREADS=1 unless the caller
@@ -62,18 +64,6 @@ for step in range(3):
 def cli() -> list[str]:
     exe = shutil.which("nnscaler-rewrite")
     return [exe] if exe else [sys.executable, "-m", "nnscaler_cst.cli"]
-
-
-def revision() -> str:
-    """The repository's HEAD, with '+dirty' when nnscaler_cst/, fixtures/ or rules/ differ."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "nnscaler_cst", "fixtures",
-                                "rules"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def timed(cmd: list[str], **env) -> tuple[float, subprocess.CompletedProcess]:
