@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,3 +49,34 @@ def revision() -> str:
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def launch_ranks(command: list[str], world: int, timeout: float, label: str = "") -> None:
+    """Run `command` on `world` processes (RANK/WORLD_SIZE/MASTER_* set, one intra-op thread
+    each); raise with the failing rank's output on error or timeout, and kill the rest."""
+    port = free_port()
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        log = tempfile.TemporaryFile()
+        procs.append((subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            codes = [p.poll() for p, _ in procs]
+            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad or (time.monotonic() > deadline and None in codes):
+                r = bad[0] if bad else codes.index(None)
+                procs[r][1].seek(0)
+                tail = procs[r][1].read().decode(errors="replace")[-6000:]
+                raise SystemExit(f"bench: {label}rank {r} {'failed' if bad else 'timed out'}:\n{tail}")
+            if all(c == 0 for c in codes):
+                return
+            time.sleep(0.05)
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()

@@ -80,7 +80,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import load_file, load_package, free_port, revision  # noqa: E402
+from _common import launch_ranks, load_file, load_package, revision  # noqa: E402
 FIXTURE = ROOT / "fixtures" / "gpt.py"
 
 CONFIG_KEYS = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")
@@ -132,35 +132,8 @@ def run_cli(args: list[str], cwd: Path) -> str:
 
 
 def launch(role: str, args: list[str], world: int, timeout: float = 3600.0) -> None:
-    """Run ``this_script ROLE ARGS`` on ``world`` processes (RANK/WORLD_SIZE/MASTER_* set,
-    one intra-op thread each); raise with the failing rank's output on error or timeout."""
-    port = free_port()
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        log = tempfile.TemporaryFile()
-        procs.append((subprocess.Popen([sys.executable, str(Path(__file__).resolve()), role, *args],
-                                       env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            codes = [p.poll() for p, _ in procs]
-            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad or (time.monotonic() > deadline and None in codes):
-                r = bad[0] if bad else codes.index(None)
-                procs[r][1].seek(0)
-                tail = procs[r][1].read().decode(errors="replace")[-6000:]
-                raise SystemExit(f"bench: {role} rank {r} {'failed' if bad else 'timed out'}:\n{tail}")
-            if all(c == 0 for c in codes):
-                return
-            time.sleep(0.05)
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            log.close()
+    """Run ``this_script ROLE ARGS`` on ``world`` processes (see _common.launch_ranks)."""
+    launch_ranks([sys.executable, str(Path(__file__).resolve()), role, *args], world, timeout, f"{role} ")
 
 
 def machine() -> dict:

@@ -66,7 +66,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import load_file, load_package, free_port, revision  # noqa: E402
+from _common import launch_ranks, load_file, load_package, revision  # noqa: E402
 FIXTURE = ROOT / "fixtures" / "gpt.py"
 
 # The bigger config for the step-time benchmark.
@@ -131,35 +131,8 @@ def rewrite(model_file: Path, out_dir: Path, tp: int = 2) -> tuple[float, float 
 
 
 def launch(script: Path, args: list[str], world: int = 2, timeout: float = 1800.0) -> None:
-    """Run ``script _rank ARGS`` on ``world`` processes (RANK/WORLD_SIZE/MASTER_* set, one
-    intra-op thread each); raise with the failing rank's output on error or timeout."""
-    port = free_port()
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        log = tempfile.TemporaryFile()
-        procs.append((subprocess.Popen([sys.executable, str(script), "_rank", *args], env=env,
-                                       stdout=log, stderr=subprocess.STDOUT), log))
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            codes = [p.poll() for p, _ in procs]
-            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad or (time.monotonic() > deadline and None in codes):
-                r = bad[0] if bad else codes.index(None)
-                procs[r][1].seek(0)
-                tail = procs[r][1].read().decode(errors="replace")[-6000:]
-                raise SystemExit(f"bench: rank {r} {'failed' if bad else 'timed out'}:\n{tail}")
-            if all(c == 0 for c in codes):
-                return
-            time.sleep(0.05)
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            log.close()
+    """Run ``script _rank ARGS`` on ``world`` processes (see _common.launch_ranks)."""
+    launch_ranks([sys.executable, str(script), "_rank", *args], world, timeout)
 
 
 def wchar() -> int:
