@@ -6,6 +6,7 @@ Wiring only: each command calls into the pipeline and prints; user errors exit 2
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -18,7 +19,8 @@ from .errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Rewrite a single-device PyTorch model into explicit per-rank parallel source.")
-console = Console()
+# Piped output (a file, a pager, CI logs) gets wide tables rather than rich's 80-column default.
+console = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
 err_console = Console(stderr=True)
 SUBCOMMANDS = {"rewrite", "inspect", "verify", "plan", "explain", "schedule"}
 

@@ -54,7 +54,9 @@ def inspect_json(graph: Graph) -> dict[str, Any]:
 
 def inspect_table(graph: Graph) -> tuple[Table, str]:
     table = Table(show_lines=False, header_style="bold")
-    for column in ("site", "module", "callee", "shapes", "annotation", "splittable dims"):
+    # A location is what an editor or grep follows, so it is never broken across lines.
+    table.add_column("site", no_wrap=True)
+    for column in ("module", "callee", "shapes", "annotation", "splittable dims"):
         table.add_column(column, overflow="fold")
     for site in graph.sites.values():
         record = site_record(site, graph)

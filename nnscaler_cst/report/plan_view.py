@@ -44,7 +44,8 @@ def plan_json(graph: Graph, plan: Plan, tp_plan: AxisPlan | None, binding: list[
 
 def plan_table(graph: Graph, plan: Plan, tp_plan: AxisPlan | None, binding: list[dict] | None) -> Group:
     ops = Table(header_style="bold", title=f"plan {plan.describe()}")
-    for column in ("site", "callee", "tp split", "n", "output", "tp devices", "dp"):
+    ops.add_column("site", no_wrap=True)
+    for column in ("callee", "tp split", "n", "output", "tp devices", "dp"):
         ops.add_column(column, overflow="fold")
     for row in plan_rows(graph, plan, tp_plan):
         if row["tp"] == REPLICATE and row["dp"] == "-":
@@ -62,7 +63,9 @@ def plan_table(graph: Graph, plan: Plan, tp_plan: AxisPlan | None, binding: list
     parts = [ops, devices]
     if binding is not None:
         table = Table(header_style="bold", title="constraints (binding: dropping it lowers the cost)")
-        for column in ("constraint", "where", "sites narrowed", "binding", "cost without it (ms)"):
+        table.add_column("constraint", overflow="fold")
+        table.add_column("where", no_wrap=True)
+        for column in ("sites narrowed", "binding", "cost without it (ms)"):
             table.add_column(column, overflow="fold")
         for item in binding:
             table.add_row(item["id"], item["location"], str(item["sites"]), "yes" if item["binding"] else "no",
