@@ -23,6 +23,7 @@ from .plan.schedules import Action, load_schedule, schedule, to_csv
 from .verify.simulate import simulate
 from .plan.layouts import REPLICATE
 from .plan.auto import dp_only, search_auto
+from .plan.batch import check_batch_split
 from .plan.choices import choices_from_plan
 from .plan.cost import load_cluster
 from .plan.search import AxisPlan, search_axis
@@ -92,6 +93,8 @@ def build_plan(analysis: Analysis, request: PlanRequest) -> tuple[Plan, AxisPlan
         if dp > 1 and batch % dp:
             raise UserError(f"the batch of {batch} is not divisible by --dp {dp}",
                             next((c.location for t in tables for c in t.for_axis("dp")), None))
+        if dp > 1:
+            check_batch_split(graph, f"data parallel (--dp {dp})")
         tp_plan = search_axis(graph, "tp", tp, constraints, cluster.axis(1, tp), memory_budget=request.memory_budget,
                               data_parallel=dp) if tp > 1 else None
         name = "+".join(names) or "single"
@@ -149,7 +152,7 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
         split = StageSplit(trunk.function_span, trunk.loop_index, trunk.handoff, trunk.container)
         if trunk.function_span.path != str(main_source.path):
             raise UserError("the loop over the blocks is not in the model's main file")
-    module, ctx = rewrite_module(main_source, edits or empty, split)
+    module, ctx = rewrite_module(main_source, edits or empty, split, analysis.trace.containers)
     if model_path is not None:
         module = merge_entry(module, model_path, analysis.sources.get(entry_path).module, entry_path)
     module = add_comm_import(module, ctx.used, ctx.needs_torch)
@@ -204,6 +207,8 @@ def plan_pipeline(analysis: Analysis, plan: Plan, request: PlanRequest) -> tuple
     if batch % micro:
         raise UserError(f"a batch of {batch} per data-parallel rank does not split into {micro} micro-batches",
                         hint="choose --micro-batches dividing the batch")
+    if micro > 1:
+        check_batch_split(analysis.graph, f"{micro} micro-batches")
     orders = schedule(table, request.pp, micro)
     simulate(orders, stages.stages)
     plan.name += f"+{table.name}"

@@ -7,6 +7,7 @@ are appended last, keeping the user's own comment.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -42,6 +43,7 @@ class Context:
     used: set[str] = field(default_factory=set)                   # _comm names the file now calls
     needs_torch: bool = False
     visited: set[Span] = field(default_factory=set)               # expression spans the concerns saw
+    containers: dict[Span, list[tuple[str, ...]]] = field(default_factory=dict)  # nn.Sequential call -> leaves
 
     def note(self, span: Span, text: str) -> None:
         fragments = self.notes.setdefault(span, [])
@@ -255,9 +257,12 @@ class SplitStages:
             head = [guard]
         else:
             head = [cst.parse_statement(f"if not pp_first_stage():\n    {names} = pp_receive()\n")]
-        loop = loop.with_changes(body=loop.body.with_changes(header=cst.TrailingWhitespace(
-            whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(
-                f"# pipeline: this stage's blocks of {split.container} only"))))
+        mark = cst.TrailingWhitespace(whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(
+            f"# pipeline: this stage's blocks of {split.container} only"))
+        if isinstance(loop, cst.For):
+            loop = loop.with_changes(body=loop.body.with_changes(header=mark))
+        elif loop.trailing_whitespace.comment is None:      # `x = self.blocks(x)` on an nn.Sequential
+            loop = loop.with_changes(trailing_whitespace=mark)
         handoff = cst.parse_statement(f"pp_handoff({', '.join(split.handoff)})  # pipeline: every stage but the "
                                       "last hands these on and ends here\n")
         return function.with_changes(body=function.body.with_changes(
@@ -288,9 +293,62 @@ class FileRewriter(cst.CSTTransformer):
     def _leave_expr(self, original, updated):
         span = self._span(original)
         self.ctx.visited.add(span)
+        if isinstance(updated, cst.Call) and self._layers_edited(span):
+            return self._unroll(span, updated)
         for concern in self.concerns:
             updated = concern.leave(span, updated)
         return updated
+
+    def _layer_edit(self, span: Span, via: tuple[str, ...]) -> SiteEdit | None:
+        site = self.ctx.edits.sites.get(dataclasses.replace(span, via=via))
+        return site if site is not None and (site.result or site.args or site.sizes or site.replace) else None
+
+    def _layers_edited(self, span: Span) -> bool:
+        return any(self._layer_edit(span, via) for via in self.ctx.containers.get(span, ()))
+
+    def _runs(self, span: Span) -> list[list[tuple[str, ...]]]:
+        """The container's layers cut where an edit must go between them: a layer whose input is
+        converted starts a run, one whose result is converted ends it, a replaced one stands alone."""
+        layers = self.ctx.containers[span]
+        if any(len(via) > 1 or not via[0].isdigit() for via in layers):   # nested or named: one by one
+            return [[via] for via in layers]
+        runs: list[list[tuple[str, ...]]] = [[]]
+        for via in layers:
+            edit = self._layer_edit(span, via)
+            if edit and (edit.args or edit.replace or edit.sizes) and runs[-1]:
+                runs.append([])
+            runs[-1].append(via)
+            if edit and (edit.result or edit.replace or edit.sizes):
+                runs.append([])
+        return [run for run in runs if run]
+
+    def _unroll(self, span: Span, call: cst.Call) -> cst.BaseExpression:
+        """`self.head(h)` on an nn.Sequential becomes `self.head[1:](tp_copy(self.head[0](h)))`, so
+        collectives and split implementations can sit between its layers; state dict keys do not change."""
+        if len(call.args) != 1 or call.args[0].keyword is not None or call.args[0].star:
+            raise UserError(f"`{code(call.func)}` is an nn.Sequential whose layers need rewriting; it must be "
+                            "called with one positional input", span.start)
+        expr = call.args[0].value
+        count = len(self.ctx.containers[span])
+        for run in self._runs(span):
+            if len(run) == 1:
+                layer = call.func
+                for name in run[0]:
+                    if not (name.isdigit() or name.isidentifier()):
+                        raise UserError(f"cannot name layer {name!r} of `{code(call.func)}` in source", span.start)
+                    layer = (cst.Subscript(layer, [cst.SubscriptElement(cst.Index(cst.Integer(name)))])
+                             if name.isdigit() else cst.Attribute(layer, cst.Name(name)))
+            else:
+                first, last = int(run[0][0]), int(run[-1][0]) + 1
+                layer = cst.parse_expression(f"{code(call.func)}[{first or ''}:{last if last < count else ''}]")
+            expr = cst.Call(layer, [cst.Arg(expr)])
+            for via in run:
+                child = dataclasses.replace(span, via=via)
+                self.ctx.visited.add(child)
+                for concern in self.concerns:
+                    expr = concern.leave(child, expr)
+        self.ctx.note(span, f"{code(call.func)} (nn.Sequential) cut where its layers need collectives")
+        return expr
 
     leave_Call = leave_Comparison = leave_BooleanOperation = leave_AugAssign = _leave_expr
 
@@ -344,8 +402,10 @@ class FileRewriter(cst.CSTTransformer):
             whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(comment)))
 
 
-def rewrite_module(source: SourceFile, edits: Edits, split: StageSplit | None = None) -> tuple[cst.Module, Context]:
-    ctx = Context(edits, split if split is not None and split.function.path == str(source.path) else None)
+def rewrite_module(source: SourceFile, edits: Edits, split: StageSplit | None = None,
+                   containers: dict[Span, list[tuple[str, ...]]] | None = None) -> tuple[cst.Module, Context]:
+    ctx = Context(edits, split if split is not None and split.function.path == str(source.path) else None,
+                  containers=containers or {})
     wrapper = MetadataWrapper(source.module)
     module = wrapper.visit(FileRewriter(source, ctx))
     path = str(source.path)

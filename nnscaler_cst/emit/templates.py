@@ -44,7 +44,10 @@ def keep_stage(model, stage, module):
     parent_name, _, name = module.PIPELINE_BLOCKS.rpartition(".")
     parent = model.get_submodule(parent_name)
     start, stop = module.STAGE_BLOCKS[stage]
-    setattr(parent, name, torch.nn.ModuleList(list(getattr(parent, name))[start:stop]))
+    blocks = getattr(parent, name)
+    kept = list(blocks)[start:stop]
+    setattr(parent, name, torch.nn.Sequential(*kept) if isinstance(blocks, torch.nn.Sequential)
+            else torch.nn.ModuleList(kept))
     for path in module.STAGE_DROPS[stage]:
         owner_name, _, attr = path.rpartition(".")
         owner = model.get_submodule(owner_name)

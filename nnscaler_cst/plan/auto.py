@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..errors import UserError
 from ..graph.graph import Graph
+from .batch import batch_split_problem
 from .cost import ClusterSpec, all_reduce_time
 from .search import BYTES_PER_PARAM_STATE, AxisPlan, search_axis
 from .tables import Constraint
@@ -37,12 +38,16 @@ def search_auto(graph: Graph, devices: int, cluster: ClusterSpec, constraints: l
                 memory_budget: float | None) -> tuple[Candidate, list[Candidate]]:
     budget = memory_budget if memory_budget is not None else cluster.memory
     batch = graph.trace.batch_size or 1
+    mixing = batch_split_problem(graph, "data parallel")
     candidates = []
     for tp in [d for d in range(1, devices + 1) if devices % d == 0]:
         dp = devices // tp
         if batch % dp:
             candidates.append(Candidate(tp, dp, float("inf"), float("inf"), None,
                                         f"batch {batch} is not divisible by dp={dp}"))
+            continue
+        if dp > 1 and mixing is not None:
+            candidates.append(Candidate(tp, dp, float("inf"), float("inf"), None, f"{mixing.location}: {mixing.message}"))
             continue
         if tp == 1:
             seconds, memory = dp_only(graph, dp, cluster)

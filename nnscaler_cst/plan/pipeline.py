@@ -64,15 +64,27 @@ def find_trunk(graph: Graph) -> Trunk:
     span = calls[blocks[0]][0]
     source = graph.sources.get(span.path)
     node = source.node_at(span.line, span.col, span.end_line, span.end_col)
-    loop = node
-    while loop is not None and not isinstance(loop, cst.For):
-        loop = source.parents.get(loop)
+    if span in graph.trace.containers:     # `x = self.blocks(x)` on an nn.Sequential of the blocks
+        if len(graph.trace.containers[span]) != len(paths):
+            raise UserError(f"{container} is an nn.Sequential holding more than its {len(paths)} blocks", span.start,
+                            hint="pipelining cuts a container that holds only the repeated blocks")
+        loop = node
+        while loop is not None and not isinstance(loop, cst.SimpleStatementLine):
+            loop = source.parents.get(loop)
+        statement = loop.body[0] if loop is not None and len(loop.body) == 1 else None
+        if not (isinstance(statement, cst.Assign) and statement.value is node):
+            raise UserError(f"pipelining cuts the call of {container} into stages, so it must be a statement "
+                            "of its own", span.start, hint=f"assign its output first: `x = self.{container}(x)`")
+    else:
+        loop = node
+        while loop is not None and not isinstance(loop, cst.For):
+            loop = source.parents.get(loop)
     function = source.parents.get(loop) if loop is not None else None
     while function is not None and not isinstance(function, cst.FunctionDef):
         function = source.parents.get(function)
     if loop is None or function is None:
         raise UserError(f"the blocks of {container} are not called in a `for` loop", span.start,
-                        hint="pipelining cuts the loop over the blocks into stages")
+                        hint="pipelining cuts the loop over the blocks (or the nn.Sequential call) into stages")
     body = list(function.body.body)
     if loop not in body:
         raise UserError("the loop over the blocks must be a statement of the function's body, not nested",
@@ -111,8 +123,12 @@ def handoff_variables(function: cst.FunctionDef, loop_index: int) -> list[str]:
     """Variables set before or in the loop and read in it or after it, in first-set order."""
     body = list(function.body.body)
     prologue, loop, epilogue = body[:loop_index], body[loop_index], body[loop_index + 1:]
-    stored = _names(prologue, True) | (_names([loop], True) - _names([loop.target], False))
-    read = _names([loop.body, loop.iter], False) | _names(epilogue, False)
+    if isinstance(loop, cst.For):
+        stored = _names(prologue, True) | (_names([loop], True) - _names([loop.target], False))
+        read = _names([loop.body, loop.iter], False) | _names(epilogue, False)
+    else:                                  # one statement calling an nn.Sequential of the blocks
+        stored = _names(prologue, True) | _names([loop], True)
+        read = _names([loop], False) | _names(epilogue, False)
     order = []
     for stmt in [*prologue, loop]:
         for name in sorted(_names([stmt], True)):

@@ -34,6 +34,7 @@ def site_record(site: Site, graph: Graph) -> dict[str, Any]:
         "module_path": paths[0] if paths else "",
         "instances": len(site.nodes),
         "callee": site.callee,
+        "layer": "".join(f"[{v}]" if v.isdigit() else f".{v}" for v in site.span.via),   # of an nn.Sequential
         "inputs": {name: list(tensors[tid].shape) for name, tid in
                    ((op.name, op.tid) for op in node.operands if op.tid is not None)},
         "outputs": [list(tensors[t].shape) for t in node.outputs],
@@ -64,7 +65,8 @@ def inspect_table(graph: Graph) -> tuple[Table, str]:
         outs = " ".join(_shape(s) for s in record["outputs"])
         module = record["module_path"] + (f" ×{record['instances']}" if record["instances"] > 1 else "")
         annotation = record["annotation"] or f"[red]{record['problem']}[/red]"
-        table.add_row(record["location"], module, site.callee.replace("torch.nn.functional.", "F."),
+        callee = site.callee.replace("torch.nn.functional.", "F.") + (f" {record['layer']}" if record["layer"] else "")
+        table.add_row(record["location"], module, callee,
                       f"{ins} → {outs}", annotation, " ".join(record["splittable"]))
     summary = graph.summary()
     ops = max(summary["compute_ops"], 1)

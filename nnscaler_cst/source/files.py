@@ -23,6 +23,7 @@ class Span:
     col: int
     end_line: int
     end_col: int
+    via: tuple[str, ...] = ()   # a child of the nn.Sequential called here: ("1",) is `head[1]`
 
     @property
     def start(self) -> Location:

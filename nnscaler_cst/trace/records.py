@@ -115,3 +115,4 @@ class Trace:
     batch_size: int | None = None
     size_queries: list[tuple[Span, int, int | None]] = field(default_factory=list)  # (site, tensor, dim)
     module_calls: dict[str, tuple[Span, int]] = field(default_factory=dict)  # path -> (call site, first node)
+    containers: dict[Span, list[tuple[str, ...]]] = field(default_factory=dict)  # nn.Sequential call -> leaves

@@ -11,6 +11,7 @@ CPU tensors. It must not rewrite anything.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -31,6 +32,9 @@ _OUR_DIR = str(Path(__file__).resolve().parents[1])
 _MODULE_CALL = {"_wrapped_call_impl", "_call_impl"}
 _SIZE_QUERIES = {"Tensor.size", "Tensor.shape"}
 _WRAPPER_NAMES = {"wrapper", "inner", "wrapped", "decorate_context", "_fn", "new_fn"}
+# Containers whose forward only calls their children in order: a call to one from the model's
+# file is recorded as calls to each child, so a rewrite can unroll it and work between them.
+_CONTAINERS = (torch.nn.Sequential,)
 
 
 class _CtorRecorder:
@@ -91,6 +95,7 @@ class Tracer(TorchFunctionMode):
         self._recording = False
         self.size_queries: list[tuple[Span, int, int | None]] = []
         self.module_calls: dict[str, tuple[Span, int]] = {}   # module path -> (call site, first node index)
+        self.containers: dict[Span, list[tuple[str, ...]]] = {}   # container call -> its leaves, in order
 
     # ---- frames -------------------------------------------------------------------------
     def own_frame(self, frame):
@@ -100,15 +105,45 @@ class Tracer(TorchFunctionMode):
             frame = frame.f_back
         return None
 
-    def _callee(self, func, frame, own) -> tuple[str, str, Any]:
-        """What the own frame called: (name, kind, callee frame or None)."""
+    @staticmethod
+    def _chain(frame, own) -> list:
+        """The frames between the own frame and the torch call, innermost first."""
         chain = []
         while frame is not None and frame is not own:
             chain.append(frame)
             frame = frame.f_back
-        chain = [f for f in chain if not f.f_code.co_filename.startswith(_OUR_DIR)]
+        return [f for f in chain if not f.f_code.co_filename.startswith(_OUR_DIR)]
+
+    def _container_child(self, chain) -> tuple[Any, Any] | None:
+        """When the own frame called a container: (the container, the child module call frame running)."""
+        container = None
+        for f in reversed(chain):
+            module = f.f_locals.get("self") if f.f_code.co_name in _MODULE_CALL else None
+            if module is None:
+                continue
+            if container is None and not isinstance(module, _CONTAINERS):
+                return None
+            if isinstance(module, _CONTAINERS):
+                container = container or module
+            else:
+                return container, f
+        return None
+
+    def _via(self, container, child) -> tuple[str, ...]:
+        """How the child is reached from the container: ("1",) for `head[1]`, ("0", "2") nested."""
+        outer = self._module_names.get(id(container), "")
+        inner = self._module_names.get(id(child), "")
+        return tuple(inner[len(outer) + 1:].split(".")) if outer else tuple(inner.split("."))
+
+    def _callee(self, func, frame, own) -> tuple[str, str, Any]:
+        """What the own frame called: (name, kind, callee frame or None)."""
+        chain = self._chain(frame, own)
         if not chain:
             return torch_func_name(func), "torch", None
+        contained = self._container_child(chain)
+        if contained is not None:
+            child_frame = contained[1]
+            return short_type(qualified_type(type(child_frame.f_locals["self"]))), "module", child_frame
         outer = chain[-1]
         if outer.f_code.co_name in _MODULE_CALL and isinstance(outer.f_locals.get("self"), torch.nn.Module):
             return short_type(qualified_type(type(outer.f_locals["self"]))), "module", outer
@@ -163,6 +198,15 @@ class Tracer(TorchFunctionMode):
             span = self._span(own)
             if span is not None:
                 self.module_calls[path] = (span, len(self.nodes))
+                if isinstance(module, _CONTAINERS):
+                    self.containers.setdefault(span, self._leaves(module))
+
+    def _leaves(self, container) -> list[tuple[str, ...]]:
+        """The modules a container call runs, in order, nested containers flattened."""
+        def leaves(module):
+            return [m for child in module.children()
+                    for m in (leaves(child) if isinstance(child, _CONTAINERS) else [child])]
+        return [self._via(container, m) for m in leaves(container)]
 
     def _record_size_query(self, args, kwargs):
         """`x.size(-1)` / `x.shape`: where a size came from, so a rewrite never divides it twice."""
@@ -178,9 +222,10 @@ class Tracer(TorchFunctionMode):
         caller = sys._getframe(2)
         own = self.own_frame(caller)
         in_tids = [self._tid(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        key = (id(own), own.f_lasti) if own is not None else None
+        contained = self._container_child(self._chain(caller, own)) if own is not None else None
+        key = (id(own), own.f_lasti, contained and id(contained[1].f_locals["self"])) if own is not None else None
         if key is None or key != self._current:
-            self._open_node(func, args, kwargs, caller, own)
+            self._open_node(func, args, kwargs, caller, own, contained)
             self._current = key
         node = self.nodes[-1]
         out_tids = []
@@ -200,13 +245,16 @@ class Tracer(TorchFunctionMode):
         line, end_line, col, end_col = pos
         return Span(str(source.path), line, source.char_col(line, col), end_line, source.char_col(end_line, end_col))
 
-    def _open_node(self, func, args, kwargs, caller, own):
+    def _open_node(self, func, args, kwargs, caller, own, contained=None):
         span, mapped = None, False
         if own is not None:
             span = self._span(own)
             if span is not None:
                 source = self.sources.get(span.path)
                 mapped = source.node_at(span.line, span.col, span.end_line, span.end_col) is not None
+                if contained is not None:
+                    container, child_frame = contained
+                    span = dataclasses.replace(span, via=self._via(container, child_frame.f_locals["self"]))
         callee, kind, callee_frame = self._callee(func, caller, own) if own is not None else (
             torch_func_name(func), "torch", None)
         node = Node(len(self.nodes), span, callee, kind, self._module_path(own) if own else "", mapped=mapped)
@@ -290,7 +338,7 @@ class Tracer(TorchFunctionMode):
         batch = next((self.tensors[t].shape[0] for t in input_tids.values() if self.tensors[t].shape), None)
         return Trace(mode, sorted(self.own_files), self.nodes, self.ops, self.tensors, params, input_tids,
                      loss_tid, {name: qualified_type(type(m)) for name, m in model.named_modules()}, batch,
-                     self.size_queries, self.module_calls)
+                     self.size_queries, self.module_calls, self.containers)
 
     def _call_user(self, fn, what: str):
         try:

@@ -1,0 +1,82 @@
+"""Can the batch be split? Data parallelism and pipeline micro-batches both run each op on a
+slice of the batch, which is right only if no op mixes samples.
+
+The batch dim is followed from the model's inputs through each op's split annotation: an op
+whose batch label is fixed (BatchNorm's statistics), or that has no annotation at all, cannot
+run on a slice. Reducing over the batch is what a loss does (DP averages the gradients), but a
+batch-reduced value that meets the batch again (`x - x.mean(0)`) would mix samples. Checks;
+decides nothing.
+"""
+from __future__ import annotations
+
+from ..errors import UserError
+from ..graph.graph import Graph
+from ..trace.records import Node, TensorList
+
+
+def check_batch_split(graph: Graph, what: str) -> None:
+    problem = batch_split_problem(graph, what)
+    if problem is not None:
+        raise problem
+
+
+def batch_split_problem(graph: Graph, what: str) -> UserError | None:
+    """The error, at the op's source position, if the model's batch cannot be sliced for `what`."""
+    found = _first_mixing_op(graph)
+    if found is None:
+        return None
+    node, why = found
+    return UserError(f"{node.callee} {why}, so {what} would not match the single-device run",
+                     node.span.start if node.span is not None else None,
+                     hint="run it on the whole batch (no --dp, --micro-batches 1), or change the model")
+
+
+def _batched_operands(node: Node, batched: dict[int, int]):
+    """(operand name as the rule names it, tensor) for each operand that carries the batch."""
+    for operand in node.operands:
+        listed = isinstance(operand.value, TensorList)
+        for k, tid in enumerate(operand.value if listed else [operand.tid]):
+            if tid in batched:
+                yield f"{operand.name}[{k}]" if listed else operand.name, tid
+
+
+def _first_mixing_op(graph: Graph) -> tuple[Node, str] | None:
+    trace = graph.trace
+    tensors = trace.tensors
+    batch = trace.batch_size
+    if not batch:
+        return None
+    batched = {tid: 0 for tid in trace.inputs.values() if tensors[tid].shape and tensors[tid].shape[0] == batch}
+    reduced: set[int] = set()          # values computed across the batch
+    for node in graph.nodes:
+        inputs = list(_batched_operands(node, batched))
+        mixes = any(t in reduced for t in node.inputs)
+        if not inputs:
+            if mixes:
+                reduced.update(node.produced)
+            continue
+        if mixes:
+            return node, "combines a value reduced over the batch with the batch itself"
+        if all(not tensors[t].shape for t in node.outputs or node.produced):   # a loss or metric: DP averages it
+            reduced.update(node.produced)
+            continue
+        dims = graph.dims.get(node.index)
+        if dims is None:
+            return node, f"has no split rule ({graph.problems.get(node.index) or 'no annotation'})"
+        for operand, tid in inputs:
+            tensor = dims.inputs.get(operand)
+            dim = batched[tid]
+            factors = tensor.dims[dim] if tensor is not None and dim < len(tensor.dims) else ()
+            if not factors:
+                return node, f"cannot split its operand {operand} on the batch dim (dim {dim})"
+            label = factors[0].label
+            if label in dims.fixed:
+                return node, f"needs the whole batch: dim {dim} of {operand} is fixed in its rule"
+            if label in dims.reduced:
+                reduced.update(node.produced)
+                continue
+            for out in dims.outputs:
+                place = out.where(label)
+                if place is not None and place[1] == 1:
+                    batched[out.tid] = place[0]
+    return None

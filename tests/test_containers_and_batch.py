@@ -1,0 +1,230 @@
+"""Models written in other styles: layers called by nn.Sequential, and batches that cannot be sliced.
+
+A call to an nn.Sequential from the model file is traced as calls to each of its layers, so
+the planner sees (and may split) every layer; when collectives must sit between layers, the
+rewrite cuts the call into runs of the container (`self.features[3:](tp_copy(...))`), keeping
+the state dict keys. Data parallelism and micro-batches slice the batch, which is refused at
+the op that would mix samples (BatchNorm, a value reduced over the batch meeting the batch).
+
+The gloo runs are marked slow.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from nnscaler_cst.analysis import analyze
+from nnscaler_cst.report.inspect_view import inspect_json
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 600
+
+
+def cli(*args, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def statement_with(source: str, needle: str) -> str:
+    lines = [line.strip() for line in source.splitlines() if needle in line]
+    assert len(lines) == 1, f"{needle!r} is on {len(lines)} lines"
+    return lines[0]
+
+
+# ---- tracing through nn.Sequential -----------------------------------------------------------
+def test_each_layer_of_an_nn_sequential_is_a_site_of_its_own(fixtures_dir):
+    report = inspect_json(analyze(fixtures_dir / "convnet.py").graph)
+    features = [s for s in report["sites"] if s["layer"]]
+    # nn.Sequential(Conv2d, ReLU, MaxPool2d, Conv2d, ReLU, AdaptiveAvgPool2d), as the model built it
+    assert [(s["layer"], s["callee"].rsplit(".", 1)[1]) for s in features] == [
+        ("[0]", "Conv2d"), ("[1]", "ReLU"), ("[2]", "MaxPool2d"),
+        ("[3]", "Conv2d"), ("[4]", "ReLU"), ("[5]", "AdaptiveAvgPool2d")]
+    source = (fixtures_dir / "convnet.py").read_text().splitlines()
+    line = next(i for i, text in enumerate(source, 1) if "self.features(images)" in text)
+    assert {s["location"].rsplit(":", 2)[1] for s in features} == {str(line)}   # all at that call
+    assert all(s["annotation"] for s in report["sites"])
+    summary = report["summary"]
+    assert summary["mapped"] == summary["annotated"] == summary["compute_ops"]
+
+
+def test_a_layer_gets_the_parameters_of_its_own_module(fixtures_dir):
+    graph = analyze(fixtures_dir / "einsum_transformer.py").graph
+    linear = next(n for n in graph.nodes if n.span is not None and n.span.via == ("1",))
+    assert linear.callee == "torch.nn.Linear" and linear.callee_path == "head.1"
+    shapes = {name: graph.trace.tensors[tid].shape for name, tid in graph.param_operands(linear.index)}
+    assert shapes == {"self.weight": (96, 32), "self.bias": (96,)}
+
+
+# ---- rewriting between the layers --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def convnet_tp2(tmp_path_factory, fixtures_dir):
+    out = tmp_path_factory.mktemp("convnet") / "tp2"
+    result = cli("rewrite", fixtures_dir / "convnet.py", "--tp", "2", "-o", out)
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_the_sequential_call_is_cut_only_where_a_collective_goes(convnet_tp2):
+    source = (convnet_tp2 / "model_rank0.py").read_text()
+    ast.parse(source)
+    line = statement_with(source, "self.features[")
+    call = line.split("  #")[0]
+    # the first conv is split by output channel, the second by input channel: one gather between
+    assert call.startswith("x = self.features[3:](") and "self.features[:3](images)" in call, call
+    assert call.count("tp_gather(") == 1
+    assert "nn.Conv2d(3, 8 // 2, 3, padding=1)" in source
+
+
+def test_cut_sequential_keeps_the_single_device_state_dict_keys(convnet_tp2, fixtures_dir):
+    code = textwrap.dedent(f"""
+        import importlib, json, sys
+        sys.path.insert(0, {str(convnet_tp2.parent)!r})
+        package = importlib.import_module({convnet_tp2.name!r})
+        sys.path.insert(0, {str(fixtures_dir)!r})
+        import convnet
+        print(json.dumps([sorted(package.build(0).state_dict()), sorted(convnet.build().state_dict())]))
+        """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stderr
+    rank_keys, model_keys = json.loads(result.stdout)
+    assert rank_keys == model_keys
+
+
+def test_a_sequential_with_a_split_implementation_between_layers(tmp_path, fixtures_dir):
+    out = tmp_path / "out"
+    result = cli("rewrite", fixtures_dir / "einsum_transformer.py", "--tp", "2", "-o", out)
+    assert result.returncode == 0, result.stderr
+    line = statement_with((out / "model_rank1.py").read_text(), "self.head[")
+    assert line.startswith("logits = self.head[1](tp_copy(self.head[0](h), TP))"), line
+
+
+# ---- a Sequential trunk for pipelines ----------------------------------------------------------
+def test_a_pipeline_cuts_an_nn_sequential_of_blocks(tmp_path, fixtures_dir):
+    out = tmp_path / "out"
+    result = cli("rewrite", fixtures_dir / "residual_mlp.py", "--pp", "2", "-o", out)
+    assert result.returncode == 0, result.stderr
+    ranges = []
+    for rank in range(2):
+        source = (out / f"model_rank{rank}.py").read_text()
+        assert "x = self.blocks(x)  # pipeline: this stage's blocks of blocks only" in source
+        ranges += ast.literal_eval(statement_with(source, "STAGE_BLOCKS = ").split("=", 1)[1].split("#")[0]).values()
+    (a, b), (c, d) = ranges
+    assert a == 0 and b == c and d == 4 and 0 < b < 4, ranges      # the 4 blocks, cut once
+
+
+def test_a_sequential_trunk_inside_a_larger_expression_is_refused(tmp_path, fixtures_dir):
+    model = tmp_path / "model.py"
+    model.write_text((fixtures_dir / "residual_mlp.py").read_text().replace(
+        "        x = self.blocks(x)\n        return self.out(x).pow(2).mean()",
+        "        return self.out(self.blocks(x)).pow(2).mean()"))
+    result = cli("rewrite", model, "--pp", "2", "-o", tmp_path / "out", cwd=tmp_path)
+    assert result.returncode == 2
+    line = next(i for i, l in enumerate(model.read_text().splitlines(), 1) if "self.blocks(x)" in l)
+    assert f"model.py:{line}:" in result.stderr and "x = self.blocks(x)" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+# ---- batches that cannot be sliced ----------------------------------------------------------------
+BATCHNORM = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x, t):
+        h = torch.relu(self.bn(self.conv(x))).mean(dim=(2, 3))
+        return nn.functional.cross_entropy(self.fc(h), t)
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return torch.randn(8, 3, 8, 8), torch.randint(0, 2, (8,))
+'''
+
+CENTERED = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h = h - h.SUMMARY(dim=0)
+        return h.pow(2).mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(8, 4),)
+'''
+
+
+@pytest.mark.parametrize("source, needle, why", [
+    (BATCHNORM, "self.bn(", "BatchNorm2d needs the whole batch"),
+    (CENTERED.replace("SUMMARY", "mean"), "h.mean(", "Tensor.mean needs the whole batch"),
+    (CENTERED.replace("SUMMARY", "sum"), "h - h.sum(", "combines a value reduced over the batch"),
+], ids=["batchnorm", "batch-mean", "minus-the-batch-sum"])
+def test_data_parallel_over_an_op_that_mixes_samples_is_refused(tmp_path, source, needle, why):
+    model = tmp_path / "model.py"
+    model.write_text(source.lstrip("\n"))
+    result = cli("rewrite", model, "--dp", "2", "-o", tmp_path / "out", cwd=tmp_path)
+    assert result.returncode == 2, result.stdout
+    lines = model.read_text().splitlines()
+    number = next(i for i, l in enumerate(lines, 1) if needle in l)
+    column = lines[number - 1].index(needle) + 1
+    assert f"model.py:{number}:{column}: error: " in result.stderr and why in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_same_models_rewrite_without_data_parallel(tmp_path):
+    model = tmp_path / "model.py"
+    model.write_text(BATCHNORM.lstrip("\n"))
+    assert cli("rewrite", model, "--tp", "2", "-o", tmp_path / "out", cwd=tmp_path).returncode == 0
+
+
+def test_auto_plans_around_a_batch_that_cannot_be_sliced(tmp_path):
+    model = tmp_path / "model.py"
+    model.write_text(BATCHNORM.lstrip("\n"))
+    result = cli("plan", model, "--plan", "auto", "--devices", "2", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout[result.stdout.find("{"):])
+    assert plan["mesh"]["dp"] == 1 and plan["mesh"]["tp"] == 2, plan["mesh"]
+
+
+# ---- proven on gloo -------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture, args", [
+    ("convnet.py", ("--tp", "2")),
+    ("convnet.py", ("--dp", "2")),
+    ("einsum_transformer.py", ("--tp", "2")),
+    ("residual_mlp.py", ("--pp", "2", "--tp", "2")),
+], ids=["convnet-tp2", "convnet-dp2", "einsum-tp2", "residual-pp2xtp2"])
+def test_other_styles_train_like_the_single_device_run(tmp_path, fixtures_dir, fixture, args):
+    result = cli("verify", fixtures_dir / fixture, *args, "-o", tmp_path / "out", "--json")
+    outcome = json.loads(result.stdout[result.stdout.find("{"):])
+    assert result.returncode == 0 and outcome["passed"] is True, outcome
+    assert max(outcome["loss_errors"]) <= 1e-4 and outcome["max_abs_error"] <= outcome["tolerance"]["param_atol"]
