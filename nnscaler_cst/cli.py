@@ -106,7 +106,14 @@ def _rewrite(model_file: Path, opts: dict):
     from .analysis import analyze
     from .rewrite import rewrite as do_rewrite
     analysis = analyze(model_file, model_class=opts["model"])
-    return analysis, do_rewrite(analysis, _request(opts))
+    result = do_rewrite(analysis, _request(opts))
+    _print_warnings(result.plan.warnings)
+    return analysis, result
+
+
+def _print_warnings(warnings: list[str]) -> None:
+    for warning in warnings:
+        err_console.print(warning, markup=False, highlight=False, soft_wrap=True)
 
 
 def _unified_diff(old: str, new: str, old_name: str, new_name: str) -> str:
@@ -237,6 +244,7 @@ def _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, mod
         request = _request(opts)
         analysis = analyze(model_file, model_class=opts["model"])
         solved, tp_plan = build_plan(analysis, request)
+        _print_warnings(solved.warnings)
         binding = None
         if explain and tp_plan is not None:
             graph = analysis.graph

@@ -27,7 +27,7 @@ from .plan.batch import check_batch_split
 from .plan.choices import choices_from_plan
 from .plan.cost import load_cluster
 from .plan.search import AxisPlan, search_axis
-from .plan.tables import load_table, source_annotations
+from .plan.tables import load_table, source_annotations, weights_left_whole
 
 COMM_SOURCE = Path(__file__).parent / "runtime" / "_comm.py"
 
@@ -99,6 +99,7 @@ def build_plan(analysis: Analysis, request: PlanRequest) -> tuple[Plan, AxisPlan
                               data_parallel=dp) if tp > 1 else None
         name = "+".join(names) or "single"
     plan = Plan(name, {"tp": tp, "dp": dp, "pp": request.pp})
+    plan.warnings = weights_left_whole(graph) if tp > 1 else []
     plan.estimated_step_seconds = tp_plan.cost if tp_plan is not None else dp_only(graph, dp, cluster)[0]
     for site in graph.sites.values():
         where = f"{display_path(site.span.path)}:{site.span.line}:{site.span.col + 1}"

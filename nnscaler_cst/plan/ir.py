@@ -41,6 +41,7 @@ class Plan:
     order: list[OpOrder] = field(default_factory=list)
     params: dict[str, dict[str, Any]] = field(default_factory=dict)   # name -> {axis: layout}
     estimated_step_seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)                 # path:line:col: warning: ...
 
     @property
     def world_size(self) -> int:
@@ -68,4 +69,4 @@ class Plan:
                 "op_trans": [asdict(t) for t in self.trans],
                 "op_assign": [asdict(a) for a in self.assign],
                 "op_order": [asdict(o) for o in self.order],
-                "params": self.params}
+                "params": self.params, "warnings": self.warnings}

@@ -50,7 +50,9 @@ class Constraint:
         if "module" in sel and fnmatch.fnmatchcase(node.module_path, sel["module"]):
             return True
         if sel.get("params") == "matrix":
-            return any(len(graph.trace.tensors[tid].shape) >= 2 for _, tid in graph.param_operands(index))
+            # an op whose rule cannot split its weights at all (or that has no rule) is replicated
+            # with a warning rather than making the plan unsatisfiable; see weights_left_whole
+            return bool(_matrices(graph, index)) and can_split_weights(graph, index)
         if "line" in sel and node.span is not None:
             path, line = sel["line"]
             return node.span.path == path and node.span.line <= line <= node.span.end_line
@@ -75,6 +77,32 @@ class Constraint:
     def describe(self) -> str:
         what = f"{self.axis}={self.algo}" if self.algo else f"forbid {self.forbid} on {self.axis}"
         return f"{self.id}: {what} for {self.select}"
+
+
+def _matrices(graph: Graph, index: int) -> list[str]:
+    return [name for name, tid in graph.param_operands(index) if len(graph.trace.tensors[tid].shape) >= 2]
+
+
+def can_split_weights(graph: Graph, index: int) -> bool:
+    """Some label of the op's rule runs through every weight matrix it holds."""
+    dims = graph.dims.get(index)
+    matrices = _matrices(graph, index)
+    return dims is not None and any(
+        all(name in dims.inputs and dims.inputs[name].where(label) is not None for name in matrices)
+        for label in dims.splittable())
+
+
+def weights_left_whole(graph: Graph) -> list[str]:
+    """Warnings for the sites holding weight matrices that no rule can split: they stay replicated."""
+    out = []
+    for site in graph.sites.values():
+        index = site.nodes[0].index
+        if _matrices(graph, index) and not can_split_weights(graph, index):
+            why = f"rule {site.rule.name} splits none of its weights" if site.dims is not None else (
+                site.problem or "no split rule")
+            out.append(f"{site.span.start}: warning: {site.callee} is replicated on every tensor-parallel rank "
+                       f"({why}); add a rule to rules/ops/*.toml to split it")
+    return out
 
 
 def leaves_partial_param_grad(graph: Graph, index: int, label: str) -> bool:

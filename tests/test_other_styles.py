@@ -1,10 +1,13 @@
-"""Models written in other styles: layers called by nn.Sequential, and batches that cannot be sliced.
+"""Models written in other styles: layers called by nn.Sequential, batches that cannot be sliced,
+and layers no rule can split.
 
 A call to an nn.Sequential from the model file is traced as calls to each of its layers, so
 the planner sees (and may split) every layer; when collectives must sit between layers, the
 rewrite cuts the call into runs of the container (`self.features[3:](tp_copy(...))`), keeping
 the state dict keys. Data parallelism and micro-batches slice the batch, which is refused at
 the op that would mix samples (BatchNorm, a value reduced over the batch meeting the batch).
+A layer holding weights that no rule splits (nn.MultiheadAttention) stays whole on every
+tensor-parallel rank, with a warning at its call, instead of making the plan unsatisfiable.
 
 The gloo runs are marked slow.
 """
@@ -215,6 +218,75 @@ def test_auto_plans_around_a_batch_that_cannot_be_sliced(tmp_path):
     assert plan["mesh"]["dp"] == 1 and plan["mesh"]["tp"] == 2, plan["mesh"]
 
 
+# ---- layers no rule can split ------------------------------------------------------------------
+ATTENTION = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, h, bias=False, batch_first=True)
+        self.ff = nn.ModuleDict({"up": nn.Linear(d, 2 * d), "down": nn.Linear(2 * d, d)})
+
+    def forward(self, x):
+        y = self.ln(x)
+        y, _ = self.attn(y, y, y, need_weights=False)
+        x = x + y
+        return x + self.ff["down"](torch.relu(self.ff["up"](x)))
+
+
+class Model(nn.Module):
+    def __init__(self, d=16, h=2, n=2):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d, h) for _ in range(n))
+        self.proj = nn.Linear(d, 4)
+
+    def forward(self, x, y):
+        for blk in self.blocks:
+            x = blk(x)
+        return {"loss": nn.functional.mse_loss(self.proj(x), y)}
+
+
+def build():
+    torch.manual_seed(0)
+    return Model()
+
+
+def example_inputs():
+    torch.manual_seed(1)
+    return torch.randn(4, 8, 16), torch.randn(4, 8, 4)
+
+
+def loss(out):
+    return out["loss"]
+'''
+
+
+@pytest.fixture
+def attention_model(tmp_path) -> Path:
+    model = tmp_path / "model.py"
+    model.write_text(ATTENTION.lstrip("\n"))
+    return model
+
+
+def test_a_layer_no_rule_splits_stays_whole_with_a_warning(attention_model, tmp_path):
+    out = tmp_path / "out"
+    result = cli("rewrite", attention_model, "--tp", "2", "-o", out, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = attention_model.read_text().splitlines()
+    number = next(i for i, l in enumerate(lines, 1) if "self.attn(" in l)
+    where = f"model.py:{number}:{lines[number - 1].index('self.attn(') + 1}"
+    assert f"{where}: warning: torch.nn.MultiheadAttention is replicated" in result.stderr, result.stderr
+    plan = json.loads((out / "plan.json").read_text())
+    assert any(w.startswith(where) for w in plan["warnings"])
+    layouts = {name: info["tp"] for name, info in plan["params"].items()}
+    assert layouts["blocks.0.attn.in_proj_weight"] == "R"
+    assert layouts["blocks.0.ff.up.weight"] != "R"          # the rest still follows Megatron
+
+
 # ---- proven on gloo -------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("fixture, args", [
@@ -222,9 +294,14 @@ def test_auto_plans_around_a_batch_that_cannot_be_sliced(tmp_path):
     ("convnet.py", ("--dp", "2")),
     ("einsum_transformer.py", ("--tp", "2")),
     ("residual_mlp.py", ("--pp", "2", "--tp", "2")),
-], ids=["convnet-tp2", "convnet-dp2", "einsum-tp2", "residual-pp2xtp2"])
+    ("attention", ("--tp", "2")),
+], ids=["convnet-tp2", "convnet-dp2", "einsum-tp2", "residual-pp2xtp2", "multihead-attention-tp2"])
 def test_other_styles_train_like_the_single_device_run(tmp_path, fixtures_dir, fixture, args):
-    result = cli("verify", fixtures_dir / fixture, *args, "-o", tmp_path / "out", "--json")
+    path = fixtures_dir / fixture
+    if fixture == "attention":
+        path = tmp_path / "model.py"
+        path.write_text(ATTENTION.lstrip("\n"))
+    result = cli("verify", path, *args, "-o", tmp_path / "out", "--json")
     outcome = json.loads(result.stdout[result.stdout.find("{"):])
     assert result.returncode == 0 and outcome["passed"] is True, outcome
     assert max(outcome["loss_errors"]) <= 1e-4 and outcome["max_abs_error"] <= outcome["tolerance"]["param_atol"]
