@@ -287,6 +287,26 @@ def test_a_layer_no_rule_splits_stays_whole_with_a_warning(attention_model, tmp_
     assert layouts["blocks.0.ff.up.weight"] != "R"          # the rest still follows Megatron
 
 
+BERT_WITH_DROPOUT = '''
+import torch
+from transformers import BertConfig, BertForMaskedLM
+
+
+def build():
+    # transformers' default dropout (0.1 on hidden states and attention probabilities)
+    config = BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=128, max_position_embeddings=64)
+    return BertForMaskedLM(config)
+
+
+def example_inputs():
+    ids = torch.randint(0, 256, (4, 16))
+    return {"input_ids": ids, "labels": ids}
+'''
+
+ENTRIES = {"attention": ATTENTION, "bert": BERT_WITH_DROPOUT}
+
+
 # ---- proven on gloo -------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("fixture, args", [
@@ -295,13 +315,16 @@ def test_a_layer_no_rule_splits_stays_whole_with_a_warning(attention_model, tmp_
     ("einsum_transformer.py", ("--tp", "2")),
     ("residual_mlp.py", ("--pp", "2", "--tp", "2")),
     ("attention", ("--tp", "2")),
-], ids=["convnet-tp2", "convnet-dp2", "einsum-tp2", "residual-pp2xtp2", "multihead-attention-tp2"])
+    ("bert", ("--tp", "2")),
+], ids=["convnet-tp2", "convnet-dp2", "einsum-tp2", "residual-pp2xtp2", "multihead-attention-tp2",
+        "hf-bert-with-dropout-tp2"])
 def test_other_styles_train_like_the_single_device_run(tmp_path, fixtures_dir, fixture, args):
     path = fixtures_dir / fixture
-    if fixture == "attention":
+    if fixture in ENTRIES:
         path = tmp_path / "model.py"
-        path.write_text(ATTENTION.lstrip("\n"))
+        path.write_text(ENTRIES[fixture].lstrip("\n"))
     result = cli("verify", path, *args, "-o", tmp_path / "out", "--json")
     outcome = json.loads(result.stdout[result.stdout.find("{"):])
     assert result.returncode == 0 and outcome["passed"] is True, outcome
     assert max(outcome["loss_errors"]) <= 1e-4 and outcome["max_abs_error"] <= outcome["tolerance"]["param_atol"]
+    assert outcome["dropout"].startswith("off")

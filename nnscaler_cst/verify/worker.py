@@ -17,6 +17,27 @@ sys.modules["nnscaler_cst"] = None  # the code under test must not need the tool
 import torch  # noqa: E402
 
 
+def switch_off_dropout():
+    """Dropout draws one mask for a whole tensor on one device and other masks for its shards, so
+    no two runs could agree step for step; both runs of a verify train with it switched off."""
+    functional = torch.nn.functional
+
+    def identity(input, *args, **kwargs):
+        return input
+
+    for name in ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"):
+        setattr(functional, name, identity)
+    attention = functional.scaled_dot_product_attention
+
+    def attention_without_dropout(*args, **kwargs):
+        if len(args) > 4:                      # (query, key, value, attn_mask, dropout_p, ...)
+            args = (*args[:4], 0.0, *args[5:])
+        kwargs.pop("dropout_p", None)
+        return attention(*args, **kwargs)
+
+    functional.scaled_dot_product_attention = attention_without_dropout
+
+
 def load_file(path, name):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -109,6 +130,7 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.use_deterministic_algorithms(True, warn_only=True)
+    switch_off_dropout()
     (reference if args.role == "reference" else rank)(args)
 
 
