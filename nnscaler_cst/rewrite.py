@@ -25,9 +25,9 @@ from .plan.layouts import REPLICATE
 from .plan.auto import dp_only, search_auto
 from .plan.batch import check_batch_split
 from .plan.choices import choices_from_plan
-from .plan.cost import load_cluster
+from .plan.cost import compute_time, load_cluster, node_flops
 from .plan.search import AxisPlan, search_axis
-from .plan.tables import load_table, source_annotations, weights_left_whole
+from .plan.tables import chunks_for, load_table, source_annotations, weights_left_whole
 
 COMM_SOURCE = Path(__file__).parent / "runtime" / "_comm.py"
 
@@ -82,6 +82,7 @@ def build_plan(analysis: Analysis, request: PlanRequest) -> tuple[Plan, AxisPlan
             raise UserError("--plan auto needs --devices N (N > 1)")
         best, _ = search_auto(graph, devices, cluster, annotations, request.memory_budget)
         tp, dp, tp_plan, name = best.tp, best.dp, best.tp_plan, f"auto(tp={best.tp},dp={best.dp})"
+        constraints = [c for c in annotations if c.axis == "tp"]
     else:
         tp, dp = request.tp or 1, request.dp or 1
         if tp < 1 or dp < 1:
@@ -105,9 +106,19 @@ def build_plan(analysis: Analysis, request: PlanRequest) -> tuple[Plan, AxisPlan
         where = f"{display_path(site.span.path)}:{site.span.line}:{site.span.col + 1}"
         if tp_plan is not None:
             choice = tp_plan.site_choice.get((site.span, site.callee), REPLICATE)
-            plan.trans.append(OpTrans(where, site.callee, "tp", choice, tp if choice != REPLICATE else 1))
-            if choice != REPLICATE:
-                plan.assign += [OpAssign(where, "tp", i, plan.devices_of("tp", i)) for i in range(tp)]
+            chunks = chunks_for(constraints, graph, site.nodes[0].index) if choice != REPLICATE else 1
+            plan.trans.append(OpTrans(where, site.callee, "tp", choice, tp * chunks if choice != REPLICATE else 1))
+            if chunks > 1:              # co-shard recomputes the op's forward in backward
+                device = cluster.axis(1, tp)
+                plan.estimated_step_seconds += sum(
+                    compute_time(node_flops(n, graph.dims.get(n.index), graph.trace), tp, device) / 3.0
+                    for n in site.nodes)
+            if choice != REPLICATE:     # co-shard: C consecutive pieces per device, one after another
+                plan.assign += [OpAssign(where, "tp", i, plan.devices_of("tp", i // chunks))
+                                for i in range(tp * chunks)]
+                plan.order += [OpOrder(f"{where}#{i}", f"{where}#{i + 1}", device)
+                               for i in range(tp * chunks - 1) if i % chunks < chunks - 1
+                               for device in plan.devices_of("tp", i // chunks)]
         if dp > 1:
             plan.trans.append(OpTrans(where, site.callee, "dp", "batch", dp))
             plan.assign += [OpAssign(where, "dp", i, plan.devices_of("dp", i)) for i in range(dp)]

@@ -144,6 +144,8 @@ class InsertCollectives:
         for path, steps in site.args.items():
             node = self._wrap_operand(span, node, path, steps)
         bias = self._bias(span, node, site) if site.bias is not None else None
+        if site.coshard is not None:
+            node = self._coshard(span, node, site)
         if site.replace is not None:
             node = self._replace(span, node, site)
         if site.result and isinstance(node, cst.AugAssign):
@@ -203,6 +205,25 @@ class InsertCollectives:
         keywords = [a for a in call.args if a.keyword is not None or a.star]
         values["kwargs"] = "".join(", " + code(a).rstrip(", ").strip() for a in keywords)
         return values
+
+    def _coshard(self, span, node, site: SiteEdit) -> cst.Call:
+        """`F.softmax(a, -1)` -> `coshard(F.softmax, 2, in_dims=(1,), out_dims=1)(a, -1)`."""
+        edit = site.coshard
+        if not isinstance(node, cst.Call) or site.replace is not None or site.sizes:
+            raise UserError("only a plain call can be co-sharded", span.start)
+        func, args = node.func, list(node.args)
+        if edit.method:
+            if not isinstance(func, cst.Attribute):
+                raise UserError("cannot co-shard this method call", span.start)
+            self.ctx.needs_torch = True
+            func, args = cst.parse_expression(f"torch.Tensor.{func.attr.value}"), [cst.Arg(func.value), *args]
+        dims = ", ".join(map(str, edit.in_dims)) + ("," if len(edit.in_dims) == 1 else "")
+        wrapper = cst.parse_expression(f"coshard(FUNCTION, {edit.chunks}, in_dims=({dims}), out_dims={edit.out_dims})")
+        wrapper = wrapper.with_changes(args=[wrapper.args[0].with_changes(value=func), *wrapper.args[1:]])
+        self.ctx.used.add("coshard")
+        self.ctx.note(span, f"coshard: {edit.chunks} pieces per device one after another, recomputed in backward")
+        return cst.Call(wrapper, [a.with_changes(comma=cst.MaybeSentinel.DEFAULT) if k == len(args) - 1 else a
+                                  for k, a in enumerate(args)])
 
     def _replace(self, span, node, site: SiteEdit):
         if not isinstance(node, cst.Call):

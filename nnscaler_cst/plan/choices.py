@@ -23,11 +23,15 @@ def choices_from_plan(graph: Graph, plan: Plan, axis: str = "tp") -> AxisChoices
     if n == 1:
         return None
     refine_factors(graph)
-    wanted = {(t.site, t.callee): t.algo for t in plan.trans if t.axis == axis}
+    wanted = {(t.site, t.callee): t for t in plan.trans if t.axis == axis}
     options = site_options(graph, n)
     node_choice: dict[int, str] = {}
+    chunks: dict[int, int] = {}
     for sid, opts in options.items():
-        algo = REPLICATE if sid[0] == "node" else wanted.get((site_label(sid[0]), sid[1]), REPLICATE)
+        trans = None if sid[0] == "node" else wanted.get((site_label(sid[0]), sid[1]))
+        algo = trans.algo if trans is not None else REPLICATE
+        if trans is not None and trans.n > n:        # co-shard: n = C * |axis|
+            chunks.update({i: trans.n // n for i in opts.nodes})
         if algo not in opts.options:
             raise UserError(f"the plan splits {sid[1]} by {algo!r}, which this site does not allow "
                             f"(options: {', '.join(opts.options)})", sid[0].start if sid[0] != "node" else None)
@@ -43,4 +47,5 @@ def choices_from_plan(graph: Graph, plan: Plan, axis: str = "tp") -> AxisChoices
             if param_layout.setdefault(param, layout) != layout:
                 raise UserError(f"parameter {param} would need two layouts ({param_layout[param]}, {layout})",
                                 node.span.start if node.span else None)
-    return AxisChoices(axis, n, node_choice, param_layout, _partial_grad_params(graph, node_choice), options)
+    return AxisChoices(axis, n, node_choice, param_layout, _partial_grad_params(graph, node_choice), options,
+                       chunks)

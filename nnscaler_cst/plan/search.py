@@ -50,6 +50,7 @@ class AxisChoices:
     param_layout: dict[str, Layout]        # canonical param name -> layout on this axis
     partial_grad_params: list[str]         # whole params whose grads need an all-reduce
     options: dict[SiteId, SiteOptions]
+    chunks: dict[int, int] = field(default_factory=dict)   # node -> co-shard pieces per device (> 1)
 
 
 @dataclass

@@ -6,10 +6,15 @@ split along one mesh axis: `algo` = split | replicate | batch | a dim label, or 
 partial weight gradients. Each keeps its location so an unsatisfiable set can be reported
 line by line.
 
+`n = "C*|tp|"` co-shards: the op is split into C pieces per device (C consecutive pieces on
+each device, run one after another and recomputed in backward: less activation memory for
+more compute). The pieces must be cut from the call's tensor arguments, not its weights.
+
 Source annotation syntax, a comment on the line of a call in the model's own file:
 
     y = self.attn(x)  # nnscaler: tp=replicate
     h = self.fc1(x)   # nnscaler: tp=split
+    a = F.softmax(s)  # nnscaler: coshard=2
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ class Constraint:
     select: dict
     algo: str | None = None
     forbid: str | None = None
-    n: str | None = None
+    chunks: int = 1          # n = chunks * |axis|: pieces per device (co-shard)
 
     def selects(self, graph: Graph, index: int) -> bool:
         node = graph.nodes[index]
@@ -65,6 +70,8 @@ class Constraint:
             return True
         if self.algo == "replicate":
             return label == REPLICATE
+        if self.chunks > 1 and (label == REPLICATE or not coshardable(graph, index, label)):
+            return False
         if self.algo == "split":
             if label == REPLICATE:
                 return False
@@ -76,7 +83,26 @@ class Constraint:
 
     def describe(self) -> str:
         what = f"{self.axis}={self.algo}" if self.algo else f"forbid {self.forbid} on {self.axis}"
+        if self.chunks > 1:
+            what += f", n = {self.chunks}*|{self.axis}| (co-shard)"
         return f"{self.id}: {what} for {self.select}"
+
+
+def coshardable(graph: Graph, index: int, label: str) -> bool:
+    """Pieces of a split can run one after another on a device when the label is cut from tensor
+    arguments only (no weight holds it) and each piece's result is a slice of the output."""
+    dims = graph.dims.get(index)
+    if dims is None or label in dims.reduced or not dims.outputs:
+        return False
+    params = {name for name, _ in graph.param_operands(index)}
+    held = [name for name, tensor in dims.inputs.items() if tensor.where(label) is not None]
+    return bool(held) and not params & set(held) and all(
+        (place := out.where(label)) is not None and place[1] == 1 for out in dims.outputs)
+
+
+def chunks_for(constraints: list[Constraint], graph: Graph, index: int) -> int:
+    """How many pieces per device the constraints selecting this op ask for (1: no co-shard)."""
+    return max([c.chunks for c in constraints if c.chunks > 1 and c.selects(graph, index)], default=1)
 
 
 def _matrices(graph: Graph, index: int) -> list[str]:
@@ -157,20 +183,33 @@ def load_table(name: str, rules_dir: Path = RULES_DIR) -> PlanTable:
         line = next((i + 1 for i, l in enumerate(lines) if re.match(rf'\s*id\s*=\s*"{re.escape(cid)}"', l)), 1)
         location = Location(shown, line)
         trans = entry.get("op_trans", {})
-        constraint = Constraint(cid, location, trans.get("axis", entry.get("axis", "tp")), entry.get("select", {}),
-                                algo=trans.get("algo"), forbid=entry.get("forbid"), n=trans.get("n"))
+        axis = trans.get("axis", entry.get("axis", "tp"))
+        chunks = _pieces_per_device(trans.get("n"), axis, location)
+        constraint = Constraint(cid, location, axis, entry.get("select", {}), algo=trans.get("algo"),
+                                forbid=entry.get("forbid"), chunks=chunks)
         if constraint.algo is not None and constraint.algo not in ALGOS and not re.fullmatch(r"[\w.]+", constraint.algo):
             raise UserError(f"unknown algo {constraint.algo!r}", location, hint=f"one of {sorted(ALGOS)} or a dim label")
         if not constraint.select:
             raise UserError("a constraint needs `select`", location)
-        if constraint.n not in (None, f"|{constraint.axis}|"):
-            raise UserError(f"n = {constraint.n!r}: only n = |{constraint.axis}| (one piece per device of the "
-                            "axis) is supported yet", location)
-        if entry.get("op_assign", "distinct") != "distinct":
-            raise UserError("op_assign: only `distinct` (pieces on distinct devices of the axis) is supported",
-                            location)
+        assign = entry.get("op_assign", "distinct" if chunks == 1 else "consecutive")
+        if assign != ("distinct" if chunks == 1 else "consecutive"):
+            raise UserError(f"op_assign = {assign!r} with n = {trans.get('n')!r}: n = |{axis}| puts the pieces on "
+                            f"distinct devices (`distinct`), n = C*|{axis}| puts C consecutive pieces on each "
+                            "device (`consecutive`)", location)
         table.constraints.append(constraint)
     return table
+
+
+def _pieces_per_device(n: str | None, axis: str, location: Location) -> int:
+    """n = |tp| -> 1; n = C*|tp| (or C·|tp|, |tp|*C) -> C."""
+    if n is None:
+        return 1
+    match = re.fullmatch(rf"\s*(?:(\d+)\s*[*·]\s*)?\|{axis}\|\s*(?:\*\s*(\d+)\s*)?", str(n))
+    chunks = int(match.group(1) or match.group(2) or 1) if match and not (match.group(1) and match.group(2)) else 0
+    if chunks < 1:
+        raise UserError(f"n = {n!r}: write n = |{axis}| (one piece per device) or n = C*|{axis}| "
+                        "(C pieces per device, co-shard)", location)
+    return chunks
 
 
 def source_annotations(graph: Graph) -> list[Constraint]:
@@ -187,10 +226,15 @@ def source_annotations(graph: Graph) -> list[Constraint]:
             for part in match.group(1).split(","):
                 axis, _, algo = part.strip().partition("=")
                 location = Location(display_path(path), number, match.start())
+                select = {"line": (str(source.path), number)}
+                cid = f"annotation {display_path(path)}:{number}"
+                if axis == "coshard" and algo.strip().isdigit() and int(algo) > 1:
+                    out.append(Constraint(cid, location, "tp", select, algo="split", chunks=int(algo)))
+                    continue
                 if not algo or axis not in ("tp", "dp"):
                     raise UserError(f"bad annotation {part.strip()!r}", location,
-                                    hint="write `# nnscaler: tp=replicate` (or tp=split, tp=<dim label>)")
-                out.append(Constraint(f"annotation {display_path(path)}:{number}", location, axis,
-                                      {"line": (str(source.path), number)}, algo=algo.strip()))
+                                    hint="write `# nnscaler: tp=replicate` (or tp=split, tp=<dim label>, "
+                                         "coshard=<pieces per device>)")
+                out.append(Constraint(cid, location, axis, select, algo=algo.strip()))
     # one constraint per annotated place, even if the file is seen under two spellings
     return list({c.id + c.describe(): c for c in out}.values())

@@ -17,16 +17,19 @@ from ..plan.search import AxisPlan
 
 def plan_rows(graph: Graph, plan: Plan, tp_plan: AxisPlan | None) -> list[dict[str, Any]]:
     rows = []
+    pieces = {(t.site, t.callee): t.n for t in plan.trans if t.axis == "tp"}
     for site in graph.sites.values():
         node = site.nodes[0]
+        where = f"{display_path(site.span.path)}:{site.span.line}:{site.span.col + 1}"
         choice = tp_plan.node_choice.get(node.index, REPLICATE) if tp_plan else REPLICATE
         outs = layouts_for(graph.dims.get(node.index), choice, []).outputs if tp_plan else []
+        n = pieces.get((where, site.callee), 1) if choice != REPLICATE else 1
+        per_device = max(n // plan.mesh["tp"], 1)       # > 1: co-shard
         rows.append({
-            "site": f"{display_path(site.span.path)}:{site.span.line}:{site.span.col + 1}",
-            "callee": site.callee, "instances": len(site.nodes),
-            "tp": choice, "n": plan.mesh["tp"] if choice != REPLICATE else 1,
+            "site": where, "callee": site.callee, "instances": len(site.nodes),
+            "tp": choice, "n": n,
             "output_layout": [str(l) for l in outs],
-            "devices": [list(plan.devices_of("tp", i)) for i in range(plan.mesh["tp"])] if choice != REPLICATE else
+            "devices": [list(plan.devices_of("tp", i // per_device)) for i in range(n)] if choice != REPLICATE else
             [list(range(plan.world_size))],
             "dp": "batch" if plan.mesh["dp"] > 1 else "-",
         })

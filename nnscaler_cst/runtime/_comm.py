@@ -21,7 +21,8 @@ What it does
   ``tp_gather``          all-gather                  keep this rank's slice
   =====================  ==========================  ==========================
 
-  plus a vocabulary-parallel embedding and cross entropy, bucketed gradient
+  plus a vocabulary-parallel embedding and cross entropy, ``coshard`` (pieces
+  of one op run one after another, recomputed in backward), bucketed gradient
   synchronisation for data parallelism, and blocking p2p for pipeline stages.
 * On an axis of size 1 every collective is the identity and no
   torch.distributed function is called, so generated code also runs in one
@@ -43,6 +44,7 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 import torch.nn.functional as F
 
 __all__ = [
@@ -431,6 +433,39 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, axi
         return loss.view(target.shape) if reduction == "none" else loss
     return _VocabParallelCrossEntropy.apply(logits, target, axis, ignore_index, reduction,
                                             float(label_smoothing))
+
+
+# --------------------------------------------------------------------------
+# Co-shard: several pieces of one op on a device, one after another
+# --------------------------------------------------------------------------
+
+def coshard(fn, chunks: int, in_dims: tuple, out_dims: int):
+    """``fn`` as ``chunks`` pieces run one after another (no communication).
+
+    The arguments at the positions ``in_dims`` names are cut into ``chunks``
+    pieces along that dim (``None``: passed whole to every piece); the pieces'
+    tensor results are concatenated along ``out_dims``.  Each piece is
+    recomputed in backward (activation checkpointing), so only one piece's
+    intermediates are alive at a time: less activation memory for one more
+    forward of ``fn``.  The co-shard plan of nnScaler: n = C·|D| pieces, C
+    consecutive ones on each device.
+    """
+    def run(*args, **kwargs):
+        dims = tuple(in_dims) + (None,) * (len(args) - len(in_dims))
+        cut = [arg.chunk(chunks, dim) if dim is not None else (arg,) * chunks for arg, dim in zip(args, dims)]
+        results = [torch.utils.checkpoint.checkpoint(fn, *(pieces[c] for pieces in cut), use_reentrant=False,
+                                                     **kwargs) for c in range(chunks)]
+        return _joined(results, out_dims)
+    return run
+
+
+def _joined(results: list, dim: int):
+    first = results[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(results, dim)
+    if isinstance(first, (tuple, list)):     # (output, None) from attention helpers
+        return type(first)(_joined([r[k] for r in results], dim) for k in range(len(first)))
+    return first
 
 
 # --------------------------------------------------------------------------
