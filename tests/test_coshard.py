@@ -160,7 +160,9 @@ def test_n_is_one_or_c_pieces_per_device(tmp_path, n, ok):
 
 # ---- proven on gloo -----------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("fixture", ["gpt.py", "hf_gpt2.py", "einsum_transformer.py"])
+# GPT-2's attention helper (a function returning a tuple) and the einsum transformer's
+# `scores.softmax(-1)` (a method); the GPT fixture's F.softmax form is checked above, unrun.
+@pytest.mark.parametrize("fixture", ["hf_gpt2.py", "einsum_transformer.py"])
 def test_coshard_trains_like_the_single_device_run(tmp_path, fixture):
     result = cli("verify", REPO / "fixtures" / fixture, "--plan", "coshard", "--tp", "2", "-o", tmp_path / "out",
                  "--json")

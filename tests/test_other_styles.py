@@ -311,12 +311,11 @@ ENTRIES = {"attention": ATTENTION, "bert": BERT_WITH_DROPOUT}
 @pytest.mark.slow
 @pytest.mark.parametrize("fixture, args", [
     ("convnet.py", ("--tp", "2")),
-    ("convnet.py", ("--dp", "2")),
     ("einsum_transformer.py", ("--tp", "2")),
     ("residual_mlp.py", ("--pp", "2", "--tp", "2")),
     ("attention", ("--tp", "2")),
     ("bert", ("--tp", "2")),
-], ids=["convnet-tp2", "convnet-dp2", "einsum-tp2", "residual-pp2xtp2", "multihead-attention-tp2",
+], ids=["convnet-tp2", "einsum-tp2", "residual-pp2xtp2", "multihead-attention-tp2",
         "hf-bert-with-dropout-tp2"])
 def test_other_styles_train_like_the_single_device_run(tmp_path, fixtures_dir, fixture, args):
     path = fixtures_dir / fixture

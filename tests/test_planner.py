@@ -112,10 +112,12 @@ def test_an_unknown_annotation_is_a_located_error(tmp_path):
     assert error.value.location.path.endswith("gpt_model.py")
 
 
-def test_unsupported_piece_counts_are_refused_with_the_table_line(tmp_path):
-    table = tmp_path / "coshard.toml"
+@pytest.mark.parametrize("trans", ['n = "|tp| + 1"', 'n = "2*|tp|", op_assign = "distinct"'])
+def test_unsupported_piece_counts_are_refused_with_the_table_line(tmp_path, trans):
+    table = tmp_path / "pieces.toml"
+    n, _, assign = trans.partition(", ")
     table.write_text('[plan]\naxes = ["tp"]\n\n[[constraint]]\nid = "c"\nselect = { all = true }\n'
-                     'op_trans = { axis = "tp", algo = "split", n = "2*|tp|" }\n')
+                     f'op_trans = {{ axis = "tp", algo = "split", {n} }}\n{assign}\n')
     with pytest.raises(UserError) as error:
         load_table(str(table))
     assert error.value.location.line == 5
