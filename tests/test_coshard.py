@@ -9,6 +9,7 @@ activation checkpointing. The gloo runs are marked slow.
 """
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -111,10 +112,16 @@ def test_the_plan_ir_holds_c_pieces_per_device_in_order(gpt_coshard):
     assert others == []                                         # everything else stays Megatron
 
 
-def test_the_rewrite_runs_the_pieces_through_coshard(gpt_coshard):
-    _, line = line_with(gpt_coshard / "model_rank0.py", "F.softmax")
-    assert line.strip().startswith("att = coshard(F.softmax, 2, in_dims=(1,), out_dims=1)(att, dim=-1)"), line
-    assert "recomputed in backward" in line
+def test_the_attention_core_runs_as_a_local_function_in_pieces(gpt_coshard):
+    """From the softmax the region grows over the statements that work head by head: the scores,
+    the mask, the softmax, dropout and `att @ v`; the view with a local size stops it."""
+    source = (gpt_coshard / "model_rank0.py").read_text()
+    start = source.index("        def _y_in_pieces(")
+    block = source[start:source.index("\n", source.index("= coshard(_y_in_pieces", start))].splitlines()
+    assert block[0].startswith("        def _y_in_pieces(k, q, v):  # coshard: 2 pieces per device")
+    assert [line.strip().split(" = ")[0] for line in block[1:-1]] == ["att", "att", "att", "att", "y", "return y"]
+    assert block[-1].strip() == "y = coshard(_y_in_pieces, 2, in_dims=(1, 1, 1), out_dims=1)(k, q, v)"
+    ast.parse(source)
 
 
 def test_a_source_annotation_co_shards_its_line(tmp_path):
@@ -125,9 +132,19 @@ def test_a_source_annotation_co_shards_its_line(tmp_path):
     out = tmp_path / "out"
     result = cli("rewrite", model, "--tp", "2", "-o", out, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
+    source = (out / "model_rank1.py").read_text()
+    assert "y = coshard(_y_in_pieces, 2, in_dims=(1, 1, 1), out_dims=1)(k, q, v)" in source
     _, rewritten = line_with(out / "model_rank1.py", "F.softmax")
-    assert "coshard(F.softmax, 2, in_dims=(1,), out_dims=1)(att, dim=-1)" in rewritten
     assert "# nnscaler: coshard=2" in rewritten                  # the user's comment is kept
+
+
+def test_a_region_that_needs_communication_is_refused(tmp_path):
+    model = tmp_path / "gpt_model.py"
+    _, line = line_with(GPT, "self.c_proj(y)")
+    model.write_text(GPT.read_text().replace(line, line + "  # nnscaler: coshard=2", 1))
+    result = cli("rewrite", model, "--tp", "2", "-o", tmp_path / "out", cwd=tmp_path)
+    assert result.returncode == 2 and "gpt_model.py:" in result.stderr and "co-shard" in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_too_many_pieces_for_the_heads_are_refused_with_the_numbers(tmp_path):
@@ -137,7 +154,7 @@ def test_too_many_pieces_for_the_heads_are_refused_with_the_numbers(tmp_path):
     result = cli("rewrite", model, "--tp", "2", "-o", tmp_path / "out", cwd=tmp_path)
     number, _ = line_with(model, "coshard=4")
     assert result.returncode == 2
-    assert f"gpt_model.py:{number}:" in result.stderr and "2x4 pieces" in result.stderr, result.stderr
+    assert f"gpt_model.py:{number}:" in result.stderr and "2x4 pieces" in result.stderr and "has 2 along dim 1" in result.stderr, result.stderr
     assert not (tmp_path / "out").exists()
 
 

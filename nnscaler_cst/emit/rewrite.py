@@ -144,8 +144,6 @@ class InsertCollectives:
         for path, steps in site.args.items():
             node = self._wrap_operand(span, node, path, steps)
         bias = self._bias(span, node, site) if site.bias is not None else None
-        if site.coshard is not None:
-            node = self._coshard(span, node, site)
         if site.replace is not None:
             node = self._replace(span, node, site)
         if site.result and isinstance(node, cst.AugAssign):
@@ -206,25 +204,6 @@ class InsertCollectives:
         values["kwargs"] = "".join(", " + code(a).rstrip(", ").strip() for a in keywords)
         return values
 
-    def _coshard(self, span, node, site: SiteEdit) -> cst.Call:
-        """`F.softmax(a, -1)` -> `coshard(F.softmax, 2, in_dims=(1,), out_dims=1)(a, -1)`."""
-        edit = site.coshard
-        if not isinstance(node, cst.Call) or site.replace is not None or site.sizes:
-            raise UserError("only a plain call can be co-sharded", span.start)
-        func, args = node.func, list(node.args)
-        if edit.method:
-            if not isinstance(func, cst.Attribute):
-                raise UserError("cannot co-shard this method call", span.start)
-            self.ctx.needs_torch = True
-            func, args = cst.parse_expression(f"torch.Tensor.{func.attr.value}"), [cst.Arg(func.value), *args]
-        dims = ", ".join(map(str, edit.in_dims)) + ("," if len(edit.in_dims) == 1 else "")
-        wrapper = cst.parse_expression(f"coshard(FUNCTION, {edit.chunks}, in_dims=({dims}), out_dims={edit.out_dims})")
-        wrapper = wrapper.with_changes(args=[wrapper.args[0].with_changes(value=func), *wrapper.args[1:]])
-        self.ctx.used.add("coshard")
-        self.ctx.note(span, f"coshard: {edit.chunks} pieces per device one after another, recomputed in backward")
-        return cst.Call(wrapper, [a.with_changes(comma=cst.MaybeSentinel.DEFAULT) if k == len(args) - 1 else a
-                                  for k, a in enumerate(args)])
-
     def _replace(self, span, node, site: SiteEdit):
         if not isinstance(node, cst.Call):
             raise UserError("only a call can be replaced by a split implementation", span.start)
@@ -248,6 +227,36 @@ class InsertCollectives:
         if site.bias.startswith("self."):
             return cst.parse_expression(f"{code(call.func)}.{site.bias[5:]}")
         return cst.parse_expression(self._template_values(span, call)[site.bias])
+
+
+class CoshardRegions:
+    DESCRIPTION = "Run each co-shard region as a local function, its pieces one after another."
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+
+    def leave_block(self, span: Span, block: cst.IndentedBlock) -> cst.IndentedBlock:
+        regions = sorted((r for r in self.ctx.edits.regions if r.block == span), key=lambda r: -r.first)
+        if not regions:
+            return block
+        body = list(block.body)
+        for region in regions:
+            statements = body[region.first:region.last + 1]
+            name = "_" + "_".join(region.outputs) + "_in_pieces"
+            params = ", ".join(n for n, _ in region.inputs)
+            results = ", ".join(region.outputs)
+            dims = ", ".join(str(d) for _, d in region.inputs) + ("," if len(region.inputs) == 1 else "")
+            define = cst.parse_statement(
+                f"def {name}({params}):  # coshard: {region.chunks} pieces per device, one after another, "
+                f"recomputed in backward\n    return {results}\n")
+            first = statements[0].with_changes(leading_lines=[])
+            define = define.with_changes(leading_lines=statements[0].leading_lines, body=define.body.with_changes(
+                body=[first, *statements[1:], *define.body.body]))
+            call = cst.parse_statement(f"{results} = coshard({name}, {region.chunks}, in_dims=({dims}), "
+                                       f"out_dims={region.out_dim})({params})\n")
+            body[region.first:region.last + 1] = [define, call]
+        self.ctx.used.add("coshard")
+        return block.with_changes(body=body)
 
 
 class SplitStages:
@@ -306,6 +315,7 @@ class FileRewriter(cst.CSTTransformer):
         self.ctx = ctx
         self.concerns = [ShardConstructors(ctx), LocalSizes(ctx), InsertCollectives(ctx)]
         self.stages = SplitStages(ctx)
+        self.regions = CoshardRegions(ctx)
 
     def _span(self, node) -> Span:
         rng = self.get_metadata(PositionProvider, node)
@@ -372,6 +382,9 @@ class FileRewriter(cst.CSTTransformer):
         return expr
 
     leave_Call = leave_Comparison = leave_BooleanOperation = leave_AugAssign = _leave_expr
+
+    def leave_IndentedBlock(self, original, updated):
+        return self.regions.leave_block(self._span(original), updated)
 
     def leave_FunctionDef(self, original, updated):
         return self.stages.leave_function(self._span(original), updated)

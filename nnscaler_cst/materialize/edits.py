@@ -22,6 +22,7 @@ from .size_args import SIZE_ARGUMENTS, SPLIT_SIZES, locate_size_argument
 from ..source.files import Span
 from ..trace.records import Node, TensorList
 from .conversions import Step, conversion
+from .coshard import Region, coshard_regions
 
 
 
@@ -40,14 +41,6 @@ class CtorEdit:
     note: str
 
 
-@dataclass(frozen=True)
-class CoshardEdit:
-    chunks: int             # pieces per device, run one after another
-    in_dims: tuple          # per call position (a method's object first): the dim cut, or None
-    out_dims: int
-    method: bool            # `x.softmax(-1)`: called as torch.Tensor.softmax(x, -1)
-
-
 @dataclass
 class SiteEdit:
     result: list[Step] = field(default_factory=list)               # wrap the call's result
@@ -55,7 +48,6 @@ class SiteEdit:
     sizes: list[SizeEdit] = field(default_factory=list)
     replace: str | None = None      # a template for the whole call (split impl, row-parallel)
     bias: str | None = None         # added after the reduction of a row-parallel call
-    coshard: CoshardEdit | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -67,6 +59,7 @@ class Edits:
     ctors: dict[Span, list[CtorEdit]]
     param_layout: dict[str, Layout]         # every parameter's layout on this axis (split ones S)
     partial_grad_params: list[str]
+    regions: list[Region] = field(default_factory=list)   # co-sharded statements
 
     def site(self, span: Span) -> SiteEdit:
         return self.sites.setdefault(span, SiteEdit())
@@ -155,35 +148,9 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True) -> Edits
         if choice == REPLICATE or node.span is None:
             continue
         _split_site_edits(graph, node, choice, n, edits, lay(node), have)
-        if plan.chunks.get(node.index, 1) > 1:
-            _same(edits.site(node.span), "coshard", _coshard_edit(graph, node, choice, n, plan.chunks[node.index]),
-                  node)
     _ctor_edits(graph, edits)
+    edits.regions = coshard_regions(graph, plan, edits.sites, lay, have) if plan.chunks else []
     return edits
-
-
-def _coshard_edit(graph: Graph, node: Node, label: str, n: int, chunks: int) -> CoshardEdit:
-    """Where the call's arguments are cut into pieces, for an op split on `label`."""
-    dims = graph.dims[node.index]
-    size = dims.sizes()[label]
-    if size % (n * chunks):
-        raise UserError(f"cannot co-shard {node.callee} into {n}x{chunks} pieces: its dim {label} is {size}",
-                        _loc(node), hint="choose a number of pieces per device that divides it")
-    method = any(op.path == ("self",) for op in node.operands if op.tid is not None)
-    in_dims: dict[int, int] = {}
-    for operand in node.operands:
-        place = dims.inputs[operand.name].where(label) if operand.name in dims.inputs else None
-        if place is None:
-            continue
-        if operand.path is None or operand.path[0] == "kw":
-            raise UserError(f"co-sharding {node.callee} cuts its argument {operand.name}, which must be passed "
-                            "by position", _loc(node))
-        position = 0 if operand.path == ("self",) else operand.path[1] + int(method)
-        in_dims[position] = place[0]
-    out_dims = {out.where(label)[0] for out in dims.outputs}
-    if len(out_dims) != 1:
-        raise UserError(f"the results of {node.callee} hold dim {label} at different positions", _loc(node))
-    return CoshardEdit(chunks, tuple(in_dims.get(i) for i in range(max(in_dims) + 1)), out_dims.pop(), method)
 
 
 def _refuse_forced_regather(graph: Graph, plan: AxisChoices, node: Node, steps: list[Step], shape) -> None:

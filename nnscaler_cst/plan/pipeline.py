@@ -16,6 +16,7 @@ import libcst as cst
 from ..errors import UserError
 from ..graph.graph import Graph
 from ..source.files import Span
+from ..source.names import names_in
 from .cost import node_flops
 
 
@@ -94,44 +95,19 @@ def find_trunk(graph: Graph) -> Trunk:
                  handoff_variables(function, index))
 
 
-def _names(nodes, store: bool) -> set[str]:
-    found: set[str] = set()
-
-    class Collect(cst.CSTVisitor):
-        def visit_Name(self, name: cst.Name) -> None:
-            found.add(name.value)
-
-    class Targets(cst.CSTVisitor):
-        def visit_AssignTarget(self, target):
-            target.target.visit(Collect())
-
-        def visit_AugAssign(self, node):
-            node.target.visit(Collect())
-
-        def visit_AnnAssign(self, node):
-            node.target.visit(Collect())
-
-        def visit_For(self, node):
-            node.target.visit(Collect())
-
-    for node in nodes:
-        node.visit(Targets() if store else Collect())
-    return found
-
-
 def handoff_variables(function: cst.FunctionDef, loop_index: int) -> list[str]:
     """Variables set before or in the loop and read in it or after it, in first-set order."""
     body = list(function.body.body)
     prologue, loop, epilogue = body[:loop_index], body[loop_index], body[loop_index + 1:]
     if isinstance(loop, cst.For):
-        stored = _names(prologue, True) | (_names([loop], True) - _names([loop.target], False))
-        read = _names([loop.body, loop.iter], False) | _names(epilogue, False)
+        stored = names_in(prologue, True) | (names_in([loop], True) - names_in([loop.target], False))
+        read = names_in([loop.body, loop.iter], False) | names_in(epilogue, False)
     else:                                  # one statement calling an nn.Sequential of the blocks
-        stored = _names(prologue, True) | _names([loop], True)
-        read = _names([loop], False) | _names(epilogue, False)
+        stored = names_in(prologue, True) | names_in([loop], True)
+        read = names_in([loop], False) | names_in(epilogue, False)
     order = []
     for stmt in [*prologue, loop]:
-        for name in sorted(_names([stmt], True)):
+        for name in sorted(names_in([stmt], True)):
             if name in stored and name in read and name not in order:
                 order.append(name)
     return order
