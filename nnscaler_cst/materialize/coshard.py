@@ -88,11 +88,20 @@ def _region(graph: Graph, plan: AxisChoices, sites: dict, lay, have, anchor: Nod
         return choice not in dims.reduced and choice not in dims.impl and all(
             layout.groups == 1 for layout in [*lay(node).inputs.values(), *lay(node).outputs])
 
+    def executed(a: int, b: int) -> set[int]:
+        """Nodes run while statements a..b run, per instance of the block (module path): with those
+        made inside functions the statements call (`self.causal_mask(T)`), in trace order."""
+        ranges: dict[str, list[int]] = {}
+        for k in range(a, b + 1):
+            for node in members.get(k, []):
+                ranges.setdefault(node.module_path, []).append(node.index)
+        return {i for indices in ranges.values() for i in range(min(indices), max(indices) + 1)}
+
     def fits(k: int) -> bool:
         stmt = body[k]
         return isinstance(stmt, cst.SimpleStatementLine) and all(
             isinstance(small, (cst.Assign, cst.AugAssign, cst.AnnAssign)) for small in stmt.body) and all(
-            works_slice_by_slice(node) for node in members.get(k, []))
+            works_slice_by_slice(graph.nodes[i]) for i in executed(k, k))
 
     if not fits(at):
         raise UserError(f"cannot co-shard {anchor.callee}: its statement needs communication, local sizes or a "
@@ -102,7 +111,9 @@ def _region(graph: Graph, plan: AxisChoices, sites: dict, lay, have, anchor: Nod
         first -= 1
     while last + 1 < len(body) and fits(last + 1):
         last += 1
-    inside = {node.index for k in range(first, last + 1) for node in members.get(k, [])}
+    inside = executed(first, last)
+    if not all(works_slice_by_slice(graph.nodes[i]) for i in inside):
+        raise UserError(f"cannot co-shard {anchor.callee}: code between its statements needs communication", where)
     inputs = _inputs(graph, source, lay, inside, plan.n, chunks, where)
     if not inputs:
         raise UserError(f"the co-shard region of {anchor.callee} reads no split tensor to cut", where)
@@ -125,8 +136,9 @@ def _inputs(graph: Graph, source: SourceFile, lay, inside: set[int], n: int, chu
                 continue                     # whole on every piece: read from the enclosing scope
             expr = _operand_expr(graph.source_node(node), operand.path)
             if not isinstance(expr, cst.Name):
-                raise UserError(f"the co-shard region reads a split tensor through `{cst.Module([]).code_for_node(expr) if expr is not None else '?'}`; "
-                                "assign it to a name before the region", node.span.start)
+                shown = cst.Module([]).code_for_node(expr) if expr is not None else "an expression"
+                raise UserError(f"the co-shard region reads a split tensor through `{shown}`; assign it to a "
+                                "name before the region", node.span.start if node.span else where)
             if found.setdefault(expr.value, layout.dim) != layout.dim:
                 raise UserError(f"`{expr.value}` is read split along two dims in the co-shard region", where)
             local = tensors[operand.tid].shape[layout.dim] // n

@@ -135,12 +135,12 @@ class Tracer(TorchFunctionMode):
         inner = self._module_names.get(id(child), "")
         return tuple(inner[len(outer) + 1:].split(".")) if outer else tuple(inner.split("."))
 
-    def _callee(self, func, frame, own) -> tuple[str, str, Any]:
-        """What the own frame called: (name, kind, callee frame or None)."""
+    def _callee(self, func, frame, own, contained) -> tuple[str, str, Any]:
+        """What the own frame called: (name, kind, callee frame or None); `contained`: the
+        container call and child frame when it called an nn.Sequential."""
         chain = self._chain(frame, own)
         if not chain:
             return torch_func_name(func), "torch", None
-        contained = self._container_child(chain)
         if contained is not None:
             child_frame = contained[1]
             return short_type(qualified_type(type(child_frame.f_locals["self"]))), "module", child_frame
@@ -255,7 +255,7 @@ class Tracer(TorchFunctionMode):
                 if contained is not None:
                     container, child_frame = contained
                     span = dataclasses.replace(span, via=self._via(container, child_frame.f_locals["self"]))
-        callee, kind, callee_frame = self._callee(func, caller, own) if own is not None else (
+        callee, kind, callee_frame = self._callee(func, caller, own, contained) if own is not None else (
             torch_func_name(func), "torch", None)
         node = Node(len(self.nodes), span, callee, kind, self._module_path(own) if own else "", mapped=mapped)
         if kind == "module":
