@@ -228,7 +228,7 @@ class Block(nn.Module):
     def __init__(self, d, h):
         super().__init__()
         self.ln = nn.LayerNorm(d)
-        self.attn = nn.MultiheadAttention(d, h, bias=False, batch_first=True)
+        self.attn = nn.MultiheadAttention(d, h, batch_first=True)   # its key bias has a zero gradient
         self.ff = nn.ModuleDict({"up": nn.Linear(d, 2 * d), "down": nn.Linear(2 * d, d)})
 
     def forward(self, x):
