@@ -103,7 +103,7 @@ def build_plan(analysis: Analysis, request: PlanRequest) -> tuple[Plan, AxisPlan
     plan.warnings = weights_left_whole(graph) if tp > 1 else []
     plan.estimated_step_seconds = tp_plan.cost if tp_plan is not None else dp_only(graph, dp, cluster)[0]
     for site in graph.sites.values():
-        where = f"{display_path(site.span.path)}:{site.span.line}:{site.span.col + 1}"
+        where = site.span.label
         if tp_plan is not None:
             choice = tp_plan.site_choice.get((site.span, site.callee), REPLICATE)
             chunks = chunks_for(constraints, graph, site.nodes[0].index) if choice != REPLICATE else 1
@@ -228,7 +228,7 @@ def plan_pipeline(analysis: Analysis, plan: Plan, request: PlanRequest) -> tuple
     for index, stage in stages.node_stage.items():
         node = analysis.graph.nodes[index]
         if node.span is not None:
-            where = f"{display_path(node.span.path)}:{node.span.line}:{node.span.col + 1}"
+            where = node.span.label
             assign = OpAssign(where, "pp", stage, plan.devices_of("pp", stages.rank_of(stage)))
             if assign not in plan.assign:
                 plan.assign.append(assign)

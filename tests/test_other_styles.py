@@ -109,6 +109,21 @@ def test_a_sequential_with_a_split_implementation_between_layers(tmp_path, fixtu
     assert line.startswith("logits = self.head[1](tp_copy(self.head[0](h), TP))"), line
 
 
+def test_a_fused_qkv_reshaped_into_3_heads_and_head_dim_splits_by_heads(tmp_path, fixtures_dir):
+    """timm's `qkv(x).reshape(B, N, 3, heads, hd)`: the heads, not the leading 3, are split (the
+    Linear's rows in 3 groups), and unbind keeps the batch where it is (data parallel accepted)."""
+    out = tmp_path / "out"
+    result = cli("rewrite", fixtures_dir / "vit.py", "--tp", "2", "--dp", "2", "-o", out)
+    assert result.returncode == 0, result.stderr
+    source = (out / "model_rank0.py").read_text()
+    assert "self.qkv = nn.Linear(dim, dim * 3 // 2)  # out_features / 2, 3 fused blocks split alike" in source
+    assert ".reshape(B, N, 3, self.heads // 2, C // self.heads)" in source
+    layers = json.loads((out / "plan.json").read_text())["op_trans"]
+    mlp = sorted((t["site"][-3:], t["algo"]) for t in layers if t["axis"] == "tp" and t["callee"] == "torch.nn.Linear"
+                 and t["site"].endswith(("[0]", "[2]")))
+    assert [site for site, _ in mlp] == ["[0]", "[2]"] and mlp[0][1] != mlp[1][1]   # column, then row
+
+
 # ---- a Sequential trunk for pipelines ----------------------------------------------------------
 def test_a_pipeline_cuts_an_nn_sequential_of_blocks(tmp_path, fixtures_dir):
     out = tmp_path / "out"
@@ -314,9 +329,11 @@ ENTRIES = {"attention": ATTENTION, "bert": BERT_WITH_DROPOUT}
     ("einsum_transformer.py", ("--tp", "2")),
     ("residual_mlp.py", ("--pp", "2", "--tp", "2")),
     ("attention", ("--tp", "2")),
+    ("vit.py", ("--tp", "2")),
+    ("vit.py", ("--dp", "2")),
     ("bert", ("--tp", "2")),
 ], ids=["convnet-tp2", "einsum-tp2", "residual-pp2xtp2", "multihead-attention-tp2",
-        "hf-bert-with-dropout-tp2"])
+        "hf-bert-with-dropout-tp2", "vit-tp2", "vit-dp2"])
 def test_other_styles_train_like_the_single_device_run(tmp_path, fixtures_dir, fixture, args):
     path = fixtures_dir / fixture
     if fixture in ENTRIES:

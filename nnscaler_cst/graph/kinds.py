@@ -128,8 +128,6 @@ def reshape(call: Call) -> OpDims:
             for n, k in enumerate(x for x in many if sizes[x] != 1):
                 label = f"r{counter}_{n}"
                 factors.append(Factor(label, sizes[k]))
-                if n > 0:
-                    fixed.add(label)
             single = gj[0] if many is gi else gi[0]
             if many is gi:
                 for f, k in zip(factors, [x for x in gi if src[x] != 1]):
@@ -196,6 +194,18 @@ def split(call: Call) -> OpDims:
     op.fixed |= {f.label for f in in_dims[dim] if f.label == "whole"} | {
         f.label for out in outs for f in out[dim] if f.label.startswith("p")}
     return op
+
+
+def unbind(call: Call) -> OpDims:
+    """unbind(dim): each output is the input without `dim`; the other dims keep their labels."""
+    name = call.first_tensor()
+    src = call.shapes[name]
+    dim = _norm(call.arg("arg1", "dim", default=0), len(src))
+    in_dims = _labelled(src)
+    outs = [in_dims[:dim] + in_dims[dim + 1:] for _ in call.out_tids]
+    in_dims[dim] = (Factor(str(src[dim]), src[dim]),) if src[dim] > 1 else ()
+    return OpDims({name: TensorDims(call.tids[name], in_dims)},
+                  [TensorDims(t, list(d)) for t, d in zip(call.out_tids, outs)])
 
 
 def cat(call: Call, new_dim: bool = False) -> OpDims:
@@ -325,7 +335,7 @@ def einsum(call: Call) -> OpDims:
 
 KINDS: dict[str, Callable[..., OpDims]] = {
     "elementwise": elementwise, "replicate": replicate, "reshape": reshape, "transpose": transpose,
-    "permute": permute, "split": split, "cat": cat, "stack": lambda c: cat(c, new_dim=True),
+    "permute": permute, "split": split, "unbind": unbind, "cat": cat, "stack": lambda c: cat(c, new_dim=True),
     "getitem": getitem, "sum": lambda c: reduce(c, True), "reduce": lambda c: reduce(c, False),
     "passthrough": passthrough, "einsum": einsum,
 }

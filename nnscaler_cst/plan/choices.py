@@ -6,7 +6,7 @@ gradients stay partial follow from those choices.
 """
 from __future__ import annotations
 
-from ..errors import UserError, display_path
+from ..errors import UserError
 from ..graph.graph import Graph
 from .ir import Plan
 from .layouts import REPLICATE, Layout, layouts_for
@@ -15,7 +15,7 @@ from .search import AxisChoices, _operand_names, _partial_grad_params, site_opti
 
 
 def site_label(span) -> str:
-    return f"{display_path(span.path)}:{span.line}:{span.col + 1}"
+    return span.label
 
 
 def choices_from_plan(graph: Graph, plan: Plan, axis: str = "tp") -> AxisChoices | None:

@@ -8,7 +8,6 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from ..errors import display_path
 from ..graph.graph import Graph
 from ..plan.ir import Plan
 from ..plan.layouts import REPLICATE, layouts_for
@@ -20,7 +19,7 @@ def plan_rows(graph: Graph, plan: Plan, tp_plan: AxisPlan | None) -> list[dict[s
     pieces = {(t.site, t.callee): t.n for t in plan.trans if t.axis == "tp"}
     for site in graph.sites.values():
         node = site.nodes[0]
-        where = f"{display_path(site.span.path)}:{site.span.line}:{site.span.col + 1}"
+        where = site.span.label
         choice = tp_plan.node_choice.get(node.index, REPLICATE) if tp_plan else REPLICATE
         outs = layouts_for(graph.dims.get(node.index), choice, []).outputs if tp_plan else []
         n = pieces.get((where, site.callee), 1) if choice != REPLICATE else 1

@@ -32,6 +32,12 @@ class Span:
     def __str__(self) -> str:
         return str(self.start)
 
+    @property
+    def label(self) -> str:
+        """path:line:col (1-based column), with the layer of an nn.Sequential call: `m.py:9:5[1]`."""
+        layer = "".join(f"[{v}]" if v.isdigit() else f".{v}" for v in self.via)
+        return f"{display_path(self.path)}:{self.line}:{self.col + 1}{layer}"
+
     def contains(self, other: "Span") -> bool:
         return (self.line, self.col) <= (other.line, other.col) and (other.end_line, other.end_col) <= (
             self.end_line, self.end_col)
