@@ -20,6 +20,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nnscaler_cst.errors import Location
+from nnscaler_cst.plan.tables import pieces_per_device
 from nnscaler_cst.runtime._comm import coshard
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,7 +100,7 @@ def gpt_coshard(tmp_path_factory):
     return out
 
 
-def test_the_plan_ir_holds_c_pieces_per_device_in_order(gpt_coshard):
+def test_the_plan_ir_holds_cpieces_per_device_in_order(gpt_coshard):
     plan = json.loads((gpt_coshard / "plan.json").read_text())
     number, _ = line_with(GPT, "F.softmax(")
     softmax = [t for t in plan["op_trans"] if t["callee"] == "torch.nn.functional.softmax"]
@@ -158,9 +160,14 @@ def test_too_many_pieces_for_the_heads_are_refused_with_the_numbers(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("n, ok", [("2*|tp|", True), ("|tp| * 3", True), ("2·|tp|", True),
-                                   ("|tp|+1", False), ("2*|dp|", False)])
-def test_n_is_one_or_c_pieces_per_device(tmp_path, n, ok):
+def test_n_is_written_aspieces_per_device_times_the_axis():
+    where = Location("t.toml", 1)
+    assert [pieces_per_device(n, "tp", where) for n in (None, "|tp|", "2*|tp|", "|tp| * 3", "2·|tp|")] == [
+        1, 1, 2, 3, 2]
+
+
+@pytest.mark.parametrize("n, ok", [("2·|tp|", True), ("|tp|+1", False), ("2*|dp|", False)])
+def test_n_is_one_or_cpieces_per_device(tmp_path, n, ok):
     table = tmp_path / "mine.toml"
     table.write_text(f'[plan]\nname = "mine"\naxes = ["tp"]\nextends = "megatron"\n\n[[constraint]]\n'
                      f'id = "pieces"\nselect = {{ callee = "torch.nn.functional.softmax" }}\n'
@@ -177,9 +184,9 @@ def test_n_is_one_or_c_pieces_per_device(tmp_path, n, ok):
 
 # ---- proven on gloo -----------------------------------------------------------------------------
 @pytest.mark.slow
-# GPT-2's attention helper (a function returning a tuple) and the einsum transformer's
-# `scores.softmax(-1)` (a method); the GPT fixture's F.softmax form is checked above, unrun.
-@pytest.mark.parametrize("fixture", ["hf_gpt2.py", "einsum_transformer.py"])
+# The GPT fixture's scores-to-`att @ v` region, and GPT-2's attention call inside an `else:`
+# (a tuple result, read after the if/else).
+@pytest.mark.parametrize("fixture", ["gpt.py", "hf_gpt2.py"])
 def test_coshard_trains_like_the_single_device_run(tmp_path, fixture):
     result = cli("verify", REPO / "fixtures" / fixture, "--plan", "coshard", "--tp", "2", "-o", tmp_path / "out",
                  "--json")

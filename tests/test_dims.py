@@ -259,11 +259,14 @@ def test_reshape_into_heads_makes_the_input_dim_heads_then_head_size(to_heads):
     assert labels_at(dims.inputs["arg0"], 2) == heads + head_size
 
 
-def test_reshape_into_heads_may_split_heads_not_head_size(to_heads):
-    _, dims = to_heads
+def test_reshape_into_heads_splits_heads_whole_and_later_factors_in_groups(to_heads):
+    """Heads: one contiguous block each. A later factor (head size here; the heads of a
+    (3, heads, hd) qkv) splits inside every block of the factors before it: groups = their product."""
+    x, dims = to_heads
     [heads], [head_size] = labels_at(dims.outputs[0], 2), labels_at(dims.outputs[0], 3)
-    assert heads in dims.splittable() and head_size in dims.fixed and head_size not in dims.splittable()
-    assert dims.inputs["arg0"].where(heads) == (2, 1)        # whole heads: one contiguous block each
+    assert dims.inputs["arg0"].where(heads) == (2, 1)
+    assert dims.inputs["arg0"].where(head_size) == (2, 4) and head_size in dims.splittable()
+    split_reproduces(lambda arg0: arg0.view(4, 16, 4, -1), {"arg0": x}, dims, head_size)
 
 
 def test_reshape_split_on_heads_gives_each_device_whole_heads(to_heads):

@@ -190,7 +190,7 @@ def load_table(name: str, rules_dir: Path = RULES_DIR) -> PlanTable:
         location = Location(shown, line)
         trans = entry.get("op_trans", {})
         axis = trans.get("axis", entry.get("axis", "tp"))
-        chunks = _pieces_per_device(trans.get("n"), axis, location)
+        chunks = pieces_per_device(trans.get("n"), axis, location)
         constraint = Constraint(cid, location, axis, entry.get("select", {}), algo=trans.get("algo"),
                                 forbid=entry.get("forbid"), chunks=chunks)
         if constraint.algo is not None and constraint.algo not in ALGOS and not re.fullmatch(r"[\w.]+", constraint.algo):
@@ -206,7 +206,7 @@ def load_table(name: str, rules_dir: Path = RULES_DIR) -> PlanTable:
     return table
 
 
-def _pieces_per_device(n: str | None, axis: str, location: Location) -> int:
+def pieces_per_device(n: str | None, axis: str, location: Location) -> int:
     """n = |tp| -> 1; n = C*|tp| (or C·|tp|, |tp|*C) -> C."""
     if n is None:
         return 1
