@@ -8,7 +8,8 @@ line by line.
 
 `n = "C*|tp|"` co-shards: the op is split into C pieces per device (C consecutive pieces on
 each device, run one after another and recomputed in backward: less activation memory for
-more compute). The pieces must be cut from the call's tensor arguments, not its weights.
+more compute). The pieces are cut from the call's tensor arguments, not its weights; the
+statements around it that work slice by slice run in pieces with it (materialize/coshard.py).
 
 Source annotation syntax, a comment on the line of a call in the model's own file:
 
