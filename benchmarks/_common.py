@@ -33,6 +33,17 @@ def load_package(out_dir: Path):
     return package, train, comm
 
 
+def join_ranks(out_dir: Path):
+    """In a rank process: one intra-op thread, the generated package loaded, its mesh set up
+    over gloo. Returns (rank, world, package, train, comm)."""
+    import torch
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    package, train, comm = load_package(out_dir)
+    comm.setup(rank, world, tp=package.TP_SIZE, dp=package.DP_SIZE, pp=package.PP_SIZE, backend="gloo")
+    return rank, world, package, train, comm
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -57,7 +57,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_tp_step import (BIG, FIXTURE, fixture_config, launch, load_file, load_package,  # noqa: E402
+from bench_tp_step import (BIG, FIXTURE, fixture_config, join_ranks, launch, load_file,  # noqa: E402
                            machine, rewrite, write_model_file)
 
 DIST_FUNCS = ["all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
@@ -114,10 +114,7 @@ def rank_main(argv: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    package, train, comm = load_package(Path(a.out_dir))
-    comm.setup(rank, world, tp=package.TP_SIZE, dp=package.DP_SIZE, backend="gloo")
+    rank, world, package, train, comm = join_ranks(Path(a.out_dir))
     module = package.rank_module(rank)
     torch.manual_seed(0)
     model = module.build()

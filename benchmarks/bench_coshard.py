@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, launch_ranks, load_file, load_package, revision  # noqa: E402
+from _common import ROOT, join_ranks, launch_ranks, load_file, revision  # noqa: E402
 
 LONG = {"n_embd": 128, "n_head": 8, "block_size": 256, "batch": 4}
 VARIANTS = ("megatron", "coshard")
@@ -70,15 +69,12 @@ def rank_main(argv: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     work = Path(a.workdir)
     entry = load_file(Path(a.model_file), "bench_entry")
     init = torch.load(work / "init.pt")
     runs = {}
     for name in VARIANTS:
-        package, train, comm = load_package(work / name)
-        comm.setup(rank, world, tp=package.TP_SIZE, dp=package.DP_SIZE, backend="gloo")   # each output's own _comm
+        rank, world, package, train, comm = join_ranks(work / name)     # each output has its own _comm
         module = package.rank_module(rank)
         model = module.build()
         model.load_state_dict(package.shard_state_dict(init, rank))

@@ -80,7 +80,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import launch_ranks, load_file, load_package, revision  # noqa: E402
+from _common import join_ranks, launch_ranks, load_file, load_package, revision  # noqa: E402
 FIXTURE = ROOT / "fixtures" / "gpt.py"
 
 CONFIG_KEYS = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")
@@ -336,10 +336,7 @@ def rank_compare(argv: list[str]) -> None:
     import torch.nn.functional as F
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    package, train, comm = load_package(Path(a.out_dir))
-    comm.setup(rank, world, tp=package.TP_SIZE, dp=package.DP_SIZE, pp=package.PP_SIZE, backend="gloo")
+    rank, world, package, train, comm = join_ranks(Path(a.out_dir))
     if package.TP_SIZE * package.DP_SIZE != 1:
         raise SystemExit("compare: expects a pure pipeline output (tp = dp = 1)")
     module = package.rank_module(rank)

@@ -66,7 +66,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import launch_ranks, load_file, load_package, revision  # noqa: E402
+from _common import join_ranks, launch_ranks, load_file, revision  # noqa: E402
 FIXTURE = ROOT / "fixtures" / "gpt.py"
 
 # The bigger config for the step-time benchmark.
@@ -250,10 +250,7 @@ def rank_main(argv: list[str]) -> None:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    package, train, comm = load_package(Path(a.out_dir))
-    comm.setup(rank, world, tp=package.TP_SIZE, dp=package.DP_SIZE, backend="gloo")
+    rank, world, package, train, comm = join_ranks(Path(a.out_dir))
     tp = package.TP_SIZE
     mesh = DeviceMesh("cpu", list(range(world)))
     entry = load_file(Path(a.model_file), "bench_entry")
