@@ -1,16 +1,15 @@
-"""Helpers the benchmark scripts share: loading files and the generated package, a free port,
-and the revision the figures were measured at."""
+"""Helpers the benchmark scripts share: loading files and the generated package, starting
+rank processes, and the revision the figures were measured at."""
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
+
+from nnscaler_cst.verify.launch import LaunchError, run_world
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,12 +43,6 @@ def join_ranks(out_dir: Path):
     return rank, world, package, train, comm
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def revision() -> str:
     """HEAD, with '+dirty' when nnscaler_cst/, fixtures/ or rules/ differ from it."""
     try:
@@ -64,30 +57,8 @@ def revision() -> str:
 
 def launch_ranks(command: list[str], world: int, timeout: float, label: str = "") -> None:
     """Run `command` on `world` processes (RANK/WORLD_SIZE/MASTER_* set, one intra-op thread
-    each); raise with the failing rank's output on error or timeout, and kill the rest."""
-    port = free_port()
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        log = tempfile.TemporaryFile()
-        procs.append((subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    deadline = time.monotonic() + timeout
+    each); exit with the failing rank's output on error or timeout."""
     try:
-        while True:
-            codes = [p.poll() for p, _ in procs]
-            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad or (time.monotonic() > deadline and None in codes):
-                r = bad[0] if bad else codes.index(None)
-                procs[r][1].seek(0)
-                tail = procs[r][1].read().decode(errors="replace")[-6000:]
-                raise SystemExit(f"bench: {label}rank {r} {'failed' if bad else 'timed out'}:\n{tail}")
-            if all(c == 0 for c in codes):
-                return
-            time.sleep(0.05)
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            log.close()
+        run_world(command, world, timeout)
+    except LaunchError as err:
+        raise SystemExit(f"bench: {label}{err}") from None

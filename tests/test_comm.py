@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 import traceback
 
@@ -23,6 +22,7 @@ from torch.testing import assert_close
 
 from nnscaler_cst.runtime import _comm
 from nnscaler_cst.runtime._comm import DP, PP, TP
+from nnscaler_cst.verify.launch import free_port
 
 TIMEOUT_S = 120      # hard limit for one check on all ranks
 FAIL_GRACE_S = 10    # how long to wait for the other ranks once one has failed
@@ -37,12 +37,6 @@ FAIL_GRACE_S = 10    # how long to wait for the other ranks once one has failed
 # every check each rank calls ``_comm.setup`` with that test's mesh (on the
 # already initialised world).  Any failure or timeout kills the pool; the next
 # test starts a fresh one.
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _rank_server(rank, world_size, port, tasks, results):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -72,7 +66,7 @@ class RankPool:
         self.world_size = world_size
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
-        port = _free_port()
+        port = free_port()
         self.procs = [ctx.Process(target=_rank_server, daemon=True,
                                   args=(r, world_size, port, self.tasks[r], self.results))
                       for r in range(world_size)]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from nnscaler_cst.verify.launch import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -106,12 +107,6 @@ json.dump({"rank": rank, "stages": module.PIPELINE_STAGES, "schedule": module.SC
            "alive_after_step": Meter.alive, "saved": Meter.saved, "per_forward": per_forward, "loss": loss},
           open(out_path, "w"))
 '''
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def rewrite(folder: Path, schedule: str) -> None:

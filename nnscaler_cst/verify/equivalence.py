@@ -8,9 +8,6 @@ hangs ends the run with an error, never a hang.
 from __future__ import annotations
 
 import importlib
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -20,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..plan.schedules import Action
+from .launch import LaunchError, process_env, run_all, run_world
 from .simulate import simulate
 
 WORKER = Path(__file__).with_name("worker.py")
@@ -83,54 +81,6 @@ def check_schedules(package) -> None:
     simulate(orders, modules[0].PIPELINE_STAGE_COUNT)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _run_all(commands: list[tuple[list[str], dict]], timeout: float) -> None:
-    """Start every command; wait for all; on the first failure or the deadline kill the rest."""
-    procs = []
-    for cmd, env in commands:
-        log = tempfile.TemporaryFile()
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log, env))
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            states = [p.poll() for p, _, _ in procs]
-            failed = [(k, code) for k, code in enumerate(states) if code not in (None, 0)]
-            if failed:
-                k, code = failed[0]
-                raise VerifyError(f"process {procs[k][2].get('RANK', 'reference')} exited with {code}:\n"
-                                  + _tail(procs[k][1]))
-            if all(code == 0 for code in states):
-                return
-            if time.monotonic() > deadline:
-                waiting = [procs[k][2].get("RANK", "reference") for k, c in enumerate(states) if c is None]
-                raise VerifyError(f"timed out after {timeout:.0f}s waiting for rank(s) {', '.join(waiting)} "
-                                  "(a deadlock or a hang)")
-            time.sleep(0.05)
-    finally:
-        for p, log, _ in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            log.close()
-
-
-def _tail(log, lines: int = 25) -> str:
-    log.seek(0)
-    return "\n".join(log.read().decode(errors="replace").splitlines()[-lines:])
-
-
-def _env(**extra) -> dict:
-    env = dict(os.environ)
-    env.update({k: str(v) for k, v in extra.items()})
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
 def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1e-3, seed: int = 0,
                timeout: float = 300.0, param_atol: float = 5e-4, loss_atol: float = 1e-4,
                rtol: float = 1e-4, grad_rtol: float = 1e-3) -> VerifyResult:
@@ -146,12 +96,12 @@ def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1
     check_schedules(package)
     common = ["--steps", str(steps), "--lr", str(lr), "--seed", str(seed)]
     with tempfile.TemporaryDirectory(prefix="nnscaler-verify-") as workdir:
-        _run_all([([sys.executable, str(WORKER), "reference", str(entry_file), workdir, *common], _env())], timeout)
-        port = free_port()
-        commands = [([sys.executable, str(WORKER), "rank", str(out_dir), workdir, *common],
-                     _env(RANK=r, WORLD_SIZE=world, LOCAL_RANK=r, MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
-                    for r in range(world)]
-        _run_all(commands, timeout)
+        try:
+            run_all([([sys.executable, str(WORKER), "reference", str(entry_file), workdir, *common],
+                      process_env())], timeout)
+            run_world([sys.executable, str(WORKER), "rank", str(out_dir), workdir, *common], world, timeout)
+        except LaunchError as err:
+            raise VerifyError(str(err)) from None
         ref = torch.load(Path(workdir) / "reference.pt")
         ranks = [torch.load(Path(workdir) / f"rank{r}.pt") for r in range(world)]
     merged = package.merge_state_dicts([r["state"] for r in ranks])

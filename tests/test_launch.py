@@ -1,0 +1,45 @@
+"""Starting rank processes: the rendezvous port, and a world that loses its port to another program."""
+from __future__ import annotations
+
+import socket
+import sys
+
+import pytest
+
+from nnscaler_cst.verify import launch
+
+# Each rank binds MASTER_PORT the way rank 0's TCPStore does, and says which port it got.
+BIND = ("import os, socket\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', int(os.environ['MASTER_PORT'])))\n"
+        "open(os.environ['OUT'] + os.environ['RANK'], 'w').write(os.environ['MASTER_PORT'])\n")
+
+
+def test_the_rendezvous_port_is_free_and_below_the_ephemeral_range():
+    low = launch._ephemeral_low()
+    for _ in range(20):
+        port = launch.free_port()
+        assert 1024 <= port < low
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_a_world_whose_port_is_taken_starts_again_on_another(tmp_path, monkeypatch):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    ports = iter([busy, launch.free_port()])
+    monkeypatch.setattr(launch, "free_port", lambda: next(ports))
+    try:
+        launch.run_world([sys.executable, "-c", BIND], 1, timeout=60, OUT=tmp_path / "rank")
+    finally:
+        taken.close()
+    assert int((tmp_path / "rank0").read_text()) != busy
+
+
+def test_other_failures_are_not_retried(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(launch, "free_port", lambda: calls.append(1) or 29999)
+    with pytest.raises(launch.LaunchError, match="exited with 3"):
+        launch.run_world([sys.executable, "-c", "raise SystemExit(3)"], 2, timeout=60)
+    assert len(calls) == 1
