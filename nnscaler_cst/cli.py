@@ -76,7 +76,7 @@ PlanOpt = typer.Option(None, "--plan", help="a table in rules/plans (dp, megatro
                        "default: what --tp/--dp imply")
 DevicesOpt = typer.Option(None, "--devices", help="devices for --plan auto")
 ClusterOpt = typer.Option(None, "--cluster", help="device/cluster spec in rules/devices (default cpu-gloo)")
-BudgetOpt = typer.Option(None, "--memory-budget", help="bytes of memory per device the plan may use")
+BudgetOpt = typer.Option(None, "--memory-budget", help="memory per device the plan may use: bytes, or 24GiB, 80GB, 512MiB")
 PpOpt = typer.Option(None, "--pp", help="pipeline stages (ranks)")
 MicroOpt = typer.Option(None, "--micro-batches", help="micro-batches per step (default: pp x virtual stages)")
 ScheduleOpt = typer.Option(None, "--schedule", help="gpipe | 1f1b | interleaved, or any schedule table in rules/plans")
@@ -98,8 +98,16 @@ def _request(opts: dict):
     from .rewrite import PlanRequest
     cuts = [int(x) for x in str(opts["stages"]).split(",")] if opts.get("stages") else None
     return PlanRequest(opts["plan"], opts["tp"], opts["dp"], opts["devices"], opts["cluster"],
-                       float(opts["memory_budget"]) if opts["memory_budget"] is not None else None,
-                       int(opts.get("pp") or 1), opts.get("micro_batches"), opts.get("schedule") or "1f1b", cuts)
+                       _memory_budget(opts["memory_budget"]), int(opts.get("pp") or 1), opts.get("micro_batches"),
+                       opts.get("schedule") or "1f1b", cuts)
+
+
+def _memory_budget(text) -> float | None:
+    from .sizes import parse_bytes
+    try:
+        return parse_bytes(text) if text is not None else None
+    except ValueError as exc:
+        raise UserError(f"--memory-budget: {exc}") from None
 
 
 def _rewrite(model_file: Path, opts: dict):
@@ -134,7 +142,7 @@ def _print_diff(text: str) -> None:
 def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
             plan: Optional[str] = PlanOpt, tp: Optional[int] = TpOpt, dp: Optional[int] = DpOpt,
             devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
-            memory_budget: Optional[float] = BudgetOpt, pp: Optional[int] = PpOpt,
+            memory_budget: Optional[str] = BudgetOpt, pp: Optional[int] = PpOpt,
             micro_batches: Optional[int] = MicroOpt, schedule: Optional[str] = ScheduleOpt,
             stages: Optional[str] = StagesOpt,
             out: Optional[Path] = OutOpt, model: Optional[str] = ModelOpt,
@@ -187,7 +195,7 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
 def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
            plan: Optional[str] = PlanOpt, tp: Optional[int] = TpOpt, dp: Optional[int] = DpOpt,
            devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
-           memory_budget: Optional[float] = BudgetOpt, pp: Optional[int] = PpOpt,
+           memory_budget: Optional[str] = BudgetOpt, pp: Optional[int] = PpOpt,
            micro_batches: Optional[int] = MicroOpt, schedule: Optional[str] = ScheduleOpt,
            stages: Optional[str] = StagesOpt,
            out: Optional[Path] = typer.Option(None, "--out", "-o", help="output folder: rewritten first "
@@ -266,7 +274,7 @@ def _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, mod
 def plan(model_file: Path = typer.Argument(..., help="model or entry file"),
          plan: Optional[str] = PlanOpt, tp: Optional[int] = TpOpt, dp: Optional[int] = DpOpt,
          devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
-         memory_budget: Optional[float] = BudgetOpt, model: Optional[str] = ModelOpt,
+         memory_budget: Optional[str] = BudgetOpt, model: Optional[str] = ModelOpt,
          json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
          explain: bool = typer.Option(False, "--explain", help="also show which constraints bind"),
          verbose: bool = VerboseOpt):
@@ -278,7 +286,7 @@ def plan(model_file: Path = typer.Argument(..., help="model or entry file"),
 def explain(model_file: Path = typer.Argument(..., help="model or entry file"),
             plan: Optional[str] = PlanOpt, tp: Optional[int] = TpOpt, dp: Optional[int] = DpOpt,
             devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
-            memory_budget: Optional[float] = BudgetOpt, model: Optional[str] = ModelOpt,
+            memory_budget: Optional[str] = BudgetOpt, model: Optional[str] = ModelOpt,
             json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
             verbose: bool = VerboseOpt):
     """`plan --explain`: the plan and the constraints that bind it."""

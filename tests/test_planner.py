@@ -16,6 +16,7 @@ from nnscaler_cst.plan.cost import load_cluster
 from nnscaler_cst.plan.layouts import REPLICATE
 from nnscaler_cst.plan.search import search_axis
 from nnscaler_cst.plan.tables import load_table, source_annotations
+from nnscaler_cst.sizes import format_bytes, parse_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "fixtures" / "gpt.py"
@@ -155,6 +156,35 @@ def test_auto_with_room_for_everything_prefers_pure_data_parallel(tmp_path):
     result = cli(GPT, "--plan", "auto", "--devices", "4", "-o", tmp_path / "out")
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "out" / "plan.json").read_text())["mesh"]["tp"] == 1
+
+
+@pytest.mark.parametrize("text, expected", [("24GiB", 24 * 2**30), ("80GB", 80e9), ("512 MiB", 512 * 2**20),
+                                            ("4.5e9", 4.5e9), (".5k", 500), ("3000", 3000), (2e6, 2e6)])
+def test_a_memory_budget_is_bytes_or_a_number_with_a_unit(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["1KX", "-5", "GiB", "0", "", "1.2.3MB"])
+def test_a_memory_budget_that_is_not_a_size_is_refused(text):
+    with pytest.raises(ValueError, match="size"):
+        parse_bytes(text)
+
+
+def test_sizes_print_in_the_largest_binary_unit_below_them():
+    assert [format_bytes(x) for x in (512, 4.27 * 2**20, 80e9, 2**40)] == ["512 B", "4.27 MiB", "74.5 GiB", "1 TiB"]
+
+
+def test_the_memory_budget_takes_units_in_pyproject_and_on_the_command_line(tmp_path):
+    model = _gpt_copy(tmp_path)
+    (tmp_path / "pyproject.toml").write_text('[tool.nnscaler-rewrite]\nmemory-budget = "1KiB"\n')
+    result = cli("plan", model, "--tp", "2")
+    assert result.returncode == 2
+    assert re.search(r"least it needs is [\d.]+ MiB per device, the budget is 1 KiB", result.stderr), result.stderr
+    result = cli("plan", model, "--tp", "2", "--memory-budget", "1GiB")      # the command line wins
+    assert result.returncode == 0, result.stderr
+    result = cli("plan", model, "--tp", "2", "--memory-budget", "lots")
+    assert result.returncode == 2
+    assert "error: --memory-budget: 'lots' is not a size" in result.stderr
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..errors import UserError
 from ..graph.graph import Graph
+from ..sizes import format_bytes
 from .batch import batch_split_problem
 from .cost import ClusterSpec, all_reduce_time
 from .search import BYTES_PER_PARAM_STATE, AxisPlan, search_axis
@@ -51,7 +52,7 @@ def search_auto(graph: Graph, devices: int, cluster: ClusterSpec, constraints: l
             continue
         if tp == 1:
             seconds, memory = dp_only(graph, dp, cluster)
-            why = None if memory <= budget else f"needs {memory:.3g} bytes per device, budget {budget:.3g}"
+            why = None if memory <= budget else f"needs {format_bytes(memory)} per device, budget {format_bytes(budget)}"
             candidates.append(Candidate(1, dp, seconds, memory, None, why))
             continue
         try:

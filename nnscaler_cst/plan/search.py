@@ -17,6 +17,7 @@ from ..errors import Location, UserError
 from ..graph.graph import Graph
 from ..materialize.conversions import conversion, conversion_time
 from ..materialize.size_args import SIZE_ARGUMENTS, locate_size_argument
+from ..sizes import format_bytes
 from .cost import DeviceSpec, all_reduce_time, compute_time, node_flops
 from .layouts import REPLICATE, R, Layout, layouts_for
 from .refine import refine_factors
@@ -225,7 +226,7 @@ def _minimize(constraints: list, objective, memory, budget: float | None, axis: 
     least = model.eval(memory).as_long()
     if least > budget:
         raise UserError(f"no {axis} plan on {n} devices fits the memory budget: the least it needs is "
-                        f"{least:.4g} bytes per device, the budget is {budget:.4g}",
+                        f"{format_bytes(least)} per device, the budget is {format_bytes(budget)}",
                         hint="raise --memory-budget, or use more devices")
     return model
 
