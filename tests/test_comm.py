@@ -247,6 +247,32 @@ def test_tp_scatter_and_tp_gather_are_inverses(ranks):
     ranks.run(_check_scatter_gather_inverse, 2)
 
 
+def _check_results_can_be_written_in_place(rank, world):
+    # The user's code may write into a gathered or scattered tensor (`h[..., :k] = 0`); autograd
+    # allows that on a fresh tensor, not on a view made inside the collective.
+    local = _full(4, 6).requires_grad_()
+    gathered = _comm.tp_gather(local, TP, dim=0)
+    gathered[:2] = 0.0                                   # rows 0 and 1 live on rank 0
+    gathered.sum().backward()
+    expected = torch.ones_like(local)
+    if rank == 0:
+        expected[:2] = 0.0
+    assert_close(local.grad, expected)
+
+    full = _full(4 * world, 6).requires_grad_()
+    part = _comm.tp_scatter(full, TP, dim=0)
+    part[0] = 0.0                                        # each rank zeroes the first row of its slice
+    part.sum().backward()
+    expected = torch.ones_like(full)
+    expected[::4] = 0.0
+    assert_close(full.grad, expected)
+
+
+@pytest.mark.slow
+def test_gathered_and_scattered_results_can_be_written_in_place(ranks):
+    ranks.run(_check_results_can_be_written_in_place, 2)
+
+
 # --------------------------------------------------------------------------
 # Vocabulary-parallel embedding and cross entropy
 # --------------------------------------------------------------------------

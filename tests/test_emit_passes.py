@@ -378,6 +378,47 @@ def test_an_indexed_value_is_gathered_before_indexing(tmp_path):
     assert f"        last = tp_gather(h, TP, dim=-1)[..., -1]  # {GATHER_NOTE}\n" in code
 
 
+WRITES_SOURCE = """
+class M(nn.Module):
+    def forward(self, x, v):
+        if x.dim() == 3:
+            x[..., :4] = v  # reserved units
+        return x
+"""
+
+
+def test_a_tensor_written_by_index_is_converted_and_rebound_on_a_line_before_the_write(tmp_path):
+    source = parse(tmp_path, WRITES_SOURCE)
+    edits = no_edits()
+    write = edits.site(span(source, "x[..., :4]"))
+    write.writes, write.args[("self",)] = True, [Step("gather", -1)]
+    code, ctx = rewritten(source, edits)
+    assert (f"        if x.dim() == 3:\n"
+            f"            x = tp_gather(x, TP, dim=-1)  # {GATHER_NOTE}\n"
+            f"            x[..., :4] = v  # reserved units\n") in code
+    assert ctx.used == {"tp_gather", "TP"}
+    compile(code, "model.py", "exec")
+
+
+def test_the_value_written_by_index_is_converted_where_it_is_assigned(tmp_path):
+    source = parse(tmp_path, WRITES_SOURCE)
+    edits = no_edits()
+    write = edits.site(span(source, "x[..., :4]"))
+    write.writes, write.args[("pos", 1)] = True, [Step("scatter", -1)]
+    code, _ = rewritten(source, edits)
+    assert f"            x[..., :4] = tp_scatter(v, TP, dim=-1)  # reserved units | {SCATTER_NOTE}\n" in code
+
+
+def test_a_written_tensor_that_is_not_a_plain_name_is_refused(tmp_path):
+    source = parse(tmp_path, WRITES_SOURCE.replace("x[..., :4] = v", "x.data[..., :4] = v"))
+    edits = no_edits()
+    write = edits.site(span(source, "x.data[..., :4]"))
+    write.writes, write.args[("self",)] = True, [Step("gather", -1)]
+    with pytest.raises(UserError, match="tensor written here") as info:
+        rewritten(source, edits)
+    assert info.value.location.line == 4
+
+
 def test_a_split_implementation_replaces_the_call_and_is_imported_from_comm(tmp_path):
     source = parse(tmp_path, COLLECTIVES_SOURCE)
     edits = no_edits()

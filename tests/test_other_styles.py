@@ -1,5 +1,5 @@
 """Models written in other styles: layers called by nn.Sequential, batches that cannot be sliced,
-and layers no rule can split.
+layers no rule can split, and writes by index (`x[:, 0] = v`).
 
 A call to an nn.Sequential from the model file is traced as calls to each of its layers, so
 the planner sees (and may split) every layer; when collectives must sit between layers, the
@@ -322,6 +322,22 @@ def example_inputs():
 ENTRIES = {"attention": ATTENTION, "bert": BERT_WITH_DROPOUT}
 
 
+# ---- writes by index ---------------------------------------------------------------------------
+def test_a_write_by_index_is_an_op_whose_result_needs_the_written_values_gradient(fixtures_dir):
+    """`x[:, 0] = self.cls_token` makes x depend on a parameter: without the write in the graph, the
+    planner sees an input that needs no gradient and leaves out the backward all-reduce."""
+    graph = analyze(fixtures_dir / "indexed_writes.py").graph
+    trace = graph.trace
+    writes = [n for n in graph.nodes if n.callee == "Tensor.__setitem__"]
+    assert len(writes) == 3
+    cls_token = trace.tensors[trace.params["cls_token"].tid]
+    first = writes[0]
+    assert cls_token.tid in first.inputs
+    assert all(trace.tensors[t].requires_grad for t in first.outputs)
+    summary = inspect_json(graph)["summary"]
+    assert summary["annotated"] == summary["compute_ops"]
+
+
 # ---- proven on gloo -------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("fixture, args", [
@@ -332,8 +348,9 @@ ENTRIES = {"attention": ATTENTION, "bert": BERT_WITH_DROPOUT}
     ("vit.py", ("--tp", "2")),
     ("vit.py", ("--dp", "2")),
     ("bert", ("--tp", "2")),
+    ("indexed_writes.py", ("--tp", "2")),
 ], ids=["convnet-tp2", "einsum-tp2", "residual-pp2xtp2", "multihead-attention-tp2",
-        "hf-bert-with-dropout-tp2", "vit-tp2", "vit-dp2"])
+        "vit-tp2", "vit-dp2", "hf-bert-with-dropout-tp2", "indexed-writes-tp2"])
 def test_other_styles_train_like_the_single_device_run(tmp_path, fixtures_dir, fixture, args):
     path = fixtures_dir / fixture
     if fixture in ENTRIES:

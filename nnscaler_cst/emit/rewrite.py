@@ -44,11 +44,20 @@ class Context:
     needs_torch: bool = False
     visited: set[Span] = field(default_factory=set)               # expression spans the concerns saw
     containers: dict[Span, list[tuple[str, ...]]] = field(default_factory=dict)  # nn.Sequential call -> leaves
+    before: list[cst.SimpleStatementLine] = field(default_factory=list)  # go before the current statement
+    assigned: dict[Span, list] = field(default_factory=dict)     # `x[i] = v` target span -> steps for v
 
     def note(self, span: Span, text: str) -> None:
         fragments = self.notes.setdefault(span, [])
         if text not in fragments:
             fragments.append(text)
+
+    def use(self, span: Span | None, step) -> None:
+        """The file calls this step's collective; say at `span` what it does."""
+        name, meaning = COLLECTIVE_NOTES[step.op]
+        self.used.update({name, AXIS})
+        if span is not None:
+            self.note(span, f"{name}: {meaning}")
 
 
 def _arg_index(call: cst.Call, path: tuple) -> int | None:
@@ -141,6 +150,8 @@ class InsertCollectives:
         site = self.ctx.edits.sites.get(span)
         if site is None:
             return node
+        if site.writes:
+            return self._convert_written(span, node, site)
         for path, steps in site.args.items():
             node = self._wrap_operand(span, node, path, steps)
         bias = self._bias(span, node, site) if site.bias is not None else None
@@ -154,19 +165,36 @@ class InsertCollectives:
                 node = bias_added(collective(step, node, AXIS), bias)
             else:
                 node = collective(step, node, AXIS)
-            self._used(span, step)
+            self.ctx.use(span, step)
         return node
 
-    def _used(self, span: Span, step) -> None:
-        name, meaning = COLLECTIVE_NOTES[step.op]
-        self.ctx.used.update({name, AXIS})
-        self.ctx.note(span, f"{name}: {meaning}")
+    def _convert_written(self, span: Span, target: cst.CSTNode, site: SiteEdit) -> cst.CSTNode:
+        """`x[i] = v` whose x or v arrives in another layout: x is converted and rebound on a line
+        before the statement (writing into the converted tensor *is* the write the rest of the
+        code reads), v is converted where it is assigned."""
+        for path, steps in site.args.items():
+            if path == ("pos", 1):
+                self.ctx.assigned[span] = steps
+                continue
+            if not (isinstance(target, cst.Subscript) and isinstance(target.value, cst.Name)):
+                raise UserError(f"cannot insert {'+'.join(s.op for s in steps)} on the tensor written here",
+                                span.start, hint="write into a plain variable: `y = ...; y[i] = v`")
+            name = target.value
+            value: cst.BaseExpression = name
+            for step in steps:
+                value = collective(step, value, AXIS)
+                self.ctx.use(None, step)     # the comment goes on the new line
+            comment = "; ".join(f"{n}: {m}" for n, m in (COLLECTIVE_NOTES[s.op] for s in steps))
+            self.ctx.before.append(cst.SimpleStatementLine(
+                [cst.Assign([cst.AssignTarget(name)], value)],
+                trailing_whitespace=cst.TrailingWhitespace(cst.SimpleWhitespace("  "), cst.Comment(f"# {comment}"))))
+        return target
 
     def _wrap_operand(self, span, node, path, steps):
         def wrap(expr):
             for step in steps:
                 expr = collective(step, expr, AXIS)
-                self._used(span, step)
+                self.ctx.use(span, step)
             return expr
 
         if isinstance(node, cst.Call) and path[0] in ("pos", "kw"):
@@ -423,7 +451,26 @@ class FileRewriter(cst.CSTTransformer):
             updated = updated.with_changes(value=parenthesized(updated.value))
         return self._leave_expr(original, updated)
 
+    def leave_Assign(self, original, updated):
+        targets = [self._span(t.target) for t in original.targets]
+        steps = next((self.ctx.assigned.pop(t) for t in targets if t in self.ctx.assigned), None)
+        if steps is None:
+            return updated
+        if len(targets) > 1:
+            raise UserError("cannot convert the value of a chained assignment for one of its targets",
+                            targets[0].start, hint="assign each target on its own line")
+        value = updated.value
+        for step in steps:
+            value = collective(step, value, AXIS)
+            self.ctx.use(targets[0], step)
+        return updated.with_changes(value=value)
+
     def leave_SimpleStatementLine(self, original, updated):
+        before, self.ctx.before = self.ctx.before, []
+        updated = self._comment(original, updated)
+        return cst.FlattenSentinel([*before, updated]) if before else updated
+
+    def _comment(self, original, updated):
         span = self._span(original)
         fragments = [text for s, texts in self.ctx.notes.items() if span.contains(s) for text in texts]
         if not fragments:

@@ -280,6 +280,53 @@ def getitem(call: Call) -> OpDims:
                   fixed=fixed)
 
 
+def setitem(call: Call) -> OpDims:
+    """`x[index] = value`: the result is x, labelled as x; `value` broadcasts against x[index],
+    so its dims follow the dims that index keeps whole."""
+    name = call.first_tensor()
+    src = call.shapes[name]
+    index = call.arg("arg1")
+    index = index if isinstance(index, tuple) else (index,)
+    if "arg1" not in call.values or any(ix is UNKNOWN or isinstance(ix, str) for ix in index):
+        raise DimsError("indexing with tensors or unknown values")
+    in_dims = _labelled(src)
+    selected: list[tuple[tuple[Factor, ...], int]] = []     # the dims of x[index]: (labels, size)
+    fixed: set[str] = set()
+    explicit = sum(1 for ix in index if ix is not None and ix is not Ellipsis)
+    d = 0
+    for ix in index:
+        if ix is Ellipsis:
+            for _ in range(len(src) - explicit):
+                selected.append((in_dims[d], src[d]))
+                d += 1
+        elif ix is None:
+            selected.append(((), 1))
+        elif isinstance(ix, slice):
+            whole = ix.start in (None, 0) and ix.stop is None and ix.step in (None, 1)
+            if not whole:
+                fixed |= {f.label for f in in_dims[d]}
+            selected.append((in_dims[d] if whole else (), src[d] if whole else -1))
+            d += 1
+        elif isinstance(ix, int):
+            fixed |= {f.label for f in in_dims[d]}
+            d += 1
+        else:
+            raise DimsError(f"unsupported index {ix!r}")
+    selected += [(in_dims[k], src[k]) for k in range(d, len(src))]
+    inputs = {name: TensorDims(call.tids[name], in_dims)}
+    value = "arg2" if "arg2" in call.shapes else None
+    if value is not None:
+        shape = call.shapes[value]
+        if len(shape) > len(selected):
+            raise DimsError(f"value of shape {shape} does not fit x[{index!r}]")
+        aligned = selected[len(selected) - len(shape):]
+        inputs[value] = TensorDims(call.tids[value], [labels if size == s and s != 1 else ()
+                                                      for (labels, size), s in zip(aligned, shape)])
+    for other in call.shapes:
+        inputs.setdefault(other, TensorDims(call.tids[other], []))
+    return OpDims(inputs, [TensorDims(call.out_tids[0], list(in_dims))], fixed=fixed)
+
+
 def reduce(call: Call, summing: bool) -> OpDims:
     """sum/mean/max over dims: a summed dim splits into partial sums; others must stay whole."""
     name = call.first_tensor()
@@ -336,6 +383,6 @@ def einsum(call: Call) -> OpDims:
 KINDS: dict[str, Callable[..., OpDims]] = {
     "elementwise": elementwise, "replicate": replicate, "reshape": reshape, "transpose": transpose,
     "permute": permute, "split": split, "unbind": unbind, "cat": cat, "stack": lambda c: cat(c, new_dim=True),
-    "getitem": getitem, "sum": lambda c: reduce(c, True), "reduce": lambda c: reduce(c, False),
+    "getitem": getitem, "setitem": setitem, "sum": lambda c: reduce(c, True), "reduce": lambda c: reduce(c, False),
     "passthrough": passthrough, "einsum": einsum,
 }

@@ -49,6 +49,9 @@ class SiteEdit:
     replace: str | None = None      # a template for the whole call (split impl, row-parallel)
     bias: str | None = None         # added after the reduction of a row-parallel call
     notes: list[str] = field(default_factory=list)
+    # `x[i] = v`: the site is the assignment's target, so a conversion of x rebinds it on a line
+    # of its own before the statement (`x = tp_gather(x, ...)`), and one of v wraps the value.
+    writes: bool = False
 
 
 @dataclass
@@ -63,6 +66,9 @@ class Edits:
 
     def site(self, span: Span) -> SiteEdit:
         return self.sites.setdefault(span, SiteEdit())
+
+
+SETITEM = "Tensor.__setitem__"
 
 
 def _steps_note(steps: list[Step]) -> str:
@@ -133,12 +139,16 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True) -> Edits
             rest = steps[len(prefix):]
             if not rest:
                 continue
+            if consumer is not None and consumer.callee == SETITEM and path not in (("self",), ("pos", 1)):
+                raise UserError(f"{_steps_note(rest)} would have to go into the index of an indexed "
+                                f"assignment", _loc(consumer), hint="compute the index on its own line")
             if consumer is None or path is None or not consumer.mapped:
                 where = consumer or node
                 raise UserError(f"cannot place {_steps_note(rest)} for a tensor of {tensors[tid].shape}: "
                                 "the value is not an argument written in the model's source", _loc(where),
                                 hint="pass the tensor as a plain argument, or pin this op to replicate")
             site = edits.site(consumer.span)
+            site.writes = consumer.callee == SETITEM
             if site.args.get(path, rest) != rest:
                 raise UserError(f"instances of {consumer.callee} need different conversions", _loc(consumer))
             site.args[path] = rest
@@ -185,8 +195,8 @@ def _common_prefix(lists: list[list[Step]]) -> list[Step]:
 
 def _wrappable(graph: Graph, node: Node) -> bool:
     """A producer's result can carry a conversion when it is one tensor used whole."""
-    if not (node.mapped and node.span is not None and len(node.outputs) == 1):
-        return False
+    if not (node.mapped and node.span is not None and len(node.outputs) == 1) or node.callee == SETITEM:
+        return False    # `x[i] = v` is a statement: its result is x, read where it is used next
     call = graph.source_node(node)
     return call is not None and graph.sources.get(node.span.path).value_is_whole(call)
 

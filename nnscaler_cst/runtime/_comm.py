@@ -232,7 +232,8 @@ def _keep_slice(x: torch.Tensor, axis: Axis, dim: int, groups: int) -> torch.Ten
     dim = dim % x.dim()
     chunk = _check_split(x.shape[dim], axis, groups, "tp_scatter")
     blocks = x.unflatten(dim, (groups, axis.size, chunk))   # [..., groups, size, chunk, ...]
-    return blocks.select(dim + 1, axis.rank).flatten(dim, dim + 1).contiguous()
+    # a copy, never a view: the user's code may write into it in place (`h[..., :k] = 0`)
+    return blocks.select(dim + 1, axis.rank).flatten(dim, dim + 1).clone(memory_format=torch.contiguous_format)
 
 
 def _gather_slices(x: torch.Tensor, axis: Axis, dim: int, groups: int) -> torch.Tensor:
@@ -242,8 +243,10 @@ def _gather_slices(x: torch.Tensor, axis: Axis, dim: int, groups: int) -> torch.
         raise ValueError(f"tp_gather: dim of size {x.shape[dim]} is not divisible "
                          f"into {groups} group(s)")
     chunk = x.shape[dim] // groups
-    parts = [p.unflatten(dim, (groups, chunk)) for p in _all_gather(x, axis)]
-    return torch.stack(parts, dim=dim + 1).flatten(dim, dim + 2)  # [..., groups*size*chunk, ...]
+    parts = _all_gather(x, axis)
+    # group-major: [g0 of rank 0, g0 of rank 1, ..., g1 of rank 0, ...]; cat makes a fresh tensor
+    # (not a view), so the user's code may write into it in place
+    return torch.cat([p.narrow(dim, g * chunk, chunk) for g in range(groups) for p in parts], dim=dim)
 
 
 class _ScatterToTensorParallel(torch.autograd.Function):

@@ -31,6 +31,7 @@ _TORCH_DIR = str(Path(torch.__file__).parent)
 _OUR_DIR = str(Path(__file__).resolve().parents[1])
 _MODULE_CALL = {"_wrapped_call_impl", "_call_impl"}
 _SIZE_QUERIES = {"Tensor.size", "Tensor.shape"}
+_SETITEM = torch._C.TensorBase.__setitem__   # returns None; its result is the new version of x
 _WRAPPER_NAMES = {"wrapper", "inner", "wrapped", "decorate_context", "_fn", "new_fn"}
 # Containers whose forward only calls their children in order: a call to one from the model's
 # file is recorded as calls to each child, so a rewrite can unroll it and work between them.
@@ -181,7 +182,8 @@ class Tracer(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self._recording:
-            flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            result = args[0] if func is _SETITEM else out
+            flat_out = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
             if flat_out:
                 self._record(func, args, kwargs, flat_out)
             elif args and isinstance(args[0], torch.Tensor) and torch_func_name(func) in _SIZE_QUERIES:
