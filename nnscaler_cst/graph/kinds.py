@@ -327,6 +327,38 @@ def setitem(call: Call) -> OpDims:
     return OpDims(inputs, [TensorDims(call.out_tids[0], list(in_dims))], fixed=fixed)
 
 
+def expand(call: Call) -> OpDims:
+    """expand(sizes): the batch (dim 0, when the call keeps it) may be split, so data parallelism
+    and micro-batches pass through `x[:, :, None].expand(b, s, rep, d)`; other dims stay whole.
+    (Its sizes are often read from the input's shape, already local, or from the config, not:
+    splitting them would need to tell the two apart.)"""
+    name = call.first_tensor()
+    src, dst = call.shapes[name], call.out_shapes[0]
+    in_dims = [dims if k == 0 else () for k, dims in enumerate(_labelled(src))]
+    keeps_batch = len(src) == len(dst) and src and src[0] == dst[0]
+    out_dims = [in_dims[0] if k == 0 and keeps_batch else () for k in range(len(dst))]
+    if not keeps_batch:
+        in_dims = [() for _ in src]
+    return OpDims({name: TensorDims(call.tids[name], in_dims)}, [TensorDims(call.out_tids[0], out_dims)])
+
+
+def complex_view(call: Call) -> OpDims:
+    """view_as_complex drops a last dim of 2 (real, imaginary); view_as_real adds one. Only the
+    batch (dim 0) may be split: letting heads split through rotary embeddings made the z3
+    search take minutes (Meta's llama), and a tensor-parallel plan gathers around it instead."""
+    name = call.first_tensor()
+    src, dst = call.shapes[name], call.out_shapes[0]
+    in_dims = _labelled(src)
+    if len(dst) == len(src) - 1:
+        out_dims = in_dims[:-1]
+        in_dims[-1] = ()
+    else:
+        out_dims = in_dims + [()]
+    fixed = {f.label for dims in in_dims[1:] for f in dims}
+    return OpDims({name: TensorDims(call.tids[name], in_dims)}, [TensorDims(call.out_tids[0], out_dims)],
+                  fixed=fixed)
+
+
 def reduce(call: Call, summing: bool) -> OpDims:
     """sum/mean/max over dims: a summed dim splits into partial sums; others must stay whole."""
     name = call.first_tensor()
@@ -383,6 +415,6 @@ def einsum(call: Call) -> OpDims:
 KINDS: dict[str, Callable[..., OpDims]] = {
     "elementwise": elementwise, "replicate": replicate, "reshape": reshape, "transpose": transpose,
     "permute": permute, "split": split, "unbind": unbind, "cat": cat, "stack": lambda c: cat(c, new_dim=True),
-    "getitem": getitem, "setitem": setitem, "sum": lambda c: reduce(c, True), "reduce": lambda c: reduce(c, False),
+    "getitem": getitem, "setitem": setitem, "expand": expand, "complex_view": complex_view, "sum": lambda c: reduce(c, True), "reduce": lambda c: reduce(c, False),
     "passthrough": passthrough, "einsum": einsum,
 }

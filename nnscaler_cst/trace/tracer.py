@@ -32,6 +32,9 @@ _OUR_DIR = str(Path(__file__).resolve().parents[1])
 _MODULE_CALL = {"_wrapped_call_impl", "_call_impl"}
 _SIZE_QUERIES = {"Tensor.size", "Tensor.shape"}
 _SETITEM = torch._C.TensorBase.__setitem__   # returns None; its result is the new version of x
+# Calls that read only the dtype and device of their other tensor (`mask.type_as(h)`): that
+# tensor is no data input, so its layout and batch never constrain the call.
+_READS_DTYPE_OF_OTHERS = {"Tensor.type_as", "Tensor.to"}
 _WRAPPER_NAMES = {"wrapper", "inner", "wrapped", "decorate_context", "_fn", "new_fn"}
 # Containers whose forward only calls their children in order: a call to one from the model's
 # file is recorded as calls to each child, so a rewrite can unroll it and work between them.
@@ -292,10 +295,15 @@ class Tracer(TorchFunctionMode):
                     operands.append(self._operand(name, ("kw", name), value))
         else:
             is_method = torch_func_name(func).startswith("Tensor.") and bool(args)
+            dtype_only = torch_func_name(func) in _READS_DTYPE_OF_OTHERS
             for i, value in enumerate(args):
                 path = ("self",) if (i == 0 and is_method) else ("pos", i - int(is_method))
+                if dtype_only and i > 0 and isinstance(value, torch.Tensor):
+                    value = value.dtype
                 operands.append(self._operand(f"arg{i}", path, value))
             for name, value in kwargs.items():
+                if dtype_only and isinstance(value, torch.Tensor):
+                    value = value.dtype
                 operands.append(self._operand(name, ("kw", name), value))
         return operands
 
