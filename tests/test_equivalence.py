@@ -156,11 +156,11 @@ def processes_mentioning(text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def hung(runs, tmp_path_factory):
-    """verify of a folder whose rank 1 sleeps for 10 minutes in forward, with --timeout 30."""
+    """verify of a folder whose rank 1 sleeps for 10 minutes in forward, with --timeout 20."""
     out = broken_copy(runs, tmp_path_factory.mktemp("hung"), "rank1_sleeps")
     edit(out / "model_rank1.py", "        b, t = idx.size()\n",
          "        import time; time.sleep(600)  # rank 1 hangs\n        b, t = idx.size()\n")
-    timeout = 30
+    timeout = 20
     result, seconds = verify("fixtures/gpt.py", "-o", out, "--timeout", timeout, "--json", timeout=300)
     return result, seconds, timeout, out
 

@@ -1,5 +1,6 @@
 """Models written in other styles: layers called by nn.Sequential, batches that cannot be sliced,
-layers no rule can split, and writes by index (`x[:, 0] = v`).
+layers no rule can split, writes by index (`x[:, 0] = v`), and research-style decoders
+(complex rotary embeddings, kv heads widened with `expand`, `mask.type_as(x)`).
 
 A call to an nn.Sequential from the model file is traced as calls to each of its layers, so
 the planner sees (and may split) every layer; when collectives must sit between layers, the
@@ -22,6 +23,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from nnscaler_cst.analysis import analyze
 from nnscaler_cst.report.inspect_view import inspect_json
@@ -338,6 +340,22 @@ def test_a_write_by_index_is_an_op_whose_result_needs_the_written_values_gradien
     assert summary["annotated"] == summary["compute_ops"]
 
 
+# ---- research-style decoders ---------------------------------------------------------------------
+def test_a_tensor_read_only_for_its_dtype_is_no_input_of_the_call(fixtures_dir):
+    """`mask.type_as(x)` reads x's dtype, not its data: x's batch and layout must not constrain it."""
+    graph = analyze(fixtures_dir / "complex_rotary.py").graph
+    casts = [n for n in graph.nodes if n.callee == "Tensor.type_as" and n.module_path == ""]
+    assert casts, "the mask cast is a site"
+    mask_cast = casts[0]
+    assert [graph.trace.tensors[t].shape for t in mask_cast.inputs] == [(16, 16)]
+    assert mask_cast.operand("arg1").value == torch.float32
+
+
+def test_batches_pass_through_complex_rotary_and_widened_kv_heads(tmp_path, fixtures_dir):
+    result = cli(fixtures_dir / "complex_rotary.py", "--dp", "2", "-o", tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+
+
 # ---- proven on gloo -------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("fixture, args", [
@@ -349,8 +367,9 @@ def test_a_write_by_index_is_an_op_whose_result_needs_the_written_values_gradien
     ("vit.py", ("--dp", "2")),
     ("bert", ("--tp", "2")),
     ("indexed_writes.py", ("--tp", "2")),
+    ("complex_rotary.py", ("--tp", "2", "--dp", "2")),
 ], ids=["convnet-tp2", "einsum-tp2", "residual-pp2xtp2", "multihead-attention-tp2",
-        "vit-tp2", "vit-dp2", "hf-bert-with-dropout-tp2", "indexed-writes-tp2"])
+        "vit-tp2", "vit-dp2", "hf-bert-with-dropout-tp2", "indexed-writes-tp2", "complex-rotary-dp2xtp2"])
 def test_other_styles_train_like_the_single_device_run(tmp_path, fixtures_dir, fixture, args):
     path = fixtures_dir / fixture
     if fixture in ENTRIES:

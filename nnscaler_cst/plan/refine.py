@@ -11,13 +11,16 @@ from ..graph.dims import Factor, OpDims
 from ..graph.graph import Graph
 
 
-def refine_factors(graph: Graph, max_rounds: int = 8) -> None:
-    """Refine in place until no producer label is coarser than what its consumers see."""
+def refine_factors(graph: Graph) -> None:
+    """Refine in place until no producer label is coarser than what its consumers see.
+
+    Runs to the fixed point: every caller (the search, reading a plan back) must see the same
+    labels. A label only ever splits into more factors, so it ends; the bound catches a bug."""
     producer_out: dict[int, tuple[int, int]] = {}   # tid -> (node, output index)
     for index, dims in graph.dims.items():
         for k, tensor in enumerate(dims.outputs):
             producer_out[tensor.tid] = (index, k)
-    for _ in range(max_rounds):
+    for _ in range(1000):
         changed = False
         for index, dims in graph.dims.items():
             for tensor in dims.inputs.values():
@@ -37,6 +40,7 @@ def refine_factors(graph: Graph, max_rounds: int = 8) -> None:
                         changed = True
         if not changed:
             return
+    raise RuntimeError("refining split labels did not reach a fixed point")
 
 
 def _sizes(factors) -> int:
