@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from nnscaler_cst.analysis import analyze
+from nnscaler_cst.cli import _options, _request
 from nnscaler_cst.errors import UserError
 from nnscaler_cst.plan.cost import load_cluster
 from nnscaler_cst.plan.layouts import REPLICATE
@@ -180,8 +181,8 @@ def test_the_memory_budget_takes_units_in_pyproject_and_on_the_command_line(tmp_
     result = cli("plan", model, "--tp", "2")
     assert result.returncode == 2
     assert re.search(r"least it needs is [\d.]+ MiB per device, the budget is 1 KiB", result.stderr), result.stderr
-    result = cli("plan", model, "--tp", "2", "--memory-budget", "1GiB")      # the command line wins
-    assert result.returncode == 0, result.stderr
+    options = dict.fromkeys(["plan", "tp", "dp", "devices", "cluster", "pp", "micro_batches", "schedule", "stages"])
+    assert _request(_options(model, **options, memory_budget="1GiB")).memory_budget == 2**30  # the command line wins
     result = cli("plan", model, "--tp", "2", "--memory-budget", "lots")
     assert result.returncode == 2
     assert "error: --memory-budget: 'lots' is not a size" in result.stderr

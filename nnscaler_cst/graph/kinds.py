@@ -238,51 +238,9 @@ def cat(call: Call, new_dim: bool = False) -> OpDims:
     return op
 
 
-def getitem(call: Call) -> OpDims:
-    """Indexing with slices, ints, None and ...: full slices keep a dim's label."""
-    name = call.first_tensor()
-    src = call.shapes[name]
-    index = call.arg("arg1")
-    if not isinstance(index, tuple):
-        index = (index,)
-    if "arg1" not in call.values or any(ix is UNKNOWN or isinstance(ix, str) for ix in index):
-        raise DimsError("indexing with tensors or unknown values")
-    in_dims = _labelled(src)
-    out_dims: list[tuple[Factor, ...]] = []
-    fixed: set[str] = set()
-    explicit = sum(1 for ix in index if ix is not None and ix is not Ellipsis)
-    d = 0
-    for ix in index:
-        if ix is Ellipsis:
-            for _ in range(len(src) - explicit):
-                out_dims.append(in_dims[d])
-                d += 1
-        elif ix is None:
-            out_dims.append(())
-        elif isinstance(ix, slice):
-            if ix == slice(None) or (ix.start in (None, 0) and ix.stop is None and ix.step in (None, 1)):
-                out_dims.append(in_dims[d])
-            else:
-                fixed |= {f.label for f in in_dims[d]}
-                out_dims.append(())
-            d += 1
-        elif isinstance(ix, int):
-            fixed |= {f.label for f in in_dims[d]}
-            d += 1
-        else:
-            raise DimsError(f"unsupported index {ix!r}")
-    out_dims += in_dims[d:]
-    out_shape = call.out_shapes[0]
-    if len(out_dims) != len(out_shape):
-        raise DimsError(f"index {index!r} does not match the output rank")
-    out_dims = [f if f and f[0].size == s else () for f, s in zip(out_dims, out_shape)]
-    return OpDims({name: TensorDims(call.tids[name], in_dims)}, [TensorDims(call.out_tids[0], out_dims)],
-                  fixed=fixed)
-
-
-def setitem(call: Call) -> OpDims:
-    """`x[index] = value`: the result is x, labelled as x; `value` broadcasts against x[index],
-    so its dims follow the dims that index keeps whole."""
+def _indexed(call: Call) -> tuple[str, list[tuple[Factor, ...]], list[tuple[Factor, ...]], set[str]]:
+    """x[index] with slices, ints, None and ...: (name of x, dims of x, dims of x[index], labels
+    the index fixes). A full slice keeps a dim's label; a partial slice or an int fixes it."""
     name = call.first_tensor()
     src = call.shapes[name]
     index = call.arg("arg1")
@@ -290,38 +248,54 @@ def setitem(call: Call) -> OpDims:
     if "arg1" not in call.values or any(ix is UNKNOWN or isinstance(ix, str) for ix in index):
         raise DimsError("indexing with tensors or unknown values")
     in_dims = _labelled(src)
-    selected: list[tuple[tuple[Factor, ...], int]] = []     # the dims of x[index]: (labels, size)
+    selected: list[tuple[Factor, ...]] = []
     fixed: set[str] = set()
     explicit = sum(1 for ix in index if ix is not None and ix is not Ellipsis)
     d = 0
     for ix in index:
         if ix is Ellipsis:
-            for _ in range(len(src) - explicit):
-                selected.append((in_dims[d], src[d]))
-                d += 1
+            selected += in_dims[d:d + len(src) - explicit]
+            d += len(src) - explicit
         elif ix is None:
-            selected.append(((), 1))
+            selected.append(())
         elif isinstance(ix, slice):
-            whole = ix.start in (None, 0) and ix.stop is None and ix.step in (None, 1)
-            if not whole:
+            if ix.start in (None, 0) and ix.stop is None and ix.step in (None, 1):
+                selected.append(in_dims[d])
+            else:
                 fixed |= {f.label for f in in_dims[d]}
-            selected.append((in_dims[d] if whole else (), src[d] if whole else -1))
+                selected.append(())
             d += 1
         elif isinstance(ix, int):
             fixed |= {f.label for f in in_dims[d]}
             d += 1
         else:
             raise DimsError(f"unsupported index {ix!r}")
-    selected += [(in_dims[k], src[k]) for k in range(d, len(src))]
+    return name, in_dims, selected + in_dims[d:], fixed
+
+
+def getitem(call: Call) -> OpDims:
+    """`x[index]`: the result has the dims the index keeps."""
+    name, in_dims, out_dims, fixed = _indexed(call)
+    out_shape = call.out_shapes[0]
+    if len(out_dims) != len(out_shape):
+        raise DimsError(f"index {call.arg('arg1')!r} does not match the output rank")
+    out_dims = [f if f and f[0].size == s else () for f, s in zip(out_dims, out_shape)]
+    return OpDims({name: TensorDims(call.tids[name], in_dims)}, [TensorDims(call.out_tids[0], out_dims)],
+                  fixed=fixed)
+
+
+def setitem(call: Call) -> OpDims:
+    """`x[index] = value`: the result is x, labelled as x; `value` broadcasts against x[index],
+    so a value dim as long as a dim the index keeps shares its label."""
+    name, in_dims, selected, fixed = _indexed(call)
     inputs = {name: TensorDims(call.tids[name], in_dims)}
-    value = "arg2" if "arg2" in call.shapes else None
-    if value is not None:
-        shape = call.shapes[value]
+    if "arg2" in call.shapes:
+        shape = call.shapes["arg2"]
         if len(shape) > len(selected):
-            raise DimsError(f"value of shape {shape} does not fit x[{index!r}]")
+            raise DimsError(f"a value of shape {shape} does not fit x[{call.arg('arg1')!r}]")
         aligned = selected[len(selected) - len(shape):]
-        inputs[value] = TensorDims(call.tids[value], [labels if size == s and s != 1 else ()
-                                                      for (labels, size), s in zip(aligned, shape)])
+        inputs["arg2"] = TensorDims(call.tids["arg2"], [labels if labels and labels[0].size == size else ()
+                                                        for labels, size in zip(aligned, shape)])
     for other in call.shapes:
         inputs.setdefault(other, TensorDims(call.tids[other], []))
     return OpDims(inputs, [TensorDims(call.out_tids[0], list(in_dims))], fixed=fixed)
