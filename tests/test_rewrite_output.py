@@ -567,32 +567,6 @@ def test_a_rewrite_over_a_hand_edited_plan_json_exits_2_and_touches_nothing(scen
 # A plan that does not apply to the model is refused before anything is written
 # --------------------------------------------------------------------------------------------
 
-NO_RULE_MODEL = textwrap.dedent("""
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1 = nn.Linear(16, 64)
-            self.fc2 = nn.Linear(64, 8)
-
-        def forward(self, x, y):
-            h = self.fc1(x)
-            h = OP(h)
-            return F.mse_loss(self.fc2(h), y)
-
-
-    def build():
-        return Net()
-
-
-    def example_inputs():
-        return (torch.randn(4, 16), torch.randn(4, 8))
-""").lstrip()
-
 GPT = (FIXTURES / "gpt.py").read_text()
 REFUSALS = {
     # name -> (the model file's text, words the error message must contain)
@@ -600,14 +574,12 @@ REFUSALS = {
               ["not divisible"]),
     "vocabulary": (GPT.replace("vocab_size: int = 128", "vocab_size: int = 127").replace(
         "randint(0, 128", "randint(0, 127"), ["127", "not divisible"]),
-    "cumprod": (NO_RULE_MODEL.replace("OP(h)", "torch.cumprod(h, dim=-1)"), ["torch.cumprod", "rule"]),
-    "fliplr": (NO_RULE_MODEL.replace("OP(h)", "torch.fliplr(h)"), ["torch.fliplr", "rule"]),
 }
 
 
 def refuse(root: Path, name: str):
     text = REFUSALS[name][0]
-    assert text not in (GPT, NO_RULE_MODEL), "the edit did not apply"
+    assert text != GPT, "the edit did not apply"
     (root / f"{name}.py").write_text(text)
     result = run_cli(f"{name}.py", "--tp", 2, "-o", "out", cwd=root)
     return result, sorted(p.name for p in root.iterdir())
@@ -647,9 +619,3 @@ def test_a_vocabulary_that_does_not_divide_is_refused_at_a_vocabulary_site(scena
                                "nn.Embedding(config.vocab_size", "nn.Linear(config.n_embd, config.vocab_size")
                               ), pointed
 
-
-@pytest.mark.parametrize("op", ["cumprod", "fliplr"])
-@uses("refuse:{op}")
-def test_an_op_without_a_rule_on_a_split_path_is_refused_at_its_call(scenarios, op):
-    _, line, col = refused_at(scenarios, op)
-    assert (line, col) == position_of(REFUSALS[op][0], f"torch.{op}(")

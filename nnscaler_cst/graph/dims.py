@@ -51,6 +51,7 @@ class OpDims:
     reduced: set[str] = field(default_factory=set)
     fixed: set[str] = field(default_factory=set)
     impl: dict[str, str] = field(default_factory=dict)
+    shape_only: set[str] = field(default_factory=set)   # operands read for their shape or dtype only
 
     def sizes(self) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 from ..source.files import SourceSet, Span
 from ..trace.records import Node, Trace
+from ..errors import Location
+from .derive import derive
 from .dims import OpDims
 from .oprules import OpRule, RuleSet, annotate
 
@@ -87,8 +89,15 @@ class Graph:
 
 def build_graph(trace: Trace, rules: RuleSet, sources: SourceSet | None = None) -> Graph:
     dims, node_rule, problems = {}, {}, {}
+    probed: dict = {}
     for node in trace.nodes:
         rule, node_dims, problem = annotate(node, trace, rules)
+        if node_dims is None:
+            derived = derive(node, trace, probed)
+            if derived.dims is not None:
+                rule, node_dims = derived_rule(node), derived.dims
+            elif rule is None:
+                problem = derived.problem
         if rule is not None:
             node_rule[node.index] = rule
         if node_dims is not None:
@@ -112,6 +121,12 @@ def build_graph(trace: Trace, rules: RuleSet, sources: SourceSet | None = None) 
                 for k, tid in enumerate(operand.value):
                     consumers[tid].append((node.index, f"{operand.name}[{k}]"))
     return Graph(trace, rules, dims, node_rule, problems, sites, dict(consumers), repeated_blocks(trace), sources)
+
+
+def derived_rule(node: Node) -> OpRule:
+    """The rule a probe derived for a call (graph/derive.py); it sits at the call itself."""
+    where = node.span.start if node.span is not None else Location("<trace>")
+    return OpRule(name="derived", callees=[node.callee], location=where)
 
 
 def repeated_blocks(trace: Trace) -> dict[str, list[str]]:

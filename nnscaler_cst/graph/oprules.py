@@ -7,6 +7,8 @@ rules and binds them to traced invocations; it does not decide any split.
 """
 from __future__ import annotations
 
+import inspect
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +16,7 @@ from typing import Any
 
 from ..errors import Location, UserError, display_path
 from ..trace.records import Node, TensorList, Trace
+from ..trace.naming import qualified_type, short_type
 from .dims import Annotation, DimsError, OpDims, bind
 from .kinds import KINDS, Call
 
@@ -58,6 +61,19 @@ class RuleSet:
     def rule_for(self, callee: str) -> OpRule | None:
         return self.ops.get(callee)
 
+    def ctor_for(self, module_type: str) -> CtorRule | None:
+        """The [[ctor]] rule of a module type, or of the nearest base class with one when the
+        subclass takes the arguments that rule names at the same places (a scaled or learned
+        nn.Embedding subclass, say)."""
+        if module_type in self.ctors:
+            return self.ctors[module_type]
+        cls = _class_named(module_type)
+        for base in (cls.__mro__[1:] if cls is not None else ()):
+            rule = self.ctors.get(short_type(qualified_type(base)))
+            if rule is not None:
+                return rule if _same_arguments(cls, base, rule) else None
+        return None
+
 
 def load_rules(rules_dir: Path = RULES_DIR) -> RuleSet:
     ops: dict[str, OpRule] = {}
@@ -92,6 +108,41 @@ def load_rules(rules_dir: Path = RULES_DIR) -> RuleSet:
             params = {k: [a.split("|") for a in v] for k, v in entry.items() if k != "type"}
             ctors[entry["type"]] = CtorRule(entry["type"], params, location)
     return RuleSet(ops, ctors, tuple(library))
+
+
+def _class_named(qualified: str) -> type | None:
+    module_name, _, name = qualified.rpartition(".")
+    while module_name:
+        module = sys.modules.get(module_name)
+        if module is not None:
+            found = module
+            for part in name.split("."):
+                found = getattr(found, part, None)
+            return found if isinstance(found, type) else None
+        module_name, _, head = module_name.rpartition(".")
+        name = f"{head}.{name}"
+    return None
+
+
+def _positional_names(cls: type) -> list[str]:
+    try:
+        parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _same_arguments(cls: type, base: type, rule: CtorRule) -> bool:
+    """Whether every argument the rule reads sits at the same position, by the same name, in both."""
+    ours, theirs = _positional_names(cls), _positional_names(base)
+    for per_dim in rule.params.values():
+        for aliases in per_dim:
+            for alias in aliases:
+                if alias.startswith("arg") and alias[3:].isdigit():
+                    k = int(alias[3:])
+                    if k >= len(ours) or k >= len(theirs) or ours[k] != theirs[k]:
+                        return False
+    return True
 
 
 def _line_of(text: str, needle: str) -> int:

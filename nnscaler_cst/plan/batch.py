@@ -64,6 +64,8 @@ def _first_mixing_op(graph: Graph) -> tuple[Node, str] | None:
         if dims is None:
             return node, f"has no split rule ({graph.problems.get(node.index) or 'no annotation'})"
         for operand, tid in inputs:
+            if operand in dims.shape_only:
+                continue
             tensor = dims.inputs.get(operand)
             dim = batched[tid]
             factors = tensor.dims[dim] if tensor is not None and dim < len(tensor.dims) else ()

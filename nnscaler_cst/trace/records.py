@@ -116,3 +116,4 @@ class Trace:
     size_queries: list[tuple[Span, int, int | None]] = field(default_factory=list)  # (site, tensor, dim)
     module_calls: dict[str, tuple[Span, int]] = field(default_factory=dict)  # path -> (call site, first node)
     containers: dict[Span, list[tuple[str, ...]]] = field(default_factory=dict)  # nn.Sequential call -> leaves
+    replays: dict[int, Any] = field(default_factory=dict)   # node index -> trace.replay.Replay

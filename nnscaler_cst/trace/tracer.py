@@ -26,6 +26,7 @@ from ..source.entry import Entry, user_frame_location
 from ..source.files import SourceSet, Span
 from .naming import qualified_type, short_type, torch_func_name
 from .records import UNKNOWN, Node, OpCall, Operand, ParamInfo, TensorInfo, TensorList, Trace
+from .replay import Replay, arguments_at_entry, call_arguments, function_of, with_refs
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _OUR_DIR = str(Path(__file__).resolve().parents[1])
@@ -100,6 +101,9 @@ class Tracer(TorchFunctionMode):
         self.size_queries: list[tuple[Span, int, int | None]] = []
         self.module_calls: dict[str, tuple[Span, int]] = {}   # module path -> (call site, first node index)
         self.containers: dict[Span, list[tuple[str, ...]]] = {}   # container call -> its leaves, in order
+        self.replays: dict[int, Replay] = {}   # node index -> how to call it again
+        self._entry_args: dict[int, tuple] = {}    # id(frame) -> (code, (args, kwargs)) as the call began
+        self._awaiting: dict[int, Replay] = {}     # id(frame or module) -> replay whose results are not yet seen
 
     # ---- frames -------------------------------------------------------------------------
     def own_frame(self, frame):
@@ -239,6 +243,9 @@ class Tracer(TorchFunctionMode):
             tid = self._tid(tensor, producer=node.index)
             out_tids.append(tid)
             node.produced.append(tid)
+        replay = self.replays.get(node.index)
+        if replay is not None and replay.outputs is None and replay.fn is func:
+            replay.outputs = out_tids
         self.ops.append(OpCall(torch_func_name(func), node.index, in_tids, out_tids, node.mapped))
         node.ops.append(len(self.ops) - 1)
 
@@ -267,6 +274,57 @@ class Tracer(TorchFunctionMode):
             node.callee_path = self._module_names.get(id(callee_frame.f_locals["self"]))
         node.operands = self._operands(func, kind, callee_frame, args, kwargs)
         self.nodes.append(node)
+        replay = self._replay(func, kind, callee_frame, args, kwargs)
+        if replay is not None:
+            self.replays[node.index] = replay
+
+    def _replay(self, func, kind, callee_frame, args, kwargs) -> Replay | None:
+        """How to call this invocation again; its results are filled in when it returns."""
+        if kind == "torch":
+            return None if func is _SETITEM else Replay(func, with_refs(args, self._tid), with_refs(kwargs, self._tid))
+        if kind == "module":
+            module = callee_frame.f_locals["self"]
+            state = {name: self._tid(t) for name, t in [*module.named_parameters(), *module.named_buffers()]}
+            replay = Replay(module, with_refs(callee_frame.f_locals.get("args", ()), self._tid),
+                            with_refs(callee_frame.f_locals.get("kwargs", {}), self._tid), state)
+            self._awaiting[id(module)] = replay
+            return replay
+        entry = self._entry_args.get(id(callee_frame))
+        fn = function_of(callee_frame.f_code)
+        if entry is None or entry[0] is not callee_frame.f_code or fn is None:
+            return None
+        call_args, call_kwargs = call_arguments(callee_frame.f_code, entry[1])
+        replay = Replay(fn, with_refs(call_args, self._tid), with_refs(call_kwargs, self._tid))
+        self._awaiting[id(callee_frame)] = replay
+        return replay
+
+    def _arguments(self, frame) -> dict:
+        """A called function's parameters as the call began, else as they are now."""
+        entry = self._entry_args.get(id(frame))
+        return entry[1] if entry is not None and entry[0] is frame.f_code else frame.f_locals
+
+    def _returned(self, key: int, result) -> None:
+        replay = self._awaiting.pop(key, None)
+        if replay is not None:
+            flat = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+            if all(id(t) in self._tid_of for t in flat):
+                replay.outputs = [self._tid_of[id(t)] for t in flat]
+
+    def _module_returned(self, module, args, result):
+        self._returned(id(module), result)
+
+    def _profile(self, frame, event, arg):
+        """sys.setprofile hook: the arguments of each library function the model's files call,
+        as the call begins (the function may rebind them before its first torch call)."""
+        if event == "call":
+            back = frame.f_back
+            code = frame.f_code
+            if back is not None and (back.f_code.co_filename in self.own_files or back.f_code.co_name in _WRAPPER_NAMES) \
+                    and code.co_filename not in self.own_files and not code.co_filename.startswith(_TORCH_DIR):
+                self._entry_args[id(frame)] = (code, arguments_at_entry(frame))
+        elif event == "return":
+            if self._entry_args.pop(id(frame), None) is not None:
+                self._returned(id(frame), arg)
 
     def _operands(self, func, kind, callee_frame, args, kwargs) -> list[Operand]:
         """Name every input of the invocation and where it sits in the user's call."""
@@ -284,13 +342,14 @@ class Tracer(TorchFunctionMode):
                 operands.append(Operand(f"self.{name}", None, tid=self._tid(buf)))
         elif kind == "function":
             code = callee_frame.f_code
+            values = self._arguments(callee_frame)
             n_pos = code.co_argcount + code.co_kwonlyargcount
             for i, name in enumerate(code.co_varnames[:n_pos]):
-                if name in callee_frame.f_locals:
+                if name in values:
                     path = ("pos", i) if i < code.co_argcount else ("kw", name)
-                    operands.append(self._operand(name, path, callee_frame.f_locals[name]))
+                    operands.append(self._operand(name, path, values[name]))
             if code.co_flags & 0x08:  # **kwargs
-                extra = callee_frame.f_locals.get(code.co_varnames[n_pos + bool(code.co_flags & 0x04)], {})
+                extra = values.get(code.co_varnames[n_pos + bool(code.co_flags & 0x04)], {})
                 for name, value in (extra or {}).items():
                     operands.append(self._operand(name, ("kw", name), value))
         else:
@@ -332,13 +391,18 @@ class Tracer(TorchFunctionMode):
             model.train()
             self._recording = True
             hook = torch.nn.modules.module.register_module_forward_pre_hook(self._module_called)
+            after = torch.nn.modules.module.register_module_forward_hook(self._module_returned)
+            profiler = sys.getprofile()
             try:
                 with self:
+                    sys.setprofile(self._profile)
                     output = self._call_user(lambda: entry.call_model(model, inputs), "the model's forward")
                     loss = self._call_user(lambda: entry.loss(output), "loss()")
             finally:
+                sys.setprofile(profiler)
                 self._recording = False
                 hook.remove()
+                after.remove()
             if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
                 raise UserError("loss() did not return a scalar tensor", Location(display_path(entry.path)),
                                 hint="return the training loss as a 0-dim tensor")
@@ -348,7 +412,7 @@ class Tracer(TorchFunctionMode):
         batch = next((self.tensors[t].shape[0] for t in input_tids.values() if self.tensors[t].shape), None)
         return Trace(mode, sorted(self.own_files), self.nodes, self.ops, self.tensors, params, input_tids,
                      loss_tid, {name: qualified_type(type(m)) for name, m in model.named_modules()}, batch,
-                     self.size_queries, self.module_calls, self.containers)
+                     self.size_queries, self.module_calls, self.containers, self.replays)
 
     def _call_user(self, fn, what: str):
         try:

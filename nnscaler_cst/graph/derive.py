@@ -1,0 +1,310 @@
+"""Op semantics derived from torch itself: a numeric probe of one traced call.
+
+For a call no rule in rules/ops describes, the probe calls it again on small real tensors of
+the traced shapes (see trace/replay.py): whole, and with its tensor operands sliced in two
+along candidate dims. A set of operand dims is a split label when the two half results,
+concatenated along one output dim (or summed: a partial sum), equal the whole result. An
+operand whose values never change the result (`x.new_zeros(...)`, `torch.zeros_like(x)`,
+a mask helper reading only `x.shape`) is read for its shape only and is no data input.
+
+What the probe cannot see it does not claim: a dim no slicing test passes on stays whole.
+The probe derives; it decides no plan. Results are cached per (callee, shapes, arguments),
+so the repeated blocks of a deep model probe once.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ..trace.records import Node, TensorList, Trace
+from ..trace.replay import Replay, TensorRef, substitute
+from .dims import Factor, OpDims, TensorDims
+
+# Calls on tensors larger than this are not probed (production shapes): their dims stay whole.
+MAX_PROBE_ELEMENTS = 1 << 22
+_MAX_COMBINATIONS = 32
+
+
+@dataclass
+class Derived:
+    dims: OpDims | None
+    problem: str | None
+
+
+class _CannotReplay(Exception):
+    pass
+
+
+def derive(node: Node, trace: Trace, cache: dict) -> Derived:
+    replay = trace.replays.get(node.index)
+    if replay is None or replay.outputs is None:
+        return Derived(None, "no rule, and the call cannot be replayed to derive one")
+    key = _signature(node, trace, replay)
+    if key not in cache:
+        cache[key] = _probe(node, trace, replay)
+    found = cache[key]
+    if isinstance(found, str):
+        return Derived(None, found)
+    dims = _to_dims(found, node, trace, replay)
+    return Derived(dims, None if dims is not None else "no rule, and its results could not be matched to the trace")
+
+
+def _signature(node: Node, trace: Trace, replay: Replay):
+    parts = [node.callee, type(replay.fn).__name__]
+    for operand in node.operands:
+        if operand.tid is not None:
+            info = trace.tensors[operand.tid]
+            parts.append((operand.name, info.shape, info.dtype))
+        elif isinstance(operand.value, TensorList):
+            parts.append((operand.name, tuple((trace.tensors[t].shape, trace.tensors[t].dtype) for t in operand.value)))
+        else:
+            parts.append((operand.name, repr(operand.value)))
+    parts.append(tuple(trace.tensors[t].shape for t in replay.outputs))
+    return tuple(parts)
+
+
+# ---- real tensors of the traced shapes ----------------------------------------------------
+def _real(shape: tuple[int, ...], dtype_name: str, generator: torch.Generator) -> torch.Tensor:
+    dtype = getattr(torch, dtype_name.removeprefix("torch."))
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, dtype=dtype, generator=generator)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=generator) < 0.5
+    if not shape:
+        return torch.tensor(1, dtype=dtype)
+    # Integers are often indices (token ids, positions): keep them inside the last dim's range,
+    # and different per row so that an op mixing rows is seen.
+    last = max(shape[-1], 2)
+    rows = torch.arange(max(1, _numel(shape) // max(shape[-1], 1))).reshape(*shape[:-1], 1)
+    offset = int(torch.randint(1, last, (), generator=generator))
+    return ((torch.arange(shape[-1]) + rows * offset + offset) % last).to(dtype)
+
+
+def _other_values(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A tensor of the same shape whose every element differs from `tensor`'s."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        return tensor + 1 + torch.rand(tensor.shape, generator=generator).to(tensor.dtype)
+    if tensor.dtype == torch.bool:
+        return ~tensor
+    modulus = max(int(tensor.max()) + 1 if tensor.numel() else 2, 2)
+    return ((tensor + 1) % modulus).to(tensor.dtype)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class _Caller:
+    """Calls the replay with real tensors; `override` replaces some of them."""
+
+    def __init__(self, trace: Trace, replay: Replay, tids: list[int]):
+        self.replay = replay
+        generator = torch.Generator().manual_seed(0)
+        self.base = {tid: _real(trace.tensors[tid].shape, trace.tensors[tid].dtype, generator) for tid in tids}
+        self.generator = generator
+
+    def __call__(self, override: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
+        tensors = {tid: t.clone() for tid, t in self.base.items()}
+        tensors.update({tid: t.clone() for tid, t in (override or {}).items()})
+        args, kwargs = substitute(self.replay.args, tensors), substitute(self.replay.kwargs, tensors)
+        torch.manual_seed(0)
+        try:
+            with torch.no_grad():
+                module = self.replay.module
+                if module is not None:
+                    state = {name: tensors[tid] for name, tid in self.replay.state.items()}
+                    result = torch.func.functional_call(module, state, args, kwargs, strict=False)
+                else:
+                    result = self.replay.fn(*args, **kwargs)
+        except Exception as exc:   # any failure means "this slicing is not a valid split"
+            raise _CannotReplay(f"{type(exc).__name__}: {exc}") from None
+        flat = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+        if len(flat) != len(self.replay.outputs):
+            raise _CannotReplay("the call returned other results than in the trace")
+        return flat
+
+
+# ---- the probe ----------------------------------------------------------------------------
+@dataclass
+class _Label:
+    members: list[tuple[str, int]]          # (operand name, dim) of data operands split together
+    outputs: dict[int, int]                 # result position -> the dim it splits on
+    reduced: bool
+
+
+@dataclass
+class _Probed:
+    """What one probe found, by operand name and result position: the same for every
+    invocation with the same signature."""
+
+    labels: list[_Label]
+    shape_only: set[str]
+
+
+def _operand_names(node: Node) -> dict[int, list[str]]:
+    names: dict[int, list[str]] = {}
+    for operand in node.operands:
+        if operand.tid is not None:
+            names.setdefault(operand.tid, []).append(operand.name)
+        elif isinstance(operand.value, TensorList):
+            for k, tid in enumerate(operand.value):
+                names.setdefault(tid, []).append(f"{operand.name}[{k}]")
+    return names
+
+
+def _probe(node: Node, trace: Trace, replay: Replay) -> _Probed | str:
+    names = _operand_names(node)
+    # An operand no torch call inside reads (only its .shape or .dtype) is no data input.
+    read = {tid for index in node.ops for tid in trace.ops[index].inputs}
+    shape_only = {name for tid, own in names.items() if tid not in read for name in own}
+    unprobed = _Probed([], shape_only)
+    tids = sorted({*_refs(replay.args), *_refs(replay.kwargs), *replay.state.values()})
+    if any(_numel(trace.tensors[t].shape) > MAX_PROBE_ELEMENTS for t in tids):
+        return unprobed if shape_only else "no rule, and its tensors are too large to probe"
+    call = _Caller(trace, replay, tids)
+    try:
+        whole = call()
+    except _CannotReplay as exc:
+        return unprobed if shape_only else f"no rule, and replaying it failed ({exc})"
+    params = set(replay.state.values())
+    data = []
+    for tid in names:
+        if tid in params or tid not in call.base or names[tid][0] in shape_only:
+            continue
+        fresh = _other_values(call.base[tid], call.generator)
+        try:
+            same = _all_equal(call({tid: fresh}), whole)
+        except _CannotReplay:
+            same = False
+        if same:
+            shape_only.update(names[tid])
+        else:
+            data.append(tid)
+    taken: set[tuple[int, int]] = set()
+    labels = []
+    for tid in data:
+        for dim, size in enumerate(trace.tensors[tid].shape):
+            if size < 2 or size % 2 or (tid, dim) in taken:
+                continue
+            found = _find_label(call, trace, whole, data, tid, dim, taken)
+            if found is not None:
+                members, outputs, reduced = found
+                taken.update(members)
+                labels.append(_Label([(name, d) for t, d in members for name in names[t]], outputs, reduced))
+    return _Probed(labels, shape_only)
+
+
+def _refs(value) -> list[int]:
+    if isinstance(value, TensorRef):
+        return [value.tid]
+    if type(value) in (tuple, list):
+        return [t for v in value for t in _refs(v)]
+    if type(value) is dict:
+        return [t for v in value.values() for t in _refs(v)]
+    return []
+
+
+def _find_label(call: _Caller, trace: Trace, whole, data, tid, dim, taken):
+    """(members, result dims, reduced) of the first slicing of `tid` along `dim`, with
+    same-sized dims of the other operands, whose halves rebuild the whole result."""
+    size = trace.tensors[tid].shape[dim]
+    partners = []
+    for other in data:
+        if other == tid:
+            continue
+        dims = [d for d, s in enumerate(trace.tensors[other].shape) if s == size and (other, d) not in taken]
+        partners.append([(other, d) for d in dims] + [None])
+    combos = sorted(itertools.islice(itertools.product(*partners), _MAX_COMBINATIONS),
+                    key=lambda c: -sum(p is not None for p in c))
+    for combo in combos:
+        members = [(tid, dim), *(p for p in combo if p is not None)]
+        found = _test_split(call, whole, members, size)
+        if found is not None:
+            return members, *found
+    return None
+
+
+def _test_split(call: _Caller, whole, members, size) -> tuple[dict[int, int], bool] | None:
+    half = size // 2
+    try:
+        pieces = [call({t: call.base[t].narrow(d, k * half, half) for t, d in members}) for k in (0, 1)]
+    except _CannotReplay:
+        return None
+    outputs, summed = {}, False
+    for position, full in enumerate(whole):
+        first, second = pieces[0][position], pieces[1][position]
+        if first.shape == full.shape and second.shape == full.shape:
+            if _equal(first, full) and _equal(second, full):
+                continue                        # this result does not depend on the split
+            if full.is_floating_point() and _close(first + second, full):
+                summed = True
+                continue
+            return None
+        out_dim = next((d for d in range(full.dim()) if _halves_of(first, second, full, d)), None)
+        if out_dim is None:
+            return None
+        outputs[position] = out_dim
+    if bool(outputs) == summed:     # nothing depends on the split, or no single meaning
+        return None
+    return outputs, summed
+
+
+def _halves_of(first: torch.Tensor, second: torch.Tensor, full: torch.Tensor, dim: int) -> bool:
+    expected = list(full.shape)
+    expected[dim] = full.shape[dim] // 2
+    return list(first.shape) == expected and list(second.shape) == expected and \
+        _close(torch.cat([first, second], dim), full)
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+
+
+def _all_equal(xs, ys) -> bool:
+    return len(xs) == len(ys) and all(_equal(x, y) for x, y in zip(xs, ys))
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not (a.is_floating_point() or a.is_complex()):
+        return bool(torch.equal(a, b))
+    return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True))
+
+
+# ---- one invocation's labels --------------------------------------------------------------
+def _to_dims(probed: _Probed, node: Node, trace: Trace, replay: Replay) -> OpDims | None:
+    """The probe's labels in this invocation's tensor ids (None when a result the graph
+    uses is not among the call's results)."""
+    at: dict[tuple[str, int], str] = {}
+    out_at: dict[tuple[int, int], str] = {}
+    reduced = set()
+    for k, label in enumerate(probed.labels):
+        name = f"p{k}"
+        at.update({member: name for member in label.members})
+        out_at.update({(position, dim): name for position, dim in label.outputs.items()})
+        if label.reduced:
+            reduced.add(name)
+
+    def dims_of(shape, key):
+        return [(Factor(key(d), s),) if key(d) else () for d, s in enumerate(shape)]
+
+    inputs = {}
+    for tid, names in _operand_names(node).items():
+        shape = trace.tensors[tid].shape
+        for name in names:
+            if name not in probed.shape_only:
+                inputs[name] = TensorDims(tid, dims_of(shape, lambda d: at.get((name, d))))
+    outputs = []
+    for tid in node.outputs:
+        if tid not in replay.outputs:
+            return None
+        position = replay.outputs.index(tid)
+        outputs.append(TensorDims(tid, dims_of(trace.tensors[tid].shape, lambda d: out_at.get((position, d)))))
+    return OpDims(inputs, outputs, reduced=reduced, shape_only=set(probed.shape_only))

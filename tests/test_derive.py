@@ -1,0 +1,224 @@
+"""Derived op semantics (graph/derive.py): calls no rule in rules/ops describes get their
+split labels from a numeric probe of torch itself.
+
+Each case is an op whose splits follow from its mathematics: the test says which dims may
+split and which must stay whole, and then checks every derived label against real torch on
+fresh random tensors cut in four (the probe itself cuts in two).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.utils._pytree import tree_flatten
+
+from nnscaler_cst.analysis import analyze
+from nnscaler_cst.graph.derive import _real
+from nnscaler_cst.trace.replay import substitute
+
+HELPERS = '''
+import torch
+
+
+def shift_right(ids, pad):
+    ids = ids.clone()          # rebinds its argument before anything else: replay must see the call's own
+    out = ids.new_zeros(ids.shape)
+    out[:, 1:] = ids[:, :-1]
+    out[:, 0] = pad
+    return out
+
+
+def causal_mask(x):
+    b, t = x.shape[:2]
+    return torch.ones(t, t, dtype=torch.bool).tril().expand(b, 1, t, t)
+
+
+def contract(a, b):
+    return torch.einsum("bik,bkj->bij", a, b)
+'''
+
+MODEL = '''
+import torch
+import torch.nn.functional as F
+from probe_helpers import causal_mask, contract, shift_right
+
+
+class Probe(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(6, 6)
+
+    def forward(self, x, ids, heads, img):
+        s = self.w(x)
+        top = torch.topk(s, 2, dim=-1).values
+        rep = heads.repeat_interleave(2, dim=1)
+        zeros = x.new_zeros(x.shape)
+        run = torch.logcumsumexp(s, dim=-1)
+        pad = F.pad(s, (1, 1))
+        rolled = torch.roll(s, 1, dims=1)
+        shifted = shift_right(ids, 0)
+        mask = causal_mask(x)
+        both = contract(s, s.transpose(1, 2))
+        return (top.sum() + rep.sum() + zeros.sum() + run.sum() + pad.sum() + rolled.sum()
+                + shifted.float().sum() + mask.float().sum() + both.sum())
+
+
+def build():
+    return Probe()
+
+
+def example_inputs():
+    return (torch.randn(4, 8, 6), torch.randint(0, 8, (4, 8)), torch.randn(4, 4, 8, 6), torch.randn(4, 6, 4, 4))
+'''
+
+
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("derive")
+    (folder / "probe_helpers.py").write_text(textwrap.dedent(HELPERS))
+    (folder / "probe_model.py").write_text(textwrap.dedent(MODEL))
+    import sys
+    sys.path.insert(0, str(folder))
+    try:
+        analysis = analyze(folder / "probe_model.py")
+    finally:
+        sys.path.remove(str(folder))
+    return analysis
+
+
+def _site(analysis, callee: str):
+    nodes = [n for n in analysis.trace.nodes if n.callee.endswith(callee)]
+    assert nodes, f"no call of {callee} traced"
+    node = nodes[0]
+    dims = analysis.graph.dims.get(node.index)
+    assert dims is not None, analysis.graph.problems.get(node.index)
+    assert analysis.graph.node_rule[node.index].name == "derived"
+    return node, dims
+
+
+def _split_dims(dims, operand: str) -> set[int]:
+    return {d for d, factors in enumerate(dims.inputs[operand].dims) if factors}
+
+
+@pytest.mark.parametrize("callee, operand, split, whole", [
+    ("torch.topk", "arg0", {0, 1}, {2}),                  # k largest along the last dim: rows are apart
+    ("Tensor.repeat_interleave", "arg0", {0, 1, 2, 3}, set()),   # a head repeated stays with its head
+    ("torch.logcumsumexp", "arg0", {0, 1}, {2}),                # a running sum mixes along its dim
+    ("torch.nn.functional.pad", "arg0", {0, 1}, {2}),     # padding both ends of the last dim
+    ("torch.roll", "arg0", {0, 2}, {1}),                  # rolled along dim 1
+    ("probe_helpers.shift_right", "ids", {0}, {1}),        # samples apart, positions shifted
+])
+def test_derived_split_dims(probed, callee, operand, split, whole):
+    _, dims = _site(probed, callee)
+    found = _split_dims(dims, operand)
+    assert split <= found and not (whole & found), f"{callee}: derived splits {sorted(found)}"
+
+
+def test_shape_only_operands_are_no_data(probed):
+    """`x.new_zeros(x.shape)` and a mask built from `x.shape` never read x's values."""
+    for callee, operand in [("Tensor.new_zeros", "arg0"), ("probe_helpers.causal_mask", "x")]:
+        _, dims = _site(probed, callee)
+        assert operand in dims.shape_only, callee
+
+
+def test_contraction_is_a_partial_sum(probed):
+    _, dims = _site(probed, "probe_helpers.contract")
+    a, b = dims.inputs["a"].dims, dims.inputs["b"].dims
+    k = a[2][0].label
+    assert k in dims.reduced and b[1][0].label == k          # k summed: halves add up
+    assert a[0][0].label == b[0][0].label not in dims.reduced  # b kept apart
+
+
+def _four_way_holds(analysis, node, dims, label: str) -> bool:
+    """Cut every operand dim carrying `label` in four, run real torch on fresh values: the
+    pieces concatenated (or summed) equal the whole result."""
+    replay = analysis.trace.replays[node.index]
+    tensors = analysis.trace.tensors
+    generator = torch.Generator().manual_seed(1234)
+    base = {tid: _real(tensors[tid].shape, tensors[tid].dtype, generator) for tid in
+            {t.tid for t in dims.inputs.values()} | set(replay.state.values())}
+
+    def run(values):
+        args, kwargs = substitute(replay.args, values), substitute(replay.kwargs, values)
+        with torch.no_grad():
+            if replay.module is not None:
+                state = {name: values[tid] for name, tid in replay.state.items()}
+                return torch.func.functional_call(replay.module, state, args, kwargs)
+            return replay.fn(*args, **kwargs)
+
+    def first(result):
+        return tree_flatten(result)[0][0]
+
+    whole = first(run(base))
+    pieces = []
+    for k in range(4):
+        values = dict(base)
+        for tensor in dims.inputs.values():
+            where = tensor.where(label)
+            if where is not None:
+                size = tensors[tensor.tid].shape[where[0]] // 4
+                values[tensor.tid] = base[tensor.tid].narrow(where[0], k * size, size)
+        pieces.append(first(run(values)))
+    out = dims.outputs[0]
+    if label in dims.reduced:
+        return torch.allclose(sum(pieces), whole, atol=1e-5)
+    where = out.where(label)
+    if where is None:
+        return all(torch.equal(p, whole) for p in pieces)
+    return torch.allclose(torch.cat(pieces, where[0]), whole, atol=1e-5)
+
+
+@pytest.mark.parametrize("callee", ["torch.topk", "Tensor.repeat_interleave", "torch.logcumsumexp",
+                                    "torch.nn.functional.pad", "torch.roll", "probe_helpers.contract"])
+def test_derived_labels_hold_four_ways(probed, callee):
+    node, dims = _site(probed, callee)
+    labels = [l for l in dims.splittable() if all(
+        s % 4 == 0 for t in dims.inputs.values() for d, s in enumerate(probed.trace.tensors[t.tid].shape)
+        if t.where(l) and t.where(l)[0] == d)]
+    assert labels
+    for label in labels:
+        assert _four_way_holds(probed, node, dims, label), f"{callee}: label {label} fails split in four"
+
+
+NO_RULE_MODEL = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 64)
+        self.fc2 = nn.Linear(64, 8)
+
+    def forward(self, x, y):
+        h = self.fc1(x)
+        h = torch.fliplr(h) + torch.cumprod(h.sigmoid(), dim=-1)
+        return F.mse_loss(self.fc2(h), y)
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 16), torch.randn(4, 8))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", [("--tp", "2"), ("--dp", "2")], ids=["tp2", "dp2"])
+def test_ops_without_rules_on_a_split_path_train_like_one_device(tmp_path, plan):
+    """fliplr and cumprod have no rule: derived, they run split where they can (rows apart)
+    and whole, between a gather and a scatter, where they cannot; never refused."""
+    model = tmp_path / "model.py"
+    model.write_text(NO_RULE_MODEL.lstrip())
+    result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "verify", str(model), *plan,
+                             "-o", str(tmp_path / "out"), "--json"], capture_output=True, text=True, timeout=600)
+    outcome = json.loads(result.stdout[result.stdout.find("{"):])
+    assert result.returncode == 0 and outcome["passed"] is True, result.stdout + result.stderr
