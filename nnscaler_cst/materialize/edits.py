@@ -278,7 +278,7 @@ def _reads_local_size(graph: Graph, node: Node, have: dict[int, Layout]) -> bool
 
 def _ctor_edits(graph: Graph, edits: Edits) -> None:
     """Divide the constructor argument behind each split dim of a parameter."""
-    rules = graph.rules.ctors
+    rules = graph.rules
     by_span: dict[Span, dict[str, tuple]] = defaultdict(dict)
     for name, info in graph.trace.params.items():
         layout = edits.param_layout.get(name, R)
@@ -286,7 +286,7 @@ def _ctor_edits(graph: Graph, edits: Edits) -> None:
             continue
         if info.ctor_span is None:
             raise UserError(f"parameter {name} is split but was not created in the model's own files")
-        rule = rules.get(info.module_type)
+        rule = rules.ctor_for(info.module_type)
         if rule is None:
             raise UserError(f"no [[ctor]] rule says how {info.module_type} sizes {info.attr}; "
                             f"cannot split {name}", info.ctor_span.start,
@@ -310,7 +310,7 @@ def _ctor_edits(graph: Graph, edits: Edits) -> None:
     # a constructor used for both split and whole parameters cannot be rewritten in place
     for name, info in graph.trace.params.items():
         if info.ctor_span in edits.ctors and edits.param_layout.get(name, R).kind != "S":
-            rule = rules.get(info.module_type)
+            rule = rules.ctor_for(info.module_type)
             dims = rule.params.get(info.attr, []) if rule else []
             touched = {a for e in edits.ctors[info.ctor_span] for a in e.aliases}
             if any(set(d) & touched for d in dims):

@@ -119,9 +119,12 @@ def _operand_names(graph: Graph, index: int) -> list[str]:
     return [op.name for op in graph.nodes[index].operands if op.tid is not None]
 
 
-def _signature(graph: Graph, index: int, label: str):
+def _signature(graph: Graph, index: int, label: str, operands: set[str], outputs: int):
+    """The layouts a choice implies, on the operands and results every instance of the site has
+    (one call site may pass an optional mask in some instances and not in others)."""
     lay = layouts_for(graph.dims.get(index), label, _operand_names(graph, index))
-    return tuple(sorted((k, str(v)) for k, v in lay.inputs.items())), tuple(map(str, lay.outputs))
+    return tuple(sorted((k, str(v)) for k, v in lay.inputs.items() if k in operands)), \
+        tuple(map(str, lay.outputs[:outputs]))
 
 
 def site_options(graph: Graph, n: int) -> dict[SiteId, SiteOptions]:
@@ -134,6 +137,8 @@ def site_options(graph: Graph, n: int) -> dict[SiteId, SiteOptions]:
         why: dict[str, str] = {}
         per_node: dict[int, dict] = {}
         splittable = sid[0] != "node" and all(i in graph.dims for i in nodes)
+        operands = set.intersection(*(set(_operand_names(graph, i)) for i in nodes))
+        outputs = min(len(graph.nodes[i].outputs) for i in nodes)
         for i in nodes:
             allowed = {}
             for label in [REPLICATE, *(graph.dims[i].splittable() if splittable else [])]:
@@ -141,7 +146,7 @@ def site_options(graph: Graph, n: int) -> dict[SiteId, SiteOptions]:
                 if reason:
                     why.setdefault(label, reason)
                 else:
-                    allowed.setdefault(_signature(graph, i, label), label)
+                    allowed.setdefault(_signature(graph, i, label, operands, outputs), label)
             per_node[i] = allowed
         first = per_node[nodes[0]]
         common = [sig for sig in first if all(sig in per_node[i] for i in nodes)]
@@ -180,14 +185,17 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
 
     uses = _param_uses(graph, options)
     terms, memory_terms, impossible = _cost_terms(graph, options, var, n, device, data_parallel, uses)
-    hard += impossible + _param_constraints(uses, var)
+    # The model's own facts (a tied weight has one layout, no collective joins some pairs of
+    # splits) are tracked too, so that an unsat core always names sites, never nothing.
+    facts = [*_param_facts(graph, options, uses, var), *_edge_facts(graph, options, impossible)]
+    hard += [expr for _, expr, _ in facts]
 
     checker = z3.Solver()
-    checker.add(*hard)
-    for literal, expr, _ in tracked:
+    checker.add(*hard[:len(hard) - len(facts)])
+    for literal, expr, constraint in [*tracked, *facts]:
         checker.assert_and_track(expr, literal)
     if checker.check() != z3.sat:
-        _report_core(checker.unsat_core(), tracked, options, axis, n)
+        _report_core(checker.unsat_core(), [*tracked, *facts], options, axis, n)
 
     objective = z3.Sum(terms) if terms else z3.IntVal(0)
     memory_total = z3.Sum(memory_terms) if memory_terms else z3.IntVal(0)
@@ -278,17 +286,51 @@ def _param_uses(graph: Graph, options) -> dict[str, list[tuple[SiteId, list[Layo
     return uses
 
 
-def _param_constraints(uses, var) -> list:
+@dataclass(frozen=True)
+class _Fact:
+    """A constraint the model itself imposes, in the shape of a table's for the unsat core."""
+
+    id: str
+    location: Location | None
+    text: str
+
+    def describe(self) -> str:
+        return self.text
+
+
+def _site_location(graph: Graph, options, sid) -> Location | None:
+    node = graph.nodes[options[sid].nodes[0]]
+    return node.span.start if node.span is not None else None
+
+
+def _param_facts(graph: Graph, options, uses, var) -> list:
     """A parameter has one layout, whoever uses it: tied weights stay tied."""
-    hard = []
-    for entries in uses.values():
+    facts = []
+    for param, entries in uses.items():
         (first, first_layouts), *others = entries
-        for sid, layouts in others:
-            for a, la in enumerate(first_layouts):
-                for b, lb in enumerate(layouts):
-                    if la != lb:
-                        hard.append(z3.Not(z3.And(var[first] == a, var[sid] == b)))
-    return hard
+        hard = [z3.Not(z3.And(var[first] == a, var[sid] == b))
+                for sid, layouts in others for a, la in enumerate(first_layouts)
+                for b, lb in enumerate(layouts) if la != lb]
+        if hard:
+            callees = ", ".join(sorted({sid[1] if sid[0] != "node" else graph.nodes[sid[1]].callee
+                                        for sid, _ in entries}))
+            fact = _Fact(f"param:{param}", _site_location(graph, options, first),
+                         f"{param} is one tensor used by {callees}: they must agree on how it is split")
+            facts.append((z3.Bool(fact.id), z3.And(hard), fact))
+    return facts
+
+
+def _edge_facts(graph: Graph, options, impossible: dict) -> list:
+    """Pairs of splits no collective sequence connects, one fact per producer and consumer."""
+    facts = []
+    for (su, sv), hard in impossible.items():
+        producer, consumer = (graph.nodes[options[s].nodes[0]] for s in (su, sv))
+        where = producer.span.start if producer.span is not None else "?"
+        fact = _Fact(f"edge:{len(facts)}", _site_location(graph, options, sv),
+                     f"no collective turns the result of {producer.callee} ({where}) into the layout "
+                     f"{consumer.callee} needs")
+        facts.append((z3.Bool(fact.id), z3.And(hard), fact))
+    return facts
 
 
 def _cost_terms(graph: Graph, options, var, n: int, device: DeviceSpec, data_parallel: int, uses):
@@ -305,7 +347,8 @@ def _cost_terms(graph: Graph, options, var, n: int, device: DeviceSpec, data_par
     def ns(seconds: float) -> int:
         return int(round(seconds * 1e9 / data_parallel))
 
-    terms, activation, impossible = [], [], []
+    terms, activation = [], []
+    impossible: dict[tuple[SiteId, SiteId], list] = defaultdict(list)
     for sid, opts in options.items():
         for k in range(len(opts.options)):
             total, saved = 0.0, 0.0
@@ -326,6 +369,7 @@ def _cost_terms(graph: Graph, options, var, n: int, device: DeviceSpec, data_par
     # Option k of a site gives the same layouts in every instance, so an edge's cost depends only
     # on which sites, output and operand it joins: count edges, cost each kind once.
     edges: dict[tuple, int] = defaultdict(int)
+    consumer_of: dict[tuple, int] = {}    # an instance that has the operand (optional ones may be absent)
     for node in graph.nodes:
         sv = site_id(graph, node.index)
         for operand in node.operands:
@@ -334,10 +378,13 @@ def _cost_terms(graph: Graph, options, var, n: int, device: DeviceSpec, data_par
             info = tensors[operand.tid]
             source = producer_out.get(operand.tid)
             su, k = (site_id(graph, source[0]), source[1]) if source else (None, None)
-            edges[(su, k, sv, operand.name, info.nbytes, info.requires_grad)] += 1
+            key = (su, k, sv, operand.name, info.nbytes, info.requires_grad)
+            edges[key] += 1
+            consumer_of.setdefault(key, node.index)
     pair_cost: dict[tuple[SiteId, SiteId], dict[tuple[int, int], float | None]] = defaultdict(dict)
-    for (su, k, sv, name, nbytes, requires_grad), count in edges.items():
-        v = options[sv].nodes[0]
+    for key, count in edges.items():
+        su, k, sv, name, nbytes, requires_grad = key
+        v = consumer_of[key]
         for b, label in enumerate(options[sv].labels[v]):
             wanted = lay(v, label)
             need = wanted.inputs[name]
@@ -373,7 +420,7 @@ def _cost_terms(graph: Graph, options, var, n: int, device: DeviceSpec, data_par
                 continue
             cond = var[su] == a if su == sv else z3.And(var[su] == a, var[sv] == b)
             if cost is None:
-                impossible.append(z3.Not(cond))      # no collective sequence gives this layout
+                impossible[(su, sv)].append(z3.Not(cond))    # no collective sequence gives this layout
             elif cost:
                 terms.append(z3.If(cond, ns(cost), 0))
 
