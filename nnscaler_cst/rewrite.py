@@ -166,7 +166,8 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
             raise UserError("the loop over the blocks is not in the model's main file")
     module, ctx = rewrite_module(main_source, edits or empty, split, analysis.trace.containers)
     if model_path is not None:
-        module = merge_entry(module, model_path, analysis.sources.get(entry_path).module, entry_path)
+        module = merge_entry(module, model_path, analysis.sources.get(entry_path).module, entry_path,
+                             analysis.entry)
     module = add_comm_import(module, ctx.used, ctx.needs_torch)
     body = module.code
     files: dict[str, str] = {}

@@ -1,15 +1,18 @@
 """Load the user's entry file and its model convention: build(), example_inputs(), loss().
 
 The entry file either defines the model or imports it from a package. This module imports
-and calls the user's code; it does not trace or rewrite it.
+and calls the user's code; it does not trace or rewrite it. It notes, for every module of the
+model build() returns, the call that constructed it (`Entry.constructions`): in the entry file
+(`transformers.LlamaForCausalLM(config)`) or inside a factory (`from_config`, a registry).
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import linecache
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
@@ -20,13 +23,55 @@ from ..errors import Location, UserError, display_path
 from .files import SourceSet
 
 
+@dataclass(frozen=True)
+class Construction:
+    """The call `cls(...)` that constructed one module of the model, written at `file`.
+
+    Lines are 1-based, columns 0-based characters, ends exclusive (co_positions, in characters).
+    `file` is the resolved path, None when no Python frame made the call. `entry_line` and
+    `entry_col` give the innermost call of the entry file on the way to it (a factory call such
+    as `AutoModelForCausalLM.from_config(config)`), 0 when the entry file was not on the way.
+    """
+
+    cls: type
+    file: str | None = None
+    line: int = 0
+    col: int = 0
+    end_line: int = 0
+    end_col: int = 0
+    entry_line: int = 0
+    entry_col: int = 0
+
+
 @dataclass
 class Entry:
     path: Path
     module: ModuleType
-    build: Callable[[], torch.nn.Module]
+    build_fn: Callable[[], torch.nn.Module]
     example_inputs: Callable[[], Any]
     loss_fn: Callable[[Any], torch.Tensor] | None
+    # module path in the model ("" for the model itself) -> the call that constructed it, as
+    # the last build() saw it
+    constructions: dict[str, Construction] = field(default_factory=dict)
+
+    def build(self) -> torch.nn.Module:
+        """The user's build(), noting where each module of the model it returns was constructed."""
+        sites: dict[int, Construction] = {}
+        module_init = torch.nn.Module.__init__
+
+        def noting_init(module, *args, **kwargs):
+            sites[id(module)] = _constructing_call(module, sys._getframe(1), str(self.path))
+            module_init(module, *args, **kwargs)
+
+        torch.nn.Module.__init__ = noting_init
+        try:
+            model = self.build_fn()
+        finally:
+            torch.nn.Module.__init__ = module_init
+        if isinstance(model, torch.nn.Module):
+            self.constructions = {name: sites.get(id(m)) or Construction(type(m))
+                                  for name, m in model.named_modules()}
+        return model
 
     def call_model(self, model: torch.nn.Module, inputs: Any) -> Any:
         return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
@@ -57,6 +102,45 @@ def user_frame_location(exc: BaseException, files: set[str]) -> Location | None:
             col = len(line.encode("utf-8")[:frame.colno or 0].decode("utf-8", errors="ignore"))
             found = Location(display_path(frame.filename), frame.lineno or 1, col)
     return found
+
+
+def _constructing_call(module: torch.nn.Module, frame, entry_file: str) -> Construction:
+    """The call `cls(...)` that is constructing `module`: the first frame, going out from
+    nn.Module.__init__, that is not an `__init__` of `module` itself."""
+    while frame is not None and frame.f_code.co_name == "__init__" and frame.f_code.co_argcount and \
+            frame.f_locals.get(frame.f_code.co_varnames[0]) is module:
+        frame = frame.f_back
+    if frame is None:
+        return Construction(type(module))
+    line, col, end_line, end_col = _position(frame)
+    via = frame
+    while via is not None and via.f_code.co_filename != entry_file:
+        via = via.f_back
+    entry_line, entry_col = _position(via)[:2] if via is not None else (0, 0)
+    return Construction(type(module), _resolved(frame.f_code.co_filename), line, col, end_line, end_col,
+                        entry_line, entry_col)
+
+
+def _position(frame) -> tuple[int, int, int, int]:
+    """(line, col, end line, end col) of the instruction a frame is at, columns in characters."""
+    filename = frame.f_code.co_filename
+    positions = list(frame.f_code.co_positions())
+    index = frame.f_lasti // 2
+    line, end_line, col, end_col = positions[index] if 0 <= index < len(positions) else (None,) * 4
+    if line is None or end_line is None or col is None or end_col is None:
+        return frame.f_lineno or 0, 0, 0, 0
+    return line, _char_col(filename, line, col), end_line, _char_col(filename, end_line, end_col)
+
+
+@functools.lru_cache(maxsize=None)
+def _resolved(filename: str) -> str:
+    return str(Path(filename).resolve())
+
+
+def _char_col(filename: str, line: int, byte_col: int) -> int:
+    """A UTF-8 byte offset within a line (what co_positions gives) in characters."""
+    text = linecache.getline(filename, line)
+    return len(text.encode("utf-8")[:byte_col].decode("utf-8", errors="ignore")) if text else byte_col
 
 
 def load_entry(path: str | Path, sources: SourceSet, model_class: str | None = None) -> Entry:
