@@ -140,6 +140,9 @@ def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: in
              f"# blocks of {stages.trunk.container} per stage",
              f"STAGE_DROPS = {{{', '.join(f'{s}: {stages.drop[s]}' for s in mine)}}}  # modules other stages hold",
              f"TIED_PARAMETERS = {tied}  # held by the first and last stage; gradients summed",
+             *([f"STAGE_SHADOWS = {{{', '.join(f'{s}: {stages.shadow[s]}' for s in mine)}}}  "
+                "# run by code above the cut function on every stage; trained on the stage that owns them"]
+               if any(stages.shadow.get(s) for s in mine) else []),
              f'SCHEDULE = "{" ".join(map(str, orders[pp_rank]))}"  # this rank\'s order']
     return "\n".join(lines) + "\n"
 

@@ -105,6 +105,33 @@ def test_more_stages_than_blocks_is_refused(graph):
         stages(graph, 5)
 
 
+LOOP_WITH_LAYERDROP = textwrap.dedent("""
+    def forward(self, x, mask):
+        h = self.embed(x)
+        seen = 0
+        for layer in self.layers:
+            if self.training:
+                p = torch.rand([])
+                if p < self.layerdrop:
+                    continue
+            h = layer(h, mask)
+            seen = seen + 1
+            scaled = h * 2
+            h[0] = scaled[0]
+        return self.norm(h), seen
+""")
+
+
+def test_only_values_live_when_a_stage_starts_are_handed_on():
+    """`p` is set under a condition and read after that in the same pass, `scaled` is set then
+    read: a stage may never have set either, so handing them on would raise UnboundLocalError
+    (BART's `dropout_probability`). `h` and `seen` are read before they are set in a pass."""
+    import libcst as cst
+    from nnscaler_cst.plan.pipeline import handoff_variables
+    function = cst.parse_module(LOOP_WITH_LAYERDROP).body[0]
+    assert handoff_variables(function, 2) == ["h", "seen"]
+
+
 def test_every_op_runs_on_the_stage_of_its_block_the_prologue_first_the_epilogue_last(graph):
     plan = stages(graph, 2, [1])
     stage_of_block = {0: 0, 1: 1, 2: 1, 3: 1}

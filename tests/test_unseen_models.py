@@ -7,7 +7,9 @@ single-device run.
 - BART: the decoder input is shifted with `input_ids.new_zeros(...)` (data parallel refused),
   one attention call site runs with and without a mask (tensor parallel was unsatisfiable with
   an empty unsat core), and its word embedding subclasses nn.Embedding (no [[ctor]] rule);
-- Mixtral: the router's `torch.topk` and the experts module run on tokens (data parallel refused).
+- Mixtral: the router's `torch.topk` and the experts module run on tokens (data parallel refused);
+- RoBERTa's masked LM at PP=2: its embedding is called above the function holding the block loop
+  (stage 1 had dropped it and crashed), and the LM head's parameters were taken for tied ones.
 """
 from __future__ import annotations
 
@@ -67,12 +69,30 @@ def example_inputs():
     return {"input_ids": ids, "labels": ids}
 '''
 
+ROBERTA = '''
+import torch
+import transformers
+
+
+def build():
+    config = transformers.RobertaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                        attention_probs_dropout_prob=0.0)
+    return transformers.RobertaForMaskedLM(config)
+
+
+def example_inputs():
+    ids = torch.randint(3, 128, (4, 16))
+    return {"input_ids": ids, "labels": ids}
+'''
+
 CASES = {
     "llama-nocache-dp2": (LLAMA, ("--dp", "2")),
     "bart-dp2": (BART, ("--dp", "2")),
     "bart-tp2": (BART, ("--tp", "2")),
     "mixtral-dp2": (MIXTRAL, ("--dp", "2")),
     "mixtral-pp2": (MIXTRAL, ("--pp", "2", "--micro-batches", "2")),
+    "roberta-pp2": (ROBERTA, ("--pp", "2", "--micro-batches", "2")),
 }
 
 

@@ -55,6 +55,10 @@ def keep_stage(model, stage, module):
             del owner[attr]
         else:
             setattr(owner, attr, None)
+    for path in getattr(module, "STAGE_SHADOWS", {{}}).get(stage, []):   # run here, trained where owned
+        for name, param in model.get_submodule(path).named_parameters(prefix=path):
+            if name not in module.TIED_PARAMETERS:
+                param.requires_grad_(False)
     return model
 
 

@@ -16,7 +16,7 @@ import libcst as cst
 from ..errors import UserError
 from ..graph.graph import Graph
 from ..source.files import Span
-from ..source.names import names_in
+from ..source.names import exposed_reads, names_in
 from .cost import node_flops
 
 
@@ -38,6 +38,9 @@ class StagePlan:
     block_ranges: list[tuple[int, int]]          # per stage s = 0..D*V-1: blocks [a, b)
     node_stage: dict[int, int]
     drop: dict[int, list[str]]                   # stage -> modules it does not hold
+    shadow: dict[int, list[str]] = field(default_factory=dict)   # stage -> modules it holds, frozen, only
+    # because code outside the cut function runs them on every stage (an embedding called above the
+    # block loop, whose output a later stage reads for its shape only); the owning stage trains them
     tied: list[list[str]] = field(default_factory=list)   # params held by several stages
     stage_seconds: list[float] = field(default_factory=list)
 
@@ -101,7 +104,10 @@ def handoff_variables(function: cst.FunctionDef, loop_index: int) -> list[str]:
     prologue, loop, epilogue = body[:loop_index], body[loop_index], body[loop_index + 1:]
     if isinstance(loop, cst.For):
         stored = names_in(prologue, True) | (names_in([loop], True) - names_in([loop.target], False))
-        read = names_in([loop.body, loop.iter], False) | names_in(epilogue, False)
+        # a name the body sets before reading it in the same pass (`p = torch.rand([])` under
+        # `if self.training:`) is not handed on: it may never have been set on the stage before
+        body = loop.body.body if isinstance(loop.body, cst.IndentedBlock) else [cst.SimpleStatementLine(loop.body.body)]
+        read = exposed_reads(body) | names_in([loop.iter], False) | names_in(epilogue, False)
     else:                                  # one statement calling an nn.Sequential of the blocks
         stored = names_in(prologue, True) | names_in([loop], True)
         read = names_in([loop], False) | names_in(epilogue, False)
@@ -201,18 +207,44 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
         return {s for path, stages in used.items() if path == module or path.startswith(module + ".")
                 for s in stages}
 
+    everywhere = {path for node in graph.nodes if _runs_on_every_stage(graph, plan, node)
+                  for path in filter(None, (node.module_path, node.callee_path))}
+
+    def run_everywhere(module: str) -> bool:
+        return any(path == module or path.startswith(module + ".") for path in everywhere)
+
     blocks = plan.trunk.blocks
     owners = sorted({alias.rpartition(".")[0] for info in trace.params.values() for alias in info.aliases})
     owners = [m for m in owners if not any(m == b or m.startswith(b + ".") for b in blocks)]
     for stage in range(plan.stages):
-        drop = []
+        drop, shadow = [], []
         for module in owners:
             if stage not in stages_using(module) and not any(module.startswith(d + ".") for d in drop):
-                drop.append(module)
-        plan.drop[stage] = drop
+                (shadow if run_everywhere(module) else drop).append(module)
+        plan.drop[stage], plan.shadow[stage] = drop, shadow
     for info in trace.params.values():
         holders = {s for alias in info.aliases for s in range(plan.stages)
-                   if alias.rpartition(".")[0] not in plan.drop[s] and not any(
-                       alias.startswith(b + ".") for b in blocks)}
+                   if not any(alias.startswith(m + ".") for m in [*plan.drop[s], *plan.shadow[s], *blocks])}
         if len(holders) > 1:
             plan.tied.append(sorted(info.aliases))
+
+
+def _runs_on_every_stage(graph: Graph, plan: StagePlan, node) -> bool:
+    """Whether a call before the blocks runs on every stage: it is reached from code above the
+    cut function (which every stage runs up to its call), not from the cut function's prologue
+    (which only the first stage runs)."""
+    if plan.node_stage[node.index] != 0 or node.span is None or any(
+            node.module_path == b or node.module_path.startswith(b + ".") for b in plan.trunk.blocks):
+        return False
+    cut = plan.trunk.function_span
+    span, module = node.span, node.module_path
+    seen = set()
+    while span is not None and module not in seen:
+        if span.path == cut.path and cut.contains(span):
+            return False
+        if not module:
+            return True
+        seen.add(module)
+        call = graph.trace.module_calls.get(module)
+        span, module = (call[0] if call else None), module.rpartition(".")[0]
+    return False

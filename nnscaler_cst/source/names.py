@@ -29,3 +29,57 @@ def names_in(nodes, store: bool) -> set[str]:
     for node in nodes:
         node.visit(Targets() if store else Collect())
     return found
+
+
+def exposed_reads(statements) -> set[str]:
+    """Names the statements read before assigning them on every path to the read (upward-exposed
+    uses): what must already hold a value when the statements start. A name assigned under an
+    `if` and read only after that assignment in the same branch is not exposed."""
+    exposed: set[str] = set()
+    _scan(list(statements), set(), exposed)
+    return exposed
+
+
+def _scan(statements, defined: set[str], exposed: set[str]) -> set[str]:
+    """Adds the exposed reads of `statements` to `exposed`; returns the names defined after them."""
+    for stmt in statements:
+        if isinstance(stmt, cst.If):
+            exposed |= names_in([stmt.test], False) - defined
+            after_body = _scan(stmt.body.body, set(defined), exposed)
+            other = stmt.orelse
+            if other is None:
+                after_else = defined
+            elif isinstance(other, cst.If):
+                after_else = _scan([other], set(defined), exposed)
+            else:
+                after_else = _scan(other.body.body, set(defined), exposed)
+            defined = defined | (after_body & after_else)
+        elif isinstance(stmt, cst.SimpleStatementLine):
+            for small in stmt.body:
+                exposed |= _reads(small) - defined
+                defined = defined | names_in([small], True)
+        else:                      # loops, with, try: every name inside counts as read on entry
+            exposed |= names_in([stmt], False) - defined
+            defined = defined | names_in([stmt], True)
+    return defined
+
+
+def _reads(small: cst.BaseSmallStatement) -> set[str]:
+    """Names a small statement reads: an assignment reads its value and the bases of subscript or
+    attribute targets (`x[i] = v` reads x), not the plain names it binds."""
+    if isinstance(small, (cst.Assign, cst.AnnAssign)):
+        targets = [t.target for t in small.targets] if isinstance(small, cst.Assign) else [small.target]
+        reads = names_in([small.value], False) if small.value is not None else set()
+        for target in targets:
+            if not _binds_names_only(target):
+                reads |= names_in([target], False)
+        return reads
+    return names_in([small], False)
+
+
+def _binds_names_only(target: cst.BaseExpression) -> bool:
+    if isinstance(target, cst.Name):
+        return True
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return all(_binds_names_only(e.value) for e in target.elements)
+    return False
