@@ -195,9 +195,12 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
             layout = edits.param_layout.get(name)
             if layout is not None and layout.kind == "S":
                 splits += "".join(f"    {alias!r}: ({layout.dim}, {layout.groups}),\n" for alias in info.aliases)
+    aliases = "".join(f"    {alias!r}: {sorted(info.aliases)!r},\n" for info in analysis.trace.params.values()
+                      if len(info.aliases) > 1 for alias in sorted(info.aliases))
     title = f"Parallel version of {source_label}: plan {plan.describe()}."
     files["__init__.py"] = with_header(templates.INIT.format(title=title, world=plan.world_size, tp=tp, dp=dp,
-                                                             pp=pp, splits=splits), f"from {source_label}")
+                                                             pp=pp, splits=splits, aliases=aliases),
+                                       f"from {source_label}")
     partial = ", ".join(repr(a) for p in (edits.partial_grad_params if edits else [])
                         for a in analysis.trace.params[p].aliases)
     pipeline_step = templates.PIPELINE_STEP.format(micro=micro) if stages is not None else ""

@@ -6,7 +6,9 @@ single-device run.
   `inputs_embeds.shape` (data parallel was refused at the mask helper);
 - BART: the decoder input is shifted with `input_ids.new_zeros(...)` (data parallel refused),
   one attention call site runs with and without a mask (tensor parallel was unsatisfiable with
-  an empty unsat core), and its word embedding subclasses nn.Embedding (no [[ctor]] rule);
+  an empty unsat core), its word embedding subclasses nn.Embedding (no [[ctor]] rule), and at
+  PP=2 its shared embedding (model.shared = encoder and decoder embed_tokens = lm_head) was
+  missing from the merged state dict and never loaded onto the stages holding it by another name;
 - Mixtral: the router's `torch.topk` and the experts module run on tokens (data parallel refused);
 - RoBERTa's masked LM at PP=2: its embedding is called above the function holding the block loop
   (stage 1 had dropped it and crashed), and the LM head's parameters were taken for tied ones.
@@ -90,6 +92,7 @@ CASES = {
     "llama-nocache-dp2": (LLAMA, ("--dp", "2")),
     "bart-dp2": (BART, ("--dp", "2")),
     "bart-tp2": (BART, ("--tp", "2")),
+    "bart-pp2": (BART, ("--pp", "2", "--micro-batches", "2")),
     "mixtral-dp2": (MIXTRAL, ("--dp", "2")),
     "mixtral-pp2": (MIXTRAL, ("--pp", "2", "--micro-batches", "2")),
     "roberta-pp2": (ROBERTA, ("--pp", "2", "--micro-batches", "2")),

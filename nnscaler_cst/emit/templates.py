@@ -22,6 +22,11 @@ PP_SIZE = {pp}
 TP_SPLITS = {{
 {splits}}}
 
+# Parameters reachable by several names (an embedding shared by encoder, decoder and head):
+# every name -> all of them. A pipeline stage may hold such a parameter under any one name.
+PARAMETER_ALIASES = {{
+{aliases}}}
+
 
 def coords(rank):
     return {{"tp": rank % TP_SIZE, "dp": rank // TP_SIZE % DP_SIZE, "pp": rank // (TP_SIZE * DP_SIZE)}}
@@ -106,9 +111,10 @@ def shard_state_dict(state_dict, rank):
     out = {{}}
     for local, stage in enumerate(module.PIPELINE_STAGES):
         for name, t in state_dict.items():
-            key = stage_key(name, stage, module)
-            if key is not None:
-                out[f"{{local}}.{{key}}"] = share(name, t)
+            for alias in PARAMETER_ALIASES.get(name, [name]):
+                key = stage_key(alias, stage, module)
+                if key is not None:
+                    out[f"{{local}}.{{key}}"] = share(name, t)
     return out
 
 
@@ -128,6 +134,9 @@ def merge_state_dicts(state_dicts):
                 continue  # a tied weight held by two stages: both copies are equal
             merged[name] = unshard([state_dicts[r][key] for r in ranks], *TP_SPLITS[name]) \
                 if name in TP_SPLITS else t.clone()
+    for name in list(merged):
+        for alias in PARAMETER_ALIASES.get(name, []):
+            merged.setdefault(alias, merged[name])
     return merged
 '''
 
