@@ -171,6 +171,7 @@ def test_a_hung_rank_ends_the_run_within_the_timeout_naming_the_rank(hung):
     message = result.stderr
     assert "timed out" in message, message[-2000:]
     assert re.search(r"rank\(?s?\)?\s[\d, ]*\b1\b", message), message[-2000:]
+    assert re.search(r"rank 1 is in forward \(model_rank1\.py:\d+\)", message), message[-2000:]
     # the rank phase ends at the deadline; the rest is start-up and the single-device reference
     assert seconds < timeout + 120, seconds
 

@@ -43,3 +43,19 @@ def test_other_failures_are_not_retried(tmp_path, monkeypatch):
     with pytest.raises(launch.LaunchError, match="exited with 3"):
         launch.run_world([sys.executable, "-c", "raise SystemExit(3)"], 2, timeout=60)
     assert len(calls) == 1
+
+
+# Rank 1 waits forever in a function of its own; rank 0 ends at once.
+STUCK = ("import faulthandler, os, signal, time\n"
+         "faulthandler.register(signal.SIGUSR1)\n"
+         "def wait_for_the_peer():\n"
+         "    time.sleep(600)\n"
+         "if os.environ['RANK'] == '1':\n"
+         "    wait_for_the_peer()\n")
+
+
+def test_a_run_past_its_deadline_names_the_rank_and_the_call_it_waits_in():
+    with pytest.raises(launch.LaunchError) as caught:
+        launch.run_world([sys.executable, "-c", STUCK], 2, timeout=3)
+    message = str(caught.value)
+    assert "rank(s) 1 " in message and "rank 1 is in wait_for_the_peer" in message, message

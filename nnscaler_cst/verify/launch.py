@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import random
+import re
+import signal
 import socket
 import subprocess
 import tempfile
@@ -75,9 +77,13 @@ def run_all(commands: list[tuple[list[str], dict]], timeout: float) -> None:
             if all(code == 0 for code in states):
                 return
             if time.monotonic() > deadline:
-                waiting = [procs[k][2].get("RANK", "reference") for k, c in enumerate(states) if c is None]
+                stuck = [k for k, c in enumerate(states) if c is None]
+                waiting = [procs[k][2].get("RANK", "reference") for k in stuck]
+                where = _where_stuck([(procs[k][0], procs[k][1]) for k in stuck])
                 raise LaunchError(f"timed out after {timeout:.0f}s waiting for rank(s) {', '.join(waiting)} "
-                                  "(a deadlock or a hang)")
+                                  "(a deadlock or a hang)" + "".join(
+                                      f"\n  rank {name} is in {place}" for name, place in zip(waiting, where)
+                                      if place))
             time.sleep(0.05)
     finally:
         for p, log, _ in procs:
@@ -100,6 +106,25 @@ def run_world(command: list[str], world: int, timeout: float, **env) -> None:
         except LaunchError as err:
             if attempt + 1 == _ATTEMPTS or not any(s in str(err).lower() for s in _PORT_IN_USE):
                 raise
+
+
+def _where_stuck(stuck: list[tuple[subprocess.Popen, object]]) -> list[str]:
+    """Where each stuck process is: the workers dump their stack on SIGUSR1 (faulthandler); the
+    innermost frames, most recent first (`all_reduce (_comm.py:212) <- sync_grads (...)`)."""
+    if not hasattr(signal, "SIGUSR1"):
+        return [""] * len(stuck)
+    for proc, _ in stuck:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGUSR1)
+    time.sleep(1.0)
+    places = []
+    for _, log in stuck:
+        log.seek(0)
+        text = log.read().decode(errors="replace")
+        block = text.rpartition("(most recent call first):")[2]
+        frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', block)
+        places.append(" <- ".join(f"{func} ({Path(path).name}:{line})" for path, line, func in frames[:3]))
+    return places
 
 
 def _tail(log, lines: int = 25) -> str:

@@ -7,12 +7,17 @@ passing run also proves the generated code is self-contained.
     worker.py rank OUTPUT_DIR WORKDIR --steps K --lr LR --seed S   (RANK, WORLD_SIZE, MASTER_* set)
 """
 import argparse
+import faulthandler
 import importlib
 import importlib.util
 import os
+import signal
 import sys
 
 sys.modules["nnscaler_cst"] = None  # the code under test must not need the tool
+if hasattr(signal, "SIGUSR1"):
+    # a run past its deadline asks each stuck process where it waits (verify/launch.py)
+    faulthandler.register(signal.SIGUSR1, all_threads=False)
 
 import torch  # noqa: E402
 
