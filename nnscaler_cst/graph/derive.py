@@ -67,7 +67,7 @@ def _signature(node: Node, trace: Trace, replay: Replay):
 
 
 # ---- real tensors of the traced shapes ----------------------------------------------------
-def _real(shape: tuple[int, ...], dtype_name: str, generator: torch.Generator) -> torch.Tensor:
+def _real(shape: tuple[int, ...], dtype_name: str, generator: torch.Generator, index_range: int = 0) -> torch.Tensor:
     dtype = getattr(torch, dtype_name.removeprefix("torch."))
     if dtype.is_floating_point or dtype.is_complex:
         return torch.randn(shape, dtype=dtype, generator=generator)
@@ -77,7 +77,7 @@ def _real(shape: tuple[int, ...], dtype_name: str, generator: torch.Generator) -
         return torch.tensor(1, dtype=dtype)
     # Integers are often indices (token ids, positions): keep them inside the last dim's range,
     # and different per row so that an op mixing rows is seen.
-    last = max(shape[-1], 2)
+    last = index_range or max(shape[-1], 2)
     rows = torch.arange(max(1, _numel(shape) // max(shape[-1], 1))).reshape(*shape[:-1], 1)
     offset = int(torch.randint(1, last, (), generator=generator))
     return ((torch.arange(shape[-1]) + rows * offset + offset) % last).to(dtype)
@@ -108,6 +108,13 @@ class _Caller:
         generator = torch.Generator().manual_seed(0)
         self.base = {tid: _real(trace.tensors[tid].shape, trace.tensors[tid].dtype, generator) for tid in tids}
         self.generator = generator
+        self.trace, self.tids = trace, tids
+
+    def narrow_indices(self) -> None:
+        """Integers in {0, 1} only: for calls whose integer operands index something smaller than
+        the last dim (class labels, a few experts)."""
+        self.base = {tid: _real(self.trace.tensors[tid].shape, self.trace.tensors[tid].dtype, self.generator, 2)
+                     for tid in self.tids}
 
     def __call__(self, override: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
         tensors = {tid: t.clone() for tid, t in self.base.items()}
@@ -170,8 +177,12 @@ def _probe(node: Node, trace: Trace, replay: Replay) -> _Probed | str:
     call = _Caller(trace, replay, tids)
     try:
         whole = call()
-    except _CannotReplay as exc:
-        return unprobed if shape_only else f"no rule, and replaying it failed ({exc})"
+    except _CannotReplay:
+        call.narrow_indices()
+        try:
+            whole = call()
+        except _CannotReplay as exc:
+            return unprobed if shape_only else f"no rule, and replaying it failed ({exc})"
     params = set(replay.state.values())
     data = []
     for tid in names:
