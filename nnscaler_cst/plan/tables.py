@@ -108,9 +108,10 @@ def chunks_for(constraints: list[Constraint], graph: Graph, index: int) -> int:
 
 def _matrices(graph: Graph, index: int) -> list[str]:
     """The layer weights an op holds: parameters with two or more dims above 1, read by an op
-    whose rule names them (a structural kind adding a position table is not a layer)."""
+    whose rule names them (a structural kind adding a position table is not a layer; a rule
+    derived by the probe names every operand)."""
     rule = graph.node_rule.get(index)
-    if rule is not None and rule.annotation is None:
+    if rule is not None and rule.kind is not None:
         return []
     return [name for name, tid in graph.param_operands(index)
             if sum(size > 1 for size in graph.trace.tensors[tid].shape) >= 2]
