@@ -85,6 +85,27 @@ def test_contradictory_tables_exit_2_and_name_every_constraint_of_the_core(tmp_p
     assert "Traceback" not in result.stderr
 
 
+def test_a_constraint_that_leaves_a_site_no_split_names_the_site(tmp_path):
+    """Nothing in a GPT's Linears carries the label `zz`: the core is this one constraint, and
+    the error also points at a site it leaves with no option."""
+    table = tmp_path / "mine.toml"
+    table.write_text(textwrap.dedent("""\
+        [plan]
+        name = "mine"
+        axes = ["tp"]
+
+        [[constraint]]
+        id = "linears-by-zz"
+        select = { callee = ["torch.nn.Linear"] }
+        op_trans = { axis = "tp", algo = "zz" }
+        """))
+    result = cli(GPT, "--tp", "2", "--plan", table, "-o", tmp_path / "out")
+    assert result.returncode == 2, result.stderr
+    assert "satisfies these 1 constraints" in result.stderr
+    assert re.search(r"fixtures/gpt\.py:\d+:\d+: note: torch\.nn\.Linear cannot be split that way", result.stderr), \
+        result.stderr
+
+
 def test_a_source_annotation_pins_its_line(tmp_path):
     model = _gpt_copy(tmp_path, lambda t: t.replace("        x = self.gelu(x)\n",
                                                     "        x = self.gelu(x)  # nnscaler: tp=replicate\n"))

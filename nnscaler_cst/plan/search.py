@@ -167,6 +167,7 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
     hard: list = []
     tracked: list[tuple[z3.BoolRef, z3.BoolRef, Constraint]] = []
     restricted: dict[str, list[SiteId]] = defaultdict(list)
+    blocked: dict[str, SiteId] = {}      # a constraint's literal -> the site it leaves no option
     for sid in sids:
         hard += [var[sid] >= 0, var[sid] < len(options[sid].options)]
     for constraint in constraints:
@@ -180,6 +181,8 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
             if len(allowed) < len(opts.options):
                 restricted[constraint.id].append(sid)
                 literal = z3.Bool(f"{constraint.id}#{len(tracked)}")
+                if not allowed:
+                    blocked[str(literal)] = sid
                 tracked.append((literal, z3.Or([var[sid] == k for k in allowed]) if allowed else z3.BoolVal(False),
                                 constraint))
 
@@ -195,7 +198,7 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
     for literal, expr, constraint in [*tracked, *facts]:
         checker.assert_and_track(expr, literal)
     if checker.check() != z3.sat:
-        _report_core(checker.unsat_core(), [*tracked, *facts], options, axis, n)
+        _report_core(checker.unsat_core(), [*tracked, *facts], options, axis, n, graph, blocked)
 
     objective = z3.Sum(terms) if terms else z3.IntVal(0)
     memory_total = z3.Sum(memory_terms) if memory_terms else z3.IntVal(0)
@@ -239,7 +242,7 @@ def _minimize(constraints: list, objective, memory, budget: float | None, axis: 
     return model
 
 
-def _report_core(core, tracked, options, axis: str, n: int) -> None:
+def _report_core(core, tracked, options, axis: str, n: int, graph: Graph, blocked: dict) -> None:
     names = {str(c) for c in core}
     related: list[tuple[Location, str]] = []
     seen = set()
@@ -250,7 +253,12 @@ def _report_core(core, tracked, options, axis: str, n: int) -> None:
         if key not in seen:
             seen.add(key)
             related.append(item)
-    raise UserError(f"no {axis} plan on {n} devices satisfies these {len(related)} constraints together",
+        sid = blocked.get(str(literal))
+        if sid is not None:       # the constraint leaves this site no option at all: say which and why
+            why = "; ".join(sorted(set(options[sid].why.values()))) or "none of its splits is one the constraint allows"
+            related.append((_site_location(graph, options, sid),
+                            f"{graph.nodes[options[sid].nodes[0]].callee} cannot be split that way: {why}"))
+    raise UserError(f"no {axis} plan on {n} devices satisfies these {len(seen)} constraints together",
                     related[0][0] if related else None, related=related,
                     hint="drop or relax one of the constraints listed (the unsat core)")
 
