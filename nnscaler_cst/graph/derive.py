@@ -104,17 +104,18 @@ class _Caller:
     """Calls the replay with real tensors; `override` replaces some of them."""
 
     def __init__(self, trace: Trace, replay: Replay, tids: list[int]):
-        self.replay = replay
-        generator = torch.Generator().manual_seed(0)
-        self.base = {tid: _real(trace.tensors[tid].shape, trace.tensors[tid].dtype, generator) for tid in tids}
-        self.generator = generator
-        self.trace, self.tids = trace, tids
+        self.replay, self.trace, self.tids = replay, trace, tids
+        self.generator = torch.Generator().manual_seed(0)
+        self.base = self._values()
+
+    def _values(self, index_range: int = 0) -> dict[int, torch.Tensor]:
+        return {tid: _real(self.trace.tensors[tid].shape, self.trace.tensors[tid].dtype, self.generator, index_range)
+                for tid in self.tids}
 
     def narrow_indices(self) -> None:
         """Integers in {0, 1} only: for calls whose integer operands index something smaller than
         the last dim (class labels, a few experts)."""
-        self.base = {tid: _real(self.trace.tensors[tid].shape, self.trace.tensors[tid].dtype, self.generator, 2)
-                     for tid in self.tids}
+        self.base = self._values(index_range=2)
 
     def __call__(self, override: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
         tensors = {tid: t.clone() for tid, t in self.base.items()}

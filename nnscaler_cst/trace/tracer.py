@@ -102,7 +102,7 @@ class Tracer(TorchFunctionMode):
         self.module_calls: dict[str, tuple[Span, int]] = {}   # module path -> (call site, first node index)
         self.containers: dict[Span, list[tuple[str, ...]]] = {}   # container call -> its leaves, in order
         self.replays: dict[int, Replay] = {}   # node index -> how to call it again
-        self._entry_args: dict[int, tuple] = {}    # id(frame) -> (code, (args, kwargs)) as the call began
+        self._entry_args: dict[int, tuple] = {}    # id(frame) -> (code, parameter values) as the call began
         self._awaiting: dict[int, Replay] = {}     # id(frame or module) -> replay whose results are not yet seen
 
     # ---- frames -------------------------------------------------------------------------
