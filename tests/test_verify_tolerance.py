@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from nnscaler_cst.verify.equivalence import gradient_error
+from nnscaler_cst.verify.equivalence import VerifyResult, gradient_error
 
 
 def test_rounding_noise_on_a_zero_true_gradient_is_no_error():
@@ -21,3 +21,73 @@ def test_a_wrong_gradient_is_an_error_whatever_its_scale():
     merged = {"v.weight": expected["v.weight"] * 0.08, "q.weight": expected["q.weight"].clone()}   # 92% off
     error, name = gradient_error(expected, merged)
     assert name == "v.weight" and error > 0.5
+
+
+# --------------------------------------------------------------------------------------------
+# The sensitivity twin: later steps of an unstable run are judged against the reference's own drift
+# --------------------------------------------------------------------------------------------
+
+def _result(loss_errors, param_error, grad_error, twin=None) -> VerifyResult:
+    reference = [1.0, 5.0, 2.0]
+    return VerifyResult(2, 3, reference, [r + e for r, e in zip(reference, loss_errors)], param_error, 0.0, "w",
+                        grad_error, "w", {"param_atol": 5e-4, "loss_atol": 1e-4, "rtol": 1e-4, "grad_rtol": 1e-3},
+                        1.0, twin=twin)
+
+
+def test_drift_within_the_twins_is_accepted_and_beyond_it_is_not():
+    twin = {"nudge": 4e-6, "loss_errors": [0.0, 2e-5, 3e-4], "max_abs_error": 2e-3}
+    assert not _result([0.0, 1e-5, 5e-4], 3e-3, 4e-6).passed                      # fixed tolerances alone
+    assert _result([0.0, 1e-5, 5e-4], 3e-3, 4e-6, twin).passed
+    assert not _result([0.0, 1e-5, 5e-2], 3e-3, 4e-6, twin).passed                # 160x the twin's drift
+    assert not _result([0.0, 1e-5, 5e-4], 5e-2, 4e-6, twin).passed
+
+
+def test_a_wrong_first_step_is_never_excused_by_the_twin():
+    twin = {"nudge": 1e-6, "loss_errors": [1.0, 1.0, 1.0], "max_abs_error": 1.0}
+    assert not _result([0.0, 0.0, 0.0], 0.0, 0.5, twin).passed                     # first gradients 50% off
+    assert not _result([1e-2, 0.0, 0.0], 0.0, 1e-6, twin).passed                   # first loss off
+
+
+UNSTABLE = '''
+import torch
+from torch import nn
+
+
+class Deep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(layer(x)) * 3
+        return ((x - y) ** 2).mean()
+
+
+def build():
+    return Deep()
+
+
+def example_inputs():
+    return {"x": torch.randn(8, 16), "y": torch.randn(8, 16)}
+'''
+
+
+def test_the_twin_is_a_real_run_whose_first_step_matches_and_later_steps_drift(tmp_path):
+    """The worker's --nudge changes nothing before the first optimizer step, and a rounding-sized
+    nudge visibly moves an unstable run (lr 0.5) after it."""
+    import subprocess
+    import sys
+
+    from nnscaler_cst.verify.equivalence import WORKER
+
+    entry = tmp_path / "unstable.py"
+    entry.write_text(UNSTABLE)
+    common = ["--steps", "4", "--lr", "0.5"]
+    for extra in ([], ["--nudge", "1e-6"]):
+        subprocess.run([sys.executable, str(WORKER), "reference", str(entry), str(tmp_path), *common, *extra],
+                       check=True, capture_output=True)
+    ref, twin = (torch.load(tmp_path / f"{name}.pt") for name in ("reference", "twin"))
+    assert ref["losses"][0] == twin["losses"][0]
+    assert all(torch.equal(ref["grads"][k], twin["grads"][k]) for k in ref["grads"])
+    assert ref["losses"][-1] != twin["losses"][-1]

@@ -263,7 +263,10 @@ class Tracer(TorchFunctionMode):
             span = self._span(own)
             if span is not None:
                 source = self.sources.get(span.path)
-                mapped = source.node_at(span.line, span.col, span.end_line, span.end_col) is not None
+                found = source.node_at(span.line, span.col, span.end_line, span.end_col)
+                mapped = found is not None
+                if mapped:      # a method chain over lines starts its bytecode range at `.meth`
+                    span = source.span_of(found)
                 if contained is not None:
                     container, child_frame = contained
                     span = dataclasses.replace(span, via=self._via(container, child_frame.f_locals["self"]))

@@ -69,8 +69,10 @@ def batch_for(module, step, seed):
     return module.example_inputs()
 
 
-def capture_first_gradients(model, optimizer):
-    """Keep every parameter's gradient as the optimizer first sees it (after any all-reduce)."""
+def capture_first_gradients(model, optimizer, nudge=0.0):
+    """Keep every parameter's gradient as the optimizer first sees it (after any all-reduce).
+    `nudge`: then scale each first gradient by (1 + nudge * noise), rounding-sized, to measure
+    how far the run itself carries so small a difference (verify's sensitivity twin)."""
     captured = {}
     step = optimizer.step
 
@@ -79,6 +81,10 @@ def capture_first_gradients(model, optimizer):
             for name, param in model.named_parameters(remove_duplicate=False):
                 if param.grad is not None:
                     captured[name] = param.grad.detach().clone()
+            noise = torch.Generator().manual_seed(1234)
+            for param in model.parameters() if nudge else ():
+                if param.grad is not None:
+                    param.grad.mul_(1 + nudge * torch.randn(param.grad.shape, generator=noise))
         return step(*a, **k)
 
     optimizer.step = step_and_capture
@@ -92,7 +98,7 @@ def reference(args):
     torch.save(model.state_dict(), os.path.join(args.workdir, "init.pt"))
     model.train()
     optimizer = adamw(model, args.lr)
-    grads = capture_first_gradients(model, optimizer)
+    grads = capture_first_gradients(model, optimizer, args.nudge)
     losses = []
     for step in range(args.steps):
         batch = batch_for(entry, step, args.seed)
@@ -103,7 +109,7 @@ def reference(args):
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     torch.save({"losses": losses, "state": model.state_dict(), "grads": grads},
-               os.path.join(args.workdir, "reference.pt"))
+               os.path.join(args.workdir, "twin.pt" if args.nudge else "reference.pt"))
 
 
 def rank(args):
@@ -140,6 +146,7 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--nudge", type=float, default=0.0)
     args = parser.parse_args()
     torch.use_deterministic_algorithms(True, warn_only=True)
     switch_off_dropout()
