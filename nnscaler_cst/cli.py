@@ -59,6 +59,10 @@ def inspect(model_file: Path = typer.Argument(..., help="model or entry file"),
     from .report.inspect_view import inspect_json, inspect_table
 
     def body():
+        from .config import project_defaults
+        if trace_mode not in ("auto", "fake", "real"):
+            raise UserError(f"--trace-mode {trace_mode}: unknown mode", hint="--trace-mode auto | fake | real")
+        project_defaults(model_file)        # checked, and its rules folders read
         analysis = analyze(model_file, model_class=model, trace_mode=trace_mode)
         if json_out:
             print(json.dumps(inspect_json(analysis.graph), indent=1))
@@ -86,17 +90,20 @@ OutOpt = typer.Option(None, "--out", "-o", help="output folder")
 
 def _options(model_file: Path, **given):
     """Command-line options over [tool.nnscaler-rewrite] defaults over built-in defaults."""
-    from .config import project_defaults
+    from .config import check_options, project_defaults
     defaults = {"tp": None, "dp": None, "plan": None, "out": "parallel", "model": None, "devices": None,
                 "cluster": "cpu-gloo", "memory_budget": None, "pp": 1, "micro_batches": None, "schedule": "1f1b",
                 "stages": None}
     defaults.update(project_defaults(model_file))
-    return {k: (v if v is not None else defaults.get(k)) for k, v in given.items()}
+    opts = {k: (v if v is not None else defaults.get(k)) for k, v in given.items()}
+    check_options(opts)
+    return opts
 
 
 def _request(opts: dict):
+    from .config import parse_stages
     from .rewrite import PlanRequest
-    cuts = [int(x) for x in str(opts["stages"]).split(",")] if opts.get("stages") else None
+    cuts = parse_stages(opts.get("stages"))
     return PlanRequest(opts["plan"], opts["tp"], opts["dp"], opts["devices"], opts["cluster"],
                        _memory_budget(opts["memory_budget"]), int(opts.get("pp") or 1), opts.get("micro_batches"),
                        opts.get("schedule") or "1f1b", cuts)
@@ -107,7 +114,8 @@ def _memory_budget(text) -> float | None:
     try:
         return parse_bytes(text) if text is not None else None
     except ValueError as exc:
-        raise UserError(f"--memory-budget: {exc}") from None
+        raise UserError(f"--memory-budget: {exc}", hint="bytes per device, or a number with a unit: "
+                        "--memory-budget 24GiB (also MiB, GB, TB)") from None
 
 
 def _rewrite(model_file: Path, opts: dict):
@@ -159,6 +167,11 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
     from .errors import display_path
 
     def body():
+        if diff is not None and check:
+            raise UserError("--diff and --check do not go together",
+                            hint="--diff RANK shows one rank's diff; --check compares the whole output folder")
+        if diff is not None and diff < 0:
+            raise UserError(f"--diff {diff}: ranks start at 0", hint="e.g. --diff 0")
         opts = _options(model_file, tp=tp, dp=dp, plan=plan, out=out, model=model, devices=devices,
                         cluster=cluster, memory_budget=memory_budget, pp=pp, micro_batches=micro_batches,
                         schedule=schedule, stages=stages)
@@ -167,7 +180,8 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
         if diff is not None:
             name = f"model_rank{diff}.py"
             if name not in result.files:
-                raise UserError(f"there is no rank {diff} in a world of {result.plan.world_size}")
+                raise UserError(f"there is no rank {diff} in a world of {result.plan.world_size}",
+                                hint=f"--diff takes a rank from 0 to {result.plan.world_size - 1}")
             source = analysis.sources.get(analysis.entry.path).text
             _print_diff(_unified_diff(source, result.files[name], display_path(analysis.entry.path),
                                       str(out_dir / name)))
@@ -214,6 +228,11 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
     from .report.verify_view import verify_table
 
     def body():
+        if steps < 1 or lr <= 0 or timeout <= 0:
+            flag, value = next((f, v) for f, v, bad in (("--steps", steps, steps < 1), ("--lr", lr, lr <= 0),
+                                                        ("--timeout", timeout, timeout <= 0)) if bad)
+            raise UserError(f"{flag} {value:g}: must be {'at least 1' if flag == '--steps' else 'positive'}",
+                            hint="e.g. --steps 3 --lr 1e-3 --timeout 300 (the defaults)")
         opts = _options(model_file, tp=tp, dp=dp, plan=plan, out=out, model=model, devices=devices,
                         cluster=cluster, memory_budget=memory_budget, pp=pp, micro_batches=micro_batches,
                         schedule=schedule, stages=stages)
@@ -311,8 +330,11 @@ def schedule(model_file: Path = typer.Argument(..., help="model or entry file"),
     from .verify.simulate import bubble_fraction, simulate
 
     def body():
-        analysis = analyze(model_file, model_class=model)
+        from .config import check_options, project_defaults
+        project_defaults(model_file)        # checked, and its rules folders read
+        check_options({"pp": pp, "micro_batches": micro_batches, "stages": stages, "schedule": schedule})
         table = load_schedule(schedule)
+        analysis = analyze(model_file, model_class=model)
         cuts = [int(x) for x in stages.split(",")] if stages else None
         plan = plan_stages(analysis.graph, pp, table.virtual_stages, cuts)
         micro = micro_batches or pp * table.virtual_stages
@@ -334,11 +356,33 @@ def schedule(model_file: Path = typer.Argument(..., help="model or entry file"),
 
 
 def main(argv: list[str] | None = None) -> None:
+    # typer raises click's exceptions (or those of the copy of click it carries)
+    click_errors = {c.__name__: c for c in typer.BadParameter.__mro__}
+    usage_error, click_error = click_errors["UsageError"], click_errors["ClickException"]
     argv = list(sys.argv[1:] if argv is None else argv)
-    # `nnscaler-rewrite model.py ...` is the rewrite; the other commands are named first.
-    if argv and argv[0] not in SUBCOMMANDS and not argv[0].startswith("-"):
+    # `nnscaler-rewrite model.py ...` (or `nnscaler-rewrite --tp 2 model.py`) is the rewrite;
+    # the other commands are named first.
+    if argv and argv[0] not in SUBCOMMANDS and argv[0] not in ("--help", "-h"):
         argv.insert(0, "rewrite")
-    app(args=argv, prog_name="nnscaler-rewrite")
+    try:
+        code = app(args=argv, prog_name="nnscaler-rewrite", standalone_mode=False)
+    except usage_error as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            print(exc.ctx.get_help() if exc.ctx else exc.format_message())
+            raise SystemExit(2) from None
+        # a bad option: an `error:` line and a hint, like every other error
+        command = exc.ctx.command_path if exc.ctx else "nnscaler-rewrite"
+        err_console.print(f"error: {exc.format_message()}\n  hint: see `{command} --help`",
+                          markup=False, highlight=False, soft_wrap=True)
+        code = exc.exit_code
+    except click_error as exc:
+        err_console.print(f"error: {exc.format_message()}", markup=False, highlight=False, soft_wrap=True)
+        code = exc.exit_code
+    except typer.Abort:
+        err_console.print("aborted", markup=False)
+        code = 1
+    if code:
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ Internal bugs are not UserErrors; they surface as tracebacks.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,3 +50,19 @@ def display_path(path: str | Path) -> str:
         return str(path.relative_to(Path.cwd()))
     except ValueError:
         return str(path)
+
+
+def toml_error(exc: Exception, path: str | Path, text: str) -> UserError:
+    """A TOMLDecodeError as a UserError at the line and column tomllib names (Python 3.11's
+    tomllib puts them in the message only: `... (at line 6, column 3)`)."""
+    message = str(exc)
+    line, col = getattr(exc, "lineno", None), getattr(exc, "colno", None)
+    found = re.search(r"\s*\(at line (\d+), column (\d+)\)$", message)
+    if found:
+        line, col = line or int(found.group(1)), col or int(found.group(2))
+    elif message.endswith("(at end of document)"):
+        lines = text.splitlines() or [""]
+        line, col = len(lines), len(lines[-1]) + 1
+    message = re.sub(r"\s*\(at (line \d+, column \d+|end of document)\)$", "", message)
+    return UserError(f"invalid TOML: {message}", Location(display_path(path), line or 1, max((col or 1) - 1, 0)),
+                     hint="fix the TOML syntax at that place (https://toml.io)")

@@ -15,7 +15,7 @@ from .emit import templates
 from .emit.assemble import add_comm_import, content_hash, merge_entry, model_files, with_header
 from .emit.output import generated_json
 from .emit.rewrite import StageSplit, rewrite_module
-from .errors import UserError, display_path
+from .errors import Location, UserError, display_path
 from .materialize.edits import Edits, plan_edits
 from .plan.ir import OpAssign, OpOrder, OpTrans, Plan
 from .plan.pipeline import StagePlan, plan_stages
@@ -67,8 +67,16 @@ def _table_names(request: PlanRequest, tp: int, dp: int) -> list[str]:
         raise UserError("--plan dp splits no op over --tp; drop --tp or use --plan megatron")
     table = load_table(name)
     if "tp" in table.axes and "dp" not in table.axes and tp == 1:
-        raise UserError(f"--plan {name} needs --tp N with N > 1")
+        raise UserError(f"--plan {name} needs --tp N with N > 1", hint=f"e.g. --plan {name} --tp 2")
     return [name] + (["dp"] if dp > 1 and name != "dp" else [])
+
+
+def _inputs_location(analysis: Analysis) -> Location | None:
+    """Where the entry file defines example_inputs(), whose batch the sizes must divide."""
+    code = getattr(analysis.entry.example_inputs, "__code__", None)
+    if code is None:
+        return None
+    return Location(display_path(code.co_filename), code.co_firstlineno)
 
 
 def build_plan(analysis: Analysis, request: PlanRequest) -> tuple[Plan, AxisPlan | None]:
@@ -92,8 +100,11 @@ def build_plan(analysis: Analysis, request: PlanRequest) -> tuple[Plan, AxisPlan
         constraints = [c for t in tables for c in t.for_axis("tp")] + [c for c in annotations if c.axis == "tp"]
         batch = analysis.trace.batch_size or 1
         if dp > 1 and batch % dp:
-            raise UserError(f"the batch of {batch} is not divisible by --dp {dp}",
-                            next((c.location for t in tables for c in t.for_axis("dp")), None))
+            table_line = next((c.location for t in tables for c in t.for_axis("dp")), None)
+            raise UserError(f"the batch of {batch} is not divisible by --dp {dp}", _inputs_location(analysis),
+                            hint=f"use a --dp that divides {batch}, or change the batch example_inputs() returns",
+                            related=[(table_line, "the dp table splits every op on the batch dim")]
+                            if table_line else None)
         if dp > 1:
             check_batch_split(graph, f"data parallel (--dp {dp})")
         tp_plan = search_axis(graph, "tp", tp, constraints, cluster.axis(1, tp), memory_budget=request.memory_budget,
@@ -225,7 +236,7 @@ def plan_pipeline(analysis: Analysis, plan: Plan, request: PlanRequest) -> tuple
     batch = (analysis.trace.batch_size or 1) // plan.mesh["dp"]
     if batch % micro:
         raise UserError(f"a batch of {batch} per data-parallel rank does not split into {micro} micro-batches",
-                        hint="choose --micro-batches dividing the batch")
+                        _inputs_location(analysis), hint="choose --micro-batches dividing the batch")
     if micro > 1:
         check_batch_split(analysis.graph, f"{micro} micro-batches")
     orders = schedule(table, request.pp, micro)

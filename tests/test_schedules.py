@@ -254,10 +254,9 @@ order = ["F[k] < F[k+1]", "B[k] < B[k+1]", "F[k] < B[k]",
 
 @pytest.fixture(scope="module")
 def broken_rules_checkout(tmp_path_factory) -> Path:
-    """A copy of the tool with two more schedule tables in its rules. The CLI has no option or
-    environment variable for another rules folder (load_schedule reads RULES_DIR, fixed to the
-    checkout's rules/), so the test runs `python -m nnscaler_cst.cli` from a copy of the
-    package next to a copy of rules/."""
+    """A copy of the tool with two more schedule tables in its built-in rules: the test runs
+    `python -m nnscaler_cst.cli` from a copy of the package next to a copy of rules/ (a user
+    would rather name a folder of their own in NNSCALER_RULES_PATH)."""
     root = tmp_path_factory.mktemp("checkout")
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     shutil.copytree(REPO / "nnscaler_cst", root / "nnscaler_cst", ignore=ignore)
@@ -284,8 +283,7 @@ def broken_runs(broken_rules_checkout):
 
 def test_the_deadlock_table_alone_is_satisfiable_per_rank_and_deadlocks_in_the_simulator(
         broken_rules_checkout, monkeypatch):
-    from nnscaler_cst.plan import schedules
-    monkeypatch.setattr(schedules, "RULES_DIR", broken_rules_checkout / "rules")
+    monkeypatch.setenv("NNSCALER_RULES_PATH", str(broken_rules_checkout / "rules"))
     orders = schedule(load_schedule("deadlock"), 2, 4)
     assert orders[0] == [F(0, 0), B(0, 0), F(0, 1), B(0, 1), F(0, 2), B(0, 2), F(0, 3), B(0, 3)]
     assert orders[1][:2] == [F(1, 0), F(1, 1)]

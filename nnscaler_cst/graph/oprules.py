@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import Location, UserError, display_path
+from ..errors import Location, UserError, display_path, toml_error
+from ..rules_path import builtin_rules_dir, rules_dirs
 from ..trace.records import Node, TensorList, Trace
 from ..trace.naming import qualified_type, short_type
 from .dims import Annotation, DimsError, OpDims, bind
 from .kinds import KINDS, Call
 
-RULES_DIR = Path(__file__).resolve().parents[2] / "rules"
+RULES_DIR = builtin_rules_dir()
 
 
 @dataclass
@@ -75,18 +76,20 @@ class RuleSet:
         return None
 
 
-def load_rules(rules_dir: Path = RULES_DIR) -> RuleSet:
+def load_rules(rules_dir: Path | None = None) -> RuleSet:
+    """The op rules of `rules_dir`, or of every rules folder (rules_path.py): the built-in ones
+    first, so that a user's rule for the same callee wins."""
     ops: dict[str, OpRule] = {}
     ctors: dict[str, CtorRule] = {}
     library: list[str] = []
-    for path in sorted((rules_dir / "ops").glob("*.toml")):
+    folders = [rules_dir] if rules_dir is not None else rules_dirs()[::-1]
+    for path in [p for folder in folders for p in sorted((folder / "ops").glob("*.toml"))]:
         text = path.read_text()
         shown = display_path(path)
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
-            raise UserError(f"invalid TOML: {exc}", Location(shown, getattr(exc, "lineno", 1),
-                                                              getattr(exc, "colno", 1) - 1)) from None
+            raise toml_error(exc, path, text) from None
         library += data.get("library", {}).get("modules", [])
         for entry in data.get("op", []):
             location = Location(shown, _line_of(text, entry["callee"][0]))
@@ -98,9 +101,12 @@ def load_rules(rules_dir: Path = RULES_DIR) -> RuleSet:
                     kind=entry.get("kind"), options=entry.get("options", {}),
                     impl=entry.get("impl", {}), partial=entry.get("partial", {}))
             except (KeyError, ValueError) as exc:
-                raise UserError(f"bad op rule: {exc}", location) from None
+                raise UserError(f"bad op rule: {exc}", location,
+                                hint='e.g. dims = "arg0|input: *b k+, self.weight: n k+ -> *b n" '
+                                '(see rules/ops/torch_nn.toml)') from None
             if rule.annotation is None and rule.kind not in KINDS:
-                raise UserError(f"op rule needs `dims` or a `kind` among {sorted(KINDS)}", location)
+                raise UserError(f"op rule needs `dims` or a `kind` among {sorted(KINDS)}", location,
+                                hint='add dims = "..." (an annotation) or kind = "elementwise" (say)')
             for callee in rule.callees:
                 ops[callee] = rule
         for entry in data.get("ctor", []):

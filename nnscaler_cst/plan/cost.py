@@ -4,6 +4,7 @@ Times are seconds; the search scales them to integer nanoseconds for z3.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ..graph.dims import OpDims
@@ -43,17 +44,43 @@ class ClusterSpec:
 
 def load_cluster(name: str) -> ClusterSpec:
     import tomllib
-    from ..errors import UserError
-    from ..graph.oprules import RULES_DIR
-    path = RULES_DIR / "devices" / f"{name}.toml"
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in (RULES_DIR / "devices").glob("*.toml")))
-        raise UserError(f"unknown cluster {name!r}", hint=f"clusters: {known}")
-    data = tomllib.loads(path.read_text())
-    device, cluster = data["device"], data["cluster"]
-    return ClusterSpec(name, float(device["flops"]), float(device["memory"]), int(cluster["devices_per_node"]),
-                       float(cluster["intra_bandwidth"]), float(cluster["inter_bandwidth"]),
-                       float(cluster["latency"]), cluster.get("devices"))
+    from ..errors import Location, UserError, display_path, toml_error
+    from ..rules_path import find_rules_file, rules_files
+    path = find_rules_file("devices", name)
+    if path is None:
+        known = ", ".join(p.stem for p in rules_files("devices"))
+        raise UserError(f"unknown cluster {name!r}", hint=f"clusters: {known} (devices/NAME.toml in a rules folder)")
+    text = path.read_text()
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise toml_error(exc, path, text) from None
+    if "device" not in data or "cluster" not in data:
+        missing = "[device]" if "device" not in data else "[cluster]"
+        raise UserError(f"device spec {name!r} has no {missing} table", Location(display_path(path)),
+                        hint="a device spec has [device] flops, memory and [cluster] devices_per_node, "
+                        "intra_bandwidth, inter_bandwidth, latency (see rules/devices/cpu-gloo.toml)")
+    lines = text.splitlines()
+
+    def number(section: str, key: str, kind=float, required: bool = True):
+        value = data[section].get(key)
+        if value is None and not required:
+            return None
+        line = next((i + 1 for i, l in enumerate(lines) if re.match(rf"\s*{key}\s*=", l)), 1)
+        if value is None:
+            raise UserError(f"device spec {name!r} has no `{key}` in [{section}]", Location(display_path(path), line),
+                            hint="see rules/devices/cpu-gloo.toml for the keys a device spec needs")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 \
+                or (kind is int and value != int(value)):
+            raise UserError(f"`{key} = {value!r}` in [{section}]: expected a positive "
+                            f"{'integer' if kind is int else 'number'}", Location(display_path(path), line),
+                            hint="write a number, e.g. flops = 5e10 (FLOP/s), memory = 8e9 (bytes)")
+        return kind(value)
+
+    return ClusterSpec(name, number("device", "flops"), number("device", "memory"),
+                       number("cluster", "devices_per_node", int), number("cluster", "intra_bandwidth"),
+                       number("cluster", "inter_bandwidth"), number("cluster", "latency"),
+                       number("cluster", "devices", int, required=False))
 
 
 def node_flops(node: Node, dims: OpDims | None, trace: Trace) -> float:

@@ -124,7 +124,7 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
     stages = ranks * virtual
     n_blocks = len(trunk.blocks)
     if n_blocks < stages:
-        raise UserError(f"{n_blocks} blocks cannot fill {stages} pipeline stages",
+        raise UserError(f"{n_blocks} blocks cannot fill {stages} pipeline stages", trunk.function_span.start,
                         hint="use fewer stages (--pp, --virtual-stages)")
     block_of: dict[int, int] = {}
     for node in graph.nodes:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import z3
 
-from ..errors import Location, UserError, display_path
-from ..graph.oprules import RULES_DIR
+from ..errors import Location, UserError, display_path, toml_error
+from ..rules_path import find_rules_file, rules_files
 
 _CONSTRAINT = re.compile(r"^\s*([FB])\[(.+?)\]\s*<\s*([FB])\[(.+?)\]\s*(?:when\s+(.+))?$")
 
@@ -46,14 +46,21 @@ class ScheduleTable:
 
 
 def load_schedule(name: str) -> ScheduleTable:
-    """A schedule by name (rules/plans/NAME.toml) or by path to your own table."""
-    path = Path(name) if name.endswith(".toml") else RULES_DIR / "plans" / f"{name}.toml"
-    if not path.is_file():
-        known = sorted(p.stem for p in (RULES_DIR / "plans").glob("*.toml") if "[schedule]" in p.read_text())
-        raise UserError(f"unknown schedule {name!r}", hint=f"schedules: {', '.join(known)}")
-    data = tomllib.loads(path.read_text())
+    """A schedule by name (plans/NAME.toml in the rules folders) or by path to your own table."""
+    path = Path(name) if name.endswith(".toml") else find_rules_file("plans", name)
+    if path is None or not path.is_file():
+        known = [p.stem for p in rules_files("plans") if "[schedule]" in p.read_text()]
+        raise UserError(f"unknown schedule {name!r}" if not name.endswith(".toml") else f"no schedule table {name}",
+                        hint=f"schedules: {', '.join(known)}, or the path of your own .toml table")
+    text = path.read_text()
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise toml_error(exc, path, text) from None
     if "schedule" not in data:
-        raise UserError(f"{name} is a plan table, not a schedule", Location(display_path(path)))
+        raise UserError(f"{name} is a plan table, not a schedule", Location(display_path(path)),
+                        hint="--schedule takes a table with a [schedule] header (gpipe, 1f1b, interleaved); "
+                        "give plan tables to --plan")
     head = data["schedule"]
     return ScheduleTable(head.get("name", name), head.get("description", ""), int(head.get("virtual_stages", 1)),
                          head.get("warmup", "0"), head.get("order", []), head.get("forward_chunk", "0"),
@@ -93,7 +100,8 @@ def rank_order(table: ScheduleTable, rank: int, ranks: int, micro: int) -> list[
     V = table.virtual_stages
     K = V * micro
     env = {"i": rank, "D": ranks, "M": micro, "V": V, "K": K}
-    env["W"] = evaluate(table.warmup, env, table.location)
+    warmup_at = Location(table.location.path, _line(Path(table.location.path), "warmup"))
+    env["W"] = evaluate(table.warmup, env, warmup_at)
     pos = {(kind, k): z3.Int(f"{kind}{k}") for kind in "FB" for k in range(K)}
     solver = z3.Solver()
     solver.add(z3.Distinct(*pos.values()))

@@ -8,6 +8,8 @@ naming each constraint's file and line.
 """
 from __future__ import annotations
 
+import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -258,9 +260,17 @@ def _report_core(core, tracked, options, axis: str, n: int, graph: Graph, blocke
             why = "; ".join(sorted(set(options[sid].why.values()))) or "none of its splits is one the constraint allows"
             related.append((_site_location(graph, options, sid),
                             f"{graph.nodes[options[sid].nodes[0]].callee} cannot be split that way: {why}"))
+    hint = "drop or relax one of the constraints listed (the unsat core)"
+    sizes = sorted({int(s) for _, text in related for s in re.findall(r"size (\d+) is not divisible", text)},
+                   reverse=True)
+    if sizes:       # a size that does not divide: say which, and what would
+        common = math.gcd(*sizes)
+        fits = [d for d in range(2, min(common, 64) + 1) if common % d == 0][:4]
+        hint = (f"{', '.join(map(str, sizes))} {'is' if len(sizes) == 1 else 'are'} not divisible by {n}: "
+                + (f"use --{axis} {' or '.join(map(str, fits))}, or " if fits else "")
+                + "change the sizes, or " + hint)
     raise UserError(f"no {axis} plan on {n} devices satisfies these {len(seen)} constraints together",
-                    related[0][0] if related else None, related=related,
-                    hint="drop or relax one of the constraints listed (the unsat core)")
+                    related[0][0] if related else None, related=related, hint=hint)
 
 
 def _partial_grad_params(graph: Graph, node_choice: dict[int, str]) -> list[str]:

@@ -25,9 +25,9 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import Location, UserError, display_path
+from ..errors import Location, UserError, display_path, toml_error
 from ..graph.graph import Graph
-from ..graph.oprules import RULES_DIR
+from ..rules_path import find_rules_file, rules_dirs, rules_files
 from .layouts import REPLICATE
 
 ALGOS = {"split", "replicate", "batch"}
@@ -161,30 +161,44 @@ class PlanTable:
         return [c for c in self.constraints if c.axis == axis]
 
 
-def available_plans(rules_dir: Path = RULES_DIR) -> list[str]:
-    return sorted(p.stem for p in (rules_dir / "plans").glob("*.toml"))
+def available_plans(rules_dir: Path | None = None) -> list[str]:
+    if rules_dir is not None:
+        return sorted(p.stem for p in (rules_dir / "plans").glob("*.toml"))
+    return [p.stem for p in rules_files("plans")]
 
 
-def table_path(name: str, rules_dir: Path = RULES_DIR) -> Path:
-    """A table by name (rules/plans/NAME.toml) or by path (your own table, anywhere)."""
-    return Path(name) if name.endswith(".toml") else rules_dir / "plans" / f"{name}.toml"
+def table_path(name: str, rules_dir: Path | None = None) -> Path:
+    """A table by name (plans/NAME.toml in the rules folders) or by path (your own table, anywhere)."""
+    if name.endswith(".toml"):
+        return Path(name)
+    if rules_dir is not None:
+        return rules_dir / "plans" / f"{name}.toml"
+    return find_rules_file("plans", name) or rules_dirs()[-1] / "plans" / f"{name}.toml"
 
 
-def load_table(name: str, rules_dir: Path = RULES_DIR) -> PlanTable:
+def load_table(name: str, rules_dir: Path | None = None) -> PlanTable:
     path = table_path(name, rules_dir)
     if not path.is_file():
-        raise UserError(f"unknown plan {name!r}", hint=f"plans: {', '.join(available_plans(rules_dir))} "
-                        f"(tables in {display_path(rules_dir / 'plans')})")
+        where = ", ".join(display_path(d / "plans") for d in ([rules_dir] if rules_dir else rules_dirs()))
+        raise UserError(f"unknown plan {name!r}" if not name.endswith(".toml") else f"no plan table {name}",
+                        hint=f"plans: {', '.join(available_plans(rules_dir))} (tables in {where}), "
+                        "or the path of your own .toml table")
     text = path.read_text()
     shown = display_path(path)
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"invalid TOML: {exc}", Location(shown)) from None
+        raise toml_error(exc, path, text) from None
     head = data.get("plan", {})
     table = PlanTable(head.get("name", path.stem), head.get("description", ""), head.get("axes", []), path=path)
     if "extends" in head:
-        table.constraints += load_table(head["extends"], rules_dir).constraints
+        try:
+            table.constraints += load_table(head["extends"], rules_dir).constraints
+        except UserError as exc:
+            if exc.location is not None:
+                raise
+            line = next((i + 1 for i, l in enumerate(text.splitlines()) if re.match(r"\s*extends\s*=", l)), 1)
+            raise UserError(f"extends: {exc.message}", Location(shown, line), hint=exc.hint) from None
     lines = text.splitlines()
     for k, entry in enumerate(data.get("constraint", [])):
         cid = entry.get("id", f"{name}-{k}")
@@ -198,12 +212,15 @@ def load_table(name: str, rules_dir: Path = RULES_DIR) -> PlanTable:
         if constraint.algo is not None and constraint.algo not in ALGOS and not re.fullmatch(r"[\w.]+", constraint.algo):
             raise UserError(f"unknown algo {constraint.algo!r}", location, hint=f"one of {sorted(ALGOS)} or a dim label")
         if not constraint.select:
-            raise UserError("a constraint needs `select`", location)
+            raise UserError("a constraint needs `select`", location,
+                            hint='select ops, e.g. select = { params = "matrix" }, { all = true }, '
+                            '{ callee = "torch.nn.Linear" } or { module = "blocks.*" }')
         assign = entry.get("op_assign", "distinct" if chunks == 1 else "consecutive")
         if assign != ("distinct" if chunks == 1 else "consecutive"):
             raise UserError(f"op_assign = {assign!r} with n = {trans.get('n')!r}: n = |{axis}| puts the pieces on "
                             f"distinct devices (`distinct`), n = C*|{axis}| puts C consecutive pieces on each "
-                            "device (`consecutive`)", location)
+                            "device (`consecutive`)", location,
+                            hint=f"op_assign = {'distinct' if chunks == 1 else 'consecutive'!r}, or leave it out")
         table.constraints.append(constraint)
     return table
 
@@ -216,7 +233,7 @@ def pieces_per_device(n: str | None, axis: str, location: Location) -> int:
     chunks = int(match.group(1) or match.group(2) or 1) if match and not (match.group(1) and match.group(2)) else 0
     if chunks < 1:
         raise UserError(f"n = {n!r}: write n = |{axis}| (one piece per device) or n = C*|{axis}| "
-                        "(C pieces per device, co-shard)", location)
+                        "(C pieces per device, co-shard)", location, hint=f'n = "|{axis}|" or n = "2*|{axis}|"')
     return chunks
 
 

@@ -68,9 +68,14 @@ class Entry:
             model = self.build_fn()
         finally:
             torch.nn.Module.__init__ = module_init
-        if isinstance(model, torch.nn.Module):
-            self.constructions = {name: sites.get(id(m)) or Construction(type(m))
-                                  for name, m in model.named_modules()}
+        if not isinstance(model, torch.nn.Module):
+            code = getattr(self.build_fn, "__code__", None)
+            raise UserError(f"build() returned {type(model).__name__}, not an nn.Module",
+                            Location(display_path(code.co_filename), code.co_firstlineno) if code
+                            else Location(display_path(self.path)),
+                            hint="build() returns the model: `def build(): return MyModel(...)`")
+        self.constructions = {name: sites.get(id(m)) or Construction(type(m))
+                              for name, m in model.named_modules()}
         return model
 
     def call_model(self, model: torch.nn.Module, inputs: Any) -> Any:
@@ -145,6 +150,9 @@ def _char_col(filename: str, line: int, byte_col: int) -> int:
 
 def load_entry(path: str | Path, sources: SourceSet, model_class: str | None = None) -> Entry:
     path = Path(path).resolve()
+    if path.is_dir():
+        raise UserError(f"{display_path(path)} is a folder, not a model file",
+                        hint="pass the model file: nnscaler-rewrite model.py")
     if not path.is_file():
         raise UserError(f"no such file: {path}", hint="pass the model file: nnscaler-rewrite model.py")
     sources.get(path)  # a syntax error is reported with its position before anything runs
