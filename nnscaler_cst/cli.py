@@ -119,12 +119,33 @@ def _memory_budget(text) -> float | None:
 
 
 def _rewrite(model_file: Path, opts: dict):
+    """(analysis, rewrite, the files read while making it: what --check's cache depends on)."""
     from .analysis import analyze
+    from .checkcache import recording
     from .rewrite import rewrite as do_rewrite
-    analysis = analyze(model_file, model_class=opts["model"])
-    result = do_rewrite(analysis, _request(opts))
+    with recording() as opened:
+        analysis = analyze(model_file, model_class=opts["model"])
+        result = do_rewrite(analysis, _request(opts))
     _print_warnings(result.plan.warnings)
-    return analysis, result
+    return analysis, result, opened
+
+
+def _write(out_dir: Path, model_file: Path, given: dict, result, opened: set[str], force: bool) -> bool:
+    """Write the output with the user's hand edits merged in and say what became of them;
+    True when conflicts were left to resolve (the command exits 1)."""
+    from .checkcache import effective_options, record
+    from .config import project_defaults
+    from .emit.output import write_output
+    from .report.regenerate_view import regeneration_lines
+    options = effective_options(given, project_defaults(model_file))
+    cache = record(model_file, options, opened, result.files, out_dir)
+    notes, conflicts = regeneration_lines(out_dir, write_output(out_dir, result.files, force=force,
+                                                                check_cache=cache))
+    for line in notes:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    for line in conflicts:
+        err_console.print(line, markup=False, highlight=False, soft_wrap=True)
+    return bool(conflicts)
 
 
 def _print_warnings(warnings: list[str]) -> None:
@@ -158,24 +179,25 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
                                                "against this rank's file instead of writing"),
             check: bool = typer.Option(False, "--check", help="exit 1 with a diff when the output folder "
                                        "is stale (pre-commit)"),
-            force: bool = typer.Option(False, "--force", help="overwrite hand-edited generated files "
-                                       "(kept as NAME.edited)"),
+            force: bool = typer.Option(False, "--force", help="write the new generation without merging "
+                                       "hand edits (edited files are kept as NAME.edited)"),
             verbose: bool = VerboseOpt):
     """Rewrite MODEL_FILE into per-rank parallel source in the output folder."""
     _state["verbose"] = verbose
-    from .emit.output import stale_files, write_output
+    from .emit.output import staleness
     from .errors import display_path
 
     def body():
+        given = dict(tp=tp, dp=dp, plan=plan, out=out, model=model, devices=devices, cluster=cluster,
+                     memory_budget=memory_budget, pp=pp, micro_batches=micro_batches, schedule=schedule,
+                     stages=stages)
         if diff is not None and check:
             raise UserError("--diff and --check do not go together",
                             hint="--diff RANK shows one rank's diff; --check compares the whole output folder")
         if diff is not None and diff < 0:
             raise UserError(f"--diff {diff}: ranks start at 0", hint="e.g. --diff 0")
-        opts = _options(model_file, tp=tp, dp=dp, plan=plan, out=out, model=model, devices=devices,
-                        cluster=cluster, memory_budget=memory_budget, pp=pp, micro_batches=micro_batches,
-                        schedule=schedule, stages=stages)
-        analysis, result = _rewrite(model_file, opts)
+        opts = _options(model_file, **given)
+        analysis, result, opened = _rewrite(model_file, opts)
         out_dir = Path(opts["out"])
         if diff is not None:
             name = f"model_rank{diff}.py"
@@ -186,21 +208,25 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
             _print_diff(_unified_diff(source, result.files[name], display_path(analysis.entry.path),
                                       str(out_dir / name)))
             return
-        if check:
-            stale = stale_files(out_dir, result.files)
+        if check:       # clean hand edits are not staleness: compared after merging them
+            stale = staleness(out_dir, result.files)
             if stale:
-                for name in stale:
+                for name, now, then in stale.files:
                     path = out_dir / name
-                    old = path.read_text() if path.is_file() else ""
-                    _print_diff(_unified_diff(old, result.files[name], str(path), f"{path} (now)"))
-                err_console.print(f"{display_path(out_dir)} is stale: {', '.join(stale)}; "
-                                  f"rerun nnscaler-rewrite {display_path(model_file)}", markup=False)
+                    _print_diff(_unified_diff(now, then, str(path), f"{path} (now)"))
+                for problem in stale.problems:
+                    err_console.print(f"{display_path(out_dir)}/{problem}", markup=False, soft_wrap=True)
+                names = ", ".join(name for name, _, _ in stale.files) or "conflicts"
+                err_console.print(f"{display_path(out_dir)} is stale: {names}; "
+                                  f"rerun nnscaler-rewrite {display_path(model_file)}", markup=False, soft_wrap=True)
                 raise typer.Exit(1)
             console.print(f"{display_path(out_dir)} is up to date")
             return
-        write_output(out_dir, result.files, force=force)
+        conflicted = _write(out_dir, model_file, given, result, opened, force)
         console.print(f"wrote {display_path(out_dir)}/: {len(result.files)} files, plan "
                       f"{result.plan.describe()}, est. step {result.plan.estimated_step_seconds * 1e3:.2f} ms")
+        if conflicted:
+            raise typer.Exit(1)
 
     _run(body)
 
@@ -223,24 +249,25 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
            verbose: bool = VerboseOpt):
     """Run the output on N gloo processes against the single-device model; exit 1 if they differ."""
     _state["verbose"] = verbose
-    from .emit.output import write_output
     from .verify.equivalence import VerifyError, run_verify
     from .report.verify_view import verify_table
 
     def body():
+        given = dict(tp=tp, dp=dp, plan=plan, out=out, model=model, devices=devices, cluster=cluster,
+                     memory_budget=memory_budget, pp=pp, micro_batches=micro_batches, schedule=schedule,
+                     stages=stages)
         if steps < 1 or lr <= 0 or timeout <= 0:
             flag, value = next((f, v) for f, v, bad in (("--steps", steps, steps < 1), ("--lr", lr, lr <= 0),
                                                         ("--timeout", timeout, timeout <= 0)) if bad)
             raise UserError(f"{flag} {value:g}: must be {'at least 1' if flag == '--steps' else 'positive'}",
                             hint="e.g. --steps 3 --lr 1e-3 --timeout 300 (the defaults)")
-        opts = _options(model_file, tp=tp, dp=dp, plan=plan, out=out, model=model, devices=devices,
-                        cluster=cluster, memory_budget=memory_budget, pp=pp, micro_batches=micro_batches,
-                        schedule=schedule, stages=stages)
+        opts = _options(model_file, **given)
         out_dir = Path(opts["out"])
         if any(v is not None for v in (tp, dp, plan, devices, pp, micro_batches, schedule, stages)) \
                 or not out_dir.exists():
-            _, result = _rewrite(model_file, opts)
-            write_output(out_dir, result.files, force=force)
+            _, result, opened = _rewrite(model_file, opts)
+            if _write(out_dir, model_file, given, result, opened, force):
+                raise typer.Exit(1)         # conflict markers: nothing to verify until resolved
         try:
             outcome = run_verify(model_file, out_dir, steps=steps, lr=lr, timeout=timeout)
         except VerifyError as exc:

@@ -3,7 +3,7 @@
 Every case runs the real command line in a fresh process on the real fixtures (or on a copy
 of one, edited), then reads what it wrote: the file set, plan.json, byte-identical reruns,
 self-containment (no `nnscaler_cst` import), the split of every parameter, tied weights,
-`--diff`, `--check`, hand-edit protection, and refusal of a plan that does not apply to the
+`--diff`, `--check`, hand edits kept, and refusal of a plan that does not apply to the
 model (exit 2, `path:line:col: error:`, nothing written). No gloo process runs here.
 """
 from __future__ import annotations
@@ -185,7 +185,9 @@ def full_state_dicts():
 def test_the_folder_holds_one_model_file_per_rank_and_the_support_files(scenarios, case):
     _, _, n = world(case)
     expected = {f"model_rank{r}.py" for r in range(n)} | {"_comm.py", "__init__.py", "train.py", "plan.json"}
-    assert {p.name for p in output(scenarios, case).iterdir()} == expected
+    folder = output(scenarios, case)
+    assert {p.name for p in folder.iterdir() if not p.name.startswith(".")} == expected
+    assert {p.name for p in (folder / ".nnscaler" / "pristine").iterdir()} == expected     # the merge base
 
 
 @pytest.mark.parametrize("case", ["gpt-tp2", "gpt-tp2dp2"])
@@ -529,11 +531,11 @@ def test_check_fails_with_the_diff_after_the_model_file_changes(scenarios):
 # --------------------------------------------------------------------------------------------
 
 @uses("hand-edit:rewrite")
-def test_a_rewrite_over_a_hand_edited_rank_file_exits_2_and_touches_nothing(scenarios):
+def test_a_rewrite_over_a_hand_edited_rank_file_keeps_the_edit_and_says_so(scenarios):
     result, before, after, listing = scenarios["hand-edit:rewrite"]
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "model_rank1.py" in result.stderr and "--force" in result.stderr
-    assert after == before
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "kept 1 hand edit in parallel/model_rank1.py" in result.stdout
+    assert after == before                              # the model did not change: nothing else did
     assert listing == ["model.py", "parallel"]          # no staging folder left behind
 
 
@@ -556,10 +558,10 @@ def test_a_second_forced_rewrite_loses_neither_hand_edit(scenarios):
 
 
 @uses("hand-edit:plan-json")
-def test_a_rewrite_over_a_hand_edited_plan_json_exits_2_and_touches_nothing(scenarios):
+def test_a_hand_edit_to_plan_json_is_kept_like_any_other(scenarios):
     result, before, after = scenarios["hand-edit:plan-json"]
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "plan.json" in result.stderr
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "kept 1 hand edit in parallel/plan.json" in result.stdout
     assert after == before
 
 

@@ -1,8 +1,9 @@
-"""Write the output folder: rank files, _comm.py, __init__.py, train.py, plan.json.
+"""Write the output folder: rank files, _comm.py, __init__.py, train.py, plan.json, and its
+hidden `.nnscaler/` (the pristine generation and the check cache).
 
-Everything is rendered in memory first; then written to a temporary folder and swapped into
-place, so a failure leaves the old output untouched. Files someone edited by hand (their
-content no longer matches the hash in their @generated line) and files the tool did not
+Everything is rendered in memory first; emit/regenerate.py decides what each file becomes
+(hand edits merged into the new generation); then the folder is written to a temporary folder
+and swapped into place, so a failure leaves the old output untouched. Files the tool did not
 write are never overwritten silently.
 """
 from __future__ import annotations
@@ -11,44 +12,13 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError, display_path
-from .assemble import content_hash, read_header
-
-GENERATED_JSON_KEY = "generated_by"
-
-
-def edited_or_foreign(out_dir: Path, new_files: dict[str, str]) -> tuple[list[str], list[str]]:
-    """(generated files changed by hand since, files the tool did not write) in out_dir."""
-    edited, foreign = [], []
-    if not out_dir.exists():
-        return edited, foreign
-    recorded = _recorded_hashes(out_dir)
-    for path in sorted(out_dir.iterdir()):
-        if path.name == "__pycache__" or ".edited" in path.name:
-            continue
-        if path.is_dir():
-            foreign.append(path.name)
-            continue
-        text = path.read_text(errors="replace")
-        if path.name in recorded:
-            if recorded[path.name] != content_hash(text):
-                edited.append(path.name)
-            continue
-        if path.suffix == ".json":
-            state = json_state(text)
-            if state is None:
-                foreign.append(path.name)
-            elif state == "edited":
-                edited.append(path.name)
-            continue
-        header = read_header(text)
-        if header is None:
-            foreign.append(path.name)
-        elif header[0] != header[1]:
-            edited.append(path.name)
-    return edited, foreign
+from .assemble import content_hash
+from .pristine import CHECK_CACHE, HIDDEN_DIR, PRISTINE_DIR
+from .regenerate import Regeneration, regenerate
 
 
 def generated_json(data: dict) -> str:
@@ -57,48 +27,35 @@ def generated_json(data: dict) -> str:
     return json.dumps({**data, "content_hash": content_hash(body)}, indent=1) + "\n"
 
 
-def json_state(text: str) -> str | None:
-    """"generated", "edited" (hash no longer matches), or None when the tool did not write it."""
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(data, dict) or GENERATED_JSON_KEY not in data:
-        return None
-    recorded = data.pop("content_hash", None)
-    return "generated" if recorded == content_hash(json.dumps(data, indent=1) + "\n") else "edited"
-
-
-def _recorded_hashes(out_dir: Path) -> dict[str, str]:
-    """Hashes plan.json keeps for generated files that cannot carry a header (schedule.csv)."""
-    try:
-        data = json.loads((out_dir / "plan.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return data.get("file_hashes", {}) if GENERATED_JSON_KEY in data else {}
-
-
-def write_output(out_dir: Path, files: dict[str, str], *, force: bool = False) -> None:
+def write_output(out_dir: Path, files: dict[str, str], *, force: bool = False,
+                 check_cache: str | None = None) -> Regeneration:
+    """Write the new generation with the user's edits merged in; conflicts are written with
+    markers and returned (the caller exits 1). `check_cache`: the text of .nnscaler/check.json."""
     out_dir = Path(out_dir)
-    edited, foreign = edited_or_foreign(out_dir, files)
+    result = regenerate(out_dir, files, force=force)
+    folders = _user_folders(out_dir)
+    pristine_kept = (out_dir / PRISTINE_DIR).is_dir()
+    foreign = result.foreign + ([] if pristine_kept else [f"{p.name}/" for p in folders])
     if foreign:
         raise UserError(f"{display_path(out_dir)} holds files nnscaler-rewrite did not write: "
                         + ", ".join(foreign), hint="choose another -o folder, or move those files")
-    if edited and not force:
-        raise UserError("generated files were edited by hand since they were written: "
-                        + ", ".join(display_path(out_dir / f) for f in edited),
-                        hint="commit or move your edits, or pass --force (edited files are kept as "
-                             "NAME.edited, NAME.edited.2, ...)")
+    if result.blocked:
+        raise UserError("cannot merge hand edits: " + "; ".join(f"{display_path(out_dir / name)} {why}"
+                                                             for name, why in result.blocked),
+                        hint="resolve the conflict markers, or pass --force to write the new generation "
+                             "and keep the edited files as NAME.edited")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        for name, text in files.items():
+        for name, text in result.files.items():
             (staging / name).write_text(text, encoding="utf-8")
-        kept = [p for p in out_dir.glob("*.edited*")] if out_dir.exists() else []
-        for path in kept:
-            shutil.copy2(path, staging / path.name)
-        for name in edited:
-            shutil.copy2(out_dir / name, staging / _free_name(staging, f"{name}.edited"))
+        for folder in folders:               # the user's own folders inside ours stay
+            shutil.copytree(folder, staging / folder.name, symlinks=True)
+        (staging / PRISTINE_DIR).mkdir(parents=True)
+        for name, text in result.pristine.items():
+            (staging / PRISTINE_DIR / name).write_text(text, encoding="utf-8")
+        if check_cache is not None:
+            (staging / CHECK_CACHE).write_text(check_cache, encoding="utf-8")
         if out_dir.exists():
             retired = out_dir.with_name(f".{out_dir.name}.old")
             shutil.rmtree(retired, ignore_errors=True)
@@ -109,22 +66,48 @@ def write_output(out_dir: Path, files: dict[str, str], *, force: bool = False) -
             os.rename(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    return result
 
 
-def _free_name(folder: Path, name: str) -> str:
-    """NAME.edited, or NAME.edited.2, .3, ... when earlier edits are kept already."""
-    candidate, number = name, 1
-    while (folder / candidate).exists():
-        number += 1
-        candidate = f"{name}.{number}"
-    return candidate
+def _user_folders(out_dir: Path) -> list[Path]:
+    if not out_dir.is_dir():
+        return []
+    return [p for p in sorted(out_dir.iterdir()) if p.is_dir() and p.name not in (HIDDEN_DIR, "__pycache__")]
 
 
-def stale_files(out_dir: Path, files: dict[str, str]) -> list[str]:
-    """Names whose content on disk differs from what would be written now."""
-    stale = []
-    for name, text in sorted(files.items()):
-        path = Path(out_dir) / name
-        if not path.is_file() or path.read_text(errors="replace") != text:
-            stale.append(name)
-    return stale
+@dataclass
+class Staleness:
+    """What --check finds: files whose committed text differs from what a rewrite would write
+    (name, text now, text then), and problems no rewrite settles by itself."""
+
+    files: list[tuple[str, str, str]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.files or self.problems)
+
+
+def staleness(out_dir: Path, files: dict[str, str]) -> Staleness:
+    """Compare the folder with the new generation, the user's clean edits merged in: hand edits
+    that merge cleanly are not staleness; conflicts, and markers left unresolved, are."""
+    out_dir = Path(out_dir)
+    result = regenerate(out_dir, files)
+    found = Staleness()
+    found.problems += [f"{name}: {why}" for name, why in result.blocked]
+    found.problems += [f"{name}: files nnscaler-rewrite did not write" for name in result.foreign]
+    found.problems += [f"{o.name}: hand edits conflict with the new generation" for o in result.conflicts]
+    for name, text in sorted(result.files.items()):
+        path = out_dir / name
+        now = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
+        if now != text or not path.is_file():
+            found.files.append((name, now, text))
+    for name in sorted(o.name for o in result.outcomes if o.action == "removed"):   # no longer generated
+        found.files.append((name, (out_dir / name).read_text(encoding="utf-8", errors="replace"), ""))
+    pristine_dir, shown = out_dir / PRISTINE_DIR, {name for name, _, _ in found.files}
+    for name, text in sorted(result.pristine.items()):
+        path = pristine_dir / name
+        now = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
+        if (now != text or not path.is_file()) and name not in shown:     # else implied: less noise
+            found.files.append((f"{PRISTINE_DIR}/{name}", now, text))
+    return found
+
