@@ -119,8 +119,12 @@ def test_the_wheel_installed_in_a_fresh_venv_runs_the_main_job_outside_the_repos
     assert where == [str(site / "nnscaler_cst" / "__init__.py"), str(site / "nnscaler_cst" / "rules")], where
     assert (site / "nnscaler_cst" / "rules" / "devices" / "cpu-gloo.toml").is_file()
 
+    path = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+    for command in (["inspect", "mlp.py"], ["plan", "mlp.py", "--tp", "2", "--cluster", "a100-node"],
+                    ["explain", "mlp.py", "--dp", "2"]):
+        _run([bin_dir / "nnscaler-rewrite", *command], cwd=work, PATH=path)
     result = _run([bin_dir / "nnscaler-rewrite", "verify", "mlp.py", "--tp", "2", "-o", "parallel", "--steps", "2"],
-                  cwd=work, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+                  cwd=work, PATH=path)
     assert "Traceback" not in result.stderr
     written = {p.name for p in (work / "parallel").iterdir()}
     assert {"_comm.py", "__init__.py", "train.py", "plan.json"} <= written, written
