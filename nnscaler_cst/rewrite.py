@@ -264,6 +264,8 @@ def rewrite(analysis: Analysis, request: PlanRequest) -> Rewrite:
     choices = choices_from_plan(analysis.graph, plan, "tp")     # the rewrite reads the plan IR only
     edits = plan_edits(analysis.graph, choices, strict=not plan.name.startswith("auto")) \
         if choices is not None else None
+    if edits is not None:
+        plan.warnings += edits.warnings
     label = display_path(analysis.entry.path)
     files = render(analysis, plan, edits, label, stages, orders, request)
     return Rewrite(plan, tp_plan, edits, files, stages, orders)

@@ -220,3 +220,58 @@ def test_auto_under_a_budget_that_rules_out_data_parallel_picks_tensor_parallel_
     out = json.loads(result.stdout[result.stdout.index("{"):])
     assert out["passed"]
     assert json.loads((tmp_path / "out" / "plan.json").read_text())["mesh"]["tp"] > 1
+
+
+SHARED_HELPER = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    """One helper line, `torch.tanh(x)`, fed a column-split projection in one call and a whole
+    input in the other: both calls share the line, so both must arrive in one layout."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+
+    def act(self, x):
+        return torch.tanh(x) * 2
+
+    def forward(self, x, y):
+        a = self.act(self.up(x))
+        b = self.act(y)
+        return self.down(a).pow(2).mean() + (b * b).mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return {"x": torch.randn(8, 16), "y": torch.randn(8, 32)}
+'''
+
+
+def test_a_line_fed_by_producers_in_different_layouts_gets_one_conversion_for_all(tmp_path):
+    from nnscaler_cst.materialize.edits import plan_edits
+
+    path = tmp_path / "shared_helper.py"
+    path.write_text(SHARED_HELPER)
+    graph = analyze(path).graph
+    plan = search_axis(graph, "tp", 2, load_table("megatron").for_axis("tp"))
+    assert plan.param_layout["up.weight"].kind == "S"           # the projection is split...
+    tanh = [n for n in graph.nodes if n.callee == "torch.tanh"]
+    assert len(tanh) == 2 and len({n.span for n in tanh}) == 1
+    edits = plan_edits(graph, plan.choices)                     # ...and no call of the line is left out
+    arg = edits.sites.get(tanh[0].span)
+    assert arg is None or not arg.args, arg                     # the split value is gathered at its producer
+
+
+@pytest.mark.slow
+def test_a_line_fed_by_producers_in_different_layouts_verifies(tmp_path):
+    (tmp_path / "shared_helper.py").write_text(SHARED_HELPER)
+    result = cli("verify", "shared_helper.py", "--tp", "2", "-o", "out", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads(result.stdout)["passed"]

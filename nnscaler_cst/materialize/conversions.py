@@ -39,6 +39,17 @@ def conversion(have: Layout, need: Layout, *, consumer_split: bool, requires_gra
     return steps
 
 
+def common_prefix(lists: list[list[Step]]) -> list[Step]:
+    """The steps every list starts with: where several uses of one value need the same
+    conversion, it is written once, on the value's producer."""
+    prefix: list[Step] = []
+    for items in zip(*lists):
+        if any(item != items[0] for item in items):
+            break
+        prefix.append(items[0])
+    return prefix
+
+
 def conversion_time(steps: list[Step], full_nbytes: float, n: int, device: DeviceSpec) -> float:
     total = 0.0
     for step in steps:

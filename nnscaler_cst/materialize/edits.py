@@ -21,9 +21,8 @@ from ..plan.search import AxisChoices
 from .size_args import SIZE_ARGUMENTS, SPLIT_SIZES, locate_size_argument
 from ..source.files import Span
 from ..trace.records import Node, TensorList
-from .conversions import Step, conversion
+from .conversions import Step, common_prefix, conversion
 from .coshard import Region, coshard_regions
-
 
 
 @dataclass(frozen=True)
@@ -63,6 +62,7 @@ class Edits:
     param_layout: dict[str, Layout]         # every parameter's layout on this axis (split ones S)
     partial_grad_params: list[str]
     regions: list[Region] = field(default_factory=list)   # co-sharded statements
+    warnings: list[str] = field(default_factory=list)     # path:line:col: warning: ... (ops run whole)
 
     def site(self, span: Span) -> SiteEdit:
         return self.sites.setdefault(span, SiteEdit())
@@ -76,8 +76,8 @@ def _steps_note(steps: list[Step]) -> str:
 
 
 def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True) -> Edits:
-    """`strict`: refuse a split tensor gathered because its consumer cannot be split (a named plan
-    that does not apply to this model); a free search may choose such gathers."""
+    """`strict`: warn of a split tensor gathered because its consumer cannot be split (a named plan
+    that does not fit this model everywhere); a free search chooses such gathers itself."""
     n = plan.n
     trace = graph.trace
     tensors = trace.tensors
@@ -98,18 +98,19 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True) -> Edits
         for k, tid in enumerate(node.outputs):
             outs = lay(node).outputs
             have[tid] = outs[k] if k < len(outs) else R
+    grad_at = _grad_at_argument(graph)
     for node in graph.nodes:
         wanted = lay(node)
         for operand in node.operands:
             if operand.tid is None or tensors[operand.tid].param is not None:
                 continue
             info = tensors[operand.tid]
-            steps = conversion(have.get(operand.tid, R), wanted.inputs[operand.name],
-                               consumer_split=wanted.split, requires_grad=info.requires_grad)
+            steps = conversion(have.get(operand.tid, R), wanted.inputs[operand.name], consumer_split=wanted.split,
+                               requires_grad=grad_at.get((node.span, operand.path), info.requires_grad))
             if steps is None:
                 raise UserError(f"{node.callee} would need a partial sum as input", _loc(node))
             if strict:
-                _refuse_forced_regather(graph, plan, node, steps, info.shape)
+                _warn_forced_regather(graph, plan, node, steps, edits.warnings)
             needs[operand.tid].append((node, operand.path, steps))
         for operand in node.operands:   # tensors inside lists (torch.cat) must arrive whole
             if isinstance(operand.value, TensorList) and wanted.split is False:
@@ -127,16 +128,21 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True) -> Edits
         node = graph.nodes[producer] if producer is not None else None
         key = (node.span, node.callee, node.outputs.index(tid)) if node is not None and node.span else ("tensor", tid)
         by_output[key] += [(tid, consumer, path, steps) for consumer, path, steps in uses]
+    prefixes = _producer_prefixes(graph, by_output)
+    given: dict[tuple, list[Step]] = {}            # each argument's conversion, the same in every instance
     for key, uses in by_output.items():
+        prefix = prefixes[key]
         producer = tensors[uses[0][0]].producer
         node = graph.nodes[producer] if producer is not None else None
-        prefix = _common_prefix([steps for _, _, _, steps in uses])
-        if prefix and node is not None and key[0] != "tensor" and _wrappable(graph, node):
+        if prefix:
             _same(edits.site(node.span), "result", prefix, node)
-        else:
-            prefix = []
         for tid, consumer, path, steps in uses:
             rest = steps[len(prefix):]
+            argument = _argument(consumer, path)
+            if argument is not None and given.setdefault(argument, rest) != rest:
+                raise UserError(f"instances of {consumer.callee} need different conversions of their argument "
+                                f"{_path_note(path)}: {_steps_note(given[argument]) or 'none'} and "
+                                f"{_steps_note(rest) or 'none'} (please report it)", _loc(consumer))
             if not rest:
                 continue
             if consumer is not None and consumer.callee == SETITEM and path not in (("self",), ("pos", 1)):
@@ -149,8 +155,6 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True) -> Edits
                                 hint="pass the tensor as a plain argument, or pin this op to replicate")
             site = edits.site(consumer.span)
             site.writes = consumer.callee == SETITEM
-            if site.args.get(path, rest) != rest:
-                raise UserError(f"instances of {consumer.callee} need different conversions", _loc(consumer))
             site.args[path] = rest
 
     for node in graph.nodes:
@@ -163,34 +167,83 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True) -> Edits
     return edits
 
 
-def _refuse_forced_regather(graph: Graph, plan: AxisChoices, node: Node, steps: list[Step], shape) -> None:
-    """A split tensor gathered or re-split only because its consumer could not be split (no rule,
-    or sizes that do not divide) means the plan does not apply to this model: say where and why."""
-    if not any(step.op in ("gather", "scatter") for step in steps):
-        return
+def _producer_prefixes(graph: Graph, by_output: dict) -> dict[tuple, list[Step]]:
+    """Per producer output, the steps written on the producer: those all its uses share. An
+    argument written once but fed by several producers (a block's input: the embedding first,
+    the residual after) gets one conversion on its line; where the producers' prefixes would
+    leave its instances different rests, those producers keep their steps off the result."""
+    tensors = graph.trace.tensors
+    prefix: dict[tuple, list[Step]] = {}
+    for key, uses in by_output.items():
+        node = graph.nodes[tensors[uses[0][0]].producer] if key[0] != "tensor" else None
+        wrappable = node is not None and _wrappable(graph, node)
+        prefix[key] = common_prefix([steps for _, _, _, steps in uses]) if wrappable else []
+    while True:
+        rests: dict[tuple, dict[tuple, list[Step]]] = defaultdict(dict)    # argument -> key -> rest
+        for key, uses in by_output.items():
+            for _, consumer, path, steps in uses:
+                argument = _argument(consumer, path)
+                if argument is not None:
+                    rests[argument][key] = steps[len(prefix[key]):]
+        undo = {key for by_key in rests.values() if len({str(r) for r in by_key.values()}) > 1
+                for key in by_key if prefix[key]}
+        if not undo:
+            return prefix
+        for key in undo:
+            prefix[key] = []
+
+
+def _argument(consumer: Node | None, path: tuple | None) -> tuple | None:
+    """One argument as written in source: every instance of the call shares its conversion.
+    None for tensors inside a list argument and for the loss: each such use is its own."""
+    if consumer is None or consumer.span is None or path is None:
+        return None
+    return (consumer.span, path)
+
+
+def _path_note(path: tuple | None) -> str:
+    return "" if path is None else ".".join(str(p) for p in path)
+
+
+def _grad_at_argument(graph: Graph) -> dict[tuple, bool]:
+    """Whether any instance of an argument carries a gradient: a backward all-reduce (tp_copy)
+    written for it serves all of them (on a tensor without gradient it does nothing)."""
+    grad: dict[tuple, bool] = {}
+    for node in graph.nodes:
+        if node.span is None:
+            continue
+        for operand in node.operands:
+            if operand.tid is not None:
+                key = (node.span, operand.path)
+                grad[key] = grad.get(key, False) or graph.trace.tensors[operand.tid].requires_grad
+    return grad
+
+
+def _warn_forced_regather(graph: Graph, plan: AxisChoices, node: Node, steps: list[Step],
+                          warnings: list[str]) -> None:
+    """A split tensor gathered because its consumer cannot be split (no rule, or sizes that do
+    not divide) is correct but slow: the op runs whole on every device. Say where and why."""
+    if plan.node_choice[node.index] != REPLICATE or not any(step.op == "gather" for step in steps):
+        return      # a consumer that is split itself only re-splits what it is given
     if node.index not in graph.dims:
-        raise UserError(f"{node.callee} has no split rule but its input {tuple(shape)} is split "
-                        f"over {plan.n} devices", _loc(node),
-                        hint=f"add a rule for {node.callee} to rules/ops/*.toml, or plan without --tp")
-    from ..plan.search import site_id
-    options = plan.options.get(site_id(graph, node.index))
-    reasons = sorted({why for why in (options.why.values() if options else ()) if "not divisible" in why})
-    if reasons:
-        raise UserError(f"cannot split {node.callee} {plan.n} ways: {reasons[0]}", _loc(node),
-                        hint="choose a --tp that divides the model's sizes (heads, vocabulary, hidden)")
+        why = f"{node.callee} has no split rule"
+        hint = f"add a rule for {node.callee} to rules/ops/*.toml"
+    else:
+        from ..plan.search import site_id
+        options = plan.options.get(site_id(graph, node.index))
+        reasons = sorted({why for why in (options.why.values() if options else ()) if "not divisible" in why})
+        if not reasons:
+            return  # the planner chose to run it whole: cheaper than the alternatives
+        why = f"cannot split {node.callee} {plan.n} ways: {'; '.join(reasons)}"
+        hint = "a --tp that divides the model's sizes (heads, vocabulary, hidden) splits it"
+    where = node.span.start if node.span is not None else "?"
+    text = f"{where}: warning: {why}; it runs whole on every device, its input gathered first ({hint})"
+    if text not in warnings:
+        warnings.append(text)
 
 
 def _loc(node: Node | None):
     return node.span.start if node is not None and node.span is not None else None
-
-
-def _common_prefix(lists: list[list[Step]]) -> list[Step]:
-    prefix: list[Step] = []
-    for items in zip(*lists):
-        if any(item != items[0] for item in items):
-            break
-        prefix.append(items[0])
-    return prefix
 
 
 def _wrappable(graph: Graph, node: Node) -> bool:

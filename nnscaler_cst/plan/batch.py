@@ -55,6 +55,8 @@ def _first_mixing_op(graph: Graph) -> tuple[Node, str] | None:
             if mixes:
                 reduced.update(node.produced)
             continue
+        if _dead(node):
+            continue
         if mixes:
             return node, "combines a value reduced over the batch with the batch itself"
         if all(not tensors[t].shape for t in node.outputs or node.produced):   # a loss or metric: DP averages it
@@ -82,3 +84,11 @@ def _first_mixing_op(graph: Graph) -> tuple[Node, str] | None:
                 if place is not None and place[1] == 1:
                     batched[out.tid] = place[0]
     return None
+
+
+def _dead(node: Node) -> bool:
+    """A result nothing reads (a pooler output a masked LM computes and drops) cannot mix the
+    samples of anything that matters. Writes in place are read through the tensor they change."""
+    name = node.callee.rsplit(".", 1)[-1]
+    return bool(node.produced) and not node.outputs and not (name.endswith("_") or name.startswith("__set"))
+

@@ -59,9 +59,9 @@ def find_trunk(graph: Graph) -> Trunk:
     if not graph.blocks:
         raise UserError("pipeline stages need a model built from repeated blocks (a ModuleList of "
                         "one block class called in a loop)")
-    paths = max(graph.blocks.values(), key=len)
-    container = paths[0].rsplit(".", 1)[0]
     calls = graph.trace.module_calls
+    paths = max(graph.blocks.values(), key=lambda group: (_loop_runs_once(group, calls), len(group)))
+    container = paths[0].rsplit(".", 1)[0]
     blocks = sorted((p for p in paths if p in calls), key=lambda p: calls[p][1])
     if len(blocks) < 2:
         raise UserError(f"the blocks of {container} are not called from the model's own code")
@@ -96,6 +96,14 @@ def find_trunk(graph: Graph) -> Trunk:
     index = body.index(loop)
     return Trunk(container, blocks, function, source.span_of(function), index,
                  handoff_variables(function, index))
+
+
+def _loop_runs_once(group: list[str], calls: dict) -> bool:
+    """Whether the code calling these blocks calls no others: a loop inside a function that runs
+    once per stage of an outer loop (BiT's layers in each of its stages) cannot be cut alone."""
+    spans = {calls[p][0] for p in group if p in calls}
+    container = group[0].rsplit(".", 1)[0]
+    return not any(span in spans and path not in group and path != container for path, (span, _) in calls.items())
 
 
 def handoff_variables(function: cst.FunctionDef, loop_index: int) -> list[str]:

@@ -8,6 +8,7 @@ naming each constraint's file and line.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections import defaultdict
@@ -17,7 +18,7 @@ import z3
 
 from ..errors import Location, UserError
 from ..graph.graph import Graph
-from ..materialize.conversions import conversion, conversion_time
+from ..materialize.conversions import common_prefix, conversion, conversion_time
 from ..materialize.size_args import SIZE_ARGUMENTS, locate_size_argument
 from ..sizes import format_bytes
 from .cost import DeviceSpec, all_reduce_time, compute_time, node_flops
@@ -189,10 +190,12 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
                                 constraint))
 
     uses = _param_uses(graph, options)
-    terms, memory_terms, impossible = _cost_terms(graph, options, var, n, device, data_parallel, uses)
+    terms, memory_terms, impossible, disagree = _cost_terms(graph, options, var, n, device, data_parallel, uses)
     # The model's own facts (a tied weight has one layout, no collective joins some pairs of
-    # splits) are tracked too, so that an unsat core always names sites, never nothing.
-    facts = [*_param_facts(graph, options, uses, var), *_edge_facts(graph, options, impossible)]
+    # splits, one line's argument gets one conversion) are tracked too, so that an unsat core
+    # always names sites, never nothing.
+    facts = [*_param_facts(graph, options, uses, var), *_edge_facts(graph, options, impossible),
+             *_agreement_facts(graph, options, disagree)]
     hard += [expr for _, expr, _ in facts]
 
     checker = z3.Solver()
@@ -351,6 +354,20 @@ def _edge_facts(graph: Graph, options, impossible: dict) -> list:
     return facts
 
 
+_MAX_COMBINATIONS = 4096       # choices of a producer and its consumers enumerated for one value
+
+
+def _agreement_facts(graph: Graph, options, disagree: dict) -> list:
+    facts = []
+    for (sv, name), hard in disagree.items():
+        consumer = graph.nodes[options[sv].nodes[0]]
+        fact = _Fact(f"agree:{len(facts)}", _site_location(graph, options, sv),
+                     f"{consumer.callee} takes its {name} from different producers in different calls: "
+                     f"they must hand it over in layouts that need the same conversion")
+        facts.append((z3.Bool(fact.id), z3.And(hard), fact))
+    return facts
+
+
 def _cost_terms(graph: Graph, options, var, n: int, device: DeviceSpec, data_parallel: int, uses):
     """z3 terms of the step time (ns), of the memory per device (bytes), and the pairs of
     choices no collective sequence can connect."""
@@ -422,6 +439,11 @@ def _cost_terms(graph: Graph, options, var, n: int, device: DeviceSpec, data_par
                     table[(a, b)] = None
                 elif table.get((a, b), 0.0) is not None:
                     table[(a, b)] = table.get((a, b), 0.0) + count * conversion_time(steps, nbytes, n, device)
+    loss_source = None
+    if graph.trace.loss is not None and graph.trace.loss in producer_out:
+        u, k = producer_out[graph.trace.loss]
+        loss_source = (site_id(graph, u), k)
+    disagree = _disagreeing_sources(options, edges, consumer_of, lay, var, loss_source)
     loss = graph.trace.loss
     if loss is not None and loss in producer_out:
         u, k = producer_out[loss]
@@ -448,4 +470,65 @@ def _cost_terms(graph: Graph, options, var, n: int, device: DeviceSpec, data_par
         for k, layout in enumerate(layouts):
             activation.append(z3.If(var[sid] == k, size // (n if layout.kind == "S" else 1), 0))
 
-    return terms, activation, impossible
+    return terms, activation, impossible, disagree
+
+
+def _disagreeing_sources(options, edges, consumer_of, lay, var, loss_source) -> dict[tuple, list]:
+    """An argument written once in source but fed by different producers in different instances
+    (a block's input: the embedding first, the previous block's residual after) gets one
+    conversion on its line, so what each producer leaves to it must be the same. What a producer
+    leaves: its conversion to that argument, less the steps all its uses share (those go on the
+    producer's result, as materialize/edits.py writes them). Per argument, z3 terms naming each
+    producer's remainder by a code, and requiring the codes equal."""
+    instance: dict[tuple, int] = {}
+    grad: dict[tuple, bool] = defaultdict(bool)
+    feeds: dict[tuple, set] = defaultdict(set)       # producer output -> arguments it feeds
+    sources: dict[tuple, set] = defaultdict(set)     # argument -> producer outputs feeding it
+    for key in edges:
+        su, k, sv, name, _, requires_grad = key
+        argument = (sv, name)
+        instance.setdefault(argument, consumer_of[key])
+        grad[argument] |= requires_grad
+        sources[argument].add((su, k))
+        feeds[(su, k)].add(argument)
+    shared = {argument for argument, feeding in sources.items() if len(feeding) > 1}
+    codes: dict[str, int] = {}
+    remainder: dict[tuple, z3.ArithRef] = {}
+    terms: dict[tuple, list] = defaultdict(list)
+    for source in sorted({s for argument in shared for s in sources[argument]}, key=str):
+        su, k = source
+        arguments = sorted(feeds[source], key=str)
+        sites = list(dict.fromkeys(([su] if su is not None else []) + [a[0] for a in arguments]))
+        ranges = [range(len(options[site].options)) for site in sites]
+        if math.prod(map(len, ranges)) > _MAX_COMBINATIONS:
+            continue                     # too many uses to enumerate: left to the rewrite's check
+        for combination in itertools.product(*ranges):
+            pick = dict(zip(sites, combination))
+            if su is None:
+                have = R
+            else:
+                u = options[su].nodes[0]
+                outs = lay(u, options[su].labels[u][pick[su]]).outputs
+                have = outs[k] if k < len(outs) else R
+            steps = {}
+            for argument in arguments:
+                sv, name = argument
+                v = instance[argument]
+                wanted = lay(v, options[sv].labels[v][pick[sv]])
+                steps[argument] = conversion(have, wanted.inputs[name], consumer_split=wanted.split,
+                                             requires_grad=grad[argument])
+            if any(s is None for s in steps.values()):
+                continue                 # a pair no collective joins: excluded by the edge facts
+            uses = list(steps.values()) + ([conversion(have, R, consumer_split=False, requires_grad=False)]
+                                           if source == loss_source else [])
+            prefix = common_prefix(uses) if su is not None else []
+            chosen = z3.And([var[site] == option for site, option in pick.items()])
+            for argument in arguments:
+                if argument in shared:
+                    code = codes.setdefault(str(steps[argument][len(prefix):]), len(codes))
+                    left = remainder.setdefault((source, argument), z3.Int(f"left{len(remainder)}"))
+                    terms[argument].append(z3.Implies(chosen, left == code))
+    for argument in shared:
+        left = [remainder[(s, argument)] for s in sorted(sources[argument], key=str) if (s, argument) in remainder]
+        terms[argument] += [x == left[0] for x in left[1:]]
+    return {argument: hard for argument, hard in terms.items() if hard}

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import sys
 from pathlib import Path
 from typing import Any
 
+import libcst as cst
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
@@ -258,7 +260,7 @@ class Tracer(TorchFunctionMode):
         return Span(str(source.path), line, source.char_col(line, col), end_line, source.char_col(end_line, end_col))
 
     def _open_node(self, func, args, kwargs, caller, own, contained=None):
-        span, mapped = None, False
+        span, mapped, found = None, False, None
         if own is not None:
             span = self._span(own)
             if span is not None:
@@ -275,7 +277,7 @@ class Tracer(TorchFunctionMode):
         node = Node(len(self.nodes), span, callee, kind, self._module_path(own) if own else "", mapped=mapped)
         if kind == "module":
             node.callee_path = self._module_names.get(id(callee_frame.f_locals["self"]))
-        node.operands = self._operands(func, kind, callee_frame, args, kwargs)
+        node.operands = self._operands(func, kind, callee_frame, args, kwargs, _positional_count(found))
         self.nodes.append(node)
         replay = self._replay(func, kind, callee_frame, args, kwargs)
         if replay is not None:
@@ -329,8 +331,9 @@ class Tracer(TorchFunctionMode):
             if self._entry_args.pop(id(frame), None) is not None:
                 self._returned(id(frame), arg)
 
-    def _operands(self, func, kind, callee_frame, args, kwargs) -> list[Operand]:
-        """Name every input of the invocation and where it sits in the user's call."""
+    def _operands(self, func, kind, callee_frame, args, kwargs, written_positional=None) -> list[Operand]:
+        """Name every input of the invocation and where it sits in the user's call.
+        `written_positional`: how many arguments the call's source passes by position, if known."""
         operands: list[Operand] = []
         if kind == "module":
             module = callee_frame.f_locals["self"]
@@ -347,9 +350,12 @@ class Tracer(TorchFunctionMode):
             code = callee_frame.f_code
             values = self._arguments(callee_frame)
             n_pos = code.co_argcount + code.co_kwonlyargcount
+            bound = int(inspect.ismethod(func))      # `obj.helper(a)`: the source does not write obj's slot
             for i, name in enumerate(code.co_varnames[:n_pos]):
                 if name in values:
-                    path = ("pos", i) if i < code.co_argcount else ("kw", name)
+                    at = i - bound
+                    by_position = i < code.co_argcount and (written_positional is None or at < written_positional)
+                    path = None if at < 0 else ("pos", at) if by_position else ("kw", name)
                     operands.append(self._operand(name, path, values[name]))
             if code.co_flags & 0x08:  # **kwargs
                 extra = values.get(code.co_varnames[n_pos + bool(code.co_flags & 0x04)], {})
@@ -538,3 +544,11 @@ def trace_model(entry: Entry, sources: SourceSet, *, library_modules=(), mode: s
             if mode == "fake":
                 raise
     return Tracer(sources, entry, library_modules).run("real")
+
+
+def _positional_count(call) -> int | None:
+    """Arguments a call's source passes by position; None when unknown (not a call, or `*args`)."""
+    if not isinstance(call, cst.Call) or any(a.star for a in call.args):
+        return None
+    return sum(1 for a in call.args if a.keyword is None)
+
