@@ -105,6 +105,44 @@ def test_more_stages_than_blocks_is_refused(graph):
         stages(graph, 5)
 
 
+SHARED_LAYERS = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+
+    class Shared(nn.Module):
+        # ALBERT's shape: one layer, its weights shared, called once per depth
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x):
+            for _ in range(4):
+                x = torch.tanh(self.layer(x))
+            return self.head(x).sum()
+
+
+    def build():
+        return Shared()
+
+
+    def example_inputs():
+        return {"x": torch.randn(4, 8)}
+""")
+
+
+def test_layers_sharing_one_module_are_refused_at_the_shared_call(tmp_path):
+    from nnscaler_cst.analysis import analyze
+    from nnscaler_cst.plan.pipeline import find_trunk
+    (tmp_path / "shared.py").write_text(SHARED_LAYERS)
+    with pytest.raises(UserError, match="calls layer 4 times") as refused:
+        find_trunk(analyze(tmp_path / "shared.py").graph)
+    where = refused.value.location
+    assert (Path(where.path).name, where.line) == ("shared.py", SHARED_LAYERS.splitlines().index(
+        "            x = torch.tanh(self.layer(x))") + 1)
+
+
 LOOP_WITH_LAYERDROP = textwrap.dedent("""
     def forward(self, x, mask):
         h = self.embed(x)

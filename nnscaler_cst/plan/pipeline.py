@@ -57,8 +57,7 @@ class StagePlan:
 
 def find_trunk(graph: Graph) -> Trunk:
     if not graph.blocks:
-        raise UserError("pipeline stages need a model built from repeated blocks (a ModuleList of "
-                        "one block class called in a loop)")
+        raise _no_blocks(graph)
     calls = graph.trace.module_calls
     paths = max(graph.blocks.values(), key=lambda group: (_loop_runs_once(group, calls), len(group)))
     container = paths[0].rsplit(".", 1)[0]
@@ -96,6 +95,25 @@ def find_trunk(graph: Graph) -> Trunk:
     index = body.index(loop)
     return Trunk(container, blocks, function, source.span_of(function), index,
                  handoff_variables(function, index))
+
+
+def _no_blocks(graph: Graph) -> UserError:
+    """No repeated blocks to cut: say where, pointing at a layer called more than once (a model
+    whose layers share one set of weights, like ALBERT's) when there is one."""
+    calls: dict[str, list] = {}
+    for node in graph.nodes:
+        if node.callee_path is not None and node.span is not None:
+            calls.setdefault(node.callee_path, []).append(node)
+    shared = max(calls.items(), key=lambda item: len(item[1]), default=(None, []))
+    hint = "pipelining cuts a ModuleList of one block class, called in a loop, into stages"
+    if len(shared[1]) > 1:
+        path, nodes = shared
+        return UserError(f"pipeline stages need repeated blocks; this model calls {path} {len(nodes)} times "
+                         "(its layers share one set of weights), so no stage could hold its own layers",
+                         nodes[0].span.start, hint=hint)
+    first = next((n.span.start for n in graph.nodes if n.span is not None and n.mapped), None)
+    return UserError("pipeline stages need a model built from repeated blocks (a ModuleList of one block "
+                     "class called in a loop); this model has none", first, hint=hint)
 
 
 def _loop_runs_once(group: list[str], calls: dict) -> bool:
