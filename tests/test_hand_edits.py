@@ -195,10 +195,12 @@ def test_files_the_user_added_to_a_folder_with_pristine_copies_stay(tmp_path):
     out = tmp_path / "out"
     write_output(out, generation())
     (out / "NOTES.md").write_text("reviewed\n")
+    (out / "weights.pt").write_bytes(bytes(range(256)))            # not text: copied byte for byte
     (out / "helpers").mkdir()
     (out / "helpers" / "util.py").write_text("z = 0\n")
     write_output(out, generation("2"))
     assert (out / "NOTES.md").read_text() == "reviewed\n"
+    assert (out / "weights.pt").read_bytes() == bytes(range(256))
     assert (out / "helpers" / "util.py").read_text() == "z = 0\n"
 
 

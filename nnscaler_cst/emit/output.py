@@ -49,6 +49,8 @@ def write_output(out_dir: Path, files: dict[str, str], *, force: bool = False,
     try:
         for name, text in result.files.items():
             (staging / name).write_text(text, encoding="utf-8")
+        for name in result.kept:
+            shutil.copy2(out_dir / name, staging / name)
         for folder in folders:               # the user's own folders inside ours stay
             shutil.copytree(folder, staging / folder.name, symlinks=True)
         (staging / PRISTINE_DIR).mkdir(parents=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .assemble import content_hash, read_header
 from .merge import has_unresolved_conflict, merge3
-from .pristine import HIDDEN_DIR, is_kept_aside, read_pristine
+from .pristine import is_kept_aside, read_pristine
 
 GENERATED_JSON_KEY = "generated_by"
 
@@ -42,9 +42,10 @@ class Outcome:
 
 @dataclass
 class Regeneration:
-    files: dict[str, str]                  # the folder's files after this run (merged, set aside, kept)
+    files: dict[str, str]                  # the generated files after this run (merged) and those set aside
     pristine: dict[str, str]               # the new generation, recorded as the next merge's base
     outcomes: list[Outcome]
+    kept: list[str] = field(default_factory=list)                  # copied as they are, byte for byte
     blocked: list[tuple[str, str]] = field(default_factory=list)   # (file, why it cannot be merged)
     foreign: list[str] = field(default_factory=list)               # files the tool did not write
 
@@ -55,12 +56,12 @@ class Regeneration:
 
 def regenerate(out_dir: Path, generated: dict[str, str], *, force: bool = False) -> Regeneration:
     out_dir = Path(out_dir)
-    on_disk = _user_files(out_dir)
+    on_disk = _plain_files(out_dir)
     pristine = read_pristine(out_dir)
-    recorded = _recorded_hashes(on_disk.get("plan.json", ""))
+    recorded = _recorded_hashes(_read(out_dir, "plan.json") if "plan.json" in on_disk else "")
     result = Regeneration({}, dict(generated), [])
     for name, new in generated.items():
-        yours = on_disk.get(name)
+        yours = _read(out_dir, name) if name in on_disk else None
         if yours is None:
             restored = pristine is not None and name in pristine
             result.files[name] = new
@@ -84,18 +85,16 @@ def regenerate(out_dir: Path, generated: dict[str, str], *, force: bool = False)
             result.files[name] = merged.text
             action = "conflict" if merged.conflicts else "merged" if merged.kept_edits or yours != base else "updated"
             result.outcomes.append(Outcome(name, action, merged.kept_edits, merged.conflict_lines))
-    for name, yours in on_disk.items():
+    for name in sorted(on_disk):
         if name in generated:
             continue
-        if is_kept_aside(name):
-            result.files[name] = yours
+        if pristine is not None and name not in pristine or is_kept_aside(name):
+            result.kept.append(name)         # the user's own files, and edits set aside before
             continue
+        yours = _read(out_dir, name)
         base = pristine.get(name) if pristine is not None else _own_base(name, yours, recorded)
-        ours = pristine is not None and name in pristine or pristine is None and _is_generated(name, yours)
-        if not ours:
-            if pristine is None:
-                result.foreign.append(name)
-            result.files[name] = yours
+        if pristine is None and not _is_generated(name, yours):
+            result.foreign.append(name)
         elif yours == base:
             result.outcomes.append(Outcome(name, "removed"))
         else:
@@ -105,19 +104,22 @@ def regenerate(out_dir: Path, generated: dict[str, str], *, force: bool = False)
     return result
 
 
-def _set_aside(result: Regeneration, on_disk: dict[str, str], name: str, yours: str, new: str) -> None:
+def _set_aside(result: Regeneration, on_disk: set[str], name: str, yours: str, new: str) -> None:
     aside = _free_name(f"{name}.edited", result.files, on_disk)
     result.files[aside] = yours
     result.files[name] = new
     result.outcomes.append(Outcome(name, "set-aside", set_aside_as=aside))
 
 
-def _user_files(out_dir: Path) -> dict[str, str]:
-    """The folder's plain files (not the hidden folder, not bytecode caches)."""
+def _plain_files(out_dir: Path) -> set[str]:
+    """Names of the folder's plain files (folders, the hidden one included, are not merged)."""
     if not out_dir.is_dir():
-        return {}
-    return {p.name: p.read_text(encoding="utf-8", errors="replace") for p in sorted(out_dir.iterdir())
-            if p.is_file() and p.name != HIDDEN_DIR}
+        return set()
+    return {p.name for p in out_dir.iterdir() if p.is_file()}
+
+
+def _read(out_dir: Path, name: str) -> str:
+    return (out_dir / name).read_text(encoding="utf-8", errors="replace")
 
 
 def _own_base(name: str, text: str, recorded: dict[str, str]) -> str | None:
@@ -158,7 +160,7 @@ def _recorded_hashes(plan_json: str) -> dict[str, str]:
     return data.get("file_hashes", {}) if isinstance(data, dict) and GENERATED_JSON_KEY in data else {}
 
 
-def _free_name(name: str, *taken: dict[str, str]) -> str:
+def _free_name(name: str, *taken) -> str:
     """NAME.edited, or NAME.edited.2, .3, ... when earlier edits are kept already."""
     candidate, number = name, 1
     while any(candidate in names for names in taken):
