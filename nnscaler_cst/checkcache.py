@@ -87,7 +87,9 @@ def record(model_file: Path, options: dict[str, str], opened: set[str], generate
         path = Path(raw)
         if not path.is_absolute():
             path = Path.cwd() / path
-        if path.suffix == ".pyc" or not path.is_file():
+        if path.suffix == ".pyc":            # an import read the cached bytecode, not the source
+            path = _source_of(path)
+        if path is None or not path.is_file():
             continue
         path = path.resolve()
         root = next((r for r in library if _is_below(path, r)), None)
@@ -189,6 +191,14 @@ def _builtin_rules_dir() -> Path:
     rules/ (repeated here so that this module reads no rules code)."""
     installed = PACKAGE_DIR / "rules"
     return installed if (installed / "plans").is_dir() else PACKAGE_DIR.parent / "rules"
+
+
+def _source_of(bytecode: Path) -> Path | None:
+    from importlib.util import source_from_cache
+    try:
+        return Path(source_from_cache(str(bytecode)))
+    except ValueError:                       # not in a __pycache__ folder: no source to watch
+        return None
 
 
 def _stdlib_dirs() -> set[Path]:

@@ -8,6 +8,7 @@ edit exits 1 with markers, and a current output is checked without importing tor
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -268,6 +269,20 @@ def test_the_cache_does_not_answer_when_an_input_or_the_output_changed(cached_ou
         (out / "model.py").write_text("<<<<<<< yours\na\n=======\nb\n>>>>>>> generated\n")
     elif change == "environment":
         monkeypatch.setenv("NNSCALER_RULES_PATH", "/elsewhere")
+    assert not is_current(model, options, out)
+
+
+def test_a_local_module_imported_from_its_bytecode_is_watched_by_its_source(cached_output):
+    model, options, out = cached_output
+    source = model.parent / "sizes_cfg.py"
+    source.write_text("LAYERS = 4\n")
+    bytecode = Path(importlib.util.cache_from_source(str(source)))     # what an import opens when cached
+    bytecode.parent.mkdir(exist_ok=True)
+    bytecode.write_bytes(b"")
+    write_output(out, generation(), check_cache=record(model, options, {str(model), str(bytecode)},
+                                                       generation(), out))
+    assert is_current(model, options, out)
+    source.write_text("LAYERS = 5\n")
     assert not is_current(model, options, out)
 
 
