@@ -406,10 +406,23 @@ def test_a_conflicting_edit_exits_1_with_markers_and_the_users_text(copy):
     assert rewrite("--check", cwd=copy).returncode == 1       # unresolved: not current
 
 
+def test_check_with_no_model_file_takes_it_and_the_options_from_pyproject(copy):
+    (copy / "pyproject.toml").write_text('[tool.nnscaler-rewrite]\nmodel-file = "model.py"\ntp = 2\n'
+                                         'out = "parallel"\n')
+    result = ok(run("-X", "importtime", "-m", "nnscaler_cst", "--check", cwd=copy))
+    assert result.stdout.strip() == "parallel is up to date"
+    assert heavy_imports(result) == set()          # the same options as the rewrite's: the cache answers
+
+
 def test_a_current_output_is_checked_without_importing_torch_libcst_or_typer(copy):
     result = ok(run("-X", "importtime", "-m", "nnscaler_cst", "model.py", "--tp", 2, "-o", "parallel", "--check",
                     cwd=copy))
     assert result.stdout.strip() == "parallel is up to date"
+    assert heavy_imports(result) == set()
+
+
+def heavy_imports(result: subprocess.CompletedProcess) -> set[str]:
+    """Top-level packages among torch, LibCST, z3, typer and rich that a run (-X importtime) imported."""
     imported = {line.split("|")[-1].strip().split(".")[0] for line in result.stderr.splitlines() if "|" in line}
     assert "nnscaler_cst" in imported
-    assert not imported & {"torch", "libcst", "typer", "rich", "z3"}
+    return imported & {"torch", "libcst", "typer", "rich", "z3"}
