@@ -406,19 +406,17 @@ def test_a_conflicting_edit_exits_1_with_markers_and_the_users_text(copy):
     assert rewrite("--check", cwd=copy).returncode == 1       # unresolved: not current
 
 
-def test_check_with_no_model_file_takes_it_and_the_options_from_pyproject(copy):
+def test_a_current_output_is_checked_from_the_cache_without_importing_torch_libcst_or_typer(copy):
+    """Given on the command line, or (no model file) taken from pyproject: the same options."""
+    ok(rewrite(cwd=copy))         # the cache names the tool's own files: others may edit them meanwhile
+    explicit = ok(run("-X", "importtime", "-m", "nnscaler_cst", "model.py", "--tp", 2, "-o", "parallel", "--check",
+                      cwd=copy))
     (copy / "pyproject.toml").write_text('[tool.nnscaler-rewrite]\nmodel-file = "model.py"\ntp = 2\n'
                                          'out = "parallel"\n')
-    result = ok(run("-X", "importtime", "-m", "nnscaler_cst", "--check", cwd=copy))
-    assert result.stdout.strip() == "parallel is up to date"
-    assert heavy_imports(result) == set()          # the same options as the rewrite's: the cache answers
-
-
-def test_a_current_output_is_checked_without_importing_torch_libcst_or_typer(copy):
-    result = ok(run("-X", "importtime", "-m", "nnscaler_cst", "model.py", "--tp", 2, "-o", "parallel", "--check",
-                    cwd=copy))
-    assert result.stdout.strip() == "parallel is up to date"
-    assert heavy_imports(result) == set()
+    from_pyproject = ok(run("-X", "importtime", "-m", "nnscaler_cst", "--check", cwd=copy))
+    for result in (explicit, from_pyproject):
+        assert result.stdout.strip() == "parallel is up to date"
+        assert heavy_imports(result) == set()
 
 
 def heavy_imports(result: subprocess.CompletedProcess) -> set[str]:
