@@ -289,6 +289,24 @@ def test_reshape_that_regroups_dims_cannot_split_them():
     assert dims.splittable() == []
 
 
+def test_a_regrouping_reshape_still_splits_its_outermost_dim_when_the_sizes_nest():
+    """ConvBERT's (B, S, heads * k) -> (-1, k, 1): the batch is the outer part of the merged dim."""
+    x = torch.randn(4, 16, 36)
+    dims = instantiate("torch.reshape", {"arg0": x}, [x.reshape(-1, 9, 1)], {"arg1": [-1, 9, 1]})
+    [batch] = labels_at(dims.inputs["arg0"], 0)
+    assert labels_at(dims.outputs[0], 0)[0] == batch and dims.splittable() == [batch]
+    split_reproduces(lambda arg0: torch.reshape(arg0, [-1, 9, 1]), {"arg0": x}, dims, batch)
+
+
+def test_a_regrouping_view_splits_an_inner_dim_that_leads_its_group():
+    """FSMT's (T, B, H) -> (-1, B * heads, head_dim): B leads the merged B * heads."""
+    x = torch.randn(16, 4, 64)
+    dims = instantiate("Tensor.view", {"arg0": x}, [x.view(-1, 16, 16)], {"arg1": -1, "arg2": 16, "arg3": 16})
+    [batch] = labels_at(dims.inputs["arg0"], 1)
+    assert labels_at(dims.outputs[0], 1)[0] == batch and batch in dims.splittable()
+    split_reproduces(lambda arg0: arg0.view(-1, arg0.shape[1] * 4, 16), {"arg0": x}, dims, batch)
+
+
 # ---- getitem ---------------------------------------------------------------------------------------------
 def test_getitem_full_slices_keep_their_dims_label():
     x = torch.randn(4, 16, 64)

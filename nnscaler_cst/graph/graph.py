@@ -59,6 +59,14 @@ class Graph:
         span = node.span
         return self.sources.get(span.path).node_at(span.line, span.col, span.end_line, span.end_col)
 
+    def result_wrappable(self, node: Node) -> bool:
+        """A producer's result can carry a conversion when it is one tensor used whole."""
+        if not (node.mapped and node.span is not None and len(node.outputs) == 1) or \
+                node.callee == "Tensor.__setitem__":
+            return False    # `x[i] = v` is a statement: its result is x, read where it is used next
+        call = self.source_node(node)
+        return call is not None and self.sources.get(node.span.path).value_is_whole(call)
+
     @property
     def nodes(self) -> list[Node]:
         return self.trace.nodes

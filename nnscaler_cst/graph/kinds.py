@@ -122,6 +122,15 @@ def reshape(call: Call) -> OpDims:
             for k in gj:
                 out_dims[k] = (Factor(f"y{counter}_{k}", dst[k]),)
                 fixed.add(f"y{counter}_{k}")
+            # the outermost dims still line up when one's size divides the other's: (B, S, X) ->
+            # (-1, k) keeps the batch as the outer part of the merged dim, so a slice of it stays one
+            outer, first_in, first_out = min(src[gi[0]], dst[gj[0]]), src[gi[0]], dst[gj[0]]
+            if max(first_in, first_out) % outer == 0:
+                lead = Factor(f"r{counter}_lead", outer)
+                rest = Factor(f"r{counter}_rest", max(first_in, first_out) // outer)
+                fixed.add(rest.label)
+                in_dims[gi[0]] = (lead,) if first_in == outer else (lead, rest)
+                out_dims[gj[0]] = (lead,) if first_out == outer else (lead, rest)
         else:
             sizes = src if many is gi else dst
             factors = []

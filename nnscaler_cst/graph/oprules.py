@@ -7,8 +7,10 @@ rules and binds them to traced invocations; it does not decide any split.
 """
 from __future__ import annotations
 
+import ast
 import inspect
 import sys
+import textwrap
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,7 +74,7 @@ class RuleSet:
         for base in (cls.__mro__[1:] if cls is not None else ()):
             rule = self.ctors.get(short_type(qualified_type(base)))
             if rule is not None:
-                return rule if _same_arguments(cls, base, rule) else None
+                return rule if _same_arguments(cls, base, rule) else _through_super_call(cls, base, rule)
         return None
 
 
@@ -149,6 +151,40 @@ def _same_arguments(cls: type, base: type, rule: CtorRule) -> bool:
                     if k >= len(ours) or k >= len(theirs) or ours[k] != theirs[k]:
                         return False
     return True
+
+
+def _through_super_call(cls: type, base: type, rule: CtorRule) -> CtorRule | None:
+    """The rule in the subclass's own arguments, when its __init__ hands them to the base's
+    (`super().__init__(num_positions, embedding_dim, padding_idx)` under other names); None
+    when an argument the rule reads does not come straight from one of the subclass's."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__init__)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    ours, theirs = _positional_names(cls), _positional_names(base)
+    handed: dict[str, str] = {}                     # base argument name -> the subclass's argument
+    for call in ast.walk(tree):
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "__init__":
+            explicit = not (isinstance(call.func.value, ast.Call) and getattr(call.func.value.func, "id", "") == "super")
+            args = call.args[1:] if explicit else call.args       # `Base.__init__(self, ...)`
+            for k, arg in enumerate(args):
+                if isinstance(arg, ast.Name) and k < len(theirs):
+                    handed[theirs[k]] = arg.id
+            for keyword in call.keywords:
+                if keyword.arg and isinstance(keyword.value, ast.Name):
+                    handed[keyword.arg] = keyword.value.id
+    params: dict[str, list[list[str]]] = {}
+    for attr, per_dim in rule.params.items():
+        params[attr] = []
+        for aliases in per_dim:
+            names = {theirs[int(a[3:])] if a.startswith("arg") and a[3:].isdigit() and int(a[3:]) < len(theirs)
+                     else a for a in aliases}
+            mine = {handed[n] for n in names if n in handed}
+            if len(mine) != 1 or next(iter(mine)) not in ours:
+                return None
+            name = next(iter(mine))
+            params[attr].append([f"arg{ours.index(name)}", name])
+    return CtorRule(short_type(qualified_type(cls)), params, rule.location)
 
 
 def _line_of(text: str, needle: str) -> int:

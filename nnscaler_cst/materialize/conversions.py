@@ -39,6 +39,12 @@ def conversion(have: Layout, need: Layout, *, consumer_split: bool, requires_gra
     return steps
 
 
+def steps_from_end(steps: list[Step], ndim: int) -> list[Step]:
+    """The same steps with their dims counted from the end of a value of `ndim` dims."""
+    return [Step(step.op, step.dim - ndim, step.groups) if step.op in ("gather", "scatter") and step.dim >= 0
+            else step for step in steps]
+
+
 def common_prefix(lists: list[list[Step]]) -> list[Step]:
     """The steps every list starts with: where several uses of one value need the same
     conversion, it is written once, on the value's producer."""

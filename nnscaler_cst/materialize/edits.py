@@ -21,7 +21,7 @@ from ..plan.search import AxisChoices
 from .size_args import SIZE_ARGUMENTS, SPLIT_SIZES, locate_size_argument
 from ..source.files import Span
 from ..trace.records import Node, TensorList
-from .conversions import Step, common_prefix, conversion
+from .conversions import Step, common_prefix, conversion, steps_from_end
 from .coshard import Region, coshard_regions
 
 
@@ -130,6 +130,7 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True) -> Edits
         by_output[key] += [(tid, consumer, path, steps) for consumer, path, steps in uses]
     prefixes = _producer_prefixes(graph, by_output)
     given: dict[tuple, list[Step]] = {}            # each argument's conversion, the same in every instance
+    raw: dict[tuple, set] = defaultdict(set)       # ... as each instance counts its dims
     for key, uses in by_output.items():
         prefix = prefixes[key]
         producer = tensors[uses[0][0]].producer
@@ -139,10 +140,15 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True) -> Edits
         for tid, consumer, path, steps in uses:
             rest = steps[len(prefix):]
             argument = _argument(consumer, path)
-            if argument is not None and given.setdefault(argument, rest) != rest:
-                raise UserError(f"instances of {consumer.callee} need different conversions of their argument "
-                                f"{_path_note(path)}: {_steps_note(given[argument]) or 'none'} and "
-                                f"{_steps_note(rest) or 'none'} (please report it)", _loc(consumer))
+            if argument is not None:
+                ended = steps_from_end(rest, len(tensors[tid].shape))
+                if given.setdefault(argument, ended) != ended:
+                    raise UserError(f"instances of {consumer.callee} need different conversions of their "
+                                    f"argument {_path_note(path)}: {_steps_note(given[argument]) or 'none'} and "
+                                    f"{_steps_note(rest) or 'none'} (please report it)", _loc(consumer))
+                raw[argument].add(str(rest))
+                if len(raw[argument]) > 1:     # instances of several ranks: dims counted from the end
+                    rest = ended
             if not rest:
                 continue
             if consumer is not None and consumer.callee == SETITEM and path not in (("self",), ("pos", 1)):
@@ -176,15 +182,15 @@ def _producer_prefixes(graph: Graph, by_output: dict) -> dict[tuple, list[Step]]
     prefix: dict[tuple, list[Step]] = {}
     for key, uses in by_output.items():
         node = graph.nodes[tensors[uses[0][0]].producer] if key[0] != "tensor" else None
-        wrappable = node is not None and _wrappable(graph, node)
+        wrappable = node is not None and graph.result_wrappable(node)
         prefix[key] = common_prefix([steps for _, _, _, steps in uses]) if wrappable else []
     while True:
         rests: dict[tuple, dict[tuple, list[Step]]] = defaultdict(dict)    # argument -> key -> rest
         for key, uses in by_output.items():
-            for _, consumer, path, steps in uses:
+            for tid, consumer, path, steps in uses:
                 argument = _argument(consumer, path)
                 if argument is not None:
-                    rests[argument][key] = steps[len(prefix[key]):]
+                    rests[argument][key] = steps_from_end(steps[len(prefix[key]):], len(tensors[tid].shape))
         undo = {key for by_key in rests.values() if len({str(r) for r in by_key.values()}) > 1
                 for key in by_key if prefix[key]}
         if not undo:
@@ -244,14 +250,6 @@ def _warn_forced_regather(graph: Graph, plan: AxisChoices, node: Node, steps: li
 
 def _loc(node: Node | None):
     return node.span.start if node is not None and node.span is not None else None
-
-
-def _wrappable(graph: Graph, node: Node) -> bool:
-    """A producer's result can carry a conversion when it is one tensor used whole."""
-    if not (node.mapped and node.span is not None and len(node.outputs) == 1) or node.callee == SETITEM:
-        return False    # `x[i] = v` is a statement: its result is x, read where it is used next
-    call = graph.source_node(node)
-    return call is not None and graph.sources.get(node.span.path).value_is_whole(call)
 
 
 def _split_site_edits(graph: Graph, node: Node, choice: str, n: int, edits: Edits, layouts,

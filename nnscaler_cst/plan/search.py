@@ -8,7 +8,6 @@ naming each constraint's file and line.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import re
 from collections import defaultdict
@@ -18,7 +17,7 @@ import z3
 
 from ..errors import Location, UserError
 from ..graph.graph import Graph
-from ..materialize.conversions import common_prefix, conversion, conversion_time
+from ..materialize.conversions import conversion, conversion_time
 from ..materialize.size_args import SIZE_ARGUMENTS, locate_size_argument
 from ..sizes import format_bytes
 from .cost import DeviceSpec, all_reduce_time, compute_time, node_flops
@@ -122,12 +121,23 @@ def _operand_names(graph: Graph, index: int) -> list[str]:
     return [op.name for op in graph.nodes[index].operands if op.tid is not None]
 
 
+def from_end(layout: Layout, ndim: int) -> Layout:
+    """A split dim counted from the end: one line called on (B, S, H) in some instances and on
+    (tokens, H) in others splits H as dim -1 in both (the emitted collective says `dim=-1`)."""
+    return Layout("S", layout.dim - ndim, layout.groups) if layout.kind == "S" and layout.dim >= 0 else layout
+
+
 def _signature(graph: Graph, index: int, label: str, operands: set[str], outputs: int):
     """The layouts a choice implies, on the operands and results every instance of the site has
-    (one call site may pass an optional mask in some instances and not in others)."""
+    (one call site may pass an optional mask in some instances and not in others), split dims
+    counted from the end so that instances of different ranks can agree."""
+    node = graph.nodes[index]
+    tensors = graph.trace.tensors
     lay = layouts_for(graph.dims.get(index), label, _operand_names(graph, index))
-    return tuple(sorted((k, str(v)) for k, v in lay.inputs.items() if k in operands)), \
-        tuple(map(str, lay.outputs[:outputs]))
+    ins = tuple(sorted((k, str(from_end(v, len(tensors[node.operand(k).tid].shape))))
+                       for k, v in lay.inputs.items() if k in operands))
+    outs = tuple(str(from_end(v, len(tensors[t].shape))) for v, t in zip(lay.outputs[:outputs], node.outputs))
+    return ins, outs
 
 
 def site_options(graph: Graph, n: int) -> dict[SiteId, SiteOptions]:
@@ -354,9 +364,6 @@ def _edge_facts(graph: Graph, options, impossible: dict) -> list:
     return facts
 
 
-_MAX_COMBINATIONS = 4096       # choices of a producer and its consumers enumerated for one value
-
-
 def _agreement_facts(graph: Graph, options, disagree: dict) -> list:
     facts = []
     for (sv, name), hard in disagree.items():
@@ -401,6 +408,13 @@ def _cost_terms(graph: Graph, options, var, n: int, device: DeviceSpec, data_par
                 activation.append(z3.If(var[sid] == k, int(saved / data_parallel), 0))
 
     producer_out = {tid: (node.index, k) for node in graph.nodes for k, tid in enumerate(node.outputs)}
+
+    def rank_in(index: int, name: str) -> int:
+        return len(tensors[graph.nodes[index].operand(name).tid].shape)
+
+    def rank_out(index: int, k: int) -> int:
+        outputs = graph.nodes[index].outputs
+        return len(tensors[outputs[k]].shape) if k < len(outputs) else 0
     # Option k of a site gives the same layouts in every instance, so an edge's cost depends only
     # on which sites, output and operand it joins: count edges, cost each kind once.
     edges: dict[tuple, int] = defaultdict(int)
@@ -413,16 +427,16 @@ def _cost_terms(graph: Graph, options, var, n: int, device: DeviceSpec, data_par
             info = tensors[operand.tid]
             source = producer_out.get(operand.tid)
             su, k = (site_id(graph, source[0]), source[1]) if source else (None, None)
-            key = (su, k, sv, operand.name, info.nbytes, info.requires_grad)
+            key = (su, k, sv, operand.name, info.nbytes, info.requires_grad, len(info.shape))
             edges[key] += 1
             consumer_of.setdefault(key, node.index)
     pair_cost: dict[tuple[SiteId, SiteId], dict[tuple[int, int], float | None]] = defaultdict(dict)
     for key, count in edges.items():
-        su, k, sv, name, nbytes, requires_grad = key
+        su, k, sv, name, nbytes, requires_grad, _ = key
         v = consumer_of[key]
         for b, label in enumerate(options[sv].labels[v]):
             wanted = lay(v, label)
-            need = wanted.inputs[name]
+            need = from_end(wanted.inputs[name], rank_in(v, name))
             if su is None:
                 steps = conversion(R, need, consumer_split=wanted.split, requires_grad=requires_grad)
                 cost = count * conversion_time(steps, nbytes, n, device)
@@ -433,8 +447,8 @@ def _cost_terms(graph: Graph, options, var, n: int, device: DeviceSpec, data_par
             table = pair_cost[(su, sv)]
             for a, u_label in enumerate(options[su].labels[u]):
                 outs = lay(u, u_label).outputs
-                steps = conversion(outs[k] if k < len(outs) else R, need, consumer_split=wanted.split,
-                                   requires_grad=requires_grad)
+                steps = conversion(from_end(outs[k], rank_out(u, k)) if k < len(outs) else R, need,
+                                   consumer_split=wanted.split, requires_grad=requires_grad)
                 if steps is None:
                     table[(a, b)] = None
                 elif table.get((a, b), 0.0) is not None:
@@ -443,7 +457,7 @@ def _cost_terms(graph: Graph, options, var, n: int, device: DeviceSpec, data_par
     if graph.trace.loss is not None and graph.trace.loss in producer_out:
         u, k = producer_out[graph.trace.loss]
         loss_source = (site_id(graph, u), k)
-    disagree = _disagreeing_sources(options, edges, consumer_of, lay, var, loss_source)
+    disagree = _disagreeing_sources(graph, options, edges, consumer_of, lay, var, loss_source, rank_in, rank_out)
     loss = graph.trace.loss
     if loss is not None and loss in producer_out:
         u, k = producer_out[loss]
@@ -473,62 +487,81 @@ def _cost_terms(graph: Graph, options, var, n: int, device: DeviceSpec, data_par
     return terms, activation, impossible, disagree
 
 
-def _disagreeing_sources(options, edges, consumer_of, lay, var, loss_source) -> dict[tuple, list]:
+def _disagreeing_sources(graph: Graph, options, edges, consumer_of, lay, var, loss_source, rank_in,
+                         rank_out) -> dict:
     """An argument written once in source but fed by different producers in different instances
     (a block's input: the embedding first, the previous block's residual after) gets one
     conversion on its line, so what each producer leaves to it must be the same. What a producer
     leaves: its conversion to that argument, less the steps all its uses share (those go on the
-    producer's result, as materialize/edits.py writes them). Per argument, z3 terms naming each
-    producer's remainder by a code, and requiring the codes equal."""
+    producer's result, as materialize/edits.py writes them).
+
+    In z3, per producer output: each use's steps as codes by position, the length of the prefix
+    they share, and per shared argument the code of what is left; the codes must be equal. Every
+    term joins the producer's choice with one consumer's, so a value read by many sites costs
+    terms in proportion, not in product."""
     instance: dict[tuple, int] = {}
     grad: dict[tuple, bool] = defaultdict(bool)
     feeds: dict[tuple, set] = defaultdict(set)       # producer output -> arguments it feeds
     sources: dict[tuple, set] = defaultdict(set)     # argument -> producer outputs feeding it
     for key in edges:
-        su, k, sv, name, _, requires_grad = key
+        su, k, sv, name, _, requires_grad, _ = key
         argument = (sv, name)
         instance.setdefault(argument, consumer_of[key])
         grad[argument] |= requires_grad
         sources[argument].add((su, k))
         feeds[(su, k)].add(argument)
     shared = {argument for argument, feeding in sources.items() if len(feeding) > 1}
-    codes: dict[str, int] = {}
-    remainder: dict[tuple, z3.ArithRef] = {}
+    codes: dict[str, int] = {"absent": -1}
     terms: dict[tuple, list] = defaultdict(list)
-    for source in sorted({s for argument in shared for s in sources[argument]}, key=str):
+    left: dict[tuple, z3.ArithRef] = {}             # (producer output, argument) -> what is left, coded
+    for n_source, source in enumerate(sorted({s for a in shared for s in sources[a]}, key=str)):
         su, k = source
-        arguments = sorted(feeds[source], key=str)
-        sites = list(dict.fromkeys(([su] if su is not None else []) + [a[0] for a in arguments]))
-        ranges = [range(len(options[site].options)) for site in sites]
-        if math.prod(map(len, ranges)) > _MAX_COMBINATIONS:
-            continue                     # too many uses to enumerate: left to the rewrite's check
-        for combination in itertools.product(*ranges):
-            pick = dict(zip(sites, combination))
-            if su is None:
-                have = R
-            else:
-                u = options[su].nodes[0]
-                outs = lay(u, options[su].labels[u][pick[su]]).outputs
-                have = outs[k] if k < len(outs) else R
-            steps = {}
-            for argument in arguments:
-                sv, name = argument
-                v = instance[argument]
-                wanted = lay(v, options[sv].labels[v][pick[sv]])
-                steps[argument] = conversion(have, wanted.inputs[name], consumer_split=wanted.split,
-                                             requires_grad=grad[argument])
-            if any(s is None for s in steps.values()):
-                continue                 # a pair no collective joins: excluded by the edge facts
-            uses = list(steps.values()) + ([conversion(have, R, consumer_split=False, requires_grad=False)]
-                                           if source == loss_source else [])
-            prefix = common_prefix(uses) if su is not None else []
-            chosen = z3.And([var[site] == option for site, option in pick.items()])
-            for argument in arguments:
-                if argument in shared:
-                    code = codes.setdefault(str(steps[argument][len(prefix):]), len(codes))
-                    left = remainder.setdefault((source, argument), z3.Int(f"left{len(remainder)}"))
-                    terms[argument].append(z3.Implies(chosen, left == code))
+        u = options[su].nodes[0] if su is not None else None
+        haves = [R] if su is None else [
+            from_end(outs[k], rank_out(u, k)) if k < len(outs) else R
+            for outs in (lay(u, label).outputs for label in options[su].labels[u])]
+        uses = sorted(feeds[source], key=str) + (["loss"] if source == loss_source else [])
+        table = {}                                   # (use, producer option, consumer option) -> steps
+        for use in uses:
+            consumer_options = [None] if use == "loss" else range(len(options[use[0]].options))
+            for a, have in enumerate(haves):
+                for b in consumer_options:
+                    if use == "loss":
+                        need, split, needs_grad = R, False, False
+                    else:
+                        v = instance[use]
+                        wanted = lay(v, options[use[0]].labels[v][b])
+                        need, split, needs_grad = from_end(wanted.inputs[use[1]], rank_in(v, use[1])), \
+                            wanted.split, grad[use]
+                    steps = conversion(have, need, consumer_split=split, requires_grad=needs_grad)
+                    if steps is not None:    # pairs no collective joins are ruled out by the edge facts
+                        table[(use, a, b)] = steps
+        depth = max((len(steps) for steps in table.values()), default=0)
+        wraps = su is not None and graph.result_wrappable(graph.nodes[u])
+        # the steps each use needs, position by position, as codes
+        step_at = {(use, p): z3.Int(f"src{n_source}_{uses.index(use)}_{p}") for use in uses for p in range(depth)}
+        definitions = []
+        for (use, a, b), steps in table.items():
+            chosen = [var[su] == a] if su is not None else []
+            chosen += [var[use[0]] == b] if use != "loss" else []
+            for p in range(depth):
+                code = codes.setdefault(str(steps[p]), len(codes)) if p < len(steps) else -1
+                definitions.append(z3.Implies(z3.And(chosen), step_at[(use, p)] == code))
+        prefix = z3.Int(f"src{n_source}_prefix")     # how many leading steps every use shares
+        shares = [z3.And([step_at[(use, p)] == step_at[(uses[0], p)] for use in uses] +
+                         [step_at[(uses[0], p)] != -1]) for p in range(depth)] if wraps else []
+        definitions.append(prefix == z3.Sum([z3.If(z3.And(shares[:p + 1]), 1, 0) for p in range(len(shares))])
+                           if shares else prefix == 0)
+        for (use, a, b), steps in table.items():
+            if use == "loss" or use not in shared:
+                continue
+            rest = left.setdefault((source, use), z3.Int(f"src{n_source}_left{len(left)}"))
+            chosen = ([var[su] == a] if su is not None else []) + [var[use[0]] == b]
+            for p in range(len(steps) + 1):
+                code = codes.setdefault(str(steps[p:]), len(codes))
+                definitions.append(z3.Implies(z3.And(chosen + [prefix == p]), rest == code))
+        terms[next(use for use in uses if use in shared)] += definitions
     for argument in shared:
-        left = [remainder[(s, argument)] for s in sorted(sources[argument], key=str) if (s, argument) in remainder]
-        terms[argument] += [x == left[0] for x in left[1:]]
+        remainders = [left[(s, argument)] for s in sorted(sources[argument], key=str) if (s, argument) in left]
+        terms[argument] += [x == remainders[0] for x in remainders[1:]]
     return {argument: hard for argument, hard in terms.items() if hard}
