@@ -422,3 +422,41 @@ def test_variadic_batch_dims_are_aligned_from_the_right():
     leading = [labels_at(dims.inputs["arg0"], d) for d in range(3)]
     assert leading == [labels_at(dims.outputs[0], d) for d in range(3)]
     assert len({tuple(l) for l in leading}) == 3
+
+
+# ---- [[ctor]] rules of subclasses ---------------------------------------------------------------------------
+
+SUBCLASSES = '''
+from torch import nn
+
+
+class Renamed(nn.Embedding):
+    """FSMT's sinusoidal table: nn.Embedding's arguments under other names."""
+
+    def __init__(self, num_positions, embedding_dim, padding_idx):
+        super().__init__(num_positions, embedding_dim, padding_idx)
+
+
+class Reordered(nn.Embedding):
+    def __init__(self, dim, count):
+        nn.Embedding.__init__(self, count, embedding_dim=dim)
+
+
+class Computed(nn.Embedding):
+    def __init__(self, count, dim):
+        super().__init__(count, dim * 2)
+'''
+
+
+def test_a_subclass_ctor_rule_follows_its_super_init_call(tmp_path, monkeypatch):
+    import importlib
+
+    (tmp_path / "subclasses_for_ctor.py").write_text(SUBCLASSES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module("subclasses_for_ctor")
+    rules = load_rules()
+    renamed = rules.ctor_for("subclasses_for_ctor.Renamed")
+    assert renamed.params["weight"] == [["arg0", "num_positions"], ["arg1", "embedding_dim"]]
+    reordered = rules.ctor_for("subclasses_for_ctor.Reordered")
+    assert reordered.params["weight"] == [["arg1", "count"], ["arg0", "dim"]]
+    assert rules.ctor_for("subclasses_for_ctor.Computed") is None     # `dim * 2`: not the argument itself

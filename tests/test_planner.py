@@ -275,3 +275,61 @@ def test_a_line_fed_by_producers_in_different_layouts_verifies(tmp_path):
     result = cli("verify", "shared_helper.py", "--tp", "2", "-o", "out", "--json", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert json.loads(result.stdout)["passed"]
+
+
+TWO_RANKS = '''
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class Net(nn.Module):
+    """One MLP class called on (B, S, H) and on the same values flattened to (tokens, H), as
+    MoE layers call their shared experts."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = MLP()
+        self.shared = MLP()
+
+    def forward(self, x):
+        h = x + self.dense(x)
+        b, s, d = h.shape
+        flat = self.shared(h.reshape(b * s, d)).view(b, s, d)
+        return (h + flat).pow(2).mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return {"x": torch.randn(2, 8, 16)}
+'''
+
+
+def test_one_line_called_on_values_of_different_ranks_is_split_counting_dims_from_the_end(tmp_path):
+    path = tmp_path / "two_ranks.py"
+    path.write_text(TWO_RANKS)
+    graph = analyze(path).graph
+    plan = search_axis(graph, "tp", 2, load_table("megatron").for_axis("tp"))
+    ups = [n for n in graph.nodes if n.callee == "torch.nn.Linear" and n.callee_path.endswith("up")]
+    assert sorted(len(graph.trace.tensors[n.outputs[0]].shape) for n in ups) == [2, 3]
+    assert plan.param_layout["dense.up.weight"].kind == plan.param_layout["shared.up.weight"].kind == "S"
+
+
+@pytest.mark.slow
+def test_one_line_called_on_values_of_different_ranks_verifies(tmp_path):
+    (tmp_path / "two_ranks.py").write_text(TWO_RANKS)
+    result = cli("verify", "two_ranks.py", "--tp", "2", "-o", "out", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads(result.stdout)["passed"]

@@ -550,7 +550,10 @@ def _disagreeing_sources(graph: Graph, options, edges, consumer_of, lay, var, lo
         prefix = z3.Int(f"src{n_source}_prefix")     # how many leading steps every use shares
         shares = [z3.And([step_at[(use, p)] == step_at[(uses[0], p)] for use in uses] +
                          [step_at[(uses[0], p)] != -1]) for p in range(depth)] if wraps else []
-        definitions.append(prefix == z3.Sum([z3.If(z3.And(shares[:p + 1]), 1, 0) for p in range(len(shares))])
+        # all the shared steps, or none: the rewrite keeps a producer's steps off its result where
+        # they would leave an argument's instances different conversions
+        definitions.append(z3.Or(prefix == 0, prefix == z3.Sum([z3.If(z3.And(shares[:p + 1]), 1, 0)
+                                                                 for p in range(len(shares))]))
                            if shares else prefix == 0)
         for (use, a, b), steps in table.items():
             if use == "loss" or use not in shared:
