@@ -21,6 +21,7 @@ from .plan.ir import OpAssign, OpOrder, OpTrans, Plan
 from .plan.pipeline import StagePlan, plan_stages
 from .plan.schedules import Action, load_schedule, schedule, to_csv
 from .verify.simulate import simulate
+from .verify.dry_run import dry_run
 from .plan.layouts import REPLICATE
 from .plan.auto import dp_only, search_auto
 from .plan.batch import check_batch_split
@@ -268,4 +269,5 @@ def rewrite(analysis: Analysis, request: PlanRequest) -> Rewrite:
         plan.warnings += edits.warnings
     label = display_path(analysis.entry.path)
     files = render(analysis, plan, edits, label, stages, orders, request)
+    plan.warnings += dry_run(analysis, files).warnings    # ladder step 2: the emitted code runs, unwritten
     return Rewrite(plan, tp_plan, edits, files, stages, orders)
