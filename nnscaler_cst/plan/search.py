@@ -136,7 +136,8 @@ def _signature(graph: Graph, index: int, label: str, operands: set[str], outputs
     lay = layouts_for(graph.dims.get(index), label, _operand_names(graph, index))
     ins = tuple(sorted((k, str(from_end(v, len(tensors[node.operand(k).tid].shape))))
                        for k, v in lay.inputs.items() if k in operands))
-    outs = tuple(str(from_end(v, len(tensors[t].shape))) for v, t in zip(lay.outputs[:outputs], node.outputs))
+    outs = tuple(str(from_end(lay.outputs[k], len(tensors[node.outputs[k]].shape))) if k < len(lay.outputs)
+                 else str(R) for k in range(outputs))         # an instance with no rule: whole results
     return ins, outs
 
 
@@ -182,6 +183,9 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
     restricted: dict[str, list[SiteId]] = defaultdict(list)
     blocked: dict[str, SiteId] = {}      # a constraint's literal -> the site it leaves no option
     for sid in sids:
+        if not options[sid].options:        # never expected: replicating fits every instance
+            raise UserError(f"internal error: the calls of {sid[1]} here agree on no layout, not even whole "
+                            "(please report it)", _site_location(graph, options, sid))
         hard += [var[sid] >= 0, var[sid] < len(options[sid].options)]
     for constraint in constraints:
         for sid in sids:
