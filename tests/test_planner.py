@@ -333,3 +333,57 @@ def test_one_line_called_on_values_of_different_ranks_verifies(tmp_path):
     result = cli("verify", "two_ranks.py", "--tp", "2", "-o", "out", "--json", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert json.loads(result.stdout)["passed"]
+
+
+SIZES_FROM_MODULES = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class Net(nn.Module):
+    '''Sizes read from another module: `self.tok.embedding_dim`, as fairseq-style code does.'''
+
+    def __init__(self, vocab=64, positions=16, dim=32):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(positions, self.tok.embedding_dim)
+        width = self.tok.embedding_dim
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids, targets):
+        h = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
+        h = h + self.down(F.gelu(self.up(h)))
+        return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return {"ids": torch.randint(0, 64, (4, 16)), "targets": torch.randint(0, 64, (4, 16))}
+"""
+
+
+def test_a_size_read_from_a_split_module_is_written_as_the_full_size(tmp_path):
+    """`width = self.tok.embedding_dim` is local once tok is built split: the rewrite writes the
+    full size there, and the usual constructor edits divide what must be local (the dry run
+    before writing checks every shape)."""
+    (tmp_path / "sizes_from_modules.py").write_text(SIZES_FROM_MODULES)
+    result = cli("sizes_from_modules.py", "--tp", "2", "-o", "out", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    text = (tmp_path / "out" / "model_rank0.py").read_text()
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert plan["params"]["tok.weight"]["tp"] == "S(1)"
+    assert "width = (self.tok.embedding_dim * 2)" in text
+
+
+@pytest.mark.slow
+def test_a_size_read_from_a_split_module_verifies(tmp_path):
+    (tmp_path / "sizes_from_modules.py").write_text(SIZES_FROM_MODULES)
+    result = cli("verify", "sizes_from_modules.py", "--tp", "2", "-o", "out", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads(result.stdout)["passed"]

@@ -420,6 +420,10 @@ class FileRewriter(cst.CSTTransformer):
     def leave_Attribute(self, original, updated):
         if isinstance(updated.value, cst.BinaryOperation):     # (a + b).view(...) keeps its parentheses
             return updated.with_changes(value=parenthesized(updated.value))
+        factor = self.ctx.edits.full_sizes.get(self._span(original)) if self.ctx.edits is not None else None
+        if factor:          # a split module's size attribute is local: its readers expect the full size
+            self.ctx.note(self._span(original), f"{code(original)} is local: times {factor} for the full size")
+            return parenthesized(cst.BinaryOperation(updated, cst.Multiply(), cst.Integer(str(factor))))
         return updated
 
     # A `reduced + bias` sum put where a call was must keep the user's precedence. The user's own

@@ -19,6 +19,7 @@ from ..graph.graph import Graph
 from ..plan.layouts import REPLICATE, R, Layout, layouts_for
 from ..plan.search import AxisChoices
 from .size_args import SIZE_ARGUMENTS, SPLIT_SIZES, locate_size_argument
+from .size_reads import full_size_reads
 from ..source.files import Span
 from ..trace.records import Node, TensorList
 from .conversions import Step, common_prefix, conversion, steps_from_end
@@ -63,6 +64,7 @@ class Edits:
     partial_grad_params: list[str]
     regions: list[Region] = field(default_factory=list)   # co-sharded statements
     warnings: list[str] = field(default_factory=list)     # path:line:col: warning: ... (ops run whole)
+    full_sizes: dict[Span, int] = field(default_factory=dict)   # `self.tok.embedding_dim` read -> times n
 
     def site(self, span: Span) -> SiteEdit:
         return self.sites.setdefault(span, SiteEdit())
@@ -169,6 +171,7 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True) -> Edits
             continue
         _split_site_edits(graph, node, choice, n, edits, lay(node), have)
     _ctor_edits(graph, edits)
+    edits.full_sizes = full_size_reads(graph, plan.param_layout, n)
     edits.regions = coshard_regions(graph, plan, edits.sites, lay, have) if plan.chunks else []
     return edits
 

@@ -1,0 +1,94 @@
+"""Constructors that read another module's size: `width = self.tok.embedding_dim`.
+
+A module whose parameters are split is built with divided constructor arguments, so its own
+size attributes (`embedding_dim`, `out_features`) hold local sizes on every rank. Code that
+builds other modules from them (fairseq-style `embed_dim = embed_tokens.embedding_dim`, or
+`nn.Linear(width, 4 * width)`) expects the full size: each such read in an `__init__` is
+rewritten to the full size, `(self.tok.embedding_dim * 2)`, and the usual constructor edits
+divide what must be local. Decides which reads; writes no source.
+"""
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import libcst as cst
+
+from ..graph.graph import Graph
+from ..plan.layouts import R, Layout
+from ..source.files import Span
+
+
+def full_size_reads(graph: Graph, param_layout: dict[str, Layout], n: int) -> dict[Span, int]:
+    """Span of each `self.X.attr` read in an `__init__` that holds a split size -> the factor."""
+    local = _local_size_attributes(graph, param_layout)
+    if not local:
+        return {}
+    classes: dict[str, list[str]] = defaultdict(list)          # qualified class -> module paths
+    for path, qualified in graph.trace.module_types.items():
+        classes[qualified].append(path)
+    reads: dict[Span, int] = {}
+    for qualified, paths in classes.items():
+        module_name, _, class_name = qualified.rpartition(".")
+        found = _class_source(graph, module_name, class_name)
+        if found is None:
+            continue
+        source, class_def = found
+        for function in class_def.body.body:
+            if not (isinstance(function, cst.FunctionDef) and function.name.value == "__init__"):
+                continue
+            for read in _self_attribute_reads(function):
+                holder, attr = read.value.attr.value, read.attr.value
+                owners = [f"{p}.{holder}" if p else holder for p in paths]
+                if all((owner, attr) in local for owner in owners):
+                    reads[source.span_of(read)] = n
+    return reads
+
+
+def _local_size_attributes(graph: Graph, param_layout: dict[str, Layout]) -> set[tuple[str, str]]:
+    """(module path, attribute) pairs naming a constructor argument behind a split dim."""
+    out = set()
+    for name, info in graph.trace.params.items():
+        layout = param_layout.get(name, R)
+        rule = graph.rules.ctor_for(info.module_type) if layout.kind == "S" else None
+        per_dim = rule.params.get(info.attr) if rule else None
+        if not per_dim or per_dim == [["*"]] or layout.dim >= len(per_dim):
+            continue
+        for alias in (*info.aliases, name):
+            owner = alias.rsplit(".", 1)[0] if "." in alias else ""
+            out |= {(owner, a) for a in per_dim[layout.dim] if not (a.startswith("arg") and a[3:].isdigit())}
+    return out
+
+
+def _class_source(graph: Graph, module_name: str, class_name: str):
+    module = sys.modules.get(module_name)
+    path = getattr(module, "__file__", None)
+    if path is None or str(Path(path).resolve()) not in {str(Path(f).resolve()) for f in graph.trace.own_files}:
+        return None
+    source = graph.sources.get(path)
+    for statement in source.module.body:
+        if isinstance(statement, cst.ClassDef) and statement.name.value == class_name:
+            return source, statement
+    return None
+
+
+def _self_attribute_reads(function: cst.FunctionDef) -> list[cst.Attribute]:
+    """`self.X.attr` read (not assigned) anywhere in the function."""
+    class Reads(cst.CSTVisitor):
+        def __init__(self):
+            self.found: list[cst.Attribute] = []
+            self.targets: set[int] = set()
+
+        def visit_AssignTarget(self, node):
+            self.targets.add(id(node.target))
+
+        def visit_Attribute(self, node):
+            inner = node.value
+            if id(node) not in self.targets and isinstance(inner, cst.Attribute) and \
+                    isinstance(inner.value, cst.Name) and inner.value.value == "self":
+                self.found.append(node)
+
+    reads = Reads()
+    function.visit(reads)
+    return reads.found
