@@ -71,7 +71,7 @@ def batch_for(module, step, seed):
 
 def capture_first_gradients(model, optimizer, nudge=0.0):
     """Keep every parameter's gradient as the optimizer first sees it (after any all-reduce).
-    `nudge`: then scale each first gradient by (1 + nudge * noise), rounding-sized, to measure
+    `nudge`: then add noise of `nudge` times each tensor's largest entry to its first gradient, to measure
     how far the run itself carries so small a difference (verify's sensitivity twin)."""
     captured = {}
     step = optimizer.step
@@ -83,8 +83,10 @@ def capture_first_gradients(model, optimizer, nudge=0.0):
                     captured[name] = param.grad.detach().clone()
             noise = torch.Generator().manual_seed(1234)
             for param in model.parameters() if nudge else ():
-                if param.grad is not None:
-                    param.grad.mul_(1 + nudge * torch.randn(param.grad.shape, generator=noise))
+                if param.grad is not None and param.grad.numel():
+                    # noise on the scale verify measures gradient errors in: each tensor's largest entry
+                    scale = param.grad.abs().max()
+                    param.grad.add_(nudge * scale * torch.randn(param.grad.shape, generator=noise))
         return step(*a, **k)
 
     optimizer.step = step_and_capture
