@@ -269,12 +269,17 @@ def test_a_line_fed_by_producers_in_different_layouts_gets_one_conversion_for_al
     assert arg is None or not arg.args, arg                     # the split value is gathered at its producer
 
 
-@pytest.mark.slow
-def test_a_line_fed_by_producers_in_different_layouts_verifies(tmp_path):
-    (tmp_path / "shared_helper.py").write_text(SHARED_HELPER)
-    result = cli("verify", "shared_helper.py", "--tp", "2", "-o", "out", "--json", cwd=tmp_path)
+def verifies_at_tp2(tmp_path: Path, name: str, text: str) -> None:
+    """A gloo run of the TP=2 rewrite of `text` matches the single-device run."""
+    (tmp_path / name).write_text(text)
+    result = cli("verify", name, "--tp", "2", "-o", "out", "--json", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert json.loads(result.stdout)["passed"]
+
+
+@pytest.mark.slow
+def test_a_line_fed_by_producers_in_different_layouts_verifies(tmp_path):
+    verifies_at_tp2(tmp_path, "shared_helper.py", SHARED_HELPER)
 
 
 TWO_RANKS = '''
@@ -329,10 +334,7 @@ def test_one_line_called_on_values_of_different_ranks_is_split_counting_dims_fro
 
 @pytest.mark.slow
 def test_one_line_called_on_values_of_different_ranks_verifies(tmp_path):
-    (tmp_path / "two_ranks.py").write_text(TWO_RANKS)
-    result = cli("verify", "two_ranks.py", "--tp", "2", "-o", "out", "--json", cwd=tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert json.loads(result.stdout)["passed"]
+    verifies_at_tp2(tmp_path, "two_ranks.py", TWO_RANKS)
 
 
 SIZES_FROM_MODULES = """
@@ -383,7 +385,4 @@ def test_a_size_read_from_a_split_module_is_written_as_the_full_size(tmp_path):
 
 @pytest.mark.slow
 def test_a_size_read_from_a_split_module_verifies(tmp_path):
-    (tmp_path / "sizes_from_modules.py").write_text(SIZES_FROM_MODULES)
-    result = cli("verify", "sizes_from_modules.py", "--tp", "2", "-o", "out", "--json", cwd=tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert json.loads(result.stdout)["passed"]
+    verifies_at_tp2(tmp_path, "sizes_from_modules.py", SIZES_FROM_MODULES)
