@@ -207,7 +207,8 @@ def rank_bubble(argv: list[str]) -> None:
     torch.autograd.backward = timed("B", torch.autograd.backward)
 
     # one-way p2p latency of one micro-batch's activation over the generated code's own path
-    # (send_values: header + tensor with isend, recv_values), rank 0 <-> rank 1 ping-pong
+    # (send_values / recv_values: the P2POps train.py posts with batch_isend_irecv; the header
+    # goes with the first ping only, as with the first micro-batch), rank 0 <-> rank 1 ping-pong
     B, T, C = (int(x) for x in a.act_shape.split(","))
     for v in variants:
         comm, M = v["comm"], v["train"].MICRO_BATCHES
@@ -657,7 +658,7 @@ def report(out: dict, a) -> None:
                   f"| {f['sim_unit']:.3f} | {f['tool_cost_model']:.3f} "
                   f"| {f['schedule_bubble'] / f['formula']:.2f} |")
         print("\n| D | M | per-stage F ms, wall (CPU) | per-stage B ms, wall (CPU) | replay, measured F+B, free comm "
-              "| one-way p2p ms: send_values (1 tensor alone) | simulate(), measured F + that latency "
+              "| one-way p2p ms: send_values (1 tensor alone; ratio) | simulate(), measured F + that latency "
               "| CPU share in actions | loadavg | tail after last action / step | schedule bubble per step, min / max |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for f in out["bubble"]:
@@ -666,7 +667,8 @@ def report(out: dict, a) -> None:
             fs = " ".join(f"{x * 1e3:.0f} ({c * 1e3:.0f})" for x, c in zip(f["stage_forward_s"], f["stage_forward_cpu_s"]))
             bs = " ".join(f"{x * 1e3:.0f} ({c * 1e3:.0f})" for x, c in zip(f["stage_backward_s"], f["stage_backward_cpu_s"]))
             print(f"| {f['D']} | {f['M']} | {fs} | {bs} | {f['replay_measured_fb']:.3f} "
-                  f"| {f['one_way_s'] * 1e3:.2f} ({f['one_way_raw_s'] * 1e3:.2f}) "
+                  f"| {f['one_way_s'] * 1e3:.2f} ({f['one_way_raw_s'] * 1e3:.2f}; "
+                  f"{f['one_way_s'] / f['one_way_raw_s']:.1f}x) "
                   f"| {f['sim_measured_f_latency']:.3f} | {f['cpu_share']:.2f} "
                   f"| {f['loadavg']:.1f} | {f['tail_fraction']:.3f} "
                   f"| {min(f['schedule_bubbles']):.3f} / {max(f['schedule_bubbles']):.3f} |")

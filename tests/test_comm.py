@@ -458,6 +458,141 @@ def test_send_and_recv_move_activations_forward_and_grads_backward(ranks):
 
 
 # --------------------------------------------------------------------------
+# Pipeline hand-offs: metadata once per input shapes, one message per tensor, batched
+# --------------------------------------------------------------------------
+
+def _handoff(m, rows=2):
+    """What a stage hands over for micro-batch m: two tensors (one needing a gradient), plain values."""
+    act = _full(rows, 3, seed=10 + m).requires_grad_()
+    mask = torch.arange(rows * 3).view(rows, 3) % (m + 2) == 0
+    return (act * 2, {"mask": mask, "causal": True, "heads": 4})
+
+
+def _check_handoff_metadata_once(rank, world):
+    """Two steps of four micro-batches, the last one smaller (a new input shape), rank 0 -> 1.
+    Each action posts its sends and the next action's receives in one batch, as train.py does."""
+    _comm.reset_counters()
+    micro = [torch.zeros(2, 5)] * 3 + [torch.zeros(1, 5)]          # the inputs the keys come from
+    keys = [_comm.shape_key(x) for x in micro]
+    assert keys[0] == keys[2] != keys[3]
+    for step in range(2):
+        if rank == 0:
+            requests, incoming = [], None
+            for m in range(4):
+                values = _handoff(m, rows=micro[m].shape[0])
+                sends = _comm.activation_sends(values, 1, 1, m, keys[m])
+                # the backward of m = 0 follows the last forward: post its receive with that send
+                incoming = _comm.grad_recvs(_comm.flat_tensors(_handoff(0)), 1, 1, 0) if m == 3 else None
+                requests += _comm.post_p2p(sends, incoming)
+            assert_close(_comm.wait_grads(incoming)[0], _full(2, 3, seed=99))
+            for r in requests:
+                r.wait()
+        else:
+            incoming = _comm.activation_recvs(0, 1, 0, keys[0])
+            _comm.post_p2p([], incoming)
+            for m in range(4):
+                values, tensors = _comm.wait_activations(incoming)
+                expected = _handoff(m, rows=micro[m].shape[0])
+                assert_close(values[0], expected[0].detach())
+                assert values[0].requires_grad and not values[1]["mask"].requires_grad
+                assert torch.equal(values[1]["mask"], expected[1]["mask"])
+                assert {k: v for k, v in values[1].items() if k != "mask"} == {"causal": True, "heads": 4}
+                assert len(tensors) == 2
+                if m == 0:
+                    first = tensors
+                sends = []
+                if m == 3:       # send the gradient of micro-batch 0 with nothing to receive next
+                    first[0].grad = _full(2, 3, seed=99)
+                    sends = _comm.grad_sends(first, 0, 1, 0)
+                incoming = _comm.activation_recvs(0, 1, m + 1, keys[m + 1]) if m < 3 else None
+                for r in _comm.post_p2p(sends, incoming):
+                    r.wait()
+    if rank == 0:
+        # one header per input shape for the whole run: 2 messages each (size, structure),
+        # then one message per tensor for every hand-off, and one gradient received
+        assert _comm.COUNTERS["handoff_headers"] == 2, _comm.COUNTERS
+        assert _comm.COUNTERS["send"] == 2 * 2 + 2 * 4 * 2, _comm.COUNTERS
+    else:
+        assert _comm.COUNTERS["handoff_headers"] == 0 and _comm.COUNTERS["send"] == 2, _comm.COUNTERS  # a gradient per step
+
+
+@pytest.mark.slow
+def test_handoff_metadata_is_sent_once_per_input_shape_then_one_message_per_tensor(ranks):
+    ranks.run(_check_handoff_metadata_once, 2, pp=2)
+
+
+class _Opaque:
+    """An object a stage hands on that is not plain metadata (like a transformers DynamicCache)."""
+
+    def __init__(self, n):
+        self.n = n
+
+
+def _check_handoff_objects(rank, world):
+    """A hand-off holding an object sends its header every time (both sides see that in the first
+    header); one of lists and plain values only is cached, and unpickled afresh for every hand-off."""
+    key = _comm.shape_key(torch.zeros(2, 5))
+    _comm.reset_counters()
+    for m in range(3):
+        if rank == 0:
+            for r in _comm.send_values((_full(2, 3, seed=m), _Opaque(m)), 1, 1, m, key):
+                r.wait()
+            for r in _comm.send_values((_full(2, 3, seed=m), ["a", 1]), 1, 2, m, key):
+                r.wait()
+        else:
+            values, _ = _comm.recv_values(0, 1, m, key)
+            assert_close(values[0], _full(2, 3, seed=m))
+            assert isinstance(values[1], _Opaque) and values[1].n == m
+            values, _ = _comm.recv_values(0, 2, m, key)
+            assert values[1] == ["a", 1]
+            values[1].append("changed by the stage")      # the next micro-batch gets its own list
+    if rank == 0:
+        assert _comm.COUNTERS["handoff_headers"] == 3 + 1, _comm.COUNTERS
+
+
+@pytest.mark.slow
+def test_handoff_holding_an_object_sends_its_header_every_time(ranks):
+    ranks.run(_check_handoff_objects, 2, pp=2)
+
+
+def _check_handoff_shape_change(rank, world):
+    """Under one key (same input shapes), the second hand-off's activation is wider: shapes that
+    depend on the data. The sender refuses it with a clear error before posting anything; with
+    HANDOFF_METADATA = "every" the same hand-offs go through."""
+    key = _comm.shape_key(torch.zeros(2, 5))
+    first, wider = _full(2, 3, seed=1), _full(2, 4, seed=2)
+    if rank == 0:
+        for r in _comm.send_values((first,), 1, 1, 0, key):
+            r.wait()
+        with pytest.raises(_comm.HandoffMismatch, match=r"stage 1 \(micro-batch 1\).*tensor 0: shape "
+                           r"\(2, 3\) first, now \(2, 4\).*HANDOFF_METADATA = \"every\""):
+            _comm.activation_sends((wider,), 1, 1, 1, key)
+    else:
+        assert_close(_comm.recv_values(0, 1, 0, key)[0][0], first)
+    dist.barrier()
+    _comm.HANDOFF_METADATA = "every"
+    try:
+        _comm.reset_counters()
+        for m, x in enumerate([first, wider, first]):
+            if rank == 0:
+                for r in _comm.send_values((x, "plain"), 1, 1, m, key):
+                    r.wait()
+            else:
+                values, _ = _comm.recv_values(0, 1, m, key)
+                assert_close(values[0], x)
+                assert values[1] == "plain"
+        if rank == 0:
+            assert _comm.COUNTERS["handoff_headers"] == 3
+    finally:
+        _comm.HANDOFF_METADATA = "once"
+
+
+@pytest.mark.slow
+def test_handoff_whose_shapes_change_under_the_same_input_shapes_is_refused_or_sent_every_time(ranks):
+    ranks.run(_check_handoff_shape_change, 2, pp=2)
+
+
+# --------------------------------------------------------------------------
 # Size-1 axes: everything is the identity, in one plain process
 # --------------------------------------------------------------------------
 

@@ -259,24 +259,46 @@ def micro_batches(batch):
     return [tuple(piece(v, m) for v in batch) for m in range(MICRO_BATCHES)]
 
 
+def parse_action(action):
+    """"1F3" -> ("F", 1, 3): the forward (F) or backward (B) of stage 1 on micro-batch 3."""
+    kind = "F" if "F" in action else "B"
+    stage, m = (int(x) for x in action.split(kind))
+    return kind, stage, m
+
+
 def pipeline_train_step(stages, optimizer, batch, module):
     """One optimizer step: this rank's schedule (module.SCHEDULE, e.g. "0F0 0F1 0B0 ..."), then
-    the gradient all-reduces. Activations go forward and gradients back with isend/recv."""
+    the gradient all-reduces. Activations go forward and gradients back. After each action, its
+    sends and the next action's receives are posted together (one batch_isend_irecv); an action
+    waits only for its own receives, the sends are waited for at the end of the step."""
     micro = micro_batches(split_batch(batch))
+    shapes = [_comm.shape_key(m) for m in micro]  # hand-off headers are sent once per input shapes
     pipeline = _comm.axis_ranks(_comm.PP)        # global ranks of this pipeline, by pipeline index
     _comm.PIPE.stages = module.PIPELINE_STAGE_COUNT
     local = {{stage: k for k, stage in enumerate(module.PIPELINE_STAGES)}}
     last = module.PIPELINE_STAGE_COUNT - 1
+    actions = [parse_action(action) for action in module.SCHEDULE.split()]
     held, requests, loss_sum = {{}}, [], torch.zeros(())
-    for action in module.SCHEDULE.split():
-        kind = "F" if "F" in action else "B"
-        stage, m = (int(x) for x in action.split(kind))
+
+    def receives(action):
+        """What `action` will receive: activations from the stage before, gradients from the one after."""
+        kind, stage, m = action
+        if kind == "F" and stage > 0:
+            return _comm.activation_recvs(pipeline[(stage - 1) % PP_SIZE], stage, m, shapes[m])
+        if kind == "B" and stage < last:
+            return _comm.grad_recvs(held[(stage, m)][1], pipeline[(stage + 1) % PP_SIZE], stage + 1, m)
+        return None
+
+    incoming = receives(actions[0])
+    _comm.post_p2p([], incoming)                 # the first action's receives
+    for i, (kind, stage, m) in enumerate(actions):
         _comm.PIPE.stage = stage
         before, after = pipeline[(stage - 1) % PP_SIZE], pipeline[(stage + 1) % PP_SIZE]
+        sends = []
         if kind == "F":
             received = []
             if stage > 0:
-                _comm.PIPE.inbox, received = _comm.recv_values(before, stage, m)
+                _comm.PIPE.inbox, received = _comm.wait_activations(incoming)
             inputs = micro[m]
             try:
                 output = stages[local[stage]](**inputs) if isinstance(inputs, dict) else stages[local[stage]](*inputs)
@@ -284,7 +306,7 @@ def pipeline_train_step(stages, optimizer, batch, module):
                 loss_sum += loss.detach()
                 sent = [loss]
             except _comm.StageBoundary as boundary:
-                requests += _comm.send_values(boundary.values, after, stage + 1, m)
+                sends = _comm.activation_sends(boundary.values, after, stage + 1, m, shapes[m])
                 sent = _comm.flat_tensors(boundary.values)
             _comm.PIPE.inbox = ()       # what was received lives on in `held` until its backward only
             held[(stage, m)] = (received, sent)
@@ -294,10 +316,12 @@ def pipeline_train_step(stages, optimizer, batch, module):
                 sent[0].backward()
             else:
                 outputs = [t for t in sent if t.requires_grad]
-                torch.autograd.backward(outputs, _comm.recv_grads(sent, after, stage + 1, m))
+                torch.autograd.backward(outputs, _comm.wait_grads(incoming))
             if stage > 0:
-                requests += _comm.send_grads(received, before, stage, m)
+                sends = _comm.grad_sends(received, before, stage, m)
             del received, sent
+        incoming = receives(actions[i + 1]) if i + 1 < len(actions) else None
+        requests += _comm.post_p2p(sends, incoming)  # this action's isends, the next one's irecvs
     for request in requests:
         request.wait()
     named = dict(stages.named_parameters())

@@ -23,7 +23,8 @@ What it does
 
   plus a vocabulary-parallel embedding and cross entropy, ``coshard`` (pieces
   of one op run one after another, recomputed in backward), bucketed gradient
-  synchronisation for data parallelism, and blocking p2p for pipeline stages.
+  synchronisation for data parallelism, and p2p for pipeline stages (hand-offs:
+  metadata once, then one message per tensor, batched with ``batch_isend_irecv``).
 * On an axis of size 1 every collective is the identity and no
   torch.distributed function is called, so generated code also runs in one
   plain process without ``setup``.
@@ -54,6 +55,8 @@ __all__ = [
     "vocab_parallel_embedding", "vocab_parallel_cross_entropy",
     "sync_grads",
     "send_forward", "recv_forward", "send_backward", "recv_backward",
+    "activation_sends", "activation_recvs", "grad_sends", "grad_recvs", "post_p2p",
+    "wait_activations", "wait_grads", "shape_key", "HandoffMismatch",
     "COUNTERS", "reset_counters",
 ]
 
@@ -127,6 +130,7 @@ def setup(rank: int, world_size: int, *, tp: int = 1, dp: int = 1, pp: int = 1,
         PP: [[global_rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
     }
     lines[PP_ENDS] = [[line[0], line[-1]] for line in lines[PP]] if pp > 1 else [[rank]]
+    _clear_handoff_cache()  # hand-off headers are cached per mesh: a new one starts afresh
     for axis, axis_lines in lines.items():
         axis._reset()
         if len(axis_lines[0]) == 1:
@@ -146,6 +150,7 @@ def teardown() -> None:
     GLOBAL_RANK = 0
     for axis in (TP, DP, PP, PP_ENDS):
         axis._reset()
+    _clear_handoff_cache()
 
 
 def axis_ranks(axis: Axis) -> list[int]:
@@ -157,7 +162,8 @@ def axis_ranks(axis: Axis) -> list[int]:
 # Communication counter: every transfer goes through _record
 # --------------------------------------------------------------------------
 
-COUNTERS = {"all_reduce": 0, "all_gather": 0, "send": 0, "recv": 0, "bytes": 0}
+COUNTERS = {"all_reduce": 0, "all_gather": 0, "send": 0, "recv": 0, "bytes": 0,
+            "handoff_headers": 0}  # pipeline hand-off metadata headers sent
 
 
 def reset_counters() -> None:
@@ -632,36 +638,242 @@ def _tag(kind: int, stage: int, micro: int, piece: int) -> int:
     return ((kind * 256 + stage) * 16384 + micro) * 64 + piece
 
 
-def send_values(values: tuple, dst: int, stage: int, micro: int) -> list:
-    """Send handed-over values to global rank `dst` without waiting: a header (structure, shapes,
-    plain values), then each tensor. Returns the requests to wait on before the step ends."""
+# --------------------------------------------------------------------------
+# Pipeline hand-offs: metadata once, then one message per tensor, posted in batches
+# --------------------------------------------------------------------------
+#
+# * Metadata once.  Besides tensor data, a forward hand-off holds metadata: its structure,
+#   its plain Python values, and each tensor's shape, dtype and requires_grad.  It is the
+#   same for every micro-batch with the same input shapes.  The first hand-off for a given
+#   (peer, stage, input shapes) sends the metadata as a header: an int64 size, then the
+#   pickled structure.  Both sides cache it under that key.  Later hand-offs send only the
+#   tensors, one message each.  The input shapes are shape_key(micro-batch), which every
+#   rank of the pipeline holds.  So a smaller last micro-batch, or a step with other shapes,
+#   gets its own header.  The receiver rebuilds every container (tuple, list, dict) for
+#   every hand-off (_filled), so no two micro-batches share a list or dict.
+# * Only plain metadata is cached.  A hand-off that holds any other object (a transformers
+#   DynamicCache, which carries tensors the header pickles with their data) sends its header
+#   with every hand-off.  Both sides see this in the first header, so they agree without a
+#   message.
+# * A mismatch is refused.  A sender whose metadata differs from the cached one under the
+#   same key (shapes or plain values that depend on the data, not only on the input shapes)
+#   raises HandoffMismatch.  Otherwise the receiver would misread the message.  The fix is
+#   HANDOFF_METADATA = "every" (in this file, the same on every rank), which sends the
+#   header with every hand-off.
+# * Gradients need no header.  They have the shapes and dtypes of the tensors they belong
+#   to, which the receiving side sent itself.
+# * Batched.  activation_sends / activation_recvs / grad_sends / grad_recvs only build
+#   torch.distributed.P2POp lists.  post_p2p posts them with one dist.batch_isend_irecv.
+#   train.py posts each action's sends together with the next action's receives.  It waits
+#   for the receives (wait_activations / wait_grads) right before the action that needs
+#   them, and for the sends at the end of the step.  A rank therefore blocks at the same
+#   points as with a blocking recv before each action, so a schedule that the simulator
+#   finds deadlock-free stays so.
+
+HANDOFF_METADATA = "once"      # or "every": a header with every forward hand-off
+_SENT_HEADERS: dict = {}       # (dst, stage, key) -> pickled structure sent (sender's cache)
+_RECEIVED_HEADERS: dict = {}   # (src, stage, key) -> (structure, tensor slots) received (receiver's cache)
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.Size, torch.dtype, torch.device)
+
+
+class HandoffMismatch(RuntimeError):
+    """A stage handed over values whose metadata differs from the cached header."""
+
+
+def shape_key(value):
+    """What the hand-off metadata is cached under: the shapes and dtypes of a micro-batch's
+    tensors and its plain values.  Every rank of a pipeline computes it from the same
+    micro-batch, so sender and receiver agree on it without a message."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype)
+    if isinstance(value, (tuple, list)):
+        return tuple(shape_key(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, shape_key(v)) for k, v in value.items())
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return type(value).__name__
+
+
+def _cacheable(structure) -> bool:
+    """Whether a hand-off's metadata can be cached: tensors, containers and plain values only."""
+    if isinstance(structure, (_TensorSlot, _PLAIN)):
+        return True
+    if isinstance(structure, (tuple, list)):
+        return all(_cacheable(v) for v in structure)
+    if isinstance(structure, dict):
+        return all(_cacheable(k) and _cacheable(v) for k, v in structure.items())
+    return False
+
+
+def _clear_handoff_cache() -> None:
+    _SENT_HEADERS.clear()
+    _RECEIVED_HEADERS.clear()
+
+
+class Incoming:
+    """One hand-off this rank will receive.  It holds the irecv operations (posted by
+    post_p2p with this rank's sends), their requests once posted, and what wait_activations /
+    wait_grads need to rebuild the values.  ``structure`` is None while the header is still to
+    come."""
+
+    def __init__(self, src: int, kind: int, stage: int, micro: int, structure=None, slots=None,
+                 key=None):
+        self.src, self.kind, self.stage, self.micro, self.key = src, kind, stage, micro, key
+        self.structure = structure
+        self.buffers: list = []
+        self.ops: list = []
+        self.requests: list = []
+        if slots is not None:
+            self._expect(slots)
+
+    def _expect(self, slots) -> None:
+        """irecv operations for tensors of these (shape, dtype, requires_grad) slots."""
+        self.slots = slots
+        device = _p2p_device()
+        self.buffers = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in slots]
+        self.ops = [dist.P2POp(dist.irecv, b, self.src, tag=_tag(self.kind, self.stage, self.micro, 2 + k))
+                    for k, b in enumerate(self.buffers)]
+
+
+def _header_pieces(structure_bytes: bytes) -> list:
+    payload = torch.frombuffer(bytearray(structure_bytes), dtype=torch.uint8)
+    return [torch.tensor([payload.numel()], dtype=torch.int64), payload]
+
+
+def _mismatch(old, new) -> str:
+    """How the new metadata differs from the cached one, in words."""
+    old_slots, new_slots = [], []
+    _slots_of(old, old_slots)
+    _slots_of(new, new_slots)
+    if len(old_slots) != len(new_slots):
+        return f"{len(old_slots)} tensor(s) first, now {len(new_slots)}"
+    for k, (a, b) in enumerate(zip(old_slots, new_slots)):
+        for what in ("shape", "dtype", "requires_grad"):
+            if getattr(a, what) != getattr(b, what):
+                return f"tensor {k}: {what} {getattr(a, what)} first, now {getattr(b, what)}"
+    return "the structure or a plain value differs"
+
+
+def activation_sends(values: tuple, dst: int, stage: int, micro: int, key=()) -> list:
+    """The isend operations that hand `values` to pipeline stage `stage` on global rank `dst`:
+    the header if (dst, stage, key) has not been sent before (or HANDOFF_METADATA is "every"),
+    then one per tensor.  Nothing is sent until post_p2p posts them."""
     tensors: list = []
-    payload = torch.frombuffer(bytearray(pickle.dumps(_slots(values, tensors))), dtype=torch.uint8)
-    pieces = [torch.tensor([payload.numel()], dtype=torch.int64), payload,
-              *[t.detach().contiguous() for t in tensors]]
-    requests = []
+    structure = _slots(values, tensors)
+    data = pickle.dumps(structure)
+    cache_key = (dst, stage, key)
+    pieces = [None, None]
+    if HANDOFF_METADATA == "every" or cache_key not in _SENT_HEADERS:
+        pieces = _header_pieces(data)
+        if HANDOFF_METADATA != "every" and _cacheable(structure):
+            _SENT_HEADERS[cache_key] = data
+        COUNTERS["handoff_headers"] += 1
+    elif _SENT_HEADERS[cache_key] != data:
+        raise HandoffMismatch(
+            f"pipeline hand-off to stage {stage} (micro-batch {micro}): the values differ from "
+            f"those of an earlier micro-batch with the same input shapes "
+            f"({_mismatch(pickle.loads(_SENT_HEADERS[cache_key]), structure)}). The receiver "
+            f"would read them with the cached metadata. If it depends on the data, set "
+            f"HANDOFF_METADATA = \"every\" in _comm.py (on every rank) to send them with every hand-off.")
+    pieces += [t.detach().contiguous() for t in tensors]
+    device, ops = _p2p_device(), []
     for k, piece in enumerate(pieces):
-        _record("send", piece)
-        requests.append(dist.isend(piece.to(_p2p_device()), dst, tag=_tag(0, stage, micro, k)))
-    return requests
+        if piece is not None:
+            _record("send", piece)
+            ops.append(dist.P2POp(dist.isend, piece.to(device), dst, tag=_tag(0, stage, micro, k)))
+    return ops
 
 
-def recv_values(src: int, stage: int, micro: int) -> tuple[tuple, list]:
-    """Receive what send_values sent; tensors that needed gradients on the sender need them here."""
+def activation_recvs(src: int, stage: int, micro: int, key=()) -> Incoming:
+    """The hand-off stage `stage` will receive from global rank `src`: irecv operations for its
+    tensors when the header for (src, stage, key) is cached, else none yet (wait_activations
+    receives the header first)."""
+    cached = None if HANDOFF_METADATA == "every" else _RECEIVED_HEADERS.get((src, stage, key))
+    if cached is None:
+        return Incoming(src, 0, stage, micro, key=key)
+    structure, slots = cached
+    return Incoming(src, 0, stage, micro, structure, slots, key)
+
+
+def grad_sends(tensors: list, dst: int, stage: int, micro: int) -> list:
+    """The isend operations that send the gradients of received tensors back to the previous
+    stage (global rank `dst`): one per tensor that needed a gradient."""
+    ops = []
+    for k, t in enumerate(x for x in tensors if x.requires_grad):
+        grad = (t.grad if t.grad is not None else torch.zeros_like(t)).contiguous()
+        _record("send", grad)
+        ops.append(dist.P2POp(dist.isend, grad.to(_p2p_device()), dst, tag=_tag(1, stage, micro, 2 + k)))
+    return ops
+
+
+def grad_recvs(outputs: list, src: int, stage: int, micro: int) -> Incoming:
+    """The gradients this stage will receive from the next one (global rank `src`, running
+    `stage`) for its outputs that need them: their shapes and dtypes, no header."""
+    slots = [_TensorSlot(k, t) for k, t in enumerate(x for x in outputs if x.requires_grad)]
+    return Incoming(src, 1, stage, micro, slots=slots)
+
+
+def post_p2p(sends: list, incoming: Incoming | None = None) -> list:
+    """Post this rank's sends and the receives of `incoming` together, with one
+    dist.batch_isend_irecv.  Returns the send requests (wait on them before the step ends);
+    the receive requests stay with `incoming`."""
+    receives = incoming.ops if incoming is not None else []
+    if not sends and not receives:
+        return []
+    requests = dist.batch_isend_irecv(sends + receives)
+    if incoming is not None:
+        incoming.requests, incoming.ops = requests[len(sends):], []
+    return requests[:len(sends)]
+
+
+def _recv_header(incoming: Incoming) -> bytes:
     size = torch.empty(1, dtype=torch.int64, device=_p2p_device())
-    dist.recv(size, src, tag=_tag(0, stage, micro, 0))
+    dist.recv(size, incoming.src, tag=_tag(0, incoming.stage, incoming.micro, 0))
     payload = torch.empty(int(size.item()), dtype=torch.uint8, device=_p2p_device())
-    dist.recv(payload, src, tag=_tag(0, stage, micro, 1))
+    dist.recv(payload, incoming.src, tag=_tag(0, incoming.stage, incoming.micro, 1))
+    return payload.cpu().numpy().tobytes()
+
+
+def wait_activations(incoming: Incoming) -> tuple[tuple, list]:
+    """Wait for a posted hand-off; return its values and its tensors.  When no header was
+    cached, receive the header now (two blocking recvs), cache it, then the tensors.  Tensors
+    that needed gradients on the sender need them here."""
+    if incoming.structure is None:
+        incoming.structure = pickle.loads(_recv_header(incoming))
+        slots: list = []
+        _slots_of(incoming.structure, slots)
+        if HANDOFF_METADATA != "every" and _cacheable(incoming.structure):
+            _RECEIVED_HEADERS[(incoming.src, incoming.stage, incoming.key)] = (incoming.structure, slots)
+        incoming._expect(slots)
+        incoming.requests = dist.batch_isend_irecv(incoming.ops) if incoming.ops else []
+        incoming.ops = []
+    for request in incoming.requests:
+        request.wait()
     _record("recv", None)
-    structure = pickle.loads(payload.cpu().numpy().tobytes())
-    slots: list = []
-    _slots_of(structure, slots)
-    tensors = []
-    for k, slot in enumerate(slots):
-        buffer = torch.empty(slot.shape, dtype=slot.dtype, device=_p2p_device())
-        dist.recv(buffer, src, tag=_tag(0, stage, micro, 2 + k))
-        tensors.append(buffer.requires_grad_() if slot.requires_grad else buffer)
-    return _filled(structure, tensors), tensors
+    tensors = [b.requires_grad_() if s.requires_grad else b for b, s in zip(incoming.buffers, incoming.slots)]
+    return _filled(incoming.structure, tensors), tensors
+
+
+def wait_grads(incoming: Incoming) -> list:
+    """Wait for posted gradients; return them in the order of the outputs that need them."""
+    for request in incoming.requests:
+        request.wait()
+        _record("recv", None)
+    return incoming.buffers
+
+
+def send_values(values: tuple, dst: int, stage: int, micro: int, key=()) -> list:
+    """Send handed-over values to global rank `dst` now, without waiting (activation_sends,
+    posted alone).  Returns the requests to wait on."""
+    return post_p2p(activation_sends(values, dst, stage, micro, key))
+
+
+def recv_values(src: int, stage: int, micro: int, key=()) -> tuple[tuple, list]:
+    """Receive what send_values sent, waiting for it (activation_recvs, posted alone)."""
+    incoming = activation_recvs(src, stage, micro, key)
+    post_p2p([], incoming)
+    return wait_activations(incoming)
 
 
 def flat_tensors(values) -> list:
@@ -684,21 +896,12 @@ def _slots_of(value, found: list):
 
 
 def send_grads(tensors: list, dst: int, stage: int, micro: int) -> list:
-    """Send the gradients of received tensors back to the previous stage, without waiting."""
-    requests = []
-    for k, t in enumerate(x for x in tensors if x.requires_grad):
-        grad = t.grad if t.grad is not None else torch.zeros_like(t)
-        _record("send", grad)
-        requests.append(dist.isend(grad.contiguous(), dst, tag=_tag(1, stage, micro, k)))
-    return requests
+    """Send the gradients of received tensors back to the previous stage now, without waiting."""
+    return post_p2p(grad_sends(tensors, dst, stage, micro))
 
 
 def recv_grads(outputs: list, src: int, stage: int, micro: int) -> list:
-    """Gradients for this stage's outputs that need them, from the next stage."""
-    grads = []
-    for k, t in enumerate(x for x in outputs if x.requires_grad):
-        buffer = torch.empty(t.shape, dtype=t.dtype, device=_p2p_device())
-        dist.recv(buffer, src, tag=_tag(1, stage, micro, k))
-        _record("recv", None)
-        grads.append(buffer)
-    return grads
+    """Gradients for this stage's outputs that need them, from the next stage (waiting for them)."""
+    incoming = grad_recvs(outputs, src, stage, micro)
+    post_p2p([], incoming)
+    return wait_grads(incoming)
