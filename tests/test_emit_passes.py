@@ -153,6 +153,20 @@ def test_a_parameter_factory_call_has_its_size_divided(tmp_path):
     assert "        self.scale = nn.Parameter(torch.ones(config.n_embd // 4))  # * / 4\n" in code
 
 
+def test_a_factory_inside_arithmetic_has_its_size_divided(tmp_path):
+    source = parse(tmp_path, """
+        class Layer(nn.Module):
+            def __init__(self, config):
+                self.lambda_1 = nn.Parameter(config.init_values * torch.ones(config.hidden_size), requires_grad=True)
+    """)
+    edits = no_edits()
+    edits.ctors[span(source, "nn.Parameter(config.init_values * torch.ones(config.hidden_size), requires_grad=True)")] \
+        = [CtorEdit(["factory:0"], 2, "* / 2")]
+    code, _ = rewritten(source, edits)
+    assert ("        self.lambda_1 = nn.Parameter(config.init_values * torch.ones(config.hidden_size // 2), "
+            "requires_grad=True)  # * / 2\n") in code
+
+
 def test_a_constructor_that_does_not_pass_the_size_is_refused_at_its_call(tmp_path):
     source = parse(tmp_path, CTOR_SOURCE)
     edits = no_edits()

@@ -75,6 +75,16 @@ def _replace_arg(call: cst.Call, index: int, value: cst.BaseExpression) -> cst.C
     return call.with_changes(args=args)
 
 
+def _factory_call(value) -> cst.Call | None:
+    """The tensor factory inside a parameter's value: the value itself, or an operand of the
+    arithmetic around it (`init_values * torch.ones(n)`, Data2Vec's layer scale)."""
+    if isinstance(value, cst.Call):
+        return value
+    if isinstance(value, cst.BinaryOperation):
+        return _factory_call(value.left) or _factory_call(value.right)
+    return None
+
+
 class ShardConstructors:
     DESCRIPTION = "Divide the constructor arguments that size a split parameter."
 
@@ -91,13 +101,15 @@ class ShardConstructors:
         return node
 
     def _apply(self, span: Span, call: cst.Call, edit: CtorEdit) -> cst.Call:
-        if edit.aliases[0].startswith("factory:"):     # nn.Parameter(torch.ones(a, b))
+        if edit.aliases[0].startswith("factory:"):     # nn.Parameter(torch.ones(a, b)), or `scale * torch.ones(n)`
             dim = int(edit.aliases[0].split(":")[1])
-            inner = call.args[0].value if call.args else None
-            if not isinstance(inner, cst.Call) or _arg_index(inner, ("pos", dim)) is None:
+            value = call.args[0].value if call.args else None
+            inner = _factory_call(value)
+            if inner is None or _arg_index(inner, ("pos", dim)) is None:
                 raise UserError("cannot find the size argument of this parameter's factory call", span.start)
             index = _arg_index(inner, ("pos", dim))
-            return _replace_arg(call, 0, _replace_arg(inner, index, divided(inner.args[index].value, edit.divisor)))
+            local = _replace_arg(inner, index, divided(inner.args[index].value, edit.divisor))
+            return _replace_arg(call, 0, value.deep_replace(inner, local))
         for alias in edit.aliases:
             path = ("pos", int(alias[3:])) if re.fullmatch(r"arg\d+", alias) else ("kw", alias)
             index = _arg_index(call, path)
