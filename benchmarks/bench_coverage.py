@@ -828,6 +828,12 @@ def render(data: dict) -> str:
         lines += ["", "## Not tried", "",
                   "Model types of the same registries left out before any run: "
                   + "; ".join(f"{d['name']} ({d['reason']})" for d in data["left_out"]) + "."]
+    if data.get("rechecks"):       # failures of a run re-checked by hand after later fixes, with the command
+        lines += ["", "## Re-checked after the runs", "",
+                  "Runs above that failed on a tool older than the revision named here, verified again by hand "
+                  "(not counted in the summary):", ""]
+        lines += [f"- {r['arch']} [{r['run']}] at `{r['revision']}`: {r['result']} (`{r['command']}`)"
+                  for r in data["rechecks"]]
     return "\n".join(lines) + "\n"
 
 
