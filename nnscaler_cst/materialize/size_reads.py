@@ -29,9 +29,10 @@ def full_size_reads(graph: Graph, param_layout: dict[str, Layout], n: int) -> di
     for path, qualified in graph.trace.module_types.items():
         classes[qualified].append(path)
     reads: dict[Span, int] = {}
+    own = {str(Path(f).resolve()) for f in graph.trace.own_files}
     for qualified, paths in classes.items():
         module_name, _, class_name = qualified.rpartition(".")
-        found = _class_source(graph, module_name, class_name)
+        found = _class_source(graph, own, module_name, class_name)
         if found is None:
             continue
         source, class_def = found
@@ -61,10 +62,11 @@ def _local_size_attributes(graph: Graph, param_layout: dict[str, Layout]) -> set
     return out
 
 
-def _class_source(graph: Graph, module_name: str, class_name: str):
+def _class_source(graph: Graph, own: set[str], module_name: str, class_name: str):
+    """The class's definition, when it sits at the top of one of the files the rewrite owns."""
     module = sys.modules.get(module_name)
     path = getattr(module, "__file__", None)
-    if path is None or str(Path(path).resolve()) not in {str(Path(f).resolve()) for f in graph.trace.own_files}:
+    if path is None or str(Path(path).resolve()) not in own:
         return None
     source = graph.sources.get(path)
     for statement in source.module.body:
