@@ -385,7 +385,7 @@ class Tracer(TorchFunctionMode):
     # ---- driver -------------------------------------------------------------------------
     def run(self, mode: str) -> Trace:
         entry = self.entry
-        ctx = _fake_mode() if mode == "fake" else contextlib.nullcontext()
+        ctx = quiet_fake_mode() if mode == "fake" else contextlib.nullcontext()
         with ctx:
             torch.manual_seed(0)
             with _CtorRecorder() as ctors:
@@ -522,7 +522,7 @@ def _plain(value, depth=0):
 
 
 @contextlib.contextmanager
-def _fake_mode():
+def quiet_fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
     # FakeTensorMode logs a traceback of its own when a user op fails (shape mismatch); the
     # failure reaches the user as one UserError instead, so keep its logger quiet meanwhile.

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import importlib
-import logging
 import pickle
 import re
 import shutil
@@ -38,6 +37,7 @@ from pathlib import Path
 import torch
 
 from ..errors import Location, UserError, display_path
+from ..trace.tracer import quiet_fake_mode
 
 HINT = "a bug of nnscaler-rewrite, not of your model: nothing was written; please report it with the model file"
 
@@ -70,19 +70,8 @@ def _unsupported_types() -> tuple[type, ...]:
     return tuple(found)
 
 
-@contextlib.contextmanager
 def _tensor_mode(mode: str):
-    if mode != "fake":
-        yield
-        return
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
-    was_disabled, fake_log.disabled = fake_log.disabled, True
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            yield
-    finally:
-        fake_log.disabled = was_disabled
+    return quiet_fake_mode() if mode == "fake" else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
