@@ -86,6 +86,8 @@ MicroOpt = typer.Option(None, "--micro-batches", help="micro-batches per step (d
 ScheduleOpt = typer.Option(None, "--schedule", help="gpipe | 1f1b | interleaved, or any schedule table in rules/plans")
 StagesOpt = typer.Option(None, "--stages", help="block indices where stages 1.. begin, e.g. 6,12,18")
 OutOpt = typer.Option(None, "--out", "-o", help="output folder")
+RecomputeOpt = typer.Option(None, "--recompute", help="run every repeated block under torch.utils.checkpoint: "
+                            "forward keeps its inputs only, backward reruns it")
 
 
 def _options(model_file: Path, **given):
@@ -93,7 +95,7 @@ def _options(model_file: Path, **given):
     from .config import check_options, project_defaults
     defaults = {"tp": None, "dp": None, "plan": None, "out": "parallel", "model": None, "devices": None,
                 "cluster": "cpu-gloo", "memory_budget": None, "pp": 1, "micro_batches": None, "schedule": "1f1b",
-                "stages": None}
+                "stages": None, "recompute": False}
     defaults.update(project_defaults(model_file))
     opts = {k: (v if v is not None else defaults.get(k)) for k, v in given.items()}
     check_options(opts)
@@ -106,7 +108,7 @@ def _request(opts: dict):
     cuts = parse_stages(opts.get("stages"))
     return PlanRequest(opts["plan"], opts["tp"], opts["dp"], opts["devices"], opts["cluster"],
                        _memory_budget(opts["memory_budget"]), int(opts.get("pp") or 1), opts.get("micro_batches"),
-                       opts.get("schedule") or "1f1b", cuts)
+                       opts.get("schedule") or "1f1b", cuts, recompute=bool(opts.get("recompute")))
 
 
 def _memory_budget(text) -> float | None:
@@ -173,7 +175,7 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
             devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
             memory_budget: Optional[str] = BudgetOpt, pp: Optional[int] = PpOpt,
             micro_batches: Optional[int] = MicroOpt, schedule: Optional[str] = ScheduleOpt,
-            stages: Optional[str] = StagesOpt,
+            stages: Optional[str] = StagesOpt, recompute: Optional[bool] = RecomputeOpt,
             out: Optional[Path] = OutOpt, model: Optional[str] = ModelOpt,
             diff: Optional[int] = typer.Option(None, "--diff", help="show the diff of the model file "
                                                "against this rank's file instead of writing"),
@@ -190,7 +192,7 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
     def body():
         given = dict(tp=tp, dp=dp, plan=plan, out=out, model=model, devices=devices, cluster=cluster,
                      memory_budget=memory_budget, pp=pp, micro_batches=micro_batches, schedule=schedule,
-                     stages=stages)
+                     stages=stages, recompute=recompute)
         if diff is not None and check:
             raise UserError("--diff and --check do not go together",
                             hint="--diff RANK shows one rank's diff; --check compares the whole output folder")
@@ -237,7 +239,7 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
            devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
            memory_budget: Optional[str] = BudgetOpt, pp: Optional[int] = PpOpt,
            micro_batches: Optional[int] = MicroOpt, schedule: Optional[str] = ScheduleOpt,
-           stages: Optional[str] = StagesOpt,
+           stages: Optional[str] = StagesOpt, recompute: Optional[bool] = RecomputeOpt,
            out: Optional[Path] = typer.Option(None, "--out", "-o", help="output folder: rewritten first "
                                               "when --tp/--dp/--plan is given, else verified as it is"),
            model: Optional[str] = ModelOpt,
@@ -255,7 +257,7 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
     def body():
         given = dict(tp=tp, dp=dp, plan=plan, out=out, model=model, devices=devices, cluster=cluster,
                      memory_budget=memory_budget, pp=pp, micro_batches=micro_batches, schedule=schedule,
-                     stages=stages)
+                     stages=stages, recompute=recompute)
         if steps < 1 or lr <= 0 or timeout <= 0:
             flag, value = next((f, v) for f, v, bad in (("--steps", steps, steps < 1), ("--lr", lr, lr <= 0),
                                                         ("--timeout", timeout, timeout <= 0)) if bad)
@@ -263,7 +265,7 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
                             hint="e.g. --steps 3 --lr 1e-3 --timeout 300 (the defaults)")
         opts = _options(model_file, **given)
         out_dir = Path(opts["out"])
-        if any(v is not None for v in (tp, dp, plan, devices, pp, micro_batches, schedule, stages)) \
+        if any(v is not None for v in (tp, dp, plan, devices, pp, micro_batches, schedule, stages, recompute)) \
                 or not out_dir.exists():
             _, result, opened = _rewrite(model_file, opts)
             if _write(out_dir, model_file, given, result, opened, force):
@@ -283,7 +285,8 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
     _run(body)
 
 
-def _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, model, json_out, explain, verbose):
+def _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, model, json_out, explain, verbose,
+                  recompute=None):
     _state["verbose"] = verbose
     from .analysis import analyze
     from .plan.cost import load_cluster
@@ -294,7 +297,7 @@ def _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, mod
 
     def body():
         opts = _options(model_file, tp=tp, dp=dp, plan=plan, model=model, devices=devices, cluster=cluster,
-                        memory_budget=memory_budget)
+                        memory_budget=memory_budget, recompute=recompute)
         request = _request(opts)
         analysis = analyze(model_file, model_class=opts["model"])
         solved, tp_plan = build_plan(analysis, request)
@@ -321,11 +324,13 @@ def plan(model_file: Path = typer.Argument(..., help="model or entry file"),
          plan: Optional[str] = PlanOpt, tp: Optional[int] = TpOpt, dp: Optional[int] = DpOpt,
          devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
          memory_budget: Optional[str] = BudgetOpt, model: Optional[str] = ModelOpt,
+         recompute: Optional[bool] = RecomputeOpt,
          json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
          explain: bool = typer.Option(False, "--explain", help="also show which constraints bind"),
          verbose: bool = VerboseOpt):
     """Show the chosen plan: per op its split, n and devices; per device time and memory."""
-    _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, model, json_out, explain, verbose)
+    _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, model, json_out, explain, verbose,
+                  recompute)
 
 
 @app.command()
@@ -333,10 +338,12 @@ def explain(model_file: Path = typer.Argument(..., help="model or entry file"),
             plan: Optional[str] = PlanOpt, tp: Optional[int] = TpOpt, dp: Optional[int] = DpOpt,
             devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
             memory_budget: Optional[str] = BudgetOpt, model: Optional[str] = ModelOpt,
+            recompute: Optional[bool] = RecomputeOpt,
             json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
             verbose: bool = VerboseOpt):
     """`plan --explain`: the plan and the constraints that bind it."""
-    _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, model, json_out, True, verbose)
+    _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, model, json_out, True, verbose,
+                  recompute)
 
 
 @app.command()

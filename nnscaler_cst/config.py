@@ -17,7 +17,7 @@ from .errors import Location, UserError, display_path, toml_error
 # key -> what its value must be
 KEYS = {"tp": "size", "dp": "size", "pp": "size", "devices": "size", "micro_batches": "size",
         "plan": "name", "schedule": "name", "cluster": "name", "model": "name", "out": "name",
-        "memory_budget": "bytes", "stages": "stages", "rules": "paths",
+        "memory_budget": "bytes", "stages": "stages", "rules": "paths", "recompute": "flag",
         "model_file": "name"}   # the model file `nnscaler-rewrite --check` (the pre-commit hook) checks
 _SECTION = "tool.nnscaler-rewrite"
 
@@ -107,6 +107,8 @@ def _problem(kind: str, value: Any) -> str | None:
         return None
     if kind == "stages":
         return stages_problem(value)
+    if kind == "flag":
+        return None if isinstance(value, bool) else "expected true or false"
     if kind == "paths":
         ok = isinstance(value, str) or (isinstance(value, list) and all(isinstance(p, str) for p in value))
         return None if ok else "expected a folder or a list of folders"

@@ -19,6 +19,7 @@ from .errors import Location, UserError, display_path
 from .materialize.edits import Edits, plan_edits
 from .plan.ir import OpAssign, OpOrder, OpTrans, Plan
 from .plan.pipeline import StagePlan, plan_stages
+from .plan.recompute import recompute_seconds, recompute_site
 from .plan.schedules import Action, load_schedule, schedule, to_csv
 from .verify.simulate import simulate
 from .verify.dry_run import dry_run
@@ -57,6 +58,7 @@ class PlanRequest:
     micro_batches: int | None = None
     schedule: str = "1f1b"
     stage_cuts: list[int] | None = None
+    recompute: bool = False          # every repeated block under torch.utils.checkpoint
 
 
 def _table_names(request: PlanRequest, tp: int, dp: int) -> list[str]:
@@ -114,6 +116,10 @@ def build_plan(analysis: Analysis, request: PlanRequest) -> tuple[Plan, AxisPlan
     plan = Plan(name, {"tp": tp, "dp": dp, "pp": request.pp})
     plan.warnings = weights_left_whole(graph) if tp > 1 else []
     plan.estimated_step_seconds = tp_plan.cost if tp_plan is not None else dp_only(graph, dp, cluster)[0]
+    if request.recompute:
+        recompute_site(graph)           # refused here, before solving anything else, when it cannot apply
+        plan.name += "+recompute"
+        plan.estimated_step_seconds += recompute_seconds(graph, tp * dp, cluster.axis(1, tp))
     for site in graph.sites.values():
         where = site.span.label
         if tp_plan is not None:
@@ -179,7 +185,10 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
         split = StageSplit(trunk.function_span, trunk.loop_index, trunk.handoff, trunk.container)
         if trunk.function_span.path != str(main_source.path):
             raise UserError("the loop over the blocks is not in the model's main file")
-    module, ctx = rewrite_module(main_source, edits or empty, split, analysis.trace.containers)
+    recompute = recompute_site(analysis.graph) if request is not None and request.recompute else None
+    if recompute is not None and recompute.path != str(main_source.path):
+        raise UserError("--recompute: the loop over the blocks is not in the model's main file", recompute.start)
+    module, ctx = rewrite_module(main_source, edits or empty, split, analysis.trace.containers, recompute)
     if model_path is not None:
         module = merge_entry(module, model_path, analysis.sources.get(entry_path).module, entry_path,
                              analysis.entry)

@@ -46,6 +46,7 @@ class Context:
     containers: dict[Span, list[tuple[str, ...]]] = field(default_factory=dict)  # nn.Sequential call -> leaves
     before: list[cst.SimpleStatementLine] = field(default_factory=list)  # go before the current statement
     assigned: dict[Span, list] = field(default_factory=dict)     # `x[i] = v` target span -> steps for v
+    recompute: Span | None = None                                 # the block call --recompute checkpoints
 
     def note(self, span: Span, text: str) -> None:
         fragments = self.notes.setdefault(span, [])
@@ -269,6 +270,36 @@ class InsertCollectives:
         return cst.parse_expression(self._template_values(span, call)[site.bias])
 
 
+class RecomputeBlocks:
+    DESCRIPTION = "Run each block under torch.utils.checkpoint where the loop over the blocks calls it."
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+
+    def leave(self, span: Span, node: cst.CSTNode) -> cst.CSTNode:
+        if span != self.ctx.recompute:
+            return node
+        collectives = {name for name, _ in COLLECTIVE_NOTES.values()}
+        call = node
+        while isinstance(call, cst.Call) and code(call.func) in collectives:   # a conversion on its result
+            call = call.args[0].value
+        if not isinstance(call, cst.Call):
+            raise UserError("--recompute found no call of the block here (please report it)", span.start)
+        template = cst.parse_expression("torch.utils.checkpoint.checkpoint(block, use_reentrant=False)")
+        args = list(call.args)
+        # the user's layout kept: one argument per line stays so, a trailing comma stays last
+        between = args[0].comma if args and isinstance(args[0].comma, cst.Comma) else cst.MaybeSentinel.DEFAULT
+        flag = template.args[1]
+        if args and isinstance(args[-1].comma, cst.Comma):
+            flag = flag.with_changes(comma=args[-1].comma)
+            args[-1] = args[-1].with_changes(comma=between)
+        checkpointed = template.with_changes(args=[cst.Arg(call.func, comma=between), *args, flag],
+                                             whitespace_before_args=call.whitespace_before_args)
+        self.ctx.needs_torch = True
+        self.ctx.note(span, "recompute: the block keeps only its inputs; backward reruns its forward")
+        return node.deep_replace(call, checkpointed) if call is not node else checkpointed
+
+
 class CoshardRegions:
     DESCRIPTION = "Run each co-shard region as a local function, its pieces one after another."
 
@@ -353,7 +384,7 @@ class FileRewriter(cst.CSTTransformer):
         super().__init__()
         self.path = str(source.path)
         self.ctx = ctx
-        self.concerns = [ShardConstructors(ctx), LocalSizes(ctx), InsertCollectives(ctx)]
+        self.concerns = [ShardConstructors(ctx), LocalSizes(ctx), InsertCollectives(ctx), RecomputeBlocks(ctx)]
         self.stages = SplitStages(ctx)
         self.regions = CoshardRegions(ctx)
 
@@ -500,9 +531,10 @@ class FileRewriter(cst.CSTTransformer):
 
 
 def rewrite_module(source: SourceFile, edits: Edits, split: StageSplit | None = None,
-                   containers: dict[Span, list[tuple[str, ...]]] | None = None) -> tuple[cst.Module, Context]:
+                   containers: dict[Span, list[tuple[str, ...]]] | None = None,
+                   recompute: Span | None = None) -> tuple[cst.Module, Context]:
     ctx = Context(edits, split if split is not None and split.function.path == str(source.path) else None,
-                  containers=containers or {})
+                  containers=containers or {}, recompute=recompute)
     wrapper = MetadataWrapper(source.module)
     module = wrapper.visit(FileRewriter(source, ctx))
     path = str(source.path)
