@@ -76,6 +76,8 @@ def inspect(model_file: Path = typer.Argument(..., help="model or entry file"),
 
 TpOpt = typer.Option(None, "--tp", help="tensor-parallel size")
 DpOpt = typer.Option(None, "--dp", help="data-parallel size")
+ZeroOpt = typer.Option(None, "--zero", help="ZeRO stage over the data-parallel ranks: 1 shards optimizer state, "
+                       "2 also gradients, 3 also parameters")
 PlanOpt = typer.Option(None, "--plan", help="a table in rules/plans (dp, megatron, auto, ...); "
                        "default: what --tp/--dp imply")
 DevicesOpt = typer.Option(None, "--devices", help="devices for --plan auto")
@@ -95,7 +97,7 @@ def _options(model_file: Path, **given):
     from .config import check_options, project_defaults
     defaults = {"tp": None, "dp": None, "plan": None, "out": "parallel", "model": None, "devices": None,
                 "cluster": "cpu-gloo", "memory_budget": None, "pp": 1, "micro_batches": None, "schedule": "1f1b",
-                "stages": None, "recompute": False}
+                "stages": None, "recompute": False, "zero": 0}
     defaults.update(project_defaults(model_file))
     opts = {k: (v if v is not None else defaults.get(k)) for k, v in given.items()}
     check_options(opts)
@@ -108,7 +110,8 @@ def _request(opts: dict):
     cuts = parse_stages(opts.get("stages"))
     return PlanRequest(opts["plan"], opts["tp"], opts["dp"], opts["devices"], opts["cluster"],
                        _memory_budget(opts["memory_budget"]), int(opts.get("pp") or 1), opts.get("micro_batches"),
-                       opts.get("schedule") or "1f1b", cuts, recompute=bool(opts.get("recompute")))
+                       opts.get("schedule") or "1f1b", cuts, recompute=bool(opts.get("recompute")),
+                       zero=int(opts.get("zero") or 0))
 
 
 def _memory_budget(text) -> float | None:
@@ -175,7 +178,7 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
             devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
             memory_budget: Optional[str] = BudgetOpt, pp: Optional[int] = PpOpt,
             micro_batches: Optional[int] = MicroOpt, schedule: Optional[str] = ScheduleOpt,
-            stages: Optional[str] = StagesOpt, recompute: Optional[bool] = RecomputeOpt,
+            stages: Optional[str] = StagesOpt, recompute: Optional[bool] = RecomputeOpt, zero: Optional[int] = ZeroOpt,
             out: Optional[Path] = OutOpt, model: Optional[str] = ModelOpt,
             diff: Optional[int] = typer.Option(None, "--diff", help="show the diff of the model file "
                                                "against this rank's file instead of writing"),
@@ -192,7 +195,7 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
     def body():
         given = dict(tp=tp, dp=dp, plan=plan, out=out, model=model, devices=devices, cluster=cluster,
                      memory_budget=memory_budget, pp=pp, micro_batches=micro_batches, schedule=schedule,
-                     stages=stages, recompute=recompute)
+                     stages=stages, recompute=recompute, zero=zero)
         if diff is not None and check:
             raise UserError("--diff and --check do not go together",
                             hint="--diff RANK shows one rank's diff; --check compares the whole output folder")
@@ -239,7 +242,7 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
            devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
            memory_budget: Optional[str] = BudgetOpt, pp: Optional[int] = PpOpt,
            micro_batches: Optional[int] = MicroOpt, schedule: Optional[str] = ScheduleOpt,
-           stages: Optional[str] = StagesOpt, recompute: Optional[bool] = RecomputeOpt,
+           stages: Optional[str] = StagesOpt, recompute: Optional[bool] = RecomputeOpt, zero: Optional[int] = ZeroOpt,
            out: Optional[Path] = typer.Option(None, "--out", "-o", help="output folder: rewritten first "
                                               "when --tp/--dp/--plan is given, else verified as it is"),
            model: Optional[str] = ModelOpt,
@@ -257,7 +260,7 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
     def body():
         given = dict(tp=tp, dp=dp, plan=plan, out=out, model=model, devices=devices, cluster=cluster,
                      memory_budget=memory_budget, pp=pp, micro_batches=micro_batches, schedule=schedule,
-                     stages=stages, recompute=recompute)
+                     stages=stages, recompute=recompute, zero=zero)
         if steps < 1 or lr <= 0 or timeout <= 0:
             flag, value = next((f, v) for f, v, bad in (("--steps", steps, steps < 1), ("--lr", lr, lr <= 0),
                                                         ("--timeout", timeout, timeout <= 0)) if bad)
@@ -265,7 +268,7 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
                             hint="e.g. --steps 3 --lr 1e-3 --timeout 300 (the defaults)")
         opts = _options(model_file, **given)
         out_dir = Path(opts["out"])
-        if any(v is not None for v in (tp, dp, plan, devices, pp, micro_batches, schedule, stages, recompute)) \
+        if any(v is not None for v in (tp, dp, plan, devices, pp, micro_batches, schedule, stages, recompute, zero)) \
                 or not out_dir.exists():
             _, result, opened = _rewrite(model_file, opts)
             if _write(out_dir, model_file, given, result, opened, force):
@@ -286,7 +289,7 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
 
 
 def _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, model, json_out, explain, verbose,
-                  recompute=None):
+                  recompute=None, zero=None):
     _state["verbose"] = verbose
     from .analysis import analyze
     from .plan.cost import load_cluster
@@ -297,7 +300,7 @@ def _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, mod
 
     def body():
         opts = _options(model_file, tp=tp, dp=dp, plan=plan, model=model, devices=devices, cluster=cluster,
-                        memory_budget=memory_budget, recompute=recompute)
+                        memory_budget=memory_budget, recompute=recompute, zero=zero)
         request = _request(opts)
         analysis = analyze(model_file, model_class=opts["model"])
         solved, tp_plan = build_plan(analysis, request)
@@ -324,13 +327,13 @@ def plan(model_file: Path = typer.Argument(..., help="model or entry file"),
          plan: Optional[str] = PlanOpt, tp: Optional[int] = TpOpt, dp: Optional[int] = DpOpt,
          devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
          memory_budget: Optional[str] = BudgetOpt, model: Optional[str] = ModelOpt,
-         recompute: Optional[bool] = RecomputeOpt,
+         recompute: Optional[bool] = RecomputeOpt, zero: Optional[int] = ZeroOpt,
          json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
          explain: bool = typer.Option(False, "--explain", help="also show which constraints bind"),
          verbose: bool = VerboseOpt):
     """Show the chosen plan: per op its split, n and devices; per device time and memory."""
     _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, model, json_out, explain, verbose,
-                  recompute)
+                  recompute, zero)
 
 
 @app.command()
@@ -338,12 +341,12 @@ def explain(model_file: Path = typer.Argument(..., help="model or entry file"),
             plan: Optional[str] = PlanOpt, tp: Optional[int] = TpOpt, dp: Optional[int] = DpOpt,
             devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
             memory_budget: Optional[str] = BudgetOpt, model: Optional[str] = ModelOpt,
-            recompute: Optional[bool] = RecomputeOpt,
+            recompute: Optional[bool] = RecomputeOpt, zero: Optional[int] = ZeroOpt,
             json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
             verbose: bool = VerboseOpt):
     """`plan --explain`: the plan and the constraints that bind it."""
     _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, model, json_out, True, verbose,
-                  recompute)
+                  recompute, zero)
 
 
 @app.command()

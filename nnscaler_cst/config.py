@@ -18,6 +18,7 @@ from .errors import Location, UserError, display_path, toml_error
 KEYS = {"tp": "size", "dp": "size", "pp": "size", "devices": "size", "micro_batches": "size",
         "plan": "name", "schedule": "name", "cluster": "name", "model": "name", "out": "name",
         "memory_budget": "bytes", "stages": "stages", "rules": "paths", "recompute": "flag",
+        "zero": "zero_stage",
         "model_file": "name"}   # the model file `nnscaler-rewrite --check` (the pre-commit hook) checks
 _SECTION = "tool.nnscaler-rewrite"
 
@@ -109,6 +110,9 @@ def _problem(kind: str, value: Any) -> str | None:
         return stages_problem(value)
     if kind == "flag":
         return None if isinstance(value, bool) else "expected true or false"
+    if kind == "zero_stage":
+        ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 3
+        return None if ok else "expected a ZeRO stage: 0 (none), 1, 2 or 3"
     if kind == "paths":
         ok = isinstance(value, str) or (isinstance(value, list) and all(isinstance(p, str) for p in value))
         return None if ok else "expected a folder or a list of folders"
@@ -149,6 +153,9 @@ def check_options(opts: dict[str, Any]) -> None:
             raise UserError(f"{flag} {value}: must be at least 1",
                             hint=f"{flag} N with N >= 1 ({flag} 1, the default, does not split)")
     plan = opts.get("plan")
+    if opts.get("zero") and plan != "auto":     # --plan auto chooses dp itself: checked once solved
+        from .plan.zero import check_zero
+        check_zero(opts["zero"], opts.get("dp") or 1, opts.get("pp") or 1)
     if opts.get("devices") is not None and plan not in ("auto", None):
         raise UserError(f"--devices is for --plan auto, not --plan {plan}",
                         hint="give --tp/--dp for a fixed plan, or --plan auto --devices N to search")

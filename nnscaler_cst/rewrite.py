@@ -21,6 +21,7 @@ from .plan.ir import OpAssign, OpOrder, OpTrans, Plan
 from .plan.pipeline import StagePlan, plan_stages
 from .plan.recompute import recompute_seconds, recompute_site
 from .plan.schedules import Action, load_schedule, schedule, to_csv
+from .plan.zero import check_zero
 from .verify.simulate import simulate
 from .verify.dry_run import dry_run
 from .plan.layouts import REPLICATE
@@ -59,6 +60,7 @@ class PlanRequest:
     schedule: str = "1f1b"
     stage_cuts: list[int] | None = None
     recompute: bool = False          # every repeated block under torch.utils.checkpoint
+    zero: int = 0                    # ZeRO stage of the data-parallel state (0: replicated)
 
 
 def _table_names(request: PlanRequest, tp: int, dp: int) -> list[str]:
@@ -113,6 +115,9 @@ def build_plan(analysis: Analysis, request: PlanRequest) -> tuple[Plan, AxisPlan
         tp_plan = search_axis(graph, "tp", tp, constraints, cluster.axis(1, tp), memory_budget=request.memory_budget,
                               data_parallel=dp) if tp > 1 else None
         name = "+".join(names) or "single"
+    if request.zero:
+        check_zero(request.zero, dp, request.pp)
+        name += f"+zero{request.zero}"
     plan = Plan(name, {"tp": tp, "dp": dp, "pp": request.pp})
     plan.warnings = weights_left_whole(graph) if tp > 1 else []
     plan.estimated_step_seconds = tp_plan.cost if tp_plan is not None else dp_only(graph, dp, cluster)[0]
@@ -227,7 +232,9 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
     pipeline_step = templates.PIPELINE_STEP.format(micro=micro) if stages is not None else ""
     files["train.py"] = with_header(templates.TRAIN.format(source=source_label, plan=plan.describe(),
                                                            world=plan.world_size, folder="<this folder>",
-                                                           partial=partial, pipeline_step=pipeline_step),
+                                                           partial=partial, pipeline_step=pipeline_step,
+                                                           **templates.data_parallel_step(
+                                                               request.zero if request else 0)),
                                     f"from {source_label}")
     plan_json = {"generated_by": f"nnscaler-rewrite {__version__}", "source": source_label, **plan.to_json(),
                  "file_hashes": {n: content_hash(t) for n, t in files.items() if not n.endswith(".py")}}

@@ -187,19 +187,17 @@ def loss_of(module, output):
 
 
 {pipeline_step}
+{optimizer_params}
 
 def train_step(model, optimizer, batch, module):
     """One optimizer step on the full batch; returns the full batch's loss."""
     inputs = split_batch(batch)
-    output = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+{gather_before_forward}    output = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
     loss = loss_of(module, output)
     loss.backward()
     named = dict(model.named_parameters())
     _comm.sync_grads([named[n] for n in TP_PARTIAL_GRADS if n in named], _comm.TP, average=False)
-    _comm.sync_grads(list(model.parameters()), _comm.DP, average=True)  # data parallel: mean
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    full = loss.detach().clone()
+{dp_update}    full = loss.detach().clone()
     if _comm.DP.size > 1:  # the full batch's loss is the mean of the data-parallel shares
         dist.all_reduce(full, group=_comm.DP.group)
         full /= _comm.DP.size
@@ -233,7 +231,7 @@ def main():
     if args.init:
         model.load_state_dict(shard_state_dict(torch.load(args.init), rank))
     model.to(device).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = torch.optim.AdamW(optimizer_params(model), lr=args.lr)
     step_fn = pipeline_train_step if PP_SIZE > 1 else train_step
     for step in range(args.steps):
         loss = step_fn(model, optimizer, batch_for(module, step, args.seed, device), module)
@@ -338,3 +336,65 @@ def pipeline_train_step(stages, optimizer, batch, module):
         loss_sum /= _comm.DP.size
     return loss_sum.item()
 '''
+
+
+# The data-parallel part of train_step: after the backward, until the optimizer has stepped.
+DP_UPDATE = """    _comm.sync_grads(list(model.parameters()), _comm.DP, average=True)  # data parallel: mean
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+"""
+
+OPTIMIZER_PARAMS = '''
+
+def optimizer_params(model):
+    """What the optimizer steps: every parameter, replicated on each data-parallel rank."""
+    return model.parameters()
+'''
+
+# ZeRO (--zero 1|2|3): the optimizer steps this rank's shard of the flattened parameters only.
+ZERO_OPTIMIZER_PARAMS = '''
+ZERO_STAGE = {stage}  # {what}
+
+
+def optimizer_params(model):
+    """What the optimizer steps: this data-parallel rank's shard of the parameters laid end to
+    end (_comm.ZeroShards), so its state is 1/DP_SIZE of the whole. Kept as model.zero_shards."""
+    model.zero_shards = _comm.zero_shards(model.parameters(), _comm.DP, stage=ZERO_STAGE)
+    return [model.zero_shards.shard]
+'''
+
+ZERO_WHAT = {
+    1: "ZeRO-1: optimizer state sharded over the data-parallel ranks",
+    2: "ZeRO-2: optimizer state and gradients sharded over the data-parallel ranks",
+    3: "ZeRO-3: optimizer state, gradients and parameters sharded over the data-parallel ranks",
+}
+
+ZERO_GATHER = """    _comm.all_gather_params(model.zero_shards, _comm.DP)  # ZeRO-3: whole parameters for forward and backward
+"""
+
+ZERO_DP_UPDATE = {
+    1: """    _comm.reduce_scatter_grads(model.zero_shards, _comm.DP)  # mean gradient; this rank's shard to the optimizer
+    optimizer.step()                                          # steps this rank's shard of the parameters
+    optimizer.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=False)                        # ZeRO-1 keeps its full gradient buffer: zeroed
+    _comm.all_gather_params(model.zero_shards, _comm.DP)     # every rank's updated shard, to every rank
+""",
+    2: """    _comm.reduce_scatter_grads(model.zero_shards, _comm.DP)  # mean gradient; only this rank's shard is kept
+    optimizer.step()                                          # steps this rank's shard of the parameters
+    optimizer.zero_grad(set_to_none=True)
+    _comm.all_gather_params(model.zero_shards, _comm.DP)     # every rank's updated shard, to every rank
+""",
+    3: """    _comm.reduce_scatter_grads(model.zero_shards, _comm.DP)  # mean gradient; only this rank's shard is kept
+    _comm.free_params(model.zero_shards)                      # whole parameters dropped: the shard stays
+    optimizer.step()                                          # steps this rank's shard of the parameters
+    optimizer.zero_grad(set_to_none=True)
+""",
+}
+
+
+def data_parallel_step(zero: int) -> dict[str, str]:
+    """train.py's data-parallel pieces: replicated state (zero 0) or ZeRO stage `zero`."""
+    if not zero:
+        return {"optimizer_params": OPTIMIZER_PARAMS, "gather_before_forward": "", "dp_update": DP_UPDATE}
+    return {"optimizer_params": ZERO_OPTIMIZER_PARAMS.format(stage=zero, what=ZERO_WHAT[zero]),
+            "gather_before_forward": ZERO_GATHER if zero == 3 else "", "dp_update": ZERO_DP_UPDATE[zero]}

@@ -23,7 +23,8 @@ What it does
 
   plus a vocabulary-parallel embedding and cross entropy, ``coshard`` (pieces
   of one op run one after another, recomputed in backward), bucketed gradient
-  synchronisation for data parallelism, and p2p for pipeline stages (hand-offs:
+  synchronisation for data parallelism, ZeRO's sharded data-parallel state
+  (``reduce_scatter_grads``, ``all_gather_params``), and p2p for pipeline stages (hand-offs:
   metadata once, then one message per tensor, batched with ``batch_isend_irecv``).
 * On an axis of size 1 every collective is the identity and no
   torch.distributed function is called, so generated code also runs in one
@@ -54,6 +55,7 @@ __all__ = [
     "tp_copy", "tp_reduce", "tp_scatter", "tp_gather",
     "vocab_parallel_embedding", "vocab_parallel_cross_entropy",
     "sync_grads",
+    "ZeroShards", "zero_shards", "reduce_scatter_grads", "all_gather_params", "free_params",
     "send_forward", "recv_forward", "send_backward", "recv_backward",
     "activation_sends", "activation_recvs", "grad_sends", "grad_recvs", "post_p2p",
     "wait_activations", "wait_grads", "shape_key", "HandoffMismatch",
@@ -162,7 +164,7 @@ def axis_ranks(axis: Axis) -> list[int]:
 # Communication counter: every transfer goes through _record
 # --------------------------------------------------------------------------
 
-COUNTERS = {"all_reduce": 0, "all_gather": 0, "send": 0, "recv": 0, "bytes": 0,
+COUNTERS = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0, "send": 0, "recv": 0, "bytes": 0,
             "handoff_headers": 0}  # pipeline hand-off metadata headers sent
 
 
@@ -522,6 +524,123 @@ def sync_grads(params: Iterable[torch.nn.Parameter], axis: Axis, *, average: boo
     for key in list(open_buckets):  # dicts keep first-seen order: same on every rank
         flush(key)
 
+
+# --------------------------------------------------------------------------
+# ZeRO: data-parallel state in shards (Rajbhandari et al., SC'20)
+# --------------------------------------------------------------------------
+#
+# The trainable parameters are laid end to end in one flat buffer, padded to a multiple of the
+# data-parallel size; data-parallel rank r owns the r-th contiguous 1/dp of it ("its shard").
+# The optimizer holds only the shard (``ZeroShards.shard``, a view into the flat buffer while the
+# parameters are whole), so its state (AdamW: exp_avg, exp_avg_sq) is 1/dp of the whole.  AdamW
+# is elementwise, so stepping each shard is stepping the whole.  Per stage:
+#   1: every rank keeps the full gradient buffer (the parameters' .grad are views into one flat
+#      buffer, reused every step); reduce_scatter_grads averages it and hands the shard its piece.
+#   2: as 1, but the full gradients are dropped once reduced: a rank holds its gradient shard only.
+#   3: as 2, and the parameters themselves are dropped outside the step: all_gather_params before
+#      the forward, free_params after the backward.
+
+class ZeroShards:
+    """Where every trainable parameter lies in the flat buffer, and this rank's shard of it.
+    Bookkeeping only: it moves no bytes between ranks."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], axis: Axis, stage: int):
+        seen: set[int] = set()
+        self.params = [p for p in params if p.requires_grad and id(p) not in seen and not seen.add(id(p))]
+        if not self.params:
+            raise ValueError("ZeRO: the model has no trainable parameters")
+        kinds = {(p.dtype, p.device) for p in self.params}
+        if len(kinds) > 1:
+            raise ValueError(f"ZeRO: one flat buffer needs one dtype and device, the parameters have {sorted(map(str, kinds))}")
+        self.axis, self.stage = axis, stage
+        self.shapes = [p.shape for p in self.params]   # kept: stage 3 empties the parameters themselves
+        self.numels = [p.numel() for p in self.params]
+        self.shard_numel = -(-sum(self.numels) // axis.size)     # ceil: the last shard is padded
+        self.dtype, self.device = self.params[0].dtype, self.params[0].device
+        flat = torch.zeros(self.shard_numel * axis.size, dtype=self.dtype, device=self.device)
+        for p, piece in zip(self.params, self.views(flat)):
+            piece.copy_(p.detach())
+        self.flat: torch.Tensor | None = None      # the whole parameters; None while freed (stage 3)
+        self._bind_params(flat)
+        start = axis.rank * self.shard_numel
+        self.shard = torch.nn.Parameter(flat[start:start + self.shard_numel])   # what the optimizer steps
+        self.grads = None
+        if stage == 1:       # one full gradient buffer for the whole run; backward accumulates into it
+            self.grads = torch.zeros_like(flat)
+            for p, piece in zip(self.params, self.views(self.grads)):
+                p.grad = piece
+        if stage == 3:
+            self.shard = torch.nn.Parameter(self.shard.detach().clone())
+            free_params(self)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """One view of ``flat`` per parameter, shaped like it, in buffer order."""
+        out, offset = [], 0
+        for shape, n in zip(self.shapes, self.numels):
+            out.append(flat[offset:offset + n].view(shape))
+            offset += n
+        return out
+
+    def _bind_params(self, flat: torch.Tensor) -> None:
+        """Make every parameter a view into ``flat``."""
+        self.flat = flat
+        for p, piece in zip(self.params, self.views(flat)):
+            p.data = piece
+
+
+def zero_shards(params: Iterable[torch.nn.Parameter], axis: Axis, *, stage: int) -> ZeroShards:
+    """Lay out the parameters for ZeRO ``stage`` over ``axis``; the optimizer then steps
+    ``.shard`` only.  No communication: every rank starts from the same parameters."""
+    if stage not in (1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
+    return ZeroShards(params, axis, stage)
+
+
+def reduce_scatter_grads(shards: ZeroShards, axis: Axis) -> None:
+    """Reduce-scatter(mean) of the gradients over ``axis``: this rank's shard of the mean gradient
+    becomes ``shards.shard.grad``.  From stage 2 on the full gradients are dropped (``.grad = None``)."""
+    if shards.grads is not None:                   # stage 1: the gradients already lie in one buffer
+        flat = shards.grads
+    else:
+        flat = torch.zeros(shards.shard_numel * axis.size, dtype=shards.dtype, device=shards.device)
+        for p, piece in zip(shards.params, shards.views(flat)):
+            if p.grad is not None:
+                piece.copy_(p.grad)
+            p.grad = None                          # stages 2 and 3 keep no full gradient
+    start = axis.rank * shards.shard_numel
+    if axis.size == 1:
+        local = flat[start:start + shards.shard_numel]
+    else:
+        local = torch.empty(shards.shard_numel, dtype=shards.dtype, device=shards.device)
+        _record("reduce_scatter", flat)
+        dist.reduce_scatter(local, list(flat.chunk(axis.size)), group=axis.group)
+        local.div_(axis.size)
+    if shards.grads is not None:
+        shards.grads[start:start + shards.shard_numel].copy_(local)
+        local = shards.grads[start:start + shards.shard_numel]
+    shards.shard.grad = local
+
+
+def all_gather_params(shards: ZeroShards, axis: Axis) -> None:
+    """All-gather every rank's shard into the flat buffer the parameters view: after it every
+    parameter is whole and current (stages 1 and 2: after the step; stage 3: before the forward)."""
+    if shards.flat is None:          # stage 3: the flat buffer was freed; a fresh one
+        shards._bind_params(torch.empty(shards.shard_numel * axis.size, dtype=shards.dtype,
+                                        device=shards.device))
+    pieces = list(shards.flat.chunk(axis.size))
+    if axis.size == 1:
+        pieces[0].copy_(shards.shard.detach())
+    else:
+        mine = shards.shard.detach().clone()       # the input may not alias the output
+        _record("all_gather", mine)
+        dist.all_gather(pieces, mine, group=axis.group)
+
+
+def free_params(shards: ZeroShards) -> None:
+    """Stage 3: drop the whole parameters, keeping only this rank's shard (``shards.shard``)."""
+    shards.flat = None
+    for p in shards.params:
+        p.data = torch.empty(0, dtype=shards.dtype, device=shards.device)
 
 # --------------------------------------------------------------------------
 # Pipeline point-to-point (blocking, global ranks, no autograd)

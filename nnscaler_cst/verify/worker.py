@@ -43,11 +43,11 @@ def switch_off_dropout():
     functional.scaled_dot_product_attention = attention_without_dropout
 
 
-def adamw(model, lr):
+def adamw(params, lr):
     """AdamW with eps 1e-6 in both runs: a parameter whose true gradient is zero (a key bias before
     softmax) gets rounding noise as its gradient, which Adam's default eps 1e-8 would turn into
     full-size steps of opposite sign in the two runs; 1e-6 leaves every real gradient's step alone."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-6)
+    return torch.optim.AdamW(params, lr=lr, eps=1e-6)
 
 
 def load_file(path, name):
@@ -93,13 +93,38 @@ def capture_first_gradients(model, optimizer, nudge=0.0):
     return captured
 
 
+def capture_zero_gradients(model, shards, optimizer, comm):
+    """capture_first_gradients under ZeRO: each rank's optimizer sees its shard of the mean gradient
+    only, so the shards are gathered (by this harness, outside the counted collectives) and cut
+    back into parameters."""
+    captured = {}
+    step = optimizer.step
+
+    def step_and_capture(*a, **k):
+        if not captured:
+            flat = torch.empty(shards.shard_numel * comm.DP.size, dtype=shards.dtype)
+            mine = shards.shard.grad.detach().clone()
+            if comm.DP.size > 1:
+                torch.distributed.all_gather(list(flat.chunk(comm.DP.size)), mine, group=comm.DP.group)
+            else:
+                flat.copy_(mine)
+            by_param = {id(p): g for p, g in zip(shards.params, shards.views(flat))}
+            for name, param in model.named_parameters(remove_duplicate=False):
+                if id(param) in by_param:
+                    captured[name] = by_param[id(param)].clone()
+        return step(*a, **k)
+
+    optimizer.step = step_and_capture
+    return captured
+
+
 def reference(args):
     entry = load_file(os.path.abspath(args.target), "verify_entry")
     torch.manual_seed(args.seed)
     model = entry.build()
     torch.save(model.state_dict(), os.path.join(args.workdir, "init.pt"))
     model.train()
-    optimizer = adamw(model, args.lr)
+    optimizer = adamw(model.parameters(), args.lr)
     grads = capture_first_gradients(model, optimizer, args.nudge)
     losses = []
     for step in range(args.steps):
@@ -129,12 +154,18 @@ def rank(args):
     init = torch.load(os.path.join(args.workdir, "init.pt"))
     model.load_state_dict(package.shard_state_dict(init, rank))
     model.train()
-    optimizer = adamw(model, args.lr)
-    grads = capture_first_gradients(model, optimizer)
+    # the output says what its optimizer steps: every parameter, or (ZeRO) this rank's shard
+    params = train.optimizer_params(model) if hasattr(train, "optimizer_params") else model.parameters()
+    optimizer = adamw(params, args.lr)
+    shards = getattr(model, "zero_shards", None)
+    grads = capture_zero_gradients(model, shards, optimizer, comm) if shards is not None \
+        else capture_first_gradients(model, optimizer)
     comm.reset_counters()
     losses = []
     for k in range(args.steps):
         losses.append(step(model, optimizer, batch_for(module, k, args.seed), module))
+    if shards is not None and shards.flat is None:   # ZeRO-3 holds shards between steps: whole for the check
+        comm.all_gather_params(shards, comm.DP)
     torch.save({"losses": losses, "state": model.state_dict(), "grads": grads, "counters": dict(comm.COUNTERS)},
                os.path.join(args.workdir, f"rank{rank}.pt"))
     comm.teardown()

@@ -1,0 +1,59 @@
+"""ZeRO (Rajbhandari et al., SC'20): which data-parallel state a plan shards, and what it costs in
+bytes per device.
+
+The emitted code (emit/templates.py, runtime/_comm.py's ZeroShards) lays the trainable parameters
+end to end, padded to a multiple of the data-parallel size, and gives each data-parallel rank one
+contiguous 1/dp of them. Stage 1 shards the optimizer state, stage 2 the gradients too, stage 3
+the parameters too. This module checks a request can apply and counts the bytes; it emits nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import UserError
+
+STAGES = (1, 2, 3)
+PARAM_BYTES = 4          # fp32 weights
+GRAD_BYTES = 4           # fp32 gradients
+ADAMW_STATE_BYTES = 8    # exp_avg and exp_avg_sq, fp32 each
+
+
+def check_zero(stage: int, dp: int, pp: int) -> None:
+    """Refuse a ZeRO stage that cannot apply: an unknown stage, no data parallelism, pipelines."""
+    if stage not in STAGES:
+        raise UserError(f"--zero {stage}: ZeRO has stages 1, 2 and 3",
+                        hint="--zero 1 shards optimizer state, 2 also gradients, 3 also parameters")
+    if dp < 2:
+        raise UserError(f"--zero {stage} shards data-parallel state, but the plan has no data parallelism",
+                        hint="add --dp N (N > 1), e.g. --dp 2 --zero 1")
+    if pp > 1:
+        raise UserError(f"--zero {stage} with --pp {pp}: ZeRO is not supported with pipeline stages yet "
+                        "(each stage would need its own shards, stepped after the schedule)",
+                        hint="drop --pp, or drop --zero")
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes one device holds for training state once the optimizer has stepped."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def state_bytes_per_device(param_count: int, stage: int, dp: int) -> StateBytes:
+    """Parameters, gradients and AdamW state on one device, for `param_count` trainable fp32
+    parameters on that device's data-parallel group (after any tensor-parallel split) under ZeRO
+    `stage` (0: none) over `dp` ranks. Under ZeRO the whole buffers are padded up to a multiple of
+    dp, and a sharded part is one dp-th of that."""
+    if stage == 0:
+        held = (param_count, param_count, param_count)
+    else:
+        shard = -(-param_count // dp)
+        whole = shard * dp
+        held = {1: (whole, whole, shard), 2: (whole, shard, shard), 3: (shard, shard, shard)}[stage]
+    return StateBytes(held[0] * PARAM_BYTES, held[1] * GRAD_BYTES, held[2] * ADAMW_STATE_BYTES)

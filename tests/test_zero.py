@@ -1,0 +1,227 @@
+"""Spec of ZeRO (`--zero 1|2|3`): data-parallel state sharded over the data-parallel ranks, written
+out as named calls in train.py, training exactly like the single-device run, holding the bytes
+plan/zero.py says it holds, and refused where it cannot apply.
+
+Quick: the emitted step for each stage, the byte arithmetic, bad input. Slow (gloo processes):
+verify against one process, and the bytes one rank really holds after a step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from nnscaler_cst import cli
+from nnscaler_cst.plan.zero import state_bytes_per_device
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------------------------
+# The emitted step
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpt_analysis():
+    from nnscaler_cst.analysis import analyze
+    return analyze(REPO / "fixtures" / "gpt.py")
+
+
+def train_source(analysis, **request) -> str:
+    from nnscaler_cst.rewrite import PlanRequest, rewrite
+    return rewrite(analysis, PlanRequest(**request)).files["train.py"]
+
+
+def step_body(train: str) -> str:
+    return train[train.index("def train_step("):train.index("def batch_for(")]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_step_reduce_scatters_gradients_and_gathers_parameters_by_name(gpt_analysis, stage):
+    train = train_source(gpt_analysis, dp=2, zero=stage)
+    step = step_body(train)
+    assert f"ZERO_STAGE = {stage}  # ZeRO-{stage}:" in train
+    assert "_comm.zero_shards(model.parameters(), _comm.DP, stage=ZERO_STAGE)" in train
+    assert "return [model.zero_shards.shard]" in train          # the optimizer steps the shard only
+    assert "_comm.sync_grads(list(model.parameters()), _comm.DP" not in step   # no all-reduce of gradients
+    reduce_at = step.index("_comm.reduce_scatter_grads(model.zero_shards, _comm.DP)")
+    step_at = step.index("optimizer.step()")
+    assert reduce_at < step_at
+    gather_at = step.index("_comm.all_gather_params(model.zero_shards, _comm.DP)")
+    if stage == 3:     # gathered before the forward, dropped after the backward
+        assert gather_at < step.index("output = model(") and step.count("all_gather_params") == 1
+        assert reduce_at < step.index("_comm.free_params(model.zero_shards)") < step_at
+    else:              # the updated shards gathered after the step
+        assert step_at < gather_at and "free_params" not in step
+    assert ("model.zero_grad(set_to_none=False)" in step) == (stage == 1)   # ZeRO-1 keeps its buffer
+
+
+def test_without_zero_the_gradients_are_all_reduced_and_every_parameter_stepped(gpt_analysis):
+    train = train_source(gpt_analysis, dp=2)
+    assert "_comm.sync_grads(list(model.parameters()), _comm.DP, average=True)" in step_body(train)
+    assert "ZERO_STAGE" not in train and "zero_shards" not in train
+
+
+def test_zero_composes_with_tensor_parallel_over_the_data_parallel_axis(gpt_analysis):
+    step = step_body(train_source(gpt_analysis, tp=2, dp=2, zero=1))
+    assert step.index("_comm.TP, average=False)") < step.index("_comm.reduce_scatter_grads(model.zero_shards, _comm.DP)")
+
+
+# --------------------------------------------------------------------------------------------
+# Bytes per device
+# --------------------------------------------------------------------------------------------
+
+def test_state_bytes_follow_the_zero_paper():
+    """Ψ = 1000 fp32 parameters over 4 ranks: 4Ψ weights, 4Ψ gradients, 8Ψ AdamW state, the
+    optimizer state sharded from stage 1, the gradients from 2, the weights from 3."""
+    per = {stage: state_bytes_per_device(1000, stage, 4) for stage in range(4)}
+    assert (per[0].params, per[0].grads, per[0].optimizer) == (4000, 4000, 8000)
+    assert (per[1].params, per[1].grads, per[1].optimizer) == (4000, 4000, 2000)
+    assert (per[2].params, per[2].grads, per[2].optimizer) == (4000, 1000, 2000)
+    assert (per[3].params, per[3].grads, per[3].optimizer) == (1000, 1000, 2000)
+    assert per[3].total == 4000
+
+
+def test_a_count_that_does_not_divide_is_padded_to_the_flat_buffer():
+    held = state_bytes_per_device(10, 3, 4)          # 10 parameters -> 12 in the buffer, 3 per rank
+    assert (held.params, held.grads, held.optimizer) == (12, 12, 24)
+    assert state_bytes_per_device(10, 1, 4).params == 48
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, says", [
+    ("--dp 2 --zero 4", "ZeRO has stages 1, 2 and 3"),
+    ("--zero 1", "no data parallelism"),
+    ("--tp 2 --zero 2", "no data parallelism"),
+    ("--dp 2 --pp 2 --zero 1", "not supported with pipeline stages"),
+])
+def test_zero_where_it_cannot_apply_is_refused_with_a_hint_and_nothing_written(args, says, tmp_path, monkeypatch,
+                                                                               capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([str(REPO / "fixtures" / "gpt.py"), *args.split(), "-o", "out"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    assert err.startswith("error: --zero ") and says in " ".join(err.split()), err
+    assert "hint: " in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_zero_in_pyproject_is_an_error_at_its_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "pyproject.toml").write_text("[tool.nnscaler-rewrite]\ndp = 2\nzero = 5\n")
+    (tmp_path / "model.py").write_text((REPO / "fixtures" / "mlp.py").read_text())
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["model.py", "-o", "out"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    assert err.startswith("pyproject.toml:3:1: error: `zero = 5`") and "ZeRO stage" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# Slow: gloo runs
+# --------------------------------------------------------------------------------------------
+
+def verify(*args) -> tuple[subprocess.CompletedProcess, dict]:
+    env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "verify", *map(str, args), "--json"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    start = result.stdout.find("{")
+    assert start >= 0, f"no JSON report; exit {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
+    return result, json.loads(result.stdout[start:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry, tp, stage", [
+    ("gpt.py", 1, 1), ("gpt.py", 1, 2), ("gpt.py", 1, 3),
+    ("hf_llama.py", 1, 1), ("hf_llama.py", 1, 2), ("hf_llama.py", 1, 3),
+    ("gpt.py", 2, 3),
+])
+def test_zero_trains_like_the_single_device_run(entry, tp, stage, tmp_path):
+    result, outcome = verify(f"fixtures/{entry}", "--tp", tp, "--dp", 2, "--zero", stage, "-o", tmp_path / "out")
+    assert result.returncode == 0 and outcome["passed"] is True, outcome
+    assert outcome["world_size"] == 2 * tp and f"zero{stage}" in outcome.get("plan", f"zero{stage}")
+    assert outcome["max_abs_error"] <= outcome["tolerance"]["param_atol"]
+    train = (tmp_path / "out" / "train.py").read_text()
+    assert "_comm.reduce_scatter_grads(model.zero_shards, _comm.DP)" in train
+
+
+MEASURE = textwrap.dedent('''
+    """One rank: build the output's model, take one train_step, and count the bytes of parameters,
+    gradients and optimizer state it holds right after the optimizer steps (storages counted once)."""
+    import importlib, json, os, sys
+    import torch
+    folder = sys.argv[1]
+    sys.path.insert(0, os.path.dirname(folder))
+    package = importlib.import_module(os.path.basename(folder))
+    train = importlib.import_module(package.__name__ + ".train")
+    comm = importlib.import_module(package.__name__ + "._comm")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    comm.setup(rank, world, tp=package.TP_SIZE, dp=package.DP_SIZE, pp=package.PP_SIZE, backend="gloo")
+    module = package.rank_module(rank)
+    torch.manual_seed(0)
+    model = package.build(rank).train()
+    count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    optimizer = torch.optim.AdamW(train.optimizer_params(model), lr=1e-3)
+    measured = {}
+
+    def storage_bytes(tensors):
+        seen = {}
+        for t in tensors:
+            if t is not None:
+                storage = t.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
+
+    def held():
+        stepped = [p for group in optimizer.param_groups for p in group["params"]]
+        params = storage_bytes([p.data for p in model.parameters()] + [p.data for p in stepped])
+        grads = storage_bytes([p.grad for p in model.parameters()] + [p.grad for p in stepped])
+        state = storage_bytes([v for s in optimizer.state.values() for k, v in s.items()
+                               if k != "step" and isinstance(v, torch.Tensor)])   # a counter per tensor
+        return {"params": params, "grads": grads, "optimizer": state}
+
+    original = optimizer.step
+    def step_and_measure(*a, **k):
+        result = original(*a, **k)
+        measured.update(held())
+        return result
+    optimizer.step = step_and_measure
+    torch.manual_seed(1)
+    train.train_step(model, optimizer, module.example_inputs(), module)
+    print(json.dumps({"rank": rank, "count": count, **measured}), flush=True)
+    comm.teardown()
+''')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_bytes_one_rank_holds_after_a_step_are_what_the_memory_model_says(stage, tmp_path):
+    out = tmp_path / "zero_out"
+    args = ["--dp", "2"] + (["--zero", str(stage)] if stage else [])
+    subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", str(REPO / "fixtures" / "gpt.py"), *args, "-o", out],
+                   cwd=tmp_path, check=True, capture_output=True, timeout=600)
+    script = tmp_path / "measure.py"
+    script.write_text(MEASURE)
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29600 + stage),
+           "PYTHONWARNINGS": "ignore"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(out)], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    lines = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+        lines.append(json.loads(stdout.strip().splitlines()[-1]))
+    for measured in lines:
+        expected = state_bytes_per_device(measured["count"], stage, 2)
+        assert (measured["params"], measured["grads"], measured["optimizer"]) == \
+            (expected.params, expected.grads, expected.optimizer), (stage, measured, expected)
