@@ -1,0 +1,106 @@
+"""Spec: every small model drawn from the op grammar (tests/fuzz/models.py), rewritten under a
+drawn plan (TP=2, DP=2, PP=2 when it loops over blocks, DP×TP 2×2), either verifies against
+the single-device run or is refused before anything is written, at a `path:line:col`.
+
+A wrong result, a crash after writing, a traceback, an internal error or a refusal without a
+location fails the test, unless it is a known open bug (tests/fuzz/known.py, documented in
+FUZZ.md); hypothesis shrinks the model first and the failure shows its source and the
+command. Seeded (derandomized) and bounded in time for CI; the long run is
+benchmarks/bench_fuzz.py (counts in benchmarks/FUZZ.md).
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fuzz.known import known_failure
+from fuzz.models import DrawnModel, models
+from fuzz.runner import plans_for, run
+
+BUDGET_S = 180            # examples drawn after this are passed over, shrink candidates too
+_started: list[float] = []
+_failures: dict[tuple[str, str], str] = {}     # (source, plan) -> report: hypothesis replays the last one
+
+
+@settings(derandomize=True, max_examples=15, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(model=models())
+def test_drawn_model_trains_on_one_device(model, tmp_path_factory):
+    """The grammar writes valid models: each file imports, builds, and runs forward and backward
+    to a finite scalar loss (a failure of the tool is then never the model's own)."""
+    folder = tmp_path_factory.mktemp("drawn")
+    for name, text in model.files.items():
+        (folder / name).write_text(text)
+    sys.path.insert(0, str(folder))
+    try:
+        spec = importlib.util.spec_from_file_location(f"drawn_{folder.name}", folder / model.entry)
+        entry = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(entry)
+        loss = entry.build()(*entry.example_inputs())
+    finally:
+        sys.path.remove(str(folder))
+        for name in model.files:
+            sys.modules.pop(Path(name).stem, None)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    loss.backward()
+
+
+@pytest.mark.slow
+@settings(derandomize=True, max_examples=6, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(model=models(), data=st.data())
+def test_drawn_model_verifies_or_is_refused_with_a_location(model, data):
+    plan = data.draw(st.sampled_from(plans_for(model)), label="plan")
+    if not _started:
+        _started.append(time.monotonic())
+    key = (model.source(), plan)
+    if key not in _failures:
+        if time.monotonic() - _started[0] > BUDGET_S:
+            return
+        with tempfile.TemporaryDirectory(prefix="fuzz-") as workdir:
+            outcome = run(model, plan, Path(workdir))
+        if outcome.kind != "FAILURE" or known_failure(outcome.reason, model):
+            return
+        _failures[key] = outcome.report(model)
+    pytest.fail(_failures[key], pytrace=False)
+
+
+BATCH_NORM_MODEL = '''import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8)
+
+    def forward(self, inputs, targets):
+        return F.mse_loss(self.norm(self.fc(inputs)), targets)
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 8), torch.randn(4, 8))
+'''
+
+
+@pytest.mark.slow
+def test_runner_counts_a_located_refusal_that_wrote_nothing(tmp_path):
+    """BatchNorm mixes the samples that data parallelism splits: refused at its line."""
+    model = DrawnModel({"bn.py": BATCH_NORM_MODEL}, "bn.py", 0)
+    outcome = run(model, "dp2", tmp_path)
+    assert outcome.kind == "REFUSED", outcome.report(model)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "__pycache__") == ["bn.py"]
