@@ -27,9 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 # --------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def gpt_analysis():
+def mlp_analysis():
     from nnscaler_cst.analysis import analyze
-    return analyze(REPO / "fixtures" / "gpt.py")
+    return analyze(REPO / "fixtures" / "mlp.py")   # small, and it splits under --tp
 
 
 def train_source(analysis, **request) -> str:
@@ -42,8 +42,8 @@ def step_body(train: str) -> str:
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_the_step_reduce_scatters_gradients_and_gathers_parameters_by_name(gpt_analysis, stage):
-    train = train_source(gpt_analysis, dp=2, zero=stage)
+def test_the_step_reduce_scatters_gradients_and_gathers_parameters_by_name(mlp_analysis, stage):
+    train = train_source(mlp_analysis, dp=2, zero=stage)
     step = step_body(train)
     assert f"ZERO_STAGE = {stage}  # ZeRO-{stage}:" in train
     assert "_comm.zero_shards(model.parameters(), _comm.DP, stage=ZERO_STAGE)" in train
@@ -61,14 +61,14 @@ def test_the_step_reduce_scatters_gradients_and_gathers_parameters_by_name(gpt_a
     assert ("model.zero_grad(set_to_none=False)" in step) == (stage == 1)   # ZeRO-1 keeps its buffer
 
 
-def test_without_zero_the_gradients_are_all_reduced_and_every_parameter_stepped(gpt_analysis):
-    train = train_source(gpt_analysis, dp=2)
+def test_without_zero_the_gradients_are_all_reduced_and_every_parameter_stepped(mlp_analysis):
+    train = train_source(mlp_analysis, dp=2)
     assert "_comm.sync_grads(list(model.parameters()), _comm.DP, average=True)" in step_body(train)
     assert "ZERO_STAGE" not in train and "zero_shards" not in train
 
 
-def test_zero_composes_with_tensor_parallel_over_the_data_parallel_axis(gpt_analysis):
-    step = step_body(train_source(gpt_analysis, tp=2, dp=2, zero=1))
+def test_zero_composes_with_tensor_parallel_over_the_data_parallel_axis(mlp_analysis):
+    step = step_body(train_source(mlp_analysis, tp=2, dp=2, zero=1))
     assert step.index("_comm.TP, average=False)") < step.index("_comm.reduce_scatter_grads(model.zero_shards, _comm.DP)")
 
 
