@@ -225,3 +225,19 @@ def test_the_bytes_one_rank_holds_after_a_step_are_what_the_memory_model_says(st
         expected = state_bytes_per_device(measured["count"], stage, 2)
         assert (measured["params"], measured["grads"], measured["optimizer"]) == \
             (expected.params, expected.grads, expected.optimizer), (stage, measured, expected)
+
+
+@pytest.mark.slow
+def test_a_step_without_the_gather_of_the_updated_shards_fails_the_check(tmp_path):
+    """Negative control: ZeRO-2 with its all_gather_params line deleted leaves every rank with
+    only its own shard updated; the collectives still pair up, so the run completes, wrong."""
+    out = tmp_path / "out"
+    result, outcome = verify("fixtures/gpt.py", "--dp", 2, "--zero", 2, "-o", out)
+    assert result.returncode == 0 and outcome["passed"] is True, outcome
+    train = out / "train.py"
+    text = train.read_text()
+    line = next(l for l in text.splitlines(keepends=True) if "_comm.all_gather_params(model.zero_shards" in l)
+    train.write_text(text.replace(line, "", 1))
+    result, outcome = verify("fixtures/gpt.py", "-o", out)         # verified as it is: no rewrite
+    assert result.returncode == 1 and outcome["passed"] is False, outcome
+    assert "all_gather_params" not in train.read_text()
