@@ -3,7 +3,8 @@
 Same initial weights (the single-device state dict, sharded by the output's own
 shard_state_dict), same batches, K AdamW steps; per-step losses and the merged parameters
 after the last step are compared. Every process runs under a deadline: a rank that dies or
-hangs ends the run with an error, never a hang.
+hangs ends the run with an error, never a hang. verify writes only into a temporary folder,
+removed however the run ends; the output folder is read, never written (no bytecode caches).
 """
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ from pathlib import Path
 import torch
 
 from ..plan.schedules import Action
-from .launch import LaunchError, process_env, run_all, run_world
+from .launch import LaunchError, fixed_port, process_env, run_all, run_world
 from .simulate import simulate
 
 WORKER = Path(__file__).with_name("worker.py")
+READ_ONLY = {"PYTHONDONTWRITEBYTECODE": 1}   # the processes leave no __pycache__ beside the files they run
 
 
 class VerifyError(Exception):
@@ -108,19 +110,23 @@ def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1
     out_dir = Path(out_dir).resolve()
     started = time.monotonic()
     sys.path.insert(0, str(out_dir.parent))
+    writes_bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True
     try:
         package = importlib.import_module(out_dir.name)
         package = importlib.reload(package)
     finally:
         sys.path.remove(str(out_dir.parent))
+        sys.dont_write_bytecode = writes_bytecode
     world = package.WORLD_SIZE
     check_schedules(package)
+    fixed_port()                    # a bad $NNSCALER_VERIFY_PORT is refused before any process starts
     common = ["--steps", str(steps), "--lr", str(lr), "--seed", str(seed)]
     with tempfile.TemporaryDirectory(prefix="nnscaler-verify-") as workdir:
         try:
             run_all([([sys.executable, str(WORKER), "reference", str(entry_file), workdir, *common],
-                      process_env())], timeout)
-            run_world([sys.executable, str(WORKER), "rank", str(out_dir), workdir, *common], world, timeout)
+                      process_env(**READ_ONLY))], timeout)
+            run_world([sys.executable, str(WORKER), "rank", str(out_dir), workdir, *common], world, timeout,
+                      **READ_ONLY)
         except LaunchError as err:
             raise VerifyError(str(err)) from None
         ref = torch.load(Path(workdir) / "reference.pt")
@@ -155,7 +161,7 @@ def _sensitivity_twin(entry_file: Path, workdir: str, common: list[str], ref: di
     shows how far the reference itself drifts; later steps are judged against that drift."""
     try:
         run_all([([sys.executable, str(WORKER), "reference", str(entry_file), workdir, *common,
-                   "--nudge", repr(nudge)], process_env())], timeout)
+                   "--nudge", repr(nudge)], process_env(**READ_ONLY))], timeout)
     except LaunchError as err:
         raise VerifyError(str(err)) from None
     twin = torch.load(Path(workdir) / "twin.pt")

@@ -9,15 +9,19 @@ a fresh port.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import re
 import signal
 import socket
 import subprocess
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
+
+from ..errors import UserError
 
 
 class LaunchError(Exception):
@@ -26,6 +30,15 @@ class LaunchError(Exception):
 
 _PORT_IN_USE = ("eaddrinuse", "address already in use")
 _ATTEMPTS = 3
+# A worker prints this prefix and its phase ("setup", "step 2", "saving") as it enters each phase
+# (verify/worker.py), so a failure or a hang is reported with the step it happened in.
+PHASE_MARK = "nnscaler-verify phase: "
+# A rendezvous port the user fixes (a firewall that opens one port): used as it is, never retried.
+PORT_VARIABLE = "NNSCALER_VERIFY_PORT"
+# The launcher's pid: a worker that finds its parent already gone at start-up ends at once.
+LAUNCHER_VARIABLE = "NNSCALER_VERIFY_LAUNCHER"
+_STACK_DUMP = "(most recent call first):"   # faulthandler's heading of a stack dump
+_STACK_DUMP_WAIT_S = 5.0
 
 
 def _ephemeral_low() -> int:
@@ -59,74 +72,182 @@ def process_env(**extra) -> dict:
     return env
 
 
+class _Process:
+    """One started command: its own session (so its whole tree can be killed), its log, its name."""
+
+    def __init__(self, cmd: list[str], env: dict):
+        self.name = f"rank {env['RANK']}" if "RANK" in env else "the reference run"
+        self.log = tempfile.TemporaryFile()
+        env = {**env, LAUNCHER_VARIABLE: str(os.getpid())}
+        self.popen = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                      start_new_session=hasattr(os, "killpg"))
+
+    def text(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+    def phase(self) -> str:
+        """The phase it last entered, as "during step 2"; "" for a command that marks none."""
+        marks = [line[len(PHASE_MARK):].strip() for line in self.text().splitlines() if line.startswith(PHASE_MARK)]
+        return f" during {marks[-1]}" if marks else ""
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            if hasattr(os, "killpg"):
+                try:
+                    os.killpg(self.popen.pid, signal.SIGKILL)   # the process and anything it started
+                except ProcessLookupError:
+                    pass
+            else:
+                self.popen.kill()
+            self.popen.wait()
+        self.log.close()
+
+
 def run_all(commands: list[tuple[list[str], dict]], timeout: float) -> None:
-    """Start every command; wait for all; on the first failure or the deadline kill the rest."""
-    procs = []
-    for cmd, env in commands:
-        log = tempfile.TemporaryFile()
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log, env))
+    """Start every command; wait for all; on the first failure or the deadline kill the rest
+    (each command's whole process group), naming the process, its phase and where it waits."""
+    procs = [_Process(cmd, env) for cmd, env in commands]
     deadline = time.monotonic() + timeout
     try:
         while True:
-            states = [p.poll() for p, _, _ in procs]
-            failed = [(k, code) for k, code in enumerate(states) if code not in (None, 0)]
+            states = [p.popen.poll() for p in procs]
+            failed = [k for k, code in enumerate(states) if code not in (None, 0)]
             if failed:
-                k, code = failed[0]
-                raise LaunchError(f"process {procs[k][2].get('RANK', 'reference')} exited with {code}:\n"
-                                  + _tail(procs[k][1]))
+                raise LaunchError(_failure_report(procs, failed))
             if all(code == 0 for code in states):
                 return
             if time.monotonic() > deadline:
-                stuck = [k for k, c in enumerate(states) if c is None]
-                waiting = [procs[k][2].get("RANK", "reference") for k in stuck]
-                where = _where_stuck([(procs[k][0], procs[k][1]) for k in stuck])
-                raise LaunchError(f"timed out after {timeout:.0f}s waiting for rank(s) {', '.join(waiting)} "
-                                  "(a deadlock or a hang)" + "".join(
-                                      f"\n  rank {name} is in {place}" for name, place in zip(waiting, where)
-                                      if place))
+                raise LaunchError(_hang_report([p for p in procs if p.popen.poll() is None], timeout))
             time.sleep(0.05)
     finally:
-        for p, log, _ in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            log.close()
+        for p in procs:
+            p.stop()
+
+
+def _failure_report(procs: list[_Process], failed: list[int]) -> str:
+    """The process that failed first, by cause: one killed by a signal explains the others, which
+    then fail on a closed connection."""
+    first = min(failed, key=lambda k: (procs[k].popen.returncode >= 0, k))
+    proc, code = procs[first], procs[first].popen.returncode
+    if code < 0:
+        how = f"was killed by {_signal_name(-code)}"
+        why = " (no traceback: killed from outside, e.g. by the out-of-memory killer)" \
+            if -code == signal.SIGKILL else ""
+    else:
+        how, why = f"exited with {code}", ""
+        if any(s in proc.text().lower() for s in _PORT_IN_USE):
+            why = " (the rendezvous port was taken by another program)"
+    others = [f"{procs[k].name} {_exit_words(procs[k].popen.returncode)}" for k in failed if k != first]
+    then = f"; then {', '.join(others)}" if others else ""
+    tail = _tail(proc)
+    return f"{proc.name} {how}{proc.phase()}{why}{then}" + (f":\n{tail}" if tail else "")
+
+
+def _exit_words(code: int) -> str:
+    return f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with {code}"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _hang_report(stuck: list[_Process], timeout: float) -> str:
+    places = _where_stuck(stuck)
+    ranks = [p.name.removeprefix("rank ") for p in stuck if p.name.startswith("rank ")]
+    waiting = f"rank(s) {', '.join(ranks)}" if ranks else " and ".join(p.name for p in stuck)
+    lines = [f"timed out after {timeout:.0f}s waiting for {waiting} (a deadlock or a hang)"]
+    in_collective = [_in_collective(place) for place in places]
+    if any(in_collective) and not all(in_collective):
+        lines.append(f"  the others wait for {', '.join(p.name for p, c in zip(stuck, in_collective) if not c)}, "
+                     "which is in no collective")
+    for proc, place, collective in zip(stuck, places, in_collective):
+        if place:
+            waits = f", waiting in {collective}" if collective else ""
+            lines.append(f"  {proc.name} is in {' <- '.join(f for _, f in place)}{proc.phase()}{waits}")
+    return "\n".join(lines)
+
+
+def fixed_port() -> int | None:
+    """$NNSCALER_VERIFY_PORT, checked; None when unset."""
+    value = os.environ.get(PORT_VARIABLE)
+    if value is not None and not (value.isdigit() and 0 < int(value) < 65536):
+        raise UserError(f"{PORT_VARIABLE}={value}: not a port number",
+                        hint=f"a port from 1024 to 65535, or unset {PORT_VARIABLE} to let verify pick one")
+    return int(value) if value is not None else None
 
 
 def run_world(command: list[str], world: int, timeout: float, **env) -> None:
     """Run ``command`` as ranks 0..world-1 of one torch.distributed world (the variables
-    torchrun sets), one intra-op thread each."""
+    torchrun sets), one intra-op thread each. The port is $NNSCALER_VERIFY_PORT when set."""
+    fixed = fixed_port()
     for attempt in range(_ATTEMPTS):
-        port = free_port()
+        port = fixed or free_port()
         try:
             run_all([(command, process_env(RANK=r, WORLD_SIZE=world, LOCAL_RANK=r, MASTER_ADDR="127.0.0.1",
                                            MASTER_PORT=port, **env))
                      for r in range(world)], timeout)
             return
         except LaunchError as err:
-            if attempt + 1 == _ATTEMPTS or not any(s in str(err).lower() for s in _PORT_IN_USE):
+            in_use = any(s in str(err).lower() for s in _PORT_IN_USE)
+            if fixed and in_use:
+                raise LaunchError(f"{err}\nhint: port {fixed} is {PORT_VARIABLE}; free it, or unset "
+                                  f"{PORT_VARIABLE} to let verify pick a free port") from None
+            if attempt + 1 == _ATTEMPTS or not in_use:
                 raise
 
 
-def _where_stuck(stuck: list[tuple[subprocess.Popen, object]]) -> list[str]:
-    """Where each stuck process is: the workers dump their stack on SIGUSR1 (faulthandler); the
-    innermost frames, most recent first (`all_reduce (_comm.py:212) <- sync_grads (...)`)."""
+def _where_stuck(stuck: list[_Process]) -> list[list[tuple[str, str]]]:
+    """Where each stuck process is: the workers dump their stack on SIGUSR1 (faulthandler). Per
+    process its innermost frame, then the innermost caller in each of up to three files outside torch and
+    the standard library (the generated files' lines), each as (path, "all_reduce (_comm.py:212)")."""
     if not hasattr(signal, "SIGUSR1"):
-        return [""] * len(stuck)
-    for proc, _ in stuck:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGUSR1)
-    time.sleep(1.0)
+        return [[] for _ in stuck]
+    dumps_before = [proc.text().count(_STACK_DUMP) for proc in stuck]
+    for proc in stuck:
+        if proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + _STACK_DUMP_WAIT_S   # a loaded machine may take a while to answer
+    while time.monotonic() < deadline and any(p.text().count(_STACK_DUMP) == n for p, n in zip(stuck, dumps_before)):
+        time.sleep(0.1)
+    time.sleep(0.1)                                     # the dump's last lines
     places = []
-    for _, log in stuck:
-        log.seek(0)
-        text = log.read().decode(errors="replace")
-        block = text.rpartition("(most recent call first):")[2]
-        frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', block)
-        places.append(" <- ".join(f"{func} ({Path(path).name}:{line})" for path, line, func in frames[:3]))
+    for proc in stuck:
+        block = proc.text().rpartition(_STACK_DUMP)[2]
+        frames = [(path, f"{func} ({Path(path).name}:{line})")
+                  for path, line, func in re.findall(r'File "([^"]+)", line (\d+) in (\S+)', block)]
+        callers = {}                                 # the innermost caller in each file under test
+        for path, frame in frames[1:]:
+            if not _library(path):
+                callers.setdefault(path, frame)
+        places.append(frames[:1] + list(callers.items())[:3])
     return places
 
 
-def _tail(log, lines: int = 25) -> str:
-    log.seek(0)
-    return "\n".join(log.read().decode(errors="replace").splitlines()[-lines:])
+def _in_collective(place: list[tuple[str, str]]) -> str:
+    """The torch.distributed call a stuck process waits in ("all_reduce"), or ""."""
+    if not place:
+        return ""
+    path, frame = place[0]
+    return frame.split(" ")[0] if _torch_dir() / "distributed" in Path(path).resolve().parents else ""
+
+
+def _tail(proc: _Process, lines: int = 25) -> str:
+    return "\n".join([line for line in proc.text().splitlines() if not line.startswith(PHASE_MARK)][-lines:])
+
+
+def _library(path: str) -> bool:
+    """A frame of torch or of Python itself: the callers worth naming are in the files under test."""
+    if path.startswith("<frozen"):
+        return True
+    folder = Path(path).resolve().parents
+    return _torch_dir() in folder or Path(sysconfig.get_paths()["stdlib"]).resolve() in folder
+
+
+def _torch_dir() -> Path:
+    """torch's folder, found without importing torch (this module serves torch-free tests too)."""
+    spec = importlib.util.find_spec("torch")
+    return Path(spec.origin).resolve().parent if spec and spec.origin else Path("/nonexistent-torch")

@@ -5,6 +5,10 @@ passing run also proves the generated code is self-contained.
 
     worker.py reference ENTRY_FILE WORKDIR --steps K --lr LR --seed S
     worker.py rank OUTPUT_DIR WORKDIR --steps K --lr LR --seed S   (RANK, WORLD_SIZE, MASTER_* set)
+
+Fault injection, to see what verify does when a rank fails (tests/test_faults.py):
+NNSCALER_VERIFY_FAULT=die:R:K kills rank R (SIGKILL) just before its first collective of step K;
+NNSCALER_VERIFY_FAULT=hang:R:K makes it sleep there forever instead.
 """
 import argparse
 import faulthandler
@@ -13,13 +17,73 @@ import importlib.util
 import os
 import signal
 import sys
+import time
 
 sys.modules["nnscaler_cst"] = None  # the code under test must not need the tool
+PHASE_MARK = "nnscaler-verify phase: "   # verify/launch.py reads these lines to say when a process failed
+current_step = None
+
+
+def enter(phase, step=None):
+    global current_step
+    current_step = step
+    print(f"{PHASE_MARK}{phase if step is None else f'step {step}'}", flush=True)
+
+
+def die_with_the_launcher():
+    """A launcher that is itself killed (SIGKILL, a CI job's time limit) cannot stop its ranks:
+    on Linux the kernel sends them SIGKILL when it goes. Asked first thing, before torch's slow import."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        # gone before we asked (the launcher names itself: our parent then is no longer it)
+        if os.getppid() != int(os.environ.get("NNSCALER_VERIFY_LAUNCHER", os.getppid())):
+            os._exit(1)
+
+
+die_with_the_launcher()
+enter("start-up (importing torch)")
 if hasattr(signal, "SIGUSR1"):
     # a run past its deadline asks each stuck process where it waits (verify/launch.py)
     faulthandler.register(signal.SIGUSR1, all_threads=False)
 
 import torch  # noqa: E402
+
+FAULT_VARIABLE = "NNSCALER_VERIFY_FAULT"
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+               "broadcast", "all_to_all", "all_to_all_single", "barrier", "send", "recv", "isend", "irecv",
+               "batch_isend_irecv")
+
+
+def inject_fault(rank):
+    """$NNSCALER_VERIFY_FAULT (KIND:RANK:STEP): this rank dies or hangs before its first collective
+    of that step, while the other ranks wait in it."""
+    spec = os.environ.get(FAULT_VARIABLE)
+    if not spec:
+        return
+    try:
+        kind, fault_rank, fault_step = spec.split(":")
+        fault_rank, fault_step = int(fault_rank), int(fault_step)
+        assert kind in ("die", "hang")
+    except (ValueError, AssertionError):
+        sys.exit(f"{FAULT_VARIABLE}={spec}: expected die:RANK:STEP or hang:RANK:STEP")
+    if fault_rank != rank:
+        return
+
+    def faulty(collective):
+        def hang_before_collective(*args, **kwargs):
+            if current_step == fault_step:
+                if kind == "die":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                while True:
+                    time.sleep(60)
+            return collective(*args, **kwargs)
+        return hang_before_collective
+
+    for name in COLLECTIVES:
+        if hasattr(torch.distributed, name):
+            setattr(torch.distributed, name, faulty(getattr(torch.distributed, name)))
 
 
 def switch_off_dropout():
@@ -128,6 +192,7 @@ def reference(args):
     grads = capture_first_gradients(model, optimizer, args.nudge)
     losses = []
     for step in range(args.steps):
+        enter("step", step)
         batch = batch_for(entry, step, args.seed)
         output = model(**batch) if isinstance(batch, dict) else model(*batch)
         loss = loss_of(entry, output)
@@ -135,6 +200,7 @@ def reference(args):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
+    enter("saving")
     torch.save({"losses": losses, "state": model.state_dict(), "grads": grads},
                os.path.join(args.workdir, "twin.pt" if args.nudge else "reference.pt"))
 
@@ -146,6 +212,7 @@ def rank(args):
     train = importlib.import_module(f"{package.__name__}.train")
     comm = importlib.import_module(f"{package.__name__}._comm")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    inject_fault(rank)
     comm.setup(rank, world, tp=package.TP_SIZE, dp=package.DP_SIZE, pp=package.PP_SIZE, backend="gloo")
     module = package.rank_module(rank)
     torch.manual_seed(args.seed)
@@ -163,9 +230,11 @@ def rank(args):
     comm.reset_counters()
     losses = []
     for k in range(args.steps):
+        enter("step", k)
         losses.append(step(model, optimizer, batch_for(module, k, args.seed), module))
     if shards is not None and shards.flat is None:   # ZeRO-3 holds shards between steps: whole for the check
         comm.all_gather_params(shards, comm.DP)
+    enter("saving")
     torch.save({"losses": losses, "state": model.state_dict(), "grads": grads, "counters": dict(comm.COUNTERS)},
                os.path.join(args.workdir, f"rank{rank}.pt"))
     comm.teardown()
@@ -183,6 +252,7 @@ def main():
     args = parser.parse_args()
     torch.use_deterministic_algorithms(True, warn_only=True)
     switch_off_dropout()
+    enter("setup")
     (reference if args.role == "reference" else rank)(args)
 
 
