@@ -82,6 +82,8 @@ PlanOpt = typer.Option(None, "--plan", help="a table in rules/plans (dp, megatro
                        "default: what --tp/--dp imply")
 DevicesOpt = typer.Option(None, "--devices", help="devices for --plan auto")
 ClusterOpt = typer.Option(None, "--cluster", help="device/cluster spec in rules/devices (default cpu-gloo)")
+PrecisionOpt = typer.Option(None, "--precision", help="compute dtype the cost model prices matmuls in: fp32 | tf32 | "
+                            "bf16 | fp16 (autocast); default the traced tensors' dtype")
 BudgetOpt = typer.Option(None, "--memory-budget", help="memory per device the plan may use: bytes, or 24GiB, 80GB, 512MiB")
 PpOpt = typer.Option(None, "--pp", help="pipeline stages (ranks)")
 MicroOpt = typer.Option(None, "--micro-batches", help="micro-batches per step (default: pp x virtual stages)")
@@ -96,7 +98,7 @@ def _options(model_file: Path, **given):
     """Command-line options over [tool.nnscaler-rewrite] defaults over built-in defaults."""
     from .config import check_options, project_defaults
     defaults = {"tp": None, "dp": None, "plan": None, "out": "parallel", "model": None, "devices": None,
-                "cluster": "cpu-gloo", "memory_budget": None, "pp": 1, "micro_batches": None, "schedule": "1f1b",
+                "cluster": "cpu-gloo", "precision": None, "memory_budget": None, "pp": 1, "micro_batches": None, "schedule": "1f1b",
                 "stages": None, "recompute": False, "zero": 0}
     defaults.update(project_defaults(model_file))
     opts = {k: (v if v is not None else defaults.get(k)) for k, v in given.items()}
@@ -111,7 +113,7 @@ def _request(opts: dict):
     return PlanRequest(opts["plan"], opts["tp"], opts["dp"], opts["devices"], opts["cluster"],
                        _memory_budget(opts["memory_budget"]), int(opts.get("pp") or 1), opts.get("micro_batches"),
                        opts.get("schedule") or "1f1b", cuts, recompute=bool(opts.get("recompute")),
-                       zero=int(opts.get("zero") or 0))
+                       zero=int(opts.get("zero") or 0), precision=opts.get("precision"))
 
 
 def _memory_budget(text) -> float | None:
@@ -176,6 +178,7 @@ def _print_diff(text: str) -> None:
 def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
             plan: Optional[str] = PlanOpt, tp: Optional[int] = TpOpt, dp: Optional[int] = DpOpt,
             devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
+            precision: Optional[str] = PrecisionOpt,
             memory_budget: Optional[str] = BudgetOpt, pp: Optional[int] = PpOpt,
             micro_batches: Optional[int] = MicroOpt, schedule: Optional[str] = ScheduleOpt,
             stages: Optional[str] = StagesOpt, recompute: Optional[bool] = RecomputeOpt, zero: Optional[int] = ZeroOpt,
@@ -194,6 +197,7 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
 
     def body():
         given = dict(tp=tp, dp=dp, plan=plan, out=out, model=model, devices=devices, cluster=cluster,
+                     precision=precision,
                      memory_budget=memory_budget, pp=pp, micro_batches=micro_batches, schedule=schedule,
                      stages=stages, recompute=recompute, zero=zero)
         if diff is not None and check:
@@ -240,6 +244,7 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
 def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
            plan: Optional[str] = PlanOpt, tp: Optional[int] = TpOpt, dp: Optional[int] = DpOpt,
            devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
+           precision: Optional[str] = PrecisionOpt,
            memory_budget: Optional[str] = BudgetOpt, pp: Optional[int] = PpOpt,
            micro_batches: Optional[int] = MicroOpt, schedule: Optional[str] = ScheduleOpt,
            stages: Optional[str] = StagesOpt, recompute: Optional[bool] = RecomputeOpt, zero: Optional[int] = ZeroOpt,
@@ -259,6 +264,7 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
 
     def body():
         given = dict(tp=tp, dp=dp, plan=plan, out=out, model=model, devices=devices, cluster=cluster,
+                     precision=precision,
                      memory_budget=memory_budget, pp=pp, micro_batches=micro_batches, schedule=schedule,
                      stages=stages, recompute=recompute, zero=zero)
         if steps < 1 or lr <= 0 or timeout <= 0:
@@ -289,7 +295,7 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
 
 
 def _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, model, json_out, explain, verbose,
-                  recompute=None, zero=None):
+                  recompute=None, zero=None, precision=None):
     _state["verbose"] = verbose
     from .analysis import analyze
     from .plan.cost import load_cluster
@@ -300,7 +306,7 @@ def _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, mod
 
     def body():
         opts = _options(model_file, tp=tp, dp=dp, plan=plan, model=model, devices=devices, cluster=cluster,
-                        memory_budget=memory_budget, recompute=recompute, zero=zero)
+                        memory_budget=memory_budget, recompute=recompute, zero=zero, precision=precision)
         request = _request(opts)
         analysis = analyze(model_file, model_class=opts["model"])
         solved, tp_plan = build_plan(analysis, request)
@@ -311,7 +317,7 @@ def _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, mod
             names = _table_names(request, solved.mesh["tp"], solved.mesh["dp"]) if request.plan != "auto" else []
             constraints = [c for n in names for c in load_table(n).for_axis("tp")] + \
                 [c for c in source_annotations(graph) if c.axis == "tp"]
-            device = load_cluster(request.cluster).axis(1, solved.mesh["tp"])
+            device = load_cluster(request.cluster).with_precision(request.precision).axis(1, solved.mesh["tp"])
             binding = binding_constraints(graph, tp_plan, constraints, device, memory_budget=request.memory_budget,
                                           data_parallel=solved.mesh["dp"])
         if json_out:
@@ -328,12 +334,13 @@ def plan(model_file: Path = typer.Argument(..., help="model or entry file"),
          devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
          memory_budget: Optional[str] = BudgetOpt, model: Optional[str] = ModelOpt,
          recompute: Optional[bool] = RecomputeOpt, zero: Optional[int] = ZeroOpt,
+         precision: Optional[str] = PrecisionOpt,
          json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
          explain: bool = typer.Option(False, "--explain", help="also show which constraints bind"),
          verbose: bool = VerboseOpt):
     """Show the chosen plan: per op its split, n and devices; per device time and memory."""
     _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, model, json_out, explain, verbose,
-                  recompute, zero)
+                  recompute, zero, precision)
 
 
 @app.command()
@@ -342,11 +349,12 @@ def explain(model_file: Path = typer.Argument(..., help="model or entry file"),
             devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
             memory_budget: Optional[str] = BudgetOpt, model: Optional[str] = ModelOpt,
             recompute: Optional[bool] = RecomputeOpt, zero: Optional[int] = ZeroOpt,
+            precision: Optional[str] = PrecisionOpt,
             json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
             verbose: bool = VerboseOpt):
     """`plan --explain`: the plan and the constraints that bind it."""
     _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, model, json_out, True, verbose,
-                  recompute, zero)
+                  recompute, zero, precision)
 
 
 @app.command()

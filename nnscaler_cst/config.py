@@ -16,7 +16,7 @@ from .errors import Location, UserError, display_path, toml_error
 
 # key -> what its value must be
 KEYS = {"tp": "size", "dp": "size", "pp": "size", "devices": "size", "micro_batches": "size",
-        "plan": "name", "schedule": "name", "cluster": "name", "model": "name", "out": "name",
+        "plan": "name", "schedule": "name", "cluster": "name", "precision": "name", "model": "name", "out": "name",
         "memory_budget": "bytes", "stages": "stages", "rules": "paths", "recompute": "flag",
         "zero": "zero_stage",
         "model_file": "name"}   # the model file `nnscaler-rewrite --check` (the pre-commit hook) checks

@@ -4,6 +4,7 @@ plan (op_trans/op_assign per axis) -> edits -> rewritten source -> rendered file
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from .plan.layouts import REPLICATE
 from .plan.auto import dp_only, search_auto
 from .plan.batch import check_batch_split
 from .plan.choices import choices_from_plan
-from .plan.cost import compute_time, load_cluster, node_flops
+from .plan.cost import check_precision, load_cluster, node_time, optimizer_time
 from .plan.search import AxisPlan, search_axis
 from .plan.tables import chunks_for, load_table, source_annotations, weights_left_whole
 
@@ -60,6 +61,7 @@ class PlanRequest:
     schedule: str = "1f1b"
     stage_cuts: list[int] | None = None
     recompute: bool = False          # every repeated block under torch.utils.checkpoint
+    precision: str | None = None     # contractions' compute dtype for the cost model; None: the traced dtypes
     zero: int = 0                    # ZeRO stage of the data-parallel state (0: replicated)
 
 
@@ -84,10 +86,19 @@ def _inputs_location(analysis: Analysis) -> Location | None:
     return Location(display_path(code.co_filename), code.co_firstlineno)
 
 
+def _local_params(graph, tp_plan: AxisPlan | None, tp: int) -> float:
+    """Parameters one device holds and steps the optimizer over: split ones by 1/tp."""
+    total = 0.0
+    for name, info in graph.trace.params.items():
+        layout = tp_plan.param_layout.get(name) if tp_plan is not None else None
+        total += math.prod(info.shape) / (tp if layout is not None and layout.kind == "S" else 1)
+    return total
+
+
 def build_plan(analysis: Analysis, request: PlanRequest) -> tuple[Plan, AxisPlan | None]:
     """Solve the plan: each table's constraints, plus the model's own annotations."""
     graph = analysis.graph
-    cluster = load_cluster(request.cluster)
+    cluster = load_cluster(request.cluster).with_precision(check_precision(request.precision))
     annotations = source_annotations(graph)
     if request.plan == "auto":
         devices = request.devices or (request.tp or 1) * (request.dp or 1)
@@ -121,6 +132,8 @@ def build_plan(analysis: Analysis, request: PlanRequest) -> tuple[Plan, AxisPlan
     plan = Plan(name, {"tp": tp, "dp": dp, "pp": request.pp})
     plan.warnings = weights_left_whole(graph) if tp > 1 else []
     plan.estimated_step_seconds = tp_plan.cost if tp_plan is not None else dp_only(graph, dp, cluster)[0]
+    stepped = _local_params(graph, tp_plan, tp) / (dp if request.zero else 1)   # ZeRO: each dp rank steps its shard
+    plan.estimated_step_seconds += optimizer_time(stepped, cluster.axis(1, tp))
     if request.recompute:
         recompute_site(graph)           # refused here, before solving anything else, when it cannot apply
         plan.name += "+recompute"
@@ -134,8 +147,8 @@ def build_plan(analysis: Analysis, request: PlanRequest) -> tuple[Plan, AxisPlan
             if chunks > 1:              # co-shard recomputes the op's forward in backward
                 device = cluster.axis(1, tp)
                 plan.estimated_step_seconds += sum(
-                    compute_time(node_flops(n, graph.dims.get(n.index), graph.trace), tp, device) / 3.0
-                    for n in site.nodes)
+                    node_time(n, graph.dims.get(n.index), graph.trace, device, tp, dims_of=graph.dims.get,
+                              forward_only=True) for n in site.nodes)
             if choice != REPLICATE:     # co-shard: C consecutive pieces per device, one after another
                 plan.assign += [OpAssign(where, "tp", i, plan.devices_of("tp", i // chunks))
                                 for i in range(tp * chunks)]

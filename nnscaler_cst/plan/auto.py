@@ -26,12 +26,12 @@ class Candidate:
 def dp_only(graph: Graph, dp: int, cluster: ClusterSpec) -> tuple[float, float]:
     """Step time and memory per device of pure data parallelism."""
     tensors = graph.trace.tensors
-    from .cost import compute_time, node_flops
-    flops = sum(node_flops(n, graph.dims.get(n.index), graph.trace) for n in graph.nodes)
+    from .cost import node_time
     param_bytes = sum(tensors[p.tid].nbytes for p in graph.trace.params.values())
     activations = sum(tensors[t].nbytes for n in graph.nodes for t in n.outputs)
     link = cluster.axis(1, dp)
-    seconds = compute_time(flops, dp, link) + (all_reduce_time(param_bytes, dp, link) if dp > 1 else 0.0)
+    seconds = sum(node_time(n, graph.dims.get(n.index), graph.trace, link, dp, dims_of=graph.dims.get)
+                  for n in graph.nodes) + (all_reduce_time(param_bytes, dp, link) if dp > 1 else 0.0)
     return seconds, param_bytes // 4 * BYTES_PER_PARAM_STATE + activations / dp
 
 

@@ -1,25 +1,78 @@
-"""The analytical cost model: compute time per op and time per collective on one mesh axis.
+"""The analytical cost model: time per op on one device, and time per collective on one mesh axis.
+
+An op is priced by what bounds it on a real device: a contraction (a label summed over that two
+floating operands share: linear, matmul, conv, attention) by its FLOPs at the matmul rate of its
+compute dtype, everything else by the bytes it reads and writes at the memory bandwidth; views
+and ops that hand back an input move nothing. The optimizer step is priced per parameter. It
+must not choose plans or know layer names: it prices what the trace recorded.
 
 Times are seconds; the search scales them to integer nanoseconds for z3.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from ..graph.dims import OpDims
 from ..trace.records import Node, Trace
 
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+# Backward over forward. A contraction's backward is two contractions of the same size (the
+# gradients of both operands). A memory-bound op's backward reads the output's gradient and
+# what forward saved and writes one gradient: about 3 tensors where forward moved 2, so 1.5x
+# (a binary add's backward only passes the gradient on; softmax, norms, gelu, dropout need 1.5x).
+CONTRACTION_BACKWARD = 2.0
+MEMORY_BOUND_BACKWARD = 1.5
+# Default optimizer traffic when a spec gives no measured figure: AdamW reads parameter,
+# gradient and two moments and writes parameter and two moments, 7 fp32 tensors.
+ADAMW_BYTES_PER_PARAM = 28.0
+# torch.autocast runs these in float32 whatever their inputs (the autocast op reference,
+# "CUDA Ops that can autocast to float32"); a contraction runs in the lower precision; every
+# other op runs in the widest floating type among its inputs.
+AUTOCAST_FP32 = frozenset({
+    "softmax", "log_softmax", "softmin", "layer_norm", "group_norm", "norm", "normalize", "cross_entropy",
+    "nll_loss", "binary_cross_entropy_with_logits", "kl_div", "l1_loss", "mse_loss", "smooth_l1_loss",
+    "exp", "expm1", "log", "log10", "log1p", "log2", "pow", "__pow__", "__rpow__", "rsqrt", "reciprocal",
+    "sum", "prod", "cumsum", "cumprod", "softplus", "cosine_similarity", "cdist", "erfinv", "acos", "asin",
+    "cosh", "sinh", "tan", "__rdiv__", "__rtruediv__", "renorm"})
+_ELEMENT_BYTES = {"torch.float64": 8, "torch.float32": 4, "torch.float16": 2, "torch.bfloat16": 2}
+_HALF = {"bf16": 2, "fp16": 2}
+
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """One device, and the link one mesh axis communicates over."""
+    """One device, and the link one mesh axis communicates over.
+
+    `matmul_rates` is FLOP/s per compute dtype; a missing dtype runs at `flops`.
+    `memory_bandwidth` (bytes/s) prices every op that is not a contraction; by default
+    4·flops, the old model's one element per FLOP. `precision` is the plan's compute dtype
+    for contractions (None: the traced tensors' dtype; "tf32": fp32 matmuls on tensor cores;
+    "bf16"/"fp16": autocast)."""
 
     name: str = "cpu-gloo"
     flops: float = 5e10              # sustained FLOP/s of one device
     memory: float = 8e9              # bytes per device
     bandwidth: float = 2e9           # bytes/s of the link an axis communicates over
     latency: float = 3e-5            # seconds per collective call
+    matmul_rates: tuple[tuple[str, float], ...] = ()
+    matmul_overhead: float = 0.0     # seconds each contraction costs beyond its FLOPs (small-matmul falloff)
+    memory_bandwidth: float | None = None
+    optimizer_seconds_per_param: float | None = None
+    precision: str | None = None
+
+    def matmul_rate(self, dtype: str) -> float:
+        return dict(self.matmul_rates).get(dtype, self.flops)
+
+    @property
+    def bytes_per_second(self) -> float:
+        return self.memory_bandwidth if self.memory_bandwidth is not None else 4.0 * self.flops
+
+    @property
+    def seconds_per_param(self) -> float:
+        if self.optimizer_seconds_per_param is not None:
+            return self.optimizer_seconds_per_param
+        return ADAMW_BYTES_PER_PARAM / self.bytes_per_second
 
 
 @dataclass(frozen=True)
@@ -34,12 +87,31 @@ class ClusterSpec:
     inter_bandwidth: float
     latency: float
     devices: int | None = None
+    matmul_rates: tuple[tuple[str, float], ...] = ()
+    matmul_overhead: float = 0.0
+    memory_bandwidth: float | None = None
+    optimizer_seconds_per_param: float | None = None
+    precision: str | None = None
 
     def axis(self, stride: int, size: int) -> DeviceSpec:
         """The link an axis of `size` ranks, `stride` apart, talks over: inside a node or not."""
         inside = stride * size <= self.devices_per_node
         return DeviceSpec(self.name, self.flops, self.memory,
-                          self.intra_bandwidth if inside else self.inter_bandwidth, self.latency)
+                          self.intra_bandwidth if inside else self.inter_bandwidth, self.latency,
+                          self.matmul_rates, self.matmul_overhead, self.memory_bandwidth,
+                          self.optimizer_seconds_per_param, self.precision)
+
+    def with_precision(self, precision: str | None) -> "ClusterSpec":
+        return replace(self, precision=precision)
+
+
+def check_precision(precision: str | None) -> str | None:
+    """`--precision`: one of PRECISIONS, or None for the traced dtypes."""
+    if precision is not None and precision not in PRECISIONS:
+        from ..errors import UserError
+        raise UserError(f"--precision {precision}: unknown compute dtype",
+                        hint="--precision fp32 | tf32 (fp32 matmuls on tensor cores) | bf16 | fp16 (autocast)")
+    return precision
 
 
 def load_cluster(name: str) -> ClusterSpec:
@@ -62,29 +134,85 @@ def load_cluster(name: str) -> ClusterSpec:
                         "intra_bandwidth, inter_bandwidth, latency (see rules/devices/cpu-gloo.toml)")
     lines = text.splitlines()
 
-    def number(section: str, key: str, kind=float, required: bool = True):
-        value = data[section].get(key)
+    def line_of(key: str, after: str | None = None) -> int:
+        start = next((i for i, l in enumerate(lines) if after and l.strip() == f"[{after}]"), 0)
+        return next((i + 1 for i, l in enumerate(lines) if i >= start and re.match(rf"\s*{key}\s*=", l)), 1)
+
+    def number(table: dict, section: str, key: str, kind=float, required: bool = True, zero: bool = False):
+        value = table.get(key)
         if value is None and not required:
             return None
-        line = next((i + 1 for i, l in enumerate(lines) if re.match(rf"\s*{key}\s*=", l)), 1)
+        line = line_of(key, section)
         if value is None:
             raise UserError(f"device spec {name!r} has no `{key}` in [{section}]", Location(display_path(path), line),
                             hint="see rules/devices/cpu-gloo.toml for the keys a device spec needs")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 \
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (value == 0 and not zero) \
                 or (kind is int and value != int(value)):
-            raise UserError(f"`{key} = {value!r}` in [{section}]: expected a positive "
-                            f"{'integer' if kind is int else 'number'}", Location(display_path(path), line),
+            raise UserError(f"`{key} = {value!r}` in [{section}]: expected a "
+                            f"{'non-negative' if zero else 'positive'} {'integer' if kind is int else 'number'}",
+                            Location(display_path(path), line),
                             hint="write a number, e.g. flops = 5e10 (FLOP/s), memory = 8e9 (bytes)")
         return kind(value)
 
-    return ClusterSpec(name, number("device", "flops"), number("device", "memory"),
-                       number("cluster", "devices_per_node", int), number("cluster", "intra_bandwidth"),
-                       number("cluster", "inter_bandwidth"), number("cluster", "latency"),
-                       number("cluster", "devices", int, required=False))
+    device, cluster = data["device"], data["cluster"]
+    matmul = device.get("matmul", {})
+    if not isinstance(matmul, dict):
+        raise UserError("`matmul` in [device] must be a table of FLOP/s per compute dtype",
+                        Location(display_path(path), line_of("matmul")), hint="[device.matmul] fp32 = 5e13, bf16 = 6.8e14")
+    for dtype in matmul:
+        if dtype not in PRECISIONS:
+            raise UserError(f"[device.matmul] has `{dtype}`: not a compute dtype", Location(display_path(path),
+                            line_of(dtype, "device.matmul")), hint=f"compute dtypes: {', '.join(PRECISIONS)}")
+    rates = tuple((dtype, number(matmul, "device.matmul", dtype)) for dtype in PRECISIONS if dtype in matmul)
+    return ClusterSpec(name, number(device, "device", "flops"), number(device, "device", "memory"),
+                       number(cluster, "cluster", "devices_per_node", int),
+                       number(cluster, "cluster", "intra_bandwidth"), number(cluster, "cluster", "inter_bandwidth"),
+                       number(cluster, "cluster", "latency"), number(cluster, "cluster", "devices", int, required=False),
+                       rates, number(device, "device", "matmul_overhead", required=False, zero=True) or 0.0,
+                       number(device, "device", "memory_bandwidth", required=False),
+                       number(device, "device", "optimizer_seconds_per_param", required=False, zero=True))
+
+
+def _short(func: str) -> str:
+    return func.rsplit(".", 1)[-1]
+
+
+@lru_cache(maxsize=None)
+def _returns_alias(func: str) -> bool:
+    """Whether torch's schema for the aten op behind `func` returns a view of its input
+    (`Tensor(a) self -> Tensor(a)`): such ops move no bytes."""
+    import torch
+    packet = getattr(torch.ops.aten, _short(func).strip("_"), None)
+    try:
+        names = packet.overloads() if packet is not None else []
+        schema = getattr(packet, "default" if "default" in names else names[0])._schema if names else None
+    except (AttributeError, RuntimeError):
+        return False
+    return schema is not None and bool(schema.returns) and all(
+        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def moves_no_bytes(node: Node, trace: Trace) -> bool:
+    """A view (per torch's schemas) or an op that hands back its input unmodified (dropout with p=0)."""
+    return bool(node.ops) and all(trace.ops[o].returns_input or _returns_alias(trace.ops[o].func)
+                                  for o in node.ops)
+
+
+def is_contraction(node: Node, dims: OpDims | None, trace: Trace) -> bool:
+    """A label summed over that two floating operands both carry: FLOP-bound (an embedding's
+    vocab is summed over in its dims, but only the table carries it: a gather, memory-bound)."""
+    if dims is None or not dims.reduced:
+        return False
+    for label in dims.reduced:
+        carriers = [name for name, t in dims.inputs.items() if label in t.labels()
+                    and trace.tensors[t.tid].dtype in _ELEMENT_BYTES]
+        if len(carriers) >= 2:
+            return True
+    return False
 
 
 def node_flops(node: Node, dims: OpDims | None, trace: Trace) -> float:
-    """Forward FLOPs: 2·(product of all dim sizes) for contractions, else elements touched."""
+    """Forward FLOPs of a contraction, 2·(product of all dim sizes); else elements touched."""
     if dims is not None and dims.reduced:
         total = 2.0
         for size in dims.sizes().values():
@@ -94,8 +222,88 @@ def node_flops(node: Node, dims: OpDims | None, trace: Trace) -> float:
     return max(sizes)
 
 
+def contraction_dtype(node: Node, trace: Trace, precision: str | None) -> str:
+    """The dtype a contraction computes in: the plan's precision, else its operands' dtype."""
+    if precision is not None:
+        return precision
+    dtype = next((trace.tensors[t].dtype for t in node.inputs if trace.tensors[t].dtype in _ELEMENT_BYTES),
+                 "torch.float32")
+    return {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(dtype, "fp32")
+
+
+_element_cache: dict[tuple[int, str | None], tuple[Trace, dict[int, int]]] = {}
+
+
+def element_bytes(trace: Trace, dims_of, precision: str | None) -> dict[int, int]:
+    """Bytes per element of each traced tensor as the step runs it: the traced dtype, or under
+    autocast (bf16/fp16) contractions' outputs in half, AUTOCAST_FP32 ops' in float32, other
+    ops' in the widest floating type they read. Parameters stay in their own dtype."""
+    key = (id(trace), precision)
+    cached = _element_cache.get(key)
+    if cached is not None and cached[0] is trace:
+        return cached[1]
+    sizes = {tid: _ELEMENT_BYTES.get(t.dtype, t.nbytes // max(1, _numel(t.shape))) for tid, t in trace.tensors.items()}
+    half = _HALF.get(precision or "")
+    if half:
+        for node in trace.nodes:
+            floats = [sizes[t] for t in node.inputs if trace.tensors[t].dtype in _ELEMENT_BYTES]
+            if is_contraction(node, dims_of(node.index), trace):
+                size = half
+            elif any(_short(trace.ops[o].func) in AUTOCAST_FP32 for o in node.ops):
+                size = 4
+            elif floats:
+                size = max(floats)
+            else:
+                continue
+            for tid in node.outputs:
+                if trace.tensors[tid].dtype in _ELEMENT_BYTES and tid not in node.inputs:
+                    sizes[tid] = size
+    if len(_element_cache) > 8:         # traces of earlier analyses in this process
+        _element_cache.clear()
+    _element_cache[key] = (trace, sizes)
+    return sizes
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def node_time(node: Node, dims: OpDims | None, trace: Trace, device: DeviceSpec, ways: int = 1, *,
+              dims_of=None, forward_only: bool = False) -> float:
+    """Seconds of one device's forward and backward of `node` split `ways` ways (forward only
+    when asked: what recompute or co-shard repeats). `dims_of(index)` gives any node's dims,
+    for the autocast dtypes; without it, the traced dtypes."""
+    if moves_no_bytes(node, trace):
+        return 0.0
+    if is_contraction(node, dims, trace):
+        dtype = contraction_dtype(node, trace, device.precision)
+        rate = device.matmul_rate(dtype)
+        forward = device.matmul_overhead + node_flops(node, dims, trace) / ways / rate
+        cast = 0.0
+        if dtype in _HALF:      # autocast casts float32 operands (weights too) to half, read 4 and write 2 bytes,
+            cast = sum(_numel(trace.tensors[t].shape) * 6 for t in node.inputs    # and their gradients back
+                       if trace.tensors[t].dtype == "torch.float32") / ways / device.bytes_per_second
+        if forward_only:
+            return forward + cast
+        return forward * (1.0 + CONTRACTION_BACKWARD) + 2.0 * cast
+    sizes = element_bytes(trace, dims_of or (lambda _: None), device.precision if dims_of else None)
+    moved = sum(_numel(trace.tensors[t].shape) * sizes[t] for t in {*node.inputs, *node.outputs})
+    forward = moved / ways / device.bytes_per_second
+    return forward * (1.0 if forward_only else 1.0 + MEMORY_BOUND_BACKWARD)
+
+
+def optimizer_time(params: float, device: DeviceSpec) -> float:
+    """One optimizer step over `params` parameters held by this device."""
+    return params * device.seconds_per_param
+
+
 def compute_time(flops: float, split_ways: int, device: DeviceSpec) -> float:
-    return 3.0 * flops / split_ways / device.flops        # forward + backward (about 2x forward)
+    """FLOPs at the device's `flops` figure, forward + backward: for callers that price a FLOP
+    count rather than an op (pipeline balancing)."""
+    return 3.0 * flops / split_ways / device.flops
 
 
 def all_reduce_time(nbytes: float, n: int, device: DeviceSpec) -> float:

@@ -20,7 +20,7 @@ from ..graph.graph import Graph
 from ..materialize.conversions import conversion, conversion_time
 from ..materialize.size_args import SIZE_ARGUMENTS, locate_size_argument
 from ..sizes import format_bytes
-from .cost import DeviceSpec, all_reduce_time, compute_time, node_flops
+from .cost import DeviceSpec, all_reduce_time, node_time
 from .layouts import REPLICATE, R, Layout, layouts_for
 from .refine import refine_factors
 from .tables import Constraint, leaves_partial_param_grad
@@ -401,7 +401,8 @@ def _cost_terms(graph: Graph, options, var, n: int, device: DeviceSpec, data_par
             for i in opts.nodes:
                 label = opts.labels[i][k]
                 ways = n if label != REPLICATE else 1
-                total += compute_time(node_flops(graph.nodes[i], graph.dims.get(i), graph.trace), ways, device)
+                total += node_time(graph.nodes[i], graph.dims.get(i), graph.trace, device, ways,
+                                   dims_of=graph.dims.get)
                 saved += sum(tensors[t].nbytes for t in graph.nodes[i].outputs) / ways
                 if graph.dims.get(i) is not None and leaves_partial_param_grad(graph, i, label):
                     total += sum(all_reduce_time(tensors[tid].nbytes, n, device)

@@ -64,6 +64,7 @@ class OpCall:
     inputs: list[int]
     outputs: list[int]
     mapped: bool
+    returns_input: bool = False     # every output is an input object the call left unmodified
 
 
 @dataclass

@@ -189,12 +189,16 @@ class Tracer(TorchFunctionMode):
     # ---- the mode -----------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        versions = {id(t): t._version for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)} \
+            if self._recording else {}
         out = func(*args, **kwargs)
         if self._recording:
             result = args[0] if func is _SETITEM else out
             flat_out = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
             if flat_out:
-                self._record(func, args, kwargs, flat_out)
+                # an input handed back unmodified (dropout with p=0): the cost model prices it at nothing
+                unmodified = all(versions.get(id(t)) == t._version for t in flat_out)
+                self._record(func, args, kwargs, flat_out, unmodified)
             elif args and isinstance(args[0], torch.Tensor) and torch_func_name(func) in _SIZE_QUERIES:
                 self._record_size_query(args, kwargs)
         return out
@@ -229,7 +233,7 @@ class Tracer(TorchFunctionMode):
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
             self.size_queries.append((span, self._tid(args[0]), dim if isinstance(dim, int) else None))
 
-    def _record(self, func, args, kwargs, flat_out):
+    def _record(self, func, args, kwargs, flat_out, returns_input: bool = False):
         caller = sys._getframe(2)
         own = self.own_frame(caller)
         in_tids = [self._tid(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
@@ -248,7 +252,7 @@ class Tracer(TorchFunctionMode):
         replay = self.replays.get(node.index)
         if replay is not None and replay.outputs is None and replay.fn is func:
             replay.outputs = out_tids
-        self.ops.append(OpCall(torch_func_name(func), node.index, in_tids, out_tids, node.mapped))
+        self.ops.append(OpCall(torch_func_name(func), node.index, in_tids, out_tids, node.mapped, returns_input))
         node.ops.append(len(self.ops) - 1)
 
     def _span(self, own) -> Span | None:
