@@ -127,7 +127,7 @@ def build_plan(analysis: Analysis, request: PlanRequest) -> tuple[Plan, AxisPlan
                               data_parallel=dp) if tp > 1 else None
         name = "+".join(names) or "single"
     if request.zero:
-        check_zero(request.zero, dp, request.pp)
+        check_zero(request.zero, dp, request.pp, searched=request.plan == "auto")
         name += f"+zero{request.zero}"
     plan = Plan(name, {"tp": tp, "dp": dp, "pp": request.pp})
     plan.warnings = weights_left_whole(graph) if tp > 1 else []

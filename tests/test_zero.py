@@ -241,3 +241,12 @@ def test_a_step_without_the_gather_of_the_updated_shards_fails_the_check(tmp_pat
     result, outcome = verify("fixtures/gpt.py", "-o", out)         # verified as it is: no rewrite
     assert result.returncode == 1 and outcome["passed"] is False, outcome
     assert "all_gather_params" not in train.read_text()
+
+
+def test_zero_with_a_searched_plan_without_data_parallelism_says_the_search_chose_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["plan", str(REPO / "fixtures" / "mlp.py"), "--plan", "auto", "--devices", "2", "--zero", "1",
+                  "--cluster", "cpu-gloo"])
+    err = capsys.readouterr().err                # on this box's cost model the search picks tp=2 for the MLP
+    assert exit_.value.code == 2 and "--plan auto chose a plan without data parallelism" in err, err

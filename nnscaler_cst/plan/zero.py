@@ -18,11 +18,16 @@ GRAD_BYTES = 4           # fp32 gradients
 ADAMW_STATE_BYTES = 8    # exp_avg and exp_avg_sq, fp32 each
 
 
-def check_zero(stage: int, dp: int, pp: int) -> None:
-    """Refuse a ZeRO stage that cannot apply: an unknown stage, no data parallelism, pipelines."""
+def check_zero(stage: int, dp: int, pp: int, *, searched: bool = False) -> None:
+    """Refuse a ZeRO stage that cannot apply: an unknown stage, no data parallelism, pipelines.
+    `searched`: --plan auto chose the mesh, so the user did not ask for dp=1 themselves."""
     if stage not in STAGES:
         raise UserError(f"--zero {stage}: ZeRO has stages 1, 2 and 3",
                         hint="--zero 1 shards optimizer state, 2 also gradients, 3 also parameters")
+    if dp < 2 and searched:
+        raise UserError(f"--zero {stage}: --plan auto chose a plan without data parallelism, so there is no "
+                        "data-parallel state to shard",
+                        hint="give the mesh yourself with --dp N (and --tp) and --zero, or drop --zero")
     if dp < 2:
         raise UserError(f"--zero {stage} shards data-parallel state, but the plan has no data parallelism",
                         hint="add --dp N (N > 1), e.g. --dp 2 --zero 1")
