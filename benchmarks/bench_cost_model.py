@@ -83,11 +83,11 @@ def main() -> None:
               "What it leaves out: kernel launch gaps and CPU overhead, fusion, the masked_fill and "
               "cross-entropy kernels that run well below the median bandwidth (0.78-1.6 TB/s measured), "
               "the `.contiguous()` copy after a transpose (a view by torch's schema, a copy at run time), and "
-              "overlap of anything with anything. TF32 is the least close: its rate is the median of matmul rows "
-              "that span 258-368 TFLOP/s, and the row nearest this model's projections (8192x2048x8192, like its "
-              "8192 tokens x 2048 -> 8192 MLP) ran at 258; its "
-              "memory-bound share (a third of the step) is priced at one median bandwidth for kernels that differ "
-              "by 3x."]
+              "overlap of anything with anything. TF32 and bf16 come out 9% low: their memory-bound share (a third "
+              "and more of the step) is priced at one median bandwidth for kernels that differ by 3x (masked_fill "
+              "and cross-entropy run at 0.8-1.6 TB/s), and the TF32 rate is the median of matmul rows that span "
+              "258-368 TFLOP/s while the row nearest this model's projections (8192x2048x8192, like its "
+              "8192 tokens x 2048 -> 8192 MLP) ran at 258."]
     (ROOT / "benchmarks" / "BENCH_COST.md").write_text("\n".join(lines) + "\n")
 
 
