@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -122,22 +123,36 @@ def test_a_rendezvous_port_held_by_another_program_ends_verify_naming_rank_0(pro
     assert seconds < BOUND_S, seconds
 
 
-def test_verify_killed_outright_takes_its_ranks_with_it(project, tmp_path):
-    """SIGKILL of verify itself (a CI job's time limit) runs no cleanup of ours: the ranks go with it."""
+def signal_verify_while_its_ranks_run(project: Path, scratch: Path, signum: int) -> int:
+    """Start verify with rank 1 stuck in step 0, send verify `signum` once both ranks run, and
+    return its exit status after its ranks are gone (or the wait for that gave up)."""
     proc = subprocess.Popen([sys.executable, "-m", "nnscaler_cst.cli", "verify", "mlp.py", "-o", "out",
                              "--steps", "2", "--timeout", str(GUARD_S)], cwd=project,
-                            env={**os.environ, "NNSCALER_VERIFY_FAULT": "hang:1:0"},
+                            env={**os.environ, "NNSCALER_VERIFY_FAULT": "hang:1:0", "TMPDIR": str(scratch)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks = str(project / "out")
     started = time.monotonic()
-    while len(processes_mentioning(str(project / "out"))) < 2 and time.monotonic() - started < GUARD_S:
+    while len(processes_mentioning(ranks)) < 2 and time.monotonic() - started < GUARD_S:
         assert proc.poll() is None, "verify ended before its ranks started"
         time.sleep(0.2)
-    proc.kill()
-    proc.wait()
+    assert list(scratch.glob("nnscaler-verify-*")), "verify's temporary folder is not where the test looks"
+    proc.send_signal(signum)
+    code = proc.wait(timeout=GUARD_S)
     deadline = time.monotonic() + 10
-    while processes_mentioning(str(project / "out")) and time.monotonic() < deadline:
+    while processes_mentioning(ranks) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert processes_mentioning(str(project / "out")) == [], "ranks outlived verify"
+    assert processes_mentioning(ranks) == [], "ranks outlived verify"
+    return code
+
+
+def test_verify_killed_outright_takes_its_ranks_with_it(project, tmp_path):
+    """SIGKILL of verify itself (a CI job's time limit) runs no cleanup of ours: the kernel ends the ranks."""
+    assert signal_verify_while_its_ranks_run(project, tmp_path, signal.SIGKILL) == -signal.SIGKILL
+
+
+def test_verify_terminated_ends_its_ranks_and_removes_its_temporary_folder(project, tmp_path):
+    assert signal_verify_while_its_ranks_run(project, tmp_path, signal.SIGTERM) == 128 + signal.SIGTERM
+    assert list(tmp_path.glob("nnscaler-verify-*")) == []
 
 
 # Rank 1 starts a child of its own that would sleep for ten minutes, then waits; rank 0 fails.

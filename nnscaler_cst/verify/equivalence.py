@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..plan.schedules import Action
-from .launch import LaunchError, fixed_port, process_env, run_all, run_world
+from .launch import LaunchError, fixed_port, process_env, run_all, run_world, terminated_as_exit
 from .simulate import simulate
 
 WORKER = Path(__file__).with_name("worker.py")
@@ -121,7 +121,7 @@ def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1
     check_schedules(package)
     fixed_port()                    # a bad $NNSCALER_VERIFY_PORT is refused before any process starts
     common = ["--steps", str(steps), "--lr", str(lr), "--seed", str(seed)]
-    with tempfile.TemporaryDirectory(prefix="nnscaler-verify-") as workdir:
+    with terminated_as_exit(), tempfile.TemporaryDirectory(prefix="nnscaler-verify-") as workdir:
         try:
             run_all([([sys.executable, str(WORKER), "reference", str(entry_file), workdir, *common],
                       process_env(**READ_ONLY))], timeout)

@@ -18,7 +18,9 @@ import socket
 import subprocess
 import sysconfig
 import tempfile
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import UserError
@@ -102,6 +104,24 @@ class _Process:
                 self.popen.kill()
             self.popen.wait()
         self.log.close()
+
+
+@contextmanager
+def terminated_as_exit():
+    """SIGTERM (a job scheduler, `kill`) ends the run as an exception would: the processes are
+    killed and temporary folders removed on the way out; exit 143 as for the signal itself."""
+    if threading.current_thread() is not threading.main_thread():
+        yield                                     # only the main thread may set a handler
+        return
+
+    def exit_on_terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_on_terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_all(commands: list[tuple[list[str], dict]], timeout: float) -> None:
