@@ -130,7 +130,7 @@ def rank_main(argv: list[str]) -> None:
     def wrap(name, fn):
         def wrapper(*args, **kwargs):
             if recording[0]:
-                caller, line = _site(comm_file, "model_rank")
+                caller, line = _site(comm_file, "model")
                 t = args[0] if args else None
                 sent = args[1] if name.startswith("all_gather") and len(args) > 1 else t
                 shape = list(sent.shape) if isinstance(sent, torch.Tensor) else None

@@ -184,7 +184,7 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
             stages: Optional[str] = StagesOpt, recompute: Optional[bool] = RecomputeOpt, zero: Optional[int] = ZeroOpt,
             out: Optional[Path] = OutOpt, model: Optional[str] = ModelOpt,
             diff: Optional[int] = typer.Option(None, "--diff", help="show the diff of the model file "
-                                               "against this rank's file instead of writing"),
+                                               "against the program file this rank runs, instead of writing"),
             check: bool = typer.Option(False, "--check", help="exit 1 with a diff when the output folder "
                                        "is stale (pre-commit)"),
             force: bool = typer.Option(False, "--force", help="write the new generation without merging "
@@ -193,6 +193,7 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
     """Rewrite MODEL_FILE into per-rank parallel source in the output folder."""
     _state["verbose"] = verbose
     from .emit.output import staleness
+    from .emit.programs import program_of
     from .errors import display_path
 
     def body():
@@ -202,17 +203,18 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
                      stages=stages, recompute=recompute, zero=zero)
         if diff is not None and check:
             raise UserError("--diff and --check do not go together",
-                            hint="--diff RANK shows one rank's diff; --check compares the whole output folder")
+                            hint="--diff RANK shows the diff of the program that rank runs; "
+                                 "--check compares the whole output folder")
         if diff is not None and diff < 0:
             raise UserError(f"--diff {diff}: ranks start at 0", hint="e.g. --diff 0")
         opts = _options(model_file, **given)
         analysis, result, opened = _rewrite(model_file, opts)
         out_dir = Path(opts["out"])
         if diff is not None:
-            name = f"model_rank{diff}.py"
-            if name not in result.files:
+            if diff >= result.plan.world_size:
                 raise UserError(f"there is no rank {diff} in a world of {result.plan.world_size}",
                                 hint=f"--diff takes a rank from 0 to {result.plan.world_size - 1}")
+            name = program_of(result.plan, result.stages, diff).file
             source = analysis.sources.get(analysis.entry.path).text
             _print_diff(_unified_diff(source, result.files[name], display_path(analysis.entry.path),
                                       str(out_dir / name)))

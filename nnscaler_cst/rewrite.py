@@ -15,6 +15,7 @@ from .analysis import Analysis
 from .emit import templates
 from .emit.assemble import add_comm_import, content_hash, merge_entry, model_files, with_header
 from .emit.output import generated_json
+from .emit.programs import programs
 from .emit.rewrite import StageSplit, rewrite_module
 from .errors import Location, UserError, display_path
 from .materialize.edits import Edits, plan_edits
@@ -214,15 +215,14 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
     body = module.code
     files: dict[str, str] = {}
     micro = len([a for a in orders[0] if a.kind == "F"]) // stages.virtual if orders else 0
-    for rank in range(plan.world_size):
-        coords = ", ".join(f"{a} {i}" for a, i in plan.coords(rank).items())
+    for program in programs(plan, stages):     # peers running the same code share one file
         text = body
         if stages is not None:
             table = request.schedule if request else "schedule"
             text = _schedule_comment(orders, table, micro) + body + _pipeline_section(
-                stages, orders, plan.coords(rank)["pp"], table)
-        files[f"model_rank{rank}.py"] = with_header(
-            text, f"from {source_label}; plan {plan.describe()}; rank {rank} of {plan.world_size} ({coords})")
+                stages, orders, program.pp_rank, table)
+        files[program.file] = with_header(
+            text, f"from {source_label}; plan {plan.describe()}; {program.describe(plan.world_size)}")
     if orders is not None:
         files["schedule.csv"] = to_csv(orders)
     comm = COMM_SOURCE.read_text()
@@ -238,7 +238,8 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
                       if len(info.aliases) > 1 for alias in sorted(info.aliases))
     title = f"Parallel version of {source_label}: plan {plan.describe()}."
     files["__init__.py"] = with_header(templates.INIT.format(title=title, world=plan.world_size, tp=tp, dp=dp,
-                                                             pp=pp, splits=splits, aliases=aliases),
+                                                             pp=pp, splits=splits, aliases=aliases,
+                                                             programs=[p.name for p in programs(plan, stages)]),
                                        f"from {source_label}")
     partial = ", ".join(repr(a) for p in (edits.partial_grad_params if edits else [])
                         for a in analysis.trace.params[p].aliases)

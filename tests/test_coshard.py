@@ -117,7 +117,7 @@ def test_the_plan_ir_holds_cpieces_per_device_in_order(gpt_coshard):
 def test_the_attention_core_runs_as_a_local_function_in_pieces(gpt_coshard):
     """From the softmax the region grows over the statements that work head by head: the scores,
     the mask, the softmax, dropout and `att @ v`; the view with a local size stops it."""
-    source = (gpt_coshard / "model_rank0.py").read_text()
+    source = (gpt_coshard / "model.py").read_text()
     start = source.index("        def _y_in_pieces(")
     block = source[start:source.index("\n", source.index("= coshard(_y_in_pieces", start))].splitlines()
     assert block[0].startswith("        def _y_in_pieces(k, q, v):  # coshard: 2 pieces per device")
@@ -134,9 +134,9 @@ def test_a_source_annotation_co_shards_its_line(tmp_path):
     out = tmp_path / "out"
     result = cli("rewrite", model, "--tp", "2", "-o", out, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    source = (out / "model_rank1.py").read_text()
+    source = (out / "model.py").read_text()
     assert "y = coshard(_y_in_pieces, 2, in_dims=(1, 1, 1), out_dims=1)(k, q, v)" in source
-    _, rewritten = line_with(out / "model_rank1.py", "F.softmax")
+    _, rewritten = line_with(out / "model.py", "F.softmax")
     assert "# nnscaler: coshard=2" in rewritten                  # the user's comment is kept
 
 
@@ -192,4 +192,4 @@ def test_coshard_trains_like_the_single_device_run(tmp_path, fixture):
                  "--json")
     outcome = json.loads(result.stdout[result.stdout.find("{"):])
     assert result.returncode == 0 and outcome["passed"] is True, outcome
-    assert "coshard(" in (tmp_path / "out" / "model_rank0.py").read_text()
+    assert "coshard(" in (tmp_path / "out" / "model.py").read_text()

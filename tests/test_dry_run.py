@@ -172,7 +172,7 @@ def test_the_break_is_real_without_the_dry_run(at_repo, monkeypatch):
     drop_gather(monkeypatch, line_of(REPO / "fixtures" / "gpt.py", "pos_emb = self.transformer.wpe(pos)")[0])
     monkeypatch.setattr(rewrite_module, "dry_run", lambda analysis, files: dry.DryRun())
     result = rewrite(analysis_of("gpt.py"), PlanRequest(tp=2))
-    assert "tp_gather(self.transformer.wpe(pos)" not in result.files["model_rank0.py"]
+    assert "tp_gather(self.transformer.wpe(pos)" not in result.files["model.py"]
 
 
 # ---- what the dry run cannot run is a warning -----------------------------------------------------

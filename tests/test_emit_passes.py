@@ -521,7 +521,7 @@ def test_the_rewritten_file_is_valid_python_that_compiles(tmp_path):
         "torch.nn.functional.linear({arg0}, {self}.weight)", "self.bias")
     edits.site(span(source, "h + pos")).args[("self",)] = [Step("gather", -1)]
     code, _ = rewritten(source, edits)
-    compile(code, "model_rank0.py", "exec")
+    compile(code, "model.py", "exec")
 
 
 # --------------------------------------------------------------------------------------------

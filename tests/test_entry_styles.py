@@ -455,6 +455,6 @@ def test_each_style_trains_like_the_single_device_run_at_tp2(tmp_path, case):
     assert result.returncode == 0 and outcome["passed"] is True, outcome
     assert outcome["world_size"] == 2
     assert outcome["max_abs_error"] <= outcome["tolerance"]["param_atol"], outcome["worst_param"]
-    text = (tmp_path / "parallel" / "model_rank0.py").read_text()
+    text = (tmp_path / "parallel" / "model.py").read_text()
     entry = text[text.index("# --- entry file "):]
     assert "transformers.BertForMaskedLM" not in entry and "transformers.LlamaForCausalLM" not in entry

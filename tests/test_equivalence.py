@@ -94,6 +94,15 @@ def test_the_parallel_run_trains_like_the_single_device_run(runs, case):
     assert outcome["max_abs_error"] <= tolerance["param_atol"], outcome["worst_param"]
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if "dp2xtp2" in c])
+def test_tensor_by_data_parallel_ranks_all_run_one_program_file(runs, case):
+    """Four ranks that run the same code share model.py; each reads its coordinates at run time."""
+    result, out = runs(case)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in out.glob("model*.py")) == ["model.py"]
+    assert re.search(r"^PROGRAMS = \['model'\]$", (out / "__init__.py").read_text(), re.M)
+
+
 # --------------------------------------------------------------------------------------------
 # Negative controls: the check can fail
 # --------------------------------------------------------------------------------------------
@@ -117,29 +126,29 @@ def test_a_missing_all_reduce_fails_the_check(runs, tmp_path):
     """The MLP's row-parallel output left as partial sums on every rank: the ranks still run the
     same collectives, so the run completes, with wrong numbers."""
     out = broken_copy(runs, tmp_path, "no_mlp_reduce")
-    texts = {}
-    for rank in range(2):
-        texts[rank] = edit(out / f"model_rank{rank}.py",
-                           "x = tp_reduce(torch.nn.functional.linear(x, self.c_proj.weight), TP) + self.c_proj.bias",
-                           "x = torch.nn.functional.linear(x, self.c_proj.weight) + self.c_proj.bias")
+    text = edit(out / "model.py",
+                "x = tp_reduce(torch.nn.functional.linear(x, self.c_proj.weight), TP) + self.c_proj.bias",
+                "x = torch.nn.functional.linear(x, self.c_proj.weight) + self.c_proj.bias")
     result, _ = verify("fixtures/gpt.py", "-o", out, "--json")
     outcome = report(result)
     assert result.returncode == 1 and outcome["passed"] is False, outcome
     assert outcome["max_abs_error"] > outcome["tolerance"]["param_atol"] or any(
         e > outcome["tolerance"]["loss_atol"] for e in outcome["loss_errors"]), outcome
-    assert all((out / f"model_rank{r}.py").read_text() == texts[r] for r in range(2))   # verified as it is
+    assert (out / "model.py").read_text() == text   # verified as it is
 
 
 def test_a_wrong_formula_on_one_rank_fails_the_check(runs, tmp_path):
-    """Rank 1 swaps its query and key heads: same collectives, wrong attention on half the heads."""
+    """Rank 1 swaps its query and key heads: same collectives, wrong attention on half the heads.
+    Both ranks run model.py; the edit asks the tensor-parallel group which rank runs it."""
     out = broken_copy(runs, tmp_path, "swapped_qk")
-    text = (out / "model_rank1.py").read_text()
+    text = (out / "model.py").read_text()
     line = next(line for line in text.splitlines() if line.lstrip().startswith("q, k, v = self.c_attn(x).split("))
-    broken = edit(out / "model_rank1.py", line, line.replace("q, k, v =", "k, q, v =", 1))
+    indent = line[:len(line) - len(line.lstrip())]
+    broken = edit(out / "model.py", line, f"{line}\n{indent}if TP.rank == 1:\n{indent}    q, k = k, q")
     result, _ = verify("fixtures/gpt.py", "-o", out, "--json")
     outcome = report(result)
     assert result.returncode == 1 and outcome["passed"] is False, outcome
-    assert (out / "model_rank1.py").read_text() == broken
+    assert (out / "model.py").read_text() == broken
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -158,8 +167,8 @@ def processes_mentioning(text: str) -> list[int]:
 def hung(runs, tmp_path_factory):
     """verify of a folder whose rank 1 sleeps for 10 minutes in forward, with --timeout 20."""
     out = broken_copy(runs, tmp_path_factory.mktemp("hung"), "rank1_sleeps")
-    edit(out / "model_rank1.py", "        b, t = idx.size()\n",
-         "        import time; time.sleep(600)  # rank 1 hangs\n        b, t = idx.size()\n")
+    edit(out / "model.py", "        b, t = idx.size()\n",
+         "        if TP.rank == 1:  # rank 1 hangs\n            import time; time.sleep(600)\n        b, t = idx.size()\n")
     timeout = 20
     result, seconds = verify("fixtures/gpt.py", "-o", out, "--timeout", timeout, "--json", timeout=300)
     return result, seconds, timeout, out
@@ -171,7 +180,7 @@ def test_a_hung_rank_ends_the_run_within_the_timeout_naming_the_rank(hung):
     message = result.stderr
     assert "timed out" in message, message[-2000:]
     assert re.search(r"rank\(?s?\)?\s[\d, ]*\b1\b", message), message[-2000:]
-    assert re.search(r"rank 1 is in forward \(model_rank1\.py:\d+\)", message), message[-2000:]
+    assert re.search(r"rank 1 is in forward \(model\.py:\d+\)", message), message[-2000:]
     # the rank phase ends at the deadline; the rest is start-up and the single-device reference
     assert seconds < timeout + 120, seconds
 

@@ -79,7 +79,7 @@ def convnet_tp2(tmp_path_factory, fixtures_dir):
 
 
 def test_the_sequential_call_is_cut_only_where_a_collective_goes(convnet_tp2):
-    source = (convnet_tp2 / "model_rank0.py").read_text()
+    source = (convnet_tp2 / "model.py").read_text()
     ast.parse(source)
     line = statement_with(source, "self.features[")
     call = line.split("  #")[0]
@@ -108,7 +108,7 @@ def test_a_sequential_with_a_split_implementation_between_layers(tmp_path, fixtu
     out = tmp_path / "out"
     result = cli("rewrite", fixtures_dir / "einsum_transformer.py", "--tp", "2", "-o", out)
     assert result.returncode == 0, result.stderr
-    line = statement_with((out / "model_rank1.py").read_text(), "self.head[")
+    line = statement_with((out / "model.py").read_text(), "self.head[")
     assert line.startswith("logits = self.head[1](tp_copy(self.head[0](h), TP))"), line
 
 
@@ -118,7 +118,7 @@ def test_a_fused_qkv_reshaped_into_3_heads_and_head_dim_splits_by_heads(tmp_path
     out = tmp_path / "out"
     result = cli("rewrite", fixtures_dir / "vit.py", "--tp", "2", "--dp", "2", "-o", out)
     assert result.returncode == 0, result.stderr
-    source = (out / "model_rank0.py").read_text()
+    source = (out / "model.py").read_text()
     assert "self.qkv = nn.Linear(dim, dim * 3 // 2)  # out_features / 2, 3 fused blocks split alike" in source
     assert ".reshape(B, N, 3, self.heads // 2, C // self.heads)" in source
     layers = json.loads((out / "plan.json").read_text())["op_trans"]
@@ -133,8 +133,8 @@ def test_a_pipeline_cuts_an_nn_sequential_of_blocks(tmp_path, fixtures_dir):
     result = cli("rewrite", fixtures_dir / "residual_mlp.py", "--pp", "2", "-o", out)
     assert result.returncode == 0, result.stderr
     ranges = []
-    for rank in range(2):
-        source = (out / f"model_rank{rank}.py").read_text()
+    for stage in range(2):
+        source = (out / f"model_stage{stage}.py").read_text()
         assert "x = self.blocks(x)  # pipeline: this stage's blocks of blocks only" in source
         ranges += ast.literal_eval(statement_with(source, "STAGE_BLOCKS = ").split("=", 1)[1].split("#")[0]).values()
     (a, b), (c, d) = ranges

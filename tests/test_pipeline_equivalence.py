@@ -5,10 +5,11 @@ per-step losses, the first step's gradients and the parameters after the last st
 
 Covered: the GPT fixture with 2 and 4 stages under GPipe and 1F1B with 4 and 8 micro-batches
 (each pp size under both schedules and both micro-batch counts, four runs in all), interleaved
-1F1B with 2 virtual stages per rank, pipeline x tensor parallel 2x2, pipeline x data parallel
+1F1B with 2 virtual stages per rank, pipeline x tensor parallel 2x2 (the GPT fixture, GPT-2 and
+Llama: one program file per stage, shared by its tensor-parallel ranks), pipeline x data parallel
 2x2, and transformers' GPT-2 on 2 stages (its embedding is tied to the LM head, so the first
 and the last stage hold the same weight and must sum its gradient). And one negative control:
-a rank file hand-edited into a schedule that would hang is refused before any process starts.
+a stage's file hand-edited into a schedule that would hang is refused before any process starts.
 """
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ RUNS = {
     "gpt-pp2-1f1b-m8": ("gpt.py", ["--pp", 2, "--micro-batches", 8, "--schedule", "1f1b"], 2),
     "gpt-pp2-interleaved-m4": ("gpt.py", ["--pp", 2, "--micro-batches", 4, "--schedule", "interleaved"], 2),
     "hf_gpt2-pp2-1f1b-m4": ("hf_gpt2.py", ["--pp", 2, "--micro-batches", 4, "--schedule", "1f1b"], 2),
+    "hf_gpt2-pp2tp2-1f1b-m4": ("hf_gpt2.py", ["--pp", 2, "--tp", 2, "--micro-batches", 4, "--schedule", "1f1b"], 4),
+    "hf_llama-pp2tp2-1f1b-m4": ("hf_llama.py", ["--pp", 2, "--tp", 2, "--micro-batches", 4, "--schedule", "1f1b"], 4),
 }
 
 
@@ -107,10 +110,22 @@ def test_the_verified_run_followed_the_requested_schedule(results, name):
     assert rows == [textbook(schedule, r, pp, micro) for r in range(pp)]
 
 
+@pytest.mark.parametrize("name", ["gpt-pp2tp2-1f1b-m4", "hf_gpt2-pp2tp2-1f1b-m4", "hf_llama-pp2tp2-1f1b-m4"])
+def test_pipeline_by_tensor_parallel_writes_one_program_per_stage(results, name):
+    """Four ranks, two programs: the tensor-parallel peers of a stage share its file."""
+    folder = outcome(results, name)["folder"]
+    assert sorted(p.name for p in folder.glob("model*.py")) == ["model_stage0.py", "model_stage1.py"]
+    init = (folder / "__init__.py").read_text()
+    assert re.search(r"^PROGRAMS = \['model_stage0', 'model_stage1'\]$", init, re.M), init
+    for stage in range(2):
+        header = (folder / f"model_stage{stage}.py").read_text().partition("\n")[0]
+        assert f"pipeline stage {stage}: ranks {2 * stage}, {2 * stage + 1} of 4;" in header, header
+
+
 def test_interleaved_run_had_two_stages_on_each_rank(results):
     folder = outcome(results, "gpt-pp2-interleaved-m4")["folder"]
     for rank in range(2):
-        text = (folder / f"model_rank{rank}.py").read_text()
+        text = (folder / f"model_stages{rank}_{rank + 2}.py").read_text()
         assert re.search(rf"^PIPELINE_STAGES = \[{rank}, {rank + 2}\]", text, re.M), text[-800:]
         assert re.search(r"^PIPELINE_STAGE_COUNT = 4\b", text, re.M)
 
@@ -118,7 +133,7 @@ def test_interleaved_run_had_two_stages_on_each_rank(results):
 def test_hf_gpt2_ties_the_embedding_of_the_first_stage_to_the_head_of_the_last(results):
     folder = outcome(results, "hf_gpt2-pp2-1f1b-m4")["folder"]
     for rank in range(2):
-        text = next(folder.glob(f"model_rank{rank}.py")).read_text()
+        text = (folder / f"model_stage{rank}.py").read_text()
         tied = re.search(r"^TIED_PARAMETERS = (\[.*?\])", text, re.M)
         assert tied and sorted(ast.literal_eval(tied.group(1))) == ["lm_head.weight", "transformer.wte.weight"], text[-800:]
 
@@ -130,7 +145,7 @@ def test_a_hand_edited_deadlocking_schedule_is_refused_before_any_process_starts
     source = outcome(results, "gpt-pp2-gpipe-m4")["folder"]
     folder = tmp_path / "edited_pp2"
     shutil.copytree(source, folder)
-    rank0 = folder / "model_rank0.py"
+    rank0 = folder / "model_stage0.py"
     text = rank0.read_text()
     gpipe = 'SCHEDULE = "0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3"'
     assert gpipe in text

@@ -334,7 +334,7 @@ def forward(self, idx, targets):
 
 
 def test_rank0_forward_guards_the_prologue_receives_otherwise_and_hands_off_after_the_loop(outputs):
-    text = (outputs["pp2"]["folder"] / "model_rank0.py").read_text()
+    text = (outputs["pp2"]["folder"] / "model_stage0.py").read_text()
     assert forward_of(text, "GPT") == EXPECTED_FORWARD
     assert re.search(r"^from \._comm import .*\bpp_first_stage\b", text, re.M)
     assert re.search(r"^from \._comm import .*\bpp_handoff\b", text, re.M)
@@ -344,8 +344,8 @@ def test_rank0_forward_guards_the_prologue_receives_otherwise_and_hands_off_afte
 def test_every_rank_runs_the_same_cut_forward_and_the_blocks_are_untouched(outputs):
     folder = outputs["pp2"]["folder"]
     original = GPT.read_text()
-    for rank in range(2):
-        text = (folder / f"model_rank{rank}.py").read_text()
+    for stage in range(2):
+        text = (folder / f"model_stage{stage}.py").read_text()
         assert forward_of(text, "GPT") == EXPECTED_FORWARD
         assert forward_of(text, "Block") == forward_of(original, "Block")
 

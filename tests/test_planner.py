@@ -377,7 +377,7 @@ def test_a_size_read_from_a_split_module_is_written_as_the_full_size(tmp_path):
     (tmp_path / "sizes_from_modules.py").write_text(SIZES_FROM_MODULES)
     result = cli("sizes_from_modules.py", "--tp", "2", "-o", "out", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    text = (tmp_path / "out" / "model_rank0.py").read_text()
+    text = (tmp_path / "out" / "model.py").read_text()
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())
     assert plan["params"]["tok.weight"]["tp"] == "S(1)"
     assert "width = (self.tok.embedding_dim * 2)" in text

@@ -182,9 +182,9 @@ def full_state_dicts():
 
 @pytest.mark.parametrize("case", ["gpt-tp2", "gpt-dp2", "gpt-tp2dp2", "hf_gpt2-tp2"])
 @uses("write:{case}/a")
-def test_the_folder_holds_one_model_file_per_rank_and_the_support_files(scenarios, case):
-    _, _, n = world(case)
-    expected = {f"model_rank{r}.py" for r in range(n)} | {"_comm.py", "__init__.py", "train.py", "plan.json"}
+def test_the_folder_holds_one_model_program_for_every_rank_and_the_support_files(scenarios, case):
+    """Tensor- and data-parallel peers run the same code: one file, model.py, however many ranks."""
+    expected = {"model.py", "_comm.py", "__init__.py", "train.py", "plan.json"}
     folder = output(scenarios, case)
     assert {p.name for p in folder.iterdir() if not p.name.startswith(".")} == expected
     assert {p.name for p in (folder / ".nnscaler" / "pristine").iterdir()} == expected     # the merge base
@@ -234,17 +234,21 @@ def test_the_same_command_twice_writes_byte_identical_files(scenarios, case):
 
 @uses("write:gpt-dp2/a")
 def test_data_parallel_alone_leaves_the_model_source_as_the_user_wrote_it(scenarios):
-    body = (output(scenarios, "gpt-dp2") / "model_rank0.py").read_text().partition("\n")[2]
+    body = (output(scenarios, "gpt-dp2") / "model.py").read_text().partition("\n")[2]
     assert body == (FIXTURES / "gpt.py").read_text()
 
 
 @pytest.mark.parametrize("case", ["gpt-tp2", "gpt-tp2dp2"])
 @uses("write:{case}/a")
-def test_ranks_of_one_tensor_parallel_coordinate_run_the_same_code(scenarios, case):
-    tp, _, n = world(case)
+def test_every_rank_runs_model_py_and_its_header_says_so(scenarios, case):
+    _, _, n = world(case)
     folder = output(scenarios, case)
-    bodies = [(folder / f"model_rank{r}.py").read_text().partition("\n")[2] for r in range(n)]
-    assert all(bodies[r] == bodies[r % tp] for r in range(n))
+    package = load_package(folder)
+    assert [package.program(rank) for rank in range(n)] == ["model"] * n
+    assert all(Path(package.rank_module(rank).__file__).name == "model.py" for rank in range(n))
+    header = (folder / "model.py").read_text().partition("\n")[0]
+    assert f"every rank of {n}; each reads its tp/dp coordinates from _comm at run time" in header
+    assert not re.search(r"\brank \d+ of", header)          # no rank's number baked in
 
 
 @pytest.mark.parametrize("case", ["gpt-tp2", "hf_gpt2-tp2"])
@@ -414,10 +418,10 @@ def diff_rank0(root: Path) -> tuple[subprocess.CompletedProcess, bool]:
 
 
 @uses("diff")
-def test_diff_prints_a_unified_diff_of_the_model_against_a_rank_and_writes_nothing(scenarios):
+def test_diff_prints_a_unified_diff_of_the_model_against_the_program_a_rank_runs_and_writes_nothing(scenarios):
     result, written = scenarios["diff"]
     lines = ok(result).stdout.splitlines()
-    assert lines[0] == "--- fixtures/gpt.py" and lines[1].startswith("+++ ") and lines[1].endswith("model_rank0.py")
+    assert lines[0] == "--- fixtures/gpt.py" and lines[1].startswith("+++ ") and lines[1].endswith("parallel/model.py")
     assert any(line.startswith("@@ ") for line in lines)
     assert any(line.startswith("+") and "tp_reduce(" in line for line in lines)
     assert "-        x = self.c_proj(x)" in lines         # the user's line, replaced
@@ -456,7 +460,7 @@ def check_after_model_change(root: Path, project):
 
 
 def hand_edit(folder: Path, note: str = "tuned by hand") -> str:
-    path = folder / "model_rank1.py"
+    path = folder / "model.py"
     text = path.read_text().replace("        x = self.gelu(x)\n", f"        x = self.gelu(x)  # {note}\n")
     assert text != path.read_text()
     path.write_text(text)
@@ -522,7 +526,7 @@ def test_check_fails_with_the_diff_after_the_model_file_changes(scenarios):
     assert result.returncode == 1, result.stdout + result.stderr
     assert "+        self.c_fc = nn.Linear(config.n_embd, 2 * config.n_embd // 2, bias=config.bias)" \
            "  # out_features / 2" in result.stdout.splitlines()
-    assert "model_rank0.py" in result.stderr and "stale" in result.stderr
+    assert "model.py" in result.stderr and "stale" in result.stderr
     assert after == before
 
 
@@ -531,10 +535,10 @@ def test_check_fails_with_the_diff_after_the_model_file_changes(scenarios):
 # --------------------------------------------------------------------------------------------
 
 @uses("hand-edit:rewrite")
-def test_a_rewrite_over_a_hand_edited_rank_file_keeps_the_edit_and_says_so(scenarios):
+def test_a_rewrite_over_a_hand_edited_program_file_keeps_the_edit_and_says_so(scenarios):
     result, before, after, listing = scenarios["hand-edit:rewrite"]
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "kept 1 hand edit in parallel/model_rank1.py" in result.stdout
+    assert "kept 1 hand edit in parallel/model.py" in result.stdout
     assert after == before                              # the model did not change: nothing else did
     assert listing == ["model.py", "parallel"]          # no staging folder left behind
 
@@ -543,7 +547,7 @@ def test_a_rewrite_over_a_hand_edited_rank_file_keeps_the_edit_and_says_so(scena
 def test_force_rewrites_and_keeps_the_hand_edited_file_as_edited(scenarios):
     result, edited, after, fresh = scenarios["hand-edit:force"]
     assert result.returncode == 0, result.stdout + result.stderr
-    assert after == {**fresh, "model_rank1.py.edited": edited.encode()}
+    assert after == {**fresh, "model.py.edited": edited.encode()}
 
 
 @uses("hand-edit:force-twice")
@@ -552,7 +556,7 @@ def test_a_second_forced_rewrite_loses_neither_hand_edit(scenarios):
     for result in results:
         if result.returncode != 0:          # not what this test is about: fail, never xfail
             pytest.fail(result.stdout + result.stderr)
-    kept = [name for name, text in files.items() if name != "model_rank1.py"]
+    kept = [name for name, text in files.items() if name != "model.py"]
     assert any("# first edit" in files[name] for name in kept), sorted(files)
     assert any("# second edit" in files[name] for name in kept), sorted(files)
 

@@ -4,7 +4,7 @@ nnscaler_cst. Filled with str.format; literal braces are doubled.
 
 INIT = '''"""{title}
 
-build(rank)                 this rank's model (its source: model_rank<rank>.py)
+build(rank)                 this rank's model (its source: the program program(rank) names)
 shard_state_dict(sd, rank)  a single-device state dict -> this rank's share of it
 merge_state_dicts(sds)      every rank's state dict -> one single-device state dict
 """
@@ -32,8 +32,18 @@ def coords(rank):
     return {{"tp": rank % TP_SIZE, "dp": rank // TP_SIZE % DP_SIZE, "pp": rank // (TP_SIZE * DP_SIZE)}}
 
 
+# The program (a module of this package) each pipeline rank runs. Tensor- and data-parallel
+# peers run the same one: it reads their coordinates from _comm's process groups at run time.
+PROGRAMS = {programs!r}
+
+
+def program(rank):
+    """The name of the module `rank` runs."""
+    return PROGRAMS[coords(rank)["pp"]]
+
+
 def rank_module(rank):
-    return importlib.import_module(f"{{__name__}}.model_rank{{rank}}")
+    return importlib.import_module(f"{{__name__}}.{{program(rank)}}")
 
 
 def build(rank):

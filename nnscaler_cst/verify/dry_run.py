@@ -1,4 +1,4 @@
-"""Verification ladder step 2: before anything is written, the emitted rank modules are built and
+"""Verification ladder step 2: before anything is written, the emitted programs are built and
 run under fake tensors (DESIGN.md).
 
 The rendered files go to a temporary package (never the output folder), which is imported in
@@ -174,13 +174,17 @@ class _Checker:
         except ImportError as exc:
             if not (exc.name or "").startswith(self.package.__name__):
                 # one of the user's modules, not found from here (a search path the rank processes have)
-                raise _CannotRun(f"model_rank{rank}.py does not import here: {exc}") from exc
-            raise self._failure(exc, rank, f"importing model_rank{rank}.py") from exc
+                raise _CannotRun(f"{self._file(rank)} does not import here: {exc}") from exc
+            raise self._failure(exc, rank, f"importing {self._file(rank)}") from exc
         except Exception as exc:     # noqa: BLE001 - judged by _failure
-            raise self._failure(exc, rank, f"importing model_rank{rank}.py") from exc
+            raise self._failure(exc, rank, f"importing {self._file(rank)}") from exc
+
+    def _file(self, rank: int) -> str:
+        """The program file `rank` runs."""
+        return f"{self.package.program(rank)}.py"
 
     def _body(self, rank: int) -> str:
-        return self.files[f"model_rank{rank}.py"].partition("\n")[2]
+        return self.files[self._file(rank)].partition("\n")[2]
 
     def _build_and_load(self, rank: int, full: dict):
         package = self.package
