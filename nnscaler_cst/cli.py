@@ -92,6 +92,8 @@ StagesOpt = typer.Option(None, "--stages", help="block indices where stages 1.. 
 OutOpt = typer.Option(None, "--out", "-o", help="output folder")
 RecomputeOpt = typer.Option(None, "--recompute", help="run every repeated block under torch.utils.checkpoint: "
                             "forward keeps its inputs only, backward reruns it")
+SequenceParallelOpt = typer.Option(None, "--sequence-parallel", help="with --tp: Megatron's sequence "
+                                   "parallelism (norms on sequence slices; reduce-scatter / all-gather)")
 
 
 def _options(model_file: Path, **given):
@@ -99,7 +101,7 @@ def _options(model_file: Path, **given):
     from .config import check_options, project_defaults
     defaults = {"tp": None, "dp": None, "plan": None, "out": "parallel", "model": None, "devices": None,
                 "cluster": "cpu-gloo", "precision": None, "memory_budget": None, "pp": 1, "micro_batches": None, "schedule": "1f1b",
-                "stages": None, "recompute": False, "zero": 0}
+                "stages": None, "recompute": False, "sequence_parallel": False, "zero": 0}
     defaults.update(project_defaults(model_file))
     opts = {k: (v if v is not None else defaults.get(k)) for k, v in given.items()}
     check_options(opts)
@@ -113,6 +115,7 @@ def _request(opts: dict):
     return PlanRequest(opts["plan"], opts["tp"], opts["dp"], opts["devices"], opts["cluster"],
                        _memory_budget(opts["memory_budget"]), int(opts.get("pp") or 1), opts.get("micro_batches"),
                        opts.get("schedule") or "1f1b", cuts, recompute=bool(opts.get("recompute")),
+                       sequence_parallel=bool(opts.get("sequence_parallel")),
                        zero=int(opts.get("zero") or 0), precision=opts.get("precision"))
 
 
@@ -181,7 +184,8 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
             precision: Optional[str] = PrecisionOpt,
             memory_budget: Optional[str] = BudgetOpt, pp: Optional[int] = PpOpt,
             micro_batches: Optional[int] = MicroOpt, schedule: Optional[str] = ScheduleOpt,
-            stages: Optional[str] = StagesOpt, recompute: Optional[bool] = RecomputeOpt, zero: Optional[int] = ZeroOpt,
+            stages: Optional[str] = StagesOpt, recompute: Optional[bool] = RecomputeOpt,
+            sequence_parallel: Optional[bool] = SequenceParallelOpt, zero: Optional[int] = ZeroOpt,
             out: Optional[Path] = OutOpt, model: Optional[str] = ModelOpt,
             diff: Optional[int] = typer.Option(None, "--diff", help="show the diff of the model file "
                                                "against the program file this rank runs, instead of writing"),
@@ -200,7 +204,7 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
         given = dict(tp=tp, dp=dp, plan=plan, out=out, model=model, devices=devices, cluster=cluster,
                      precision=precision,
                      memory_budget=memory_budget, pp=pp, micro_batches=micro_batches, schedule=schedule,
-                     stages=stages, recompute=recompute, zero=zero)
+                     stages=stages, recompute=recompute, sequence_parallel=sequence_parallel, zero=zero)
         if diff is not None and check:
             raise UserError("--diff and --check do not go together",
                             hint="--diff RANK shows the diff of the program that rank runs; "
@@ -249,7 +253,8 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
            precision: Optional[str] = PrecisionOpt,
            memory_budget: Optional[str] = BudgetOpt, pp: Optional[int] = PpOpt,
            micro_batches: Optional[int] = MicroOpt, schedule: Optional[str] = ScheduleOpt,
-           stages: Optional[str] = StagesOpt, recompute: Optional[bool] = RecomputeOpt, zero: Optional[int] = ZeroOpt,
+           stages: Optional[str] = StagesOpt, recompute: Optional[bool] = RecomputeOpt,
+            sequence_parallel: Optional[bool] = SequenceParallelOpt, zero: Optional[int] = ZeroOpt,
            out: Optional[Path] = typer.Option(None, "--out", "-o", help="output folder: rewritten first "
                                               "when --tp/--dp/--plan is given, else verified as it is"),
            model: Optional[str] = ModelOpt,
@@ -268,7 +273,7 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
         given = dict(tp=tp, dp=dp, plan=plan, out=out, model=model, devices=devices, cluster=cluster,
                      precision=precision,
                      memory_budget=memory_budget, pp=pp, micro_batches=micro_batches, schedule=schedule,
-                     stages=stages, recompute=recompute, zero=zero)
+                     stages=stages, recompute=recompute, sequence_parallel=sequence_parallel, zero=zero)
         if steps < 1 or lr <= 0 or timeout <= 0:
             flag, value = next((f, v) for f, v, bad in (("--steps", steps, steps < 1), ("--lr", lr, lr <= 0),
                                                         ("--timeout", timeout, timeout <= 0)) if bad)
@@ -276,7 +281,7 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
                             hint="e.g. --steps 3 --lr 1e-3 --timeout 300 (the defaults)")
         opts = _options(model_file, **given)
         out_dir = Path(opts["out"])
-        if any(v is not None for v in (tp, dp, plan, devices, pp, micro_batches, schedule, stages, recompute, zero)) \
+        if any(v is not None for v in (tp, dp, plan, devices, pp, micro_batches, schedule, stages, recompute, sequence_parallel, zero)) \
                 or not out_dir.exists():
             _, result, opened = _rewrite(model_file, opts)
             if _write(out_dir, model_file, given, result, opened, force):
@@ -297,7 +302,7 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
 
 
 def _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, model, json_out, explain, verbose,
-                  recompute=None, zero=None, precision=None):
+                  recompute=None, zero=None, precision=None, sequence_parallel=None):
     _state["verbose"] = verbose
     from .analysis import analyze
     from .plan.cost import load_cluster
@@ -308,7 +313,7 @@ def _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, mod
 
     def body():
         opts = _options(model_file, tp=tp, dp=dp, plan=plan, model=model, devices=devices, cluster=cluster,
-                        memory_budget=memory_budget, recompute=recompute, zero=zero, precision=precision)
+                        memory_budget=memory_budget, recompute=recompute, sequence_parallel=sequence_parallel, zero=zero, precision=precision)
         request = _request(opts)
         analysis = analyze(model_file, model_class=opts["model"])
         solved, tp_plan = build_plan(analysis, request)
@@ -335,14 +340,15 @@ def plan(model_file: Path = typer.Argument(..., help="model or entry file"),
          plan: Optional[str] = PlanOpt, tp: Optional[int] = TpOpt, dp: Optional[int] = DpOpt,
          devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
          memory_budget: Optional[str] = BudgetOpt, model: Optional[str] = ModelOpt,
-         recompute: Optional[bool] = RecomputeOpt, zero: Optional[int] = ZeroOpt,
+         recompute: Optional[bool] = RecomputeOpt,
+            sequence_parallel: Optional[bool] = SequenceParallelOpt, zero: Optional[int] = ZeroOpt,
          precision: Optional[str] = PrecisionOpt,
          json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
          explain: bool = typer.Option(False, "--explain", help="also show which constraints bind"),
          verbose: bool = VerboseOpt):
     """Show the chosen plan: per op its split, n and devices; per device time and memory."""
     _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, model, json_out, explain, verbose,
-                  recompute, zero, precision)
+                  recompute, zero, precision, sequence_parallel=sequence_parallel)
 
 
 @app.command()
@@ -350,13 +356,14 @@ def explain(model_file: Path = typer.Argument(..., help="model or entry file"),
             plan: Optional[str] = PlanOpt, tp: Optional[int] = TpOpt, dp: Optional[int] = DpOpt,
             devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
             memory_budget: Optional[str] = BudgetOpt, model: Optional[str] = ModelOpt,
-            recompute: Optional[bool] = RecomputeOpt, zero: Optional[int] = ZeroOpt,
+            recompute: Optional[bool] = RecomputeOpt,
+            sequence_parallel: Optional[bool] = SequenceParallelOpt, zero: Optional[int] = ZeroOpt,
             precision: Optional[str] = PrecisionOpt,
             json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
             verbose: bool = VerboseOpt):
     """`plan --explain`: the plan and the constraints that bind it."""
     _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, model, json_out, True, verbose,
-                  recompute, zero, precision)
+                  recompute, zero, precision, sequence_parallel=sequence_parallel)
 
 
 @app.command()

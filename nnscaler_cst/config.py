@@ -17,7 +17,7 @@ from .errors import Location, UserError, display_path, toml_error
 # key -> what its value must be
 KEYS = {"tp": "size", "dp": "size", "pp": "size", "devices": "size", "micro_batches": "size",
         "plan": "name", "schedule": "name", "cluster": "name", "precision": "name", "model": "name", "out": "name",
-        "memory_budget": "bytes", "stages": "stages", "rules": "paths", "recompute": "flag",
+        "memory_budget": "bytes", "stages": "stages", "rules": "paths", "recompute": "flag", "sequence_parallel": "flag",
         "zero": "zero_stage",
         "model_file": "name"}   # the model file `nnscaler-rewrite --check` (the pre-commit hook) checks
 _SECTION = "tool.nnscaler-rewrite"
@@ -153,6 +153,10 @@ def check_options(opts: dict[str, Any]) -> None:
             raise UserError(f"{flag} {value}: must be at least 1",
                             hint=f"{flag} N with N >= 1 ({flag} 1, the default, does not split)")
     plan = opts.get("plan")
+    if opts.get("sequence_parallel") and (opts.get("tp") or 1) < 2 and plan != "auto":
+        raise UserError("--sequence-parallel needs --tp N with N > 1",
+                        hint="sequence parallelism splits the norms between tensor-parallel regions: e.g. --tp 2 "
+                        "--sequence-parallel")
     if opts.get("zero") and plan != "auto":     # --plan auto chooses dp itself: checked once solved
         from .plan.zero import check_zero
         check_zero(opts["zero"], opts.get("dp") or 1, opts.get("pp") or 1)

@@ -18,6 +18,7 @@ from .emit.output import generated_json
 from .emit.programs import programs
 from .emit.rewrite import StageSplit, rewrite_module
 from .errors import Location, UserError, display_path
+from .materialize.conversions import fused_collectives
 from .materialize.edits import Edits, plan_edits
 from .plan.ir import OpAssign, OpOrder, OpTrans, Plan
 from .plan.pipeline import StagePlan, plan_stages
@@ -62,6 +63,7 @@ class PlanRequest:
     schedule: str = "1f1b"
     stage_cuts: list[int] | None = None
     recompute: bool = False          # every repeated block under torch.utils.checkpoint
+    sequence_parallel: bool = False  # Megatron's sequence parallelism: rules/plans/sequence_parallel.toml
     precision: str | None = None     # contractions' compute dtype for the cost model; None: the traced dtypes
     zero: int = 0                    # ZeRO stage of the data-parallel state (0: replicated)
 
@@ -69,6 +71,13 @@ class PlanRequest:
 def _table_names(request: PlanRequest, tp: int, dp: int) -> list[str]:
     """--plan defaults to what the sizes imply: --tp alone megatron, --dp alone dp, both 2-D."""
     name = {"tp": "megatron"}.get(request.plan, request.plan)
+    if request.sequence_parallel:
+        if name not in (None, "megatron", "sequence_parallel"):
+            raise UserError(f"--sequence-parallel is Megatron's tensor parallelism; it does not go with --plan {name}",
+                            hint="drop --plan, or use --plan sequence_parallel")
+        if tp < 2:
+            raise UserError("--sequence-parallel needs --tp N with N > 1", hint="e.g. --tp 2 --sequence-parallel")
+        name = "sequence_parallel"
     if name is None:
         return (["megatron"] if tp > 1 else []) + (["dp"] if dp > 1 else [])
     if name == "dp" and tp > 1:
@@ -124,8 +133,9 @@ def build_plan(analysis: Analysis, request: PlanRequest) -> tuple[Plan, AxisPlan
                             if table_line else None)
         if dp > 1:
             check_batch_split(graph, f"data parallel (--dp {dp})")
-        tp_plan = search_axis(graph, "tp", tp, constraints, cluster.axis(1, tp), memory_budget=request.memory_budget,
-                              data_parallel=dp) if tp > 1 else None
+        with fused_collectives(any(t.fused_collectives for t in tables)):
+            tp_plan = search_axis(graph, "tp", tp, constraints, cluster.axis(1, tp),
+                                  memory_budget=request.memory_budget, data_parallel=dp) if tp > 1 else None
         name = "+".join(names) or "single"
     if request.zero:
         check_zero(request.zero, dp, request.pp, searched=request.plan == "auto")
@@ -293,8 +303,11 @@ def rewrite(analysis: Analysis, request: PlanRequest) -> Rewrite:
     if request.pp > 1:
         stages, orders = plan_pipeline(analysis, plan, request)
     choices = choices_from_plan(analysis.graph, plan, "tp")     # the rewrite reads the plan IR only
-    edits = plan_edits(analysis.graph, choices, strict=not plan.name.startswith("auto")) \
-        if choices is not None else None
+    fused = request.plan != "auto" and any(load_table(name).fused_collectives for name in _table_names(
+        request, plan.mesh["tp"], plan.mesh["dp"]))
+    with fused_collectives(fused):
+        edits = plan_edits(analysis.graph, choices, strict=not plan.name.startswith("auto")) \
+            if choices is not None else None
     if edits is not None:
         plan.warnings += edits.warnings
     label = display_path(analysis.entry.path)

@@ -228,6 +228,39 @@ def test_tp_gather_of_fused_qkv_slices_gives_full_qkv_and_slices_grads_backward(
     ranks.run(_check_tp_gather_fused_qkv, 2)
 
 
+def _check_tp_reduce_scatter(rank, world):
+    for dim in (1, -1, 0):
+        x = _full(2 * world, 4 * world, 2 * world, seed=rank).requires_grad_()     # a different partial per rank
+        part = _comm.tp_reduce_scatter(x, TP, dim=dim)
+        total = sum(_full(2 * world, 4 * world, 2 * world, seed=r) for r in range(world))
+        assert_close(part, total.chunk(world, dim)[rank])            # forward: this rank's slice of the sum
+        weight = _full(2 * world, 4 * world, 2 * world, seed=5)
+        (part * weight.chunk(world, dim)[rank]).sum().backward()
+        assert_close(x.grad, weight)                                  # backward: the gathered gradient
+
+
+@pytest.mark.slow
+def test_tp_reduce_scatter_sums_and_slices_forward_and_gathers_grads_backward(ranks):
+    ranks.run(_check_tp_reduce_scatter, 2)
+
+
+def _check_tp_all_gather(rank, world):
+    for dim in (1, -1):
+        full = _full(2, 4 * world, 2 * world)
+        local = full.chunk(world, dim)[rank].clone().requires_grad_()
+        gathered = _comm.tp_all_gather(local, TP, dim=dim)
+        assert_close(gathered, full)                                  # forward: the whole tensor
+        upstream = _full(2, 4 * world, 2 * world, seed=20 + rank)             # a partial gradient per rank
+        (gathered * upstream).sum().backward()
+        expected = sum(_full(2, 4 * world, 2 * world, seed=20 + r) for r in range(world)).chunk(world, dim)[rank]
+        assert_close(local.grad, expected)                            # backward: reduce-scatter
+
+
+@pytest.mark.slow
+def test_tp_all_gather_gathers_forward_and_reduce_scatters_grads_backward(ranks):
+    ranks.run(_check_tp_all_gather, 2)
+
+
 def _check_scatter_gather_inverse(rank, world):
     for dim, groups in [(0, 1), (-1, 1), (1, 3), (-1, 2)]:
         full = _full(4, 12, 6 * world)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from ..materialize.conversions import Step
+from ..materialize.conversions import SPLIT_DIM_STEPS, Step
 
 _LOOSE = (cst.Add, cst.Subtract, cst.LeftShift, cst.RightShift, cst.BitAnd, cst.BitOr, cst.BitXor)
 
@@ -12,6 +12,8 @@ COLLECTIVE_NOTES = {
     "reduce": ("tp_reduce", "fwd: all-reduce, bwd: identity"),
     "gather": ("tp_gather", "fwd: all-gather, bwd: keep own slice"),
     "scatter": ("tp_scatter", "fwd: keep own slice, bwd: all-gather"),
+    "reduce_scatter": ("tp_reduce_scatter", "fwd: reduce-scatter, bwd: all-gather"),
+    "all_gather": ("tp_all_gather", "fwd: all-gather, bwd: reduce-scatter"),
 }
 
 
@@ -45,7 +47,7 @@ def divided(expr: cst.BaseExpression, divisor: int) -> cst.BaseExpression:
 def collective(step: Step, expr: cst.BaseExpression, axis: str) -> cst.Call:
     name = COLLECTIVE_NOTES[step.op][0]
     text = f"{name}(__x__, {axis}"
-    if step.op in ("gather", "scatter"):
+    if step.op in SPLIT_DIM_STEPS:
         text += f", dim={step.dim}" + (f", groups={step.groups}" if step.groups > 1 else "")
     call = cst.parse_expression(text + ")")
     return call.with_changes(args=[call.args[0].with_changes(value=expr), *call.args[1:]])

@@ -174,7 +174,7 @@ class InsertCollectives:
             raise UserError("cannot convert the result of an augmented assignment in place", span.start,
                             hint="write `x = x + y` instead of `x += y` here")
         for k, step in enumerate(site.result):
-            if step.op == "reduce" and bias is not None and k == 0:
+            if step.op in ("reduce", "reduce_scatter") and bias is not None and k == 0:   # scattered off its dim
                 node = bias_added(collective(step, node, AXIS), bias)
             else:
                 node = collective(step, node, AXIS)

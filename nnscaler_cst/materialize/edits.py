@@ -138,7 +138,9 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True) -> Edits
         producer = tensors[uses[0][0]].producer
         node = graph.nodes[producer] if producer is not None else None
         if prefix:
-            _same(edits.site(node.span), "result", prefix, node)
+            instances = [graph.nodes[p] for p in dict.fromkeys(tensors[use[0]].producer for use in uses)]
+            _same(edits.site(node.span), "result", _bias_outside_scatter(graph, instances, prefix,
+                                                                       len(tensors[uses[0][0]].shape), edits), node)
         for tid, consumer, path, steps in uses:
             rest = steps[len(prefix):]
             argument = _argument(consumer, path)
@@ -200,6 +202,25 @@ def _producer_prefixes(graph: Graph, by_output: dict) -> dict[tuple, list[Step]]
             return prefix
         for key in undo:
             prefix[key] = []
+
+
+def _bias_outside_scatter(graph: Graph, instances: list[Node], steps: list[Step], ndim: int,
+                          edits: Edits) -> list[Step]:
+    """A row-parallel result's bias is added whole after its partial sums are reduced; when the
+    reduce-scatter would slice the bias's own dim (the last), reduce and scatter stay two steps
+    with the bias added between them. Added to a slice of the other dims, the bias's gradient is
+    that slice's sum: summed over the ranks after backward, like a norm's weight on slices."""
+    first, node = steps[0], instances[0]
+    bias = graph.partial_bias(node.index)
+    if first.op != "reduce_scatter" or bias is None or node.operand(bias) is None or node.operand(bias).tid is None:
+        return steps
+    if first.dim % ndim == ndim - 1:
+        return [Step("reduce"), Step("scatter", first.dim), *steps[1:]]
+    for instance in instances:
+        param = graph.trace.tensors[instance.operand(bias).tid].param
+        if param is not None and param not in edits.partial_grad_params:
+            edits.partial_grad_params = [*edits.partial_grad_params, param]
+    return steps
 
 
 def _argument(consumer: Node | None, path: tuple | None) -> tuple | None:

@@ -2,7 +2,7 @@
 
 A constraint selects ops (all, by callee type, by module path pattern, by role: ops holding
 a weight matrix, or by the source line it is written next to) and restricts how they may be
-split along one mesh axis: `algo` = split | replicate | batch | a dim label, or `forbid`
+split along one mesh axis: `algo` = split | replicate | batch | sequence | a dim label, or `forbid`
 partial weight gradients. Each keeps its location so an unsatisfiable set can be reported
 line by line.
 
@@ -30,7 +30,7 @@ from ..graph.graph import Graph
 from ..rules_path import find_rules_file, rules_dirs, rules_files
 from .layouts import REPLICATE
 
-ALGOS = {"split", "replicate", "batch"}
+ALGOS = {"split", "replicate", "batch", "sequence"}
 _ANNOTATION = re.compile(r"#\s*nnscaler:\s*(.+)$")
 
 
@@ -71,6 +71,8 @@ class Constraint:
             return True
         if self.algo == "replicate":
             return label == REPLICATE
+        if self.algo == "sequence":
+            return splits_sequence(graph, index, label)
         if self.chunks > 1 and (label == REPLICATE or not coshardable(graph, index, label)):
             return False
         if self.algo == "split":
@@ -87,6 +89,24 @@ class Constraint:
         if self.chunks > 1:
             what += f", n = {self.chunks}*|{self.axis}| (co-shard)"
         return f"{self.id}: {what} for {self.select}"
+
+
+def splits_sequence(graph: Graph, index: int, label: str) -> bool:
+    """Whether `label` splits the op's first tensor input along its sequence: a dim that is
+    neither the last (the hidden features) nor, on a (batch, sequence, ...) value, the first.
+    Megatron's sequence parallelism runs norms and dropouts so between tensor-parallel regions."""
+    dims = graph.dims.get(index)
+    node = graph.nodes[index]
+    first = next((op for op in node.operands if op.tid is not None and op.name in (dims.inputs if dims else {})),
+                 None)
+    if dims is None or first is None or label == REPLICATE:
+        return False
+    where = dims.inputs[first.name].where(label)
+    shape = graph.trace.tensors[first.tid].shape
+    if where is None or where[0] % len(shape) == len(shape) - 1:
+        return False
+    batched = len(shape) >= 3 and shape[0] == graph.trace.batch_size
+    return not (batched and where[0] % len(shape) == 0)
 
 
 def coshardable(graph: Graph, index: int, label: str) -> bool:
@@ -156,6 +176,7 @@ class PlanTable:
     axes: list[str]
     constraints: list[Constraint] = field(default_factory=list)
     path: Path | None = None
+    fused_collectives: bool = False    # reduce+scatter as one reduce-scatter, gather+copy one all-gather
 
     def for_axis(self, axis: str) -> list[Constraint]:
         return [c for c in self.constraints if c.axis == axis]
@@ -190,7 +211,8 @@ def load_table(name: str, rules_dir: Path | None = None) -> PlanTable:
     except tomllib.TOMLDecodeError as exc:
         raise toml_error(exc, path, text) from None
     head = data.get("plan", {})
-    table = PlanTable(head.get("name", path.stem), head.get("description", ""), head.get("axes", []), path=path)
+    table = PlanTable(head.get("name", path.stem), head.get("description", ""), head.get("axes", []), path=path,
+                      fused_collectives=head.get("fused_collectives") is True)
     if "extends" in head:
         try:
             table.constraints += load_table(head["extends"], rules_dir).constraints

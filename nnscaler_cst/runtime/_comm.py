@@ -319,6 +319,61 @@ def tp_gather(x: torch.Tensor, axis: Axis, dim: int, groups: int = 1) -> torch.T
     return _GatherFromTensorParallel.apply(x, axis, dim, groups)
 
 
+def _reduce_scatter(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+    """Sum ``x`` over ``axis`` and keep this rank's slice of ``dim``: one reduce-scatter."""
+    dim = dim % x.dim()
+    _check_split(x.shape[dim], axis, 1, "tp_reduce_scatter")
+    parts = [p.contiguous() for p in x.chunk(axis.size, dim)]
+    out = torch.empty_like(parts[axis.rank])
+    _record("reduce_scatter", x)
+    dist.reduce_scatter(out, parts, group=axis.group)
+    return out
+
+
+class _ReduceScatterToSequenceParallel(torch.autograd.Function):
+    """Forward: reduce-scatter along ``dim``.  Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return _reduce_scatter(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_slices(grad, ctx.axis, ctx.dim, 1), None, None
+
+
+class _AllGatherFromSequenceParallel(torch.autograd.Function):
+    """Forward: all-gather along ``dim``.  Backward: reduce-scatter (the consumer's gradient is a
+    partial sum on each rank: each rank keeps the sum of its slice)."""
+
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return _gather_slices(x, axis, dim, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.axis, ctx.dim), None, None
+
+
+def tp_reduce_scatter(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+    """Leave the tensor-parallel region split along ``dim`` (Megatron's sequence parallelism):
+    fwd reduce-scatter of the partial sums, bwd all-gather.  Half the bytes of tp_reduce's
+    all-reduce, and what follows runs on 1/n of ``dim``."""
+    if axis.size == 1:
+        return x
+    return _ReduceScatterToSequenceParallel.apply(x, axis, dim)
+
+
+def tp_all_gather(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+    """Enter the tensor-parallel region from slices of ``dim``: fwd all-gather, bwd
+    reduce-scatter (tp_gather + tp_copy in one collective each way)."""
+    if axis.size == 1:
+        return x
+    return _AllGatherFromSequenceParallel.apply(x, axis, dim)
+
+
 # --------------------------------------------------------------------------
 # Vocabulary parallelism
 # --------------------------------------------------------------------------

@@ -99,6 +99,7 @@ def _shape_only_collectives(comm) -> None:
     """Stand-ins in this imported copy of _comm: right shapes, no process group."""
     comm._all_reduce = lambda t, axis, op=None: t
     comm._all_gather = lambda t, axis: [t.clone() for _ in range(axis.size)]
+    comm._reduce_scatter = lambda t, axis, dim: t.chunk(axis.size, dim)[axis.rank].clone()
 
 
 def _place(comm, package, rank: int) -> dict[str, int]:
