@@ -458,3 +458,34 @@ def test_each_style_trains_like_the_single_device_run_at_tp2(tmp_path, case):
     text = (tmp_path / "parallel" / "model.py").read_text()
     entry = text[text.index("# --- entry file "):]
     assert "transformers.BertForMaskedLM" not in entry and "transformers.LlamaForCausalLM" not in entry
+
+
+@pytest.mark.slow
+def test_an_entry_importing_its_model_from_a_sibling_file_verifies_at_dp2(tmp_path):
+    """verify's single-device run imports the entry the way the user runs it: with its own
+    folder on sys.path, so `from blocks import Net` finds the sibling (found by the fuzzer)."""
+    (tmp_path / "blocks.py").write_text(dedent("""
+        import torch.nn as nn
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(16, 16)
+
+            def forward(self, x):
+                return self.fc(x).relu().mean()
+        """))
+    (tmp_path / "model.py").write_text(dedent("""
+        import torch
+        from blocks import Net
+
+        def build():
+            return Net()
+
+        def example_inputs():
+            return (torch.randn(4, 16),)
+        """))
+    result = cli("verify", "model.py", "--dp", "2", "-o", "parallel", "--json", cwd=tmp_path)
+    start = result.stdout.find("{")
+    assert start >= 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
+    assert result.returncode == 0 and json.loads(result.stdout[start:])["passed"] is True

@@ -183,7 +183,9 @@ def capture_zero_gradients(model, shards, optimizer, comm):
 
 
 def reference(args):
-    entry = load_file(os.path.abspath(args.target), "verify_entry")
+    target = os.path.abspath(args.target)
+    sys.path.insert(0, os.path.dirname(target))     # the entry's own imports (a sibling model file)
+    entry = load_file(target, "verify_entry")
     torch.manual_seed(args.seed)
     model = entry.build()
     torch.save(model.state_dict(), os.path.join(args.workdir, "init.pt"))

@@ -34,11 +34,6 @@ KNOWN_FAILURES = [
                  "(nnscaler_cst/rewrite.py: model_files / render)",
                  re.compile(r"internal error: the dry run of the emitted code failed: .*state dict mismatch"),
                  two_files_only=True),
-    # The same two files under any plan: verify's reference process loads the entry without
-    # its folder on sys.path, so `from <sibling> import Block` fails after the output is written.
-    KnownFailure("verify's reference run cannot import the entry's sibling module "
-                 "(nnscaler_cst/verify/worker.py: reference() loads the entry without its folder on sys.path)",
-                 re.compile(r"a traceback: ModuleNotFoundError: No module named"), two_files_only=True),
     # --pp 2 with the same two files: refused, but with no path:line:col (rewrite.py raises it
     # without the loop's span).
     KnownFailure("pipeline loop outside the modeling file, refused without a location (nnscaler_cst/rewrite.py)",
