@@ -393,14 +393,16 @@ def test_the_regenerated_output_with_hand_edits_verifies(edited_then_regenerated
 
 
 def test_a_conflicting_edit_exits_1_with_markers_and_the_users_text(copy):
+    # the line right above where the model change adds a layer: whatever the plan, both sides
+    # change the same region
     for path in program_files(copy / "parallel"):
-        edit(path, [("        x = self.gelu(x)\n", "        x = self.gelu(x) * 1.0  # mine\n")])
+        edit(path, [("        x = self.dropout(x)\n", "        x = self.dropout(x) * 1.0  # mine\n")])
     edit(copy / "model.py", MODEL_CHANGE)
     result = rewrite(cwd=copy)
     assert result.returncode == 1, result.stdout + result.stderr
     for path in program_files(copy / "parallel"):
         text = path.read_text()
-        assert "<<<<<<< yours\n        x = self.gelu(x) * 1.0  # mine\n" in text
+        assert "<<<<<<< yours\n        x = self.dropout(x) * 1.0  # mine\n" in text
         assert ">>>>>>> generated\n" in text
         assert f"parallel/{path.name}:" in result.stderr and "conflict" in result.stderr
     assert rewrite("--check", cwd=copy).returncode == 1       # unresolved: not current
