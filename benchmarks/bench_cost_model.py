@@ -70,7 +70,7 @@ def main() -> None:
         lines.append(f"| {precision} | {estimate:.1f} | {measured:.1f} | {estimate / measured:.2f} | "
                      f"{parts['contractions'] * 1e3:.1f} | {parts['memory-bound'] * 1e3:.1f} | {optimizer:.1f} |")
     lines += ["", f"Memory per device (the planner's estimate for dp=1: weights + gradients + AdamW state + every "
-              f"op output kept): {memory:.1f} GiB against {MEASURED_PEAK_GIB} GiB peak measured in fp32 "
+              f"output autograd keeps, views once): {memory:.1f} GiB against {MEASURED_PEAK_GIB} GiB peak measured in fp32 "
               f"({memory / MEASURED_PEAK_GIB:.2f}x).", "",
               "How each op is priced (`nnscaler_cst/plan/cost.py`): a contraction (a summed label two floating "
               "operands share) at 2·(product of its dim sizes) FLOPs over the matmul rate of its compute dtype, "

@@ -9,6 +9,7 @@ from ..graph.graph import Graph
 from ..sizes import format_bytes
 from .batch import batch_split_problem
 from .cost import ClusterSpec, all_reduce_time
+from .memory import saved_bytes
 from .search import BYTES_PER_PARAM_STATE, AxisPlan, search_axis
 from .tables import Constraint
 
@@ -28,7 +29,7 @@ def dp_only(graph: Graph, dp: int, cluster: ClusterSpec) -> tuple[float, float]:
     tensors = graph.trace.tensors
     from .cost import node_time
     param_bytes = sum(tensors[p.tid].nbytes for p in graph.trace.params.values())
-    activations = sum(tensors[t].nbytes for n in graph.nodes for t in n.outputs)
+    activations = sum(saved_bytes(n, graph.trace) for n in graph.nodes)
     link = cluster.axis(1, dp)
     seconds = sum(node_time(n, graph.dims.get(n.index), graph.trace, link, dp, dims_of=graph.dims.get)
                   for n in graph.nodes) + (all_reduce_time(param_bytes, dp, link) if dp > 1 else 0.0)

@@ -22,6 +22,7 @@ from ..materialize.size_args import SIZE_ARGUMENTS, locate_size_argument
 from ..sizes import format_bytes
 from .cost import DeviceSpec, all_reduce_time, node_time
 from .layouts import REPLICATE, R, Layout, layouts_for
+from .memory import saved_bytes
 from .refine import refine_factors
 from .tables import Constraint, leaves_partial_param_grad
 
@@ -411,7 +412,7 @@ def _cost_terms(graph: Graph, options, var, n: int, device: DeviceSpec, data_par
                 ways = n if label != REPLICATE else 1
                 total += node_time(graph.nodes[i], graph.dims.get(i), graph.trace, device, ways,
                                    dims_of=graph.dims.get)
-                saved += sum(tensors[t].nbytes for t in graph.nodes[i].outputs) / ways
+                saved += saved_bytes(graph.nodes[i], graph.trace) / ways
                 if graph.dims.get(i) is not None and leaves_partial_param_grad(graph, i, label):
                     total += sum(all_reduce_time(tensors[tid].nbytes, n, device)
                                  for _, tid in graph.param_operands(i))
