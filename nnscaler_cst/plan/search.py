@@ -252,9 +252,12 @@ def _minimize(constraints: list, time: Weighted, memory: Weighted, budget: float
         solver.set(priority="lex")
         solver.add(*constraints)
         for name, terms in groups:
+            merged: dict[int, list] = {}        # z3 shares equal terms: one soft constraint each
             for cond, w in terms:
                 if w > 0:
-                    solver.add_soft(z3.Not(cond), w, id=name)
+                    merged.setdefault(cond.get_id(), [cond, 0])[1] += w
+            for cond, w in merged.values():
+                solver.add_soft(z3.Not(cond), w, id=name)
         solver.check()
         return solver.model()
 
@@ -402,20 +405,35 @@ def _cost_terms(graph: Graph, options, var, n: int, device: DeviceSpec, data_par
     def ns(seconds: float) -> int:
         return int(round(seconds * 1e9 / data_parallel))
 
+    def shapes(index: int) -> tuple:
+        node = graph.nodes[index]
+        return (tuple((tensors[o.tid].shape, tensors[o.tid].dtype) for o in node.operands if o.tid is not None),
+                tuple(tensors[t].shape for t in node.outputs))
+
+    # A model's repeated blocks call each site with the same shapes: price each once.
+    priced: dict[tuple, tuple[float, float]] = {}
+
+    def price(sid: SiteId, index: int, label: str) -> tuple[float, float]:
+        key = (sid, label, shapes(index))
+        if key not in priced:
+            ways = n if label != REPLICATE else 1
+            seconds = node_time(graph.nodes[index], graph.dims.get(index), graph.trace, device, ways,
+                                dims_of=graph.dims.get)
+            if graph.dims.get(index) is not None and leaves_partial_param_grad(graph, index, label):
+                seconds += sum(all_reduce_time(tensors[tid].nbytes, n, device)
+                               for _, tid in graph.param_operands(index))
+            priced[key] = seconds, saved_bytes(graph.nodes[index], graph.trace) / ways
+        return priced[key]
+
     terms, activation = [], []
     impossible: dict[tuple[SiteId, SiteId], list] = defaultdict(list)
     for sid, opts in options.items():
         for k in range(len(opts.options)):
             total, saved = 0.0, 0.0
             for i in opts.nodes:
-                label = opts.labels[i][k]
-                ways = n if label != REPLICATE else 1
-                total += node_time(graph.nodes[i], graph.dims.get(i), graph.trace, device, ways,
-                                   dims_of=graph.dims.get)
-                saved += saved_bytes(graph.nodes[i], graph.trace) / ways
-                if graph.dims.get(i) is not None and leaves_partial_param_grad(graph, i, label):
-                    total += sum(all_reduce_time(tensors[tid].nbytes, n, device)
-                                 for _, tid in graph.param_operands(i))
+                seconds, kept = price(sid, i, opts.labels[i][k])
+                total += seconds
+                saved += kept
             if total:
                 terms.append((var[sid] == k, ns(total)))
             if saved:
