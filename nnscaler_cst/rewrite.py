@@ -213,7 +213,9 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
         trunk = stages.trunk
         split = StageSplit(trunk.function_span, trunk.loop_index, trunk.handoff, trunk.container)
         if trunk.function_span.path != str(main_source.path):
-            raise UserError("the loop over the blocks is not in the model's main file")
+            raise UserError("the loop over the blocks is not in the model's main file", trunk.function_span.start,
+                            hint="pipelines cut the file that holds the block loop: keep that loop in the file "
+                            "the entry builds the model from")
     recompute = recompute_site(analysis.graph) if request is not None and request.recompute else None
     if recompute is not None and recompute.path != str(main_source.path):
         raise UserError("--recompute: the loop over the blocks is not in the model's main file", recompute.start)

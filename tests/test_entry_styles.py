@@ -489,3 +489,47 @@ def test_an_entry_importing_its_model_from_a_sibling_file_verifies_at_dp2(tmp_pa
     start = result.stdout.find("{")
     assert start >= 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
     assert result.returncode == 0 and json.loads(result.stdout[start:])["passed"] is True
+
+
+def test_a_block_loop_outside_the_file_the_pipeline_cuts_is_refused_at_the_loop(tmp_path):
+    """Block in a second file, the model with its loop in the entry: refused at the loop's
+    function with a location (found by the fuzzer: the refusal had none)."""
+    (tmp_path / "blocks.py").write_text(dedent("""
+        import torch.nn as nn
+
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(16, 16)
+
+            def forward(self, x):
+                return x + self.fc(x)
+        """))
+    entry = dedent("""
+        import torch
+        import torch.nn as nn
+        from blocks import Block
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blocks = nn.ModuleList([Block() for _ in range(2)])
+
+            def forward(self, x):
+                for block in self.blocks:
+                    x = block(x)
+                return x.mean()
+
+        def build():
+            return Net()
+
+        def example_inputs():
+            return (torch.randn(4, 16),)
+        """)
+    (tmp_path / "model.py").write_text(entry)
+    result = cli("model.py", "--pp", "2", "-o", "parallel", cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    line, _ = position_of(entry, "def forward(self, x):\n        for")
+    assert re.search(rf"model\.py:{line}:\d+: error: the loop over the blocks is not in the model's main file",
+                     result.stderr), result.stderr
+    assert not (tmp_path / "parallel").exists()

@@ -34,11 +34,6 @@ KNOWN_FAILURES = [
                  "(nnscaler_cst/rewrite.py: model_files / render)",
                  re.compile(r"internal error: the dry run of the emitted code failed: .*state dict mismatch"),
                  two_files_only=True),
-    # --pp 2 with the same two files: refused, but with no path:line:col (rewrite.py raises it
-    # without the loop's span).
-    KnownFailure("pipeline loop outside the modeling file, refused without a location (nnscaler_cst/rewrite.py)",
-                 re.compile(r"refused without a location: error: the loop over the blocks is not in the model's "
-                            r"main file"), two_files_only=True),
 ]
 
 
