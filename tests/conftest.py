@@ -34,3 +34,16 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def fixtures_dir(repo_root) -> Path:
     return repo_root / "fixtures"
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids of live processes whose command line contains `text` (leftover-rank checks)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if text in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return pids

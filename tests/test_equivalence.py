@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import processes_mentioning
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,18 +151,6 @@ def test_a_wrong_formula_on_one_rank_fails_the_check(runs, tmp_path):
     outcome = report(result)
     assert result.returncode == 1 and outcome["passed"] is False, outcome
     assert (out / "model.py").read_text() == broken
-
-
-def processes_mentioning(text: str) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if text in (proc / "cmdline").read_bytes().decode(errors="replace"):
-                    pids.append(int(proc.name))
-            except OSError:
-                pass
-    return pids
 
 
 @pytest.fixture(scope="module")

@@ -23,24 +23,14 @@ from pathlib import Path
 
 import pytest
 
+from conftest import processes_mentioning
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 BOUND_S = 60             # a fault must end verify within this
 HANG_TIMEOUT_S = 25      # verify's --timeout for the hung rank (its processes need ~10 s to start)
 GUARD_S = 300            # a guard for the test itself
-
-
-def processes_mentioning(text: str) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if text in (proc / "cmdline").read_bytes().decode(errors="replace"):
-                    pids.append(int(proc.name))
-            except OSError:
-                pass
-    return pids
 
 
 def cli(*args, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
