@@ -135,7 +135,8 @@ def build_plan(analysis: Analysis, request: PlanRequest) -> tuple[Plan, AxisPlan
             check_batch_split(graph, f"data parallel (--dp {dp})")
         with fused_collectives(any(t.fused_collectives for t in tables)):
             tp_plan = search_axis(graph, "tp", tp, constraints, cluster.axis(1, tp),
-                                  memory_budget=request.memory_budget, data_parallel=dp) if tp > 1 else None
+                                  memory_budget=request.memory_budget, data_parallel=dp,
+                                  micro_batches=_micro_batches(request)) if tp > 1 else None
         name = "+".join(names) or "single"
     if request.zero:
         check_zero(request.zero, dp, request.pp, searched=request.plan == "auto")
@@ -271,11 +272,18 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
     return files
 
 
+def _micro_batches(request: PlanRequest) -> int:
+    """How many pieces each data-parallel rank's batch runs in (1 without a pipeline)."""
+    if request.pp < 2:
+        return 1
+    return request.micro_batches or request.pp * load_schedule(request.schedule).virtual_stages
+
+
 def plan_pipeline(analysis: Analysis, plan: Plan, request: PlanRequest) -> tuple[StagePlan, list[list[Action]]]:
     """Stages as op_assign, the schedule as op_order; simulated before anything is written."""
     table = load_schedule(request.schedule)
     stages = plan_stages(analysis.graph, request.pp, table.virtual_stages, request.stage_cuts)
-    micro = request.micro_batches or request.pp * table.virtual_stages
+    micro = _micro_batches(request)
     batch = (analysis.trace.batch_size or 1) // plan.mesh["dp"]
     if batch % micro:
         raise UserError(f"a batch of {batch} per data-parallel rank does not split into {micro} micro-batches",
@@ -304,7 +312,8 @@ def rewrite(analysis: Analysis, request: PlanRequest) -> Rewrite:
     stages = orders = None
     if request.pp > 1:
         stages, orders = plan_pipeline(analysis, plan, request)
-    choices = choices_from_plan(analysis.graph, plan, "tp")     # the rewrite reads the plan IR only
+    choices = choices_from_plan(analysis.graph, plan, "tp",     # the rewrite reads the plan IR only
+                                batch_slices=plan.mesh["dp"] * _micro_batches(request))
     fused = request.plan != "auto" and any(load_table(name).fused_collectives for name in _table_names(
         request, plan.mesh["tp"], plan.mesh["dp"]))
     with fused_collectives(fused):

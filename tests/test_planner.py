@@ -386,3 +386,46 @@ def test_a_size_read_from_a_split_module_is_written_as_the_full_size(tmp_path):
 @pytest.mark.slow
 def test_a_size_read_from_a_split_module_verifies(tmp_path):
     verifies_at_tp2(tmp_path, "sizes_from_modules.py", SIZES_FROM_MODULES)
+
+
+POSITIONS_FROM_A_SIZE = """
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Net(nn.Module):
+    def __init__(self, vocab=64, width=32):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(16, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids, targets):
+        h = self.tok(ids)
+        h = h + self.pos(torch.arange(h.shape[1]))
+        return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return {"ids": torch.randint(0, 64, (2, 16)), "targets": torch.randint(0, 64, (2, 16))}
+"""
+
+
+def test_a_tensor_whose_size_builds_positions_is_never_split_on_that_dim(tmp_path):
+    """`torch.arange(h.shape[1])` reads h's full sequence length: no option of any op may hold
+    h split on dim 1 (each rank would read its local length and build the wrong positions)."""
+    from nnscaler_cst.plan.search import site_options
+    from nnscaler_cst.plan.whole_sizes import dims_read_whole
+    (tmp_path / "positions.py").write_text(POSITIONS_FROM_A_SIZE)
+    graph = analyze(tmp_path / "positions.py").graph
+    read = dims_read_whole(graph)
+    (h, dims), = read.items()                  # `h.shape` is read whole: every dim of h counts
+    assert graph.trace.tensors[h].shape == (2, 16, 32) and dims == {None}
+    producer = graph.trace.tensors[h].producer
+    options = next(o for o in site_options(graph, 2).values() if producer in o.nodes)
+    assert "split dim 1" in " ".join(options.why.values())      # the seq split is refused

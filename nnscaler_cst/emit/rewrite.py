@@ -70,6 +70,12 @@ def _arg_index(call: cst.Call, path: tuple) -> int | None:
     return None
 
 
+def _plain_item(listed: cst.Tuple | cst.List, item: int) -> bool:
+    """The item-th element is written out (no `*rest` before or at it)."""
+    return item < len(listed.elements) and not any(isinstance(e, cst.StarredElement)
+                                                   for e in listed.elements[:item + 1])
+
+
 def _replace_arg(call: cst.Call, index: int, value: cst.BaseExpression) -> cst.Call:
     args = list(call.args)
     args[index] = args[index].with_changes(value=value)
@@ -212,8 +218,13 @@ class InsertCollectives:
 
         if isinstance(node, cst.Call) and path[0] in ("pos", "kw"):
             index = _arg_index(node, path)
-            if index is not None:
+            if index is not None and len(path) == 2:
                 return _replace_arg(node, index, wrap(node.args[index].value))
+            listed = node.args[index].value if index is not None else None
+            if isinstance(listed, (cst.Tuple, cst.List)) and _plain_item(listed, path[2]):  # `torch.cat((a, b))`
+                elements = list(listed.elements)
+                elements[path[2]] = elements[path[2]].with_changes(value=wrap(elements[path[2]].value))
+                return _replace_arg(node, index, listed.with_changes(elements=elements))
         if isinstance(node, cst.Call) and path == ("self",) and isinstance(node.func, cst.Attribute):
             return node.with_changes(func=node.func.with_changes(value=wrap(node.func.value)))
         if isinstance(node, cst.BinaryOperation):

@@ -114,11 +114,21 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True) -> Edits
             if strict:
                 _warn_forced_regather(graph, plan, node, steps, edits.warnings)
             needs[operand.tid].append((node, operand.path, steps))
-        for operand in node.operands:   # tensors inside lists (torch.cat) must arrive whole
-            if isinstance(operand.value, TensorList) and wanted.split is False:
-                for tid in operand.value:
+        for operand in node.operands:   # tensors inside a list (torch.cat): each element converted
+            if not isinstance(operand.value, TensorList):
+                continue
+            for k, tid in enumerate(operand.value):
+                if wanted.split is False:
                     steps = conversion(have.get(tid, R), R, consumer_split=False, requires_grad=False)
                     needs[tid].append((node, None, steps))
+                    continue
+                where = _list_element_layout(graph, node, plan.node_choice[node.index],
+                                             f"{operand.name}[{k}]")
+                steps = conversion(have.get(tid, R), where, consumer_split=True,
+                                   requires_grad=tensors[tid].requires_grad)
+                if steps is None:
+                    raise UserError(f"{node.callee} would need a partial sum as input", _loc(node))
+                needs[tid].append((node, (*operand.path, k) if operand.path else None, steps))
     if trace.loss is not None:
         needs[trace.loss].append((None, None, conversion(have.get(trace.loss, R), R, consumer_split=False,
                                                           requires_grad=False)))
@@ -221,6 +231,14 @@ def _bias_outside_scatter(graph: Graph, instances: list[Node], steps: list[Step]
         if param is not None and param not in edits.partial_grad_params:
             edits.partial_grad_params = [*edits.partial_grad_params, param]
     return steps
+
+
+def _list_element_layout(graph: Graph, node: Node, choice: str, name: str) -> Layout:
+    """The layout a split op wants for one tensor of a list operand (`torch.cat((a, b), 1)`)."""
+    dims = graph.dims.get(node.index)
+    tensor = dims.inputs.get(name) if dims is not None else None
+    where = tensor.where(choice) if tensor is not None else None
+    return Layout("S", *where) if where else R
 
 
 def _argument(consumer: Node | None, path: tuple | None) -> tuple | None:

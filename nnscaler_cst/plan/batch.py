@@ -40,7 +40,15 @@ def _batched_operands(node: Node, batched: dict[int, int]):
                 yield f"{operand.name}[{k}]" if listed else operand.name, tid
 
 
-def _first_mixing_op(graph: Graph) -> tuple[Node, str] | None:
+def batch_labels(graph: Graph) -> dict[int, str]:
+    """Each op's label for the batch dim, as followed from the inputs (for a model whose batch
+    can be split: a split by that label divides the local batch, not the traced one)."""
+    labels: dict[int, str] = {}
+    _first_mixing_op(graph, labels)
+    return labels
+
+
+def _first_mixing_op(graph: Graph, labels: dict[int, str] | None = None) -> tuple[Node, str] | None:
     trace = graph.trace
     tensors = trace.tensors
     batch = trace.batch_size
@@ -74,6 +82,8 @@ def _first_mixing_op(graph: Graph) -> tuple[Node, str] | None:
             if not factors:
                 return node, f"cannot split its operand {operand} on the batch dim (dim {dim})"
             label = factors[0].label
+            if labels is not None:
+                labels[node.index] = label
             if label in dims.fixed:
                 return node, f"needs the whole batch: dim {dim} of {operand} is fixed in its rule"
             if label in dims.reduced:

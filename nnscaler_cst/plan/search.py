@@ -20,11 +20,13 @@ from ..graph.graph import Graph
 from ..materialize.conversions import conversion, conversion_time
 from ..materialize.size_args import SIZE_ARGUMENTS, locate_size_argument
 from ..sizes import format_bytes
+from .batch import batch_labels
 from .cost import DeviceSpec, all_reduce_time, node_time
 from .layouts import REPLICATE, R, Layout, layouts_for
 from .memory import saved_bytes
 from .refine import refine_factors
 from .tables import Constraint, leaves_partial_param_grad
+from .whole_sizes import dims_read_whole, splits_read_size
 
 SiteId = tuple
 BYTES_PER_PARAM_STATE = 16      # fp32 weight, gradient and two AdamW moments
@@ -97,10 +99,16 @@ def site_id(graph: Graph, index: int) -> SiteId:
     return (node.span, node.callee) if node.span is not None and node.mapped else ("node", index)
 
 
-def option_valid(graph: Graph, index: int, label: str, n: int) -> str | None:
-    """Why `label` cannot split this invocation n ways, or None when it can."""
+def option_valid(graph: Graph, index: int, label: str, n: int, local_batch: dict[int, tuple[str, int]],
+                 read_whole: dict[int, set]) -> str | None:
+    """Why `label` cannot split this invocation n ways, or None when it can. `local_batch`:
+    each op's batch label and the number of slices data parallelism and micro-batches cut it in;
+    `read_whole`: the tensor dims whose full size the source reads."""
     dims = graph.dims[index]
     size = dims.sizes().get(label)
+    batch_label, slices = local_batch.get(index, (None, 1))
+    if size is not None and label == batch_label:
+        size //= slices
     if size is None or size % n:
         return f"a dim of size {size} is not divisible by {n} devices"
     node = graph.nodes[index]
@@ -110,6 +118,9 @@ def option_valid(graph: Graph, index: int, label: str, n: int) -> str | None:
             problem = locate_size_argument(graph, node, out[0].dim)
             if isinstance(problem, str):
                 return problem
+    whole = splits_read_size(graph, index, layouts_for(dims, label, _operand_names(graph, index)), read_whole)
+    if whole:
+        return whole
     if label in dims.reduced and label not in dims.impl:
         bias = graph.partial_bias(index)
         for name, tensor in dims.inputs.items():
@@ -142,8 +153,11 @@ def _signature(graph: Graph, index: int, label: str, operands: set[str], outputs
     return ins, outs
 
 
-def site_options(graph: Graph, n: int) -> dict[SiteId, SiteOptions]:
-    """Every valid way to split each site n ways (constraints of the plan come later)."""
+def site_options(graph: Graph, n: int, batch_slices: int = 1) -> dict[SiteId, SiteOptions]:
+    """Every valid way to split each site n ways (constraints of the plan come later), on a
+    batch cut in `batch_slices` by data parallelism and micro-batches."""
+    local_batch = {i: (label, batch_slices) for i, label in batch_labels(graph).items()} if batch_slices > 1 else {}
+    read_whole = dims_read_whole(graph)
     grouped: dict[SiteId, list[int]] = defaultdict(list)
     for node in graph.nodes:
         grouped[site_id(graph, node.index)].append(node.index)
@@ -157,7 +171,7 @@ def site_options(graph: Graph, n: int) -> dict[SiteId, SiteOptions]:
         for i in nodes:
             allowed = {}
             for label in [REPLICATE, *(graph.dims[i].splittable() if splittable else [])]:
-                reason = option_valid(graph, i, label, n) if label != REPLICATE else None
+                reason = option_valid(graph, i, label, n, local_batch, read_whole) if label != REPLICATE else None
                 if reason:
                     why.setdefault(label, reason)
                 else:
@@ -172,11 +186,12 @@ def site_options(graph: Graph, n: int) -> dict[SiteId, SiteOptions]:
 
 def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
                 device: DeviceSpec = DeviceSpec(), *, memory_budget: float | None = None,
-                data_parallel: int = 1) -> AxisPlan:
-    """The cheapest per-site split satisfying `constraints`; `data_parallel` divides the batch."""
+                data_parallel: int = 1, micro_batches: int = 1) -> AxisPlan:
+    """The cheapest per-site split satisfying `constraints`; `data_parallel` divides the batch,
+    and each data-parallel slice runs in `micro_batches` pieces."""
     refine_factors(graph)
     tensors = graph.trace.tensors
-    options = site_options(graph, n)
+    options = site_options(graph, n, data_parallel * micro_batches)
     sids = list(options)
     var = {sid: z3.Int(f"site{k}") for k, sid in enumerate(sids)}
     hard: list = []

@@ -1,0 +1,43 @@
+"""Sizes the source reads from a tensor and hands to a call that needs the full size.
+
+`torch.arange(x.shape[1])` builds whole positions from x's size: if x were split on dim 1,
+every rank would read its local size and build the wrong positions. A view or split of a
+split tensor is another matter: the rewrite makes its sizes local, so reading the local size
+there is right. Which tensor dims must therefore stay whole; decides nothing else.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from ..graph.graph import Graph
+from ..materialize.size_args import SIZE_ARGUMENTS, SPLIT_SIZES
+from .layouts import ChoiceLayouts
+
+ANY_DIM = None           # `x.shape` read whole: every dim of x is read
+
+
+def dims_read_whole(graph: Graph) -> dict[int, set[int | None]]:
+    """Tensor id -> dims (from 0, or ANY_DIM) whose size a call other than a view reads."""
+    callee = {n.span: n.callee for n in graph.nodes if n.span is not None}
+    out: dict[int, set[int | None]] = defaultdict(set)
+    for span, tid, dim in graph.trace.size_queries:
+        around = [s for s in callee if s != span and s.contains(span)]
+        # the innermost call around the read: it starts last, and of those ends first
+        consumer = max(around, key=lambda s: (s.line, s.col, -s.end_line, -s.end_col), default=None)
+        if consumer is None or callee[consumer] in SIZE_ARGUMENTS | SPLIT_SIZES:
+            continue                # assigned to a name, or a view's size: local is right
+        rank = len(graph.trace.tensors[tid].shape)
+        out[tid].add(dim % rank if isinstance(dim, int) and rank else ANY_DIM)
+    return dict(out)
+
+
+def splits_read_size(graph: Graph, index: int, lay: ChoiceLayouts, read: dict[int, set[int | None]]) -> str | None:
+    """Why this layout would split a dim whose full size a call reads, or None."""
+    node = graph.nodes[index]
+    held = [(lay.outputs[k], tid) for k, tid in enumerate(node.outputs) if k < len(lay.outputs)]
+    held += [(lay.inputs[op.name], op.tid) for op in node.operands if op.tid is not None and op.name in lay.inputs]
+    for layout, tid in held:
+        dims = read.get(tid)
+        if dims and layout.kind == "S" and (ANY_DIM in dims or layout.dim in dims):
+            return f"it would split dim {layout.dim} of a tensor whose full size the source reads"
+    return None
