@@ -221,9 +221,11 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
     if recompute is not None and recompute.path != str(main_source.path):
         raise UserError("--recompute: the loop over the blocks is not in the model's main file", recompute.start)
     module, ctx = rewrite_module(main_source, edits or empty, split, analysis.trace.containers, recompute)
-    if model_path is not None:
-        module = merge_entry(module, model_path, analysis.sources.get(entry_path).module, entry_path,
-                             analysis.entry)
+    if model_path is not None:     # the entry's own classes (a head around imported blocks) are rewritten too
+        entry_module, entry_ctx = rewrite_module(analysis.sources.get(entry_path), edits or empty)
+        ctx.used |= entry_ctx.used
+        ctx.needs_torch |= entry_ctx.needs_torch
+        module = merge_entry(module, model_path, entry_module, entry_path, analysis.entry)
     module = add_comm_import(module, ctx.used, ctx.needs_torch)
     body = module.code
     files: dict[str, str] = {}

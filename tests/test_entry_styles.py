@@ -533,3 +533,55 @@ def test_a_block_loop_outside_the_file_the_pipeline_cuts_is_refused_at_the_loop(
     assert re.search(rf"model\.py:{line}:\d+: error: the loop over the blocks is not in the model's main file",
                      result.stderr), result.stderr
     assert not (tmp_path / "parallel").exists()
+
+
+def test_an_entry_with_its_own_classes_around_sibling_blocks_is_rewritten_whole(tmp_path):
+    """Blocks in a sibling file, the model around them in the entry: both files' classes are
+    rewritten (the dry run before writing loads each rank's shards into its model, so a
+    constructor left at full size fails the run), also when the entry is given from another
+    folder (found by the fuzzer)."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "blocks.py").write_text(dedent("""
+        import torch.nn as nn
+        import torch.nn.functional as F
+
+        class Block(nn.Module):
+            def __init__(self, width):
+                super().__init__()
+                self.up = nn.Linear(width, 4 * width)
+                self.down = nn.Linear(4 * width, width)
+
+            def forward(self, x):
+                return x + self.down(F.gelu(self.up(x)))
+        """))
+    (folder / "model.py").write_text(dedent("""
+        import torch
+        import torch.nn as nn
+        import torch.nn.functional as F
+        from blocks import Block
+
+        class Model(nn.Module):
+            def __init__(self, vocab=64, width=32):
+                super().__init__()
+                self.tok = nn.Embedding(vocab, width)
+                self.blocks = nn.ModuleList([Block(width) for _ in range(2)])
+                self.head = nn.Linear(width, vocab)
+
+            def forward(self, ids, targets):
+                h = self.tok(ids)
+                for block in self.blocks:
+                    h = block(h)
+                return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+        def build():
+            return Model()
+
+        def example_inputs():
+            return {"ids": torch.randint(0, 64, (2, 8)), "targets": torch.randint(0, 64, (2, 8))}
+        """))
+    result = cli("project/model.py", "--tp", "2", "-o", "out", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    split = {name for name, layout in plan["params"].items() if layout["tp"].startswith("S")}
+    assert {"head.weight", "blocks.0.up.weight"} <= split, split   # an entry class and a sibling's, both split

@@ -184,6 +184,9 @@ def _import_file(path: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
+    folder = str(path.parent)
+    if folder not in sys.path:      # as `python model.py` would: its sibling files import
+        sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
     except UserError:

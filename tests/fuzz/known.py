@@ -16,10 +16,9 @@ from .models import DrawnModel
 class KnownFailure:
     name: str                 # what goes wrong, and the module likely at fault
     reason: re.Pattern        # matched against the runner's Outcome.reason
-    two_files_only: bool = False
 
     def matches(self, reason: str, model: DrawnModel) -> bool:
-        return bool(self.reason.search(reason)) and (len(model.files) > 1 or not self.two_files_only)
+        return bool(self.reason.search(reason))
 
 
 KNOWN_FAILURES = [
@@ -28,12 +27,6 @@ KNOWN_FAILURES = [
     KnownFailure("a size read from a split tensor reshapes a whole one (likely materialize/ or emit/: local sizes)",
                  re.compile(r"internal error: the dry run of the emitted code failed: .*shape '\[[\d, ]+\]' is "
                             r"invalid for input of size \d+")),
-    # Block in a second file, Model (with its own layers) in the entry: only the second file is
-    # rewritten, so the entry's constructors keep their full sizes while the plan splits them.
-    KnownFailure("classes in both the entry and a second file: the entry's layers are not rewritten "
-                 "(nnscaler_cst/rewrite.py: model_files / render)",
-                 re.compile(r"internal error: the dry run of the emitted code failed: .*state dict mismatch"),
-                 two_files_only=True),
 ]
 
 
