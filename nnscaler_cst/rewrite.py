@@ -33,6 +33,7 @@ from .plan.batch import check_batch_split
 from .plan.choices import choices_from_plan
 from .plan.cost import check_precision, load_cluster, node_time, optimizer_time
 from .plan.search import AxisPlan, search_axis
+from .plan.whole_sizes import splits_a_read_size
 from .plan.tables import chunks_for, load_table, source_annotations, weights_left_whole
 
 COMM_SOURCE = Path(__file__).parent / "runtime" / "_comm.py"
@@ -105,7 +106,7 @@ def _local_params(graph, tp_plan: AxisPlan | None, tp: int) -> float:
     return total
 
 
-def build_plan(analysis: Analysis, request: PlanRequest) -> tuple[Plan, AxisPlan | None]:
+def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool = False) -> tuple[Plan, AxisPlan | None]:
     """Solve the plan: each table's constraints, plus the model's own annotations."""
     graph = analysis.graph
     cluster = load_cluster(request.cluster).with_precision(check_precision(request.precision))
@@ -136,7 +137,8 @@ def build_plan(analysis: Analysis, request: PlanRequest) -> tuple[Plan, AxisPlan
         with fused_collectives(any(t.fused_collectives for t in tables)):
             tp_plan = search_axis(graph, "tp", tp, constraints, cluster.axis(1, tp),
                                   memory_budget=request.memory_budget, data_parallel=dp,
-                                  micro_batches=_micro_batches(request)) if tp > 1 else None
+                                  micro_batches=_micro_batches(request),
+                                  every_size_read=every_size_read) if tp > 1 else None
         name = "+".join(names) or "single"
     if request.zero:
         check_zero(request.zero, dp, request.pp, searched=request.plan == "auto")
@@ -309,13 +311,17 @@ def plan_pipeline(analysis: Analysis, plan: Plan, request: PlanRequest) -> tuple
     return stages, orders
 
 
-def rewrite(analysis: Analysis, request: PlanRequest) -> Rewrite:
-    plan, tp_plan = build_plan(analysis, request)
+def rewrite(analysis: Analysis, request: PlanRequest, every_size_read: bool = False) -> Rewrite:
+    """Plan, edit, render, and dry-run. A size the source reads into a name (`B, T, C = x.shape`)
+    is taken as local where it is used, which holds for most models; when the dry run of that
+    plan fails, the plan is solved again with every such tensor dim kept whole."""
+    plan, tp_plan = build_plan(analysis, request, every_size_read)
     stages = orders = None
     if request.pp > 1:
         stages, orders = plan_pipeline(analysis, plan, request)
     choices = choices_from_plan(analysis.graph, plan, "tp",     # the rewrite reads the plan IR only
-                                batch_slices=plan.mesh["dp"] * _micro_batches(request))
+                                batch_slices=plan.mesh["dp"] * _micro_batches(request),
+                                every_size_read=every_size_read)
     fused = request.plan != "auto" and any(load_table(name).fused_collectives for name in _table_names(
         request, plan.mesh["tp"], plan.mesh["dp"]))
     with fused_collectives(fused):
@@ -325,5 +331,10 @@ def rewrite(analysis: Analysis, request: PlanRequest) -> Rewrite:
         plan.warnings += edits.warnings
     label = display_path(analysis.entry.path)
     files = render(analysis, plan, edits, label, stages, orders, request)
-    plan.warnings += dry_run(analysis, files).warnings    # ladder step 2: the emitted code runs, unwritten
+    try:
+        plan.warnings += dry_run(analysis, files).warnings    # ladder step 2: the emitted code runs, unwritten
+    except UserError:
+        if every_size_read or choices is None or not splits_a_read_size(analysis.graph, choices.node_choice):
+            raise
+        return rewrite(analysis, request, every_size_read=True)
     return Rewrite(plan, tp_plan, edits, files, stages, orders)

@@ -429,3 +429,45 @@ def test_a_tensor_whose_size_builds_positions_is_never_split_on_that_dim(tmp_pat
     producer = graph.trace.tensors[h].producer
     options = next(o for o in site_options(graph, 2).values() if producer in o.nodes)
     assert "split dim 1" in " ".join(options.why.values())      # the seq split is refused
+
+
+SIZES_READ_INTO_NAMES = """import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Net(nn.Module):
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.a = nn.Linear(width, width)
+        self.q = nn.Linear(width, width)
+        self.out = nn.Linear(width, 8)
+
+    def forward(self, x, y):
+        x = self.a(x)
+        B, T, C = x.shape
+        q = self.q(x)
+        q = q.view(B, T, self.heads, C // self.heads).transpose(1, 2)
+        s = q.softmax(-1).transpose(1, 2).reshape(B, T, C)
+        return F.mse_loss(self.out(s), y)
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return {"x": torch.randn(2, 8, 32), "y": torch.randn(2, 8, 8)}
+"""
+
+
+def test_a_plan_whose_dry_run_trips_on_a_size_read_into_names_is_solved_again(tmp_path):
+    """`B, T, C = x.shape` of a column-split x, then a view of the whole q by (B, T, heads, C //
+    heads): the local C breaks the view. The dry run catches it; the plan is solved again with
+    every tensor whose size is read kept whole on that dim, and that plan runs (found by the fuzzer)."""
+    (tmp_path / "sizes_into_names.py").write_text(SIZES_READ_INTO_NAMES)
+    result = cli("sizes_into_names.py", "--tp", "2", "-o", "out", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert plan["params"]["a.weight"]["tp"] != "S(0)"      # x = a(x) is no longer split on C

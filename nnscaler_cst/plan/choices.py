@@ -18,13 +18,14 @@ def site_label(span) -> str:
     return span.label
 
 
-def choices_from_plan(graph: Graph, plan: Plan, axis: str = "tp", *, batch_slices: int = 1) -> AxisChoices | None:
+def choices_from_plan(graph: Graph, plan: Plan, axis: str = "tp", *, batch_slices: int = 1,
+                      every_size_read: bool = False) -> AxisChoices | None:
     n = plan.mesh.get(axis, 1)
     if n == 1:
         return None
     refine_factors(graph)
     wanted = {(t.site, t.callee): t for t in plan.trans if t.axis == axis}
-    options = site_options(graph, n, batch_slices)
+    options = site_options(graph, n, batch_slices, every_size_read)
     node_choice: dict[int, str] = {}
     chunks: dict[int, int] = {}
     for sid, opts in options.items():

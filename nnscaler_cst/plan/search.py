@@ -153,11 +153,12 @@ def _signature(graph: Graph, index: int, label: str, operands: set[str], outputs
     return ins, outs
 
 
-def site_options(graph: Graph, n: int, batch_slices: int = 1) -> dict[SiteId, SiteOptions]:
+def site_options(graph: Graph, n: int, batch_slices: int = 1, every_size_read: bool = False) -> dict[SiteId, SiteOptions]:
     """Every valid way to split each site n ways (constraints of the plan come later), on a
-    batch cut in `batch_slices` by data parallelism and micro-batches."""
+    batch cut in `batch_slices` by data parallelism and micro-batches; `every_size_read`: see
+    dims_read_whole."""
     local_batch = {i: (label, batch_slices) for i, label in batch_labels(graph).items()} if batch_slices > 1 else {}
-    read_whole = dims_read_whole(graph)
+    read_whole = dims_read_whole(graph, every_size_read)
     grouped: dict[SiteId, list[int]] = defaultdict(list)
     for node in graph.nodes:
         grouped[site_id(graph, node.index)].append(node.index)
@@ -186,12 +187,12 @@ def site_options(graph: Graph, n: int, batch_slices: int = 1) -> dict[SiteId, Si
 
 def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
                 device: DeviceSpec = DeviceSpec(), *, memory_budget: float | None = None,
-                data_parallel: int = 1, micro_batches: int = 1) -> AxisPlan:
+                data_parallel: int = 1, micro_batches: int = 1, every_size_read: bool = False) -> AxisPlan:
     """The cheapest per-site split satisfying `constraints`; `data_parallel` divides the batch,
     and each data-parallel slice runs in `micro_batches` pieces."""
     refine_factors(graph)
     tensors = graph.trace.tensors
-    options = site_options(graph, n, data_parallel * micro_batches)
+    options = site_options(graph, n, data_parallel * micro_batches, every_size_read)
     sids = list(options)
     var = {sid: z3.Int(f"site{k}") for k, sid in enumerate(sids)}
     hard: list = []

@@ -11,21 +11,25 @@ from collections import defaultdict
 
 from ..graph.graph import Graph
 from ..materialize.size_args import SIZE_ARGUMENTS, SPLIT_SIZES
-from .layouts import ChoiceLayouts
+from .layouts import REPLICATE, ChoiceLayouts, layouts_for
 
 ANY_DIM = None           # `x.shape` read whole: every dim of x is read
 
 
-def dims_read_whole(graph: Graph) -> dict[int, set[int | None]]:
-    """Tensor id -> dims (from 0, or ANY_DIM) whose size a call other than a view reads."""
+def dims_read_whole(graph: Graph, every_read: bool = False) -> dict[int, set[int | None]]:
+    """Tensor id -> dims (from 0, or ANY_DIM) whose size a call other than a view reads; with
+    `every_read`, also sizes assigned to names (`B, T, C = x.shape`), whose uses the trace
+    cannot follow: the cautious answer when the first plan's dry run failed."""
     callee = {n.span: n.callee for n in graph.nodes if n.span is not None}
     out: dict[int, set[int | None]] = defaultdict(set)
     for span, tid, dim in graph.trace.size_queries:
         around = [s for s in callee if s != span and s.contains(span)]
         # the innermost call around the read: it starts last, and of those ends first
         consumer = max(around, key=lambda s: (s.line, s.col, -s.end_line, -s.end_col), default=None)
-        if consumer is None or callee[consumer] in SIZE_ARGUMENTS | SPLIT_SIZES:
-            continue                # assigned to a name, or a view's size: local is right
+        if consumer is None and not every_read:
+            continue                # assigned to a name: local is right where views use it
+        if consumer is not None and callee[consumer] in SIZE_ARGUMENTS | SPLIT_SIZES:
+            continue                # a view's size: the rewrite makes the view local
         rank = len(graph.trace.tensors[tid].shape)
         out[tid].add(dim % rank if isinstance(dim, int) and rank else ANY_DIM)
     return dict(out)
@@ -41,3 +45,11 @@ def splits_read_size(graph: Graph, index: int, lay: ChoiceLayouts, read: dict[in
         if dims and layout.kind == "S" and (ANY_DIM in dims or layout.dim in dims):
             return f"it would split dim {layout.dim} of a tensor whose full size the source reads"
     return None
+
+
+def splits_a_read_size(graph: Graph, node_choice: dict[int, str]) -> bool:
+    """Some op of a plan holds a tensor split on a dim whose size the source reads anywhere."""
+    read = dims_read_whole(graph, every_read=True)
+    return any(splits_read_size(graph, i, layouts_for(graph.dims.get(i), label, [
+        op.name for op in graph.nodes[i].operands if op.tid is not None]), read)
+        for i, label in node_choice.items() if label != REPLICATE)
