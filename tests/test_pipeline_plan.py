@@ -416,3 +416,70 @@ def test_pp_by_tp_ranks_split_the_stage_parameters_between_tensor_parallel_ranks
     assert ranks[2]["params"].keys() == ranks[3]["params"].keys()
     fc = "transformer.h.0.mlp.c_fc.weight"
     assert ranks[0]["params"][fc][0] * 2 == report["reference"][fc][0]
+
+
+STATE_SET_BEFORE_THE_LOOP = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.scale = 1.0
+
+        def forward(self, x):
+            return x + self.scale * torch.tanh(self.fc(x))
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(4, 8)
+            self.blocks = nn.ModuleList([Block() for _ in range(4)])
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x):
+            h = self.embed(x)
+            if x.shape[1] < 16:       # BigBird switching its layers' attention type for short inputs
+                for block in self.blocks:
+                    block.scale = 0.5
+            for block in self.blocks:
+                h = block(h)
+            return self.head(h).square().mean()
+
+
+    def build():
+        return Model()
+
+
+    def example_inputs():
+        return {"x": torch.randn(4, 4)}
+""")
+
+
+def test_module_state_set_by_code_only_the_first_stage_runs_is_refused_at_the_write(tmp_path):
+    """The prologue (stage 0 only) changes an attribute of every block: stage 1's blocks would
+    keep scale 1.0 and the pipeline would compute another model (no error, a wrong result)."""
+    from nnscaler_cst.analysis import analyze
+    (tmp_path / "state.py").write_text(STATE_SET_BEFORE_THE_LOOP)
+    graph = analyze(tmp_path / "state.py").graph
+    with pytest.raises(UserError, match=r"sets blocks\.2\.scale .*only stage 0 runs; stage 1 also holds") as refused:
+        stages(graph, 2)
+    where = refused.value.location
+    assert (Path(where.path).name, where.line) == ("state.py", STATE_SET_BEFORE_THE_LOOP.splitlines().index(
+        "                block.scale = 0.5") + 1)
+
+
+def test_module_state_set_where_every_stage_runs_it_is_not_refused(tmp_path):
+    """The same write inside each block's own forward runs on the stage holding the block."""
+    source = STATE_SET_BEFORE_THE_LOOP.replace(
+        "        return x + self.scale", "        self.scale = 0.5\n        return x + self.scale").replace(
+        "        if x.shape[1] < 16:       # BigBird switching its layers' attention type for short inputs\n"
+        "            for block in self.blocks:\n                block.scale = 0.5\n", "")
+    assert source.count("self.scale = 0.5") == 1 and "block.scale" not in source
+    from nnscaler_cst.analysis import analyze
+    (tmp_path / "own.py").write_text(source)
+    plan = stages(analyze(tmp_path / "own.py").graph, 2)
+    assert plan.block_ranges == [(0, 2), (2, 4)]

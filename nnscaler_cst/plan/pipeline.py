@@ -190,6 +190,7 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
         seconds[node_stage[node.index]] += node_flops(node, graph.dims.get(node.index), graph.trace)
     plan = StagePlan(ranks, virtual, trunk, ranges, node_stage, {}, stage_seconds=seconds)
     _ownership(graph, plan)
+    _check_state_writes(graph, plan)
     return plan
 
 
@@ -253,6 +254,54 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
                    if not any(alias.startswith(m + ".") for m in [*plan.drop[s], *plan.shadow[s], *blocks])}
         if len(holders) > 1:
             plan.tied.append(sorted(info.aliases))
+
+
+def _holders(plan: StagePlan, module: str) -> set[int]:
+    """The stages whose program holds this module (a block: its own stage only)."""
+    for b, block in enumerate(plan.trunk.blocks):
+        if module == block or module.startswith(block + "."):
+            return {s for s, (a, z) in enumerate(plan.block_ranges) if a <= b < z}
+    return {s for s in range(plan.stages)
+            if not any(module == d or module.startswith(d + ".") for d in plan.drop.get(s, []))}
+
+
+def _check_state_writes(graph: Graph, plan: StagePlan) -> None:
+    """Refuse a cut after which a stage would miss a change of module state: the forward sets a
+    plain attribute (`self.attention_type = "original_full"`) in code only some stages run (the
+    cut function's prologue runs on the first stage, a block on its own, the epilogue on the
+    last), on a module another stage holds and runs with the old value. Code above the cut
+    function runs on every stage and is never the cause."""
+    trunk = plan.trunk
+    cut = trunk.function_span
+    source = graph.sources.get(cut.path)
+    body = list(trunk.function.body.body)
+    prologue = [source.span_of(stmt) for stmt in body[:trunk.loop_index]]
+    loop = source.span_of(body[trunk.loop_index])
+    last = plan.stages - 1
+    n = len(graph.nodes)
+    for write in graph.trace.state_writes:
+        inside = next((span for span in write.stack if span.path == cut.path and cut.contains(span)), None)
+        if inside is None:
+            continue
+        if any(stmt.contains(inside) for stmt in prologue):
+            writers, part = {0}, "the code before the block loop"
+        elif loop.contains(inside):
+            after = min(write.node + 1, n - 1)
+            writers, part = {plan.node_stage.get(after, 0)}, "the block loop"
+        else:
+            writers, part = {last}, "the code after the block loop"
+        missing = sorted(_holders(plan, write.module) - writers)
+        if not missing:
+            continue
+        where = f"{write.module}.{write.attr}" if write.module else f"the model's {write.attr}"
+        stage = "stages " + ", ".join(map(str, missing)) if len(missing) > 1 else f"stage {missing[0]}"
+        ran = ", ".join(map(str, sorted(writers)))
+        raise UserError(
+            f"the forward sets {where} in {trunk.container}'s pipeline cut ({part}, at {inside.label}), which only "
+            f"stage {ran} runs; {stage} also hold{'s' if len(missing) == 1 else ''} that module and would run with "
+            "the attribute's old value", write.stack[0].start,
+            hint="pipelining needs module state set in the constructor (or outside the function whose block loop "
+                 "is cut), not in code that only one stage runs")
 
 
 def _runs_on_every_stage(graph: Graph, plan: StagePlan, node) -> bool:

@@ -103,6 +103,17 @@ class ParamInfo:
 
 
 @dataclass
+class StateWrite:
+    """The forward set a plain attribute of a module to a new value (`self.attention_type = v`):
+    state a pipeline stage that does not run this code would not see."""
+
+    module: str                      # module path of the object written ("" for the root)
+    attr: str
+    node: int                        # index of the last node recorded before the write (-1: none)
+    stack: list[Span]                # the model's own frames at the write, innermost first
+
+
+@dataclass
 class Trace:
     mode: str                        # "fake" or "real"
     own_files: list[str]
@@ -118,3 +129,4 @@ class Trace:
     module_calls: dict[str, tuple[Span, int]] = field(default_factory=dict)  # path -> (call site, first node)
     containers: dict[Span, list[tuple[str, ...]]] = field(default_factory=dict)  # nn.Sequential call -> leaves
     replays: dict[int, Any] = field(default_factory=dict)   # node index -> trace.replay.Replay
+    state_writes: list[StateWrite] = field(default_factory=list)   # module attributes the forward changed

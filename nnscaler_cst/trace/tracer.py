@@ -27,7 +27,7 @@ from ..errors import Location, UserError, display_path
 from ..source.entry import Entry, user_frame_location
 from ..source.files import SourceSet, Span
 from .naming import qualified_type, short_type, torch_func_name
-from .records import UNKNOWN, Node, OpCall, Operand, ParamInfo, TensorInfo, TensorList, Trace
+from .records import UNKNOWN, Node, OpCall, Operand, ParamInfo, StateWrite, TensorInfo, TensorList, Trace
 from .replay import Replay, arguments_at_entry, call_arguments, function_of, with_refs
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
@@ -79,6 +79,54 @@ class _CtorRecorder:
         return False
 
 
+class _StateWriteRecorder:
+    """Records, during the forward, each plain module attribute the model's code changes
+    (`self.attention_type = "original_full"`): module path, name, and the model's own frames.
+    A write of the value already there is no change and is not recorded."""
+
+    _MISSING = object()
+
+    def __init__(self, tracer: "Tracer"):
+        self.tracer = tracer
+        self._original = None
+
+    def __enter__(self):
+        original = torch.nn.Module.__setattr__
+        tracer, missing = self.tracer, self._MISSING
+
+        def recording_setattr(module, name, value):
+            if tracer._recording and not name.startswith("__"):
+                state = module.__dict__
+                old = state.get(name, missing)
+                if old is missing:
+                    for store in ("_parameters", "_buffers", "_modules"):
+                        if name in state.get(store, {}):
+                            old = state[store][name]
+                            break
+                if _changed(old, value):
+                    tracer._state_written(module, name, sys._getframe(1))
+            original(module, name, value)
+
+        self._original = original
+        torch.nn.Module.__setattr__ = recording_setattr
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.Module.__setattr__ = self._original
+        return False
+
+
+def _changed(old, new) -> bool:
+    if old is new:
+        return False
+    if isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor):
+        return True
+    try:
+        return not bool(old == new)
+    except Exception:  # noqa: BLE001 - an object without a plain equality: count it as changed
+        return True
+
+
 def _position(frame) -> tuple | None:
     positions = list(frame.f_code.co_positions())
     index = frame.f_lasti // 2
@@ -106,6 +154,7 @@ class Tracer(TorchFunctionMode):
         self.replays: dict[int, Replay] = {}   # node index -> how to call it again
         self._entry_args: dict[int, tuple] = {}    # id(frame) -> (code, parameter values) as the call began
         self._awaiting: dict[int, Replay] = {}     # id(frame or module) -> replay whose results are not yet seen
+        self.state_writes: list[StateWrite] = []
 
     # ---- frames -------------------------------------------------------------------------
     def own_frame(self, frame):
@@ -407,7 +456,7 @@ class Tracer(TorchFunctionMode):
             after = torch.nn.modules.module.register_module_forward_hook(self._module_returned)
             profiler = sys.getprofile()
             try:
-                with self:
+                with self, _StateWriteRecorder(self):
                     sys.setprofile(self._profile)
                     output = self._call_user(lambda: entry.call_model(model, inputs), "the model's forward")
                     loss = self._call_user(lambda: entry.loss(output), "loss()")
@@ -425,7 +474,21 @@ class Tracer(TorchFunctionMode):
         batch = next((self.tensors[t].shape[0] for t in input_tids.values() if self.tensors[t].shape), None)
         return Trace(mode, sorted(self.own_files), self.nodes, self.ops, self.tensors, params, input_tids,
                      loss_tid, {name: qualified_type(type(m)) for name, m in model.named_modules()}, batch,
-                     self.size_queries, self.module_calls, self.containers, self.replays)
+                     self.size_queries, self.module_calls, self.containers, self.replays, self.state_writes)
+
+    def _state_written(self, module, name: str, frame) -> None:
+        path = self._module_names.get(id(module))
+        if path is None:
+            return
+        stack = []
+        while frame is not None:
+            if frame.f_code.co_filename in self.own_files:
+                span = self._span(frame)
+                if span is not None:
+                    stack.append(span)
+            frame = frame.f_back
+        if stack:
+            self.state_writes.append(StateWrite(path, name, len(self.nodes) - 1, stack))
 
     def _call_user(self, fn, what: str):
         try:
