@@ -339,6 +339,7 @@ def _files(folder: Path) -> dict[str, bytes]:
             if p.is_file() and "__pycache__" not in p.parts}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", CASES, ids=lambda c: c.id)
 def test_bad_input_is_refused_at_its_place_with_a_hint_exit_2_and_nothing_written(spec, tmp_path, monkeypatch,
                                                                                   capsys):

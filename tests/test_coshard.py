@@ -100,6 +100,7 @@ def gpt_coshard(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_the_plan_ir_holds_cpieces_per_device_in_order(gpt_coshard):
     plan = json.loads((gpt_coshard / "plan.json").read_text())
     number, _ = line_with(GPT, "F.softmax(")
@@ -126,6 +127,7 @@ def test_the_attention_core_runs_as_a_local_function_in_pieces(gpt_coshard):
     ast.parse(source)
 
 
+@pytest.mark.slow
 def test_a_source_annotation_co_shards_its_line(tmp_path):
     model = tmp_path / "gpt_model.py"
     text = GPT.read_text()
@@ -140,6 +142,7 @@ def test_a_source_annotation_co_shards_its_line(tmp_path):
     assert "# nnscaler: coshard=2" in rewritten                  # the user's comment is kept
 
 
+@pytest.mark.slow
 def test_a_region_that_needs_communication_is_refused(tmp_path):
     model = tmp_path / "gpt_model.py"
     _, line = line_with(GPT, "self.c_proj(y)")
@@ -149,6 +152,7 @@ def test_a_region_that_needs_communication_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_too_many_pieces_for_the_heads_are_refused_with_the_numbers(tmp_path):
     model = tmp_path / "gpt_model.py"
     _, line = line_with(GPT, "F.softmax(")
@@ -166,6 +170,7 @@ def test_n_is_written_aspieces_per_device_times_the_axis():
         1, 1, 2, 3, 2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n, ok", [("2·|tp|", True), ("|tp|+1", False), ("2*|dp|", False)])
 def test_n_is_one_or_cpieces_per_device(tmp_path, n, ok):
     table = tmp_path / "mine.toml"

@@ -85,6 +85,7 @@ def test_each_op_is_priced_by_what_bounds_it(tmp_path):
     assert _time(graph, by_callee["Tensor.add_"], device) > 0.0
 
 
+@pytest.mark.slow
 def test_an_embedding_is_a_gather_not_a_matmul():
     graph = analyze(ROOT / "fixtures" / "gpt.py").graph
     embedding = next(n for n in graph.nodes if n.callee == "torch.nn.Embedding")

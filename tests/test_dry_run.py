@@ -62,6 +62,7 @@ def no_dry_run_left():
     ("hf_llama.py", dict(pp=2), {(0, "build, load"), (1, "build, load"), (0, "stage 0 forward"),
                                  (1, "stage 1 forward")}),
 ], ids=["gpt-tp2", "gpt-pp2", "gpt-tp2dp2pp2", "hf_llama-tp2", "hf_llama-pp2"])
+@pytest.mark.slow
 def test_fixture_outputs_pass(at_repo, fixture, request_, checked):
     analysis = analysis_of(fixture)
     result = rewrite(analysis, PlanRequest(**request_))       # runs the dry run itself
@@ -109,6 +110,7 @@ def drop_gather(monkeypatch, needle_site_line: int):
     return dropped
 
 
+@pytest.mark.slow
 def test_missing_collective_is_an_internal_error_and_nothing_is_written(at_repo, monkeypatch, capsys, tmp_path):
     """The position embedding stays split where it is added to the whole token embedding: the CLI
     names the user's line of the add, exits 2 and writes nothing (no rank crash later)."""

@@ -204,6 +204,7 @@ def expected_location(bad: BadFile, workdir: Path) -> str:
     return f"model.py:{line}:{col}"
 
 
+@pytest.mark.slow
 def test_a_bad_model_file_exits_2(bad):
     _, _, result = bad
     assert result.returncode == 2, result.stderr
@@ -233,6 +234,7 @@ def test_the_error_is_one_unwrapped_line_and_shows_no_traceback(bad):
 # --verbose is one switch for every error; one case runs by default, the others with -m slow
 @pytest.mark.parametrize("spec", [pytest.param(b, id=b.id, marks=[] if b.id == "exception_deep_in_forward"
                                                else [pytest.mark.slow]) for b in BAD_FILES])
+@pytest.mark.slow
 def test_verbose_shows_the_traceback_and_the_same_error(spec, tmp_path):
     (tmp_path / "model.py").write_text(spec.source, encoding="utf-8")
     result = run_cli("inspect", "model.py", "--verbose", cwd=tmp_path)
@@ -242,12 +244,14 @@ def test_verbose_shows_the_traceback_and_the_same_error(spec, tmp_path):
 
 
 # ---- the happy paths ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_good_model_file_exits_0_and_prints_its_sites(fixtures_dir, tmp_path):
     result = run_cli("inspect", str(fixtures_dir / "gpt.py"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "gpt.py:" in result.stdout and "100.0% mapped" in result.stdout
 
 
+@pytest.mark.slow
 def test_the_console_script_is_the_same_command(fixtures_dir, tmp_path):
     script = shutil.which("nnscaler-rewrite")
     assert script is not None, "the package's console script is installed"
@@ -282,6 +286,7 @@ def class_only(tmp_path) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 def test_model_option_builds_the_named_class_when_there_is_no_build(class_only):
     result = run_cli("inspect", "regressor.py", "--model", "Regressor", "--json", cwd=class_only)
     assert result.returncode == 0, result.stderr
@@ -290,6 +295,7 @@ def test_model_option_builds_the_named_class_when_there_is_no_build(class_only):
     assert [s["module_path"] for s in sites if s["callee"] == "torch.nn.Linear"] == [""]
 
 
+@pytest.mark.slow
 def test_model_option_naming_something_that_is_not_a_module_class_is_an_error(class_only):
     result = run_cli("inspect", "regressor.py", "--model", "example_inputs", cwd=class_only)
     assert result.returncode == 2

@@ -216,6 +216,7 @@ def entry_section(package) -> str:
     return text[text.index("# --- entry file "):]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style", list(TINY_STYLES))
 def test_each_rank_builds_its_own_rewritten_and_sharded_classes(tiny_outputs, style):
     package = tiny_outputs(style)
@@ -347,6 +348,7 @@ def refusals(tmp_path_factory):
         return dict(zip(BAD_ENTRIES, pool.map(run, BAD_ENTRIES)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BAD_ENTRIES))
 def test_an_entry_that_would_shadow_the_rewritten_code_is_refused_at_its_place(refusals, case):
     folder, result = refusals[case]
@@ -406,6 +408,7 @@ def llama_outputs(tmp_path_factory):
     sys.path.remove(str(root))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style", list(LLAMA_STYLES))
 def test_llama_by_any_route_builds_the_classes_of_the_rank_file(llama_outputs, style):
     import transformers.models.llama.modeling_llama as library
@@ -491,6 +494,7 @@ def test_an_entry_importing_its_model_from_a_sibling_file_verifies_at_dp2(tmp_pa
     assert result.returncode == 0 and json.loads(result.stdout[start:])["passed"] is True
 
 
+@pytest.mark.slow
 def test_a_block_loop_outside_the_file_the_pipeline_cuts_is_refused_at_the_loop(tmp_path):
     """Block in a second file, the model with its loop in the entry: refused at the loop's
     function with a location (found by the fuzzer: the refusal had none)."""

@@ -362,6 +362,7 @@ def edited_then_regenerated(project, tmp_path_factory):
     return root, current_with_edits, stale, regenerated, check
 
 
+@pytest.mark.slow
 def test_hand_edits_alone_do_not_make_the_output_stale(edited_then_regenerated):
     _, current_with_edits, _, _, _ = edited_then_regenerated
     assert ok(current_with_edits).stdout.strip() == "parallel is up to date"
@@ -392,6 +393,7 @@ def test_the_regenerated_output_with_hand_edits_verifies(edited_then_regenerated
     ok(run("-m", "nnscaler_cst", "verify", "model.py", "-o", "parallel", "--steps", 2, cwd=root))
 
 
+@pytest.mark.slow
 def test_a_conflicting_edit_exits_1_with_markers_and_the_users_text(copy):
     # the line right above where the model change adds a layer: whatever the plan, both sides
     # change the same region
@@ -408,6 +410,7 @@ def test_a_conflicting_edit_exits_1_with_markers_and_the_users_text(copy):
     assert rewrite("--check", cwd=copy).returncode == 1       # unresolved: not current
 
 
+@pytest.mark.slow
 def test_a_current_output_is_checked_from_the_cache_without_importing_torch_libcst_or_typer(copy):
     """Given on the command line, or (no model file) taken from pyproject: the same options."""
     ok(rewrite(cwd=copy))         # the cache names the tool's own files: others may edit them meanwhile

@@ -54,6 +54,7 @@ STUCK = ("import faulthandler, os, signal, time\n"
          "    wait_for_the_peer()\n")
 
 
+@pytest.mark.slow
 def test_a_run_past_its_deadline_names_the_rank_and_the_call_it_waits_in():
     with pytest.raises(launch.LaunchError) as caught:
         launch.run_world([sys.executable, "-c", STUCK], 2, timeout=3)

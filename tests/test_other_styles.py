@@ -78,6 +78,7 @@ def convnet_tp2(tmp_path_factory, fixtures_dir):
     return out
 
 
+@pytest.mark.slow
 def test_the_sequential_call_is_cut_only_where_a_collective_goes(convnet_tp2):
     source = (convnet_tp2 / "model.py").read_text()
     ast.parse(source)
@@ -104,6 +105,7 @@ def test_cut_sequential_keeps_the_single_device_state_dict_keys(convnet_tp2, fix
     assert rank_keys == model_keys
 
 
+@pytest.mark.slow
 def test_a_sequential_with_a_split_implementation_between_layers(tmp_path, fixtures_dir):
     out = tmp_path / "out"
     result = cli("rewrite", fixtures_dir / "einsum_transformer.py", "--tp", "2", "-o", out)
@@ -112,6 +114,7 @@ def test_a_sequential_with_a_split_implementation_between_layers(tmp_path, fixtu
     assert line.startswith("logits = self.head[1](tp_copy(self.head[0](h), TP))"), line
 
 
+@pytest.mark.slow
 def test_a_fused_qkv_reshaped_into_3_heads_and_head_dim_splits_by_heads(tmp_path, fixtures_dir):
     """timm's `qkv(x).reshape(B, N, 3, heads, hd)`: the heads, not the leading 3, are split (the
     Linear's rows in 3 groups), and unbind keeps the batch where it is (data parallel accepted)."""
@@ -128,6 +131,7 @@ def test_a_fused_qkv_reshaped_into_3_heads_and_head_dim_splits_by_heads(tmp_path
 
 
 # ---- a Sequential trunk for pipelines ----------------------------------------------------------
+@pytest.mark.slow
 def test_a_pipeline_cuts_an_nn_sequential_of_blocks(tmp_path, fixtures_dir):
     out = tmp_path / "out"
     result = cli("rewrite", fixtures_dir / "residual_mlp.py", "--pp", "2", "-o", out)
@@ -141,6 +145,7 @@ def test_a_pipeline_cuts_an_nn_sequential_of_blocks(tmp_path, fixtures_dir):
     assert a == 0 and b == c and d == 4 and 0 < b < 4, ranges      # the 4 blocks, cut once
 
 
+@pytest.mark.slow
 def test_a_sequential_trunk_inside_a_larger_expression_is_refused(tmp_path, fixtures_dir):
     model = tmp_path / "model.py"
     model.write_text((fixtures_dir / "residual_mlp.py").read_text().replace(
@@ -209,6 +214,7 @@ def example_inputs():
     (CENTERED.replace("SUMMARY", "mean"), "h.mean(", "Tensor.mean needs the whole batch"),
     (CENTERED.replace("SUMMARY", "sum"), "h - h.sum(", "combines a value reduced over the batch"),
 ], ids=["batchnorm", "batch-mean", "minus-the-batch-sum"])
+@pytest.mark.slow
 def test_data_parallel_over_an_op_that_mixes_samples_is_refused(tmp_path, source, needle, why):
     model = tmp_path / "model.py"
     model.write_text(source.lstrip("\n"))
@@ -221,12 +227,14 @@ def test_data_parallel_over_an_op_that_mixes_samples_is_refused(tmp_path, source
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_the_same_models_rewrite_without_data_parallel(tmp_path):
     model = tmp_path / "model.py"
     model.write_text(BATCHNORM.lstrip("\n"))
     assert cli("rewrite", model, "--tp", "2", "-o", tmp_path / "out", cwd=tmp_path).returncode == 0
 
 
+@pytest.mark.slow
 def test_auto_plans_around_a_batch_that_cannot_be_sliced(tmp_path):
     model = tmp_path / "model.py"
     model.write_text(BATCHNORM.lstrip("\n"))
@@ -290,6 +298,7 @@ def attention_model(tmp_path) -> Path:
     return model
 
 
+@pytest.mark.slow
 def test_a_layer_no_rule_splits_stays_whole_with_a_warning(attention_model, tmp_path):
     out = tmp_path / "out"
     result = cli("rewrite", attention_model, "--tp", "2", "-o", out, cwd=tmp_path)
@@ -347,6 +356,7 @@ def rotary_graph(fixtures_dir):
     return analyze(fixtures_dir / "complex_rotary.py").graph
 
 
+@pytest.mark.slow
 def test_a_tensor_read_only_for_its_dtype_is_no_input_of_the_call(rotary_graph):
     """`mask.type_as(x)` reads x's dtype, not its data: x's batch and layout must not constrain it."""
     graph = rotary_graph

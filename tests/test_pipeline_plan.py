@@ -54,6 +54,7 @@ def stages(graph, pp: int, cuts=None):
     return plan_stages(graph, pp, 1, cuts)
 
 
+@pytest.mark.slow
 def test_the_trunk_is_the_loop_over_transformer_h_handing_on_x(graph):
     from nnscaler_cst.plan.pipeline import find_trunk
     trunk = find_trunk(graph)
@@ -333,6 +334,7 @@ def forward(self, idx, targets):
 '''
 
 
+@pytest.mark.slow
 def test_rank0_forward_guards_the_prologue_receives_otherwise_and_hands_off_after_the_loop(outputs):
     text = (outputs["pp2"]["folder"] / "model_stage0.py").read_text()
     assert forward_of(text, "GPT") == EXPECTED_FORWARD

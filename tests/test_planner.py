@@ -42,6 +42,7 @@ def _gpt_copy(tmp_path: Path, edit=None) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_megatron_table_splits_every_weight_matrix_and_leaves_no_partial_weight_gradient(gpt_graph):
     plan = search_axis(gpt_graph, "tp", 2, load_table("megatron").for_axis("tp"))
     matrices = [p for p, info in gpt_graph.trace.params.items() if len(info.shape) >= 2]
@@ -57,6 +58,7 @@ def test_without_constraints_the_search_space_is_larger_and_no_more_expensive(gp
         len(o.options) for o in constrained.options.values())
 
 
+@pytest.mark.slow
 def test_variables_are_per_site_so_depth_does_not_add_any(tmp_path):
     shallow = analyze(_gpt_copy(tmp_path, lambda t: t.replace("n_layer: int = 4", "n_layer: int = 2"))).graph
     deep = analyze(_gpt_copy(tmp_path, lambda t: t.replace("n_layer: int = 4", "n_layer: int = 8"))).graph
@@ -64,6 +66,7 @@ def test_variables_are_per_site_so_depth_does_not_add_any(tmp_path):
     assert len(deep.sites) == len(shallow.sites)
 
 
+@pytest.mark.slow
 def test_contradictory_tables_exit_2_and_name_every_constraint_of_the_core(tmp_path):
     table = tmp_path / "mine.toml"
     table.write_text(textwrap.dedent("""\
@@ -85,6 +88,7 @@ def test_contradictory_tables_exit_2_and_name_every_constraint_of_the_core(tmp_p
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_constraint_that_leaves_a_site_no_split_names_the_site(tmp_path):
     """Nothing in a GPT's Linears carries the label `zz`: the core is this one constraint, and
     the error also points at a site it leaves with no option."""
@@ -106,6 +110,7 @@ def test_a_constraint_that_leaves_a_site_no_split_names_the_site(tmp_path):
         result.stderr
 
 
+@pytest.mark.slow
 def test_a_source_annotation_pins_its_line(tmp_path):
     model = _gpt_copy(tmp_path, lambda t: t.replace("        x = self.gelu(x)\n",
                                                     "        x = self.gelu(x)  # nnscaler: tp=replicate\n"))
@@ -118,6 +123,7 @@ def test_a_source_annotation_pins_its_line(tmp_path):
     assert gelu and all(plan.site_choice[sid] == REPLICATE for sid in gelu)
 
 
+@pytest.mark.slow
 def test_an_annotation_contradicting_the_table_is_reported_with_its_source_line(tmp_path):
     model = _gpt_copy(tmp_path, lambda t: t.replace("        x = self.c_fc(x)\n",
                                                     "        x = self.c_fc(x)  # nnscaler: tp=replicate\n"))
@@ -127,6 +133,7 @@ def test_an_annotation_contradicting_the_table_is_reported_with_its_source_line(
     assert f"gpt_model.py:{line}:" in result.stderr and "split-weight-matrices" in result.stderr
 
 
+@pytest.mark.slow
 def test_an_unknown_annotation_is_a_located_error(tmp_path):
     model = _gpt_copy(tmp_path, lambda t: t.replace("        x = self.gelu(x)\n",
                                                     "        x = self.gelu(x)  # nnscaler: tensor-parallel\n"))
@@ -153,6 +160,7 @@ def test_cluster_axes_talk_inside_a_node_until_they_span_nodes():
     assert load_cluster("dgx2-v100x32").devices == 32
 
 
+@pytest.mark.slow
 def test_plan_json_lists_every_site_with_its_split_and_devices():
     result = cli("plan", GPT, "--tp", "2", "--dp", "2", "--json")
     assert result.returncode == 0, result.stderr
@@ -164,6 +172,7 @@ def test_plan_json_lists_every_site_with_its_split_and_devices():
     assert len(data["devices"]) == 4
 
 
+@pytest.mark.slow
 def test_explain_marks_a_constraint_binding_only_when_dropping_it_lowers_the_cost():
     result = cli("explain", GPT, "--tp", "2", "--json")
     assert result.returncode == 0, result.stderr
@@ -174,6 +183,7 @@ def test_explain_marks_a_constraint_binding_only_when_dropping_it_lowers_the_cos
             assert item["seconds_without"] >= item["seconds_with"] - 1e-12
 
 
+@pytest.mark.slow
 def test_auto_with_room_for_everything_prefers_pure_data_parallel(tmp_path):
     result = cli(GPT, "--plan", "auto", "--devices", "4", "-o", tmp_path / "out")
     assert result.returncode == 0, result.stderr
@@ -196,6 +206,7 @@ def test_sizes_print_in_the_largest_binary_unit_below_them():
     assert [format_bytes(x) for x in (512, 4.27 * 2**20, 80e9, 2**40)] == ["512 B", "4.27 MiB", "74.5 GiB", "1 TiB"]
 
 
+@pytest.mark.slow
 def test_the_memory_budget_takes_units_in_pyproject_and_on_the_command_line(tmp_path):
     model = _gpt_copy(tmp_path)
     (tmp_path / "pyproject.toml").write_text('[tool.nnscaler-rewrite]\nmemory-budget = "1KiB"\n')
@@ -370,6 +381,7 @@ def example_inputs():
 """
 
 
+@pytest.mark.slow
 def test_a_size_read_from_a_split_module_is_written_as_the_full_size(tmp_path):
     """`width = self.tok.embedding_dim` is local once tok is built split: the rewrite writes the
     full size there, and the usual constructor edits divide what must be local (the dry run

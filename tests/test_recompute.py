@@ -50,6 +50,7 @@ def gpt():
     return analyze(GPT)
 
 
+@pytest.mark.slow
 def test_each_block_runs_under_checkpoint_where_the_loop_calls_it(gpt):
     text = model_source(rewrite(gpt, PlanRequest(tp=2, recompute=True)).files)
     assert "        for block in self.transformer.h:\n            x = torch.utils.checkpoint.checkpoint(block, x, " \
@@ -62,6 +63,7 @@ def test_without_recompute_nothing_is_checkpointed(gpt):
     assert "checkpoint" not in model_source(rewrite(gpt, PlanRequest(tp=2)).files)
 
 
+@pytest.mark.slow
 def test_the_plan_names_recompute(gpt):
     result = rewrite(gpt, PlanRequest(tp=2, recompute=True))
     plain = rewrite(gpt, PlanRequest(tp=2))
@@ -127,6 +129,7 @@ def test_block_activations_read_from_the_traced_sizes(gpt):
     assert found.rebuilt == found.saved
 
 
+@pytest.mark.slow
 def test_recompute_on_a_model_without_repeated_blocks_is_refused_at_its_place(tmp_path):
     out = tmp_path / "out"
     result = run_cli(REPO / "fixtures" / "mlp.py", "--tp", 2, "--recompute", "-o", out)

@@ -180,6 +180,7 @@ def full_state_dicts():
 # The files
 # --------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["gpt-tp2", "gpt-dp2", "gpt-tp2dp2", "hf_gpt2-tp2"])
 @uses("write:{case}/a")
 def test_the_folder_holds_one_model_program_for_every_rank_and_the_support_files(scenarios, case):
@@ -282,6 +283,7 @@ def test_no_generated_file_imports_nnscaler_cst(scenarios, case):
         assert not [m for m in modules if m.split(".")[0] == "nnscaler_cst"], path.name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, class_name", [("gpt-tp2", "GPT"), ("hf_gpt2-tp2", "GPT2LMHeadModel")])
 @uses("write:{case}/a")
 def test_the_output_package_builds_a_rank_with_the_tool_made_unimportable(scenarios, tmp_path, case, class_name):
@@ -513,6 +515,7 @@ PROJECT_SCENARIOS = {
 }
 
 
+@pytest.mark.slow
 @uses("check:fresh")
 def test_check_passes_on_a_fresh_output_and_changes_nothing(scenarios):
     result, before, after = scenarios["check:fresh"]
@@ -534,6 +537,7 @@ def test_check_fails_with_the_diff_after_the_model_file_changes(scenarios):
 # Hand edits are never lost
 # --------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @uses("hand-edit:rewrite")
 def test_a_rewrite_over_a_hand_edited_program_file_keeps_the_edit_and_says_so(scenarios):
     result, before, after, listing = scenarios["hand-edit:rewrite"]

@@ -213,6 +213,7 @@ def test_to_csv_writes_one_row_per_rank_in_the_action_grammar():
     assert to_csv(orders) == "0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n"
 
 
+@pytest.mark.slow
 def test_schedule_command_prints_the_csv_of_the_textbook_1f1b():
     result = run_cli("schedule", "fixtures/gpt.py", "--pp", 4, "--micro-batches", 8, "--csv")
     assert result.returncode == 0, result.stderr
@@ -291,6 +292,7 @@ def test_the_deadlock_table_alone_is_satisfiable_per_rank_and_deadlocks_in_the_s
         simulate(orders, 2)
 
 
+@pytest.mark.slow
 def test_rewrite_refuses_a_deadlocking_schedule_table_with_exit_2(broken_runs, broken_rules_checkout):
     result = broken_runs["deadlock"]
     assert result.returncode == 2, result.stdout + result.stderr

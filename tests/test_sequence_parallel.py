@@ -51,6 +51,7 @@ def gpt():
     return analyze(GPT)
 
 
+@pytest.mark.slow
 def test_norms_run_on_sequence_slices_between_reduce_scatter_and_all_gather(gpt):
     result = rewrite(gpt, PlanRequest(tp=2, sequence_parallel=True))
     assert result.plan.describe() == "sequence_parallel tp=2 dp=1 pp=1"
@@ -67,12 +68,14 @@ def test_norms_run_on_sequence_slices_between_reduce_scatter_and_all_gather(gpt)
     assert "'transformer.h.0.ln_1.weight'" in partial and "'transformer.h.3.mlp.c_proj.bias'" in partial
 
 
+@pytest.mark.slow
 def test_megatron_keeps_its_all_reduces(gpt):
     text = model_source(rewrite(gpt, PlanRequest(tp=2)).files)
     assert "tp_reduce_scatter(" not in text and "tp_all_gather(" not in text
     assert "tp_reduce(torch.nn.functional.linear(x, self.c_proj.weight), TP) + self.c_proj.bias" in text
 
 
+@pytest.mark.slow
 def test_sequence_parallel_without_tensor_parallel_is_refused(tmp_path):
     out = tmp_path / "out"
     result = run_cli(GPT, "--sequence-parallel", "-o", out)

@@ -194,6 +194,7 @@ def _module_call_matches(model: Model, site, node: cst.Call, source: SourceFile)
 
 
 # ---- every op mapped, most annotated ----------------------------------------------------------------
+@pytest.mark.slow
 def test_every_compute_op_is_mapped_to_a_source_node(model):
     summary = model.graph.summary()
     assert summary["compute_ops"] > 0
@@ -346,6 +347,7 @@ def inspect_json(repo_root) -> dict[str, dict]:
         return dict(zip(FIXTURE_MODELS, pool.map(run, FIXTURE_MODELS.values())))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(FIXTURE_MODELS))
 def test_inspect_json_summary_counts_ops_as_integers(inspect_json, name):
     summary = inspect_json[name]["summary"]
@@ -447,6 +449,7 @@ def bert(tmp_path_factory) -> Model:
     return _analyzed(str(path))
 
 
+@pytest.mark.slow
 def test_bert_every_compute_op_is_mapped(bert):
     summary = bert.graph.summary()
     assert summary["compute_ops"] > 0 and summary["mapped"] == summary["compute_ops"]

@@ -1,6 +1,7 @@
 """verify's gradient check: relative to each tensor's scale and to the gradients' overall scale."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nnscaler_cst.verify.equivalence import VerifyResult, gradient_error
@@ -73,6 +74,7 @@ def example_inputs():
 '''
 
 
+@pytest.mark.slow
 def test_the_twin_is_a_real_run_whose_first_step_matches_and_later_steps_drift(tmp_path):
     """The worker's --nudge changes nothing before the first optimizer step, and a rounding-sized
     nudge visibly moves an unstable run (lr 0.5) after it."""
