@@ -485,3 +485,93 @@ def test_module_state_set_where_every_stage_runs_it_is_not_refused(tmp_path):
     (tmp_path / "own.py").write_text(source)
     plan = stages(analyze(tmp_path / "own.py").graph, 2)
     assert plan.block_ranges == [(0, 2), (2, 4)]
+
+
+DTYPE_READ_ABOVE_THE_CUT = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+
+    class Trunk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
+
+        def forward(self, h):
+            for block in self.blocks:
+                h = torch.tanh(block(h))
+            return h
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(4, 8)
+            self.trunk = Trunk()
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x):
+            # every stage runs this line; only the last holds the head (FSMT's causal_mask_dtype)
+            dtype = self.head.weight.dtype
+            h = self.trunk(self.embed(x.to(dtype)))
+            return self.head(h).square().mean()
+
+
+    def build():
+        return Model()
+
+
+    def example_inputs():
+        return {"x": torch.randn(4, 4)}
+""")
+
+HOLLOW_PROBE = r'''
+import importlib, sys
+sys.modules["nnscaler_cst"] = None
+import torch
+folder = sys.argv[1]
+sys.path.insert(0, folder.rsplit("/", 1)[0])
+package = importlib.import_module(folder.rsplit("/", 1)[1])
+stage0 = package.build(0)[0]
+assert stage0.head.weight.dtype == torch.float32 and tuple(stage0.head.weight.shape) == (1, 8)
+assert not any(k.startswith("head.") for k in stage0.state_dict())
+assert not any(n.startswith("head.") for n, _ in stage0.named_parameters())
+try:
+    stage0.head(torch.randn(2, 8))
+except RuntimeError as exc:
+    assert "another pipeline stage holds" in str(exc), exc
+else:
+    raise AssertionError("computing with a module another stage holds did not raise")
+print("ok")
+'''
+
+
+def test_a_stage_reads_the_dtype_of_a_module_another_stage_holds(tmp_path):
+    """Code above the cut function runs on every stage and reads `self.head.weight.dtype`; the
+    first stage does not hold the head. It keeps the head's dtype, shape and device (no storage,
+    not in its state dict) instead of None, whose `.weight` raised in the dry run."""
+    (tmp_path / "dtype_read.py").write_text(DTYPE_READ_ABOVE_THE_CUT)
+    result = run_cli(tmp_path / "dtype_read.py", "--pp", 2, "--micro-batches", 2, "-o", tmp_path / "out")
+    assert result.returncode == 0, result.stdout + result.stderr
+    (tmp_path / "probe.py").write_text(HOLLOW_PROBE)
+    run = subprocess.run([sys.executable, str(tmp_path / "probe.py"), str(tmp_path / "out")], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+
+
+def test_blocks_that_are_leaf_modules_put_their_calls_on_their_stages(tmp_path):
+    """Blocks that are torch layers (nn.Linear in a ModuleList) have no ops of their own, only
+    their calls: those calls decide the stages (every op was put on the last stage, so the
+    first dropped the embedding its prologue runs)."""
+    from nnscaler_cst.analysis import analyze
+    (tmp_path / "leaf_blocks.py").write_text(DTYPE_READ_ABOVE_THE_CUT)
+    plan = stages(analyze(tmp_path / "leaf_blocks.py").graph, 2)
+    assert plan.block_ranges == [(0, 2), (2, 4)]
+    assert plan.drop[0] == ["head"] and plan.shadow[1] == ["embed"]
+
+
+@pytest.mark.slow
+def test_a_stage_reading_the_dtype_of_a_module_another_stage_holds_verifies(tmp_path):
+    (tmp_path / "dtype_read.py").write_text(DTYPE_READ_ABOVE_THE_CUT)
+    result = run_cli("verify", tmp_path / "dtype_read.py", "--pp", 2, "--micro-batches", 2, "-o", tmp_path / "out")
+    assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr

@@ -68,13 +68,56 @@ def keep_stage(model, stage, module):
         owner = model.get_submodule(owner_name)
         if isinstance(owner, torch.nn.ModuleDict):
             del owner[attr]
-        else:
+        elif shared_outside(model, path):     # a module object also registered elsewhere: unlink only
             setattr(owner, attr, None)
+        else:
+            hollow(model.get_submodule(path), path)
     for path in getattr(module, "STAGE_SHADOWS", {{}}).get(stage, []):   # run here, trained where owned
         for name, param in model.get_submodule(path).named_parameters(prefix=path):
             if name not in module.TIED_PARAMETERS:
                 param.requires_grad_(False)
     return model
+
+
+class Hollow(torch.Tensor):
+    """What a stage keeps of a parameter or buffer another stage holds: its dtype, shape and
+    device, for code every stage runs that reads them (`self.decoder.embed_tokens.weight.dtype`).
+    No storage; computing with it raises."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, like, name):
+        hollow = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+        hollow.held_elsewhere = name
+        return hollow
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        names = [a.held_elsewhere for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, Hollow)]
+        raise RuntimeError(f"{{func}} computes with {{', '.join(names)}}, which another pipeline stage holds: "
+                           "this stage keeps only its dtype, shape and device")
+
+    def __repr__(self):
+        return f"Hollow({{self.held_elsewhere}}, shape={{tuple(self.shape)}}, dtype={{self.dtype}})"
+
+
+def shared_outside(model, path):
+    """Whether a module under `path` is also registered under another path (one object, two names)."""
+    inside = {{id(m) for m in model.get_submodule(path).modules()}}
+    return any(id(m) in inside for name, m in model.named_modules(remove_duplicate=False)
+               if name != path and not name.startswith(path + "."))
+
+
+def hollow(dropped, path):
+    """A module this stage does not run: its parameters and buffers become Hollow attributes,
+    outside the state dict and the optimizer; calling it raises."""
+    for prefix, sub in dropped.named_modules(prefix=path):
+        for store in (sub._parameters, sub._buffers):
+            for name, value in list(store.items()):
+                del store[name]
+                if value is not None:
+                    object.__setattr__(sub, name, Hollow(value, f"{{prefix}}.{{name}}"))
 
 
 def stage_key(name, stage, module):

@@ -154,8 +154,8 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
                         hint="use fewer stages (--pp, --virtual-stages)")
     block_of: dict[int, int] = {}
     for node in graph.nodes:
-        for b, path in enumerate(trunk.blocks):
-            if node.module_path == path or node.module_path.startswith(path + "."):
+        for b, path in enumerate(trunk.blocks):    # a block's own ops, or the call of a leaf block (nn.Linear)
+            if any(m == path or m.startswith(path + ".") for m in (node.module_path, node.callee_path or "")):
                 block_of[node.index] = b
     first = min(block_of) if block_of else 0
     last = max(block_of) if block_of else 0
