@@ -145,6 +145,7 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
         name += f"+zero{request.zero}"
     plan = Plan(name, {"tp": tp, "dp": dp, "pp": request.pp})
     plan.warnings = weights_left_whole(graph) if tp > 1 else []
+    plan.warnings += tp_plan.left_whole if tp_plan is not None else []
     plan.estimated_step_seconds = tp_plan.cost if tp_plan is not None else dp_only(graph, dp, cluster)[0]
     stepped = _local_params(graph, tp_plan, tp) / (dp if request.zero else 1)   # ZeRO: each dp rank steps its shard
     plan.estimated_step_seconds += optimizer_time(stepped, cluster.axis(1, tp))

@@ -483,3 +483,64 @@ def test_a_plan_whose_dry_run_trips_on_a_size_read_into_names_is_solved_again(tm
     assert result.returncode == 0, result.stdout + result.stderr
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())
     assert plan["params"]["a.weight"]["tp"] != "S(0)"      # x = a(x) is no longer split on C
+
+
+WEIGHTS_THAT_CANNOT_SPLIT = '''
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(3, 8)        # 3 inputs (an image's channels) do not divide by 2
+        self.second = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.first(x)
+        h = h * torch.ones(h.shape[-1])     # reads the full size of the first layer's output
+        return self.second(torch.tanh(h)).square().mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return {"x": torch.randn(4, 3)}
+'''
+
+
+def test_a_weight_matrix_no_valid_split_divides_runs_whole_with_a_warning(tmp_path):
+    """megatron's blanket "split every weight matrix" meets a layer whose input dim (3) does not
+    divide and whose output's full size the source reads: it runs whole, with a located warning
+    (CvT's patch convolution); it made the whole plan unsatisfiable."""
+    (tmp_path / "whole.py").write_text(WEIGHTS_THAT_CANNOT_SPLIT)
+    graph = analyze(tmp_path / "whole.py").graph
+    plan = search_axis(graph, "tp", 2, load_table("megatron").for_axis("tp"))
+    assert plan.param_layout["first.weight"].kind == "R" and plan.param_layout["second.weight"].kind == "S"
+    assert len(plan.left_whole) == 1 and re.match(
+        r".*whole\.py:13:\d+: warning: torch\.nn\.Linear keeps its weights whole .*size 3 is not divisible",
+        plan.left_whole[0]), plan.left_whole
+
+
+def test_a_constraint_naming_the_layer_still_refuses_a_split_that_cannot_be_made(tmp_path):
+    table = tmp_path / "mine.toml"
+    table.write_text(textwrap.dedent("""\
+        [plan]
+        name = "mine"
+        axes = ["tp"]
+
+        [[constraint]]
+        id = "split-the-linears"
+        select = { callee = ["torch.nn.Linear"] }
+        op_trans = { axis = "tp", algo = "split", n = "|tp|" }
+        """))
+    (tmp_path / "whole.py").write_text(WEIGHTS_THAT_CANNOT_SPLIT)
+    with pytest.raises(UserError, match="satisfies these 1 constraints"):
+        search_axis(analyze(tmp_path / "whole.py").graph, "tp", 2, load_table(str(table)).for_axis("tp"))
+
+
+@pytest.mark.slow
+def test_a_weight_matrix_left_whole_by_the_blanket_split_verifies(tmp_path):
+    verifies_at_tp2(tmp_path, "whole.py", WEIGHTS_THAT_CANNOT_SPLIT)

@@ -68,6 +68,7 @@ class AxisPlan:
     cost: float                            # seconds per step, this axis's share
     memory: float                          # bytes per device: weights, optimizer state, activations
     restricted: dict[str, list[SiteId]] = field(default_factory=dict)   # constraint id -> sites it narrowed
+    left_whole: list[str] = field(default_factory=list)   # warnings: weights a blanket split could not split
 
     @property
     def axis(self) -> str:
@@ -199,6 +200,7 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
     tracked: list[tuple[z3.BoolRef, z3.BoolRef, Constraint]] = []
     restricted: dict[str, list[SiteId]] = defaultdict(list)
     blocked: dict[str, SiteId] = {}      # a constraint's literal -> the site it leaves no option
+    left_whole: list[str] = []           # warnings: weight matrices no valid split of this instance splits
     for sid in sids:
         if not options[sid].options:        # never expected: replicating fits every instance
             raise UserError(f"internal error: the calls of {sid[1]} here agree on no layout, not even whole "
@@ -212,6 +214,9 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
                 continue
             allowed = [k for k in range(len(opts.options))
                        if all(constraint.allows(graph, i, opts.labels[i][k]) for i in selected)]
+            if not allowed and _weights_cannot_split_here(constraint, opts):
+                left_whole.append(_left_whole_warning(graph, options, sid, n))
+                continue
             if len(allowed) < len(opts.options):
                 restricted[constraint.id].append(sid)
                 literal = z3.Bool(f"{constraint.id}#{len(tracked)}")
@@ -247,7 +252,22 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
     memory = _weighed(model, memory_terms)
     choices = AxisChoices(axis, n, node_choice, param_layout, partial, options)
     return AxisPlan(choices, {sid: options[sid].options[k] for sid, k in picked.items()}, cost, float(memory),
-                    dict(restricted))
+                    dict(restricted), left_whole)
+
+
+def _weights_cannot_split_here(constraint: Constraint, opts: SiteOptions) -> bool:
+    """A plan's blanket "split every weight matrix" meets a site none of whose valid options
+    splits its weights (its sizes do not divide, or the source reads their full size): the
+    site runs whole, with a warning, rather than making the plan unsatisfiable. A constraint
+    naming the site (by callee, module or line) stays hard."""
+    return constraint.algo == "split" and constraint.select == {"params": "matrix"} and bool(opts.why)
+
+
+def _left_whole_warning(graph: Graph, options, sid: SiteId, n: int) -> str:
+    reasons = "; ".join(sorted(set(options[sid].why.values())))
+    where = _site_location(graph, options, sid) or "?"
+    return (f"{where}: warning: {sid[1]} keeps its weights whole on every tensor-parallel rank: no split of them "
+            f"works {n} ways here ({reasons})")
 
 
 Weighted = list[tuple[z3.BoolRef, int]]     # a sum: each weight counts when its condition holds
