@@ -115,6 +115,7 @@ def test_the_plan_ir_holds_cpieces_per_device_in_order(gpt_coshard):
     assert others == []                                         # everything else stays Megatron
 
 
+@pytest.mark.slow
 def test_the_attention_core_runs_as_a_local_function_in_pieces(gpt_coshard):
     """From the softmax the region grows over the statements that work head by head: the scores,
     the mask, the softmax, dropout and `att @ v`; the view with a local size stops it."""

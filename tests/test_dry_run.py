@@ -72,6 +72,7 @@ def test_fixture_outputs_pass(at_repo, fixture, request_, checked):
     no_dry_run_left()
 
 
+@pytest.mark.slow
 def test_interleaved_stages_all_run(at_repo):
     """Two stages per rank (interleaved 1F1B): all four stages run, each on the rank holding it."""
     analysis = analysis_of("gpt.py")

@@ -210,12 +210,14 @@ def test_a_bad_model_file_exits_2(bad):
     assert result.returncode == 2, result.stderr
 
 
+@pytest.mark.slow
 def test_the_error_points_at_the_place_to_fix_in_the_users_file(bad):
     spec, workdir, result = bad
     first_line = result.stderr.splitlines()[0]
     assert first_line.startswith(f"{expected_location(spec, workdir)}: error: "), result.stderr
 
 
+@pytest.mark.slow
 def test_the_error_says_what_went_wrong_and_what_to_do(bad):
     spec, _, result = bad
     flat = " ".join(result.stderr.split())
@@ -224,6 +226,7 @@ def test_the_error_says_what_went_wrong_and_what_to_do(bad):
     assert re.search(r"^\s+hint: \S", result.stderr, re.M), result.stderr
 
 
+@pytest.mark.slow
 def test_the_error_is_one_unwrapped_line_and_shows_no_traceback(bad):
     _, _, result = bad
     assert "Traceback" not in result.stderr

@@ -228,6 +228,7 @@ def test_each_rank_builds_its_own_rewritten_and_sharded_classes(tiny_outputs, st
         assert model.block.down.weight.shape == (WIDTH, HIDDEN // 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style", list(TINY_STYLES))
 def test_the_shards_of_the_single_device_model_load_into_each_rank(tiny_outputs, style):
     package = tiny_outputs(style)
@@ -286,6 +287,7 @@ def test_a_factory_build_is_wrapped_with_the_library_class_mapped_to_the_rewritt
     assert section.endswith("build = _constructing_rewritten(build, {_library_TinyMLP: TinyMLP})\n")
 
 
+@pytest.mark.slow
 def test_the_output_is_the_same_for_the_same_entry(tiny_root, tiny_outputs):
     first = tiny_root / f"out_{stem('from-config')}"
     tiny_outputs("from-config")
@@ -539,6 +541,7 @@ def test_a_block_loop_outside_the_file_the_pipeline_cuts_is_refused_at_the_loop(
     assert not (tmp_path / "parallel").exists()
 
 
+@pytest.mark.slow
 def test_an_entry_with_its_own_classes_around_sibling_blocks_is_rewritten_whole(tmp_path):
     """Blocks in a sibling file, the model around them in the entry: both files' classes are
     rewritten (the dry run before writing loads each rank's shards into its model, so a

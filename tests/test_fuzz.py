@@ -32,6 +32,7 @@ _failures: dict[tuple[str, str], str] = {}     # (source, plan) -> report: hypot
 
 @settings(derandomize=True, max_examples=15, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
+@pytest.mark.slow
 @given(model=models())
 def test_drawn_model_trains_on_one_device(model, tmp_path_factory):
     """The grammar writes valid models: each file imports, builds, and runs forward and backward

@@ -368,12 +368,14 @@ def test_hand_edits_alone_do_not_make_the_output_stale(edited_then_regenerated):
     assert ok(current_with_edits).stdout.strip() == "parallel is up to date"
 
 
+@pytest.mark.slow
 def test_a_model_change_makes_the_edited_output_stale(edited_then_regenerated):
     _, _, stale, _, _ = edited_then_regenerated
     assert stale.returncode == 1, stale.stdout + stale.stderr
     assert "+        self.c_out = nn.Linear(" in stale.stdout and "stale" in stale.stderr
 
 
+@pytest.mark.slow
 def test_hand_edits_survive_regeneration_after_a_model_change(edited_then_regenerated):
     root, _, _, regenerated, check = edited_then_regenerated
     ok(regenerated)

@@ -90,6 +90,7 @@ def test_the_sequential_call_is_cut_only_where_a_collective_goes(convnet_tp2):
     assert "nn.Conv2d(3, 8 // 2, 3, padding=1)" in source
 
 
+@pytest.mark.slow
 def test_cut_sequential_keeps_the_single_device_state_dict_keys(convnet_tp2, fixtures_dir):
     code = textwrap.dedent(f"""
         import importlib, json, sys

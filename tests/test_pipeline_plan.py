@@ -343,6 +343,7 @@ def test_rank0_forward_guards_the_prologue_receives_otherwise_and_hands_off_afte
     assert re.search(r"^from \._comm import .*\bpp_receive\b", text, re.M)
 
 
+@pytest.mark.slow
 def test_every_rank_runs_the_same_cut_forward_and_the_blocks_are_untouched(outputs):
     folder = outputs["pp2"]["folder"]
     original = GPT.read_text()
@@ -352,6 +353,7 @@ def test_every_rank_runs_the_same_cut_forward_and_the_blocks_are_untouched(outpu
         assert forward_of(text, "Block") == forward_of(original, "Block")
 
 
+@pytest.mark.slow
 def test_each_rank_file_states_its_stage_blocks_drops_tied_weight_and_schedule(outputs):
     ranks = outputs["pp2_stages1"]["ranks"]
     assert [r["stages"] for r in ranks] == [[0], [1]]
@@ -365,6 +367,7 @@ def test_each_rank_file_states_its_stage_blocks_drops_tied_weight_and_schedule(o
     assert ranks[1]["schedule"] == "1F0 1F1 1F2 1F3 1B0 1B1 1B2 1B3"
 
 
+@pytest.mark.slow
 def test_schedule_csv_holds_the_rank_files_schedules(outputs):
     for name in ("pp2", "pp2_stages1"):
         rows = (outputs[name]["folder"] / "schedule.csv").read_text().splitlines()
@@ -374,6 +377,7 @@ def test_schedule_csv_holds_the_rank_files_schedules(outputs):
     assert outputs["pp2"]["ranks"][1]["schedule"] == "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, blocks", [("pp2", [[0, 1], [2, 3]]), ("pp2_stages1", [[0], [1, 2, 3]])])
 def test_each_rank_builds_only_its_stage_and_together_they_hold_the_model(outputs, name, blocks):
     report = outputs[name]
@@ -391,6 +395,7 @@ def test_each_rank_builds_only_its_stage_and_together_they_hold_the_model(output
     assert set(first) | set(last) == set(reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["pp2", "pp2_stages1", "pp2_tp2"])
 def test_shard_then_merge_state_dicts_is_exact(outputs, name):
     report = outputs[name]
@@ -398,6 +403,7 @@ def test_shard_then_merge_state_dicts_is_exact(outputs, name):
     assert report["merged_exact"] == sorted(report["reference"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["pp2", "pp2_stages1", "pp2_tp2"])
 def test_each_shard_holds_the_reference_values_under_the_stage_names(outputs, name):
     """load_state_dict(strict=True) succeeded in the probe; here: the values are the right ones,
@@ -407,6 +413,7 @@ def test_each_shard_holds_the_reference_values_under_the_stage_names(outputs, na
         assert not wrong, (rank, wrong)
 
 
+@pytest.mark.slow
 def test_pp_by_tp_ranks_split_the_stage_parameters_between_tensor_parallel_ranks(outputs):
     report = outputs["pp2_tp2"]
     ranks = report["ranks"]

@@ -474,6 +474,7 @@ def example_inputs():
 """
 
 
+@pytest.mark.slow
 def test_a_plan_whose_dry_run_trips_on_a_size_read_into_names_is_solved_again(tmp_path):
     """`B, T, C = x.shape` of a column-split x, then a view of the whole q by (B, T, heads, C //
     heads): the local C breaks the view. The dry run catches it; the plan is solved again with

@@ -282,6 +282,7 @@ def broken_runs(broken_rules_checkout):
         return {name: f.result() for name, f in futures.items()}
 
 
+@pytest.mark.slow
 def test_the_deadlock_table_alone_is_satisfiable_per_rank_and_deadlocks_in_the_simulator(
         broken_rules_checkout, monkeypatch):
     monkeypatch.setenv("NNSCALER_RULES_PATH", str(broken_rules_checkout / "rules"))
@@ -304,6 +305,7 @@ def test_rewrite_refuses_a_deadlocking_schedule_table_with_exit_2(broken_runs, b
     assert not (broken_rules_checkout / "out_deadlock").exists(), "a refused rewrite wrote output"
 
 
+@pytest.mark.slow
 def test_rewrite_refuses_a_contradictory_schedule_table_naming_the_table(broken_runs, broken_rules_checkout):
     result = broken_runs["contradiction"]
     assert result.returncode == 2, result.stdout + result.stderr

@@ -201,26 +201,31 @@ def test_every_compute_op_is_mapped_to_a_source_node(model):
     assert summary["mapped"] == summary["compute_ops"]
 
 
+@pytest.mark.slow
 def test_every_site_resolves_to_a_node_of_the_source(model):
     assert [site.span for site in model.graph.sites.values() if model.node(site.span) is None] == []
 
 
+@pytest.mark.slow
 def test_at_least_95_percent_of_compute_ops_are_annotated(model):
     summary = model.graph.summary()
     assert summary["annotated"] >= 0.95 * summary["compute_ops"]
 
 
+@pytest.mark.slow
 def test_every_site_is_in_the_models_own_source_not_in_a_library(model):
     own = {model.class_file, str(model.analysis.entry.path)}
     assert {site.span.path for site in model.graph.sites.values()} <= own
 
 
 # ---- attributed to the right node --------------------------------------------------------------------
+@pytest.mark.slow
 def test_every_site_node_calls_what_the_trace_says_was_called(model):
     problems = [p for site in model.graph.sites.values() if (p := mismatch(model, site))]
     assert problems == []
 
 
+@pytest.mark.slow
 def test_every_site_runs_inside_the_class_of_its_module_path(model):
     wrong = []
     for site in model.graph.sites.values():
@@ -282,10 +287,12 @@ def constructor_problems(model: Model) -> list[str]:
     return wrong
 
 
+@pytest.mark.slow
 def test_every_parameter_points_at_the_constructor_call_that_made_it(model):
     assert constructor_problems(model) == []
 
 
+@pytest.mark.slow
 def test_every_parameter_of_the_built_model_is_traced_once(model):
     built = dict(model.module.named_parameters(remove_duplicate=False))
     traced = [alias for info in model.trace.params.values() for alias in info.aliases]
@@ -356,6 +363,7 @@ def test_inspect_json_summary_counts_ops_as_integers(inspect_json, name):
     assert summary["annotated"] >= 0.95 * summary["compute_ops"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(FIXTURE_MODELS))
 def test_inspect_json_has_one_entry_per_site(inspect_json, name, fixtures_dir, repo_root):
     report = inspect_json[name]
@@ -455,19 +463,23 @@ def test_bert_every_compute_op_is_mapped(bert):
     assert summary["compute_ops"] > 0 and summary["mapped"] == summary["compute_ops"]
 
 
+@pytest.mark.slow
 def test_bert_at_least_95_percent_annotated_measured_100(bert):
     summary = bert.graph.summary()
     assert summary["annotated"] >= 0.95 * summary["compute_ops"]
 
 
+@pytest.mark.slow
 def test_bert_every_site_node_calls_what_the_trace_says_was_called(bert):
     assert [p for site in bert.graph.sites.values() if (p := mismatch(bert, site))] == []
 
 
+@pytest.mark.slow
 def test_bert_parameters_point_at_their_constructors(bert):
     assert constructor_problems(bert) == []
 
 
+@pytest.mark.slow
 def test_bert_layers_are_detected_as_repeated_blocks(bert):
     layers = bert.module.config.num_hidden_layers
     assert bert.graph.blocks == {"BertLayer (bert.encoder.layer.*)": [f"bert.encoder.layer.{i}" for i in range(layers)]}
