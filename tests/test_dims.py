@@ -460,3 +460,22 @@ def test_a_subclass_ctor_rule_follows_its_super_init_call(tmp_path, monkeypatch)
     reordered = rules.ctor_for("subclasses_for_ctor.Reordered")
     assert reordered.params["weight"] == [["arg1", "count"], ["arg0", "dim"]]
     assert rules.ctor_for("subclasses_for_ctor.Computed") is None     # `dim * 2`: not the argument itself
+
+
+def test_a_depthwise_convolution_does_not_fit_the_conv2d_rule():
+    """groups = channels: the weight is o x 1 x kh x kw, not o x c x kh x kw. Read as a broadcast
+    of c, the rule let the planner split out_channels alone (nn.Conv2d(8, 8 // 2, groups=8):
+    CvT's build raised in the dry run); the call gets a derived rule instead."""
+    x, weight = torch.randn(2, 8, 6, 6), torch.randn(8, 1, 3, 3)
+    out = F.conv2d(x, weight, padding=1, groups=8)
+    with pytest.raises(DimsError, match="self.weight has size 1 where dim c is 8"):
+        instantiate("torch.nn.Conv2d", {"arg0": x, "self.weight": weight}, [out])
+    dense = instantiate("torch.nn.Conv2d", {"arg0": x, "self.weight": torch.randn(4, 8, 3, 3)},
+                        [torch.randn(2, 4, 6, 6)])
+    assert labels_at(dense.inputs["self.weight"], 1) == ["c"]
+
+
+def test_a_weight_of_size_one_still_fits_where_its_dim_is_one_everywhere():
+    x, weight = torch.randn(4, 8), torch.randn(1, 8)
+    dims = instantiate("torch.nn.Linear", {"arg0": x, "self.weight": weight}, [x @ weight.T])
+    assert labels_at(dims.inputs["self.weight"], 0) == []

@@ -545,3 +545,34 @@ def test_a_constraint_naming_the_layer_still_refuses_a_split_that_cannot_be_made
 @pytest.mark.slow
 def test_a_weight_matrix_left_whole_by_the_blanket_split_verifies(tmp_path):
     verifies_at_tp2(tmp_path, "whole.py", WEIGHTS_THAT_CANNOT_SPLIT)
+
+
+DEPTHWISE = '''
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Conv2d(4, 8, kernel_size=1)
+        self.depthwise = nn.Conv2d(8, 8, kernel_size=3, padding=1, groups=8, bias=False)   # CvT's projection
+        self.head = nn.Conv2d(8, 4, kernel_size=1)
+
+    def forward(self, x):
+        h = self.depthwise(torch.relu(self.proj(x)))
+        return self.head(torch.tanh(h)).square().mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return {"x": torch.randn(4, 4, 6, 6)}
+'''
+
+
+@pytest.mark.slow
+def test_a_depthwise_convolution_between_split_convolutions_verifies(tmp_path):
+    verifies_at_tp2(tmp_path, "depthwise.py", DEPTHWISE)

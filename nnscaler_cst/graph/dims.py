@@ -156,12 +156,28 @@ def bind(annotation: Annotation, shapes: dict[str, tuple[int, ...]], tids: dict[
     for i in order:
         _, spec, shape, _ = pending[i]
         bound[i] = _bind_tensor(spec, shape, sizes, variadic_len, result)
+    for name, spec, shape, _ in pending:
+        if name is not None and name.startswith("self."):
+            _no_broadcast_weight(name, spec, shape, sizes)
     for i, (name, _, _, tid) in enumerate(pending):
         if name is None:
             result.outputs.append(TensorDims(tid, bound[i]))
         else:
             result.inputs[name] = TensorDims(tid, bound[i])
     return result
+
+
+def _no_broadcast_weight(name: str, spec: DimSpec, shape, sizes) -> None:
+    """A layer's own weight of size 1 where its rule's dim is larger elsewhere does not
+    broadcast: the rule does not describe this call (a depthwise convolution, groups = channels,
+    has weights of o x 1 x kh x kw where the rule says o x c x kh x kw)."""
+    if any(tokens[0].startswith("*") for tokens in spec.tokens) or len(spec.tokens) != len(shape):
+        return
+    for tokens, size in zip(spec.tokens, shape):
+        if len(tokens) == 1 and not tokens[0].isdigit():
+            label, _ = _strip(tokens[0])
+            if size == 1 and sizes.get(label, 1) > 1:
+                raise DimsError(f"{name} has size 1 where dim {label} is {sizes[label]}")
 
 
 def _bind_tensor(spec: DimSpec, shape, sizes, variadic_len, result: OpDims) -> list[tuple[Factor, ...]]:
