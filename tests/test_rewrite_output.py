@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow      # every test reads the shared CLI runs (`scenarios`): whole-model rewrites
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "fixtures"
 TIMEOUT_S = 300
@@ -180,7 +181,6 @@ def full_state_dicts():
 # The files
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", ["gpt-tp2", "gpt-dp2", "gpt-tp2dp2", "hf_gpt2-tp2"])
 @uses("write:{case}/a")
 def test_the_folder_holds_one_model_program_for_every_rank_and_the_support_files(scenarios, case):
@@ -191,7 +191,6 @@ def test_the_folder_holds_one_model_program_for_every_rank_and_the_support_files
     assert {p.name for p in (folder / ".nnscaler" / "pristine").iterdir()} == expected     # the merge base
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", ["gpt-tp2", "gpt-tp2dp2"])
 @uses("write:{case}/a")
 def test_plan_json_assigns_every_split_op_to_the_ranks_of_its_mesh_coordinate(scenarios, case):
@@ -225,7 +224,6 @@ def test_plan_json_names_the_megatron_splits_at_their_source_sites(scenarios):
     assert fc["algo"] != proj["algo"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", ["gpt-tp2", "gpt-tp2dp2", "hf_gpt2-tp2"])
 @uses("write:{case}/a", "write:{case}/b")
 def test_the_same_command_twice_writes_byte_identical_files(scenarios, case):
@@ -285,7 +283,6 @@ def test_no_generated_file_imports_nnscaler_cst(scenarios, case):
         assert not [m for m in modules if m.split(".")[0] == "nnscaler_cst"], path.name
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case, class_name", [("gpt-tp2", "GPT"), ("hf_gpt2-tp2", "GPT2LMHeadModel")])
 @uses("write:{case}/a")
 def test_the_output_package_builds_a_rank_with_the_tool_made_unimportable(scenarios, tmp_path, case, class_name):
@@ -517,7 +514,6 @@ PROJECT_SCENARIOS = {
 }
 
 
-@pytest.mark.slow
 @uses("check:fresh")
 def test_check_passes_on_a_fresh_output_and_changes_nothing(scenarios):
     result, before, after = scenarios["check:fresh"]
@@ -525,7 +521,6 @@ def test_check_passes_on_a_fresh_output_and_changes_nothing(scenarios):
     assert after == before
 
 
-@pytest.mark.slow
 @uses("check:changed")
 def test_check_fails_with_the_diff_after_the_model_file_changes(scenarios):
     result, before, after = scenarios["check:changed"]
@@ -540,7 +535,6 @@ def test_check_fails_with_the_diff_after_the_model_file_changes(scenarios):
 # Hand edits are never lost
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.slow
 @uses("hand-edit:rewrite")
 def test_a_rewrite_over_a_hand_edited_program_file_keeps_the_edit_and_says_so(scenarios):
     result, before, after, listing = scenarios["hand-edit:rewrite"]
@@ -550,7 +544,6 @@ def test_a_rewrite_over_a_hand_edited_program_file_keeps_the_edit_and_says_so(sc
     assert listing == ["model.py", "parallel"]          # no staging folder left behind
 
 
-@pytest.mark.slow
 @uses("hand-edit:force")
 def test_force_rewrites_and_keeps_the_hand_edited_file_as_edited(scenarios):
     result, edited, after, fresh = scenarios["hand-edit:force"]
@@ -558,7 +551,6 @@ def test_force_rewrites_and_keeps_the_hand_edited_file_as_edited(scenarios):
     assert after == {**fresh, "model.py.edited": edited.encode()}
 
 
-@pytest.mark.slow
 @uses("hand-edit:force-twice")
 def test_a_second_forced_rewrite_loses_neither_hand_edit(scenarios):
     results, files = scenarios["hand-edit:force-twice"]
@@ -617,7 +609,6 @@ def test_heads_that_do_not_divide_run_whole_with_a_warning_at_the_attention(scen
     assert [w for w in plan["warnings"] if "not divisible" in w]
 
 
-@pytest.mark.slow
 @uses("refuse:vocabulary")
 def test_a_vocabulary_that_does_not_divide_keeps_the_vocabulary_whole(scenarios):
     result, plan = scenarios["refuse:vocabulary"]
