@@ -45,6 +45,7 @@ class Context:
     visited: set[Span] = field(default_factory=set)               # expression spans the concerns saw
     containers: dict[Span, list[tuple[str, ...]]] = field(default_factory=dict)  # nn.Sequential call -> leaves
     before: list[cst.SimpleStatementLine] = field(default_factory=list)  # go before the current statement
+    after: list[cst.SimpleStatementLine] = field(default_factory=list)   # go after the current statement
     assigned: dict[Span, list] = field(default_factory=dict)     # `x[i] = v` target span -> steps for v
     recompute: Span | None = None                                 # the block call --recompute checkpoints
 
@@ -159,6 +160,18 @@ class LocalSizes:
         return node
 
 
+def _rebound(name: cst.Name, steps, ctx: Context) -> cst.SimpleStatementLine:
+    """`x = collective(x)  # meaning`: a line of its own converting and rebinding a name."""
+    value: cst.BaseExpression = name
+    for step in steps:
+        value = collective(step, value, AXIS)
+        ctx.use(None, step)     # the comment goes on the new line
+    comment = "; ".join(f"{n}: {m}" for n, m in (COLLECTIVE_NOTES[s.op] for s in steps))
+    return cst.SimpleStatementLine(
+        [cst.Assign([cst.AssignTarget(name)], value)],
+        trailing_whitespace=cst.TrailingWhitespace(cst.SimpleWhitespace("  "), cst.Comment(f"# {comment}")))
+
+
 class InsertCollectives:
     DESCRIPTION = "Wrap arguments and results in named collectives; swap in split implementations."
 
@@ -177,8 +190,11 @@ class InsertCollectives:
         if site.replace is not None:
             node = self._replace(span, node, site)
         if site.result and isinstance(node, cst.AugAssign):
-            raise UserError("cannot convert the result of an augmented assignment in place", span.start,
-                            hint="write `x = x + y` instead of `x += y` here")
+            if not isinstance(node.target, cst.Name):
+                raise UserError("cannot convert the result of an augmented assignment in place", span.start,
+                                hint="write `x = x + y` instead of `x += y` here")
+            self.ctx.after.append(_rebound(node.target, site.result, self.ctx))   # `x += y`, then x converted
+            return node
         for k, step in enumerate(site.result):
             if step.op in ("reduce", "reduce_scatter") and bias is not None and k == 0:   # scattered off its dim
                 node = bias_added(collective(step, node, AXIS), bias)
@@ -198,15 +214,7 @@ class InsertCollectives:
             if not (isinstance(target, cst.Subscript) and isinstance(target.value, cst.Name)):
                 raise UserError(f"cannot insert {'+'.join(s.op for s in steps)} on the tensor written here",
                                 span.start, hint="write into a plain variable: `y = ...; y[i] = v`")
-            name = target.value
-            value: cst.BaseExpression = name
-            for step in steps:
-                value = collective(step, value, AXIS)
-                self.ctx.use(None, step)     # the comment goes on the new line
-            comment = "; ".join(f"{n}: {m}" for n, m in (COLLECTIVE_NOTES[s.op] for s in steps))
-            self.ctx.before.append(cst.SimpleStatementLine(
-                [cst.Assign([cst.AssignTarget(name)], value)],
-                trailing_whitespace=cst.TrailingWhitespace(cst.SimpleWhitespace("  "), cst.Comment(f"# {comment}"))))
+            self.ctx.before.append(_rebound(target.value, steps, self.ctx))
         return target
 
     def _wrap_operand(self, span, node, path, steps):
@@ -525,8 +533,9 @@ class FileRewriter(cst.CSTTransformer):
 
     def leave_SimpleStatementLine(self, original, updated):
         before, self.ctx.before = self.ctx.before, []
+        after, self.ctx.after = self.ctx.after, []
         updated = self._comment(original, updated)
-        return cst.FlattenSentinel([*before, updated]) if before else updated
+        return cst.FlattenSentinel([*before, updated, *after]) if before or after else updated
 
     def _comment(self, original, updated):
         span = self._span(original)
