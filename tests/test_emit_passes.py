@@ -687,3 +687,17 @@ def test_the_result_of_an_augmented_assignment_to_an_attribute_is_still_refused(
     edits.site(add).result.append(Step("gather", 2))
     with pytest.raises(UserError, match="augmented assignment"):
         rewritten(source, edits)
+
+
+def test_the_target_of_an_augmented_assignment_is_converted_and_rebound_on_the_line_before(tmp_path):
+    """LED's `attn_scores += diagonal_mask` with attn_scores split and the add run whole: x is
+    gathered on a line of its own, then added into (it was refused: cannot insert gather)."""
+    source = parse(tmp_path, AUGMENTED_SOURCE)
+    edits = no_edits()
+    add = next(source.span_of(n) for n in source.positions if isinstance(n, cst.AugAssign))
+    edits.site(add).args[("self",)] = [Step("gather", 2)]
+    code, ctx = rewritten(source, edits)
+    assert (f"        x = tp_gather(x, TP, dim=2)  # {GATHER_NOTE}\n"
+            f"        x += positions\n") in code
+    assert ctx.used == {"tp_gather", "TP"}
+    compile(code, "model.py", "exec")

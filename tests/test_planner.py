@@ -576,3 +576,49 @@ def example_inputs():
 @pytest.mark.slow
 def test_a_depthwise_convolution_between_split_convolutions_verifies(tmp_path):
     verifies_at_tp2(tmp_path, "depthwise.py", DEPTHWISE)
+
+
+SHARED_HELPER_WITH_A_TUPLE = '''
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.k = nn.Linear(8, 8)
+        self.out = nn.Linear(16, 8)
+
+    def scores(self, a, b):
+        # LED's sliding-chunk matmul: called for the attention scores and for the mask
+        return torch.einsum("bxd,byd->bxy", (a, b))
+
+    def forward(self, x, mask):
+        s = self.scores(self.q(x), self.k(x))
+        s = s + self.scores(mask.new_ones(mask.size()), mask)
+        return self.out(torch.tanh(s)).square().mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return {"x": torch.randn(4, 16, 8), "mask": torch.ones(4, 16, 8)}
+'''
+
+
+def test_a_tensor_inside_a_tuple_argument_carries_a_gradient_if_any_instance_does(tmp_path):
+    """One written argument, one conversion: a tp_copy (backward all-reduce) written for the
+    instance with gradients serves the one without. Tensors inside a list or tuple were judged
+    per instance, so LED's einsum got `copy` in one instance and nothing in the other (refused)."""
+    from nnscaler_cst.materialize.edits import _grad_at_argument
+    (tmp_path / "tuple_arg.py").write_text(SHARED_HELPER_WITH_A_TUPLE)
+    graph = analyze(tmp_path / "tuple_arg.py").graph
+    einsum = [n for n in graph.nodes if n.callee.endswith("einsum")]
+    assert len(einsum) == 2 and einsum[0].span == einsum[1].span
+    grad = _grad_at_argument(graph)
+    from nnscaler_cst.trace.records import TensorList
+    path = next(op.path for op in einsum[0].operands if isinstance(op.value, TensorList))
+    assert grad[(einsum[0].span, (*path, 0))] and grad[(einsum[0].span, (*path, 1))]

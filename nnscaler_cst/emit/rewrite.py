@@ -252,6 +252,9 @@ class InsertCollectives:
             return node.with_changes(expression=wrap(node.expression))
         if isinstance(node, cst.AugAssign) and path == ("pos", 0):
             return node.with_changes(value=wrap(node.value))
+        if isinstance(node, cst.AugAssign) and path == ("self",) and isinstance(node.target, cst.Name):
+            self.ctx.before.append(_rebound(node.target, steps, self.ctx))   # x converted, then `x += y`
+            return node
         raise UserError(f"cannot insert {'+'.join(s.op for s in steps)} on this argument", span.start,
                         hint="assign the value to a variable and pass that")
 

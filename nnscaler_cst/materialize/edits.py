@@ -124,8 +124,9 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True) -> Edits
                     continue
                 where = _list_element_layout(graph, node, plan.node_choice[node.index],
                                              f"{operand.name}[{k}]")
+                element = (*operand.path, k) if operand.path else None
                 steps = conversion(have.get(tid, R), where, consumer_split=True,
-                                   requires_grad=tensors[tid].requires_grad)
+                                   requires_grad=grad_at.get((node.span, element), tensors[tid].requires_grad))
                 if steps is None:
                     raise UserError(f"{node.callee} would need a partial sum as input", _loc(node))
                 needs[tid].append((node, (*operand.path, k) if operand.path else None, steps))
@@ -264,6 +265,10 @@ def _grad_at_argument(graph: Graph) -> dict[tuple, bool]:
             if operand.tid is not None:
                 key = (node.span, operand.path)
                 grad[key] = grad.get(key, False) or graph.trace.tensors[operand.tid].requires_grad
+            elif isinstance(operand.value, TensorList) and operand.path:   # torch.cat([a, b]), einsum(eq, (q, k))
+                for k, tid in enumerate(operand.value):
+                    key = (node.span, (*operand.path, k))
+                    grad[key] = grad.get(key, False) or graph.trace.tensors[tid].requires_grad
     return grad
 
 
