@@ -13,12 +13,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# The rewrite's options that take a value, as cli.py declares them.
-VALUE_OPTIONS = {"--tp": "tp", "--dp": "dp", "--plan": "plan", "--devices": "devices", "--cluster": "cluster",
-                 "--memory-budget": "memory_budget", "--pp": "pp", "--micro-batches": "micro_batches",
-                 "--schedule": "schedule", "--stages": "stages", "--out": "out", "-o": "out", "--model": "model"}
+from .options import DEFAULTS, VALUE_FLAGS     # the options as cli.py declares them
+
 CHECK_FLAGS = {"--check", "--verbose", "-v"}
-DEFAULT_OUT = "parallel"        # cli._options' default output folder
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,12 +34,12 @@ def _split(args: list[str]) -> tuple[dict[str, str], list[str], list[str]] | Non
     tokens = iter(args)
     for arg in tokens:
         name, eq, value = arg.partition("=")
-        if name in VALUE_OPTIONS:
+        if name in VALUE_FLAGS:
             if not eq:
                 value = next(tokens, None)
                 if value is None:
                     return None
-            given[VALUE_OPTIONS[name]] = value
+            given[VALUE_FLAGS[name]] = value
         elif arg.startswith("-") and arg != "-":
             flags.append(arg)
         else:
@@ -93,7 +90,7 @@ def _answer_from_cache(model_file: Path, given: dict[str, str]) -> bool:
         from .config import project_defaults
         from .errors import display_path
         project = project_defaults(model_file)
-        out_dir = Path(given.get("out") or project.get("out") or DEFAULT_OUT)
+        out_dir = Path(given.get("out") or project.get("out") or DEFAULTS["out"])
         if not is_current(model_file, effective_options(given, project), out_dir):
             return False
     except Exception:   # noqa: BLE001 -- anything unexpected: the full check decides, and reports

@@ -5,6 +5,8 @@ Wiring only: each command calls into the pipeline and prints; user errors exit 2
 """
 from __future__ import annotations
 
+import functools
+import inspect as pyinspect
 import json
 import os
 import sys
@@ -16,6 +18,7 @@ import typer
 from rich.console import Console
 
 from .errors import UserError
+from .options import DEFAULTS, OPTIONS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Rewrite a single-device PyTorch model into explicit per-rank parallel source.")
@@ -27,7 +30,31 @@ SUBCOMMANDS = {"rewrite", "inspect", "verify", "plan", "explain", "schedule"}
 _state = {"verbose": False}
 
 VerboseOpt = typer.Option(False, "--verbose", "-v", help="show tracebacks of errors")
-ModelOpt = typer.Option(None, "--model", help="nn.Module class in the file to build when it has no build()")
+
+
+def shared_options(*scopes: str, **own):
+    """Declare the options of `scopes` (options.OPTIONS, in its order) on a command, in place of
+    its `options` parameter, which receives them as one dict {key: value, None when not given}.
+    `own`: a typer.Option for a key that this command declares otherwise (another default or help)."""
+    chosen = [o for o in OPTIONS if o.scope in scopes]
+    assert set(own) <= {o.key for o in chosen}, own
+
+    def decorate(fn):
+        signature = pyinspect.signature(fn, eval_str=True)
+        shared = [pyinspect.Parameter(o.key, pyinspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Optional[o.type],
+                                      default=own[o.key] if o.key in own else typer.Option(None, *o.flags, help=o.help))
+                  for o in chosen]
+        params = [q for p in signature.parameters.values() for q in (shared if p.name == "options" else [p])]
+
+        @functools.wraps(fn)
+        def command(**kwargs):
+            options = {o.key: kwargs.pop(o.key) for o in chosen}
+            return fn(options=options, **kwargs)
+
+        command.__signature__ = signature.replace(parameters=params)
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+    return decorate
 
 
 @app.callback()
@@ -48,9 +75,10 @@ def _run(fn):
 
 
 @app.command()
+@shared_options("model")
 def inspect(model_file: Path = typer.Argument(..., help="model or entry file"),
             json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
-            model: Optional[str] = ModelOpt,
+            options: dict = None,
             trace_mode: str = typer.Option("auto", "--trace-mode", help="auto | fake | real"),
             verbose: bool = VerboseOpt):
     """Show every call site: source position, module, callee, shapes, split annotation."""
@@ -63,7 +91,7 @@ def inspect(model_file: Path = typer.Argument(..., help="model or entry file"),
         if trace_mode not in ("auto", "fake", "real"):
             raise UserError(f"--trace-mode {trace_mode}: unknown mode", hint="--trace-mode auto | fake | real")
         project_defaults(model_file)        # checked, and its rules folders read
-        analysis = analyze(model_file, model_class=model, trace_mode=trace_mode)
+        analysis = analyze(model_file, model_class=options["model"], trace_mode=trace_mode)
         if json_out:
             print(json.dumps(inspect_json(analysis.graph), indent=1))
             return
@@ -74,35 +102,10 @@ def inspect(model_file: Path = typer.Argument(..., help="model or entry file"),
     _run(body)
 
 
-TpOpt = typer.Option(None, "--tp", help="tensor-parallel size")
-DpOpt = typer.Option(None, "--dp", help="data-parallel size")
-ZeroOpt = typer.Option(None, "--zero", help="ZeRO stage over the data-parallel ranks: 1 shards optimizer state, "
-                       "2 also gradients, 3 also parameters")
-PlanOpt = typer.Option(None, "--plan", help="a table in rules/plans (dp, megatron, auto, ...); "
-                       "default: what --tp/--dp imply")
-DevicesOpt = typer.Option(None, "--devices", help="devices for --plan auto")
-ClusterOpt = typer.Option(None, "--cluster", help="device/cluster spec in rules/devices (default cpu-gloo)")
-PrecisionOpt = typer.Option(None, "--precision", help="compute dtype the cost model prices matmuls in: fp32 | tf32 | "
-                            "bf16 | fp16 (autocast); default the traced tensors' dtype")
-BudgetOpt = typer.Option(None, "--memory-budget", help="memory per device the plan may use: bytes, or 24GiB, 80GB, 512MiB")
-PpOpt = typer.Option(None, "--pp", help="pipeline stages (ranks)")
-MicroOpt = typer.Option(None, "--micro-batches", help="micro-batches per step (default: pp x virtual stages)")
-ScheduleOpt = typer.Option(None, "--schedule", help="gpipe | 1f1b | interleaved, or any schedule table in rules/plans")
-StagesOpt = typer.Option(None, "--stages", help="block indices where stages 1.. begin, e.g. 6,12,18")
-OutOpt = typer.Option(None, "--out", "-o", help="output folder")
-RecomputeOpt = typer.Option(None, "--recompute", help="run every repeated block under torch.utils.checkpoint: "
-                            "forward keeps its inputs only, backward reruns it")
-SequenceParallelOpt = typer.Option(None, "--sequence-parallel", help="with --tp: Megatron's sequence "
-                                   "parallelism (norms on sequence slices; reduce-scatter / all-gather)")
-
-
 def _options(model_file: Path, **given):
     """Command-line options over [tool.nnscaler-rewrite] defaults over built-in defaults."""
     from .config import check_options, project_defaults
-    defaults = {"tp": None, "dp": None, "plan": None, "out": "parallel", "model": None, "devices": None,
-                "cluster": "cpu-gloo", "precision": None, "memory_budget": None, "pp": 1, "micro_batches": None, "schedule": "1f1b",
-                "stages": None, "recompute": False, "sequence_parallel": False, "zero": 0}
-    defaults.update(project_defaults(model_file))
+    defaults = {**DEFAULTS, **project_defaults(model_file)}
     opts = {k: (v if v is not None else defaults.get(k)) for k, v in given.items()}
     check_options(opts)
     return opts
@@ -178,15 +181,9 @@ def _print_diff(text: str) -> None:
 
 
 @app.command()
+@shared_options("plan", "pipeline", "output", "model")
 def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
-            plan: Optional[str] = PlanOpt, tp: Optional[int] = TpOpt, dp: Optional[int] = DpOpt,
-            devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
-            precision: Optional[str] = PrecisionOpt,
-            memory_budget: Optional[str] = BudgetOpt, pp: Optional[int] = PpOpt,
-            micro_batches: Optional[int] = MicroOpt, schedule: Optional[str] = ScheduleOpt,
-            stages: Optional[str] = StagesOpt, recompute: Optional[bool] = RecomputeOpt,
-            sequence_parallel: Optional[bool] = SequenceParallelOpt, zero: Optional[int] = ZeroOpt,
-            out: Optional[Path] = OutOpt, model: Optional[str] = ModelOpt,
+            options: dict = None,
             diff: Optional[int] = typer.Option(None, "--diff", help="show the diff of the model file "
                                                "against the program file this rank runs, instead of writing"),
             check: bool = typer.Option(False, "--check", help="exit 1 with a diff when the output folder "
@@ -201,17 +198,13 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
     from .errors import display_path
 
     def body():
-        given = dict(tp=tp, dp=dp, plan=plan, out=out, model=model, devices=devices, cluster=cluster,
-                     precision=precision,
-                     memory_budget=memory_budget, pp=pp, micro_batches=micro_batches, schedule=schedule,
-                     stages=stages, recompute=recompute, sequence_parallel=sequence_parallel, zero=zero)
         if diff is not None and check:
             raise UserError("--diff and --check do not go together",
                             hint="--diff RANK shows the diff of the program that rank runs; "
                                  "--check compares the whole output folder")
         if diff is not None and diff < 0:
             raise UserError(f"--diff {diff}: ranks start at 0", hint="e.g. --diff 0")
-        opts = _options(model_file, **given)
+        opts = _options(model_file, **options)
         analysis, result, opened = _rewrite(model_file, opts)
         out_dir = Path(opts["out"])
         if diff is not None:
@@ -237,7 +230,7 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
                 raise typer.Exit(1)
             console.print(f"{display_path(out_dir)} is up to date")
             return
-        conflicted = _write(out_dir, model_file, given, result, opened, force)
+        conflicted = _write(out_dir, model_file, options, result, opened, force)
         console.print(f"wrote {display_path(out_dir)}/: {len(result.files)} files, plan "
                       f"{result.plan.describe()}, est. step {result.plan.estimated_step_seconds * 1e3:.2f} ms")
         if conflicted:
@@ -247,17 +240,11 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
 
 
 @app.command()
+@shared_options("plan", "pipeline", "output", "model",
+                out=typer.Option(None, "--out", "-o", help="output folder: rewritten first "
+                                 "when --tp/--dp/--plan is given, else verified as it is"))
 def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
-           plan: Optional[str] = PlanOpt, tp: Optional[int] = TpOpt, dp: Optional[int] = DpOpt,
-           devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
-           precision: Optional[str] = PrecisionOpt,
-           memory_budget: Optional[str] = BudgetOpt, pp: Optional[int] = PpOpt,
-           micro_batches: Optional[int] = MicroOpt, schedule: Optional[str] = ScheduleOpt,
-           stages: Optional[str] = StagesOpt, recompute: Optional[bool] = RecomputeOpt,
-            sequence_parallel: Optional[bool] = SequenceParallelOpt, zero: Optional[int] = ZeroOpt,
-           out: Optional[Path] = typer.Option(None, "--out", "-o", help="output folder: rewritten first "
-                                              "when --tp/--dp/--plan is given, else verified as it is"),
-           model: Optional[str] = ModelOpt,
+           options: dict = None,
            steps: int = typer.Option(3, "--steps", help="AdamW steps"),
            lr: float = typer.Option(1e-3, "--lr"),
            timeout: float = typer.Option(300.0, "--timeout", help="seconds before a hung run is ended"),
@@ -270,21 +257,17 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
     from .report.verify_view import verify_table
 
     def body():
-        given = dict(tp=tp, dp=dp, plan=plan, out=out, model=model, devices=devices, cluster=cluster,
-                     precision=precision,
-                     memory_budget=memory_budget, pp=pp, micro_batches=micro_batches, schedule=schedule,
-                     stages=stages, recompute=recompute, sequence_parallel=sequence_parallel, zero=zero)
         if steps < 1 or lr <= 0 or timeout <= 0:
             flag, value = next((f, v) for f, v, bad in (("--steps", steps, steps < 1), ("--lr", lr, lr <= 0),
                                                         ("--timeout", timeout, timeout <= 0)) if bad)
             raise UserError(f"{flag} {value:g}: must be {'at least 1' if flag == '--steps' else 'positive'}",
                             hint="e.g. --steps 3 --lr 1e-3 --timeout 300 (the defaults)")
-        opts = _options(model_file, **given)
+        opts = _options(model_file, **options)
         out_dir = Path(opts["out"])
-        if any(v is not None for v in (tp, dp, plan, devices, pp, micro_batches, schedule, stages, recompute, sequence_parallel, zero)) \
+        if any(options[o.key] is not None for o in OPTIONS if o.scope in ("plan", "pipeline") and not o.cost_only) \
                 or not out_dir.exists():
             _, result, opened = _rewrite(model_file, opts)
-            if _write(out_dir, model_file, given, result, opened, force):
+            if _write(out_dir, model_file, options, result, opened, force):
                 raise typer.Exit(1)         # conflict markers: nothing to verify until resolved
         try:
             outcome = run_verify(model_file, out_dir, steps=steps, lr=lr, timeout=timeout)
@@ -301,8 +284,7 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
     _run(body)
 
 
-def _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, model, json_out, explain, verbose,
-                  recompute=None, zero=None, precision=None, sequence_parallel=None):
+def _plan_command(model_file: Path, options: dict, json_out: bool, explain: bool, verbose: bool):
     _state["verbose"] = verbose
     from .analysis import analyze
     from .plan.cost import load_cluster
@@ -312,8 +294,7 @@ def _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, mod
     from .rewrite import _table_names, build_plan
 
     def body():
-        opts = _options(model_file, tp=tp, dp=dp, plan=plan, model=model, devices=devices, cluster=cluster,
-                        memory_budget=memory_budget, recompute=recompute, sequence_parallel=sequence_parallel, zero=zero, precision=precision)
+        opts = _options(model_file, **options)
         request = _request(opts)
         analysis = analyze(model_file, model_class=opts["model"])
         solved, tp_plan = build_plan(analysis, request)
@@ -336,41 +317,31 @@ def _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, mod
 
 
 @app.command()
+@shared_options("plan", "model")
 def plan(model_file: Path = typer.Argument(..., help="model or entry file"),
-         plan: Optional[str] = PlanOpt, tp: Optional[int] = TpOpt, dp: Optional[int] = DpOpt,
-         devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
-         memory_budget: Optional[str] = BudgetOpt, model: Optional[str] = ModelOpt,
-         recompute: Optional[bool] = RecomputeOpt,
-            sequence_parallel: Optional[bool] = SequenceParallelOpt, zero: Optional[int] = ZeroOpt,
-         precision: Optional[str] = PrecisionOpt,
+         options: dict = None,
          json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
          explain: bool = typer.Option(False, "--explain", help="also show which constraints bind"),
          verbose: bool = VerboseOpt):
     """Show the chosen plan: per op its split, n and devices; per device time and memory."""
-    _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, model, json_out, explain, verbose,
-                  recompute, zero, precision, sequence_parallel=sequence_parallel)
+    _plan_command(model_file, options, json_out, explain, verbose)
 
 
 @app.command()
+@shared_options("plan", "model")
 def explain(model_file: Path = typer.Argument(..., help="model or entry file"),
-            plan: Optional[str] = PlanOpt, tp: Optional[int] = TpOpt, dp: Optional[int] = DpOpt,
-            devices: Optional[int] = DevicesOpt, cluster: Optional[str] = ClusterOpt,
-            memory_budget: Optional[str] = BudgetOpt, model: Optional[str] = ModelOpt,
-            recompute: Optional[bool] = RecomputeOpt,
-            sequence_parallel: Optional[bool] = SequenceParallelOpt, zero: Optional[int] = ZeroOpt,
-            precision: Optional[str] = PrecisionOpt,
+            options: dict = None,
             json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
             verbose: bool = VerboseOpt):
     """`plan --explain`: the plan and the constraints that bind it."""
-    _plan_command(model_file, plan, tp, dp, devices, cluster, memory_budget, model, json_out, True, verbose,
-                  recompute, zero, precision, sequence_parallel=sequence_parallel)
+    _plan_command(model_file, options, json_out, True, verbose)
 
 
 @app.command()
+@shared_options("pipeline", "model", pp=typer.Option(2, "--pp", help="pipeline stages (ranks)"),
+                schedule=typer.Option("1f1b", "--schedule"))
 def schedule(model_file: Path = typer.Argument(..., help="model or entry file"),
-             pp: int = typer.Option(2, "--pp", help="pipeline stages (ranks)"),
-             micro_batches: Optional[int] = MicroOpt, schedule: str = typer.Option("1f1b", "--schedule"),
-             stages: Optional[str] = StagesOpt, model: Optional[str] = ModelOpt,
+             options: dict = None,
              picture: Optional[Path] = typer.Option(None, "--picture", help="write the timeline as SVG"),
              csv: bool = typer.Option(False, "--csv", help="print the schedule in "
                                       "torch.distributed.pipelining's action grammar"),
@@ -386,9 +357,10 @@ def schedule(model_file: Path = typer.Argument(..., help="model or entry file"),
     def body():
         from .config import check_options, project_defaults
         project_defaults(model_file)        # checked, and its rules folders read
-        check_options({"pp": pp, "micro_batches": micro_batches, "stages": stages, "schedule": schedule})
-        table = load_schedule(schedule)
-        analysis = analyze(model_file, model_class=model)
+        check_options(options)
+        pp, micro_batches, stages, name = (options[k] for k in ("pp", "micro_batches", "stages", "schedule"))
+        table = load_schedule(name)
+        analysis = analyze(model_file, model_class=options["model"])
         cuts = [int(x) for x in stages.split(",")] if stages else None
         plan = plan_stages(analysis.graph, pp, table.virtual_stages, cuts)
         micro = micro_batches or pp * table.virtual_stages
@@ -403,7 +375,7 @@ def schedule(model_file: Path = typer.Argument(..., help="model or entry file"),
             console.print(f"{plan.trunk.container}: {blocks}; bubble {100 * bubble_fraction(events, pp):.1f}% "
                           f"(cost model), 1F1B formula (D-1)/(D-1+M) = {100 * (pp - 1) / (pp - 1 + micro):.1f}%")
         if picture:
-            picture.write_text(timeline_svg(events, pp, f"{schedule}: {pp} ranks x {micro} micro-batches"))
+            picture.write_text(timeline_svg(events, pp, f"{name}: {pp} ranks x {micro} micro-batches"))
             console.print(f"wrote {picture}")
 
     _run(body)

@@ -13,12 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from .errors import Location, UserError, display_path, toml_error
+from .options import OPTIONS
 
-# key -> what its value must be
-KEYS = {"tp": "size", "dp": "size", "pp": "size", "devices": "size", "micro_batches": "size",
-        "plan": "name", "schedule": "name", "cluster": "name", "precision": "name", "model": "name", "out": "name",
-        "memory_budget": "bytes", "stages": "stages", "rules": "paths", "recompute": "flag", "sequence_parallel": "flag",
-        "zero": "zero_stage",
+# key -> what its value must be: the command line's options (options.py), and two of the file's own
+KEYS = {**{option.key: option.kind for option in OPTIONS},
+        "rules": "paths",
         "model_file": "name"}   # the model file `nnscaler-rewrite --check` (the pre-commit hook) checks
 _SECTION = "tool.nnscaler-rewrite"
 
