@@ -625,6 +625,60 @@ def test_handoff_whose_shapes_change_under_the_same_input_shapes_is_refused_or_s
     ranks.run(_check_handoff_shape_change, 2, pp=2)
 
 
+def _structured(m, *, grad=True, dtype=torch.float32, middle=None, heads=4, extra=None):
+    """A hand-off with a tensor that may need a gradient, a None, and a dict of a tensor and an int."""
+    act = _full(2, 3, seed=20 + m).to(dtype)
+    act = (act.requires_grad_() * 2) if grad else act
+    info = {"mask": torch.arange(6).view(2, 3) % (m + 2) == 0, "heads": heads}
+    if extra is not None:
+        info["extra"] = extra
+    return (act, middle, info)
+
+
+def _check_handoff_structure_change(rank, world):
+    """Structure changes between hand-offs under one key are refused on the sender, before it
+    posts anything, with what changed; the receiver is never handed a misread tensor. Under a new
+    key (new input shapes) the new structure gets its own header and arrives intact, and the
+    first structure still goes through under its own key."""
+    key, other_key = _comm.shape_key(torch.zeros(2, 5)), _comm.shape_key(torch.zeros(2, 6))
+    changes = [   # (changed hand-off, what the error says)
+        (dict(middle=_full(2, seed=5)), r"2 tensor\(s\) first, now 3"),     # None -> a tensor
+        (dict(grad=False), r"tensor 0: requires_grad True first, now False"),
+        (dict(dtype=torch.float64), r"tensor 0: dtype torch.float32 first, now torch.float64"),
+        (dict(heads=8), r"the structure or a plain value differs"),           # a plain value
+        (dict(extra=1), r"the structure or a plain value differs"),           # a new dict key
+    ]
+    _comm.reset_counters()
+    if rank == 0:
+        for r in _comm.send_values(_structured(0), 1, 1, 0, key):
+            r.wait()
+        for m, (change, says) in enumerate(changes, start=1):
+            with pytest.raises(_comm.HandoffMismatch, match=rf"stage 1 \(micro-batch {m}\).*{says}"):
+                _comm.activation_sends(_structured(m, **change), 1, 1, m, key)
+        for r in _comm.send_values(_structured(6, middle=_full(2, seed=5)), 1, 1, 6, other_key):
+            r.wait()
+        for r in _comm.send_values(_structured(7), 1, 1, 7, key):
+            r.wait()
+        # headers: the first structure, then the new one under its own key; none for the refusals
+        assert _comm.COUNTERS["handoff_headers"] == 2, _comm.COUNTERS
+    else:
+        for m, kwargs, k in [(0, {}, key), (6, dict(middle=_full(2, seed=5)), other_key), (7, {}, key)]:
+            values, tensors = _comm.recv_values(0, 1, m, k)
+            expected = _structured(m, **kwargs)
+            assert len(tensors) == len(_comm.flat_tensors(expected))
+            assert_close(values[0], expected[0].detach())
+            assert values[0].requires_grad and not values[2]["mask"].requires_grad
+            assert (values[1] is None) == (expected[1] is None)
+            if expected[1] is not None:
+                assert_close(values[1], expected[1])
+            assert torch.equal(values[2]["mask"], expected[2]["mask"]) and values[2]["heads"] == 4
+
+
+@pytest.mark.slow
+def test_handoff_structure_change_is_refused_under_the_same_key_and_resent_under_a_new_one(ranks):
+    ranks.run(_check_handoff_structure_change, 2, pp=2)
+
+
 # --------------------------------------------------------------------------
 # Size-1 axes: everything is the identity, in one plain process
 # --------------------------------------------------------------------------

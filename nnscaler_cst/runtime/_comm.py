@@ -845,7 +845,7 @@ def _tag(kind: int, stage: int, micro: int, piece: int) -> int:
 #   finds deadlock-free stays so.
 
 HANDOFF_METADATA = "once"      # or "every": a header with every forward hand-off
-_SENT_HEADERS: dict = {}       # (dst, stage, key) -> pickled structure sent (sender's cache)
+_SENT_HEADERS: dict = {}       # (dst, stage, key) -> (signature, structure) sent (sender's cache)
 _RECEIVED_HEADERS: dict = {}   # (src, stage, key) -> (structure, tensor slots) received (receiver's cache)
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.Size, torch.dtype, torch.device)
 
@@ -878,6 +878,23 @@ def _cacheable(structure) -> bool:
     if isinstance(structure, dict):
         return all(_cacheable(k) and _cacheable(v) for k, v in structure.items())
     return False
+
+
+def _signature(value, tensors: list):
+    """The metadata of handed-over values as a tuple to compare with ==, collecting their tensors
+    on the way.  The sender checks each hand-off against the cached header with it: cheaper than
+    pickling the structure each time.  Types are part of it, so 1, 1.0 and True differ (as in the
+    pickled header); floats compare by repr, so a NaN matches itself."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return (torch.Tensor, tuple(value.shape), value.dtype, value.requires_grad)
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(_signature(v, tensors) for v in value))
+    if isinstance(value, dict):
+        return (dict, tuple((k, _signature(v, tensors)) for k, v in value.items()))
+    if isinstance(value, (float, complex)):
+        return (type(value), repr(value))
+    return (type(value), value)
 
 
 def _clear_handoff_cache() -> None:
@@ -934,20 +951,21 @@ def activation_sends(values: tuple, dst: int, stage: int, micro: int, key=()) ->
     the header if (dst, stage, key) has not been sent before (or HANDOFF_METADATA is "every"),
     then one per tensor.  Nothing is sent until post_p2p posts them."""
     tensors: list = []
-    structure = _slots(values, tensors)
-    data = pickle.dumps(structure)
     cache_key = (dst, stage, key)
+    cached = None if HANDOFF_METADATA == "every" else _SENT_HEADERS.get(cache_key)
     pieces = [None, None]
-    if HANDOFF_METADATA == "every" or cache_key not in _SENT_HEADERS:
-        pieces = _header_pieces(data)
+    if cached is None:
+        structure = _slots(values, tensors)
+        pieces = _header_pieces(pickle.dumps(structure))
         if HANDOFF_METADATA != "every" and _cacheable(structure):
-            _SENT_HEADERS[cache_key] = data
+            _SENT_HEADERS[cache_key] = (_signature(values, []), structure)
         COUNTERS["handoff_headers"] += 1
-    elif _SENT_HEADERS[cache_key] != data:
+    elif _signature(values, tensors) != cached[0]:
+        # the receiver would read these tensors with the cached shapes: refuse before sending
         raise HandoffMismatch(
             f"pipeline hand-off to stage {stage} (micro-batch {micro}): the values differ from "
             f"those of an earlier micro-batch with the same input shapes "
-            f"({_mismatch(pickle.loads(_SENT_HEADERS[cache_key]), structure)}). The receiver "
+            f"({_mismatch(cached[1], _slots(values, []))}). The receiver "
             f"would read them with the cached metadata. If it depends on the data, set "
             f"HANDOFF_METADATA = \"every\" in _comm.py (on every rank) to send them with every hand-off.")
     pieces += [t.detach().contiguous() for t in tensors]
