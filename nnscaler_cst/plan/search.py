@@ -207,14 +207,21 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
                             "(please report it)", _site_location(graph, options, sid))
         hard += [var[sid] >= 0, var[sid] < len(options[sid].options)]
     for constraint in constraints:
+        narrowed = []
         for sid in sids:
             opts = options[sid]
             selected = [i for i in opts.nodes if constraint.selects(graph, i)]
-            if not selected:
-                continue
-            allowed = [k for k in range(len(opts.options))
-                       if all(constraint.allows(graph, i, opts.labels[i][k]) for i in selected)]
-            if not allowed and _weights_cannot_split_here(constraint, opts):
+            if selected:
+                narrowed.append((sid, [k for k in range(len(opts.options))
+                                       if all(constraint.allows(graph, i, opts.labels[i][k]) for i in selected)]))
+        # a blanket split that fits some weights leaves the others whole; one that fits none
+        # stays hard, so that the unsat core says which sizes do not divide
+        cannot = {sid for sid, allowed in narrowed if not allowed and _weights_cannot_split_here(constraint, options[sid])}
+        if len(cannot) == len(narrowed):
+            cannot = set()
+        for sid, allowed in narrowed:
+            opts = options[sid]
+            if sid in cannot:
                 left_whole.append(_left_whole_warning(graph, options, sid, n))
                 continue
             if len(allowed) < len(opts.options):
