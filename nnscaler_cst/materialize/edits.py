@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from ..errors import UserError
 from ..graph.graph import Graph
-from ..plan.layouts import REPLICATE, R, Layout, layouts_for
+from ..plan.layouts import REPLICATE, R, Layout, layouts_for, shard
 from ..plan.search import AxisChoices
 from .size_args import SIZE_ARGUMENTS, SPLIT_SIZES, locate_size_argument
 from .size_reads import full_size_reads
@@ -129,7 +129,7 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True) -> Edits
                                    requires_grad=grad_at.get((node.span, element), tensors[tid].requires_grad))
                 if steps is None:
                     raise UserError(f"{node.callee} would need a partial sum as input", _loc(node))
-                needs[tid].append((node, (*operand.path, k) if operand.path else None, steps))
+                needs[tid].append((node, element, steps))
     if trace.loss is not None:
         needs[trace.loss].append((None, None, conversion(have.get(trace.loss, R), R, consumer_split=False,
                                                           requires_grad=False)))
@@ -239,7 +239,7 @@ def _list_element_layout(graph: Graph, node: Node, choice: str, name: str) -> La
     dims = graph.dims.get(node.index)
     tensor = dims.inputs.get(name) if dims is not None else None
     where = tensor.where(choice) if tensor is not None else None
-    return Layout("S", *where) if where else R
+    return shard(*where) if where else R
 
 
 def _argument(consumer: Node | None, path: tuple | None) -> tuple | None:
