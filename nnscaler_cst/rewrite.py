@@ -29,7 +29,7 @@ from .verify.simulate import simulate
 from .verify.dry_run import dry_run
 from .plan.layouts import REPLICATE
 from .plan.auto import dp_only, search_auto
-from .plan.batch import check_batch_split
+from .plan.batch import check_batch_split, loss_reduction
 from .plan.choices import choices_from_plan
 from .plan.cost import check_precision, load_cluster, node_time, optimizer_time
 from .plan.search import AxisPlan, search_axis
@@ -265,6 +265,8 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
     files["train.py"] = with_header(templates.TRAIN.format(source=source_label, plan=plan.describe(),
                                                            world=plan.world_size, folder="<this folder>",
                                                            partial=partial, pipeline_step=pipeline_step,
+                                                           loss_shares=templates.LOSS_SHARES[
+                                                               loss_reduction(analysis.graph)],
                                                            **templates.data_parallel_step(
                                                                request.zero if request else 0)),
                                     f"from {source_label}")

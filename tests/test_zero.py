@@ -49,7 +49,7 @@ def test_the_step_reduce_scatters_gradients_and_gathers_parameters_by_name(mlp_a
     assert "_comm.zero_shards(model.parameters(), _comm.DP, stage=ZERO_STAGE)" in train
     assert "return [model.zero_shards.shard]" in train          # the optimizer steps the shard only
     assert "_comm.sync_grads(list(model.parameters()), _comm.DP" not in step   # no all-reduce of gradients
-    reduce_at = step.index("_comm.reduce_scatter_grads(model.zero_shards, _comm.DP)")
+    reduce_at = step.index("_comm.reduce_scatter_grads(model.zero_shards, _comm.DP, average=AVERAGE_SHARES)")
     step_at = step.index("optimizer.step()")
     assert reduce_at < step_at
     gather_at = step.index("_comm.all_gather_params(model.zero_shards, _comm.DP)")
@@ -63,13 +63,13 @@ def test_the_step_reduce_scatters_gradients_and_gathers_parameters_by_name(mlp_a
 
 def test_without_zero_the_gradients_are_all_reduced_and_every_parameter_stepped(mlp_analysis):
     train = train_source(mlp_analysis, dp=2)
-    assert "_comm.sync_grads(list(model.parameters()), _comm.DP, average=True)" in step_body(train)
+    assert "_comm.sync_grads(list(model.parameters()), _comm.DP, average=AVERAGE_SHARES)" in step_body(train)
     assert "ZERO_STAGE" not in train and "zero_shards" not in train
 
 
 def test_zero_composes_with_tensor_parallel_over_the_data_parallel_axis(mlp_analysis):
     step = step_body(train_source(mlp_analysis, tp=2, dp=2, zero=1))
-    assert step.index("_comm.TP, average=False)") < step.index("_comm.reduce_scatter_grads(model.zero_shards, _comm.DP)")
+    assert step.index("_comm.TP, average=False)") < step.index("_comm.reduce_scatter_grads(model.zero_shards, _comm.DP, average=AVERAGE_SHARES)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,7 +152,7 @@ def test_zero_trains_like_the_single_device_run(entry, tp, stage, tmp_path):
     assert outcome["world_size"] == 2 * tp and f"zero{stage}" in outcome.get("plan", f"zero{stage}")
     assert outcome["max_abs_error"] <= outcome["tolerance"]["param_atol"]
     train = (tmp_path / "out" / "train.py").read_text()
-    assert "_comm.reduce_scatter_grads(model.zero_shards, _comm.DP)" in train
+    assert "_comm.reduce_scatter_grads(model.zero_shards, _comm.DP, average=AVERAGE_SHARES)" in train
 
 
 MEASURE = textwrap.dedent('''

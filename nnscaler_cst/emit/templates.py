@@ -220,7 +220,7 @@ from . import DP_SIZE, PP_SIZE, TP_SIZE, WORLD_SIZE, build, rank_module, shard_s
 
 # Whole parameters whose gradient each tensor-parallel rank holds only in part.
 TP_PARTIAL_GRADS = [{partial}]
-
+{loss_shares}
 
 def split_batch(batch):
     """This data-parallel rank's share of a batch: its slice of dim 0 of every tensor."""
@@ -251,9 +251,10 @@ def train_step(model, optimizer, batch, module):
     named = dict(model.named_parameters())
     _comm.sync_grads([named[n] for n in TP_PARTIAL_GRADS if n in named], _comm.TP, average=False)
 {dp_update}    full = loss.detach().clone()
-    if _comm.DP.size > 1:  # the full batch's loss is the mean of the data-parallel shares
+    if _comm.DP.size > 1:  # the full batch's loss from the data-parallel shares
         dist.all_reduce(full, group=_comm.DP.group)
-        full /= _comm.DP.size
+        if AVERAGE_SHARES:
+            full /= _comm.DP.size
     return full.item()
 
 
@@ -353,7 +354,7 @@ def pipeline_train_step(stages, optimizer, batch, module):
             inputs = micro[m]
             try:
                 output = stages[local[stage]](**inputs) if isinstance(inputs, dict) else stages[local[stage]](*inputs)
-                loss = loss_of(module, output) / MICRO_BATCHES
+                loss = loss_of(module, output) / (MICRO_BATCHES if AVERAGE_SHARES else 1)
                 loss_sum += loss.detach()
                 sent = [loss]
             except _comm.StageBoundary as boundary:
@@ -380,19 +381,20 @@ def pipeline_train_step(stages, optimizer, batch, module):
     _comm.sync_grads(tied, _comm.PP_ENDS, average=False)    # the embedding and the head tied across stages
     _comm.sync_grads([p for k, p in named.items() if k.partition(".")[2] in TP_PARTIAL_GRADS], _comm.TP,
                      average=False)
-    _comm.sync_grads(list(stages.parameters()), _comm.DP, average=True)
+    _comm.sync_grads(list(stages.parameters()), _comm.DP, average=AVERAGE_SHARES)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     dist.all_reduce(loss_sum, group=_comm.PP.group)         # only the last stage holds the loss
     if _comm.DP.size > 1:
         dist.all_reduce(loss_sum, group=_comm.DP.group)
-        loss_sum /= _comm.DP.size
+        if AVERAGE_SHARES:
+            loss_sum /= _comm.DP.size
     return loss_sum.item()
 '''
 
 
 # The data-parallel part of train_step: after the backward, until the optimizer has stepped.
-DP_UPDATE = """    _comm.sync_grads(list(model.parameters()), _comm.DP, average=True)  # data parallel: mean
+DP_UPDATE = """    _comm.sync_grads(list(model.parameters()), _comm.DP, average=AVERAGE_SHARES)  # data parallel
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 """
@@ -426,22 +428,35 @@ ZERO_GATHER = """    _comm.all_gather_params(model.zero_shards, _comm.DP)  # ZeR
 """
 
 ZERO_DP_UPDATE = {
-    1: """    _comm.reduce_scatter_grads(model.zero_shards, _comm.DP)  # mean gradient; this rank's shard to the optimizer
+    1: """    # this rank's shard of the data-parallel gradient, to the optimizer
+    _comm.reduce_scatter_grads(model.zero_shards, _comm.DP, average=AVERAGE_SHARES)
     optimizer.step()                                          # steps this rank's shard of the parameters
     optimizer.zero_grad(set_to_none=True)
     model.zero_grad(set_to_none=False)                        # ZeRO-1 keeps its full gradient buffer: zeroed
     _comm.all_gather_params(model.zero_shards, _comm.DP)     # every rank's updated shard, to every rank
 """,
-    2: """    _comm.reduce_scatter_grads(model.zero_shards, _comm.DP)  # mean gradient; only this rank's shard is kept
+    2: """    # only this rank's shard of the data-parallel gradient is kept
+    _comm.reduce_scatter_grads(model.zero_shards, _comm.DP, average=AVERAGE_SHARES)
     optimizer.step()                                          # steps this rank's shard of the parameters
     optimizer.zero_grad(set_to_none=True)
     _comm.all_gather_params(model.zero_shards, _comm.DP)     # every rank's updated shard, to every rank
 """,
-    3: """    _comm.reduce_scatter_grads(model.zero_shards, _comm.DP)  # mean gradient; only this rank's shard is kept
+    3: """    # only this rank's shard of the data-parallel gradient is kept
+    _comm.reduce_scatter_grads(model.zero_shards, _comm.DP, average=AVERAGE_SHARES)
     _comm.free_params(model.zero_shards)                      # whole parameters dropped: the shard stays
     optimizer.step()                                          # steps this rank's shard of the parameters
     optimizer.zero_grad(set_to_none=True)
 """,
+}
+
+
+# How the loss combines its samples decides how the shares of the batch (data-parallel ranks,
+# micro-batches) combine: averaged for a mean, added for a sum.
+LOSS_SHARES = {
+    "mean": "\n# The loss is a mean over the batch: data-parallel and micro-batch shares are averaged.\n"
+            "AVERAGE_SHARES = True\n",
+    "sum": "\n# The loss sums over the batch: data-parallel and micro-batch shares are added up.\n"
+           "AVERAGE_SHARES = False\n",
 }
 
 

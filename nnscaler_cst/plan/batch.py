@@ -5,7 +5,7 @@ The batch dim is followed from the model's inputs through each op's split annota
 whose batch label is fixed (BatchNorm's statistics), or that has no annotation at all, cannot
 run on a slice. Reducing over the batch is what a loss does (DP averages the gradients), but a
 batch-reduced value that meets the batch again (`x - x.mean(0)`) would mix samples. Checks;
-decides nothing.
+decides nothing, except how the loss combines the samples (`loss_reduction`).
 """
 from __future__ import annotations
 
@@ -48,27 +48,37 @@ def batch_labels(graph: Graph) -> dict[int, str]:
     return labels
 
 
-def _first_mixing_op(graph: Graph, labels: dict[int, str] | None = None) -> tuple[Node, str] | None:
+def loss_reduction(graph: Graph) -> str:
+    """"sum" when the loss adds up its samples (`x.sum()`, a loss function's reduction="sum"),
+    else "mean". Data-parallel and micro-batch shares of the loss, and their gradients, are
+    summed for a sum and averaged for a mean; a mean is the usual case and the default."""
+    kinds: dict[int, str] = {}
+    _first_mixing_op(graph, kinds=kinds)
+    return kinds.get(graph.trace.loss, "mean")
+
+
+def _first_mixing_op(graph: Graph, labels: dict[int, str] | None = None,
+                     kinds: dict[int, str] | None = None) -> tuple[Node, str] | None:
     trace = graph.trace
     tensors = trace.tensors
     batch = trace.batch_size
     if not batch:
         return None
     batched = {tid: 0 for tid in trace.inputs.values() if tensors[tid].shape and tensors[tid].shape[0] == batch}
-    reduced: set[int] = set()          # values computed across the batch
+    reduced: dict[int, str] = {}       # values computed across the batch: "sum" or "mean" of the samples
     for node in graph.nodes:
         inputs = list(_batched_operands(node, batched))
         mixes = any(t in reduced for t in node.inputs)
         if not inputs:
             if mixes:
-                reduced.update(node.produced)
+                reduced.update(dict.fromkeys(node.produced, _combined_kind(node, reduced, batch, trace)))
             continue
         if _dead(node):
             continue
         if mixes:
             return node, "combines a value reduced over the batch with the batch itself"
         if all(not tensors[t].shape for t in node.outputs or node.produced):   # a loss or metric: DP averages it
-            reduced.update(node.produced)
+            reduced.update(dict.fromkeys(node.produced, _reducer_kind(node, trace)))
             continue
         dims = graph.dims.get(node.index)
         if dims is None:
@@ -87,13 +97,49 @@ def _first_mixing_op(graph: Graph, labels: dict[int, str] | None = None) -> tupl
             if label in dims.fixed:
                 return node, f"needs the whole batch: dim {dim} of {operand} is fixed in its rule"
             if label in dims.reduced:
-                reduced.update(node.produced)
+                reduced.update(dict.fromkeys(node.produced, _reducer_kind(node, trace)))
                 continue
             for out in dims.outputs:
                 place = out.where(label)
                 if place is not None and place[1] == 1:
                     batched[out.tid] = place[0]
+    if kinds is not None:
+        kinds.update(reduced)
     return None
+
+
+_SUMS = {"sum", "nansum"}
+_DIVIDES = {"div", "div_", "true_divide", "__truediv__", "__itruediv__", "divide"}
+_MULTIPLIES = {"mul", "mul_", "__mul__", "__rmul__", "__imul__", "multiply"}
+
+
+def _reducer_kind(node: Node, trace) -> str:
+    """Whether the op that reduces the batch sums its samples: its last reducing torch call is a
+    sum, or a loss function called with reduction="sum", and no arithmetic follows it."""
+    for op in reversed([trace.ops[i] for i in node.ops]):
+        name = op.func.rsplit(".", 1)[-1]
+        if name in _SUMS:
+            return "sum"
+        if op.reduction is not None:
+            return "sum" if op.reduction == "sum" else "mean"
+        if name in _DIVIDES or name in _MULTIPLIES or name in ("mean", "nanmean"):
+            return "mean"
+    return "mean"
+
+
+def _combined_kind(node: Node, reduced: dict[int, str], batch: int, trace) -> str:
+    """The kind of a value computed from batch-reduced values only. A sum divided by another
+    batch-reduced value (a count of tokens) or scaled by a multiple of the batch size
+    (`loss.sum() / x.shape[0]`) is a mean; sums added to sums stay a sum; any other mix, a mean."""
+    kinds = {reduced[t] for t in node.inputs if t in reduced}
+    names = {trace.ops[i].func.rsplit(".", 1)[-1] for i in node.ops}
+    if names & (_DIVIDES | _MULTIPLIES):
+        by_reduced = len([t for t in node.inputs if t in reduced]) > 1
+        by_batch = any(isinstance(o.value, int) and not isinstance(o.value, bool) and o.value and o.value % batch == 0
+                       for o in node.operands)
+        if by_reduced or by_batch:
+            return "mean"
+    return kinds.pop() if len(kinds) == 1 else "mean"
 
 
 def _dead(node: Node) -> bool:

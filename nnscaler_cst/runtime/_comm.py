@@ -651,9 +651,10 @@ def zero_shards(params: Iterable[torch.nn.Parameter], axis: Axis, *, stage: int)
     return ZeroShards(params, axis, stage)
 
 
-def reduce_scatter_grads(shards: ZeroShards, axis: Axis) -> None:
-    """Reduce-scatter(mean) of the gradients over ``axis``: this rank's shard of the mean gradient
-    becomes ``shards.shard.grad``.  From stage 2 on the full gradients are dropped (``.grad = None``)."""
+def reduce_scatter_grads(shards: ZeroShards, axis: Axis, *, average: bool = True) -> None:
+    """Reduce-scatter of the gradients over ``axis`` (their mean with ``average``, else their sum):
+    this rank's shard of the result becomes ``shards.shard.grad``.  From stage 2 on the full
+    gradients are dropped (``.grad = None``)."""
     if shards.grads is not None:                   # stage 1: the gradients already lie in one buffer
         flat = shards.grads
     else:
@@ -669,7 +670,8 @@ def reduce_scatter_grads(shards: ZeroShards, axis: Axis) -> None:
         local = torch.empty(shards.shard_numel, dtype=shards.dtype, device=shards.device)
         _record("reduce_scatter", flat)
         dist.reduce_scatter(local, list(flat.chunk(axis.size)), group=axis.group)
-        local.div_(axis.size)
+        if average:
+            local.div_(axis.size)
     if shards.grads is not None:
         shards.grads[start:start + shards.shard_numel].copy_(local)
         local = shards.grads[start:start + shards.shard_numel]

@@ -65,6 +65,7 @@ class OpCall:
     outputs: list[int]
     mapped: bool
     returns_input: bool = False     # every output is an input object the call left unmodified
+    reduction: str | None = None    # a loss function's reduction= ("mean", "sum", ...), when given
 
 
 @dataclass

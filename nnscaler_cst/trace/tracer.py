@@ -301,7 +301,9 @@ class Tracer(TorchFunctionMode):
         replay = self.replays.get(node.index)
         if replay is not None and replay.outputs is None and replay.fn is func:
             replay.outputs = out_tids
-        self.ops.append(OpCall(torch_func_name(func), node.index, in_tids, out_tids, node.mapped, returns_input))
+        reduction = kwargs.get("reduction") if kwargs else None
+        self.ops.append(OpCall(torch_func_name(func), node.index, in_tids, out_tids, node.mapped, returns_input,
+                               reduction if isinstance(reduction, str) else None))
         node.ops.append(len(self.ops) - 1)
 
     def _span(self, own) -> Span | None:
