@@ -436,11 +436,48 @@ def test_a_tensor_whose_size_builds_positions_is_never_split_on_that_dim(tmp_pat
     (tmp_path / "positions.py").write_text(POSITIONS_FROM_A_SIZE)
     graph = analyze(tmp_path / "positions.py").graph
     read = dims_read_whole(graph)
-    (h, dims), = read.items()                  # `h.shape` is read whole: every dim of h counts
-    assert graph.trace.tensors[h].shape == (2, 16, 32) and dims == {None}
+    (h, dims), = read.items()                  # `h.shape[1]`: dim 1 of h, not the others
+    assert graph.trace.tensors[h].shape == (2, 16, 32) and dims == {1}
     producer = graph.trace.tensors[h].producer
     options = next(o for o in site_options(graph, 2).values() if producer in o.nodes)
     assert "split dim 1" in " ".join(options.why.values())      # the seq split is refused
+
+
+SHAPE_INDEXED = """import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d, self.e = (nn.Linear(8, 8) for _ in range(5))
+
+    def forward(self, x):
+        a, b, c, d, e = self.a(x), self.b(x), self.c(x), self.d(x), self.e(x)
+        y = a * torch.ones(a.shape[-1]) + b * torch.ones(b.size()[0], 1, 1)
+        y = y + c * torch.ones(c.shape[:-1]).unsqueeze(-1) + d * torch.ones(d.shape)
+        i = len(e.shape) - 1
+        return (y + e * torch.ones(e.shape[i])).square().mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return {"x": torch.randn(2, 4, 8)}
+"""
+
+
+def test_a_shape_indexed_at_once_with_constants_keeps_only_those_dims_whole(tmp_path):
+    """`a.shape[-1]`, `b.size()[0]`, `c.shape[:-1]` read those dims only; the whole `d.shape`,
+    and an index the source computes (`e.shape[i]`), read every dim."""
+    from nnscaler_cst.plan.whole_sizes import ANY_DIM, dims_read_whole
+    (tmp_path / "indexed.py").write_text(SHAPE_INDEXED)
+    graph = analyze(tmp_path / "indexed.py").graph
+    read = dims_read_whole(graph)
+    by_layer = {graph.nodes[graph.trace.tensors[t].producer].callee_path: dims for t, dims in read.items()}
+    assert by_layer == {"a": {2}, "b": {0}, "c": {0, 1}, "d": {ANY_DIM}, "e": {ANY_DIM}}
 
 
 SIZES_READ_INTO_NAMES = """import torch

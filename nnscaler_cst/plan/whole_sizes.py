@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import libcst as cst
+
 from ..graph.graph import Graph
 from ..materialize.size_args import SIZE_ARGUMENTS, SPLIT_SIZES
 from .layouts import REPLICATE, ChoiceLayouts, layouts_for
@@ -31,8 +33,44 @@ def dims_read_whole(graph: Graph, every_read: bool = False) -> dict[int, set[int
         if consumer is not None and callee[consumer] in SIZE_ARGUMENTS | SPLIT_SIZES:
             continue                # a view's size: the rewrite makes the view local
         rank = len(graph.trace.tensors[tid].shape)
-        out[tid].add(dim % rank if isinstance(dim, int) and rank else ANY_DIM)
+        if isinstance(dim, int) and rank:
+            out[tid].add(dim % rank)
+        else:
+            out[tid].update(_indexed_dims(graph, span, rank))
     return dict(out)
+
+
+def _int(node: cst.BaseExpression | None) -> int | None:
+    if isinstance(node, cst.Integer):
+        return int(node.value)
+    if isinstance(node, cst.UnaryOperation) and isinstance(node.operator, cst.Minus) and isinstance(
+            node.expression, cst.Integer):
+        return -int(node.expression.value)
+    return None
+
+
+def _indexed_dims(graph: Graph, span, rank: int) -> set[int | None]:
+    """The dims a whole-shape read uses when the source indexes it at once with constants
+    (`x.shape[-1]`, `x.size()[1]`, `x.shape[:-1]`), else ANY_DIM."""
+    if graph.sources is None or span.path not in graph.sources or not rank:
+        return {ANY_DIM}
+    source = graph.sources.get(span.path)
+    node = source.node_at(span.line, span.col, span.end_line, span.end_col)
+    parent = source.parents.get(node) if node is not None else None
+    if isinstance(parent, cst.Call) and parent.func is node and not parent.args:   # x.size()
+        node, parent = parent, source.parents.get(parent)
+    if not (isinstance(parent, cst.Subscript) and parent.value is node and len(parent.slice) == 1):
+        return {ANY_DIM}
+    index = parent.slice[0].slice
+    if isinstance(index, cst.Index):
+        at = _int(index.value)
+        return {ANY_DIM} if at is None or not -rank <= at < rank else {at % rank}
+    if isinstance(index, cst.Slice) and index.step is None:
+        bounds = [_int(b) if b is not None else None for b in (index.lower, index.upper)]
+        if any(b is None and e is not None for b, e in zip(bounds, (index.lower, index.upper))):
+            return {ANY_DIM}
+        return set(range(rank)[slice(*bounds)])
+    return {ANY_DIM}
 
 
 def splits_read_size(graph: Graph, index: int, lay: ChoiceLayouts, read: dict[int, set[int | None]]) -> str | None:
