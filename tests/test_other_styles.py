@@ -1,6 +1,8 @@
 """Models written in other styles: layers called by nn.Sequential, batches that cannot be sliced,
 layers no rule can split, writes by index (`x[:, 0] = v`), and research-style decoders
-(complex rotary embeddings, kv heads widened with `expand`, `mask.type_as(x)`).
+(complex rotary embeddings, kv heads widened with `expand`, `mask.type_as(x)`), and an
+AlphaFold2-style trunk (fixtures/evoformer.py: MSA and pair representations, attention with a
+pair bias, outer-product mean, triangle updates, einsum everywhere, recycling without gradients).
 
 A call to an nn.Sequential from the model file is traced as calls to each of its layers, so
 the planner sees (and may split) every layer; when collectives must sit between layers, the
@@ -372,6 +374,18 @@ def test_batches_pass_through_complex_rotary_and_widened_kv_heads(rotary_graph):
     assert batch_split_problem(rotary_graph, "data parallel") is None
 
 
+@pytest.mark.slow          # a whole-model CLI run
+def test_a_trunk_run_again_by_recycling_is_refused_for_pipelines_at_its_blocks_call(tmp_path, fixtures_dir):
+    """Evoformer's forward runs its block loop three times (recycling): a pipeline stage runs its
+    blocks once per micro-batch, so --pp is refused before anything is written."""
+    source = (fixtures_dir / "evoformer.py").read_text().splitlines()
+    line = next(i for i, text in enumerate(source, 1) if "= block(m, z)" in text)
+    result = cli("rewrite", fixtures_dir / "evoformer.py", "--pp", "2", "--micro-batches", "2",
+                 "-o", tmp_path / "out")
+    assert result.returncode == 2 and not (tmp_path / "out").exists()
+    assert f"evoformer.py:{line}:" in result.stderr and "run 3 times in one forward" in result.stderr
+
+
 # ---- proven on gloo -------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("fixture, args", [
@@ -383,8 +397,10 @@ def test_batches_pass_through_complex_rotary_and_widened_kv_heads(rotary_graph):
     ("bert", ("--tp", "2")),
     ("indexed_writes.py", ("--tp", "2")),
     ("complex_rotary.py", ("--tp", "2", "--dp", "2")),
+    ("evoformer.py", ("--tp", "2", "--dp", "2")),
 ], ids=["convnet-tp2", "einsum-tp2", "residual-pp2xtp2", "multihead-attention-tp2",
-        "vit-dp2xtp2", "hf-bert-with-dropout-tp2", "indexed-writes-tp2", "complex-rotary-dp2xtp2"])
+        "vit-dp2xtp2", "hf-bert-with-dropout-tp2", "indexed-writes-tp2", "complex-rotary-dp2xtp2",
+        "evoformer-dp2xtp2"])
 def test_other_styles_train_like_the_single_device_run(tmp_path, fixtures_dir, fixture, args):
     path = fixtures_dir / fixture
     if fixture in ENTRIES:

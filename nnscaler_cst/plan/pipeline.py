@@ -147,6 +147,7 @@ def handoff_variables(function: cst.FunctionDef, loop_index: int) -> list[str]:
 
 def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | None = None) -> StagePlan:
     trunk = find_trunk(graph)
+    _check_blocks_run_once(graph, trunk)
     stages = ranks * virtual
     n_blocks = len(trunk.blocks)
     if n_blocks < stages:
@@ -192,6 +193,18 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
     _ownership(graph, plan)
     _check_state_writes(graph, plan)
     return plan
+
+
+def _check_blocks_run_once(graph: Graph, trunk: Trunk) -> None:
+    """Each stage runs its blocks once per micro-batch, then hands on: a trunk the forward runs
+    again (recycling) would need its last stage to hand back to its first."""
+    runs = graph.trace.module_runs.get(trunk.blocks[0], 1)
+    if runs > 1:
+        raise UserError(f"the blocks of {trunk.container} run {runs} times in one forward (the loop over them is "
+                        "itself run again: recycling, or a trunk called in a loop), and pipeline stages run "
+                        "their blocks once per micro-batch", graph.trace.module_calls[trunk.blocks[0]][0].start,
+                        hint="use --tp or --dp for this model; the 3F1B schedule, which pipelines "
+                             "repeated trunk runs, is not implemented")
 
 
 def _balanced(cost: list[float], stages: int, pro: float, epi: float) -> list[tuple[int, int]]:

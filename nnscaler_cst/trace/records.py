@@ -131,3 +131,4 @@ class Trace:
     containers: dict[Span, list[tuple[str, ...]]] = field(default_factory=dict)  # nn.Sequential call -> leaves
     replays: dict[int, Any] = field(default_factory=dict)   # node index -> trace.replay.Replay
     state_writes: list[StateWrite] = field(default_factory=list)   # module attributes the forward changed
+    module_runs: dict[str, int] = field(default_factory=dict)      # module path -> forward calls in one step

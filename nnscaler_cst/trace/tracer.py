@@ -150,6 +150,7 @@ class Tracer(TorchFunctionMode):
         self._recording = False
         self.size_queries: list[tuple[Span, int, int | None]] = []
         self.module_calls: dict[str, tuple[Span, int]] = {}   # module path -> (call site, first node index)
+        self.module_runs: dict[str, int] = {}
         self.containers: dict[Span, list[tuple[str, ...]]] = {}   # container call -> its leaves, in order
         self.replays: dict[int, Replay] = {}   # node index -> how to call it again
         self._entry_args: dict[int, tuple] = {}    # id(frame) -> (code, parameter values) as the call began
@@ -255,6 +256,8 @@ class Tracer(TorchFunctionMode):
     def _module_called(self, module, args):
         """Where the model's own code calls each module (the loop over blocks, for pipelining)."""
         path = self._module_names.get(id(module))
+        if path is not None:
+            self.module_runs[path] = self.module_runs.get(path, 0) + 1
         if path is None or path in self.module_calls:
             return
         own = self.own_frame(sys._getframe(1))
@@ -476,7 +479,8 @@ class Tracer(TorchFunctionMode):
         batch = next((self.tensors[t].shape[0] for t in input_tids.values() if self.tensors[t].shape), None)
         return Trace(mode, sorted(self.own_files), self.nodes, self.ops, self.tensors, params, input_tids,
                      loss_tid, {name: qualified_type(type(m)) for name, m in model.named_modules()}, batch,
-                     self.size_queries, self.module_calls, self.containers, self.replays, self.state_writes)
+                     self.size_queries, self.module_calls, self.containers, self.replays, self.state_writes,
+                     self.module_runs)
 
     def _state_written(self, module, name: str, frame) -> None:
         path = self._module_names.get(id(module))
