@@ -374,6 +374,48 @@ def test_batches_pass_through_complex_rotary_and_widened_kv_heads(rotary_graph):
     assert batch_split_problem(rotary_graph, "data parallel") is None
 
 
+LEADING_DIMS_ATTENTION = """import torch
+import torch.nn as nn
+
+
+class Attention(nn.Module):
+    def __init__(self, c=16, heads=4):
+        super().__init__()
+        self.heads, self.c_head = heads, c // heads
+        self.q, self.k, self.v = nn.Linear(c, c), nn.Linear(c, c), nn.Linear(c, c)
+        self.out = nn.Linear(c, c)
+
+    def forward(self, x):
+        *lead, n, _ = x.shape
+        q = self.q(x).view(*lead, n, self.heads, self.c_head).transpose(-2, -3)
+        k = self.k(x).view((*lead, n, self.heads, self.c_head)).transpose(-2, -3)
+        v = self.v(x).reshape(*lead, n, self.heads, -1).transpose(-2, -3)
+        o = (q @ k.transpose(-1, -2)).softmax(-1) @ v
+        return self.out(o.transpose(-2, -3).reshape(*lead, n, self.heads * self.c_head)).square().mean()
+
+
+def build():
+    return Attention()
+
+
+def example_inputs():
+    return {"x": torch.randn(2, 3, 5, 16)}
+"""
+
+
+def test_sizes_after_a_starred_leading_shape_are_made_local_from_the_end(tmp_path):
+    """`view(*lead, n, self.heads, self.c_head)` (AlphaFold/OpenFold style): the heads size is
+    found by its place from the end, so the heads stay split through the attention."""
+    from nnscaler_cst.rewrite import PlanRequest, rewrite
+    (tmp_path / "attention.py").write_text(LEADING_DIMS_ATTENTION)
+    model = rewrite(analyze(tmp_path / "attention.py"), PlanRequest(tp=2)).files["model.py"]
+    assert "view(*lead, n, self.heads // 2, self.c_head)" in model
+    assert "view((*lead, n, self.heads // 2, self.c_head))" in model
+    assert "reshape(*lead, n, self.heads * self.c_head // 2)" in model
+    forward = model[model.index("def forward"):]
+    assert "tp_gather" not in forward and forward.count("tp_reduce(") == 1    # only after the output projection
+
+
 @pytest.mark.slow          # a whole-model CLI run
 def test_a_trunk_run_again_by_recycling_is_refused_for_pipelines_at_its_blocks_call(tmp_path, fixtures_dir):
     """Evoformer's forward runs its block loop three times (recycling): a pipeline stage runs its

@@ -28,14 +28,31 @@ def locate_size_argument(graph: Graph, node: Node, dim: int) -> tuple | None | s
     call = graph.source_node(node)
     if not isinstance(call, cst.Call) or path[0] != "pos":
         return f"cannot find the size argument of {node.callee}"
-    args = call.args
-    if any(a.star for a in args[:path[1] + 1]):
-        return f"the size of dim {dim} is inside *args"
-    if path[1] >= len(args):
+    from_end = len(values) - dim       # after a `*lead`, sizes are found by their place from the end
+    if item is None:
+        positional = [a for a in call.args if a.keyword is None]
+        written = _written_at(positional, path[1], from_end, lambda a: bool(a.star))
+        if written is None:
+            return f"the size of dim {dim} is inside *args"
+        # the emitter counts positional arguments without the starred ones
+        return (path[0], written - sum(1 for a in positional[:written] if a.star)), None
+    if path[1] >= len(call.args):
         return f"cannot find the size argument of {node.callee}"
-    value = args[path[1]].value
-    if item is not None and not (isinstance(value, (cst.Tuple, cst.List)) and item < len(value.elements) and not any(
-            isinstance(e, cst.StarredElement) for e in value.elements[:item + 1])):
-        return f"the size of split dim {dim} comes from `{cst.Module([]).code_for_node(value)}`, which the " \
-               "rewrite cannot make local"
-    return path, item
+    value = call.args[path[1]].value
+    if isinstance(value, (cst.Tuple, cst.List)):
+        written = _written_at(list(value.elements), item, from_end, lambda e: isinstance(e, cst.StarredElement))
+        if written is not None:
+            return path, written
+    return f"the size of split dim {dim} comes from `{cst.Module([]).code_for_node(value)}`, which the " \
+           "rewrite cannot make local"
+
+
+def _written_at(items: list, at: int, from_end: int, starred) -> int | None:
+    """Where in the source's items the size at runtime position `at` is written: at `at` when no
+    starred item comes before it, else `from_end` from the end when no starred item comes after."""
+    if at < len(items) and not any(starred(i) for i in items[:at + 1]):
+        return at
+    last_star = max((k for k, i in enumerate(items) if starred(i)), default=-1)
+    if from_end <= len(items) - 1 - last_star:
+        return len(items) - from_end
+    return None
