@@ -253,8 +253,7 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
            verbose: bool = VerboseOpt):
     """Run the output on N gloo processes against the single-device model; exit 1 if they differ."""
     _state["verbose"] = verbose
-    from .verify.equivalence import VerifyError, run_verify
-    from .report.verify_view import verify_table
+    from .verify import forkserver
 
     def body():
         if steps < 1 or lr <= 0 or timeout <= 0:
@@ -264,16 +263,20 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
                             hint="e.g. --steps 3 --lr 1e-3 --timeout 300 (the defaults)")
         opts = _options(model_file, **options)
         out_dir = Path(opts["out"])
-        if any(options[o.key] is not None for o in OPTIONS if o.scope in ("plan", "pipeline") and not o.cost_only) \
-                or not out_dir.exists():
-            _, result, opened = _rewrite(model_file, opts)
-            if _write(out_dir, model_file, options, result, opened, force):
-                raise typer.Exit(1)         # conflict markers: nothing to verify until resolved
-        try:
-            outcome = run_verify(model_file, out_dir, steps=steps, lr=lr, timeout=timeout)
-        except VerifyError as exc:
-            err_console.print(f"verify failed: {exc}", markup=False)
-            raise typer.Exit(1)
+        # the fork server imports torch for verify's processes while this process imports it and rewrites
+        with forkserver.started() as forks:
+            from .verify.equivalence import VerifyError, run_verify
+            from .report.verify_view import verify_table
+            if any(options[o.key] is not None for o in OPTIONS if o.scope in ("plan", "pipeline")
+                   and not o.cost_only) or not out_dir.exists():
+                _, result, opened = _rewrite(model_file, opts)
+                if _write(out_dir, model_file, options, result, opened, force):
+                    raise typer.Exit(1)         # conflict markers: nothing to verify until resolved
+            try:
+                outcome = run_verify(model_file, out_dir, steps=steps, lr=lr, timeout=timeout, forks=forks)
+            except VerifyError as exc:
+                err_console.print(f"verify failed: {exc}", markup=False)
+                raise typer.Exit(1)
         if json_out:
             print(json.dumps(outcome.to_json(), indent=1))
         else:

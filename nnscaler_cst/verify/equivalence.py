@@ -12,16 +12,18 @@ import importlib
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..plan.schedules import Action
+from . import forkserver
 from .launch import LaunchError, fixed_port, process_env, run_all, run_world, terminated_as_exit
 from .simulate import simulate
 
-WORKER = Path(__file__).with_name("worker.py")
+WORKER = Path(forkserver.WORKER)
 READ_ONLY = {"PYTHONDONTWRITEBYTECODE": 1}   # the processes leave no __pycache__ beside the files they run
 
 
@@ -106,7 +108,9 @@ TWIN_LEAST_NUDGE = 1e-6   # the twin's first gradients differ by at least this s
 
 def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1e-3, seed: int = 0,
                timeout: float = 300.0, param_atol: float = 5e-4, loss_atol: float = 1e-4,
-               rtol: float = 1e-4, grad_rtol: float = 1e-3) -> VerifyResult:
+               rtol: float = 1e-4, grad_rtol: float = 1e-3, forks=None) -> VerifyResult:
+    """`forks`: a fork server (forkserver.started()) that a caller started early, so that its
+    torch import overlaps the caller's own work; else run_verify starts one."""
     out_dir = Path(out_dir).resolve()
     started = time.monotonic()
     sys.path.insert(0, str(out_dir.parent))
@@ -121,12 +125,13 @@ def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1
     check_schedules(package)
     fixed_port()                    # a bad $NNSCALER_VERIFY_PORT is refused before any process starts
     common = ["--steps", str(steps), "--lr", str(lr), "--seed", str(seed)]
-    with terminated_as_exit(), tempfile.TemporaryDirectory(prefix="nnscaler-verify-") as workdir:
+    with terminated_as_exit(), tempfile.TemporaryDirectory(prefix="nnscaler-verify-") as workdir, \
+            (nullcontext(forks) if forks is not None else forkserver.started()) as forks:
         try:
             run_all([([sys.executable, str(WORKER), "reference", str(entry_file), workdir, *common],
-                      process_env(**READ_ONLY))], timeout)
+                      process_env(**READ_ONLY))], timeout, forks)
             run_world([sys.executable, str(WORKER), "rank", str(out_dir), workdir, *common], world, timeout,
-                      **READ_ONLY)
+                      forks, **READ_ONLY)
         except LaunchError as err:
             raise VerifyError(str(err)) from None
         ref = torch.load(Path(workdir) / "reference.pt")
@@ -148,20 +153,20 @@ def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1
                               0.0, [r["counters"] for r in ranks])
         if not result.passed and result.first_step_passed and steps > 1:
             result.twin = _sensitivity_twin(entry_file, workdir, common, ref, max(max_grad, TWIN_LEAST_NUDGE),
-                                            timeout)
+                                            timeout, forks)
     result.seconds = time.monotonic() - started
     return result
 
 
 def _sensitivity_twin(entry_file: Path, workdir: str, common: list[str], ref: dict, nudge: float,
-                      timeout: float) -> dict:
+                      timeout: float, forks=None) -> dict:
     """Later steps can amplify rounding: an unstable run (a loss that jumps at verify's lr) carries
     the last bits of its first gradients into visible differences. A second single-device run
     whose first gradients differ from the reference's by as much as the parallel run's did
     shows how far the reference itself drifts; later steps are judged against that drift."""
     try:
         run_all([([sys.executable, str(WORKER), "reference", str(entry_file), workdir, *common,
-                   "--nudge", repr(nudge)], process_env(**READ_ONLY))], timeout)
+                   "--nudge", repr(nudge)], process_env(**READ_ONLY))], timeout, forks)
     except LaunchError as err:
         raise VerifyError(str(err)) from None
     twin = torch.load(Path(workdir) / "twin.pt")

@@ -75,14 +75,18 @@ def process_env(**extra) -> dict:
 
 
 class _Process:
-    """One started command: its own session (so its whole tree can be killed), its log, its name."""
+    """One started command: its own session (so its whole tree can be killed), its log, its name.
+    A command the fork server serves (`forks`, verify/forkserver.py) is started as its fork."""
 
-    def __init__(self, cmd: list[str], env: dict):
+    def __init__(self, cmd: list[str], env: dict, forks=None):
         self.name = f"rank {env['RANK']}" if "RANK" in env else "the reference run"
         self.log = tempfile.TemporaryFile()
         env = {**env, LAUNCHER_VARIABLE: str(os.getpid())}
-        self.popen = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                      start_new_session=hasattr(os, "killpg"))
+        if forks is not None and forks.serves(cmd):
+            self.popen = forks.spawn(cmd, env, self.log)
+        else:
+            self.popen = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                          start_new_session=hasattr(os, "killpg"))
 
     def text(self) -> str:
         self.log.seek(0)
@@ -124,12 +128,17 @@ def terminated_as_exit():
         signal.signal(signal.SIGTERM, previous)
 
 
-def run_all(commands: list[tuple[list[str], dict]], timeout: float) -> None:
+def run_all(commands: list[tuple[list[str], dict]], timeout: float, forks=None) -> None:
     """Start every command; wait for all; on the first failure or the deadline kill the rest
-    (each command's whole process group), naming the process, its phase and where it waits."""
-    procs = [_Process(cmd, env) for cmd, env in commands]
+    (each command's whole process group), naming the process, its phase and where it waits.
+    `forks`: a fork server (verify/forkserver.py) that starts the commands it serves."""
+    procs = []
+    if forks is not None:
+        forks.wait_ready(timeout)
     deadline = time.monotonic() + timeout
     try:
+        for cmd, env in commands:
+            procs.append(_Process(cmd, env, forks))
         while True:
             states = [p.popen.poll() for p in procs]
             failed = [k for k, code in enumerate(states) if code not in (None, 0)]
@@ -200,16 +209,17 @@ def fixed_port() -> int | None:
     return int(value) if value is not None else None
 
 
-def run_world(command: list[str], world: int, timeout: float, **env) -> None:
+def run_world(command: list[str], world: int, timeout: float, forks=None, **env) -> None:
     """Run ``command`` as ranks 0..world-1 of one torch.distributed world (the variables
-    torchrun sets), one intra-op thread each. The port is $NNSCALER_VERIFY_PORT when set."""
+    torchrun sets), one intra-op thread each. The port is $NNSCALER_VERIFY_PORT when set.
+    `forks`: as for run_all."""
     fixed = fixed_port()
     for attempt in range(_ATTEMPTS):
         port = fixed or free_port()
         try:
             run_all([(command, process_env(RANK=r, WORLD_SIZE=world, LOCAL_RANK=r, MASTER_ADDR="127.0.0.1",
                                            MASTER_PORT=port, **env))
-                     for r in range(world)], timeout)
+                     for r in range(world)], timeout, forks)
             return
         except LaunchError as err:
             in_use = any(s in str(err).lower() for s in _PORT_IN_USE)

@@ -242,6 +242,12 @@ def rank(args):
     comm.teardown()
 
 
+def preload():
+    """What every process imports before its work: a fork server (verify/forkserver.py) imports
+    it once. torch.use_deterministic_algorithms imports inductor's config, seconds of imports."""
+    import torch._inductor.config  # noqa: F401
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("role", choices=["reference", "rank"])
