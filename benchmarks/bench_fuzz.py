@@ -4,7 +4,7 @@ each crossed with every plan that applies (TP=2, DP=2, PP=2 when it loops over b
 2×2) and run as `nnscaler-rewrite verify` (tests/fuzz/runner.py). Writes benchmarks/FUZZ.md.
 
     nice -n 10 python benchmarks/bench_fuzz.py [--models 250] [--minutes 60] [--seed 0]
-        [--shrink-minutes 10] [--out benchmarks/FUZZ.md]
+        [--shrink-minutes 10] [--out benchmarks/FUZZ.md] [--fresh-processes]
 
 Counts: examples (model × plan) run, passed, refused (top reasons, sizes and names stripped),
 failures (grouped by reason, the first of each group shrunk by hypothesis within the shrink
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import resource
 import sys
 import tempfile
 import time
@@ -26,23 +27,33 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import revision  # noqa: E402
+from fuzz import forked  # noqa: E402
 from fuzz.known import known_failure  # noqa: E402
 from fuzz.models import DrawnModel, models  # noqa: E402
-from fuzz.runner import Outcome, plans_for, refusal_group, run  # noqa: E402
+from fuzz.runner import Outcome, plans_for, refusal_group, run, subprocess_cli  # noqa: E402
 
 
 class Runs:
     """Outcomes by (source, plan), run once each."""
 
-    def __init__(self):
+    def __init__(self, cli=subprocess_cli):
         self.done: dict[tuple[str, str], Outcome] = {}
+        self.cli = cli
+        self.cpu_s = 0.0          # CPU time of every process the examples ran (a shared machine's wall time varies)
 
     def outcome(self, model: DrawnModel, plan: str) -> Outcome:
         key = (model.source(), plan)
         if key not in self.done:
+            before = _children_cpu()
             with tempfile.TemporaryDirectory(prefix="fuzz-") as workdir:
-                self.done[key] = run(model, plan, Path(workdir))
+                self.done[key] = run(model, plan, Path(workdir), self.cli)
+            self.cpu_s += _children_cpu() - before
         return self.done[key]
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _settings(max_examples: int, phases) -> settings:
@@ -96,20 +107,22 @@ def shrink(runs: Runs, target: DrawnModel, plan: str, group: str, n_models: int,
     return state["best"]
 
 
-def render(counts, refusals, failures, per_plan, seconds: float, args, finished: bool) -> str:
+def render(counts, refusals, failures, per_plan, seconds: float, args, finished: bool, cpu_s: float) -> str:
     run_total = sum(counts.values())
     rate = seconds / run_total if run_total else 0.0
+    cpu_rate = cpu_s / run_total if run_total else 0.0
     lines = [
         "# Fuzzed equivalence (benchmarks/bench_fuzz.py)", "",
         f"Command: `nice -n 10 python benchmarks/bench_fuzz.py --models {args.models} --minutes {args.minutes:g} "
-        f"--seed {args.seed} --shrink-minutes {args.shrink_minutes:g}`, revision {revision()}, "
+        f"--seed {args.seed} --shrink-minutes {args.shrink_minutes:g}{' --fresh-processes' if args.fresh_processes else ''}`, revision {revision()}, "
         f"{'finished' if finished else 'in progress (rewritten after every example)'}.", "",
         "Each example is one drawn model (tests/fuzz/models.py) under one plan, run as "
         "`nnscaler-rewrite verify ENTRY <plan> -o out --json` in a fresh folder (tests/fuzz/runner.py). "
         "PASSED: verify equal; REFUSED: exit 2 at a `path:line:col: error:`, nothing written; "
         "FAILURE: anything else.", "",
         f"- examples run: **{run_total}** in {seconds / 60:.1f} min on this shared 2-core machine "
-        f"({rate:.1f} s per example; 1,000 examples would take about {rate * 1000 / 3600:.1f} h)",
+        f"({rate:.1f} s per example, {cpu_rate:.1f} s of CPU per example; 1,000 examples would take about "
+        f"{rate * 1000 / 3600:.1f} h); {'each example a new process' if args.fresh_processes else 'each example a fork of the prepared bench process (tests/fuzz/forked.py)'}",
         f"- passed: **{counts['PASSED']}**", f"- refused: **{counts['REFUSED']}**"
         f" ({100 * counts['REFUSED'] / max(run_total, 1):.0f}%)",
         f"- failures: **{counts['FAILURE']}**", "",
@@ -142,9 +155,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shrink-minutes", type=float, default=10.0, help="per failure group")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "FUZZ.md")
+    parser.add_argument("--fresh-processes", action="store_true",
+                        help="run each example as a new `python -m nnscaler_cst.cli` (else a fork of this "
+                             "process, which imports the tool once: fuzz/forked.py)")
     args = parser.parse_args()
 
-    runs = Runs()
+    if args.fresh_processes or not sys.platform.startswith("linux"):
+        runs = Runs()
+    else:
+        forked.prepare()
+        runs = Runs(forked.run_cli)
     counts, refusals = collections.Counter(), collections.Counter()
     per_plan = collections.defaultdict(collections.Counter)
     failures: dict[str, list] = {}
@@ -157,9 +177,11 @@ def main() -> None:
             refusals[refusal_group(outcome.reason)] += 1
         elif outcome.kind == "FAILURE":
             failures.setdefault(refusal_group(outcome.reason), []).append((model, plan, outcome))
-        print(f"{sum(counts.values()):4d} {time.monotonic() - started:7.0f}s {plan:8s} {outcome.kind:8s} "
+        print(f"{sum(counts.values()):4d} {time.monotonic() - started:7.0f}s {runs.cpu_s:6.0f}s cpu {plan:8s} "
+              f"{outcome.kind:8s} "
               f"{','.join(model.kinds)} {outcome.reason[:120]}", flush=True)
-        args.out.write_text(render(counts, refusals, failures, per_plan, time.monotonic() - started, args, False))
+        args.out.write_text(render(counts, refusals, failures, per_plan, time.monotonic() - started, args, False,
+                                    runs.cpu_s))
 
     explore(runs, args.models, args.seed, args.minutes * 60, record)
     explored = time.monotonic() - started
@@ -169,7 +191,7 @@ def main() -> None:
         outcome = Outcome(outcome.kind, outcome.reason, outcome.command, outcome.seconds, "(shrunk)\n" + outcome.detail)
         items[0] = (small, plan, outcome)
         print(f"shrunk {group[:80]}: {len(model.source())} -> {len(small.source())} characters", flush=True)
-    args.out.write_text(render(counts, refusals, failures, per_plan, explored, args, True))
+    args.out.write_text(render(counts, refusals, failures, per_plan, explored, args, True, runs.cpu_s))
 
 
 if __name__ == "__main__":

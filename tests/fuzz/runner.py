@@ -56,8 +56,15 @@ def _files(folder: Path) -> set[str]:
             if p.is_file() and "__pycache__" not in p.parts}
 
 
-def run(model: DrawnModel, plan: str, workdir: Path) -> Outcome:
-    """Write the model into `workdir` (a fresh folder), run verify under `plan`, classify."""
+def subprocess_cli(args: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """The command line as a user runs it: a fresh process."""
+    return subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run(model: DrawnModel, plan: str, workdir: Path, cli=subprocess_cli) -> Outcome:
+    """Write the model into `workdir` (a fresh folder), run verify under `plan`, classify.
+    `cli` runs the command: a fresh process, or a fork of a prepared one (fuzz/forked.py)."""
     workdir.mkdir(parents=True, exist_ok=True)
     for name, text in model.files.items():
         (workdir / name).write_text(text)
@@ -67,8 +74,7 @@ def run(model: DrawnModel, plan: str, workdir: Path) -> Outcome:
     env = {**os.environ, "COLUMNS": "200"}
     started = time.monotonic()
     try:
-        result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", *args], cwd=workdir, env=env,
-                                capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        result = cli(args, workdir, env, RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
         return Outcome("FAILURE", f"hang: no exit after {RUN_TIMEOUT_S}s", command, RUN_TIMEOUT_S,
                        str(exc.stderr or "")[-3000:])
