@@ -4,6 +4,7 @@ plan (op_trans/op_assign per axis) -> edits -> rewritten source -> rendered file
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from .emit.programs import programs
 from .emit.rewrite import StageSplit, rewrite_module
 from .errors import Location, UserError, display_path
 from .materialize.conversions import fused_collectives
-from .materialize.edits import Edits, plan_edits
+from .materialize.edits import Edits, one_device_edits, plan_edits
 from .plan.ir import OpAssign, OpOrder, OpTrans, Plan
 from .plan.pipeline import StagePlan, plan_stages
 from .plan.recompute import recompute_seconds, recompute_site
@@ -31,10 +32,11 @@ from .plan.layouts import REPLICATE
 from .plan.auto import dp_only, search_auto
 from .plan.batch import check_batch_split, loss_reduction
 from .plan.choices import choices_from_plan
+from .plan.coshard import CoshardChoice, plan_coshard
 from .plan.cost import check_precision, load_cluster, node_time, optimizer_time
 from .plan.search import AxisPlan, search_axis
 from .plan.whole_sizes import splits_a_read_size
-from .plan.tables import chunks_for, load_table, source_annotations, weights_left_whole
+from .plan.tables import load_table, source_annotations, weights_left_whole
 
 COMM_SOURCE = Path(__file__).parent / "runtime" / "_comm.py"
 
@@ -84,7 +86,8 @@ def _table_names(request: PlanRequest, tp: int, dp: int) -> list[str]:
     if name == "dp" and tp > 1:
         raise UserError("--plan dp splits no op over --tp; drop --tp or use --plan megatron")
     table = load_table(name)
-    if "tp" in table.axes and "dp" not in table.axes and tp == 1:
+    coshards = any(c.chunks != 1 for c in table.for_axis("tp"))   # C pieces run on one device as well
+    if "tp" in table.axes and "dp" not in table.axes and tp == 1 and not coshards:
         raise UserError(f"--plan {name} needs --tp N with N > 1", hint=f"e.g. --plan {name} --tp 2")
     return [name] + (["dp"] if dp > 1 and name != "dp" else [])
 
@@ -104,6 +107,23 @@ def _local_params(graph, tp_plan: AxisPlan | None, tp: int) -> float:
         layout = tp_plan.param_layout.get(name) if tp_plan is not None else None
         total += math.prod(info.shape) / (tp if layout is not None and layout.kind == "S" else 1)
     return total
+
+
+def _choose_coshard(analysis: Analysis, request: PlanRequest, constraints: list, tp: int, dp: int,
+                    tp_plan: AxisPlan | None, cluster, every_size_read: bool) -> CoshardChoice:
+    """C pieces per device for the co-sharded ops; with --tp 1 also the C-way stand-in plan."""
+    graph = analysis.graph
+    base = tp_plan.memory if tp_plan is not None else dp_only(graph, dp, cluster)[1]
+
+    def search(ways: int) -> AxisPlan:
+        # the stand-in's pieces share one device and cannot communicate: priced with every
+        # collective dear, it keeps the co-sharded op's split dim through its neighbours (priced
+        # as a real axis, tiny layers may split `att @ v` by another dim and end the region early)
+        device = dataclasses.replace(cluster.axis(1, ways), bandwidth=1.0, latency=1.0)
+        return search_axis(graph, "tp", ways, constraints, device, data_parallel=dp,
+                           micro_batches=_micro_batches(request), every_size_read=every_size_read)
+
+    return plan_coshard(graph, constraints, tp, tp_plan, base, request.memory_budget, search)
 
 
 def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool = False) -> tuple[Plan, AxisPlan | None]:
@@ -134,15 +154,19 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
                             if table_line else None)
         if dp > 1:
             check_batch_split(graph, f"data parallel (--dp {dp})")
+        coshards = any(c.chunks != 1 for c in constraints)
         with fused_collectives(any(t.fused_collectives for t in tables)):
+            # with co-shard the budget is met by choosing C (below), after the search
             tp_plan = search_axis(graph, "tp", tp, constraints, cluster.axis(1, tp),
-                                  memory_budget=request.memory_budget, data_parallel=dp,
+                                  memory_budget=None if coshards else request.memory_budget, data_parallel=dp,
                                   micro_batches=_micro_batches(request),
                                   every_size_read=every_size_read) if tp > 1 else None
         name = "+".join(names) or "single"
     if request.zero:
         check_zero(request.zero, dp, request.pp, searched=request.plan == "auto")
         name += f"+zero{request.zero}"
+    coshard = _choose_coshard(analysis, request, constraints, tp, dp, tp_plan, cluster, every_size_read) \
+        if any(c.chunks != 1 for c in constraints) else None
     plan = Plan(name, {"tp": tp, "dp": dp, "pp": request.pp})
     plan.warnings = weights_left_whole(graph) if tp > 1 else []
     plan.warnings += tp_plan.left_whole if tp_plan is not None else []
@@ -153,11 +177,17 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
         recompute_site(graph)           # refused here, before solving anything else, when it cannot apply
         plan.name += "+recompute"
         plan.estimated_step_seconds += recompute_seconds(graph, tp * dp, cluster.axis(1, tp))
+    if coshard is not None:
+        plan.name += f"(C={coshard.chunks})"
+        plan.coshard_stand_in = coshard.stand_in if tp_plan is None else None
     for site in graph.sites.values():
         where = site.span.label
-        if tp_plan is not None:
-            choice = tp_plan.site_choice.get((site.span, site.callee), REPLICATE)
-            chunks = chunks_for(constraints, graph, site.nodes[0].index) if choice != REPLICATE else 1
+        chosen = tp_plan or (coshard.searched if coshard is not None else None)
+        choice = chosen.site_choice.get((site.span, site.callee), REPLICATE) if chosen is not None else REPLICATE
+        chunks = coshard.chunks if coshard is not None and choice != REPLICATE and site.nodes[0].index in \
+            coshard.anchors else 1
+        # on one device (--tp 1) only the co-sharded ops are split: into C pieces, all on it
+        if tp_plan is not None or chunks > 1:
             plan.trans.append(OpTrans(where, site.callee, "tp", choice, tp * chunks if choice != REPLICATE else 1))
             if chunks > 1:              # co-shard recomputes the op's forward in backward
                 device = cluster.axis(1, tp)
@@ -330,6 +360,8 @@ def rewrite(analysis: Analysis, request: PlanRequest, every_size_read: bool = Fa
     with fused_collectives(fused):
         edits = plan_edits(analysis.graph, choices, strict=not plan.name.startswith("auto")) \
             if choices is not None else None
+    if choices is None and plan.coshard_stand_in is not None:      # --tp 1: C pieces on the one device
+        edits = one_device_edits(analysis.graph, plan.coshard_stand_in)
     if edits is not None:
         plan.warnings += edits.warnings
     label = display_path(analysis.entry.path)

@@ -33,14 +33,17 @@ class Region:
     inputs: tuple[tuple[str, int], ...]  # (name, dim it is cut along)
     outputs: tuple[str, ...]
     out_dim: int
+    nodes: tuple[int, ...] = ()          # the graph nodes its statements run (every instance)
 
 
-def coshard_regions(graph: Graph, plan: AxisChoices, sites: dict, lay, have) -> list[Region]:
-    """`sites`: the planned SiteEdits by span; `lay(node)`: its layouts; `have[tid]`: a tensor's layout."""
+def coshard_regions(graph: Graph, plan: AxisChoices, sites: dict, lay, have, devices: int | None = None) -> list[Region]:
+    """`sites`: the planned SiteEdits by span; `lay(node)`: its layouts; `have[tid]`: a tensor's layout.
+    `devices`: how many devices the pieces spread over (default the axis size); 1 when the plan's
+    axis is a stand-in of C ways that only says which dims the pieces cut (co-shard on one device)."""
     regions: dict[tuple, Region] = {}
     for index, chunks in sorted(plan.chunks.items()):
         node = graph.nodes[index]
-        region = _region(graph, plan, sites, lay, have, node, chunks)
+        region = _region(graph, plan, sites, lay, have, node, chunks, plan.n if devices is None else devices)
         key = (region.block, region.first)
         if regions.setdefault(key, region) != region:
             raise UserError("two co-sharded ops in one region ask for different pieces", node.span.start)
@@ -58,7 +61,8 @@ def _statement_of(source: SourceFile, expr: cst.CSTNode):
     return node
 
 
-def _region(graph: Graph, plan: AxisChoices, sites: dict, lay, have, anchor: Node, chunks: int) -> Region:
+def _region(graph: Graph, plan: AxisChoices, sites: dict, lay, have, anchor: Node, chunks: int,
+            devices: int) -> Region:
     where = anchor.span.start
     source = graph.sources.get(anchor.span.path)
     statement = _statement_of(source, graph.source_node(anchor))
@@ -114,11 +118,11 @@ def _region(graph: Graph, plan: AxisChoices, sites: dict, lay, have, anchor: Nod
     inside = executed(first, last)
     if not all(works_slice_by_slice(graph.nodes[i]) for i in inside):
         raise UserError(f"cannot co-shard {anchor.callee}: code between its statements needs communication", where)
-    inputs = _inputs(graph, source, lay, inside, plan.n, chunks, where)
+    inputs = _inputs(graph, source, lay, inside, devices, chunks, where)
     if not inputs:
         raise UserError(f"the co-shard region of {anchor.callee} reads no split tensor to cut", where)
     outputs, out_dim = _outputs(graph, source, body, first, last, members, have, where)
-    return Region(source.span_of(block), first, last, chunks, inputs, outputs, out_dim)
+    return Region(source.span_of(block), first, last, chunks, inputs, outputs, out_dim, tuple(sorted(inside)))
 
 
 def _inputs(graph: Graph, source: SourceFile, lay, inside: set[int], n: int, chunks: int,

@@ -77,9 +77,10 @@ def _steps_note(steps: list[Step]) -> str:
     return " + ".join(s.op for s in steps)
 
 
-def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True) -> Edits:
+def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_devices: int | None = None) -> Edits:
     """`strict`: warn of a split tensor gathered because its consumer cannot be split (a named plan
-    that does not fit this model everywhere); a free search chooses such gathers itself."""
+    that does not fit this model everywhere); a free search chooses such gathers itself.
+    `coshard_devices`: see coshard_regions."""
     n = plan.n
     trace = graph.trace
     tensors = trace.tensors
@@ -185,8 +186,15 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True) -> Edits
         _split_site_edits(graph, node, choice, n, edits, lay(node), have)
     _ctor_edits(graph, edits)
     edits.full_sizes = full_size_reads(graph, plan.param_layout, n)
-    edits.regions = coshard_regions(graph, plan, edits.sites, lay, have) if plan.chunks else []
+    edits.regions = coshard_regions(graph, plan, edits.sites, lay, have, coshard_devices) if plan.chunks else []
     return edits
+
+
+def one_device_edits(graph: Graph, stand_in: AxisChoices) -> Edits:
+    """Co-shard on one device: only the regions of a C-way stand-in plan, its C pieces run one
+    after another here; nothing else is split, so no other edit."""
+    regions = plan_edits(graph, stand_in, strict=False, coshard_devices=1).regions
+    return Edits(stand_in.axis, 1, {}, {}, {}, [], regions=regions)
 
 
 def _producer_prefixes(graph: Graph, by_output: dict) -> dict[tuple, list[Step]]:

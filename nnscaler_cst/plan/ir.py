@@ -42,6 +42,9 @@ class Plan:
     params: dict[str, dict[str, Any]] = field(default_factory=dict)   # name -> {axis: layout}
     estimated_step_seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)                 # path:line:col: warning: ...
+    # co-shard with --tp 1: the C-way choices whose layouts say which dims the pieces cut
+    # (plan/coshard.py); op_trans holds the co-sharded ops, this only the rest of the stand-in
+    coshard_stand_in: Any = field(default=None, repr=False, compare=False)
 
     @property
     def world_size(self) -> int:

@@ -8,7 +8,8 @@ line by line.
 
 `n = "C*|tp|"` co-shards: the op is split into C pieces per device (C consecutive pieces on
 each device, run one after another and recomputed in backward: less activation memory for
-more compute). The pieces are cut from the call's tensor arguments, not its weights; the
+more compute). A number (`2*|tp|`) fixes C; the letter C leaves it to the memory model
+(plan/coshard.py). The pieces are cut from the call's tensor arguments, not its weights; the
 statements around it that work slice by slice run in pieces with it (materialize/coshard.py).
 
 Source annotation syntax, a comment on the line of a call in the model's own file:
@@ -42,7 +43,7 @@ class Constraint:
     select: dict
     algo: str | None = None
     forbid: str | None = None
-    chunks: int = 1          # n = chunks * |axis|: pieces per device (co-shard)
+    chunks: int = 1          # n = chunks * |axis|: pieces per device (co-shard); 0: C, chosen by memory
 
     def selects(self, graph: Graph, index: int) -> bool:
         node = graph.nodes[index]
@@ -73,7 +74,7 @@ class Constraint:
             return label == REPLICATE
         if self.algo == "sequence":
             return splits_sequence(graph, index, label)
-        if self.chunks > 1 and (label == REPLICATE or not coshardable(graph, index, label)):
+        if self.chunks != 1 and (label == REPLICATE or not coshardable(graph, index, label)):
             return False
         if self.algo == "split":
             if label == REPLICATE:
@@ -86,8 +87,8 @@ class Constraint:
 
     def describe(self) -> str:
         what = f"{self.axis}={self.algo}" if self.algo else f"forbid {self.forbid} on {self.axis}"
-        if self.chunks > 1:
-            what += f", n = {self.chunks}*|{self.axis}| (co-shard)"
+        if self.chunks != 1:
+            what += f", n = {self.chunks or 'C'}*|{self.axis}| (co-shard)"
         return f"{self.id}: {what} for {self.select}"
 
 
@@ -122,8 +123,10 @@ def coshardable(graph: Graph, index: int, label: str) -> bool:
 
 
 def chunks_for(constraints: list[Constraint], graph: Graph, index: int) -> int:
-    """How many pieces per device the constraints selecting this op ask for (1: no co-shard)."""
-    return max([c.chunks for c in constraints if c.chunks > 1 and c.selects(graph, index)], default=1)
+    """How many pieces per device the constraints selecting this op ask for (1: no co-shard;
+    0: co-shard, C left to the memory model; a number named anywhere wins)."""
+    asked = [c.chunks for c in constraints if c.chunks != 1 and c.selects(graph, index)]
+    return max(asked) if asked else 1
 
 
 def _matrices(graph: Graph, index: int) -> list[str]:
@@ -248,14 +251,18 @@ def load_table(name: str, rules_dir: Path | None = None) -> PlanTable:
 
 
 def pieces_per_device(n: str | None, axis: str, location: Location) -> int:
-    """n = |tp| -> 1; n = C*|tp| (or C·|tp|, |tp|*C) -> C."""
+    """n = |tp| -> 1; n = C*|tp| (or C·|tp|, |tp|*C) with a number C -> C; with the letter C -> 0
+    (the memory model chooses)."""
     if n is None:
         return 1
-    match = re.fullmatch(rf"\s*(?:(\d+)\s*[*·]\s*)?\|{axis}\|\s*(?:\*\s*(\d+)\s*)?", str(n))
+    match = re.fullmatch(rf"\s*(?:(\d+|C)\s*[*·]\s*)?\|{axis}\|\s*(?:\*\s*(\d+|C)\s*)?", str(n))
+    if match and "C" in (match.group(1), match.group(2)) and not (match.group(1) and match.group(2)):
+        return 0
     chunks = int(match.group(1) or match.group(2) or 1) if match and not (match.group(1) and match.group(2)) else 0
     if chunks < 1:
         raise UserError(f"n = {n!r}: write n = |{axis}| (one piece per device) or n = C*|{axis}| "
-                        "(C pieces per device, co-shard)", location, hint=f'n = "|{axis}|" or n = "2*|{axis}|"')
+                        "(C pieces per device, co-shard; the letter C: chosen by the memory model)", location,
+                        hint=f'n = "|{axis}|", n = "2*|{axis}|" or n = "C*|{axis}|"')
     return chunks
 
 
