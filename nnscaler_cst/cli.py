@@ -353,7 +353,7 @@ def schedule(model_file: Path = typer.Argument(..., help="model or entry file"),
     _state["verbose"] = verbose
     from .analysis import analyze
     from .plan.pipeline import plan_stages
-    from .plan.schedules import load_schedule, schedule as make_schedule, to_csv
+    from .plan.schedules import load_schedule, placement, schedule as make_schedule, to_csv
     from .report.timeline import timeline_svg
     from .verify.simulate import bubble_fraction, simulate
 
@@ -365,18 +365,21 @@ def schedule(model_file: Path = typer.Argument(..., help="model or entry file"),
         table = load_schedule(name)
         analysis = analyze(model_file, model_class=options["model"])
         cuts = [int(x) for x in stages.split(",")] if stages else None
-        plan = plan_stages(analysis.graph, pp, table.virtual_stages, cuts)
+        place = placement(table, pp)
+        plan = plan_stages(analysis.graph, pp, table.virtual_stages, cuts, place)
         micro = micro_batches or pp * table.virtual_stages
         orders = make_schedule(table, pp, micro)
-        events = simulate(orders, plan.stages, forward_seconds=plan.stage_seconds)
+        events = simulate(orders, plan.stages, forward_seconds=plan.stage_seconds, placement=place)
         if csv:
             sys.stdout.write(to_csv(orders))
         else:
             for rank, order in enumerate(orders):
                 console.print(f"rank {rank}: {' '.join(map(str, order))}", highlight=False)
             blocks = ", ".join(f"stage {s}: blocks {a}-{b - 1}" for s, (a, b) in enumerate(plan.block_ranges))
+            own = table.formula(pp, micro)      # the table's own bubble formula, if it states one
             console.print(f"{plan.trunk.container}: {blocks}; bubble {100 * bubble_fraction(events, pp):.1f}% "
-                          f"(cost model), 1F1B formula (D-1)/(D-1+M) = {100 * (pp - 1) / (pp - 1 + micro):.1f}%")
+                          f"(cost model), 1F1B formula (D-1)/(D-1+M) = {100 * (pp - 1) / (pp - 1 + micro):.1f}%"
+                          + (f", {table.name} formula {own[0]} = {100 * own[1]:.1f}%" if own else ""))
         if picture:
             picture.write_text(timeline_svg(events, pp, f"{name}: {pp} ranks x {micro} micro-batches"))
             console.print(f"wrote {picture}")

@@ -24,7 +24,7 @@ from .materialize.edits import Edits, one_device_edits, plan_edits
 from .plan.ir import OpAssign, OpOrder, OpTrans, Plan
 from .plan.pipeline import StagePlan, plan_stages
 from .plan.recompute import recompute_seconds, recompute_site
-from .plan.schedules import Action, load_schedule, schedule, to_csv
+from .plan.schedules import Action, Placement, load_schedule, placement, schedule, to_csv
 from .plan.zero import check_zero
 from .verify.simulate import simulate
 from .verify.dry_run import dry_run
@@ -212,10 +212,15 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
 
 def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: int, table: str) -> str:
     mine = stages.stages_of(pp_rank)
+    replicas = Placement(tuple(stages.rank_of(s) for s in range(stages.stages)), stages.per_pipeline).replica_groups()
     tied = sorted({alias for group in stages.tied for alias in group})
     lines = ["", "", f"# --- pipeline: what this rank runs ({table}; stages balanced by the cost model) ---",
              f'PIPELINE_BLOCKS = "{stages.trunk.container}"',
              f"PIPELINE_STAGE_COUNT = {stages.stages}",
+             f"PIPELINE_LENGTH = {stages.per_pipeline}  # stages of one pipeline; stage s runs model stage "
+             f"s % {stages.per_pipeline}",
+             f"STAGE_RANKS = {[stages.rank_of(s) for s in range(stages.stages)]}  # the pipeline rank of each stage",
+             f"PIPELINE_REPLICAS = {replicas}  # pipeline ranks holding the same model stages: gradients summed",
              f"PIPELINE_STAGES = {mine}  # the stages this rank runs",
              f"STAGE_BLOCKS = {{{', '.join(f'{s}: {stages.block_ranges[s]}' for s in mine)}}}  "
              f"# blocks of {stages.trunk.container} per stage",
@@ -262,7 +267,8 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
     module = add_comm_import(module, ctx.used, ctx.needs_torch)
     body = module.code
     files: dict[str, str] = {}
-    micro = len([a for a in orders[0] if a.kind == "F"]) // stages.virtual if orders else 0
+    micro = len([a for a in orders[0] if a.kind == "F"]) * (stages.stages // stages.per_pipeline) // stages.virtual \
+        if orders else 0     # each micro-batch runs through one of the pipelines
     for program in programs(plan, stages):     # peers running the same code share one file
         text = body
         if stages is not None:
@@ -319,7 +325,8 @@ def _micro_batches(request: PlanRequest) -> int:
 def plan_pipeline(analysis: Analysis, plan: Plan, request: PlanRequest) -> tuple[StagePlan, list[list[Action]]]:
     """Stages as op_assign, the schedule as op_order; simulated before anything is written."""
     table = load_schedule(request.schedule)
-    stages = plan_stages(analysis.graph, request.pp, table.virtual_stages, request.stage_cuts)
+    place = placement(table, request.pp)
+    stages = plan_stages(analysis.graph, request.pp, table.virtual_stages, request.stage_cuts, place)
     micro = _micro_batches(request)
     batch = (analysis.trace.batch_size or 1) // plan.mesh["dp"]
     if batch % micro:
@@ -328,16 +335,17 @@ def plan_pipeline(analysis: Analysis, plan: Plan, request: PlanRequest) -> tuple
     if micro > 1:
         check_batch_split(analysis.graph, f"{micro} micro-batches")
     orders = schedule(table, request.pp, micro)
-    simulate(orders, stages.stages)
+    simulate(orders, stages.stages, placement=place)
     plan.name += f"+{table.name}"
     plan.mesh["pp"] = request.pp
-    for index, stage in stages.node_stage.items():
+    for index, model_stage in stages.node_stage.items():
         node = analysis.graph.nodes[index]
         if node.span is not None:
             where = node.span.label
-            assign = OpAssign(where, "pp", stage, plan.devices_of("pp", stages.rank_of(stage)))
-            if assign not in plan.assign:
-                plan.assign.append(assign)
+            for stage in stages.replicas(model_stage):     # one piece per pipeline holding it
+                assign = OpAssign(where, "pp", stage, plan.devices_of("pp", stages.rank_of(stage)))
+                if assign not in plan.assign:
+                    plan.assign.append(assign)
     for rank, order in enumerate(orders):
         for before, after in zip(order, order[1:]):
             plan.order.append(OpOrder(str(before), str(after), rank))

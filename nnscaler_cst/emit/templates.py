@@ -217,6 +217,7 @@ if __package__ in (None, ""):  # run as a script: import the output folder as a 
 
 from . import _comm
 from . import DP_SIZE, PP_SIZE, TP_SIZE, WORLD_SIZE, build, rank_module, shard_state_dict
+from . import PARAMETER_ALIASES, global_key
 
 # Whole parameters whose gradient each tensor-parallel rank holds only in part.
 TP_PARTIAL_GRADS = [{partial}]
@@ -274,7 +275,8 @@ def main():
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     assert world == WORLD_SIZE, f"this output was generated for {{WORLD_SIZE}} processes"
-    _comm.setup(rank, world, tp=TP_SIZE, dp=DP_SIZE, pp=PP_SIZE)
+    _comm.setup(rank, world, tp=TP_SIZE, dp=DP_SIZE, pp=PP_SIZE,
+                pp_replicas=rank_module(rank).PIPELINE_REPLICAS if PP_SIZE > 1 else None)
     device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -311,6 +313,30 @@ def micro_batches(batch):
     return [tuple(piece(v, m) for v in batch) for m in range(MICRO_BATCHES)]
 
 
+def replica_grads(stages, module):
+    """Pipelines that are replicas (Chimera) hold each model stage on several stages: every copy
+    of a single-device parameter, on this rank (one per stage it runs; a tied weight under each
+    of its names) and on the ranks holding the same model stages (_comm.PP_REPLICA), ends with
+    the sum of all their gradients."""
+    copies = {{}}
+    for key, param in stages.named_parameters():
+        if not param.requires_grad:       # a shadow: trained on the stage that owns it
+            continue
+        local, _, rest = key.partition(".")
+        name = global_key(rest, module.PIPELINE_STAGES[int(local)], module)
+        copies.setdefault(min(PARAMETER_ALIASES.get(name, [name])), []).append(param)
+    firsts = []
+    for name in sorted(copies):       # the same names, in the same order, on every rank of the group
+        params = copies[name]
+        grads = [p.grad for p in params if p.grad is not None]
+        params[0].grad = torch.stack(grads).sum(0) if grads else torch.zeros_like(params[0])
+        firsts.append(params[0])
+    _comm.sync_grads(firsts, _comm.PP_REPLICA, average=False)
+    for name in sorted(copies):
+        for param in copies[name][1:]:
+            param.grad = copies[name][0].grad.clone()
+
+
 def parse_action(action):
     """"1F3" -> ("F", 1, 3): the forward (F) or backward (B) of stage 1 on micro-batch 3."""
     kind = "F" if "F" in action else "B"
@@ -326,30 +352,35 @@ def pipeline_train_step(stages, optimizer, batch, module):
     micro = micro_batches(split_batch(batch))
     shapes = [_comm.shape_key(m) for m in micro]  # hand-off headers are sent once per input shapes
     pipeline = _comm.axis_ranks(_comm.PP)        # global ranks of this pipeline, by pipeline index
-    _comm.PIPE.stages = module.PIPELINE_STAGE_COUNT
+    # stage s runs model stage s % length: one pipeline of all stages, or several (Chimera)
+    length = module.PIPELINE_LENGTH
+    _comm.PIPE.stages = length
     local = {{stage: k for k, stage in enumerate(module.PIPELINE_STAGES)}}
-    last = module.PIPELINE_STAGE_COUNT - 1
+    first = lambda stage: stage % length == 0
+    last = lambda stage: stage % length == length - 1
+    rank_of = lambda stage: pipeline[module.STAGE_RANKS[stage]]
     actions = [parse_action(action) for action in module.SCHEDULE.split()]
     held, requests, loss_sum = {{}}, [], torch.zeros(())
 
     def receives(action):
         """What `action` will receive: activations from the stage before, gradients from the one after."""
         kind, stage, m = action
-        if kind == "F" and stage > 0:
-            return _comm.activation_recvs(pipeline[(stage - 1) % PP_SIZE], stage, m, shapes[m])
-        if kind == "B" and stage < last:
-            return _comm.grad_recvs(held[(stage, m)][1], pipeline[(stage + 1) % PP_SIZE], stage + 1, m)
+        if kind == "F" and not first(stage):
+            return _comm.activation_recvs(rank_of(stage - 1), stage, m, shapes[m])
+        if kind == "B" and not last(stage):
+            return _comm.grad_recvs(held[(stage, m)][1], rank_of(stage + 1), stage + 1, m)
         return None
 
     incoming = receives(actions[0])
     _comm.post_p2p([], incoming)                 # the first action's receives
     for i, (kind, stage, m) in enumerate(actions):
-        _comm.PIPE.stage = stage
-        before, after = pipeline[(stage - 1) % PP_SIZE], pipeline[(stage + 1) % PP_SIZE]
+        _comm.PIPE.stage = stage % length
+        before = rank_of(stage - 1) if not first(stage) else None
+        after = rank_of(stage + 1) if not last(stage) else None
         sends = []
         if kind == "F":
             received = []
-            if stage > 0:
+            if not first(stage):
                 _comm.PIPE.inbox, received = _comm.wait_activations(incoming)
             inputs = micro[m]
             try:
@@ -364,12 +395,12 @@ def pipeline_train_step(stages, optimizer, batch, module):
             held[(stage, m)] = (received, sent)
         else:
             received, sent = held.pop((stage, m))
-            if stage == last:
+            if last(stage):
                 sent[0].backward()
             else:
                 outputs = [t for t in sent if t.requires_grad]
                 torch.autograd.backward(outputs, _comm.wait_grads(incoming))
-            if stage > 0:
+            if not first(stage):
                 sends = _comm.grad_sends(received, before, stage, m)
             del received, sent
         incoming = receives(actions[i + 1]) if i + 1 < len(actions) else None
@@ -377,8 +408,11 @@ def pipeline_train_step(stages, optimizer, batch, module):
     for request in requests:
         request.wait()
     named = dict(stages.named_parameters())
-    tied = [p for key, p in named.items() if key.partition(".")[2] in module.TIED_PARAMETERS]
-    _comm.sync_grads(tied, _comm.PP_ENDS, average=False)    # the embedding and the head tied across stages
+    if length < module.PIPELINE_STAGE_COUNT:    # replicated pipelines: every copy of a parameter summed
+        replica_grads(stages, module)
+    else:
+        tied = [p for key, p in named.items() if key.partition(".")[2] in module.TIED_PARAMETERS]
+        _comm.sync_grads(tied, _comm.PP_ENDS, average=False)    # the embedding and the head tied across stages
     _comm.sync_grads([p for k, p in named.items() if k.partition(".")[2] in TP_PARTIAL_GRADS], _comm.TP,
                      average=False)
     _comm.sync_grads(list(stages.parameters()), _comm.DP, average=AVERAGE_SHARES)

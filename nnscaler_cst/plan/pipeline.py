@@ -43,13 +43,26 @@ class StagePlan:
     # block loop, whose output a later stage reads for its shape only); the owning stage trains them
     tied: list[list[str]] = field(default_factory=list)   # params held by several stages
     stage_seconds: list[float] = field(default_factory=list)
+    # op-assign of the schedule table: the rank of each stage (default s % ranks), and the stages
+    # of one pipeline (fewer than all when pipelines are replicas: Chimera); node_stage and tied
+    # then count model stages, 0..length-1, and stage s runs model stage s % length
+    placement: tuple[int, ...] = ()
+    length: int = 0
 
     @property
     def stages(self) -> int:
         return self.ranks * self.virtual
 
+    @property
+    def per_pipeline(self) -> int:
+        return self.length or self.stages
+
     def rank_of(self, stage: int) -> int:
-        return stage % self.ranks
+        return self.placement[stage] if self.placement else stage % self.ranks
+
+    def replicas(self, model_stage: int) -> list[int]:
+        """The stages running one model stage: itself, or one per pipeline."""
+        return list(range(model_stage, self.stages, self.per_pipeline))
 
     def stages_of(self, rank: int) -> list[int]:
         return [s for s in range(self.stages) if self.rank_of(s) == rank]
@@ -145,7 +158,22 @@ def handoff_variables(function: cst.FunctionDef, loop_index: int) -> list[str]:
     return order
 
 
-def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | None = None) -> StagePlan:
+def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | None = None,
+                placement=None) -> StagePlan:
+    """`placement` (plan.schedules.Placement): the schedule table's op-assign; with replicated
+    pipelines the model is cut into the stages of one pipeline, and every replica of a model
+    stage holds its blocks."""
+    if placement is not None and placement.length < ranks * virtual:
+        plan = plan_stages(graph, placement.length, 1, cuts)
+        copies = ranks * virtual // placement.length
+        plan.ranks, plan.virtual = ranks, virtual
+        plan.placement, plan.length = tuple(placement.ranks), placement.length
+        plan.block_ranges = plan.block_ranges * copies
+        plan.stage_seconds = plan.stage_seconds * copies
+        for stage in range(placement.length, ranks * virtual):
+            plan.drop[stage] = plan.drop[stage % placement.length]
+            plan.shadow[stage] = plan.shadow.get(stage % placement.length, [])
+        return plan
     trunk = find_trunk(graph)
     _check_blocks_run_once(graph, trunk)
     stages = ranks * virtual
@@ -189,7 +217,8 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
     seconds = [0.0] * stages
     for node in graph.nodes:
         seconds[node_stage[node.index]] += node_flops(node, graph.dims.get(node.index), graph.trace)
-    plan = StagePlan(ranks, virtual, trunk, ranges, node_stage, {}, stage_seconds=seconds)
+    plan = StagePlan(ranks, virtual, trunk, ranges, node_stage, {}, stage_seconds=seconds,
+                     placement=tuple(placement.ranks) if placement is not None else ())
     _ownership(graph, plan)
     _check_state_writes(graph, plan)
     return plan

@@ -2,9 +2,15 @@
 
 A table states order constraints between one rank's forward steps F[k] and backward steps
 B[k] (k = 0..K-1), with expressions over k, the rank's pipeline index i, the ranks D, the
-micro-batches M, the stages per rank V, K = V*M and the warm-up W. A constraint may hold only
-`when` a condition does. z3 finds positions satisfying all of them; a new schedule is a new
-table, not new code.
+micro-batches M, the stages per rank V, the pipelines P, K = V*M/P and the warm-up W. A
+constraint may hold only `when` a condition does. z3 finds positions satisfying all of them;
+a new schedule is a new table, not new code.
+
+Placement (op-assign) is a table's too: the D*V stages form P pipelines of D*V/P stages each
+(every micro-batch runs through one pipeline), and `stage_rank` says which rank runs stage v
+(default v % D: interleaving deals stages round-robin). Pipelines are replicas of one model cut
+into D*V/P stages: stage v runs model stage v % (D*V/P), and the ranks holding replicas of a
+model stage sum their gradients. Chimera: P = 2, `stage_rank = "v if v < D else 2*D - 1 - v"`.
 """
 from __future__ import annotations
 
@@ -43,6 +49,44 @@ class ScheduleTable:
     backward_chunk: str
     micro_batch: str
     location: Location
+    pipelines: int = 1
+    stage_rank: str = "v % D"
+    bubble: tuple[str, str] | None = None      # the bubble's formula: numerator, denominator
+
+    def formula(self, ranks: int, micro: int) -> tuple[str, float] | None:
+        """The table's bubble formula, written out, and its value for D ranks and M micro-batches."""
+        if not self.bubble:
+            return None
+        env = {"D": ranks, "M": micro, "V": self.virtual_stages, "P": self.pipelines}
+        top, bottom = (evaluate(e, env, self.location) for e in self.bubble)
+        return f"({self.bubble[0]})/({self.bubble[1]})", top / bottom if bottom else 0.0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each stage runs: `ranks[v]` is the pipeline rank of stage v; stages v and v + 1 of
+    one pipeline hand over, stages `length` apart are replicas of one model stage."""
+    ranks: tuple[int, ...]
+    length: int                        # stages per pipeline
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [v for v, r in enumerate(self.ranks) if r == rank]
+
+    def first(self, stage: int) -> bool:
+        return stage % self.length == 0
+
+    def last(self, stage: int) -> bool:
+        return stage % self.length == self.length - 1
+
+    def replica_groups(self) -> list[list[int]]:
+        """Ranks holding replicas of one model stage, joined where they overlap: the groups whose
+        gradients are summed (one group per rank; a rank alone when nothing is replicated)."""
+        groups: list[set[int]] = [{r} for r in sorted(set(self.ranks))]
+        for model_stage in range(self.length):
+            holders = {self.ranks[v] for v in range(model_stage, len(self.ranks), self.length)}
+            joined = set(holders).union(*[g for g in groups if g & holders])
+            groups = [g for g in groups if not g & holders] + [joined]
+        return sorted(sorted(g) for g in groups)
 
 
 def load_schedule(name: str) -> ScheduleTable:
@@ -65,7 +109,24 @@ def load_schedule(name: str) -> ScheduleTable:
     return ScheduleTable(head.get("name", name), head.get("description", ""), int(head.get("virtual_stages", 1)),
                          head.get("warmup", "0"), head.get("order", []), head.get("forward_chunk", "0"),
                          head.get("backward_chunk", "0"), head.get("micro_batch", "k"),
-                         Location(display_path(path), _line(path, "order")))
+                         Location(display_path(path), _line(path, "order")), int(head.get("pipelines", 1)),
+                         head.get("stage_rank", "v % D"), tuple(head["bubble"]) if "bubble" in head else None)
+
+
+def placement(table: ScheduleTable, ranks: int) -> Placement:
+    """The table's op-assign of stages to ranks, checked: each rank runs V stages."""
+    V, P = table.virtual_stages, table.pipelines
+    where = Location(table.location.path, _line(Path(table.location.path), "stage_rank"))
+    if P < 1 or (ranks * V) % P:
+        raise UserError(f"schedule {table.name}: {ranks * V} stages do not form {P} pipelines", where)
+    env = {"D": ranks, "V": V, "P": P}
+    placed = tuple(evaluate(table.stage_rank, {**env, "v": v}, where) for v in range(ranks * V))
+    for rank in range(ranks):
+        held = [v for v, r in enumerate(placed) if r == rank]
+        if len(held) != V:
+            raise UserError(f"schedule {table.name}: stage_rank gives rank {rank} the stages {held}, not {V}",
+                            where, hint="every rank runs V stages: stage_rank must map D*V stages onto 0..D-1")
+    return Placement(placed, ranks * V // P)
 
 
 def _line(path, key: str) -> int:
@@ -75,13 +136,13 @@ def _line(path, key: str) -> int:
     return 1
 
 
-_ALLOWED = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Compare, ast.BoolOp, ast.Name, ast.Constant, ast.Call,
+_ALLOWED = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Compare, ast.BoolOp, ast.IfExp, ast.Name, ast.Constant, ast.Call,
             ast.Load, ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod, ast.USub, ast.Eq, ast.NotEq, ast.Lt,
             ast.LtE, ast.Gt, ast.GtE, ast.And, ast.Or, ast.Not)
 
 
 def evaluate(expression: str, env: dict[str, int], where: Location) -> int:
-    """Integer arithmetic over the table's names (and min/max); nothing else is evaluated."""
+    """Integer arithmetic over the table's names (min/max, `a if c else b`); nothing else is evaluated."""
     try:
         tree = ast.parse(expression, mode="eval")
     except SyntaxError:
@@ -89,17 +150,23 @@ def evaluate(expression: str, env: dict[str, int], where: Location) -> int:
     for node in ast.walk(tree):
         if not isinstance(node, _ALLOWED) or (isinstance(node, ast.Call) and not (
                 isinstance(node.func, ast.Name) and node.func.id in ("min", "max"))):
-            raise UserError(f"{expression!r}: only integer arithmetic, comparisons, min and max", where)
+            raise UserError(f"{expression!r}: only integer arithmetic, comparisons, min, max and `a if c else b`",
+                            where)
         if isinstance(node, ast.Name) and node.id not in env and node.id not in ("min", "max"):
             raise UserError(f"{expression!r}: unknown name {node.id}", where, hint="names: " + ", ".join(env))
     return eval(compile(tree, "<schedule>", "eval"), {"__builtins__": {}, "min": min, "max": max}, dict(env))
 
 
+def _names(text: str) -> set[str]:
+    return set(re.findall(r"[A-Za-z_]\w*", text))
+
+
 def rank_order(table: ScheduleTable, rank: int, ranks: int, micro: int) -> list[Action]:
     """One rank's actions in the order the table's constraints allow (z3)."""
-    V = table.virtual_stages
-    K = V * micro
-    env = {"i": rank, "D": ranks, "M": micro, "V": V, "K": K}
+    V, P = table.virtual_stages, table.pipelines
+    K = V * micro // P               # each micro-batch runs through one of the P pipelines
+    env = {"i": rank, "D": ranks, "M": micro, "V": V, "P": P, "K": K}
+    mine = placement(table, ranks).stages_of(rank)
     warmup_at = Location(table.location.path, _line(Path(table.location.path), "warmup"))
     env["W"] = evaluate(table.warmup, env, warmup_at)
     pos = {(kind, k): z3.Int(f"{kind}{k}") for kind in "FB" for k in range(K)}
@@ -113,13 +180,16 @@ def rank_order(table: ScheduleTable, rank: int, ranks: int, micro: int) -> list[
             raise UserError(f"cannot read the order constraint {text!r}", table.location,
                             hint="write `F[k] < B[k]`, optionally followed by `when i == 0`")
         a_kind, a_index, b_kind, b_index, when = match.groups()
+        # a constraint naming j relates every pair of steps (k, j): an order by a computed key
+        pairs = _names(text) & {"j"}
         for k in range(K):
-            local = {**env, "k": k}
-            if when and not evaluate(when, local, table.location):
-                continue
-            a, b = evaluate(a_index, local, table.location), evaluate(b_index, local, table.location)
-            if 0 <= a < K and 0 <= b < K:
-                solver.add(pos[(a_kind, a)] < pos[(b_kind, b)])
+            for j in (range(K) if pairs else [None]):
+                local = {**env, "k": k} if j is None else {**env, "k": k, "j": j}
+                if when and not evaluate(when, local, table.location):
+                    continue
+                a, b = evaluate(a_index, local, table.location), evaluate(b_index, local, table.location)
+                if 0 <= a < K and 0 <= b < K and (a_kind, a) != (b_kind, b):
+                    solver.add(pos[(a_kind, a)] < pos[(b_kind, b)])
     if solver.check() != z3.sat:
         raise UserError(f"the order constraints of schedule {table.name} contradict each other on rank {rank}",
                         table.location)
@@ -130,14 +200,21 @@ def rank_order(table: ScheduleTable, rank: int, ranks: int, micro: int) -> list[
         local = {**env, "k": k}
         chunk = evaluate(table.forward_chunk if kind == "F" else table.backward_chunk, local, table.location)
         m = evaluate(table.micro_batch, local, table.location)
-        out.append(Action(kind, chunk * ranks + rank, m))
+        if not 0 <= chunk < V:
+            raise UserError(f"schedule {table.name}: step {kind}[{k}] of rank {rank} runs chunk {chunk}, not one of "
+                            f"its {V} stages", table.location)
+        out.append(Action(kind, mine[chunk], m))
     return out
 
 
 def schedule(table: ScheduleTable, ranks: int, micro: int) -> list[list[Action]]:
-    if table.virtual_stages > 1 and micro % ranks:
+    if table.virtual_stages > 1 and table.pipelines == 1 and micro % ranks:
         raise UserError(f"schedule {table.name} needs the micro-batches ({micro}) to be a multiple of the "
                         f"pipeline ranks ({ranks})", table.location)
+    if micro % table.pipelines:
+        raise UserError(f"schedule {table.name} needs the micro-batches ({micro}) to be a multiple of its "
+                        f"{table.pipelines} pipelines", table.location,
+                        hint=f"e.g. --micro-batches {max(table.pipelines, micro + table.pipelines - micro % table.pipelines)}")
     return [rank_order(table, r, ranks, micro) for r in range(ranks)]
 
 

@@ -96,12 +96,16 @@ TP = Axis("tp")
 DP = Axis("dp")
 PP = Axis("pp")
 PP_ENDS = Axis("pp_ends")  # the first and last stage of this rank's pipeline (tied embeddings)
+PP_REPLICA = Axis("pp_replica")  # pipeline ranks holding replicas of the same stages (Chimera)
 GLOBAL_RANK = 0  # rebound by setup: read it as _comm.GLOBAL_RANK, not via `from _comm import`
 
 
 def setup(rank: int, world_size: int, *, tp: int = 1, dp: int = 1, pp: int = 1,
-          backend: str | None = None) -> None:
+          backend: str | None = None, pp_replicas: list | None = None) -> None:
     """Initialise torch.distributed (if needed) and build the tp x dp x pp mesh.
+
+    ``pp_replicas``: groups of pipeline indices whose ranks hold replicas of the same
+    stages (Chimera: [[0, 3], [1, 2]]); their gradients are summed over ``PP_REPLICA``.
 
     Global rank = ((pp_index * dp) + dp_index) * tp + tp_index.
     MASTER_ADDR / MASTER_PORT come from the environment (as torchrun sets them).
@@ -132,12 +136,14 @@ def setup(rank: int, world_size: int, *, tp: int = 1, dp: int = 1, pp: int = 1,
         PP: [[global_rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
     }
     lines[PP_ENDS] = [[line[0], line[-1]] for line in lines[PP]] if pp > 1 else [[rank]]
+    lines[PP_REPLICA] = [[line[p] for p in group] for line in lines[PP] for group in pp_replicas] \
+        if pp_replicas else [[rank]]
     _clear_handoff_cache()  # hand-off headers are cached per mesh: a new one starts afresh
     for axis, axis_lines in lines.items():
         axis._reset()
-        if len(axis_lines[0]) == 1:
-            continue  # size-1 axis: no group, every collective is the identity
         for ranks in axis_lines:
+            if len(ranks) == 1:
+                continue  # size-1 line: no group, every collective is the identity
             group = dist.new_group(ranks)
             if rank in ranks:
                 axis.size, axis.rank = len(ranks), ranks.index(rank)
@@ -150,7 +156,7 @@ def teardown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     GLOBAL_RANK = 0
-    for axis in (TP, DP, PP, PP_ENDS):
+    for axis in (TP, DP, PP, PP_ENDS, PP_REPLICA):
         axis._reset()
     _clear_handoff_cache()
 

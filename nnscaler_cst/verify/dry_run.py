@@ -218,7 +218,7 @@ class _Checker:
         """Every stage in order on the rank that runs it: stage s gets what stage s - 1 handed over."""
         comm, train = self.comm, self.train
         modules = {rank: self.package.rank_module(rank) for rank in firsts}
-        count = modules[firsts[0]].PIPELINE_STAGE_COUNT
+        count = modules[firsts[0]].PIPELINE_LENGTH     # one pipeline: replicas (Chimera) run the same code
         owner = {stage: rank for rank in firsts for stage in modules[rank].PIPELINE_STAGES}
         for model in models.values():
             model.train()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..plan.schedules import Action
+from ..plan.schedules import Action, Placement
 from . import forkserver
 from .launch import LaunchError, fixed_port, process_env, run_all, run_world, terminated_as_exit
 from .simulate import simulate
@@ -98,7 +98,8 @@ def check_schedules(package) -> None:
             stage, micro = (int(x) for x in text.split(kind))
             order.append(Action(kind, stage, micro))
         orders.append(order)
-    simulate(orders, modules[0].PIPELINE_STAGE_COUNT)
+    placement = Placement(tuple(modules[0].STAGE_RANKS), modules[0].PIPELINE_LENGTH)
+    simulate(orders, modules[0].PIPELINE_STAGE_COUNT, placement=placement)
 
 
 GRAD_SCALE_FLOOR = 1e-3   # share of the largest gradient below which a gradient's own scale is noise

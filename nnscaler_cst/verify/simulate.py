@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UserError
-from ..plan.schedules import Action
+from ..plan.schedules import Action, Placement
 
 
 @dataclass
@@ -21,26 +21,30 @@ class Event:
     end: float
 
 
-def _needs(action: Action, stages: int, ranks: int) -> list[tuple[Action, int | None]]:
+def _needs(action: Action, place: Placement) -> list[tuple[Action, int | None]]:
     """(the action this one waits for, the rank it comes from; None when it is this rank's own)."""
     s, m = action.stage, action.micro
     if action.kind == "F":
-        return [(Action("F", s - 1, m), (s - 1) % ranks)] if s > 0 else []
+        return [(Action("F", s - 1, m), place.ranks[s - 1])] if not place.first(s) else []
     needs = [(Action("F", s, m), None)]
-    if s < stages - 1:
-        needs.append((Action("B", s + 1, m), (s + 1) % ranks))
+    if not place.last(s):
+        needs.append((Action("B", s + 1, m), place.ranks[s + 1]))
     return needs
 
 
 def simulate(orders: list[list[Action]], stages: int, *, forward_seconds: list[float] | None = None,
-             latency: float = 0.0) -> list[Event]:
+             latency: float = 0.0, placement: Placement | None = None) -> list[Event]:
+    """`placement`: which rank runs each stage, and how many stages one pipeline has (default:
+    stage s on rank s % ranks, one pipeline of all `stages`)."""
     ranks = len(orders)
+    place = placement or Placement(tuple(s % ranks for s in range(stages)), stages)
     expected = {Action(k, s, m) for order in orders for (k, s, m) in
                 [(a.kind, a.stage, a.micro) for a in order]}
     for rank, order in enumerate(orders):
         for step, action in enumerate(order):
-            if action.stage % ranks != rank:
-                raise UserError(f"rank {rank} step {step} runs {action}, a stage of rank {action.stage % ranks}")
+            if not 0 <= action.stage < len(place.ranks) or place.ranks[action.stage] != rank:
+                owner = place.ranks[action.stage] if 0 <= action.stage < len(place.ranks) else "no rank"
+                raise UserError(f"rank {rank} step {step} runs {action}, a stage of rank {owner}")
         seen = set()
         for step, action in enumerate(order):
             if action in seen:
@@ -56,7 +60,7 @@ def simulate(orders: list[list[Action]], stages: int, *, forward_seconds: list[f
         for rank in range(ranks):
             while position[rank] < len(orders[rank]):
                 action = orders[rank][position[rank]]
-                needs = _needs(action, stages, ranks)
+                needs = _needs(action, place)
                 if any(need not in done for need, _ in needs):
                     break
                 ready = max([clock[rank]] + [done[n] + (latency if src is not None else 0.0) for n, src in needs])
@@ -73,7 +77,7 @@ def simulate(orders: list[list[Action]], stages: int, *, forward_seconds: list[f
                 if position[rank] == len(orders[rank]):
                     continue
                 action = orders[rank][position[rank]]
-                for need, src in _needs(action, stages, ranks):
+                for need, src in _needs(action, place):
                     if need not in done:
                         who = "itself" if src is None else f"rank {src}"
                         later = "never runs it" if need not in expected else "runs it only later"

@@ -215,7 +215,8 @@ def rank(args):
     comm = importlib.import_module(f"{package.__name__}._comm")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     inject_fault(rank)
-    comm.setup(rank, world, tp=package.TP_SIZE, dp=package.DP_SIZE, pp=package.PP_SIZE, backend="gloo")
+    comm.setup(rank, world, tp=package.TP_SIZE, dp=package.DP_SIZE, pp=package.PP_SIZE, backend="gloo",
+               pp_replicas=package.rank_module(rank).PIPELINE_REPLICAS if package.PP_SIZE > 1 else None)
     module = package.rank_module(rank)
     torch.manual_seed(args.seed)
     model = package.build(rank)
