@@ -31,7 +31,7 @@ from .verify.dry_run import dry_run
 from .plan.layouts import REPLICATE
 from .plan.auto import dp_only, search_auto
 from .plan.batch import check_batch_split, loss_reduction
-from .plan.choices import choices_from_plan
+from .plan.choices import choices_from_plan, site_keys
 from .plan.coshard import CoshardChoice, plan_coshard
 from .plan.cost import check_precision, load_cluster, node_time, optimizer_time
 from .plan.search import AxisPlan, search_axis
@@ -180,8 +180,9 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
     if coshard is not None:
         plan.name += f"(C={coshard.chunks})"
         plan.coshard_stand_in = coshard.stand_in if tp_plan is None else None
+    keys = site_keys(graph)
     for site in graph.sites.values():
-        where = site.span.label
+        where = keys[site.span]
         chosen = tp_plan or (coshard.searched if coshard is not None else None)
         choice = chosen.site_choice.get((site.span, site.callee), REPLICATE) if chosen is not None else REPLICATE
         chunks = coshard.chunks if coshard is not None and choice != REPLICATE and site.nodes[0].index in \

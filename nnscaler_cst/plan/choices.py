@@ -14,8 +14,16 @@ from .refine import refine_factors
 from .search import AxisChoices, _operand_names, _partial_grad_params, site_options
 
 
-def site_label(span) -> str:
-    return span.label
+def site_keys(graph: Graph) -> dict:
+    """Each call site's name in the plan IR (op_trans, op_assign): its path:line:col, and where it
+    ends when another site starts at the same place. The calls of a method chain on one line
+    (`x.reshape(...).transpose(2, 3).reshape(...)`) all start at `x`: by path:line:col alone, the
+    plan's split of the outer reshape was read back for the inner one."""
+    spans_at: dict[str, set] = {}
+    for span, _ in graph.sites:
+        spans_at.setdefault(span.label, set()).add(span)
+    return {span: span.label if len(spans_at[span.label]) == 1 else
+            f"{span.label}-{span.end_line}:{span.end_col + 1}" for span, _ in graph.sites}
 
 
 def choices_from_plan(graph: Graph, plan: Plan, axis: str = "tp", *, batch_slices: int = 1,
@@ -25,11 +33,12 @@ def choices_from_plan(graph: Graph, plan: Plan, axis: str = "tp", *, batch_slice
         return None
     refine_factors(graph)
     wanted = {(t.site, t.callee): t for t in plan.trans if t.axis == axis}
+    keys = site_keys(graph)
     options = site_options(graph, n, batch_slices, every_size_read)
     node_choice: dict[int, str] = {}
     chunks: dict[int, int] = {}
     for sid, opts in options.items():
-        trans = None if sid[0] == "node" else wanted.get((site_label(sid[0]), sid[1]))
+        trans = None if sid[0] == "node" else wanted.get((keys[sid[0]], sid[1]))
         algo = trans.algo if trans is not None else REPLICATE
         if trans is not None and trans.n > n:        # co-shard: n = C * |axis|
             chunks.update({i: trans.n // n for i in opts.nodes})

@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..graph.graph import Graph
+from ..plan.choices import site_keys
 from ..plan.ir import Plan
 from ..plan.layouts import REPLICATE, layouts_for
 from ..plan.search import AxisPlan
@@ -17,9 +18,10 @@ from ..plan.search import AxisPlan
 def plan_rows(graph: Graph, plan: Plan, tp_plan: AxisPlan | None) -> list[dict[str, Any]]:
     rows = []
     pieces = {(t.site, t.callee): t.n for t in plan.trans if t.axis == "tp"}
+    keys = site_keys(graph)
     for site in graph.sites.values():
         node = site.nodes[0]
-        where = site.span.label
+        where = keys[site.span]
         choice = tp_plan.node_choice.get(node.index, REPLICATE) if tp_plan else REPLICATE
         outs = layouts_for(graph.dims.get(node.index), choice, []).outputs if tp_plan else []
         n = pieces.get((where, site.callee), 1) if choice != REPLICATE else 1
