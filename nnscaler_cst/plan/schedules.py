@@ -169,8 +169,11 @@ def rank_order(table: ScheduleTable, rank: int, ranks: int, micro: int) -> list[
     mine = placement(table, ranks).stages_of(rank)
     warmup_at = Location(table.location.path, _line(Path(table.location.path), "warmup"))
     env["W"] = evaluate(table.warmup, env, warmup_at)
-    pos = {(kind, k): z3.Int(f"{kind}{k}") for kind in "FB" for k in range(K)}
-    solver = z3.Solver()
+    # a fresh context each time: where the constraints leave a choice, z3's pick then depends on
+    # the table and the sizes only, not on what this process solved before (same output each run)
+    ctx = z3.Context()
+    pos = {(kind, k): z3.Int(f"{kind}{k}", ctx) for kind in "FB" for k in range(K)}
+    solver = z3.Solver(ctx=ctx)
     solver.add(z3.Distinct(*pos.values()))
     for value in pos.values():
         solver.add(value >= 0, value < 2 * K)
