@@ -1,11 +1,13 @@
 #!/usr/bin/env python
 """Pipeline benchmarks of the generated 1F1B code, on gloo + CPU.
 
-    python benchmarks/bench_pipeline.py [--pp 2,4] [--micro 2,4,8] [--layers 8]
+    python benchmarks/bench_pipeline.py [--pp 2,4] [--micro 2,4,8] [--layers 8] [--schedule 1f1b]
         [--rounds 5] [--warmup 1] [--steps 4] [--compare-micro 8] [--compare-rounds 12]
         [--compare-warmup 1] [--compare-steps 3] [--json out.json] [--keep DIR]
 
 Everything is measured in one run; figures are ratios against a baseline of the same run.
+``--schedule chimera`` (or any table) measures that schedule's bubble instead, against its own
+formula when the table states one (part 2, the comparison with pipelining, is 1F1B's only).
 
 Model: a benchmark-local copy of fixtures/gpt.py with only the numbers changed (n_embd 256,
 n_layer --layers, block_size 64, batch 16 x 64 tokens; vocab 128 and n_head 4 as in the
@@ -192,7 +194,8 @@ def rank_bubble(argv: list[str]) -> None:
     for out_dir in a.out_dirs:
         package, train, comm = load_package(Path(out_dir))
         # the first setup initialises the process group, the others only build their groups
-        comm.setup(rank, world, tp=package.TP_SIZE, dp=package.DP_SIZE, pp=package.PP_SIZE, backend="gloo")
+        comm.setup(rank, world, tp=package.TP_SIZE, dp=package.DP_SIZE, pp=package.PP_SIZE, backend="gloo",
+                   pp_replicas=package.rank_module(rank).PIPELINE_REPLICAS)
         module = package.rank_module(rank)
         torch.manual_seed(a.seed)
         stages = package.build(rank)
@@ -446,22 +449,25 @@ def read_orders(out_dir: Path):
     return orders
 
 
-def replay(orders, forward: list[float], backward: list[float]) -> float:
+def replay(orders, forward: list[float], backward: list[float], place=None) -> float:
     """The bubble the orders give with these per-stage forward and backward seconds and free,
     instant communication: simulate()'s walk (a forward waits for the previous stage's forward
     of its micro-batch, a backward for its own forward and the next stage's backward), but
-    with the measured backward time instead of simulate()'s B = 2F."""
+    with the measured backward time instead of simulate()'s B = 2F. `place`: the schedule's
+    Placement (default: one pipeline of all the stages)."""
     stages = len(forward)
+    first = (lambda s: place.first(s)) if place else (lambda s: s == 0)
+    last = (lambda s: place.last(s)) if place else (lambda s: s == stages - 1)
     done, clock, pos, busy = {}, [0.0] * len(orders), [0] * len(orders), 0.0
     while any(pos[r] < len(orders[r]) for r in range(len(orders))):
         moved = False
         for r, order in enumerate(orders):
             while pos[r] < len(order):
                 act = order[pos[r]]
-                needs = [("F", act.stage - 1, act.micro)] if act.kind == "F" and act.stage > 0 else []
+                needs = [("F", act.stage - 1, act.micro)] if act.kind == "F" and not first(act.stage) else []
                 if act.kind == "B":
                     needs.append(("F", act.stage, act.micro))
-                    if act.stage < stages - 1:
+                    if not last(act.stage):
                         needs.append(("B", act.stage + 1, act.micro))
                 if any(n not in done for n in needs):
                     break
@@ -506,10 +512,11 @@ def bubble_figures(records: list[dict], D: int) -> dict:
                 per_stage.setdefault((stage, kind), []).append(e - s)
                 per_stage.setdefault((stage, kind + "cpu"), []).append(c)
     med = statistics.median
-    stage_f = [med(per_stage[(s, "F")]) for s in range(D)]
-    stage_b = [med(per_stage[(s, "B")]) for s in range(D)]
-    stage_f_cpu = [med(per_stage[(s, "Fcpu")]) for s in range(D)]
-    stage_b_cpu = [med(per_stage[(s, "Bcpu")]) for s in range(D)]
+    count = 1 + max(s for s, _ in per_stage)        # D stages, or more (interleaving, Chimera)
+    stage_f = [med(per_stage[(s, "F")]) for s in range(count)]
+    stage_b = [med(per_stage[(s, "B")]) for s in range(count)]
+    stage_f_cpu = [med(per_stage[(s, "Fcpu")]) for s in range(count)]
+    stage_b_cpu = [med(per_stage[(s, "Bcpu")]) for s in range(count)]
     losses = [rec["steps"][k]["loss"] for k in range(n) for rec in records[:1]]
     return {"step_bubble": med(step_b), "schedule_bubble": med(sched_b),
             "cpu_share": med(shares), "loadavg": med(loads), "one_way_s": records[0]["one_way_s"],
@@ -528,6 +535,7 @@ def main() -> None:
         return rank_compare(sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pp", default="2,4", help="pipeline sizes D for the bubble part")
+    p.add_argument("--schedule", default="1f1b", help="the schedule table of the bubble part (1f1b, chimera, ...)")
     p.add_argument("--micro", default="2,4,8", help="micro-batch counts M for the bubble part")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--rounds", type=int, default=5, help="bubble part: rounds (the M variants take turns)")
@@ -542,7 +550,12 @@ def main() -> None:
     a = p.parse_args()
 
     import torch
+    from nnscaler_cst.plan.schedules import load_schedule, placement
     from nnscaler_cst.verify.simulate import bubble_fraction, simulate
+
+    table = load_schedule(a.schedule)
+    if a.schedule != "1f1b" and a.compare_micro:
+        p.error("the pipelining comparison is of 1F1B: with another --schedule pass --compare-micro 0")
 
     pps = [int(x) for x in a.pp.split(",") if x]
     micros = [int(x) for x in a.micro.split(",") if x]
@@ -567,8 +580,8 @@ def main() -> None:
             if out_dir.exists():
                 shutil.rmtree(out_dir)
             try:
-                run_cli([str(model_file), "--pp", str(D), "--micro-batches", str(M), "--schedule", "1f1b",
-                         "-o", str(out_dir)], tmp)
+                run_cli([str(model_file), "--pp", str(D), "--micro-batches", str(M), "--schedule",
+                         a.schedule, "-o", str(out_dir)], tmp)
                 outputs[(D, M)] = out_dir
             except ToolError as error:
                 outputs[(D, M)] = None
@@ -593,18 +606,22 @@ def main() -> None:
             for M in ms:
                 out_dir = outputs[(D, M)]
                 text = run_cli(["schedule", str(model_file), "--pp", str(D), "--micro-batches", str(M),
-                                "--schedule", "1f1b"], tmp)
+                                "--schedule", a.schedule], tmp)
                 m = re.search(r"bubble ([0-9.]+)% \(cost model\)", text)
                 records = [json.loads((workdir / f"{out_dir.name}_rank{r}.json").read_text()) for r in range(D)]
                 fig = bubble_figures(records, D)
                 orders = read_orders(out_dir)
                 F = fig["stage_forward_s"]
-                fig["formula"] = (D - 1) / (D - 1 + M)
-                fig["sim_unit"] = bubble_fraction(simulate(orders, D), D)
-                fig["sim_measured_f"] = bubble_fraction(simulate(orders, D, forward_seconds=F), D)
+                place = placement(table, D)
+                own = table.formula(D, M)
+                fig["formula"] = own[1] if own else (D - 1) / (D - 1 + M)
+                fig["formula_1f1b"] = (D - 1) / (D - 1 + M)
+                n = len(place.ranks)
+                fig["sim_unit"] = bubble_fraction(simulate(orders, n, placement=place), D)
+                fig["sim_measured_f"] = bubble_fraction(simulate(orders, n, forward_seconds=F, placement=place), D)
                 fig["sim_measured_f_latency"] = bubble_fraction(
-                    simulate(orders, D, forward_seconds=F, latency=fig["one_way_s"]), D)
-                fig["replay_measured_fb"] = replay(orders, F, fig["stage_backward_s"])
+                    simulate(orders, n, forward_seconds=F, latency=fig["one_way_s"], placement=place), D)
+                fig["replay_measured_fb"] = replay(orders, F, fig["stage_backward_s"], place)
                 fig["tool_cost_model"] = float(m.group(1)) / 100 if m else float("nan")
                 fig.update(D=D, M=M, run_seconds=took, oversubscribed=D > (os.cpu_count() or 1))
                 out["bubble"].append(fig)
@@ -635,11 +652,11 @@ def report(out: dict, a) -> None:
     after = out["machine_after"]
     print(f"\n1-min loadavg after: {after['loadavg'][0]:.2f}\n")
     if out["bubble"]:
-        print(f"## 1. 1F1B bubble of the generated code on gloo ({a.rounds} rounds x ({a.warmup} warm-up + "
+        print(f"## 1. {a.schedule} bubble of the generated code on gloo ({a.rounds} rounds x ({a.warmup} warm-up + "
               f"{a.steps} timed) steps per (D, M), the M variants taking turns; medians over the "
               f"{a.rounds * a.steps} timed steps)\n")
         print("| D | M | blocks per stage | step ms | step / step at the smallest M | measured schedule bubble "
-              "| measured step bubble | (D-1)/(D-1+M) | simulate(), unit cost | tool cost model (`schedule`) "
+              "| measured step bubble | formula (the schedule's own; 1F1B: (D-1)/(D-1+M)) | simulate(), unit cost | tool cost model (`schedule`) "
               "| measured schedule bubble / formula |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         base = {}
@@ -656,7 +673,7 @@ def report(out: dict, a) -> None:
             print(f"| {f['D']}{flag} | {f['M']} | {blocks} | {f['step_wall_s'] * 1e3:.0f} "
                   f"| {f['step_wall_s'] / base[f['D']]:.2f} | {f['schedule_bubble']:.3f} | {f['step_bubble']:.3f} | {f['formula']:.3f} "
                   f"| {f['sim_unit']:.3f} | {f['tool_cost_model']:.3f} "
-                  f"| {f['schedule_bubble'] / f['formula']:.2f} |")
+                  f"| {f['schedule_bubble'] / f['formula'] if f['formula'] else float('inf'):.2f} |")
         print("\n| D | M | per-stage F ms, wall (CPU) | per-stage B ms, wall (CPU) | replay, measured F+B, free comm "
               "| one-way p2p ms: send_values (1 tensor alone; ratio) | simulate(), measured F + that latency "
               "| CPU share in actions | loadavg | tail after last action / step | schedule bubble per step, min / max |")
