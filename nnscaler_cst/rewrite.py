@@ -163,7 +163,8 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
                                   every_size_read=every_size_read) if tp > 1 else None
         name = "+".join(names) or "single"
     if request.zero:
-        check_zero(request.zero, dp, request.pp, searched=request.plan == "auto")
+        check_zero(request.zero, dp, request.pp, searched=request.plan == "auto",
+                   pipelines=load_schedule(request.schedule).pipelines if request.pp > 1 else 1)
         name += f"+zero{request.zero}"
     coshard = _choose_coshard(analysis, request, constraints, tp, dp, tp_plan, cluster, every_size_read) \
         if any(c.chunks != 1 for c in constraints) else None
@@ -298,14 +299,15 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
                                        f"from {source_label}")
     partial = ", ".join(repr(a) for p in (edits.partial_grad_params if edits else [])
                         for a in analysis.trace.params[p].aliases)
-    pipeline_step = templates.PIPELINE_STEP.format(micro=micro) if stages is not None else ""
+    zero = request.zero if request else 0
+    pipeline_step = templates.PIPELINE_STEP.format(micro=micro, **templates.data_parallel_step(zero, "stages")) \
+        if stages is not None else ""
     files["train.py"] = with_header(templates.TRAIN.format(source=source_label, plan=plan.describe(),
                                                            world=plan.world_size, folder="<this folder>",
                                                            partial=partial, pipeline_step=pipeline_step,
                                                            loss_shares=templates.LOSS_SHARES[
                                                                loss_reduction(analysis.graph)],
-                                                           **templates.data_parallel_step(
-                                                               request.zero if request else 0)),
+                                                           **templates.data_parallel_step(zero)),
                                     f"from {source_label}")
     plan_json = {"generated_by": f"nnscaler-rewrite {__version__}", "source": source_label, **plan.to_json(),
                  "file_hashes": {n: content_hash(t) for n, t in files.items() if not n.endswith(".py")}}

@@ -93,6 +93,25 @@ def test_a_count_that_does_not_divide_is_padded_to_the_flat_buffer():
     assert state_bytes_per_device(10, 1, 4).params == 48
 
 
+@pytest.fixture(scope="module")
+def gpt_analysis():
+    from nnscaler_cst.analysis import analyze
+    return analyze(REPO / "fixtures" / "gpt.py")   # has blocks to cut into stages
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_with_pipeline_stages_the_schedule_is_followed_by_the_same_zero_calls_on_the_stages(gpt_analysis, stage):
+    train = train_source(gpt_analysis, dp=2, pp=2, micro_batches=2, zero=stage)
+    step = train[train.index("def pipeline_train_step("):train.index("def main(")]
+    schedule_at = step.index("for i, (kind, stage, m) in enumerate(actions):")
+    tied_at = step.index("_comm.sync_grads(tied, _comm.PP_ENDS, average=False)")
+    reduce_at = step.index("_comm.reduce_scatter_grads(stages.zero_shards, _comm.DP, average=AVERAGE_SHARES)")
+    assert schedule_at < tied_at < reduce_at < step.index("optimizer.step()")
+    assert "_comm.sync_grads(list(stages.parameters()), _comm.DP" not in step
+    gathers = [k for k in range(len(step)) if step.startswith("_comm.all_gather_params(stages.zero_shards", k)]
+    assert len(gathers) == 1 and (gathers[0] < schedule_at) == (stage == 3)
+
+
 # --------------------------------------------------------------------------------------------
 # Bad input
 # --------------------------------------------------------------------------------------------
@@ -101,7 +120,7 @@ def test_a_count_that_does_not_divide_is_padded_to_the_flat_buffer():
     ("--dp 2 --zero 4", "ZeRO has stages 1, 2 and 3"),
     ("--zero 1", "no data parallelism"),
     ("--tp 2 --zero 2", "no data parallelism"),
-    ("--dp 2 --pp 2 --zero 1", "not supported with pipeline stages"),
+    ("--dp 2 --pp 2 --schedule chimera --micro-batches 2 --zero 1", "replicated pipelines"),
 ])
 def test_zero_where_it_cannot_apply_is_refused_with_a_hint_and_nothing_written(args, says, tmp_path, monkeypatch,
                                                                                capsys):
@@ -153,6 +172,20 @@ def test_zero_trains_like_the_single_device_run(entry, tp, stage, tmp_path):
     assert outcome["max_abs_error"] <= outcome["tolerance"]["param_atol"]
     train = (tmp_path / "out" / "train.py").read_text()
     assert "_comm.reduce_scatter_grads(model.zero_shards, _comm.DP, average=AVERAGE_SHARES)" in train
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry, args", [
+    ("gpt.py", "--pp 2 --dp 2 --zero 3 --micro-batches 2"),
+    ("gpt.py", "--pp 2 --tp 2 --dp 2 --zero 1 --recompute --micro-batches 2"),      # 8 processes
+    ("hf_llama.py", "--pp 2 --tp 2 --dp 2 --zero 1 --recompute --micro-batches 2"),
+], ids=["gpt-pp2xdp2-zero3", "gpt-pp2xtp2xdp2-zero1-recompute", "llama-pp2xtp2xdp2-zero1-recompute"])
+def test_zero_with_pipeline_stages_trains_like_the_single_device_run(entry, args, tmp_path):
+    result, outcome = verify(f"fixtures/{entry}", *args.split(), "-o", tmp_path / "out")
+    assert result.returncode == 0 and outcome["passed"] is True, outcome
+    assert outcome["max_abs_error"] <= outcome["tolerance"]["param_atol"]
+    stage = (tmp_path / "out" / "train.py").read_text()
+    assert "_comm.reduce_scatter_grads(stages.zero_shards, _comm.DP" in stage
 
 
 MEASURE = textwrap.dedent('''

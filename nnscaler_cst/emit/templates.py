@@ -349,7 +349,7 @@ def pipeline_train_step(stages, optimizer, batch, module):
     the gradient all-reduces. Activations go forward and gradients back. After each action, its
     sends and the next action's receives are posted together (one batch_isend_irecv); an action
     waits only for its own receives, the sends are waited for at the end of the step."""
-    micro = micro_batches(split_batch(batch))
+{gather_before_forward}    micro = micro_batches(split_batch(batch))
     shapes = [_comm.shape_key(m) for m in micro]  # hand-off headers are sent once per input shapes
     pipeline = _comm.axis_ranks(_comm.PP)        # global ranks of this pipeline, by pipeline index
     # stage s runs model stage s % length: one pipeline of all stages, or several (Chimera)
@@ -415,10 +415,7 @@ def pipeline_train_step(stages, optimizer, batch, module):
         _comm.sync_grads(tied, _comm.PP_ENDS, average=False)    # the embedding and the head tied across stages
     _comm.sync_grads([p for k, p in named.items() if k.partition(".")[2] in TP_PARTIAL_GRADS], _comm.TP,
                      average=False)
-    _comm.sync_grads(list(stages.parameters()), _comm.DP, average=AVERAGE_SHARES)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    dist.all_reduce(loss_sum, group=_comm.PP.group)         # only the last stage holds the loss
+{dp_update}    dist.all_reduce(loss_sum, group=_comm.PP.group)         # only the last stage holds the loss
     if _comm.DP.size > 1:
         dist.all_reduce(loss_sum, group=_comm.DP.group)
         if AVERAGE_SHARES:
@@ -428,7 +425,7 @@ def pipeline_train_step(stages, optimizer, batch, module):
 
 
 # The data-parallel part of train_step: after the backward, until the optimizer has stepped.
-DP_UPDATE = """    _comm.sync_grads(list(model.parameters()), _comm.DP, average=AVERAGE_SHARES)  # data parallel
+DP_UPDATE = """    _comm.sync_grads(list({holder}.parameters()), _comm.DP, average=AVERAGE_SHARES)  # data parallel
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 """
@@ -458,26 +455,26 @@ ZERO_WHAT = {
     3: "ZeRO-3: optimizer state, gradients and parameters sharded over the data-parallel ranks",
 }
 
-ZERO_GATHER = """    _comm.all_gather_params(model.zero_shards, _comm.DP)  # ZeRO-3: whole parameters for forward and backward
+ZERO_GATHER = """    _comm.all_gather_params({holder}.zero_shards, _comm.DP)  # ZeRO-3: whole parameters for forward and backward
 """
 
 ZERO_DP_UPDATE = {
     1: """    # this rank's shard of the data-parallel gradient, to the optimizer
-    _comm.reduce_scatter_grads(model.zero_shards, _comm.DP, average=AVERAGE_SHARES)
+    _comm.reduce_scatter_grads({holder}.zero_shards, _comm.DP, average=AVERAGE_SHARES)
     optimizer.step()                                          # steps this rank's shard of the parameters
     optimizer.zero_grad(set_to_none=True)
-    model.zero_grad(set_to_none=False)                        # ZeRO-1 keeps its full gradient buffer: zeroed
-    _comm.all_gather_params(model.zero_shards, _comm.DP)     # every rank's updated shard, to every rank
+    {holder}.zero_grad(set_to_none=False)                        # ZeRO-1 keeps its full gradient buffer: zeroed
+    _comm.all_gather_params({holder}.zero_shards, _comm.DP)     # every rank's updated shard, to every rank
 """,
     2: """    # only this rank's shard of the data-parallel gradient is kept
-    _comm.reduce_scatter_grads(model.zero_shards, _comm.DP, average=AVERAGE_SHARES)
+    _comm.reduce_scatter_grads({holder}.zero_shards, _comm.DP, average=AVERAGE_SHARES)
     optimizer.step()                                          # steps this rank's shard of the parameters
     optimizer.zero_grad(set_to_none=True)
-    _comm.all_gather_params(model.zero_shards, _comm.DP)     # every rank's updated shard, to every rank
+    _comm.all_gather_params({holder}.zero_shards, _comm.DP)     # every rank's updated shard, to every rank
 """,
     3: """    # only this rank's shard of the data-parallel gradient is kept
-    _comm.reduce_scatter_grads(model.zero_shards, _comm.DP, average=AVERAGE_SHARES)
-    _comm.free_params(model.zero_shards)                      # whole parameters dropped: the shard stays
+    _comm.reduce_scatter_grads({holder}.zero_shards, _comm.DP, average=AVERAGE_SHARES)
+    _comm.free_params({holder}.zero_shards)                      # whole parameters dropped: the shard stays
     optimizer.step()                                          # steps this rank's shard of the parameters
     optimizer.zero_grad(set_to_none=True)
 """,
@@ -494,9 +491,12 @@ LOSS_SHARES = {
 }
 
 
-def data_parallel_step(zero: int) -> dict[str, str]:
-    """train.py's data-parallel pieces: replicated state (zero 0) or ZeRO stage `zero`."""
+def data_parallel_step(zero: int, holder: str = "model") -> dict[str, str]:
+    """The data-parallel pieces of a step: replicated state (zero 0) or ZeRO stage `zero`, on the
+    module `holder` (train_step's model, or the pipeline step's stages)."""
     if not zero:
-        return {"optimizer_params": OPTIMIZER_PARAMS, "gather_before_forward": "", "dp_update": DP_UPDATE}
+        return {"optimizer_params": OPTIMIZER_PARAMS, "gather_before_forward": "",
+                "dp_update": DP_UPDATE.format(holder=holder)}
     return {"optimizer_params": ZERO_OPTIMIZER_PARAMS.format(stage=zero, what=ZERO_WHAT[zero]),
-            "gather_before_forward": ZERO_GATHER if zero == 3 else "", "dp_update": ZERO_DP_UPDATE[zero]}
+            "gather_before_forward": ZERO_GATHER.format(holder=holder) if zero == 3 else "",
+            "dp_update": ZERO_DP_UPDATE[zero].format(holder=holder)}

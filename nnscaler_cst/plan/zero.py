@@ -18,9 +18,12 @@ GRAD_BYTES = 4           # fp32 gradients
 ADAMW_STATE_BYTES = 8    # exp_avg and exp_avg_sq, fp32 each
 
 
-def check_zero(stage: int, dp: int, pp: int, *, searched: bool = False) -> None:
-    """Refuse a ZeRO stage that cannot apply: an unknown stage, no data parallelism, pipelines.
-    `searched`: --plan auto chose the mesh, so the user did not ask for dp=1 themselves."""
+def check_zero(stage: int, dp: int, pp: int, *, searched: bool = False, pipelines: int = 1) -> None:
+    """Refuse a ZeRO stage that cannot apply: an unknown stage, no data parallelism, replicated
+    pipelines. `searched`: --plan auto chose the mesh, so the user did not ask for dp=1 themselves.
+    With pipeline stages each rank shards the parameters of the stages it holds over its
+    data-parallel peers, which hold the same stages; `pipelines` > 1 (Chimera) would also sum
+    the gradients of a stage's replicas into the shards, which the step does not do."""
     if stage not in STAGES:
         raise UserError(f"--zero {stage}: ZeRO has stages 1, 2 and 3",
                         hint="--zero 1 shards optimizer state, 2 also gradients, 3 also parameters")
@@ -31,10 +34,10 @@ def check_zero(stage: int, dp: int, pp: int, *, searched: bool = False) -> None:
     if dp < 2:
         raise UserError(f"--zero {stage} shards data-parallel state, but the plan has no data parallelism",
                         hint="add --dp N (N > 1), e.g. --dp 2 --zero 1")
-    if pp > 1:
-        raise UserError(f"--zero {stage} with --pp {pp}: ZeRO is not supported with pipeline stages yet "
-                        "(each stage would need its own shards, stepped after the schedule)",
-                        hint="drop --pp, or drop --zero")
+    if pp > 1 and pipelines > 1:
+        raise UserError(f"--zero {stage} with a schedule of {pipelines} replicated pipelines: ZeRO is not "
+                        "supported there yet (the replicas' gradients would have to be summed into the shards)",
+                        hint="use --schedule 1f1b (or another single-pipeline schedule), or drop --zero")
 
 
 @dataclass(frozen=True)
