@@ -27,4 +27,7 @@ def analyze(model_file: str | Path, *, model_class: str | None = None, trace_mod
     sources = SourceSet()
     entry = load_entry(model_file, sources, model_class)
     trace = trace_model(entry, sources, library_modules=rules.library_modules, mode=trace_mode)
-    return Analysis(entry, sources, trace, build_graph(trace, rules, sources), rules)
+    graph = build_graph(trace, rules, sources)
+    graph.retrace = lambda slices: trace_model(entry, sources, library_modules=rules.library_modules, mode=trace.mode,
+                                               batch_slices=slices)
+    return Analysis(entry, sources, trace, graph, rules)

@@ -265,6 +265,8 @@ class InsertCollectives:
             values[f"arg{i}"] = code(arg.value)
         keywords = [a for a in call.args if a.keyword is not None or a.star]
         values["kwargs"] = "".join(", " + code(a).rstrip(", ").strip() for a in keywords)
+        for i in range(len(positional) + 1):      # {restN}: the arguments from the Nth positional on
+            values[f"rest{i}"] = "".join(", " + code(a.value) for a in positional[i:]) + values["kwargs"]
         return values
 
     def _replace(self, span, node, site: SiteEdit):

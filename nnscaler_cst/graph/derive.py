@@ -13,7 +13,9 @@ so the repeated blocks of a deep model probe once.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -44,12 +46,32 @@ def derive(node: Node, trace: Trace, cache: dict) -> Derived:
         return Derived(None, "no rule, and the call cannot be replayed to derive one")
     key = _signature(node, trace, replay)
     if key not in cache:
-        cache[key] = _probe(node, trace, replay)
+        with _filled_uninitialized_memory():
+            cache[key] = _probe(node, trace, replay)
     found = cache[key]
     if isinstance(found, str):
         return Derived(None, found)
     dims = _to_dims(found, node, trace, replay)
     return Derived(dims, None if dims is not None else "no rule, and its results could not be matched to the trace")
+
+
+@contextlib.contextmanager
+def _filled_uninitialized_memory():
+    """`x.new_empty(...)`, `torch.empty_like(x)`: results a call leaves uninitialized are filled
+    with a known value (NaN, the largest integer) instead of whatever the memory held, so that
+    calls compare equal and an operand read for its shape only is seen as such."""
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), \
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")      # "... does not have a deterministic implementation"
+            yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
 def _signature(node: Node, trace: Trace, replay: Replay):
@@ -200,11 +222,15 @@ def _probe(node: Node, trace: Trace, replay: Replay) -> _Probed | str:
             data.append(tid)
     taken: set[tuple[int, int]] = set()
     labels = []
+    # operands read for their shape whose shape the result follows (`key[..., :n].copy_(k)`,
+    # `torch.zeros_like(x) + y`) are sliced with the data when slicing the data alone cannot work
+    sized = [tid for tid in names if tid in call.base and tid not in params and tid not in data]
     for tid in data:
         for dim, size in enumerate(trace.tensors[tid].shape):
             if size < 2 or size % 2 or (tid, dim) in taken:
                 continue
-            found = _find_label(call, trace, whole, data, tid, dim, taken)
+            found = _find_label(call, trace, whole, data, tid, dim, taken) or \
+                (_find_label(call, trace, whole, data + sized, tid, dim, taken) if sized else None)
             if found is not None:
                 members, outputs, reduced = found
                 taken.update(members)
@@ -275,7 +301,12 @@ def _halves_of(first: torch.Tensor, second: torch.Tensor, full: torch.Tensor, di
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+    """Equal values, NaN equal to NaN (a filled uninitialized result)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if torch.equal(a, b):
+        return True
+    return (a.is_floating_point() or a.is_complex()) and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def _all_equal(xs, ys) -> bool:

@@ -30,14 +30,17 @@ class TensorDims:
     tid: int
     dims: list[tuple[Factor, ...]]
 
-    def where(self, label: str) -> tuple[int, int] | None:
-        """(dim, groups) where `label` sits: groups is the product of the factors before it."""
+    def where(self, label: str, local: dict[str, int] | None = None) -> tuple[int, int] | None:
+        """(dim, groups) where `label` sits: groups is the product of the factors before it.
+        `local`: labels whose size each device sees divided (the batch, sliced by data
+        parallelism): a dim (batch heads) split on heads is `batch / slices` groups there."""
         for d, factors in enumerate(self.dims):
             groups = 1
             for factor in factors:
                 if factor.label == label:
                     return d, groups
-                groups *= factor.size
+                divisor = (local or {}).get(factor.label, 1)
+                groups *= factor.size // divisor if factor.size % divisor == 0 else factor.size
         return None
 
     def labels(self) -> set[str]:

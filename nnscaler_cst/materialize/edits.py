@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ..errors import UserError
 from ..graph.graph import Graph
+from ..plan.batch import batch_factors
 from ..plan.layouts import REPLICATE, R, Layout, layouts_for, shard
 from ..plan.search import AxisChoices
 from .size_args import SIZE_ARGUMENTS, SPLIT_SIZES, locate_size_argument
@@ -86,12 +87,16 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
     tensors = trace.tensors
     edits = Edits(plan.axis, n, {}, {}, plan.param_layout, plan.partial_grad_params)
     layout = {}
+    # a fused dim (batch heads) split by heads is in batch / slices groups on each device
+    local = {index: dict.fromkeys(labels, plan.batch_slices) for index, labels in batch_factors(graph).items()} \
+        if plan.batch_slices > 1 else {}
 
     def lay(node: Node):
         key = node.index
         if key not in layout:
             names = [op.name for op in node.operands if op.tid is not None]
-            layout[key] = layouts_for(graph.dims.get(node.index), plan.node_choice[node.index], names)
+            layout[key] = layouts_for(graph.dims.get(node.index), plan.node_choice[node.index], names,
+                                      local.get(node.index))
         return layout[key]
 
     # what each consumer needs of each tensor
@@ -124,7 +129,7 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
                     needs[tid].append((node, None, steps))
                     continue
                 where = _list_element_layout(graph, node, plan.node_choice[node.index],
-                                             f"{operand.name}[{k}]")
+                                             f"{operand.name}[{k}]", local.get(node.index))
                 element = (*operand.path, k) if operand.path else None
                 steps = conversion(have.get(tid, R), where, consumer_split=True,
                                    requires_grad=grad_at.get((node.span, element), tensors[tid].requires_grad))
@@ -207,7 +212,14 @@ def _producer_prefixes(graph: Graph, by_output: dict) -> dict[tuple, list[Step]]
     for key, uses in by_output.items():
         node = graph.nodes[tensors[uses[0][0]].producer] if key[0] != "tensor" else None
         wrappable = node is not None and graph.result_wrappable(node)
-        prefix[key] = common_prefix([steps for _, _, _, steps in uses]) if wrappable else []
+        prefix[key] = []
+        if wrappable:
+            prefix[key] = common_prefix([steps for _, _, _, steps in uses])
+            # instances of several ranks (a mask (B, N, L) and states (B, N, L, H, D) sliced by one
+            # line) agree on dims counted from the end
+            ended = common_prefix([steps_from_end(steps, len(tensors[tid].shape)) for tid, _, _, steps in uses])
+            if len(ended) > len(prefix[key]):
+                prefix[key] = ended
     while True:
         rests: dict[tuple, dict[tuple, list[Step]]] = defaultdict(dict)    # argument -> key -> rest
         for key, uses in by_output.items():
@@ -242,11 +254,12 @@ def _bias_outside_scatter(graph: Graph, instances: list[Node], steps: list[Step]
     return steps
 
 
-def _list_element_layout(graph: Graph, node: Node, choice: str, name: str) -> Layout:
+def _list_element_layout(graph: Graph, node: Node, choice: str, name: str,
+                         local: dict[str, int] | None = None) -> Layout:
     """The layout a split op wants for one tensor of a list operand (`torch.cat((a, b), 1)`)."""
     dims = graph.dims.get(node.index)
     tensor = dims.inputs.get(name) if dims is not None else None
-    where = tensor.where(choice) if tensor is not None else None
+    where = tensor.where(choice, local) if tensor is not None else None
     return shard(*where) if where else R
 
 

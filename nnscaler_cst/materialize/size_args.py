@@ -1,4 +1,4 @@
-"""Where a view's or split's sizes are written in the source, so a split dim can be made local."""
+"""Where a view's, expand's or split's sizes are written in the source, so a split dim can be made local."""
 from __future__ import annotations
 
 import libcst as cst
@@ -7,7 +7,7 @@ from ..graph.graph import Graph
 from ..trace.records import Node
 
 # Calls whose positional arguments after the tensor are the output sizes.
-SIZE_ARGUMENTS = {"Tensor.view", "Tensor.reshape", "torch.reshape"}
+SIZE_ARGUMENTS = {"Tensor.view", "Tensor.reshape", "torch.reshape", "Tensor.expand"}
 SPLIT_SIZES = {"Tensor.split", "torch.split"}
 
 

@@ -39,8 +39,8 @@ def full_size_reads(graph: Graph, param_layout: dict[str, Layout], n: int) -> di
         for function in class_def.body.body:
             if not (isinstance(function, cst.FunctionDef) and function.name.value == "__init__"):
                 continue
-            for read in _self_attribute_reads(function):
-                holder, attr = read.value.attr.value, read.attr.value
+            for read, holder in _self_attribute_reads(function):
+                attr = read.attr.value
                 owners = [f"{p}.{holder}" if p else holder for p in paths]
                 if all((owner, attr) in local for owner in owners):
                     reads[source.span_of(read)] = n
@@ -75,21 +75,24 @@ def _class_source(graph: Graph, own: set[str], module_name: str, class_name: str
     return None
 
 
-def _self_attribute_reads(function: cst.FunctionDef) -> list[cst.Attribute]:
-    """`self.X.attr` read (not assigned) anywhere in the function."""
+def _self_attribute_reads(function: cst.FunctionDef) -> list[tuple[cst.Attribute, str]]:
+    """`self.X.attr` or `self.X.Y.attr` read (not assigned) anywhere in the function, with the
+    holder's path from self ("X", "X.Y"): `nn.Buffer(torch.zeros(1, self.model.shared.num_embeddings))`."""
     class Reads(cst.CSTVisitor):
         def __init__(self):
-            self.found: list[cst.Attribute] = []
+            self.found: list[tuple[cst.Attribute, str]] = []
             self.targets: set[int] = set()
 
         def visit_AssignTarget(self, node):
             self.targets.add(id(node.target))
 
         def visit_Attribute(self, node):
-            inner = node.value
-            if id(node) not in self.targets and isinstance(inner, cst.Attribute) and \
-                    isinstance(inner.value, cst.Name) and inner.value.value == "self":
-                self.found.append(node)
+            names, inner = [], node.value
+            while isinstance(inner, cst.Attribute):
+                names.append(inner.attr.value)
+                inner = inner.value
+            if id(node) not in self.targets and names and isinstance(inner, cst.Name) and inner.value == "self":
+                self.found.append((node, ".".join(reversed(names))))
 
     reads = Reads()
     function.visit(reads)

@@ -57,6 +57,45 @@ def loss_reduction(graph: Graph) -> str:
     return kinds.get(graph.trace.loss, "mean")
 
 
+def batch_factors(graph: Graph) -> dict[int, set[str]]:
+    """Per op, the labels of its factors that are the batch, for a model whose batch can be split.
+    An op's own batch label (followed from the inputs) is one; others are found across tensors
+    whose producer and consumer label a dim factor by factor: `alibi.repeat(batch_size, 1, 1)`
+    builds (batch heads) from no batched operand, and its (batch heads) is the batch of the
+    baddbmm that reads it. Each device holds its slice of the batch, so a dim (batch heads) split
+    by heads is in `batch / slices` groups there, whatever the traced batch was."""
+    parent: dict[tuple[int, str], tuple[int, str]] = {}
+
+    def find(key):
+        parent.setdefault(key, key)
+        while parent[key] != key:
+            parent[key] = parent[parent[key]]
+            key = parent[key]
+        return key
+
+    produced: dict[int, tuple[int, object]] = {}
+    for index, dims in graph.dims.items():
+        for tensor in dims.outputs:
+            produced.setdefault(tensor.tid, (index, tensor))
+    for index, dims in graph.dims.items():
+        for tensor in dims.inputs.values():
+            source = produced.get(tensor.tid)
+            if source is None or len(source[1].dims) != len(tensor.dims):
+                continue
+            for mine, theirs in zip(tensor.dims, source[1].dims):
+                if [f.size for f in mine] != [f.size for f in theirs]:
+                    continue
+                for a, b in zip(mine, theirs):
+                    if not a.label[0].isdigit() and not b.label[0].isdigit():
+                        parent[find((index, a.label))] = find((source[0], b.label))
+    batch = {find((index, label)) for index, label in batch_labels(graph).items()}
+    found: dict[int, set[str]] = {}
+    for key in list(parent) + list(batch_labels(graph).items()):
+        if find(key) in batch:
+            found.setdefault(key[0], set()).add(key[1])
+    return found
+
+
 def _first_mixing_op(graph: Graph, labels: dict[int, str] | None = None,
                      kinds: dict[int, str] | None = None) -> tuple[Node, str] | None:
     trace = graph.trace
@@ -81,16 +120,29 @@ def _first_mixing_op(graph: Graph, labels: dict[int, str] | None = None,
             reduced.update(dict.fromkeys(node.produced, _reducer_kind(node, trace)))
             continue
         dims = graph.dims.get(node.index)
+        problem = None
         if dims is None:
-            return node, f"has no split rule ({graph.problems.get(node.index) or 'no annotation'})"
+            problem = f"has no split rule ({graph.problems.get(node.index) or 'no annotation'})"
+        else:
+            for operand, tid in inputs:
+                tensor = dims.inputs.get(operand)
+                dim = batched[tid]
+                if operand not in dims.shape_only and not (tensor is not None and dim < len(tensor.dims)
+                                                           and tensor.dims[dim]):
+                    problem = f"cannot split its operand {operand} on the batch dim (dim {dim})"
+                    break
+        if problem is not None:
+            kept = graph.batch_kept_apart(node)   # its own arguments at half the batch (`x.as_strided(x.size())`)
+            if kept is None:
+                return node, problem
+            batched.update(kept)
+            continue
         for operand, tid in inputs:
             if operand in dims.shape_only:
                 continue
             tensor = dims.inputs.get(operand)
             dim = batched[tid]
-            factors = tensor.dims[dim] if tensor is not None and dim < len(tensor.dims) else ()
-            if not factors:
-                return node, f"cannot split its operand {operand} on the batch dim (dim {dim})"
+            factors = tensor.dims[dim]
             label = factors[0].label
             if labels is not None:
                 labels[node.index] = label

@@ -58,4 +58,4 @@ def choices_from_plan(graph: Graph, plan: Plan, axis: str = "tp", *, batch_slice
                 raise UserError(f"parameter {param} would need two layouts ({param_layout[param]}, {layout})",
                                 node.span.start if node.span else None)
     return AxisChoices(axis, n, node_choice, param_layout, _partial_grad_params(graph, node_choice), options,
-                       chunks)
+                       chunks, batch_slices)

@@ -42,16 +42,18 @@ class ChoiceLayouts:
     split: bool                      # the node runs 1/n of the work on each device
 
 
-def layouts_for(dims: OpDims | None, choice: str, operand_names: list[str]) -> ChoiceLayouts:
+def layouts_for(dims: OpDims | None, choice: str, operand_names: list[str],
+                local: dict[str, int] | None = None) -> ChoiceLayouts:
+    """`local`: labels each device sees divided (see TensorDims.where)."""
     if dims is None or choice == REPLICATE:
         return ChoiceLayouts({name: R for name in operand_names}, [R] * (len(dims.outputs) if dims else 0), False)
     inputs = {}
     for name in operand_names:
-        where = dims.inputs[name].where(choice) if name in dims.inputs else None
+        where = dims.inputs[name].where(choice, local) if name in dims.inputs else None
         inputs[name] = shard(*where) if where else R
     outputs = []
     for tensor in dims.outputs:
-        where = tensor.where(choice)
+        where = tensor.where(choice, local)
         if where:
             outputs.append(shard(*where))
         elif choice in dims.reduced:

@@ -57,6 +57,7 @@ class AxisChoices:
     partial_grad_params: list[str]         # whole params whose grads need an all-reduce
     options: dict[SiteId, SiteOptions]
     chunks: dict[int, int] = field(default_factory=dict)   # node -> co-shard pieces per device (> 1)
+    batch_slices: int = 1                  # pieces data parallelism and micro-batches cut the batch in
 
 
 @dataclass

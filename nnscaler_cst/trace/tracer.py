@@ -289,9 +289,13 @@ class Tracer(TorchFunctionMode):
         caller = sys._getframe(2)
         own = self.own_frame(caller)
         in_tids = [self._tid(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        contained = self._container_child(self._chain(caller, own)) if own is not None else None
+        chain = self._chain(caller, own) if own is not None else []
+        contained = self._container_child(chain) if own is not None else None
         key = (id(own), own.f_lasti, contained and id(contained[1].f_locals["self"])) if own is not None else None
-        if key is None or key != self._current:
+        # A torch function the own frame calls itself is one invocation per call: a loop whose body
+        # makes just that call (`parts.append(x[i])`) repeats the key and still gets a node per
+        # iteration. Calls made below a helper or module share the key of the own frame's call.
+        if key is None or key != self._current or not chain:
             self._open_node(func, args, kwargs, caller, own, contained)
             self._current = key
         node = self.nodes[-1]
@@ -441,7 +445,9 @@ class Tracer(TorchFunctionMode):
         return Operand(name, path, value=_plain(value))
 
     # ---- driver -------------------------------------------------------------------------
-    def run(self, mode: str) -> Trace:
+    def run(self, mode: str, batch_slices: int = 1) -> Trace:
+        """`batch_slices` > 1: trace on the first 1/batch_slices of the example batch, as one data-
+        parallel rank or micro-batch runs it (graph/batch_probe.py compares the two traces)."""
         entry = self.entry
         ctx = quiet_fake_mode() if mode == "fake" else contextlib.nullcontext()
         with ctx:
@@ -451,6 +457,8 @@ class Tracer(TorchFunctionMode):
             self._add_model_files(model)
             ctor_sites = {key: self._ctor_site(stack) for key, stack in ctors.stacks.items()}
             inputs = self._call_user(entry.example_inputs, "example_inputs()")
+            if batch_slices > 1:
+                inputs = _batch_slice(inputs, batch_slices)
             params = self._params(model, ctor_sites)
             for name, buf in model.named_buffers():
                 self._tid(buf, buffer=name)
@@ -608,15 +616,34 @@ def quiet_fake_mode():
         fake_log.disabled = was_disabled
 
 
-def trace_model(entry: Entry, sources: SourceSet, *, library_modules=(), mode: str = "auto") -> Trace:
+def trace_model(entry: Entry, sources: SourceSet, *, library_modules=(), mode: str = "auto",
+                batch_slices: int = 1) -> Trace:
     """Trace under fake tensors; fall back to real CPU tensors when fake mode cannot run."""
     if mode in ("auto", "fake"):
         try:
-            return Tracer(sources, entry, library_modules).run("fake")
+            return Tracer(sources, entry, library_modules).run("fake", batch_slices)
         except UserError:
             if mode == "fake":
                 raise
-    return Tracer(sources, entry, library_modules).run("real")
+    return Tracer(sources, entry, library_modules).run("real", batch_slices)
+
+
+def _batch_slice(inputs, slices: int):
+    """The example inputs cut to the first 1/slices of the batch (the first input's dim 0)."""
+    values = list(inputs.values()) if isinstance(inputs, dict) else \
+        list(inputs) if isinstance(inputs, (tuple, list)) else [inputs]
+    batch = next((v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim()), None)
+    if batch is None or batch % slices:
+        raise UserError(f"the batch of {batch} does not split into {slices} slices")
+
+    def cut(value):
+        return value[:batch // slices] if isinstance(value, torch.Tensor) and value.dim() and \
+            value.shape[0] == batch else value
+    if isinstance(inputs, dict):
+        return {k: cut(v) for k, v in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(cut(v) for v in inputs)
+    return cut(inputs)
 
 
 def _positional_count(call) -> int | None:

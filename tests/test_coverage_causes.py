@@ -1,0 +1,331 @@
+"""Causes of failure found by the coverage benchmark (benchmarks/COVERAGE.md), each reduced to a
+small model with the same shape of code, and the mechanism that fixed it:
+
+- a list built in a loop and concatenated (`parts.append(h[:, i:j])` then `torch.cat(parts)`,
+  LongT5's `_concatenate_3_blocks`): each loop iteration's call is an invocation of its own, so
+  the gather a replicated `torch.cat` needs goes on the producer's expression inside the loop
+  (was: one node with an output per iteration, and "cannot place gather ... not an argument
+  written in the model's source"); instances of several ranks (a mask (B, N, L) and states
+  (B, N, L, H, D) through one helper) agree on that gather with dims counted from the end;
+- a dim that flattens the batch with the heads, built from no batched tensor (Bloom's alibi:
+  `slopes ... .repeat(batch_size, 1, 1)`, then `baddbmm` with (batch heads) queries): split by
+  heads, it is `batch` interleaved groups, and under data parallelism or micro-batches each
+  device holds batch / slices of them. The collectives were written with the traced batch
+  (`groups=4` where each device held 2): a WRONG rewrite at DP x TP that only verify caught.
+
+Quick tests check the traced structure; the slow ones run verify on gloo.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from nnscaler_cst.analysis import analyze
+from nnscaler_cst.plan.batch import batch_split_problem
+from nnscaler_cst.rewrite import PlanRequest, rewrite
+
+LOOP_CAT = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.down = nn.Linear(128, 64)
+
+    def forward(self, x):
+        h = self.up(x)
+        parts = []
+        for i in range(2):
+            parts.append(h[:, i * 4:(i + 1) * 4])
+        h = torch.cat(parts, dim=-1).softmax(dim=-1)
+        B, T, C = x.shape
+        return x + self.down(h).reshape(B, T, C)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 8, 32),)
+'''
+
+
+def _write(tmp_path, text: str):
+    model = tmp_path / "model.py"
+    model.write_text(text.lstrip())
+    return model
+
+
+def _line_of(text: str, needle: str) -> int:
+    return next(i for i, line in enumerate(text.lstrip().splitlines(), 1) if needle in line)
+
+
+def _verify(tmp_path, text: str, *plan: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+    model = _write(tmp_path, text)
+    result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "verify", str(model), *plan,
+                             "-o", str(tmp_path / "out"), "--json"], capture_output=True, text=True, timeout=900)
+    start = result.stdout.find("{")
+    return result, json.loads(result.stdout[start:]) if start >= 0 else None
+
+
+def test_a_loop_that_makes_one_call_per_iteration_gets_a_node_per_iteration(tmp_path):
+    analysis = analyze(_write(tmp_path, LOOP_CAT))
+    line = _line_of(LOOP_CAT, "parts.append(")
+    slices = [n for n in analysis.graph.nodes if n.callee == "Tensor.__getitem__" and n.span.line == line]
+    assert len(slices) == 4                                  # 2 blocks x 2 iterations
+    assert all(len(n.outputs) == 1 for n in slices)
+    cats = [n for n in analysis.graph.nodes if n.callee == "torch.cat"]
+    produced = {t for n in slices for t in n.outputs}
+    assert all(set(n.operands[0].value) <= produced for n in cats)
+
+
+@pytest.mark.slow
+def test_a_loop_built_list_concatenated_whole_trains_like_one_device(tmp_path):
+    result, outcome = _verify(tmp_path, LOOP_CAT, "--tp", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+    text = (tmp_path / "out" / "model.py").read_text()
+    assert "parts.append(tp_gather(h[:, i * 4:(i + 1) * 4], TP" in text
+
+
+BATCH_HEADS = '''
+import torch
+import torch.nn as nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x, bias):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, self.heads, 3, C // self.heads).unbind(3)
+        q = q.transpose(1, 2).reshape(B * self.heads, T, C // self.heads)
+        k = k.transpose(1, 2).reshape(B * self.heads, T, C // self.heads)
+        v = v.transpose(1, 2).reshape(B * self.heads, T, C // self.heads)
+        scores = bias.baddbmm(q, k.transpose(1, 2), alpha=0.5)
+        probs = scores.softmax(dim=-1)
+        out = torch.bmm(probs, v).view(B, self.heads, T, C // self.heads).transpose(1, 2)
+        return x + self.proj(out.reshape(B, T, C))
+
+
+class Model(nn.Module):
+    def __init__(self, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.blocks = nn.ModuleList([Attention(heads=heads) for _ in range(2)])
+
+    def forward(self, x):
+        batch_size, seq_length, _ = x.shape
+        slopes = torch.arange(1, self.heads + 1, dtype=torch.float32) / self.heads
+        bias = slopes[:, None, None] * torch.arange(seq_length)
+        bias = bias.repeat(batch_size, 1, 1).to(x.dtype)      # (batch heads, 1, seq), as Bloom's alibi
+        for block in self.blocks:
+            x = block(x, bias)
+        return x.pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 8, 32),)
+'''
+
+
+def _repeat_line(files: dict[str, str]) -> str:
+    return next(line for name, text in sorted(files.items()) if name.startswith("model")
+                for line in text.splitlines() if "bias.repeat(" in line)
+
+
+@pytest.mark.parametrize("request_, groups", [({"tp": 2}, 4), ({"tp": 2, "dp": 2}, 2),
+                                              ({"tp": 2, "pp": 2, "micro_batches": 2}, 2)],
+                         ids=["tp2", "dp2xtp2", "pp2xtp2"])
+def test_a_batch_flattened_with_heads_is_split_in_local_batch_groups(tmp_path, request_, groups):
+    analysis = analyze(_write(tmp_path, BATCH_HEADS))
+    line = _repeat_line(rewrite(analysis, PlanRequest(**request_)).files)
+    assert f"dim=0, groups={groups})" in line, line
+
+
+@pytest.mark.slow
+def test_a_batch_flattened_with_heads_trains_like_one_device_under_dp_and_tp(tmp_path):
+    result, outcome = _verify(tmp_path, BATCH_HEADS, "--dp", "2", "--tp", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+
+
+EMPTY_FILLED = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(32, 16)
+        self.b = nn.Linear(32, 16)
+
+    def forward(self, x):
+        ha, hb = self.a(x), self.b(x)
+        out = ha.new_empty(*ha.shape[:-1], 32)
+        out[..., :16].copy_(ha)
+        out[..., 16:].copy_(hb)
+        return x + out
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 8, 32),)
+'''
+
+
+def test_a_tensor_made_empty_and_filled_by_copy_keeps_samples_apart(tmp_path):
+    analysis = analyze(_write(tmp_path, EMPTY_FILLED))
+    empty = next(n for n in analysis.graph.nodes if n.callee == "Tensor.new_empty")
+    assert analysis.graph.dims[empty.index].shape_only == {"arg0"}
+    assert batch_split_problem(analysis.graph, "data parallel (--dp 2)") is None
+
+
+@pytest.mark.slow
+def test_a_tensor_made_empty_and_filled_by_copy_trains_like_one_device_under_dp(tmp_path):
+    result, outcome = _verify(tmp_path, EMPTY_FILLED, "--dp", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+
+
+CHUNKS = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.proj(x)
+        h = h.view(h.size(0), h.size(1) // 4, 4, h.size(2))
+        size = list(h.size())
+        size[1] = size[1] * 2 - 1
+        stride = list(h.stride())
+        stride[1] = stride[1] // 2
+        chunks = h.as_strided(size=size, stride=stride)
+        return x + chunks.mean(dim=1).repeat(1, 2, 1)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 8, 32),)
+'''
+
+# the same chunks, each starting half-way into the previous sample
+CHUNKS_ACROSS_SAMPLES = CHUNKS.replace("        stride[1] = stride[1] // 2\n",
+                                       "        stride[0] = stride[0] // 2\n        stride[1] = stride[1] // 2\n")
+
+
+def test_a_call_on_sizes_read_from_its_operand_keeps_samples_apart(tmp_path):
+    analysis = analyze(_write(tmp_path, CHUNKS))
+    assert batch_split_problem(analysis.graph, "data parallel (--dp 2)") is None
+
+
+def test_a_call_on_sizes_that_reach_into_the_next_sample_is_refused(tmp_path):
+    assert CHUNKS_ACROSS_SAMPLES != CHUNKS
+    analysis = analyze(_write(tmp_path, CHUNKS_ACROSS_SAMPLES))
+    problem = batch_split_problem(analysis.graph, "data parallel (--dp 2)")
+    assert problem is not None and "Tensor.as_strided" in str(problem)
+    assert problem.location.line == _line_of(CHUNKS_ACROSS_SAMPLES, "h.as_strided(")
+
+
+@pytest.mark.slow
+def test_a_call_on_sizes_read_from_its_operand_trains_like_one_device_under_dp(tmp_path):
+    result, outcome = _verify(tmp_path, CHUNKS, "--dp", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+
+
+PADDED = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(512, 32, padding_idx=1)
+        self.mlp = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+        self.head = nn.Linear(32, 512, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids, labels):
+        h = self.embed(ids)
+        h = h + self.mlp(h)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    ids = torch.randint(0, 512, (4, 8))
+    ids[:, 6:] = 1                  # padded with the padding id
+    return ids, torch.randint(0, 512, (4, 8))
+'''
+
+
+def test_a_vocabulary_split_embedding_keeps_its_padding_row(tmp_path):
+    text = rewrite(analyze(_write(tmp_path, PADDED)), PlanRequest(tp=2)).files["model.py"]
+    assert "vocab_parallel_embedding(ids, self.embed.weight, TP, self.embed.padding_idx)" in text
+
+
+@pytest.mark.slow
+def test_a_vocabulary_split_embedding_with_padding_trains_like_one_device(tmp_path):
+    result, outcome = _verify(tmp_path, PADDED, "--tp", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
