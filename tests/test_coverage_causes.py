@@ -329,3 +329,66 @@ def test_a_vocabulary_split_embedding_keeps_its_padding_row(tmp_path):
 def test_a_vocabulary_split_embedding_with_padding_trains_like_one_device(tmp_path):
     result, outcome = _verify(tmp_path, PADDED, "--tp", "2")
     assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+
+
+ONE_STACK_CLASS = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, h, bias):
+        return h + torch.tanh(self.fc(h)) + bias, bias
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Block() for _ in range(2)])
+        self.norm = nn.LayerNorm(32)
+
+    def forward(self, x, memory=None):
+        h = self.norm(x if memory is None else x + memory)
+        bias = None
+        for layer in self.layers:
+            h, bias = layer(h, h.mean(dim=-1, keepdim=True) if bias is None else bias)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = Stack()
+        self.decoder = Stack()
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x, y):
+        memory = self.encoder(x)
+        return self.head(self.decoder(y, memory)).pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return torch.randn(4, 8, 32), torch.randn(4, 8, 32)
+'''
+
+
+def test_one_stack_class_for_two_block_lists_cuts_only_the_trunks_call(tmp_path):
+    files = rewrite(analyze(_write(tmp_path, ONE_STACK_CLASS)), PlanRequest(pp=2, micro_batches=2)).files
+    for stage in ("model_stage0.py", "model_stage1.py"):
+        text = files[stage]
+        assert "if pp_first_stage() or not pp_cuts(self):" in text and "    if pp_cuts(self):" in text
+        assert 'PIPELINE_CUT_OWNER = "encoder"' in text
+
+
+@pytest.mark.slow
+def test_one_stack_class_for_two_block_lists_trains_like_one_device_under_pp(tmp_path):
+    result, outcome = _verify(tmp_path, ONE_STACK_CLASS, "--pp", "2", "--micro-batches", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
