@@ -6,6 +6,7 @@
                                         [--results benchmarks/coverage_results.json]
                                         [--out benchmarks/COVERAGE.md] [--dry-run]
     python benchmarks/bench_coverage.py --render benchmarks/coverage_results.json [--reclassify]
+    python benchmarks/bench_coverage.py --merge /tmp/a.json [/tmp/b.json ...] [--results benchmarks/coverage_results.json]
     python benchmarks/bench_coverage.py --entry path/to/model.py [--timeout 300] [--work DIR]
     python benchmarks/bench_coverage.py --list [--family moe]
 
@@ -54,6 +55,9 @@ processes, so that a hang is reported by verify with the ranks involved).
 
 Results: one JSON record per architecture x run (--results), written after every
 architecture, and COVERAGE.md rendered from it (--render re-renders without rerunning).
+--merge folds the results of other sweeps (each run with its own --results file) into
+--results: an architecture's records from a later file replace earlier ones, and COVERAGE.md
+names each sweep's command and revision and the architectures whose records it holds.
 --limit N stops after N architectures that pass the plain check, taken round-robin over the
 families in a fixed order; --limit 0 takes all. Not part of CI.
 """
@@ -737,9 +741,7 @@ def render(data: dict) -> str:
              "the config's defaults otherwise); per architecture `nnscaler-rewrite inspect`, `plan --tp 2` and "
              "`verify` at TP=2, DP=2, PP=2 (2 micro-batches) and DP×TP 2×2.",
              "",
-             f"- command: `{data['command']}`",
-             f"- revision: `{data['revision']}`, {data['date']}; {data['versions']}",
-             *changed_during(data),
+             *run_lines(data),
              f"- timeout {data['timeout']:.0f} s per run, {data['jobs']} job(s) in parallel; "
              f"{len(archs)} architectures tried, {n} run in plain PyTorch at this config, {len(skipped)} skipped",
              f"- re-render without rerunning: `python benchmarks/bench_coverage.py --render {data.get('results', 'RESULTS.json')}`",
@@ -837,6 +839,59 @@ def render(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_lines(data: dict) -> list[str]:
+    """Which command and revision each architecture's records come from. A single sweep: its
+    command and revision; merged results (--merge): one line per sweep, with the architectures
+    whose latest records it holds and the tool state each started on."""
+    if not data.get("runs"):
+        return [f"- command: `{data['command']}`",
+                f"- revision: `{data['revision']}`, {data['date']}; {data['versions']}", *changed_during(data)]
+    lines = ["- results merged from the sweeps below (`--merge`); each architecture's latest run is kept, and the "
+             "tool state it started on is named after it (HEAD, + a hash of uncommitted changes to nnscaler_cst/ "
+             "and rules/)"]
+    for k, run in enumerate(data["runs"]):
+        mine = [a for a in data["architectures"] if a.get("run") == k]
+        if not mine:
+            continue
+        states: dict[str, list[str]] = {}
+        for a in mine:
+            states.setdefault(a.get("source") or "?", []).append(a["arch"])
+        held = "; ".join(f"`{s}`: {', '.join(names)}" for s, names in states.items())
+        lines.append(f"- sweep {k + 1}: `{run['command']}`; revision `{run['revision']}`, {run['date']}; "
+                     f"{run['versions']}. Holds: {held}")
+    return lines
+
+
+def merge(base: dict, others: list[dict]) -> dict:
+    """Results of several sweeps in one: an architecture's record from a later file replaces an
+    earlier one (a re-run after a fix). Each sweep's command, revision and date are kept in
+    `runs`, and each architecture names the run it comes from; hand re-checks of a replaced
+    architecture are dropped (they described the older records)."""
+    def as_run(data: dict) -> dict:
+        return {k: data.get(k) for k in ("command", "revision", "date", "versions", "timeout", "jobs", "work")}
+
+    merged = dict(base)
+    if not merged.get("runs"):
+        merged["runs"] = [as_run(base)]
+        merged["architectures"] = [{**a, "run": 0} for a in base["architectures"]]
+    by_name = {a["arch"]: a for a in merged["architectures"]}
+    for data in others:
+        merged["runs"].append(as_run(data))
+        k = len(merged["runs"]) - 1
+        for a in data["architectures"]:
+            by_name[a["arch"]] = {**a, "run": k}
+        replaced = {a["arch"] for a in data["architectures"]}
+        merged["rechecks"] = [r for r in merged.get("rechecks", []) if r["arch"] not in replaced]
+        merged["left_out"] = data.get("left_out", merged.get("left_out"))
+        merged["timeout"] = max(merged.get("timeout") or 0, data.get("timeout") or 0)
+        merged["jobs"] = max(merged.get("jobs") or 1, data.get("jobs") or 1)
+    merged["architectures"] = list(by_name.values())
+    for key in ("command", "revision", "date", "work"):
+        merged.pop(key, None)
+    merged["versions"] = merged["runs"][-1]["versions"]
+    return merged
+
+
 def changed_during(data: dict) -> list[str]:
     """A warning when architectures started on different states of nnscaler_cst/ and rules/."""
     by_state: dict[str, list[str]] = {}
@@ -869,6 +924,8 @@ def main() -> None:
                    help="JSON results, one record per architecture x run (written after each architecture)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "COVERAGE.md"), help="the markdown report")
     p.add_argument("--render", metavar="RESULTS_JSON", help="only re-render --out from a results file")
+    p.add_argument("--merge", nargs="+", metavar="RESULTS_JSON", help="merge these sweeps' results into --results "
+                   "(later files replace an architecture's records), then render --out")
     p.add_argument("--reclassify", action="store_true", help="with --render: classify the runs again from "
                    "the raw outputs in the work folder, and update the results file")
     p.add_argument("--entry", help="run the per-architecture runner on this entry file only")
@@ -889,7 +946,11 @@ def main() -> None:
             if record["details"]:
                 print(f"{'':26s}{json.dumps(record['details'])}")
         return
-    if args.render:
+    if args.merge:
+        data = merge(json.loads(Path(args.results).read_text()), [json.loads(Path(f).read_text()) for f in args.merge])
+        Path(args.results).write_text(json.dumps(data, indent=1))
+        args.render = args.results
+    elif args.render:
         data = json.loads(Path(args.render).read_text())
         if args.reclassify:
             reclassify(data)

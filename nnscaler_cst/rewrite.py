@@ -228,6 +228,8 @@ def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: in
              f"# blocks of {stages.trunk.container} per stage",
              f"STAGE_DROPS = {{{', '.join(f'{s}: {stages.drop[s]}' for s in mine)}}}  # modules other stages hold",
              f"TIED_PARAMETERS = {tied}  # held by the first and last stage; gradients summed",
+             *([f'PIPELINE_CUT_OWNER = "{stages.trunk.owner}"  # whose call of the cut function is cut; its '
+                "class's other calls run whole"] if stages.trunk.owner is not None else []),
              *([f"STAGE_SHADOWS = {{{', '.join(f'{s}: {stages.shadow[s]}' for s in mine)}}}  "
                 "# run by code above the cut function on every stage; trained on the stage that owns them"]
                if any(stages.shadow.get(s) for s in mine) else []),
@@ -252,7 +254,7 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
     split = None
     if stages is not None:
         trunk = stages.trunk
-        split = StageSplit(trunk.function_span, trunk.loop_index, trunk.handoff, trunk.container)
+        split = StageSplit(trunk.function_span, trunk.loop_index, trunk.handoff, trunk.container, trunk.owner is not None)
         if trunk.function_span.path != str(main_source.path):
             raise UserError("the loop over the blocks is not in the model's main file", trunk.function_span.start,
                             hint="pipelines cut the file that holds the block loop: keep that loop in the file "

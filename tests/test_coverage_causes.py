@@ -25,7 +25,7 @@ import pytest
 
 from nnscaler_cst.analysis import analyze
 from nnscaler_cst.plan.batch import batch_split_problem
-from nnscaler_cst.rewrite import PlanRequest, rewrite
+from nnscaler_cst.rewrite import PlanRequest, build_plan, rewrite
 
 LOOP_CAT = '''
 import torch
@@ -328,4 +328,97 @@ def test_a_vocabulary_split_embedding_keeps_its_padding_row(tmp_path):
 @pytest.mark.slow
 def test_a_vocabulary_split_embedding_with_padding_trains_like_one_device(tmp_path):
     result, outcome = _verify(tmp_path, PADDED, "--tp", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+
+
+ONE_STACK_CLASS = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, h, bias):
+        return h + torch.tanh(self.fc(h)) + bias, bias
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Block() for _ in range(2)])
+        self.norm = nn.LayerNorm(32)
+
+    def forward(self, x, memory=None):
+        h = self.norm(x if memory is None else x + memory)
+        bias = None
+        for layer in self.layers:
+            h, bias = layer(h, h.mean(dim=-1, keepdim=True) if bias is None else bias)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = Stack()
+        self.decoder = Stack()
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x, y):
+        memory = self.encoder(x)
+        return self.head(self.decoder(y, memory)).pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return torch.randn(4, 8, 32), torch.randn(4, 8, 32)
+'''
+
+
+def test_one_stack_class_for_two_block_lists_cuts_only_the_trunks_call(tmp_path):
+    files = rewrite(analyze(_write(tmp_path, ONE_STACK_CLASS)), PlanRequest(pp=2, micro_batches=2)).files
+    for stage in ("model_stage0.py", "model_stage1.py"):
+        text = files[stage]
+        assert "if pp_first_stage() or not pp_cuts(self):" in text and "    if pp_cuts(self):" in text
+        assert 'PIPELINE_CUT_OWNER = "encoder"' in text
+
+
+@pytest.mark.slow
+def test_one_stack_class_for_two_block_lists_trains_like_one_device_under_pp(tmp_path):
+    result, outcome = _verify(tmp_path, ONE_STACK_CLASS, "--pp", "2", "--micro-batches", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+
+
+MIXTRAL = '''
+import torch
+from transformers import MixtralConfig, MixtralForCausalLM
+
+
+def build():
+    config = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                           num_experts_per_tok=2, use_cache=False)
+    return MixtralForCausalLM(config)
+
+
+def example_inputs():
+    ids = torch.randint(0, 128, (4, 16))
+    return {"input_ids": ids, "labels": ids}
+'''
+
+
+def test_expert_banks_are_split_by_their_intermediate_dim(tmp_path):
+    plan, _ = build_plan(analyze(_write(tmp_path, MIXTRAL)), PlanRequest(tp=2))
+    layouts = {name.rsplit(".", 1)[-1]: info["tp"] for name, info in plan.params.items() if ".experts." in name}
+    assert layouts == {"gate_up_proj": "S(1, groups=2)", "down_proj": "S(2)"}
+
+
+@pytest.mark.slow
+def test_expert_banks_split_train_like_one_device(tmp_path):
+    result, outcome = _verify(tmp_path, MIXTRAL, "--tp", "2")
     assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr

@@ -31,6 +31,7 @@ class StageSplit:
     loop_index: int
     handoff: list[str]
     container: str
+    owned: bool = False       # the function also runs other blocks: cut only the call on the trunk's owner
 
 
 @dataclass
@@ -369,19 +370,22 @@ class SplitStages:
         index = split.loop_index
         prologue, loop, epilogue = body[len(docstring):index], body[index], body[index + 1:]
         names = ", ".join(split.handoff) + ("," if len(split.handoff) == 1 else "")
-        self.ctx.used.update({"pp_first_stage", "pp_receive", "pp_handoff"})
+        self.ctx.used.update({"pp_first_stage", "pp_receive", "pp_handoff"} | ({"pp_cuts"} if split.owned else set()))
         receive = cst.parse_statement(f"{names} = pp_receive()  # pipeline: from the previous stage\n")
         head: list[cst.BaseStatement] = []
+        first_stage = "pp_first_stage() or not pp_cuts(self)" if split.owned else "pp_first_stage()"
+        later_stage = "not pp_first_stage() and pp_cuts(self)" if split.owned else "not pp_first_stage()"
         if prologue:
-            guard = cst.parse_statement("if pp_first_stage():  # pipeline: the first stage runs what precedes "
-                                        "the blocks\n    pass\nelse:\n    pass\n")
+            guard = cst.parse_statement(f"if {first_stage}:  # pipeline: the first stage runs what precedes "
+                                        "the blocks" + (" (and every stage, for this class's other blocks)"
+                                                        if split.owned else "") + "\n    pass\nelse:\n    pass\n")
             first = [prologue[0].with_changes(leading_lines=[]), *prologue[1:]]
             guard = guard.with_changes(body=guard.body.with_changes(body=first),
                                        orelse=guard.orelse.with_changes(body=guard.orelse.body.with_changes(
                                            body=[receive])), leading_lines=prologue[0].leading_lines)
             head = [guard]
         else:
-            head = [cst.parse_statement(f"if not pp_first_stage():\n    {names} = pp_receive()\n")]
+            head = [cst.parse_statement(f"if {later_stage}:\n    {names} = pp_receive()\n")]
         mark = cst.TrailingWhitespace(whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(
             f"# pipeline: this stage's blocks of {split.container} only"))
         if isinstance(loop, cst.For):
@@ -390,6 +394,9 @@ class SplitStages:
             loop = loop.with_changes(trailing_whitespace=mark)
         handoff = cst.parse_statement(f"pp_handoff({', '.join(split.handoff)})  # pipeline: every stage but the "
                                       "last hands these on and ends here\n")
+        if split.owned:
+            handoff = cst.parse_statement(f"if pp_cuts(self):\n    pp_handoff({', '.join(split.handoff)})  "
+                                          "# pipeline: every stage but the last hands these on and ends here\n")
         return function.with_changes(body=function.body.with_changes(
             body=[*docstring, *head, loop, handoff, *epilogue]))
 

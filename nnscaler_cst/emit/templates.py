@@ -63,6 +63,8 @@ def keep_stage(model, stage, module):
     kept = list(blocks)[start:stop]
     setattr(parent, name, torch.nn.Sequential(*kept) if isinstance(blocks, torch.nn.Sequential)
             else torch.nn.ModuleList(kept))
+    if hasattr(module, "PIPELINE_CUT_OWNER"):     # this module's call of the cut function is the one cut
+        model.get_submodule(module.PIPELINE_CUT_OWNER).pp_cut_here = True
     for path in module.STAGE_DROPS[stage]:
         owner_name, _, attr = path.rpartition(".")
         owner = model.get_submodule(owner_name)

@@ -163,7 +163,9 @@ class _Caller:
 # ---- the probe ----------------------------------------------------------------------------
 @dataclass
 class _Label:
-    members: list[tuple[str, int]]          # (operand name, dim) of data operands split together
+    # (operand name, dim, groups) of operands split together: the dim as `groups` blocks, each
+    # halved (a fused gate|up weight is 2 blocks, split alike)
+    members: list[tuple[str, int, int]]
     outputs: dict[int, int]                 # result position -> the dim it splits on
     reduced: bool
 
@@ -225,16 +227,32 @@ def _probe(node: Node, trace: Trace, replay: Replay) -> _Probed | str:
     # operands read for their shape whose shape the result follows (`key[..., :n].copy_(k)`,
     # `torch.zeros_like(x) + y`) are sliced with the data when slicing the data alone cannot work
     sized = [tid for tid in names if tid in call.base and tid not in params and tid not in data]
+    # a module's own weights, split with its operands (the hidden dim of a custom projection) or
+    # on their own (an expert bank's intermediate dim: the results are partial sums)
+    weights = [tid for tid in names if tid in params and tid in call.base and trace.tensors[tid].param is not None]
+
+    def found_label(found) -> None:
+        members, outputs, reduced = found
+        taken.update((t, d) for t, d, _ in members)
+        labels.append(_Label([(name, d, g) for t, d, g in members for name in names[t]], outputs, reduced))
+
     for tid in data:
         for dim, size in enumerate(trace.tensors[tid].shape):
             if size < 2 or size % 2 or (tid, dim) in taken:
                 continue
             found = _find_label(call, trace, whole, data, tid, dim, taken) or \
-                (_find_label(call, trace, whole, data + sized, tid, dim, taken) if sized else None)
+                (_find_label(call, trace, whole, data + sized, tid, dim, taken) if sized else None) or \
+                (_find_label(call, trace, whole, data + weights, tid, dim, taken) if weights else None)
             if found is not None:
-                members, outputs, reduced = found
-                taken.update(members)
-                labels.append(_Label([(name, d) for t, d in members for name in names[t]], outputs, reduced))
+                found_label(found)
+    for tid in weights:
+        for dim, size in enumerate(trace.tensors[tid].shape):
+            for groups in (1, 2, 3):
+                if (tid, dim) in taken or size % (2 * groups) or size // groups < 2:
+                    continue
+                found = _find_label(call, trace, whole, data + weights, tid, dim, taken, groups)
+                if found is not None:
+                    found_label(found)
     return _Probed(labels, shape_only)
 
 
@@ -248,30 +266,41 @@ def _refs(value) -> list[int]:
     return []
 
 
-def _find_label(call: _Caller, trace: Trace, whole, data, tid, dim, taken):
+def _find_label(call: _Caller, trace: Trace, whole, data, tid, dim, taken, groups: int = 1):
     """(members, result dims, reduced) of the first slicing of `tid` along `dim`, with
-    same-sized dims of the other operands, whose halves rebuild the whole result."""
-    size = trace.tensors[tid].shape[dim]
+    same-sized dims of the other operands, whose halves rebuild the whole result. `groups` > 1:
+    `tid`'s dim is that many blocks, each halved, and partners' dims may be blocks too."""
+    size = trace.tensors[tid].shape[dim] // groups
     partners = []
     for other in data:
         if other == tid:
             continue
-        dims = [d for d, s in enumerate(trace.tensors[other].shape) if s == size and (other, d) not in taken]
-        partners.append([(other, d) for d in dims] + [None])
+        options = [(other, d, g) for d, s in enumerate(trace.tensors[other].shape) if (other, d) not in taken
+                   for g in ((1, 2, 3) if groups > 1 else (1,)) if s == g * size]
+        partners.append(options + [None])
     combos = sorted(itertools.islice(itertools.product(*partners), _MAX_COMBINATIONS),
                     key=lambda c: -sum(p is not None for p in c))
     for combo in combos:
-        members = [(tid, dim), *(p for p in combo if p is not None)]
-        found = _test_split(call, whole, members, size)
+        members = [(tid, dim, groups), *(p for p in combo if p is not None)]
+        found = _test_split(call, whole, members)
         if found is not None:
             return members, *found
     return None
 
 
-def _test_split(call: _Caller, whole, members, size) -> tuple[dict[int, int], bool] | None:
-    half = size // 2
+def _half(value: torch.Tensor, dim: int, groups: int, k: int) -> torch.Tensor:
+    """The k-th half of `dim`, or of each of its `groups` blocks."""
+    if groups == 1:
+        half = value.shape[dim] // 2
+        return value.narrow(dim, k * half, half)
+    blocks = value.unflatten(dim, (groups, value.shape[dim] // groups))
+    half = blocks.shape[dim + 1] // 2
+    return blocks.narrow(dim + 1, k * half, half).flatten(dim, dim + 1)
+
+
+def _test_split(call: _Caller, whole, members) -> tuple[dict[int, int], bool] | None:
     try:
-        pieces = [call({t: call.base[t].narrow(d, k * half, half) for t, d in members}) for k in (0, 1)]
+        pieces = [call({t: _half(call.base[t], d, g, k) for t, d, g in members}) for k in (0, 1)]
     except _CannotReplay:
         return None
     outputs, summed = {}, False
@@ -280,7 +309,7 @@ def _test_split(call: _Caller, whole, members, size) -> tuple[dict[int, int], bo
         if first.shape == full.shape and second.shape == full.shape:
             if _equal(first, full) and _equal(second, full):
                 continue                        # this result does not depend on the split
-            if full.is_floating_point() and _close(first + second, full):
+            if full.is_floating_point() and (_close(first + second, full) or _close_to_scale(first + second, full)):
                 summed = True
                 continue
             return None
@@ -313,6 +342,16 @@ def _all_equal(xs, ys) -> bool:
     return len(xs) == len(ys) and all(_equal(x, y) for x, y in zip(xs, ys))
 
 
+def _close_to_scale(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal up to rounding of a reordered sum: within 1e-5 of the largest value (a partial sum
+    over 60 experts of random weights loses the last digits of small entries)."""
+    if a.shape != b.shape or a.dtype != b.dtype or not b.numel():
+        return False
+    scale = b.abs().nan_to_num(0.0, posinf=0.0, neginf=0.0).max().item()
+    return bool(((a - b).abs().nan_to_num(0.0) <= 1e-5 * scale + 1e-6).all()) and bool(
+        torch.equal(a.isnan(), b.isnan()))
+
+
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
@@ -325,18 +364,28 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _to_dims(probed: _Probed, node: Node, trace: Trace, replay: Replay) -> OpDims | None:
     """The probe's labels in this invocation's tensor ids (None when a result the graph
     uses is not among the call's results)."""
-    at: dict[tuple[str, int], str] = {}
-    out_at: dict[tuple[int, int], str] = {}
+    at: dict[tuple[str, int], tuple[str, int]] = {}
+    out_at: dict[tuple[int, int], tuple[str, int]] = {}
     reduced = set()
     for k, label in enumerate(probed.labels):
         name = f"p{k}"
-        at.update({member: name for member in label.members})
-        out_at.update({(position, dim): name for position, dim in label.outputs.items()})
+        at.update({(member, d): (name, g) for member, d, g in label.members})
+        out_at.update({(position, dim): (name, 1) for position, dim in label.outputs.items()})
         if label.reduced:
             reduced.add(name)
 
     def dims_of(shape, key):
-        return [(Factor(key(d), s),) if key(d) else () for d, s in enumerate(shape)]
+        """A labelled dim is one factor, or (groups, label): the label split in every block."""
+        out = []
+        for d, s in enumerate(shape):
+            found = key(d)
+            if not found:
+                out.append(())
+            else:
+                label, groups = found
+                out.append((Factor(label, s),) if groups == 1 else (Factor(str(groups), groups),
+                                                                    Factor(label, s // groups)))
+        return out
 
     inputs = {}
     for tid, names in _operand_names(node).items():

@@ -28,6 +28,9 @@ class Trunk:
     function_span: Span
     loop_index: int                # position of the loop in the function body
     handoff: list[str]             # variables handed from stage to stage
+    # the module whose method holds the loop, when that method also loops over other blocks
+    # (T5's one stack class runs the encoder's and the decoder's): only its call is cut
+    owner: str | None = None
 
 
 @dataclass
@@ -106,8 +109,31 @@ def find_trunk(graph: Graph) -> Trunk:
         raise UserError("the loop over the blocks must be a statement of the function's body, not nested",
                         source.span_of(loop).start)
     index = body.index(loop)
-    return Trunk(container, blocks, function, source.span_of(function), index,
-                 handoff_variables(function, index))
+    function_span = source.span_of(function)
+    return Trunk(container, blocks, function, function_span, index, handoff_variables(function, index),
+                 _shared_loop_owner(graph, blocks, function, function_span, span))
+
+
+def _shared_loop_owner(graph: Graph, blocks: list[str], function: cst.FunctionDef, function_span: Span,
+                       span: Span) -> str | None:
+    """When the loop's call site also calls blocks of another container (one stack class for the
+    encoder and the decoder), the module path of the trunk's caller, whose method it is: the
+    stages cut that call only, and the other container's call runs whole. None otherwise."""
+    calls = graph.trace.module_calls
+    container = blocks[0].rsplit(".", 1)[0]
+    if not any(s == span and not path.startswith(container + ".") for path, (s, _) in calls.items()):
+        return None
+    # the self of that call: the module running the function's last op before the first block, an
+    # ancestor of the container (the encoder stack, for encoder.block)
+    before = [n for n in graph.nodes[:calls[blocks[0]][1]] if n.span is not None and function_span.contains(n.span)
+              and (n.module_path == "" or container.startswith(n.module_path + "."))]
+    caller = before[-1].module_path if before else None
+    params = function.params.params
+    if caller is None or not params or params[0].name.value != "self":
+        raise UserError(f"the loop over {container} also runs other blocks, and its function is not a method of "
+                        "the module holding them, so the stages cannot tell its calls apart", span.start,
+                        hint="pipelining cuts a loop whose function runs once per step for these blocks")
+    return caller
 
 
 def _no_blocks(graph: Graph) -> UserError:

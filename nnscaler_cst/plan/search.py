@@ -123,7 +123,9 @@ def option_valid(graph: Graph, index: int, label: str, n: int, local_batch: dict
     whole = splits_read_size(graph, index, layouts_for(dims, label, _operand_names(graph, index)), read_whole)
     if whole:
         return whole
-    if label in dims.reduced and label not in dims.impl:
+    rule = graph.node_rule.get(index)
+    # a derived partial sum was probed with every other operand whole: none is added twice
+    if label in dims.reduced and label not in dims.impl and not (rule is not None and rule.name == "derived"):
         bias = graph.partial_bias(index)
         for name, tensor in dims.inputs.items():
             if label not in tensor.labels() and name != bias and graph.trace.tensors[tensor.tid].shape:

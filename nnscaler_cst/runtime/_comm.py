@@ -776,6 +776,12 @@ def pp_first_stage() -> bool:
     return PIPE.stage == 0
 
 
+def pp_cuts(module) -> bool:
+    """Whether this call of a function that loops over blocks is the one the stages cut (one stack
+    class can run the encoder's blocks and the decoder's: build() marks the trunk's owner)."""
+    return getattr(module, "pp_cut_here", False)
+
+
 def pp_receive() -> tuple:
     """The values the previous stage handed over (train.py received them before the forward)."""
     return PIPE.inbox
