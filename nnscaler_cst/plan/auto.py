@@ -378,7 +378,7 @@ def search_auto(graph: Graph, devices: int, cluster: ClusterSpec, constraints: l
                     table = tables[variant]
                     with fused_collectives(variant == "sequence_parallel"):
                         solved[key] = search_axis(graph, "tp", tp, table + constraints, cluster.axis(1, tp),
-                                                  data_parallel=slices)
+                                                  data_parallel=slices, explain=False)
                 except UserError as exc:
                     solved[key] = exc
         return solved[key]
@@ -428,20 +428,43 @@ def search_auto(graph: Graph, devices: int, cluster: ClusterSpec, constraints: l
                     estimates.append(min(feasible, key=lambda e: (e.seconds, e.config.features())))
                 elif family:
                     estimates.append(min(family, key=lambda e: (e.memory, e.seconds)))
-    feasible = [e for e in estimates if e.why_not is None]
-    if not feasible:
-        tried = sorted((e for e in estimates if e.memory < math.inf), key=lambda e: e.memory)[:4]
-        refused = [e for e in estimates if e.memory == math.inf][:4]
-        raise UserError(f"no plan on {devices} devices fits {format_bytes(budget)} per device: " +
-                        "; ".join(f"{e.config.describe()}: {e.why_not}" for e in [*tried, *refused]),
-                        hint="raise --memory-budget or use more devices")
-    best = min(feasible, key=lambda e: (e.seconds, e.config.features()))
+    while True:
+        feasible = [e for e in estimates if e.why_not is None]
+        if not feasible:
+            tried = sorted((e for e in estimates if e.memory < math.inf), key=lambda e: e.memory)[:4]
+            refused = [e for e in estimates if e.memory == math.inf][:4]
+            raise UserError(f"no plan on {devices} devices fits {format_bytes(budget)} per device: " +
+                            "; ".join(f"{e.config.describe()}: {e.why_not}" for e in [*tried, *refused]),
+                            hint="raise --memory-budget or use more devices")
+        best = min(feasible, key=lambda e: (e.seconds, e.config.features()))
+        problem = _stages_problem(graph, best.config.pp)
+        if problem is None:
+            break
+        for e in estimates:             # the rewrite could not cut the model so: no configuration with this pp
+            if e.config.pp == best.config.pp:
+                e.why_not = problem
     chosen = best.config
     variant = "sequence_parallel" if chosen.sequence_parallel else "auto"
     plan = solved.get((chosen.tp, variant, math.gcd(devices // chosen.tp, batch))) if chosen.tp > 1 else None
     if plan is not None and not _valid_for(graph, plan, chosen.tp, chosen.dp * chosen.micro_batches):
         plan = solved[(chosen.tp, variant, batch)]
     return AutoChoice(best, plan, estimates, evaluated, budget)
+
+
+def _stages_problem(graph: Graph, pp: int) -> str | None:
+    """Why the rewrite would refuse to cut the model into `pp` stages (plan_stages' own checks:
+    module state set in code only some stages run, blocks the forward runs more than once)."""
+    if pp == 1:
+        return None
+    cache = _search_cache(graph).setdefault("stage_problems", {})
+    if pp not in cache:
+        from .pipeline import plan_stages
+        try:
+            plan_stages(graph, pp)
+            cache[pp] = None
+        except UserError as exc:
+            cache[pp] = exc.message
+    return cache[pp]
 
 
 def _variant_allowed(variant: str, fixed: _Fixed) -> bool:

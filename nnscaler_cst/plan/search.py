@@ -264,25 +264,24 @@ def site_options(graph: Graph, n: int, batch_slices: int = 1, every_size_read: b
 
 def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
                 device: DeviceSpec = DeviceSpec(), *, memory_budget: float | None = None,
-                data_parallel: int = 1, micro_batches: int = 1, every_size_read: bool = False) -> AxisPlan:
+                data_parallel: int = 1, micro_batches: int = 1, every_size_read: bool = False,
+                explain: bool = True) -> AxisPlan:
     """The cheapest per-site split satisfying `constraints`; `data_parallel` divides the batch,
-    and each data-parallel slice runs in `micro_batches` pieces."""
+    and each data-parallel slice runs in `micro_batches` pieces. `explain`: when no split satisfies
+    the constraints, name the ones in conflict (z3's unsat core; --plan auto, trying every size,
+    only needs to know)."""
     _refined(graph)
     tensors = graph.trace.tensors
     options = site_options(graph, n, data_parallel * micro_batches, every_size_read)
     sids = list(options)
     var = {sid: z3.Int(f"site{k}") for k, sid in enumerate(sids)}
-    hard: list = []
-    tracked: list[tuple[z3.BoolRef, z3.BoolRef, Constraint]] = []
     restricted: dict[str, list[SiteId]] = defaultdict(list)
-    blocked: dict[str, SiteId] = {}      # a constraint's literal -> the site it leaves no option
     left_whole: list[str] = []           # warnings: weight matrices no valid split of this instance splits
-    narrowed_to: list[tuple[SiteId, list[int]]] = []     # what each tracked constraint leaves a site
+    narrowed_to: list[tuple[SiteId, list[int], Constraint]] = []     # what each tracked constraint leaves a site
     for sid in sids:
         if not options[sid].options:        # never expected: replicating fits every instance
             raise UserError(f"internal error: the calls of {sid[1]} here agree on no layout, not even whole "
                             "(please report it)", _site_location(graph, options, sid))
-        hard += [var[sid] >= 0, var[sid] < len(options[sid].options)]
     for constraint in constraints:
         selects, allows = _constraint_answers(graph, constraint)
         narrowed = []
@@ -304,29 +303,35 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
                 continue
             if len(allowed) < len(opts.options):
                 restricted[constraint.id].append(sid)
-                literal = z3.Bool(f"{constraint.id}#{len(tracked)}")
-                if not allowed:
-                    blocked[str(literal)] = sid
-                tracked.append((literal, z3.Or([var[sid] == k for k in allowed]) if allowed else z3.BoolVal(False),
-                                constraint))
-                narrowed_to.append((sid, allowed))
+                narrowed_to.append((sid, allowed, constraint))
 
     uses = _param_uses(graph, options)
     tables = _cost_tables(graph, options, n, device, data_parallel, uses)
     allowed_by = {sid: set(range(len(options[sid].options))) for sid in sids}
-    for sid, allowed in narrowed_to:
+    for sid, allowed, _ in narrowed_to:
         allowed_by[sid] &= set(allowed)
     picked = _eliminated(graph, options, var, tables, uses, allowed_by)
+    if picked is INFEASIBLE:
+        if not explain:
+            raise UserError(f"no {axis} plan on {n} devices satisfies the constraints together")
+        picked = None
     if picked is not None:
         memory = sum(tables.memory[sid][k] for sid, k in picked.items())
         if memory_budget is not None and memory > memory_budget:
-            picked = None          # the least memory instead: z3 below, as the budget says
+            # over the budget: the least memory instead, cheapest among those
+            picked = _eliminated(graph, options, var, tables, uses, allowed_by, memory_first=True)
+            picked = None if picked is INFEASIBLE else picked
+            if picked is not None:
+                memory = sum(tables.memory[sid][k] for sid, k in picked.items())
+                if memory > memory_budget:
+                    raise UserError(_over_budget(axis, n, memory, memory_budget),
+                                    hint="raise --memory-budget, or use more devices")
     if picked is not None:
         time_ns = sum(tables.unary[sid][k] for sid, k in picked.items()) + sum(
             table.get((picked[su], picked[sv]), 0) for (su, sv), table in tables.pairs.items())
     else:
-        picked, time_ns, memory = _solved_by_z3(graph, options, var, tables, uses, hard, tracked, blocked,
-                                                memory_budget, axis, n)
+        picked, time_ns, memory = _solved_by_z3(graph, options, var, tables, uses, narrowed_to, memory_budget,
+                                                axis, n)
     node_choice = {i: options[sid].labels[i][picked[sid]] for sid in sids for i in options[sid].nodes}
     param_layout = {p: entries[0][1][picked[entries[0][0]]] for p, entries in uses.items()}
     partial = _partial_grad_params(graph, node_choice)
@@ -361,14 +366,23 @@ def _constraint_answers(graph: Graph, constraint: Constraint):
 
 
 MAX_NOGOODS = 64       # elimination rounds before the whole problem goes to z3
+INFEASIBLE = object()  # _eliminated: the constraints and pairwise facts leave no choice
 
 
-def _eliminated(graph: Graph, options, var, tables: "_Tables", uses, allowed_by) -> dict[SiteId, int] | None:
+def _over_budget(axis: str, n: int, least: float, budget: float) -> str:
+    return (f"no {axis} plan on {n} devices fits the memory budget: the least it needs is "
+            f"{format_bytes(least)} per device, the budget is {format_bytes(budget)}")
+
+
+def _eliminated(graph: Graph, options, var, tables: "_Tables", uses, allowed_by,
+                memory_first: bool = False) -> dict[SiteId, int] | None:
     """The cheapest choice per site by variable elimination (plan/eliminate.py) over the pairwise
     terms and facts, checked with z3 against the facts that are not pairs (an argument fed by
     several producers); a combination z3 finds in conflict is ruled out and elimination runs
     again. None when no choice satisfies the pairwise facts (z3 then names the constraints in
-    conflict), when the sites interact too densely, or after MAX_NOGOODS rounds."""
+    conflict), when the sites interact too densely, or after MAX_NOGOODS rounds. `memory_first`:
+    the least memory, cheapest among those (memory x K + time, K past any step time, in exact
+    integers)."""
     sids = list(options)
     index = {sid: k for k, sid in enumerate(sids)}
     inf = math.inf
@@ -376,10 +390,15 @@ def _eliminated(graph: Graph, options, var, tables: "_Tables", uses, allowed_by)
     # dear) as Python integers
     largest = max([max(row, default=0) for row in tables.unary.values()] +
                   [max(t.values(), default=0) for t in tables.pairs.values()] + [0])
-    kind = float if largest * max(len(sids), 1) < 2 ** 52 else object
+    kind = float if largest * max(len(sids), 1) < 2 ** 52 and not memory_first else object
+    scale = 0
+    if memory_first:                     # past the most any assignment's time can add up to
+        scale = 1 + sum(max(row, default=0) for row in tables.unary.values()) + sum(
+            max(t.values(), default=0) for t in tables.pairs.values())
     unary = []
     for sid in sids:
-        row = np.array(tables.unary[sid], dtype=kind)
+        row = np.array([w + scale * m for w, m in zip(tables.unary[sid], tables.memory[sid])] if memory_first
+                       else tables.unary[sid], dtype=kind)
         for k in range(len(row)):
             if k not in allowed_by[sid] or k in tables.impossible_alone.get(sid, ()):
                 row[k] = inf
@@ -416,7 +435,7 @@ def _eliminated(graph: Graph, options, var, tables: "_Tables", uses, allowed_by)
         except TooWide:
             return None
         if not math.isfinite(value):
-            return None
+            return None if nogoods else INFEASIBLE     # no choice satisfies the pairwise facts
         picked = {sid: assignment[index[sid]] for sid in sids}
         disagree = _disagreeing_sources(graph, options, tables.edges, tables.consumer_of, tables.lay, var,
                                         tables.loss_source, tables.rank_in, tables.rank_out, fixed=picked)
@@ -447,10 +466,19 @@ def _eliminated(graph: Graph, options, var, tables: "_Tables", uses, allowed_by)
     return None
 
 
-def _solved_by_z3(graph: Graph, options, var, tables: "_Tables", uses, hard, tracked, blocked,
-                  memory_budget, axis: str, n: int) -> tuple[dict[SiteId, int], int, int]:
+def _solved_by_z3(graph: Graph, options, var, tables: "_Tables", uses, narrowed_to, memory_budget, axis: str,
+                  n: int) -> tuple[dict[SiteId, int], int, int]:
     """The whole problem in z3: the unsat core when the constraints contradict each other, the
     least memory when the cheapest plan is over the budget, and every case elimination declines."""
+    hard = [bound for sid in options for bound in (var[sid] >= 0, var[sid] < len(options[sid].options))]
+    tracked: list[tuple[z3.BoolRef, z3.BoolRef, Constraint]] = []
+    blocked: dict[str, SiteId] = {}      # a constraint's literal -> the site it leaves no option
+    for sid, allowed, constraint in narrowed_to:
+        literal = z3.Bool(f"{constraint.id}#{len(tracked)}")
+        if not allowed:
+            blocked[str(literal)] = sid
+        tracked.append((literal, z3.Or([var[sid] == k for k in allowed]) if allowed else z3.BoolVal(False),
+                        constraint))
     terms, memory_terms, impossible = tables.z3_terms(var)
     disagree = _disagreeing_sources(graph, options, tables.edges, tables.consumer_of, tables.lay, var,
                                     tables.loss_source, tables.rank_in, tables.rank_out)
@@ -522,9 +550,7 @@ def _minimize(constraints: list, time: Weighted, memory: Weighted, budget: float
     model = solver.model()
     least = _weighed(model, memory)
     if least > budget:
-        raise UserError(f"no {axis} plan on {n} devices fits the memory budget: the least it needs is "
-                        f"{format_bytes(least)} per device, the budget is {format_bytes(budget)}",
-                        hint="raise --memory-budget, or use more devices")
+        raise UserError(_over_budget(axis, n, least, budget), hint="raise --memory-budget, or use more devices")
     return model
 
 
