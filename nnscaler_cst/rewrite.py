@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import libcst as cst
@@ -29,7 +29,8 @@ from .plan.zero import check_zero
 from .verify.simulate import simulate
 from .verify.dry_run import dry_run
 from .plan.layouts import REPLICATE
-from .plan.auto import dp_only, search_auto
+from .plan.auto import AutoChoice, dp_only, search_auto
+from .plan.auto import _Fixed as Fixed
 from .plan.batch import check_batch_split, loss_reduction
 from .plan.choices import choices_from_plan, site_keys
 from .plan.coshard import CoshardChoice, plan_coshard
@@ -69,6 +70,32 @@ class PlanRequest:
     sequence_parallel: bool = False  # Megatron's sequence parallelism: rules/plans/sequence_parallel.toml
     precision: str | None = None     # contractions' compute dtype for the cost model; None: the traced dtypes
     zero: int = 0                    # ZeRO stage of the data-parallel state (0: replicated)
+    auto: AutoChoice | None = None   # --plan auto: what the search chose (resolve_auto fills it in)
+
+
+def resolve_auto(analysis: Analysis, request: PlanRequest) -> PlanRequest:
+    """--plan auto: search tp x pp x dp, micro-batches, ZeRO, recompute and sequence parallelism
+    (plan/auto.py) and return the request with the chosen configuration filled in, so that
+    every later step emits what was chosen. Options the user gave (--pp, --micro-batches,
+    --zero, --recompute, --sequence-parallel) are kept, not searched. Other requests pass."""
+    if request.plan != "auto" or request.auto is not None:
+        return request
+    devices = request.devices or (request.tp or 1) * (request.dp or 1)
+    if devices < 2:
+        raise UserError("--plan auto needs --devices N (N > 1)")
+    if request.schedule != "1f1b":
+        raise UserError(f"--plan auto prices the 1F1B schedule; --schedule {request.schedule} is not searched",
+                        hint="drop --schedule, or give the mesh yourself (--tp, --dp, --pp)")
+    cluster = load_cluster(request.cluster).with_precision(check_precision(request.precision))
+    annotations = [c for c in source_annotations(analysis.graph) if c.axis == "tp"]
+    fixed = Fixed(pp=request.pp if request.pp > 1 else None, micro_batches=request.micro_batches,
+                  zero=request.zero or None, recompute=True if request.recompute else None,
+                  sequence_parallel=True if request.sequence_parallel else None)
+    choice = search_auto(analysis.graph, devices, cluster, annotations, request.memory_budget, fixed=fixed)
+    config = choice.config
+    return replace(request, tp=config.tp, dp=config.dp, pp=config.pp,
+                   micro_batches=config.micro_batches if config.pp > 1 else None, zero=config.zero,
+                   recompute=config.recompute, sequence_parallel=config.sequence_parallel, auto=choice)
 
 
 def _table_names(request: PlanRequest, tp: int, dp: int) -> list[str]:
@@ -132,12 +159,16 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
     cluster = load_cluster(request.cluster).with_precision(check_precision(request.precision))
     annotations = source_annotations(graph)
     if request.plan == "auto":
-        devices = request.devices or (request.tp or 1) * (request.dp or 1)
-        if devices < 2:
-            raise UserError("--plan auto needs --devices N (N > 1)")
-        best, _ = search_auto(graph, devices, cluster, annotations, request.memory_budget)
-        tp, dp, tp_plan, name = best.tp, best.dp, best.tp_plan, f"auto(tp={best.tp},dp={best.dp})"
+        request = resolve_auto(analysis, request)
+        tp, dp, tp_plan = request.tp, request.dp, request.auto.tp_plan
+        name = f"auto({request.auto.config.describe().replace(' ', ',')})"
         constraints = [c for c in annotations if c.axis == "tp"]
+        if request.sequence_parallel:
+            constraints = load_table("sequence_parallel").for_axis("tp") + constraints
+        if tp_plan is not None and every_size_read:       # the dry run of the first plan failed: solve again
+            with fused_collectives(request.sequence_parallel):
+                tp_plan = search_axis(graph, "tp", tp, constraints, cluster.axis(1, tp), data_parallel=dp,
+                                      micro_batches=_micro_batches(request), every_size_read=True)
     else:
         tp, dp = request.tp or 1, request.dp or 1
         if tp < 1 or dp < 1:
@@ -162,13 +193,15 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
                                   micro_batches=_micro_batches(request),
                                   every_size_read=every_size_read) if tp > 1 else None
         name = "+".join(names) or "single"
+    auto = request.auto if request.plan == "auto" else None
     if request.zero:
         check_zero(request.zero, dp, request.pp, searched=request.plan == "auto",
                    pipelines=load_schedule(request.schedule).pipelines if request.pp > 1 else 1)
-        name += f"+zero{request.zero}"
+        name += f"+zero{request.zero}" if auto is None else ""
     coshard = _choose_coshard(analysis, request, constraints, tp, dp, tp_plan, cluster, every_size_read) \
         if any(c.chunks != 1 for c in constraints) else None
     plan = Plan(name, {"tp": tp, "dp": dp, "pp": request.pp})
+    plan.auto = auto
     plan.warnings = weights_left_whole(graph) if tp > 1 else []
     plan.warnings += tp_plan.left_whole if tp_plan is not None else []
     plan.estimated_step_seconds = tp_plan.cost if tp_plan is not None else dp_only(graph, dp, cluster)[0]
@@ -176,11 +209,13 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
     plan.estimated_step_seconds += optimizer_time(stepped, cluster.axis(1, tp))
     if request.recompute:
         recompute_site(graph)           # refused here, before solving anything else, when it cannot apply
-        plan.name += "+recompute"
+        plan.name += "+recompute" if auto is None else ""
         plan.estimated_step_seconds += recompute_seconds(graph, tp * dp, cluster.axis(1, tp))
     if coshard is not None:
         plan.name += f"(C={coshard.chunks})"
         plan.coshard_stand_in = coshard.stand_in if tp_plan is None else None
+    if auto is not None:                # the search's estimate: pipeline, recompute and ZeRO priced together
+        plan.estimated_step_seconds = auto.best.seconds
     keys = site_keys(graph)
     for site in graph.sites.values():
         where = keys[site.span]
@@ -361,6 +396,7 @@ def rewrite(analysis: Analysis, request: PlanRequest, every_size_read: bool = Fa
     """Plan, edit, render, and dry-run. A size the source reads into a name (`B, T, C = x.shape`)
     is taken as local where it is used, which holds for most models; when the dry run of that
     plan fails, the plan is solved again with every such tensor dim kept whole."""
+    request = resolve_auto(analysis, request)
     plan, tp_plan = build_plan(analysis, request, every_size_read)
     stages = orders = None
     if request.pp > 1:
@@ -368,8 +404,8 @@ def rewrite(analysis: Analysis, request: PlanRequest, every_size_read: bool = Fa
     choices = choices_from_plan(analysis.graph, plan, "tp",     # the rewrite reads the plan IR only
                                 batch_slices=plan.mesh["dp"] * _micro_batches(request),
                                 every_size_read=every_size_read)
-    fused = request.plan != "auto" and any(load_table(name).fused_collectives for name in _table_names(
-        request, plan.mesh["tp"], plan.mesh["dp"]))
+    fused = request.sequence_parallel if request.plan == "auto" else any(
+        load_table(name).fused_collectives for name in _table_names(request, plan.mesh["tp"], plan.mesh["dp"]))
     with fused_collectives(fused):
         edits = plan_edits(analysis.graph, choices, strict=not plan.name.startswith("auto")) \
             if choices is not None else None

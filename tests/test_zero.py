@@ -276,10 +276,43 @@ def test_a_step_without_the_gather_of_the_updated_shards_fails_the_check(tmp_pat
     assert "all_gather_params" not in train.read_text()
 
 
-def test_zero_with_a_searched_plan_without_data_parallelism_says_the_search_chose_it(tmp_path, monkeypatch, capsys):
+def test_zero_with_a_searched_plan_keeps_the_stage_and_searches_a_data_parallel_mesh(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    cli.main(["plan", str(REPO / "fixtures" / "mlp.py"), "--plan", "auto", "--devices", "2", "--zero", "1",
+              "--cluster", "cpu-gloo", "--json"])
+    out = json.loads(capsys.readouterr().out)    # without --zero the search picks tp=2 for the MLP on this box
+    assert out["mesh"]["dp"] == 2 and out["search"]["chosen"]["zero"] == 1, out["search"]["chosen"]
+
+
+BATCHNORM_MODEL = """
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8)       # statistics over the batch: it cannot be sliced
+
+    def forward(self, x):
+        return self.norm(self.fc(x)).pow(2).mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 8),)
+"""
+
+
+def test_zero_with_a_searched_plan_on_a_batch_that_cannot_be_sliced_is_refused(tmp_path, monkeypatch, capsys):
+    model = tmp_path / "model.py"
+    model.write_text(BATCHNORM_MODEL.lstrip("\n"))
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["plan", str(REPO / "fixtures" / "mlp.py"), "--plan", "auto", "--devices", "2", "--zero", "1",
-                  "--cluster", "cpu-gloo"])
-    err = capsys.readouterr().err                # on this box's cost model the search picks tp=2 for the MLP
-    assert exit_.value.code == 2 and "--plan auto chose a plan without data parallelism" in err, err
+        cli.main(["plan", str(model), "--plan", "auto", "--devices", "2", "--zero", "1"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "no plan on 2 devices" in err and "--zero 1" in err, err

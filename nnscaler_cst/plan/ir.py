@@ -45,6 +45,8 @@ class Plan:
     # co-shard with --tp 1: the C-way choices whose layouts say which dims the pieces cut
     # (plan/coshard.py); op_trans holds the co-sharded ops, this only the rest of the stand-in
     coshard_stand_in: Any = field(default=None, repr=False, compare=False)
+    # --plan auto: the search's choice and the configurations it priced (plan/auto.py AutoChoice)
+    auto: Any = field(default=None, repr=False, compare=False)
 
     @property
     def world_size(self) -> int:
@@ -61,7 +63,11 @@ class Plan:
         return out
 
     def devices_of(self, axis: str, index: int) -> tuple[int, ...]:
-        return tuple(r for r in range(self.world_size) if self.coords(r)[axis] == index)
+        key = (tuple(self.mesh.items()), axis, index)     # asked per site and piece: thousands of ranks
+        cache = self.__dict__.setdefault("_devices_of", {})
+        if key not in cache:
+            cache[key] = tuple(r for r in range(self.world_size) if self.coords(r)[axis] == index)
+        return cache[key]
 
     def describe(self) -> str:
         return f"{self.name} " + " ".join(f"{a}={n}" for a, n in self.mesh.items())

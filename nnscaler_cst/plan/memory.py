@@ -1,17 +1,65 @@
-"""The memory model's activation term: what autograd keeps of each op's outputs for backward.
+"""The memory model per device: training state by ZeRO stage, and the activations the schedule
+keeps in flight.
 
-An output is kept when it requires a gradient; a view, or an input handed back unchanged,
-shares storage already counted and adds nothing. Outputs that need no gradient (masks,
-position tables, index tensors) are freed once their consumers ran. An upper bound still:
-some ops keep less than their output (a relu keeps a mask in its place in fused kernels).
+Activations (`saved_bytes`): what autograd keeps of each op's outputs for backward. An output
+is kept when it requires a gradient; a view, or an input handed back unchanged, shares storage
+already counted and adds nothing. Outputs that need no gradient (masks, position tables, index
+tensors) are freed once their consumers ran. An upper bound still: some ops keep less than
+their output (a relu keeps a mask in its place in fused kernels).
+
+A device's peak (`device_memory`): its parameters, gradients and AdamW state (plan/zero.py,
+per ZeRO stage), plus one micro-batch's activations times the micro-batches its stage holds at
+once under the schedule (1F1B: stage s of D holds min(D - s, M); GPipe: all M), plus what
+recompute rebuilds at once in backward (one block's activations) and, under ZeRO-3, the one
+block's parameters gathered whole while it runs.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..trace.records import Node, Trace
 from .cost import moves_no_bytes
+from .zero import PARAM_BYTES, state_bytes_per_device
 
 
 def saved_bytes(node: Node, trace: Trace) -> float:
     if moves_no_bytes(node, trace):
         return 0.0
     return float(sum(trace.tensors[t].nbytes for t in node.outputs if trace.tensors[t].requires_grad))
+
+
+def micro_batches_in_flight(stage: int, stages: int, micro_batches: int, schedule: str = "1f1b") -> int:
+    """How many micro-batches' activations pipeline stage `stage` of `stages` holds at its peak:
+    1F1B runs stages - stage - 1 warm-up forwards, then one forward per backward; GPipe runs every
+    forward before any backward."""
+    if schedule == "gpipe":
+        return micro_batches
+    return min(stages - stage, micro_batches)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Bytes one device holds at its peak, by kind."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float       # micro-batches in flight x one micro-batch's saved activations
+    rebuilt: float = 0.0     # recompute: one block's activations, rebuilt in backward
+    gathered: float = 0.0    # ZeRO-3: one block's parameters gathered whole while it runs
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.rebuilt + self.gathered
+
+
+def device_memory(param_count: int, zero: int, dp: int, activations_per_micro_batch: float, in_flight: int, *,
+                  rebuilt: float = 0.0, block_params: int = 0) -> DeviceMemory:
+    """The peak of one device holding `param_count` trainable fp32 parameters (its stage's, after
+    any tensor-parallel split) under ZeRO `zero` over `dp` ranks, `in_flight` micro-batches of
+    `activations_per_micro_batch` bytes each; `rebuilt`: what recompute holds at once;
+    `block_params`: parameters of the largest block (ZeRO-3 gathers one block at a time)."""
+    state = state_bytes_per_device(param_count, zero, dp)
+    gathered = block_params * PARAM_BYTES if zero == 3 else 0.0
+    return DeviceMemory(state.params, state.grads, state.optimizer, activations_per_micro_batch * in_flight,
+                        rebuilt, gathered)

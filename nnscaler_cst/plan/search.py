@@ -13,6 +13,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import numpy as np
 import z3
 
 from ..errors import Location, UserError
@@ -22,6 +23,7 @@ from ..materialize.size_args import SIZE_ARGUMENTS, locate_size_argument
 from ..sizes import format_bytes
 from .batch import batch_labels
 from .cost import DeviceSpec, all_reduce_time, node_time
+from .eliminate import TooWide, minimize
 from .layouts import REPLICATE, R, Layout, layouts_for
 from .memory import saved_bytes
 from .refine import refine_factors
@@ -111,8 +113,19 @@ def option_valid(graph: Graph, index: int, label: str, n: int, local_batch: dict
     batch_label, slices = local_batch.get(index, (None, 1))
     if size is not None and label == batch_label:
         size //= slices
+    return _divides(size, n) or _split_problem(graph, index, label, read_whole)
+
+
+def _divides(size: int | None, n: int) -> str | None:
     if size is None or size % n:
         return f"a dim of size {size} is not divisible by {n} devices"
+    return None
+
+
+def _split_problem(graph: Graph, index: int, label: str, read_whole: dict[int, set]) -> str | None:
+    """What rules a split by `label` out whatever the number of devices: a size argument or a
+    size the source reads that it would make wrong, a whole operand it would add once per device."""
+    dims = graph.dims[index]
     node = graph.nodes[index]
     if node.callee in SIZE_ARGUMENTS:
         out = layouts_for(dims, label, []).outputs
@@ -157,31 +170,94 @@ def _signature(graph: Graph, index: int, label: str, operands: set[str], outputs
     return ins, outs
 
 
-def site_options(graph: Graph, n: int, batch_slices: int = 1, every_size_read: bool = False) -> dict[SiteId, SiteOptions]:
-    """Every valid way to split each site n ways (constraints of the plan come later), on a
-    batch cut in `batch_slices` by data parallelism and micro-batches; `every_size_read`: see
-    dims_read_whole."""
-    local_batch = {i: (label, batch_slices) for i, label in batch_labels(graph).items()} if batch_slices > 1 else {}
+@dataclass(frozen=True)
+class _Candidate:
+    """One way to split one invocation, with what does not depend on the number of devices."""
+
+    label: str
+    signature: tuple
+    size: int | None             # the label's traced (global) size
+    batch: bool                  # the label is this op's batch dim (data parallelism divides it)
+    problem: str | None          # _split_problem's answer
+
+
+def _search_cache(graph: Graph) -> dict:
+    """What the search derives from the graph alone, kept on it: `plan --plan auto` solves one
+    axis for every tensor-parallel size, and each solve would otherwise derive it again."""
+    cache = graph.__dict__.get("_search_cache")
+    if cache is None:
+        cache = graph.__dict__["_search_cache"] = {}
+    return cache
+
+
+def _refined(graph: Graph) -> None:
+    """refine_factors, once per graph: it runs to its fixed point, so a second run changes nothing."""
+    cache = _search_cache(graph)
+    if not cache.get("refined"):
+        refine_factors(graph)
+        cache["refined"] = True
+
+
+def _layout(graph: Graph, index: int, label: str):
+    """layouts_for an invocation's choice, kept per graph."""
+    cache = _search_cache(graph).setdefault("layouts", {})
+    found = cache.get((index, label))
+    if found is None:
+        found = cache[(index, label)] = layouts_for(graph.dims.get(index), label, _operand_names(graph, index))
+    return found
+
+
+def _site_candidates(graph: Graph, every_size_read: bool) -> dict[SiteId, tuple[list[int], list[tuple[tuple, list[int]]]]]:
+    cache = _search_cache(graph)
+    key = ("candidates", every_size_read)
+    if key in cache:
+        return cache[key]
+    batch = batch_labels(graph)
     read_whole = dims_read_whole(graph, every_size_read)
     grouped: dict[SiteId, list[int]] = defaultdict(list)
     for node in graph.nodes:
         grouped[site_id(graph, node.index)].append(node.index)
     result = {}
     for sid, nodes in grouped.items():
-        why: dict[str, str] = {}
-        per_node: dict[int, dict] = {}
         splittable = sid[0] != "node" and all(i in graph.dims for i in nodes)
         operands = set.intersection(*(set(_operand_names(graph, i)) for i in nodes))
         outputs = min(len(graph.nodes[i].outputs) for i in nodes)
+        groups: dict[tuple, list[int]] = {}      # instances with the same candidates (a block's repeats)
         for i in nodes:
+            labels = [REPLICATE, *(graph.dims[i].splittable() if splittable else [])]
+            sizes = graph.dims[i].sizes() if splittable else {}
+            candidates = tuple(_Candidate(label, _signature(graph, i, label, operands, outputs), sizes.get(label),
+                                          label == batch.get(i),
+                                          _split_problem(graph, i, label, read_whole) if label != REPLICATE else None)
+                               for label in labels)
+            groups.setdefault(candidates, []).append(i)
+        result[sid] = (nodes, list(groups.items()))
+    cache[key] = result
+    return result
+
+
+def site_options(graph: Graph, n: int, batch_slices: int = 1, every_size_read: bool = False) -> dict[SiteId, SiteOptions]:
+    """Every valid way to split each site n ways (constraints of the plan come later), on a
+    batch cut in `batch_slices` by data parallelism and micro-batches; `every_size_read`: see
+    dims_read_whole."""
+    result = {}
+    for sid, (nodes, groups) in _site_candidates(graph, every_size_read).items():
+        why: dict[str, str] = {}
+        per_node: dict[int, dict] = {}
+        for candidates, members in groups:
             allowed = {}
-            for label in [REPLICATE, *(graph.dims[i].splittable() if splittable else [])]:
-                reason = option_valid(graph, i, label, n, local_batch, read_whole) if label != REPLICATE else None
+            for c in candidates:
+                if c.label == REPLICATE:
+                    allowed.setdefault(c.signature, c.label)
+                    continue
+                size = c.size // batch_slices if c.size is not None and c.batch and batch_slices > 1 else c.size
+                reason = _divides(size, n) or c.problem
                 if reason:
-                    why.setdefault(label, reason)
+                    why.setdefault(c.label, reason)
                 else:
-                    allowed.setdefault(_signature(graph, i, label, operands, outputs), label)
-            per_node[i] = allowed
+                    allowed.setdefault(c.signature, c.label)
+            for i in members:
+                per_node[i] = allowed
         first = per_node[nodes[0]]
         common = [sig for sig in first if all(sig in per_node[i] for i in nodes)]
         result[sid] = SiteOptions(sid, nodes, [first[s] for s in common],
@@ -191,32 +267,33 @@ def site_options(graph: Graph, n: int, batch_slices: int = 1, every_size_read: b
 
 def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
                 device: DeviceSpec = DeviceSpec(), *, memory_budget: float | None = None,
-                data_parallel: int = 1, micro_batches: int = 1, every_size_read: bool = False) -> AxisPlan:
+                data_parallel: int = 1, micro_batches: int = 1, every_size_read: bool = False,
+                explain: bool = True) -> AxisPlan:
     """The cheapest per-site split satisfying `constraints`; `data_parallel` divides the batch,
-    and each data-parallel slice runs in `micro_batches` pieces."""
-    refine_factors(graph)
+    and each data-parallel slice runs in `micro_batches` pieces. `explain`: when no split satisfies
+    the constraints, name the ones in conflict (z3's unsat core; --plan auto, trying every size,
+    only needs to know)."""
+    _refined(graph)
     tensors = graph.trace.tensors
     options = site_options(graph, n, data_parallel * micro_batches, every_size_read)
     sids = list(options)
     var = {sid: z3.Int(f"site{k}") for k, sid in enumerate(sids)}
-    hard: list = []
-    tracked: list[tuple[z3.BoolRef, z3.BoolRef, Constraint]] = []
     restricted: dict[str, list[SiteId]] = defaultdict(list)
-    blocked: dict[str, SiteId] = {}      # a constraint's literal -> the site it leaves no option
     left_whole: list[str] = []           # warnings: weight matrices no valid split of this instance splits
+    narrowed_to: list[tuple[SiteId, list[int], Constraint]] = []     # what each tracked constraint leaves a site
     for sid in sids:
         if not options[sid].options:        # never expected: replicating fits every instance
             raise UserError(f"internal error: the calls of {sid[1]} here agree on no layout, not even whole "
                             "(please report it)", _site_location(graph, options, sid))
-        hard += [var[sid] >= 0, var[sid] < len(options[sid].options)]
     for constraint in constraints:
+        selects, allows = _constraint_answers(graph, constraint)
         narrowed = []
         for sid in sids:
             opts = options[sid]
-            selected = [i for i in opts.nodes if constraint.selects(graph, i)]
+            selected = [i for i in opts.nodes if selects(i)]
             if selected:
                 narrowed.append((sid, [k for k in range(len(opts.options))
-                                       if all(constraint.allows(graph, i, opts.labels[i][k]) for i in selected)]))
+                                       if all(allows(i, opts.labels[i][k]) for i in selected)]))
         # a blanket split that fits some weights leaves the others whole; one that fits none
         # stays hard, so that the unsat core says which sizes do not divide
         cannot = {sid for sid, allowed in narrowed if not allowed and _weights_cannot_split_here(constraint, options[sid])}
@@ -229,40 +306,200 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
                 continue
             if len(allowed) < len(opts.options):
                 restricted[constraint.id].append(sid)
-                literal = z3.Bool(f"{constraint.id}#{len(tracked)}")
-                if not allowed:
-                    blocked[str(literal)] = sid
-                tracked.append((literal, z3.Or([var[sid] == k for k in allowed]) if allowed else z3.BoolVal(False),
-                                constraint))
+                narrowed_to.append((sid, allowed, constraint))
 
     uses = _param_uses(graph, options)
-    terms, memory_terms, impossible, disagree = _cost_terms(graph, options, var, n, device, data_parallel, uses)
+    tables = _cost_tables(graph, options, n, device, data_parallel, uses)
+    allowed_by = {sid: set(range(len(options[sid].options))) for sid in sids}
+    for sid, allowed, _ in narrowed_to:
+        allowed_by[sid] &= set(allowed)
+    picked = _eliminated(graph, options, var, tables, uses, allowed_by)
+    if picked is INFEASIBLE:
+        if not explain:
+            raise UserError(f"no {axis} plan on {n} devices satisfies the constraints together")
+        picked = None
+    if picked is not None:
+        memory = sum(tables.memory[sid][k] for sid, k in picked.items())
+        if memory_budget is not None and memory > memory_budget:
+            # over the budget: the least memory instead, cheapest among those
+            picked = _eliminated(graph, options, var, tables, uses, allowed_by, memory_first=True)
+            picked = None if picked is INFEASIBLE else picked
+            if picked is not None:
+                memory = sum(tables.memory[sid][k] for sid, k in picked.items())
+                if memory > memory_budget:
+                    raise UserError(_over_budget(axis, n, memory, memory_budget),
+                                    hint="raise --memory-budget, or use more devices")
+    if picked is not None:
+        time_ns = sum(tables.unary[sid][k] for sid, k in picked.items()) + sum(
+            table.get((picked[su], picked[sv]), 0) for (su, sv), table in tables.pairs.items())
+    else:
+        picked, time_ns, memory = _solved_by_z3(graph, options, var, tables, uses, narrowed_to, memory_budget,
+                                                axis, n)
+    node_choice = {i: options[sid].labels[i][picked[sid]] for sid in sids for i in options[sid].nodes}
+    param_layout = {p: entries[0][1][picked[entries[0][0]]] for p, entries in uses.items()}
+    partial = _partial_grad_params(graph, node_choice)
+    cost = time_ns / 1e9
+    for name in partial:
+        cost += all_reduce_time(tensors[graph.trace.params[name].tid].nbytes, n, device)
+    choices = AxisChoices(axis, n, node_choice, param_layout, partial, options)
+    return AxisPlan(choices, {sid: options[sid].options[k] for sid, k in picked.items()}, cost, float(memory),
+                    dict(restricted), left_whole)
+
+
+def _constraint_answers(graph: Graph, constraint: Constraint):
+    """constraint.selects and .allows, each answer kept per graph: they read only the graph, and
+    --plan auto asks the same ones for every tensor-parallel size."""
+    cache = _search_cache(graph).setdefault("constraints", {})
+    entry = cache.get(id(constraint))
+    if entry is None or entry[0] is not constraint:
+        entry = cache[id(constraint)] = (constraint, {}, {})
+    _, selected, allowed = entry
+
+    def selects(index: int) -> bool:
+        if index not in selected:
+            selected[index] = constraint.selects(graph, index)
+        return selected[index]
+
+    def allows(index: int, label: str) -> bool:
+        key = (index, label)
+        if key not in allowed:
+            allowed[key] = constraint.allows(graph, index, label)
+        return allowed[key]
+    return selects, allows
+
+
+MAX_NOGOODS = 64       # elimination rounds before the whole problem goes to z3
+INFEASIBLE = object()  # _eliminated: the constraints and pairwise facts leave no choice
+
+
+def _over_budget(axis: str, n: int, least: float, budget: float) -> str:
+    return (f"no {axis} plan on {n} devices fits the memory budget: the least it needs is "
+            f"{format_bytes(least)} per device, the budget is {format_bytes(budget)}")
+
+
+def _eliminated(graph: Graph, options, var, tables: "_Tables", uses, allowed_by,
+                memory_first: bool = False) -> dict[SiteId, int] | None:
+    """The cheapest choice per site by variable elimination (plan/eliminate.py) over the pairwise
+    terms and facts, checked with z3 against the facts that are not pairs (an argument fed by
+    several producers); a combination z3 finds in conflict is ruled out and elimination runs
+    again. None when no choice satisfies the pairwise facts (z3 then names the constraints in
+    conflict), when the sites interact too densely, or after MAX_NOGOODS rounds. `memory_first`:
+    the least memory, cheapest among those (memory x K + time, K past any step time, in exact
+    integers)."""
+    sids = list(options)
+    index = {sid: k for k, sid in enumerate(sids)}
+    inf = math.inf
+    # integer ns, exact in floats up to 2**53; larger (a stand-in priced with every collective
+    # dear) as Python integers
+    largest = max([max(row, default=0) for row in tables.unary.values()] +
+                  [max(t.values(), default=0) for t in tables.pairs.values()] + [0])
+    kind = float if largest * max(len(sids), 1) < 2 ** 52 and not memory_first else object
+    scale = 0
+    if memory_first:                     # past the most any assignment's time can add up to
+        scale = 1 + sum(max(row, default=0) for row in tables.unary.values()) + sum(
+            max(t.values(), default=0) for t in tables.pairs.values())
+    unary = []
+    for sid in sids:
+        row = np.array([w + scale * m for w, m in zip(tables.unary[sid], tables.memory[sid])] if memory_first
+                       else tables.unary[sid], dtype=kind)
+        for k in range(len(row)):
+            if k not in allowed_by[sid] or k in tables.impossible_alone.get(sid, ()):
+                row[k] = inf
+        unary.append(row)
+    pairs: dict[tuple[int, int], np.ndarray] = {}
+
+    def pair(su, sv) -> np.ndarray:
+        key = (index[su], index[sv])
+        if key not in pairs:
+            pairs[key] = np.zeros((len(options[su].options), len(options[sv].options)), dtype=kind)
+        return pairs[key]
+
+    for (su, sv), table in tables.pairs.items():
+        grid = pair(su, sv)
+        for (a, b), w in table.items():
+            grid[a, b] += w
+    for (su, sv), bad in tables.impossible.items():
+        grid = pair(su, sv)
+        for a, b in bad:
+            grid[a, b] = inf
+    for param, ((first, first_layouts), *others) in uses.items():
+        for sid, layouts in others:
+            grid = pair(first, sid)
+            for a, la in enumerate(first_layouts):
+                for b, lb in enumerate(layouts):
+                    if la != lb:
+                        grid[a, b] = inf
+    domains = [len(options[sid].options) for sid in sids]
+    nogoods: dict[tuple[int, ...], np.ndarray] = {}
+    checker = None
+    for _ in range(MAX_NOGOODS):
+        try:
+            value, assignment = minimize(domains, unary, pairs, nogoods)
+        except TooWide:
+            return None
+        if not math.isfinite(value):
+            return None if nogoods else INFEASIBLE     # no choice satisfies the pairwise facts
+        picked = {sid: assignment[index[sid]] for sid in sids}
+        disagree = _disagreeing_sources(graph, options, tables.edges, tables.consumer_of, tables.lay, var,
+                                        tables.loss_source, tables.rank_in, tables.rank_out, fixed=picked)
+        if not disagree:
+            return picked
+        fixed = z3.Solver()
+        fixed.add(*[var[sid] == k for sid, k in picked.items()])
+        fixed.add(*[expr for hard in disagree.values() for expr in hard])
+        if fixed.check() == z3.sat:
+            return picked
+        # The optimum breaks an argument's agreement: z3 names the choices in conflict (the unsat
+        # core of the choices as assumptions), and elimination runs again without that combination.
+        if checker is None:
+            checker = z3.Solver()
+            checker.add(*[var[sid] >= 0 for sid in sids], *[var[sid] < domains[index[sid]] for sid in sids])
+            checker.add(*[expr for hard in _disagreeing_sources(
+                graph, options, tables.edges, tables.consumer_of, tables.lay, var, tables.loss_source,
+                tables.rank_in, tables.rank_out).values() for expr in hard])
+        involved = {var[sid].get_id(): sid for sid in sids}
+        if checker.check(*[var[sid] == k for sid, k in picked.items()]) != z3.unsat:
+            return None
+        core = sorted(index[involved[c.arg(0).get_id()]] for c in checker.unsat_core())
+        if not core:
+            return None
+        scope = tuple(core)
+        table = nogoods.setdefault(scope, np.zeros([domains[v] for v in scope], dtype=kind))
+        table[tuple(assignment[v] for v in scope)] = inf
+    return None
+
+
+def _solved_by_z3(graph: Graph, options, var, tables: "_Tables", uses, narrowed_to, memory_budget, axis: str,
+                  n: int) -> tuple[dict[SiteId, int], int, int]:
+    """The whole problem in z3: the unsat core when the constraints contradict each other, the
+    least memory when the cheapest plan is over the budget, and every case elimination declines."""
+    hard = [bound for sid in options for bound in (var[sid] >= 0, var[sid] < len(options[sid].options))]
+    tracked: list[tuple[z3.BoolRef, z3.BoolRef, Constraint]] = []
+    blocked: dict[str, SiteId] = {}      # a constraint's literal -> the site it leaves no option
+    for sid, allowed, constraint in narrowed_to:
+        literal = z3.Bool(f"{constraint.id}#{len(tracked)}")
+        if not allowed:
+            blocked[str(literal)] = sid
+        tracked.append((literal, z3.Or([var[sid] == k for k in allowed]) if allowed else z3.BoolVal(False),
+                        constraint))
+    terms, memory_terms, impossible = tables.z3_terms(var)
+    disagree = _disagreeing_sources(graph, options, tables.edges, tables.consumer_of, tables.lay, var,
+                                    tables.loss_source, tables.rank_in, tables.rank_out)
     # The model's own facts (a tied weight has one layout, no collective joins some pairs of
     # splits, one line's argument gets one conversion) are tracked too, so that an unsat core
     # always names sites, never nothing.
     facts = [*_param_facts(graph, options, uses, var), *_edge_facts(graph, options, impossible),
              *_agreement_facts(graph, options, disagree)]
-    hard += [expr for _, expr, _ in facts]
-
     checker = z3.Solver()
-    checker.add(*hard[:len(hard) - len(facts)])
+    checker.add(*hard)
     for literal, expr, constraint in [*tracked, *facts]:
         checker.assert_and_track(expr, literal)
     if checker.check() != z3.sat:
         _report_core(checker.unsat_core(), [*tracked, *facts], options, axis, n, graph, blocked)
-
-    model = _minimize(hard + [expr for _, expr, _ in tracked], terms, memory_terms, memory_budget, axis, n)
-    picked = {sid: model.eval(var[sid]).as_long() for sid in sids}
-    node_choice = {i: options[sid].labels[i][picked[sid]] for sid in sids for i in options[sid].nodes}
-    param_layout = {p: entries[0][1][picked[entries[0][0]]] for p, entries in uses.items()}
-    partial = _partial_grad_params(graph, node_choice)
-    cost = _weighed(model, terms) / 1e9
-    for name in partial:
-        cost += all_reduce_time(tensors[graph.trace.params[name].tid].nbytes, n, device)
-    memory = _weighed(model, memory_terms)
-    choices = AxisChoices(axis, n, node_choice, param_layout, partial, options)
-    return AxisPlan(choices, {sid: options[sid].options[k] for sid, k in picked.items()}, cost, float(memory),
-                    dict(restricted), left_whole)
+    constraints = hard + [expr for _, expr, _ in facts] + [expr for _, expr, _ in tracked]
+    model = _minimize(constraints, terms, memory_terms, memory_budget, axis, n)
+    picked = {sid: model.eval(var[sid]).as_long() for sid in options}
+    return picked, _weighed(model, terms), _weighed(model, memory_terms)
 
 
 def _weights_cannot_split_here(constraint: Constraint, opts: SiteOptions) -> bool:
@@ -316,9 +553,7 @@ def _minimize(constraints: list, time: Weighted, memory: Weighted, budget: float
     model = solver.model()
     least = _weighed(model, memory)
     if least > budget:
-        raise UserError(f"no {axis} plan on {n} devices fits the memory budget: the least it needs is "
-                        f"{format_bytes(least)} per device, the budget is {format_bytes(budget)}",
-                        hint="raise --memory-budget, or use more devices")
+        raise UserError(_over_budget(axis, n, least, budget), hint="raise --memory-budget, or use more devices")
     return model
 
 
@@ -352,33 +587,56 @@ def _report_core(core, tracked, options, axis: str, n: int, graph: Graph, blocke
 
 
 def _partial_grad_params(graph: Graph, node_choice: dict[int, str]) -> list[str]:
-    out: list[str] = []
+    out: dict[str, None] = {}
+    cache = _search_cache(graph).setdefault("partial_grads", {})
     for node in graph.nodes:
-        label = node_choice[node.index]
-        if node.index in graph.dims and leaves_partial_param_grad(graph, node.index, label):
-            dims = graph.dims[node.index]
-            bias = graph.partial_bias(node.index) if label in dims.reduced else None
-            for name, tid in graph.param_operands(node.index):
-                pname = graph.trace.tensors[tid].param
-                if name != bias and (name not in dims.inputs or dims.inputs[name].where(label) is None) \
-                        and pname not in out:
-                    out.append(pname)
+        key = (node.index, node_choice[node.index])
+        found = cache.get(key)
+        if found is None:
+            found = cache[key] = _partial_grads_of(graph, *key)
+        for pname in found:
+            out.setdefault(pname)
+    return list(out)
+
+
+def _partial_grads_of(graph: Graph, index: int, label: str) -> list[str]:
+    """The parameters of one op whose gradients stay partial sums when it is split by `label`."""
+    out = []
+    if index in graph.dims and leaves_partial_param_grad(graph, index, label):
+        dims = graph.dims[index]
+        bias = graph.partial_bias(index) if label in dims.reduced else None
+        for name, tid in _param_operands(graph, index):
+            if name != bias and (name not in dims.inputs or dims.inputs[name].where(label) is None):
+                out.append(graph.trace.tensors[tid].param)
     return out
+
+
+def _param_operands(graph: Graph, index: int) -> list[tuple[str, int]]:
+    cache = _search_cache(graph).setdefault("param_operands", {})
+    if index not in cache:
+        cache[index] = graph.param_operands(index)
+    return cache[index]
 
 
 def _param_uses(graph: Graph, options) -> dict[str, list[tuple[SiteId, list[Layout]]]]:
     """Per parameter, the sites using it and the layout each of their options gives it."""
+    cache = _search_cache(graph)
+    if "param_sites" not in cache:      # (site, operand name, parameter), first use per site and parameter
+        seen: dict[str, list] = defaultdict(list)
+        order = []
+        for sid, nodes in ((sid, nodes) for sid, (nodes, _) in _site_candidates(graph, False).items()):
+            for node in nodes:
+                for name, tid in _param_operands(graph, node):
+                    param = graph.trace.tensors[tid].param
+                    if sid not in seen[param]:
+                        seen[param].append(sid)
+                        order.append((sid, name, param))
+        cache["param_sites"] = order
     uses: dict[str, list[tuple[SiteId, list[Layout]]]] = defaultdict(list)
-    for sid, opts in options.items():
+    for sid, name, param in cache["param_sites"]:
+        opts = options[sid]
         i = opts.nodes[0]   # option k gives the same layouts in every instance of a site
-        names = _operand_names(graph, i)
-        for node in opts.nodes:
-            for name, tid in graph.param_operands(node):
-                param = graph.trace.tensors[tid].param
-                if any(s == sid for s, _ in uses[param]):
-                    continue
-                layouts = [layouts_for(graph.dims.get(i), label, names).inputs[name] for label in opts.labels[i]]
-                uses[param].append((sid, layouts))
+        uses[param].append((sid, [_layout(graph, i, label).inputs[name] for label in opts.labels[i]]))
     return uses
 
 
@@ -440,55 +698,113 @@ def _agreement_facts(graph: Graph, options, disagree: dict) -> list:
     return facts
 
 
-def _cost_terms(graph: Graph, options, var, n: int, device: DeviceSpec, data_parallel: int, uses):
-    """z3 terms of the step time (ns), of the memory per device (bytes), and the pairs of
-    choices no collective sequence can connect."""
+@dataclass
+class _Tables:
+    """The search's objective and pairwise facts as plain numbers: step time in integer ns per
+    site option and per pair of options, memory in bytes per site option, and the pairs (and
+    single options of a site feeding itself) that no collective sequence joins. Also what the
+    argument-agreement facts are built from."""
+
+    unary: dict[SiteId, list[int]]
+    pairs: dict[tuple[SiteId, SiteId], dict[tuple[int, int], int]]
+    impossible: dict[tuple[SiteId, SiteId], list[tuple[int, int]]]
+    impossible_alone: dict[SiteId, set[int]]
+    memory: dict[SiteId, list[int]]
+    edges: dict
+    consumer_of: dict
+    lay: object
+    loss_source: tuple | None
+    rank_in: object
+    rank_out: object
+
+    def z3_terms(self, var):
+        """The same objective as z3 terms, and the impossible pairs as z3 facts."""
+        terms = [(var[sid] == k, w) for sid, row in self.unary.items() for k, w in enumerate(row) if w]
+        terms += [(z3.And(var[su] == a, var[sv] == b), w) for (su, sv), table in self.pairs.items()
+                  for (a, b), w in table.items() if w]
+        memory = [(var[sid] == k, w) for sid, row in self.memory.items() for k, w in enumerate(row) if w]
+        impossible: dict[tuple[SiteId, SiteId], list] = defaultdict(list)
+        for sid, bad in self.impossible_alone.items():
+            impossible[(sid, sid)] += [z3.Not(var[sid] == a) for a in sorted(bad)]
+        for (su, sv), bad in self.impossible.items():
+            impossible[(su, sv)] += [z3.Not(z3.And(var[su] == a, var[sv] == b)) for a, b in bad]
+        return terms, memory, impossible
+
+
+def _graph_edges(graph: Graph):
+    """Per graph, once: which output of which site feeds which operand of which site, counted.
+    Option k of a site gives the same layouts in every instance, so an edge's cost depends only
+    on which sites, output and operand it joins: count edges, cost each kind once."""
+    cache = _search_cache(graph)
+    if "edges" not in cache:
+        tensors = graph.trace.tensors
+        producer_out = {tid: (node.index, k) for node in graph.nodes for k, tid in enumerate(node.outputs)}
+        edges: dict[tuple, int] = defaultdict(int)
+        consumer_of: dict[tuple, int] = {}    # an instance that has the operand (optional ones may be absent)
+        sites = {node.index: site_id(graph, node.index) for node in graph.nodes}
+        for node in graph.nodes:
+            sv = sites[node.index]
+            for operand in node.operands:
+                if operand.tid is None or tensors[operand.tid].param is not None:
+                    continue
+                info = tensors[operand.tid]
+                source = producer_out.get(operand.tid)
+                su, k = (sites[source[0]], source[1]) if source else (None, None)
+                key = (su, k, sv, operand.name, info.nbytes, info.requires_grad, len(info.shape))
+                edges[key] += 1
+                consumer_of.setdefault(key, node.index)
+        cache["edges"] = (producer_out, dict(edges), consumer_of)
+    return cache["edges"]
+
+
+def _cost_tables(graph: Graph, options, n: int, device: DeviceSpec, data_parallel: int, uses) -> _Tables:
+    """The step time (ns), the memory per device (bytes), and the pairs of choices no collective
+    sequence can connect, per site option and pair of options."""
     tensors = graph.trace.tensors
-    layout_cache: dict = {}
+    producer_out, edges, consumer_of = _graph_edges(graph)
 
     def lay(index: int, label: str):
-        if (index, label) not in layout_cache:
-            layout_cache[(index, label)] = layouts_for(graph.dims.get(index), label, _operand_names(graph, index))
-        return layout_cache[(index, label)]
+        return _layout(graph, index, label)
 
     def ns(seconds: float) -> int:
         return int(round(seconds * 1e9 / data_parallel))
 
-    def shapes(index: int) -> tuple:
-        node = graph.nodes[index]
-        return (tuple((tensors[o.tid].shape, tensors[o.tid].dtype) for o in node.operands if o.tid is not None),
-                tuple(tensors[t].shape for t in node.outputs))
+    shape_of = _search_cache(graph).get("shapes")
+    if shape_of is None:
+        interned: dict[tuple, int] = {}        # equal shapes, one small int: cheap to hash
+        shape_of = _search_cache(graph)["shapes"] = {
+            node.index: interned.setdefault(
+                (tuple((tensors[o.tid].shape, tensors[o.tid].dtype) for o in node.operands if o.tid is not None),
+                 tuple(tensors[t].shape for t in node.outputs)), len(interned)) for node in graph.nodes}
 
     # A model's repeated blocks call each site with the same shapes: price each once.
     priced: dict[tuple, tuple[float, float]] = {}
 
-    def price(sid: SiteId, index: int, label: str) -> tuple[float, float]:
-        key = (sid, label, shapes(index))
+    def price(site: int, index: int, label: str) -> tuple[float, float]:
+        key = (site, label, shape_of[index])
         if key not in priced:
             ways = n if label != REPLICATE else 1
             seconds = node_time(graph.nodes[index], graph.dims.get(index), graph.trace, device, ways,
                                 dims_of=graph.dims.get)
             if graph.dims.get(index) is not None and leaves_partial_param_grad(graph, index, label):
                 seconds += sum(all_reduce_time(tensors[tid].nbytes, n, device)
-                               for _, tid in graph.param_operands(index))
+                               for _, tid in _param_operands(graph, index))
             priced[key] = seconds, saved_bytes(graph.nodes[index], graph.trace) / ways
         return priced[key]
 
-    terms, activation = [], []
-    impossible: dict[tuple[SiteId, SiteId], list] = defaultdict(list)
-    for sid, opts in options.items():
+    unary = {sid: [0] * len(opts.options) for sid, opts in options.items()}
+    memory = {sid: [0] * len(opts.options) for sid, opts in options.items()}
+    for site, (sid, opts) in enumerate(options.items()):
         for k in range(len(opts.options)):
             total, saved = 0.0, 0.0
             for i in opts.nodes:
-                seconds, kept = price(sid, i, opts.labels[i][k])
+                seconds, kept = price(site, i, opts.labels[i][k])
                 total += seconds
                 saved += kept
             if total:
-                terms.append((var[sid] == k, ns(total)))
+                unary[sid][k] += ns(total)
             if saved:
-                activation.append((var[sid] == k, int(saved / data_parallel)))
-
-    producer_out = {tid: (node.index, k) for node in graph.nodes for k, tid in enumerate(node.outputs)}
+                memory[sid][k] += int(saved / data_parallel)
 
     def rank_in(index: int, name: str) -> int:
         return len(tensors[graph.nodes[index].operand(name).tid].shape)
@@ -496,21 +812,15 @@ def _cost_terms(graph: Graph, options, var, n: int, device: DeviceSpec, data_par
     def rank_out(index: int, k: int) -> int:
         outputs = graph.nodes[index].outputs
         return len(tensors[outputs[k]].shape) if k < len(outputs) else 0
-    # Option k of a site gives the same layouts in every instance, so an edge's cost depends only
-    # on which sites, output and operand it joins: count edges, cost each kind once.
-    edges: dict[tuple, int] = defaultdict(int)
-    consumer_of: dict[tuple, int] = {}    # an instance that has the operand (optional ones may be absent)
-    for node in graph.nodes:
-        sv = site_id(graph, node.index)
-        for operand in node.operands:
-            if operand.tid is None or tensors[operand.tid].param is not None:
-                continue
-            info = tensors[operand.tid]
-            source = producer_out.get(operand.tid)
-            su, k = (site_id(graph, source[0]), source[1]) if source else (None, None)
-            key = (su, k, sv, operand.name, info.nbytes, info.requires_grad, len(info.shape))
-            edges[key] += 1
-            consumer_of.setdefault(key, node.index)
+
+    steps_of: dict[tuple, list | None] = {}
+
+    def convert(have: Layout, need: Layout, split: bool, grad: bool):
+        key = (have, need, split, grad)
+        if key not in steps_of:
+            steps_of[key] = conversion(have, need, consumer_split=split, requires_grad=grad)
+        return steps_of[key]
+
     pair_cost: dict[tuple[SiteId, SiteId], dict[tuple[int, int], float | None]] = defaultdict(dict)
     for key, count in edges.items():
         su, k, sv, name, nbytes, requires_grad, _ = key
@@ -519,57 +829,63 @@ def _cost_terms(graph: Graph, options, var, n: int, device: DeviceSpec, data_par
             wanted = lay(v, label)
             need = from_end(wanted.inputs[name], rank_in(v, name))
             if su is None:
-                steps = conversion(R, need, consumer_split=wanted.split, requires_grad=requires_grad)
+                steps = convert(R, need, wanted.split, requires_grad)
                 cost = count * conversion_time(steps, nbytes, n, device)
                 if cost:
-                    terms.append((var[sv] == b, ns(cost)))
+                    unary[sv][b] += ns(cost)
                 continue
             u = options[su].nodes[0]
             table = pair_cost[(su, sv)]
             for a, u_label in enumerate(options[su].labels[u]):
                 outs = lay(u, u_label).outputs
-                steps = conversion(from_end(outs[k], rank_out(u, k)) if k < len(outs) else R, need,
-                                   consumer_split=wanted.split, requires_grad=requires_grad)
+                steps = convert(from_end(outs[k], rank_out(u, k)) if k < len(outs) else R, need,
+                                wanted.split, requires_grad)
                 if steps is None:
                     table[(a, b)] = None
                 elif table.get((a, b), 0.0) is not None:
                     table[(a, b)] = table.get((a, b), 0.0) + count * conversion_time(steps, nbytes, n, device)
     loss_source = None
-    if graph.trace.loss is not None and graph.trace.loss in producer_out:
-        u, k = producer_out[graph.trace.loss]
-        loss_source = (site_id(graph, u), k)
-    disagree = _disagreeing_sources(graph, options, edges, consumer_of, lay, var, loss_source, rank_in, rank_out)
     loss = graph.trace.loss
     if loss is not None and loss in producer_out:
         u, k = producer_out[loss]
         su = site_id(graph, u)
+        loss_source = (su, k)
         for a, label in enumerate(options[su].labels[u]):
             outs = lay(u, label).outputs
             steps = conversion(outs[k] if k < len(outs) else R, R, consumer_split=False, requires_grad=False)
             cost = conversion_time(steps, tensors[loss].nbytes, n, device)
             if cost:
-                terms.append((var[su] == a, ns(cost)))
+                unary[su][a] += ns(cost)
+    pairs: dict[tuple[SiteId, SiteId], dict[tuple[int, int], int]] = defaultdict(dict)
+    impossible: dict[tuple[SiteId, SiteId], list[tuple[int, int]]] = defaultdict(list)
+    impossible_alone: dict[SiteId, set[int]] = defaultdict(set)
     for (su, sv), table in pair_cost.items():
         for (a, b), cost in table.items():
             if su == sv and a != b:
                 continue
-            cond = var[su] == a if su == sv else z3.And(var[su] == a, var[sv] == b)
-            if cost is None:
-                impossible[(su, sv)].append(z3.Not(cond))    # no collective sequence gives this layout
+            if cost is None:             # no collective sequence gives this layout
+                if su == sv:
+                    impossible_alone[su].add(a)
+                else:
+                    impossible[(su, sv)].append((a, b))
             elif cost:
-                terms.append((cond, ns(cost)))
+                if su == sv:
+                    unary[su][a] += ns(cost)
+                else:
+                    pairs[(su, sv)][(a, b)] = ns(cost)
 
     # weights, gradients and optimizer state, counted at the first site that uses each parameter
     for param, ((sid, layouts), *_) in uses.items():
         size = tensors[graph.trace.params[param].tid].nbytes // 4 * BYTES_PER_PARAM_STATE
         for k, layout in enumerate(layouts):
-            activation.append((var[sid] == k, size // (n if layout.kind == "S" else 1)))
+            memory[sid][k] += size // (n if layout.kind == "S" else 1)
 
-    return terms, activation, impossible, disagree
+    return _Tables(unary, dict(pairs), dict(impossible), dict(impossible_alone), memory, edges, consumer_of, lay,
+                   loss_source, rank_in, rank_out)
 
 
 def _disagreeing_sources(graph: Graph, options, edges, consumer_of, lay, var, loss_source, rank_in,
-                         rank_out) -> dict:
+                         rank_out, fixed: dict | None = None) -> dict:
     """An argument written once in source but fed by different producers in different instances
     (a block's input: the embedding first, the previous block's residual after) gets one
     conversion on its line, so what each producer leaves to it must be the same. What a producer
@@ -604,8 +920,11 @@ def _disagreeing_sources(graph: Graph, options, edges, consumer_of, lay, var, lo
         uses = sorted(feeds[source], key=str) + (["loss"] if source == loss_source else [])
         table = {}                                   # (use, producer option, consumer option) -> steps
         for use in uses:
-            consumer_options = [None] if use == "loss" else range(len(options[use[0]].options))
+            consumer_options = [None] if use == "loss" else \
+                [fixed[use[0]]] if fixed is not None else range(len(options[use[0]].options))
             for a, have in enumerate(haves):
+                if fixed is not None and su is not None and a != fixed[su]:
+                    continue        # checking one assignment: only its own steps
                 for b in consumer_options:
                     if use == "loss":
                         need, split, needs_grad = R, False, False

@@ -37,13 +37,73 @@ def plan_rows(graph: Graph, plan: Plan, tp_plan: AxisPlan | None) -> list[dict[s
     return rows
 
 
+def _memory_of(plan: Plan, tp_plan: AxisPlan | None, rank: int) -> float | None:
+    """A rank's memory per the model: under --plan auto its pipeline stage's, else the split's."""
+    if plan.auto is not None:
+        return plan.auto.best.stage_memory[plan.coords(rank).get("pp", 0)]
+    return tp_plan.memory if tp_plan else None
+
+
+def search_json(plan: Plan) -> dict | None:
+    """--plan auto: the configuration chosen, and the best configuration of each (tp, pp)."""
+    auto = plan.auto
+    if auto is None:
+        return None
+
+    def one(e) -> dict:
+        c = e.config
+        return {"tp": c.tp, "dp": c.dp, "pp": c.pp, "micro_batches": c.micro_batches, "zero": c.zero,
+                "recompute": c.recompute, "sequence_parallel": c.sequence_parallel,
+                "seconds": e.seconds if e.why_not is None or e.memory < float("inf") else None,
+                "memory_bytes": e.memory if e.memory < float("inf") else None, "why_not": e.why_not}
+    return {"chosen": {**one(auto.best), "stage_seconds": auto.best.stage_seconds,
+                       "stage_memory_bytes": auto.best.stage_memory},
+            "memory_budget_bytes": auto.budget, "configurations_priced": auto.evaluated,
+            "candidates": [one(e) for e in sorted(auto.candidates, key=lambda e: (e.why_not is not None, e.seconds))]}
+
+
 def plan_json(graph: Graph, plan: Plan, tp_plan: AxisPlan | None, binding: list[dict] | None) -> dict:
     per_device = [{"rank": r, "coords": plan.coords(r), "seconds": plan.estimated_step_seconds,
-                   "memory_bytes": tp_plan.memory if tp_plan else None} for r in range(plan.world_size)]
+                   "memory_bytes": _memory_of(plan, tp_plan, r)} for r in range(plan.world_size)]
     out = {"plan": plan.name, "mesh": plan.mesh, "ops": plan_rows(graph, plan, tp_plan), "devices": per_device}
+    search = search_json(plan)
+    if search is not None:
+        out["search"] = search
     if binding is not None:
         out["binding_constraints"] = binding
     return out
+
+
+def search_lines(plan: Plan, shown: int = 6) -> list[str]:
+    """--plan auto in words: what was chosen, why, and the runners-up."""
+    auto = plan.auto
+    best = auto.best
+    lines = [f"--plan auto chose {best.config.describe()}: est. step {best.seconds * 1e3:.1f} ms, "
+             f"{_gib(best.memory)} per device at most (budget {_gib(auto.budget)}); "
+             f"{auto.evaluated} configurations priced"]
+    if best.config.pp > 1:
+        lines.append("  per stage: " + ", ".join(f"{t * 1e3:.2f} ms/micro-batch {_gib(m)}"
+                                                  for t, m in zip(best.stage_seconds, best.stage_memory)))
+    ranked = sorted((e for e in auto.candidates if e.config != best.config),
+                    key=lambda e: (e.why_not is not None, e.seconds, e.memory))
+    for e in ranked[:shown]:
+        cost = f"{e.seconds * 1e3:.1f} ms, {_gib(e.memory)}" if e.memory < float("inf") else "-"
+        lines.append(f"  {e.config.describe()}: {cost}" + (f" ({e.why_not})" if e.why_not else ""))
+    return lines
+
+
+def _devices_text(pieces: list[list[int]]) -> str:
+    """Each piece's devices; at scale, the first pieces and the first devices of each."""
+    def one(devices: list[int]) -> str:
+        if len(devices) <= 6:
+            return ",".join(map(str, devices))
+        return f"{devices[0]},{devices[1]},..,{devices[-1]} ({len(devices)})"
+    shown = [one(d) for d in pieces[:4]]
+    return " | ".join(shown + ([f".. ({len(pieces)} pieces)"] if len(pieces) > 4 else []))
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
 
 
 def plan_table(graph: Graph, plan: Plan, tp_plan: AxisPlan | None, binding: list[dict] | None) -> Group:
@@ -55,16 +115,28 @@ def plan_table(graph: Graph, plan: Plan, tp_plan: AxisPlan | None, binding: list
         if row["tp"] == REPLICATE and row["dp"] == "-":
             continue
         ops.add_row(row["site"], row["callee"].replace("torch.nn.functional.", "F."), row["tp"], str(row["n"]),
-                    " ".join(row["output_layout"]), " | ".join(",".join(map(str, d)) for d in row["devices"]),
+                    " ".join(row["output_layout"]), _devices_text(row["devices"]),
                     row["dp"])
     devices = Table(header_style="bold", title="per device (cost model)")
     for column in ("rank", "coords", "est. step (ms)", "est. memory (MB)"):
         devices.add_column(column, justify="right")
-    memory = f"{tp_plan.memory / 1e6:.2f}" if tp_plan else "-"
+    rows: list[tuple[list[int], str]] = []        # ranks alike (same stage) share a row when there are many
     for r in range(plan.world_size):
         coords = " ".join(f"{a}{i}" for a, i in plan.coords(r).items())
-        devices.add_row(str(r), coords, f"{plan.estimated_step_seconds * 1e3:.3f}", memory)
+        if plan.world_size > 16:
+            coords = f"pp{plan.coords(r).get('pp', 0)}"
+        if rows and rows[-1][1] == coords and plan.world_size > 16:
+            rows[-1][0].append(r)
+        else:
+            rows.append(([r], coords))
+    for ranks, coords in rows:
+        memory = _memory_of(plan, tp_plan, ranks[0])
+        devices.add_row(str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}",
+                        coords if len(ranks) == 1 else f"{coords} (all)", f"{plan.estimated_step_seconds * 1e3:.3f}",
+                        f"{memory / 1e6:.2f}" if memory is not None else "-")
     parts = [ops, devices]
+    if plan.auto is not None:
+        parts += [Text(line) for line in search_lines(plan)]
     if binding is not None:
         table = Table(header_style="bold", title="constraints (binding: dropping it lowers the cost)")
         table.add_column("constraint", overflow="fold")

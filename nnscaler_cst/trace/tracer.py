@@ -1,4 +1,4 @@
-"""Trace: build the model, run forward + loss + backward once, record every torch call.
+"""Trace: build the model, run forward + loss (+ backward) once, record every torch call.
 
 Each torch call is attributed to the innermost frame in the model's own files (its exact
 code position via co_positions), and grouped with the other calls made from that same
@@ -6,7 +6,9 @@ frame position into one Node: "the model file called `callee` here". Parameters 
 to the constructor call that created them.
 
 The trace runs under FakeTensorMode when it can (no real memory or compute), else on real
-CPU tensors. It must not rewrite anything.
+CPU tensors. Backward records nothing; on real tensors it runs (a model that cannot train is
+refused here), on fake ones it is skipped: at a production shape it is a third of the trace,
+and `verify` runs it on real tensors. It must not rewrite anything.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..errors import Location, UserError, display_path
 from ..source.entry import Entry, user_frame_location
-from ..source.files import SourceSet, Span
+from ..source.files import SourceSet, Span, resolved
 from .naming import qualified_type, short_type, torch_func_name
 from .records import UNKNOWN, Node, OpCall, Operand, ParamInfo, StateWrite, TensorInfo, TensorList, Trace
 from .replay import Replay, arguments_at_entry, call_arguments, function_of, with_refs
@@ -482,7 +484,12 @@ class Tracer(TorchFunctionMode):
                 raise UserError("loss() did not return a scalar tensor", Location(display_path(entry.path)),
                                 hint="return the training loss as a 0-dim tensor")
             loss_tid = self._tid_of.get(id(loss))
-            self._call_user(loss.backward, "backward()")
+            if mode == "real":
+                self._call_user(loss.backward, "backward()")
+            elif not loss.requires_grad:    # where backward() would stop first
+                raise UserError("backward() raised RuntimeError: element 0 of tensors does not require grad and "
+                                "does not have a grad_fn", Location(display_path(entry.path)),
+                                hint="the model must run on its example inputs on one CPU device")
         self._set_outputs(loss_tid)
         batch = next((self.tensors[t].shape[0] for t in input_tids.values() if self.tensors[t].shape), None)
         return Trace(mode, sorted(self.own_files), self.nodes, self.ops, self.tensors, params, input_tids,
@@ -523,15 +530,16 @@ class Tracer(TorchFunctionMode):
                 continue
             path = sys.modules[mod_name].__dict__.get("__file__") if mod_name in sys.modules else None
             if path and path.endswith(".py"):
-                self.own_files.add(str(Path(path).resolve()))
+                self.own_files.add(resolved(path))
         # co_filename is the path as imported; compare both spellings
         self.own_files |= {str(Path(p)) for p in list(self.own_files)}
-        for path in list(self.own_files):
+        for path in self.own_files:
             self.sources.get(path)
-            for mod in list(sys.modules.values()):
-                file = getattr(mod, "__file__", None)
-                if file and str(Path(file).resolve()) == path:
-                    self.own_files.add(file)
+        wanted = set(self.own_files)
+        for mod in list(sys.modules.values()):     # resolved once per module, not once per own file
+            file = getattr(mod, "__file__", None)
+            if isinstance(file, str) and file not in wanted and resolved(file) in wanted:
+                self.own_files.add(file)
 
     def _params(self, model, ctor_sites) -> dict[str, ParamInfo]:
         params: dict[str, ParamInfo] = {}

@@ -1,0 +1,287 @@
+"""`--plan auto` (issue 9): one search over tensor, pipeline and data parallelism, micro-batches,
+ZeRO, recompute and sequence parallelism, costed with the cost model and the memory model per
+device; and the split search under it, solved exactly by variable elimination and checked by z3.
+
+Quick: elimination against brute force and against z3's optimiser; the memory model's rules;
+small models where memory forces a pipeline or ZeRO, against byte counts computed here from
+their sizes. Slow: `verify --plan auto` under a budget that makes the search pick pipeline
+stages with ZeRO. (Planning time is a benchmark: benchmarks/bench_planning.py.)
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nnscaler_cst.analysis import analyze
+from nnscaler_cst.errors import UserError
+from nnscaler_cst.materialize.conversions import fused_collectives
+from nnscaler_cst.plan import search
+from nnscaler_cst.plan.auto import Config, estimate_config, search_auto
+from nnscaler_cst.plan.cost import load_cluster
+from nnscaler_cst.plan.eliminate import minimize
+from nnscaler_cst.plan.memory import device_memory, micro_batches_in_flight, saved_bytes
+from nnscaler_cst.plan.pipeline import plan_stages
+from nnscaler_cst.plan.tables import load_table
+from nnscaler_cst.rewrite import PlanRequest, rewrite
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "fixtures"
+CPU = load_cluster("cpu-gloo")
+WIDTH = 15            # odd: no weight matrix splits two ways, so tensor parallelism cannot save memory
+FLOAT = 4
+
+
+def cli(*args, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=900)
+
+
+# --------------------------------------------------------------------------------------------
+# Variable elimination
+# --------------------------------------------------------------------------------------------
+
+def test_elimination_finds_the_brute_force_minimum_with_forbidden_pairs_and_higher_factors():
+    rng = random.Random(7)
+    for _ in range(200):
+        n = rng.randint(1, 6)
+        domains = [rng.randint(1, 4) for _ in range(n)]
+        unary = [np.array([rng.choice([0, 1, 2, 7, math.inf]) for _ in range(d)]) for d in domains]
+        pairs = {(i, j): np.array([[rng.choice([0, 1, 3, math.inf]) for _ in range(domains[j])]
+                                   for _ in range(domains[i])])
+                 for i, j in itertools.combinations(range(n), 2) if rng.random() < 0.4}
+        triple = tuple(sorted(rng.sample(range(n), min(3, n))))
+        extra = {triple: np.where(np.random.default_rng(rng.randint(0, 99)).random(
+            [domains[v] for v in triple]) < 0.2, math.inf, 0.0)}
+
+        def total(x):
+            return (sum(unary[i][x[i]] for i in range(n)) + sum(t[x[i], x[j]] for (i, j), t in pairs.items())
+                    + extra[triple][tuple(x[v] for v in triple)])
+        best = min(total(x) for x in itertools.product(*map(range, domains)))
+        value, assignment = minimize(domains, unary, pairs, extra)
+        assert value == best
+        if math.isfinite(best):
+            assert total(assignment) == best
+
+
+def test_elimination_is_exact_on_integers_past_float_precision():
+    big = 10 ** 20        # a stand-in priced with every collective dear gives such costs
+    unary = [np.array([big, big + 1], dtype=object), np.array([big + 3, big], dtype=object)]
+    value, assignment = minimize([2, 2], unary, {(0, 1): np.array([[0, 5], [0, 1]], dtype=object)})
+    assert (value, assignment) == (2 * big + 2, [1, 1])
+
+
+@pytest.mark.parametrize("fixture, table, tp, dp", [
+    ("gpt", "megatron", 2, 1),
+    # z3's optimiser takes 10 s to minutes on these (benchmarks/BENCH_PLANNING.md)
+    *[pytest.param(*case, marks=pytest.mark.slow) for case in [
+        ("gpt", None, 2, 2), ("gpt", "sequence_parallel", 2, 1), ("hf_llama", None, 2, 2),
+        ("complex_rotary", None, 2, 1)]]])
+def test_the_split_search_costs_what_z3s_optimiser_finds(fixture, table, tp, dp, monkeypatch):
+    """Elimination (with z3 checking the argument-agreement facts) against the whole problem
+    handed to z3's optimiser, as the search did before: the same least cost and memory."""
+    graph = analyze(FIXTURES / f"{fixture}.py").graph
+    constraints = load_table(table).for_axis("tp") if table else []
+    device = CPU.axis(1, tp)
+    with fused_collectives(table == "sequence_parallel"):
+        fast = search.search_axis(graph, "tp", tp, constraints, device, data_parallel=dp)
+        monkeypatch.setattr(search, "_eliminated", lambda *args, **kwargs: None)
+        slow = search.search_axis(graph, "tp", tp, constraints, device, data_parallel=dp)
+    assert fast.cost == pytest.approx(slow.cost, rel=1e-12, abs=1e-12)
+    assert fast.memory == slow.memory
+
+
+@pytest.mark.slow
+def test_over_the_budget_the_least_memory_is_z3s_lexicographic_optimum(monkeypatch):
+    graph = analyze(FIXTURES / "gpt.py").graph
+    budget = search.search_axis(graph, "tp", 2, []).memory * 0.9      # the cheapest plan does not fit
+    fast = search.search_axis(graph, "tp", 2, [], memory_budget=budget)
+    monkeypatch.setattr(search, "_eliminated", lambda *args, **kwargs: None)
+    slow = search.search_axis(graph, "tp", 2, [], memory_budget=budget)
+    assert (fast.cost, fast.memory) == (slow.cost, slow.memory) and fast.memory <= budget
+
+
+# --------------------------------------------------------------------------------------------
+# The memory model
+# --------------------------------------------------------------------------------------------
+
+def test_1f1b_keeps_stages_minus_stage_micro_batches_gpipe_all():
+    assert [micro_batches_in_flight(s, 4, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert [micro_batches_in_flight(s, 4, 2) for s in range(4)] == [2, 2, 2, 1]
+    assert [micro_batches_in_flight(s, 4, 8, "gpipe") for s in range(4)] == [8] * 4
+
+
+@pytest.mark.parametrize("zero, held", [(0, (4000, 4000, 8000)), (1, (4000, 4000, 2000)),
+                                        (2, (4000, 1000, 2000)), (3, (1000, 1000, 2000))])
+def test_device_memory_adds_zero_state_activations_in_flight_and_what_recompute_rebuilds(zero, held):
+    memory = device_memory(1000, zero, 4, 300.0, 3, rebuilt=50.0, block_params=10)
+    assert (memory.params, memory.grads, memory.optimizer) == held
+    assert memory.activations == 900.0 and memory.rebuilt == 50.0
+    assert memory.gathered == (10 * FLOAT if zero == 3 else 0)
+    assert memory.total == sum(held) + 900 + 50 + memory.gathered
+
+
+# --------------------------------------------------------------------------------------------
+# Memory forces the search's hand
+# --------------------------------------------------------------------------------------------
+
+NO_BLOCKS = f'''
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    """Three layers of an odd width and no loop over blocks: neither tensor parallelism nor
+    pipeline stages can hold less, only ZeRO over data parallelism."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear({WIDTH}, {WIDTH})
+        self.b = nn.Linear({WIDTH}, {WIDTH})
+        self.c = nn.Linear({WIDTH}, {WIDTH})
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x))))).pow(2).mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(8, {WIDTH}),)
+'''
+
+BLOCKS = f'''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear({WIDTH}, {WIDTH})
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+class Net(nn.Module):
+    """Four blocks of an odd width, on a batch of one: no data parallelism, no weight split;
+    only pipeline stages hold less."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(4)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(1, {WIDTH}),)
+'''
+
+LAYER_PARAMS = WIDTH * WIDTH + WIDTH       # a Linear's weight and bias
+
+
+@pytest.fixture(scope="module")
+def no_blocks(tmp_path_factory):
+    path = tmp_path_factory.mktemp("zero") / "model.py"
+    path.write_text(NO_BLOCKS)
+    return analyze(path)
+
+
+@pytest.fixture(scope="module")
+def blocks(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pipe") / "model.py"
+    path.write_text(BLOCKS)
+    return analyze(path)
+
+
+def test_a_budget_only_zero_2_meets_makes_the_search_shard_gradients_and_optimizer_state(no_blocks):
+    graph = no_blocks.graph
+    params = 3 * LAYER_PARAMS
+    assert sum(math.prod(p.shape) for p in graph.trace.params.values()) == params
+    activations = sum(saved_bytes(n, graph.trace) for n in graph.nodes) / 2      # half the batch per rank
+    shard = math.ceil(params / 2)
+    zero2 = params * FLOAT + shard * FLOAT + shard * 8      # whole weights, sharded gradients and AdamW state
+    zero1 = params * FLOAT + params * FLOAT + shard * 8
+    budget = (zero2 + zero1) / 2 + activations
+    choice = search_auto(graph, 2, CPU, [], budget)
+    assert (choice.config.dp, choice.config.zero, choice.config.pp) == (2, 2, 1), choice.config
+    assert choice.best.memory == zero2 + activations
+    refused = {(e.config.tp, e.config.dp, e.config.pp): e.why_not for e in choice.candidates if e.why_not}
+    assert "blocks" in refused[(1, 1, 2)] or "loop" in refused[(1, 1, 2)]     # no blocks to cut into stages
+    with pytest.raises(UserError, match="no plan on 2 devices fits"):      # below ZeRO-3's 8 bytes a parameter
+        search_auto(graph, 2, CPU, [], 8 * params + activations - 1)
+
+
+def test_a_budget_below_the_whole_model_makes_the_search_cut_pipeline_stages(blocks):
+    graph = blocks.graph
+    params = 4 * LAYER_PARAMS
+    whole = params * 16 + sum(saved_bytes(n, graph.trace) for n in graph.nodes)
+    choice = search_auto(graph, 2, CPU, [], params * 16 - 1)      # not even the weights' state fits whole
+    assert (choice.config.pp, choice.config.dp, choice.config.micro_batches) == (2, 1, 1), choice.config
+    stages = plan_stages(graph, 2)                  # where the rewrite cuts: the search prices the same stages
+    assert stages.block_ranges == [(0, 2), (2, 4)]
+    for s in range(2):
+        held = 2 * LAYER_PARAMS * 16                 # two blocks' weights, gradients and AdamW state
+        kept = sum(saved_bytes(n, graph.trace) for n in graph.nodes if stages.node_stage[n.index] == s)
+        assert choice.best.stage_memory[s] == pytest.approx(held + kept * micro_batches_in_flight(s, 2, 1))
+    assert choice.best.memory < whole
+
+
+def test_rewrite_emits_the_configuration_the_search_chose(blocks):
+    result = rewrite(blocks, PlanRequest(plan="auto", devices=2, memory_budget=4 * LAYER_PARAMS * 16 - 1))
+    assert result.plan.mesh == {"tp": 1, "dp": 1, "pp": 2}
+    assert result.plan.name.startswith("auto(tp=1,dp=1,pp=2,micro-batches=1)")
+    assert result.stages is not None and result.stages.block_ranges == [(0, 2), (2, 4)]
+    assert result.plan.estimated_step_seconds == result.plan.auto.best.seconds
+
+
+def test_options_the_user_gives_are_kept_and_the_rest_searched(no_blocks):
+    request = PlanRequest(plan="auto", devices=2, zero=3)
+    result = rewrite(no_blocks, request)
+    assert result.plan.mesh["dp"] == 2 and result.plan.auto.config.zero == 3
+    assert "ZERO_STAGE = 3" in result.files["train.py"]
+
+
+def test_the_estimate_of_a_configuration_is_the_one_the_search_ranks(blocks):
+    graph = blocks.graph
+    choice = search_auto(graph, 2, CPU, [], None)
+    again = estimate_config(graph, choice.config, CPU, [])
+    assert again.seconds == pytest.approx(choice.best.seconds) and again.memory == choice.best.memory
+
+
+# --------------------------------------------------------------------------------------------
+# End to end (gloo processes)
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_auto_under_a_budget_that_needs_stages_and_zero_verifies(tmp_path):
+    """The GPT fixture on 4 devices with twice its weights' bytes per device: whole replicas do
+    not fit; the search cuts two stages and shards the data-parallel state, and that trains like
+    the single-device model."""
+    graph = analyze(FIXTURES / "gpt.py").graph
+    weights = sum(graph.trace.tensors[p.tid].nbytes for p in graph.trace.params.values())
+    result = cli("verify", FIXTURES / "gpt.py", "--plan", "auto", "--devices", "4", "--memory-budget", 2 * weights,
+                 "-o", tmp_path / "out", "--json", "--steps", "2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads(result.stdout[result.stdout.index("{"):])["passed"]
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert plan["mesh"]["pp"] > 1 or "zero" in plan["plan"], plan["plan"]
+    assert plan["mesh"] != {"tp": 1, "dp": 4, "pp": 1} or "zero" in plan["plan"]
