@@ -240,7 +240,17 @@ class Tracer(TorchFunctionMode):
 
     # ---- the mode -----------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        # The profile hook looks only at library calls made from the model's files; inside a torch
+        # op (fake-tensor dispatch is Python) and in the recording below it would see millions of
+        # events for nothing.
+        profiler = sys.getprofile()
+        sys.setprofile(None)
+        try:
+            return self._run_and_record(func, args, kwargs or {})
+        finally:
+            sys.setprofile(profiler)
+
+    def _run_and_record(self, func, args, kwargs):
         versions = {id(t): t._version for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)} \
             if self._recording else {}
         out = func(*args, **kwargs)
@@ -279,7 +289,7 @@ class Tracer(TorchFunctionMode):
 
     def _record_size_query(self, args, kwargs):
         """`x.size(-1)` / `x.shape`: where a size came from, so a rewrite never divides it twice."""
-        own = self.own_frame(sys._getframe(2))
+        own = self.own_frame(sys._getframe(3))
         if own is None:
             return
         span = self._span(own)
@@ -288,7 +298,7 @@ class Tracer(TorchFunctionMode):
             self.size_queries.append((span, self._tid(args[0]), dim if isinstance(dim, int) else None))
 
     def _record(self, func, args, kwargs, flat_out, returns_input: bool = False):
-        caller = sys._getframe(2)
+        caller = sys._getframe(3)
         own = self.own_frame(caller)
         in_tids = [self._tid(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         chain = self._chain(caller, own) if own is not None else []
