@@ -129,3 +129,16 @@ def test_the_wheel_installed_in_a_fresh_venv_runs_the_main_job_outside_the_repos
     written = {p.name for p in (work / "parallel").iterdir()}
     assert {"_comm.py", "__init__.py", "train.py", "plan.json"} <= written, written
     assert any(name.startswith("model") and name.endswith(".py") for name in written), written
+
+
+def test_the_tool_runs_without_numpy(tmp_path):
+    """numpy is not among the declared dependencies (torch does not require it either): plan,
+    rewrite and the auto search must run with `import numpy` failing."""
+    script = ("import sys; sys.modules['numpy'] = None\n"
+              "from nnscaler_cst.cli import main\n"
+              "main(sys.argv[1:])\n")
+    for args in (["plan", str(REPO / "fixtures" / "mlp.py"), "--plan", "auto", "--devices", "4"],
+                 [str(REPO / "fixtures" / "gpt.py"), "--tp", "2", "--dp", "2", "-o", str(tmp_path / "out")]):
+        result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "Traceback" not in result.stderr

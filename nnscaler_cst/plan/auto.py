@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-import numpy as np
 
 from ..errors import UserError
 from ..graph.graph import Graph
@@ -534,19 +533,19 @@ def _batch_sizes(graph: Graph) -> dict[int, tuple[str, int | None]]:
 
 @dataclass
 class _Stages:
-    """Per pipeline stage, sums over its regions (see _Regions), one array entry per stage."""
+    """Per pipeline stage, sums over its regions (see _Regions), one list entry per stage."""
 
-    bw: np.ndarray
-    fx: np.ndarray
-    forward_bw: np.ndarray              # its blocks' only
-    forward_fx: np.ndarray
-    saved: np.ndarray
-    saved_outside_blocks: np.ndarray
-    blocks: np.ndarray
-    params: np.ndarray                  # elements one device holds (integers)
-    partial_seconds: np.ndarray
-    sends: np.ndarray                   # hand-offs per micro-batch: to the next stage and back to the previous
-    after: np.ndarray                   # stages after this one: 1F1B keeps min(this + 1, M) micro-batches
+    bw: list[float]
+    fx: list[float]
+    forward_bw: list[float]             # its blocks' only
+    forward_fx: list[float]
+    saved: list[float]
+    saved_outside_blocks: list[float]
+    blocks: list[int]
+    params: list[int]                   # elements one device holds
+    partial_seconds: list[float]
+    sends: list[int]                    # hand-offs per micro-batch: to the next stage and back to the previous
+    after: list[int]                    # stages after this one: 1F1B keeps min(this + 1, M) micro-batches
 
 
 def _stages(cost: _Regions, blocks: _Blocks, pp: int) -> _Stages:
@@ -569,10 +568,9 @@ def _stages(cost: _Regions, blocks: _Blocks, pp: int) -> _Stages:
                      sum(cost.forward_bw[r] for r in inside), sum(cost.forward_fx[r] for r in inside),
                      sum(cost.saved[r] for r in regions), sum(cost.saved[r] for r in regions if not 0 < r < last),
                      count, int(round(sum(params.values()))), sum(cost.partial_seconds[r] for r in regions)))
-    columns = [np.array(c, dtype=float) for c in zip(*rows)]
-    columns[7] = columns[7].astype(np.int64)
-    index = np.arange(pp)
-    cache[pp] = _Stages(*columns, sends=(index < pp - 1).astype(float) + (index > 0), after=pp - index)
+    columns = [list(c) for c in zip(*rows)]
+    cache[pp] = _Stages(*columns, sends=[int(s < pp - 1) + int(s > 0) for s in range(pp)],
+                        after=[pp - s for s in range(pp)])
     return cache[pp]
 
 
@@ -591,40 +589,46 @@ def _estimate(config: Config, cost: _Regions, blocks: _Blocks, batch: int, clust
             max((sum(cost.params[r].values()) for r in range(1, blocks.count + 1)), default=0.0))
     block_saved, block_params = extra
     st = _stages(cost, blocks, pp)
-    seconds = fraction * st.bw + st.fx
-    if config.recompute:
-        seconds = seconds + fraction * st.forward_bw + st.forward_fx
-        saved = st.saved_outside_blocks + st.blocks * hidden
-    else:
-        saved = st.saved
-    if pp > 1:                                    # one send each way per neighbour, per micro-batch
-        seconds = seconds + st.sends * (pp_link.latency + fraction * hidden / pp_link.bandwidth)
-    grads = st.params * 4.0
-    sync = st.partial_seconds.copy()
-    if dp > 1:
-        spread = (dp - 1) / dp * grads / dp_link.bandwidth
-        if zero:                                  # reduce-scatter of gradients, all-gather of parameters
-            sync += 2 * (dp_link.latency + spread)
+    hand_off = pp_link.latency + fraction * hidden / pp_link.bandwidth if pp > 1 else 0.0
+    stage_seconds, stage_memory, sync_most = [], [], 0.0
+    for s in range(pp):
+        seconds = fraction * st.bw[s] + st.fx[s]
+        if config.recompute:
+            seconds += fraction * st.forward_bw[s] + st.forward_fx[s]
+            saved = st.saved_outside_blocks[s] + st.blocks[s] * hidden
         else:
-            sync += dp_link.latency + 2 * spread
-        if zero == 3:                             # parameters gathered for backward too
-            sync += dp_link.latency + spread
-    sync += st.params / (dp if zero else 1) * device.seconds_per_param
-    if zero:                                      # plan/zero.py's state_bytes_per_device, per stage
-        shard = -(-st.params // dp)
-        whole = shard * dp
-        held = {1: (whole, whole, shard), 2: (whole, shard, shard), 3: (shard, shard, shard)}[zero]
-        state = held[0] * PARAM_BYTES + held[1] * GRAD_BYTES + held[2] * ADAMW_STATE_BYTES
-    else:
-        state = st.params * (PARAM_BYTES + GRAD_BYTES + ADAMW_STATE_BYTES)
-    memory = state + fraction * saved * np.minimum(st.after, micro)
-    if config.recompute:
-        memory = memory + np.where(st.blocks > 0, fraction * block_saved, 0.0)
-    if zero == 3:
-        memory = memory + int(block_params) * PARAM_BYTES
-    pipeline = float(seconds.sum() + (micro - 1) * seconds.max())
-    estimate = Estimate(config, pipeline + float(sync.max()), float(memory.max()), seconds.tolist(),
-                        memory.tolist(), pipeline, float(sync.max()))
+            saved = st.saved[s]
+        seconds += st.sends[s] * hand_off        # one send each way per neighbour, per micro-batch
+        params = st.params[s]
+        grads = params * 4.0
+        sync = st.partial_seconds[s]
+        if dp > 1:
+            spread = (dp - 1) / dp * grads / dp_link.bandwidth
+            if zero:                              # reduce-scatter of gradients, all-gather of parameters
+                sync += 2 * (dp_link.latency + spread)
+            else:
+                sync += dp_link.latency + 2 * spread
+            if zero == 3:                         # parameters gathered for backward too
+                sync += dp_link.latency + spread
+        sync += params / (dp if zero else 1) * device.seconds_per_param
+        if zero:                                  # plan/zero.py's state_bytes_per_device, per stage
+            shard = -(-params // dp)
+            whole = shard * dp
+            held = {1: (whole, whole, shard), 2: (whole, shard, shard), 3: (shard, shard, shard)}[zero]
+            state = held[0] * PARAM_BYTES + held[1] * GRAD_BYTES + held[2] * ADAMW_STATE_BYTES
+        else:
+            state = params * (PARAM_BYTES + GRAD_BYTES + ADAMW_STATE_BYTES)
+        memory = state + fraction * saved * min(st.after[s], micro)
+        if config.recompute and st.blocks[s] > 0:
+            memory += fraction * block_saved
+        if zero == 3:
+            memory += int(block_params) * PARAM_BYTES
+        stage_seconds.append(seconds)
+        stage_memory.append(float(memory))
+        sync_most = max(sync_most, sync)
+    pipeline = sum(stage_seconds) + (micro - 1) * max(stage_seconds)
+    estimate = Estimate(config, pipeline + sync_most, max(stage_memory), stage_seconds, stage_memory, pipeline,
+                        sync_most)
     if estimate.memory > budget:
         estimate.why_not = f"needs {format_bytes(estimate.memory)} per device, budget {format_bytes(budget)}"
     return estimate

@@ -13,71 +13,88 @@ the optimum against them with z3 and falls back to z3's optimiser when it breaks
 """
 from __future__ import annotations
 
+import itertools
 import math
 
-import numpy as np
+MAX_TABLE = 1 << 16          # entries of the largest table one elimination may build
 
-MAX_TABLE = 1 << 20          # entries of the largest table one elimination may build
+# A factor: (scope, values). `scope` is a tuple of sites in increasing order; `values` maps an
+# assignment of the scope (a tuple of option indices, in scope order) to its cost. Dense tables
+# hold every assignment; sparse ones (the caller's no-goods) only their non-zero entries.
+Factor = tuple[tuple[int, ...], dict[tuple[int, ...], float]]
 
 
 class TooWide(Exception):
     """The interaction graph is too dense for elimination within MAX_TABLE."""
 
 
-def minimize(domains: list[int], unary: list[np.ndarray], pairs: dict[tuple[int, int], np.ndarray],
-             factors_over: dict[tuple[int, ...], np.ndarray] | None = None) -> tuple[float, list[int]]:
-    """(minimum, one minimising assignment) of sum_i unary[i][x_i] + sum_(i,j) pairs[i,j][x_i, x_j]
-    (+ any `factors_over` a tuple of sites, axes in that order). Infinite entries are forbidden;
-    the minimum is inf when every assignment is forbidden."""
-    factors: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}
+def minimize(domains: list[int], unary: list[list[float]], pairs: dict[tuple[int, int], list[list[float]]],
+             factors_over: dict[tuple[int, ...], dict[tuple[int, ...], float]] | None = None
+             ) -> tuple[float, list[int]]:
+    """(minimum, one minimising assignment) of sum_i unary[i][x_i] + sum_(i,j) pairs[i,j][x_i][x_j]
+    (+ any `factors_over` a tuple of sites: a sparse map from that tuple's assignments to costs,
+    absent entries 0). Infinite entries are forbidden; the minimum is inf when every assignment
+    is forbidden. Costs may be Python ints (exact at any size) or floats."""
+    factors: dict[int, Factor] = {}
     of_var: list[set[int]] = [set() for _ in domains]
+    counter = itertools.count()
 
-    counter = iter(range(1 << 62))
-
-    def add(scope: tuple[int, ...], table: np.ndarray) -> None:
+    def add(scope: tuple[int, ...], values: dict) -> None:
         key = next(counter)
-        factors[key] = (scope, table)
+        factors[key] = (scope, values)
         for v in scope:
             of_var[v].add(key)
 
-    trail: list[tuple[int, tuple[int, ...], np.ndarray]] = []
-    constant = 0
-    kind = object if any(np.asarray(t).dtype == object for t in [*unary, *pairs.values()]) else float
-    for i, table in enumerate(unary):
-        add((i,), np.asarray(table, dtype=kind))
-    for (i, j), table in pairs.items():
-        table = np.asarray(table, dtype=kind)
+    neighbours: list[set[int]] = [set() for _ in domains]
+    for i, row in enumerate(unary):
+        add((i,), {(a,): w for a, w in enumerate(row)})
+    for (i, j), grid in pairs.items():
         if i == j:
             raise ValueError("a pair factor needs two sites")
-        add((i, j) if i < j else (j, i), table if i < j else table.T)
-    neighbours = [set() for _ in domains]
-    for i, j in pairs:
+        add((min(i, j), max(i, j)), {((a, b) if i < j else (b, a)): w
+                                     for a, row in enumerate(grid) for b, w in enumerate(row)})
         neighbours[i].add(j)
         neighbours[j].add(i)
-    for scope, table in (factors_over or {}).items():
+    for scope, values in (factors_over or {}).items():
         order = sorted(range(len(scope)), key=lambda k: scope[k])
-        add(tuple(scope[k] for k in order), np.transpose(np.asarray(table, dtype=kind), order))
+        add(tuple(scope[k] for k in order), {tuple(key[k] for k in order): w for key, w in values.items()})
         for u in scope:
             neighbours[u] |= set(scope) - {u}
+
+    trail: list[tuple[int, tuple[int, ...], dict[tuple[int, ...], int]]] = []
+    constant = 0
     remaining = set(range(len(domains)))
     while remaining:
         v = min(remaining, key=lambda x: (math.prod(domains[u] for u in neighbours[x]), len(neighbours[x]), x))
         scope = tuple(sorted(neighbours[v]))
         if math.prod(domains[u] for u in scope) * domains[v] > MAX_TABLE:
             raise TooWide(f"eliminating site {v} needs a table over {len(scope) + 1} sites")
-        axes = (*scope, v)
-        total = np.zeros([domains[a] for a in axes], dtype=kind)
+        terms = []
         for key in list(of_var[v]):
-            fscope, table = factors.pop(key)
+            fscope, values = factors.pop(key)
             for u in fscope:
                 of_var[u].discard(key)
-            total = total + _expand(table, fscope, axes)
-        best = total.min(axis=-1)
-        trail.append((v, scope, total.argmin(axis=-1)))
+            # where each of the factor's sites sits in (scope..., v)
+            at = tuple(len(scope) if u == v else scope.index(u) for u in fscope)
+            terms.append((at, values, len(values) == math.prod(domains[u] for u in fscope)))
+        best: dict[tuple[int, ...], float] = {}
+        argbest: dict[tuple[int, ...], int] = {}
+        for outer in itertools.product(*(range(domains[u]) for u in scope)):
+            low, low_at = math.inf, 0
+            for x in range(domains[v]):
+                point = (*outer, x)
+                total = 0
+                for at, values, dense in terms:
+                    sub = tuple(point[k] for k in at)
+                    total += values[sub] if dense else values.get(sub, 0)
+                if total < low:
+                    low, low_at = total, x
+            best[outer], argbest[outer] = low, low_at
+        trail.append((v, scope, argbest))
         if scope:
             add(scope, best)
         else:
-            constant += best if kind is object else float(best)
+            constant += best[()]
         for u in scope:
             neighbours[u] |= neighbours[v] - {u}
             neighbours[u].discard(v)
@@ -85,15 +102,6 @@ def minimize(domains: list[int], unary: list[np.ndarray], pairs: dict[tuple[int,
     if constant == math.inf:
         return math.inf, []
     value = [0] * len(domains)
-    for v, scope, arg in reversed(trail):
-        value[v] = int(arg[tuple(value[u] for u in scope)]) if scope else int(arg)
+    for v, scope, argbest in reversed(trail):
+        value[v] = argbest[tuple(value[u] for u in scope)]
     return constant, value
-
-
-def _expand(table: np.ndarray, scope: tuple[int, ...], axes: tuple[int, ...]) -> np.ndarray:
-    """`table` over `scope` laid out to broadcast over `axes` (scope is a subset of axes)."""
-    order = sorted(range(len(scope)), key=lambda k: axes.index(scope[k]))
-    table = np.transpose(table, order) if order != list(range(len(scope))) else table
-    placed = {scope[k] for k in order}
-    shape = [table.shape[[scope[k] for k in order].index(a)] if a in placed else 1 for a in axes]
-    return table.reshape(shape)

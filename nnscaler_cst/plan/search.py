@@ -13,7 +13,6 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-import numpy as np
 import z3
 
 from ..errors import Location, UserError
@@ -389,48 +388,44 @@ def _eliminated(graph: Graph, options, var, tables: "_Tables", uses, allowed_by,
     sids = list(options)
     index = {sid: k for k, sid in enumerate(sids)}
     inf = math.inf
-    # integer ns, exact in floats up to 2**53; larger (a stand-in priced with every collective
-    # dear) as Python integers
-    largest = max([max(row, default=0) for row in tables.unary.values()] +
-                  [max(t.values(), default=0) for t in tables.pairs.values()] + [0])
-    kind = float if largest * max(len(sids), 1) < 2 ** 52 and not memory_first else object
+    # integer ns, summed exactly as Python integers (memory x K + time included)
     scale = 0
     if memory_first:                     # past the most any assignment's time can add up to
         scale = 1 + sum(max(row, default=0) for row in tables.unary.values()) + sum(
             max(t.values(), default=0) for t in tables.pairs.values())
     unary = []
     for sid in sids:
-        row = np.array([w + scale * m for w, m in zip(tables.unary[sid], tables.memory[sid])] if memory_first
-                       else tables.unary[sid], dtype=kind)
+        row = [w + scale * m for w, m in zip(tables.unary[sid], tables.memory[sid])] if memory_first \
+            else list(tables.unary[sid])
         for k in range(len(row)):
             if k not in allowed_by[sid] or k in tables.impossible_alone.get(sid, ()):
                 row[k] = inf
         unary.append(row)
-    pairs: dict[tuple[int, int], np.ndarray] = {}
+    pairs: dict[tuple[int, int], list[list[float]]] = {}
 
-    def pair(su, sv) -> np.ndarray:
+    def pair(su, sv) -> list[list[float]]:
         key = (index[su], index[sv])
         if key not in pairs:
-            pairs[key] = np.zeros((len(options[su].options), len(options[sv].options)), dtype=kind)
+            pairs[key] = [[0] * len(options[sv].options) for _ in options[su].options]
         return pairs[key]
 
     for (su, sv), table in tables.pairs.items():
         grid = pair(su, sv)
         for (a, b), w in table.items():
-            grid[a, b] += w
+            grid[a][b] += w
     for (su, sv), bad in tables.impossible.items():
         grid = pair(su, sv)
         for a, b in bad:
-            grid[a, b] = inf
+            grid[a][b] = inf
     for param, ((first, first_layouts), *others) in uses.items():
         for sid, layouts in others:
             grid = pair(first, sid)
             for a, la in enumerate(first_layouts):
                 for b, lb in enumerate(layouts):
                     if la != lb:
-                        grid[a, b] = inf
+                        grid[a][b] = inf
     domains = [len(options[sid].options) for sid in sids]
-    nogoods: dict[tuple[int, ...], np.ndarray] = {}
+    nogoods: dict[tuple[int, ...], dict[tuple[int, ...], float]] = {}
     checker = None
     for _ in range(MAX_NOGOODS):
         try:
@@ -464,8 +459,7 @@ def _eliminated(graph: Graph, options, var, tables: "_Tables", uses, allowed_by,
         if not core:
             return None
         scope = tuple(core)
-        table = nogoods.setdefault(scope, np.zeros([domains[v] for v in scope], dtype=kind))
-        table[tuple(assignment[v] for v in scope)] = inf
+        nogoods.setdefault(scope, {})[tuple(assignment[v] for v in scope)] = inf
     return None
 
 
