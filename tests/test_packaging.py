@@ -131,6 +131,7 @@ def test_the_wheel_installed_in_a_fresh_venv_runs_the_main_job_outside_the_repos
     assert any(name.startswith("model") and name.endswith(".py") for name in written), written
 
 
+@pytest.mark.slow
 def test_the_tool_runs_without_numpy(tmp_path):
     """numpy is not among the declared dependencies (torch does not require it either): plan,
     rewrite and the auto search must run with `import numpy` failing."""
