@@ -20,7 +20,7 @@ from .emit.programs import programs
 from .emit.rewrite import StageSplit, rewrite_module
 from .errors import Location, UserError, display_path
 from .materialize.conversions import fused_collectives
-from .materialize.edits import Edits, one_device_edits, plan_edits
+from .materialize.edits import Edits, data_parallel_edits, one_device_edits, plan_edits
 from .plan.ir import OpAssign, OpOrder, OpTrans, Plan
 from .plan.pipeline import StagePlan, plan_stages
 from .plan.recompute import recompute_seconds, recompute_site
@@ -373,7 +373,7 @@ def plan_pipeline(analysis: Analysis, plan: Plan, request: PlanRequest) -> tuple
         raise UserError(f"a batch of {batch} per data-parallel rank does not split into {micro} micro-batches",
                         _inputs_location(analysis), hint="choose --micro-batches dividing the batch")
     if micro > 1:
-        check_batch_split(analysis.graph, f"{micro} micro-batches")
+        check_batch_split(analysis.graph, f"{micro} micro-batches", across_ranks=False)
     orders = schedule(table, request.pp, micro)
     simulate(orders, stages.stages, placement=place)
     plan.name += f"+{table.name}"
@@ -411,6 +411,8 @@ def rewrite(analysis: Analysis, request: PlanRequest, every_size_read: bool = Fa
             if choices is not None else None
     if choices is None and plan.coshard_stand_in is not None:      # --tp 1: C pieces on the one device
         edits = one_device_edits(analysis.graph, plan.coshard_stand_in)
+    if plan.mesh["dp"] > 1:
+        edits = data_parallel_edits(analysis.graph, edits)
     if edits is not None:
         plan.warnings += edits.warnings
     label = display_path(analysis.entry.path)

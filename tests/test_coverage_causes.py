@@ -422,3 +422,57 @@ def test_expert_banks_are_split_by_their_intermediate_dim(tmp_path):
 def test_expert_banks_split_train_like_one_device(tmp_path):
     result, outcome = _verify(tmp_path, MIXTRAL, "--tp", "2")
     assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+
+
+BATCH_NORM = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.norm = nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        return x + torch.relu(self.norm(self.conv(x)))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.blocks = nn.ModuleList([Block(16) for _ in range(2)])
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, images, labels):
+        x = self.stem(images)
+        for block in self.blocks:
+            x = block(x)
+        return nn.functional.cross_entropy(self.head(x.mean(dim=(2, 3))), labels)
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+'''
+
+
+def test_batch_norm_under_data_parallelism_sums_its_statistics_over_the_ranks(tmp_path):
+    analysis = analyze(_write(tmp_path, BATCH_NORM))
+    text = rewrite(analysis, PlanRequest(dp=2)).files["model.py"]
+    assert "torch.relu(dp_batch_norm(self.conv(x), self.norm, DP))" in text
+    assert "from ._comm import DP, dp_batch_norm" in text
+    problem = batch_split_problem(analysis.graph, "2 micro-batches", across_ranks=False)
+    assert problem is not None and "BatchNorm2d" in str(problem) and "--micro-batches 1" in problem.hint
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", [("--dp", "2"), ("--dp", "2", "--tp", "2")], ids=["dp2", "dp2xtp2"])
+def test_batch_norm_under_data_parallelism_trains_like_one_device(tmp_path, plan):
+    result, outcome = _verify(tmp_path, BATCH_NORM, *plan)
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr

@@ -74,7 +74,7 @@ def test_drawn_model_verifies_or_is_refused_with_a_location(model, data):
     pytest.fail(_failures[key], pytrace=False)
 
 
-BATCH_NORM_MODEL = '''import torch
+BATCH_MEAN_MODEL = '''import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -83,10 +83,10 @@ class Model(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(8, 8)
-        self.norm = nn.BatchNorm1d(8)
 
     def forward(self, inputs, targets):
-        return F.mse_loss(self.norm(self.fc(inputs)), targets)
+        h = self.fc(inputs)
+        return F.mse_loss(h - h.mean(dim=0), targets)
 
 
 def build():
@@ -100,8 +100,8 @@ def example_inputs():
 
 @pytest.mark.slow
 def test_runner_counts_a_located_refusal_that_wrote_nothing(tmp_path):
-    """BatchNorm mixes the samples that data parallelism splits: refused at its line."""
-    model = DrawnModel({"bn.py": BATCH_NORM_MODEL}, "bn.py", 0)
+    """A mean over the batch used again mixes the samples that data parallelism splits: refused at its line."""
+    model = DrawnModel({"centered.py": BATCH_MEAN_MODEL}, "centered.py", 0)
     outcome = run(model, "dp2", tmp_path)
     assert outcome.kind == "REFUSED", outcome.report(model)
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "__pycache__") == ["bn.py"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "__pycache__") == ["centered.py"]

@@ -281,7 +281,7 @@ class InsertCollectives:
         self.ctx.needs_torch |= "torch." in text
         function = template.split("(")[0]
         if "." not in function:
-            self.ctx.used.update({function, AXIS})
+            self.ctx.used.update({function} | {axis for axis in (AXIS, "DP") if re.search(rf"\b{axis}\b", text)})
         for note in site.notes:
             self.ctx.note(span, note)
         return cst.parse_expression(text)

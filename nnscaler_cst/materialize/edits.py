@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from ..errors import UserError
 from ..graph.graph import Graph
-from ..plan.batch import batch_factors
+from ..plan.batch import batch_factors, batch_labels, data_parallel_impl
 from ..plan.layouts import REPLICATE, R, Layout, layouts_for, shard
 from ..plan.search import AxisChoices
 from .size_args import SIZE_ARGUMENTS, SPLIT_SIZES, locate_size_argument
@@ -200,6 +200,21 @@ def one_device_edits(graph: Graph, stand_in: AxisChoices) -> Edits:
     after another here; nothing else is split, so no other edit."""
     regions = plan_edits(graph, stand_in, strict=False, coshard_devices=1).regions
     return Edits(stand_in.axis, 1, {}, {}, {}, [], regions=regions)
+
+
+def data_parallel_edits(graph: Graph, edits: Edits | None) -> Edits:
+    """Ops that need the whole batch and have a data-parallel implementation (BatchNorm: the
+    statistics summed over the ranks, `dp_batch_norm`) call it at their site."""
+    edits = edits if edits is not None else Edits("tp", 1, {}, {}, {}, [])
+    for index, label in batch_labels(graph).items():
+        node = graph.nodes[index]
+        template = data_parallel_impl(graph.dims.get(index), label)
+        if template is None or node.span is None:
+            continue
+        site = edits.site(node.span)
+        _same(site, "replace", template, node)
+        _note(site, "batch statistics summed over the data-parallel ranks")
+    return edits
 
 
 def _producer_prefixes(graph: Graph, by_output: dict) -> dict[tuple, list[Step]]:

@@ -14,21 +14,27 @@ from ..graph.graph import Graph
 from ..trace.records import Node, TensorList
 
 
-def check_batch_split(graph: Graph, what: str) -> None:
-    problem = batch_split_problem(graph, what)
+def check_batch_split(graph: Graph, what: str, across_ranks: bool = True) -> None:
+    problem = batch_split_problem(graph, what, across_ranks)
     if problem is not None:
         raise problem
 
 
-def batch_split_problem(graph: Graph, what: str) -> UserError | None:
-    """The error, at the op's source position, if the model's batch cannot be sliced for `what`."""
-    found = _first_mixing_op(graph)
+def batch_split_problem(graph: Graph, what: str, across_ranks: bool = True) -> UserError | None:
+    """The error, at the op's source position, if the model's batch cannot be sliced for `what`.
+    `across_ranks`: the slices run at once on data-parallel ranks, which can sum an op's
+    statistics over the batch (BatchNorm: `dp_batch_norm`); micro-batches, run one after
+    another, cannot."""
+    found = _first_mixing_op(graph, across_ranks=across_ranks)
     if found is None:
         return None
     node, why = found
+    synced = any(data_parallel_impl(graph.dims.get(node.index), label) for label in graph.dims[node.index].fixed) \
+        if node.index in graph.dims else False
+    hint = "data-parallel ranks sum its statistics (--dp); micro-batches, run one after another, cannot: use " \
+        "--micro-batches 1" if synced else "run it on the whole batch (no --dp, --micro-batches 1), or change the model"
     return UserError(f"{node.callee} {why}, so {what} would not match the single-device run",
-                     node.span.start if node.span is not None else None,
-                     hint="run it on the whole batch (no --dp, --micro-batches 1), or change the model")
+                     node.span.start if node.span is not None else None, hint=hint)
 
 
 def _batched_operands(node: Node, batched: dict[int, int]):
@@ -96,8 +102,14 @@ def batch_factors(graph: Graph) -> dict[int, set[str]]:
     return found
 
 
+def data_parallel_impl(dims, label: str) -> str | None:
+    """The template that runs an op needing the whole batch on data-parallel slices of it."""
+    template = dims.impl.get(label) if dims is not None else None
+    return template if template is not None and "DP)" in template else None
+
+
 def _first_mixing_op(graph: Graph, labels: dict[int, str] | None = None,
-                     kinds: dict[int, str] | None = None) -> tuple[Node, str] | None:
+                     kinds: dict[int, str] | None = None, across_ranks: bool = True) -> tuple[Node, str] | None:
     trace = graph.trace
     tensors = trace.tensors
     batch = trace.batch_size
@@ -146,7 +158,7 @@ def _first_mixing_op(graph: Graph, labels: dict[int, str] | None = None,
             label = factors[0].label
             if labels is not None:
                 labels[node.index] = label
-            if label in dims.fixed:
+            if label in dims.fixed and not (across_ranks and data_parallel_impl(dims, label)):
                 return node, f"needs the whole batch: dim {dim} of {operand} is fixed in its rule"
             if label in dims.reduced:
                 reduced.update(dict.fromkeys(node.produced, _reducer_kind(node, trace)))

@@ -53,7 +53,7 @@ __all__ = [
     "Axis", "TP", "DP", "PP",
     "setup", "teardown", "axis_ranks",
     "tp_copy", "tp_reduce", "tp_scatter", "tp_gather",
-    "vocab_parallel_embedding", "vocab_parallel_cross_entropy",
+    "vocab_parallel_embedding", "vocab_parallel_cross_entropy", "dp_batch_norm",
     "sync_grads",
     "ZeroShards", "zero_shards", "reduce_scatter_grads", "all_gather_params", "free_params",
     "send_forward", "recv_forward", "send_backward", "recv_backward",
@@ -383,6 +383,46 @@ def tp_all_gather(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
 # --------------------------------------------------------------------------
 # Vocabulary parallelism
 # --------------------------------------------------------------------------
+
+class _AllReduceBothWays(torch.autograd.Function):
+    """Forward: all-reduce(sum).  Backward: all-reduce(sum): every rank's result depends on every
+    rank's input."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return _all_reduce(x.contiguous().clone(), axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.contiguous().clone(), ctx.axis), None
+
+
+def dp_batch_norm(x: torch.Tensor, bn: torch.nn.Module, axis: Axis) -> torch.Tensor:
+    """A BatchNorm layer run on this rank's slice of the batch, normalised with the statistics of
+    the whole batch (sums over every rank's slice, as torch's SyncBatchNorm, which needs a GPU),
+    so it computes what the single-device layer computes on the whole batch; the running
+    statistics are updated alike on every rank. Every rank holds an equal share of the batch."""
+    use_batch = bn.training or bn.running_mean is None
+    if axis.size == 1 or not use_batch:
+        return bn(x)
+    dims = [0, *range(2, x.dim())]
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    count = x.numel() // x.shape[1] * axis.size
+    mean = _AllReduceBothWays.apply(x.sum(dims), axis) / count
+    centered = x - mean.reshape(shape)
+    var = _AllReduceBothWays.apply(centered.pow(2).sum(dims), axis) / count
+    y = centered * torch.rsqrt(var + bn.eps).reshape(shape)
+    if bn.affine:
+        y = y * bn.weight.reshape(shape) + bn.bias.reshape(shape)
+    if bn.training and bn.track_running_stats and bn.running_mean is not None:
+        with torch.no_grad():
+            bn.num_batches_tracked.add_(1)
+            momentum = bn.momentum if bn.momentum is not None else 1.0 / float(bn.num_batches_tracked)
+            bn.running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
+            bn.running_var.mul_(1 - momentum).add_(var.detach() * count / max(count - 1, 1), alpha=momentum)
+    return y
+
 
 def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, axis: Axis,
                              padding_idx: int | None = None) -> torch.Tensor:
