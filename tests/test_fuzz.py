@@ -105,3 +105,62 @@ def test_runner_counts_a_located_refusal_that_wrote_nothing(tmp_path):
     outcome = run(model, "dp2", tmp_path)
     assert outcome.kind == "REFUSED", outcome.report(model)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "__pycache__") == ["centered.py"]
+
+
+# Found by the seed-1 benchmark run (FUZZ.md): a row-split layer whose output feeds a block's
+# input in one instance and another layer's output in the next had its partial sums reduced at
+# the block's argument, and its bias was never added ("the parallel run has no embed.bias").
+ROW_SPLIT_INTO_BLOCKS = '''import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q0 = nn.Linear(32, 32, bias=False)
+        self.k0 = nn.Linear(32, 32, bias=False)
+        self.v0 = nn.Linear(32, 32, bias=False)
+        self.out0 = nn.Linear(32, 32)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.q0(x), self.k0(x), self.v0(x)
+        q = q.view(B, T, 1, C // 1).transpose(1, 2)
+        k = k.view(B, T, 1, C // 1).transpose(1, 2)
+        v = v.view(B, T, 1, C // 1).transpose(1, 2)
+        att = torch.einsum('bhtd,bhsd->bhts', q, k) * (1.0 / (C // 1) ** 0.5)
+        att = F.softmax(att, dim=-1)
+        y = torch.einsum('bhts,bhsd->bhtd', att, v)
+        return self.out0(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 32)
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, inputs, targets):
+        x = self.embed(inputs)
+        for block in self.blocks:
+            x = block(x)
+        return F.mse_loss(self.head(x), targets)
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 8, 8), torch.randn(4, 8, 8))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["tp2", "dp2xtp2"])
+def test_a_row_split_layer_feeding_a_loop_of_blocks_keeps_its_bias(tmp_path, plan):
+    model = DrawnModel({"fz_att.py": ROW_SPLIT_INTO_BLOCKS}, "fz_att.py", 0)
+    outcome = run(model, plan, tmp_path)
+    assert outcome.kind == "PASSED", outcome.report(model)

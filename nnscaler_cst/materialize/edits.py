@@ -189,6 +189,7 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
         if choice == REPLICATE or node.span is None:
             continue
         _split_site_edits(graph, node, choice, n, edits, lay(node), have)
+    _check_biases_added(graph, edits)
     _ctor_edits(graph, edits)
     edits.full_sizes = full_size_reads(graph, plan.param_layout, n)
     edits.regions = coshard_regions(graph, plan, edits.sites, lay, have, coshard_devices) if plan.chunks else []
@@ -242,12 +243,31 @@ def _producer_prefixes(graph: Graph, by_output: dict) -> dict[tuple, list[Step]]
                 argument = _argument(consumer, path)
                 if argument is not None:
                     rests[argument][key] = steps_from_end(steps[len(prefix[key]):], len(tensors[tid].shape))
-        undo = {key for by_key in rests.values() if len({str(r) for r in by_key.values()}) > 1
-                for key in by_key if prefix[key]}
-        if not undo:
+        # producers feeding one argument with different rests keep only the steps they share
+        # on their results (a row-split layer's reduction, with its bias, stays on the layer),
+        # the rest goes on the argument
+        changed = False
+        for by_key in rests.values():
+            if len({str(r) for r in by_key.values()}) > 1:
+                shared = common_prefix([prefix[key] for key in by_key])
+                for key in by_key:
+                    if len(prefix[key]) > len(shared):
+                        prefix[key], changed = shared, True
+        if not changed:
             return prefix
-        for key in undo:
-            prefix[key] = []
+
+
+def _check_biases_added(graph: Graph, edits: Edits) -> None:
+    """A row-split call's bias is added after the reduction written on its result; a result
+    whose partial sums are reduced only where it is used would lose the bias: refused."""
+    for node in graph.nodes:
+        site = edits.sites.get(node.span) if node.span is not None else None
+        if site is None or site.bias is None:
+            continue
+        if not site.result or site.result[0].op not in ("reduce", "reduce_scatter"):
+            raise UserError(f"{node.callee} is split by its reduced dim, but its partial sums are reduced only "
+                            "where they are used, so its bias could not be added once", _loc(node),
+                            hint="pin this call to another split, or give the layer bias=False")
 
 
 def _bias_outside_scatter(graph: Graph, instances: list[Node], steps: list[Step], ndim: int,
