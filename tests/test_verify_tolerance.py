@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nnscaler_cst.verify.equivalence import VerifyResult, gradient_error
+from nnscaler_cst.verify.equivalence import VerifyResult, gradient_error, noise_driven
 
 
 def test_rounding_noise_on_a_zero_true_gradient_is_no_error():
@@ -22,6 +22,43 @@ def test_a_wrong_gradient_is_an_error_whatever_its_scale():
     merged = {"v.weight": expected["v.weight"] * 0.08, "q.weight": expected["q.weight"].clone()}   # 92% off
     error, name = gradient_error(expected, merged)
     assert name == "v.weight" and error > 0.5
+
+
+def _bias_before_a_norm():
+    """A linear layer over the tokens, then a LayerNorm over the features: the layer's bias adds a
+    constant along the normalised dim, so its exact gradient is zero; in float32 it is rounding of
+    a sum of terms that cancel (3e-5 here, beside gradients of 0.08: past the floor of 1e-3 of the
+    largest gradient, which alone would call the parallel run's different rounding an error)."""
+    torch.manual_seed(0)
+    mix, norm = torch.nn.Linear(8, 8), torch.nn.LayerNorm(9)
+    head = torch.nn.Linear(9, 9)
+    x = torch.randn(4, 8, 9) * 1e-2      # small features: the norm scales its input gradients up 100x
+
+    def grads(dtype):
+        layers = [m.to(dtype) for m in (mix, norm, head)]
+        for layer in layers:
+            layer.zero_grad()
+        out = layers[2](layers[1](layers[0](x.to(dtype).transpose(1, 2)).transpose(1, 2)))
+        out.pow(2).mean().backward()
+        return {"mix.bias": mix.bias.grad.clone(), "mix.weight": mix.weight.grad.clone(),
+                "head.weight": head.weight.grad.clone()}
+    return grads(torch.float64), {k: v.float() for k, v in grads(torch.float32).items()}
+
+
+def test_a_gradient_that_is_rounding_in_float64_terms_is_judged_by_that_rounding():
+    exact, expected = _bias_before_a_norm()
+    assert exact["mix.bias"].abs().max() < 1e-12 < expected["mix.bias"].abs().max()
+    # the parallel run's rounding differs: a difference as large as the float32 gradient itself
+    merged = {k: v.clone() for k, v in expected.items()}
+    merged["mix.bias"] = -expected["mix.bias"]
+    assert noise_driven(expected, exact) == ["mix.bias"]
+    assert gradient_error(expected, merged)[0] > 0.1            # judged by scale alone: an error
+    error, _ = gradient_error(expected, merged, exact)
+    assert error < 1e-3
+    # a real error on a gradient that is not rounding still fails, the yardstick given or not
+    merged["mix.weight"] = expected["mix.weight"] * 0.9
+    assert gradient_error(expected, merged, exact)[0] > 0.05
+    assert gradient_error(expected, merged, exact)[1] == "mix.weight"
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,6 +22,11 @@ def verify_table(result: VerifyResult) -> Group:
                  f"{twin['nudge']:.1e} drifts to a last-step loss difference of {twin['loss_errors'][-1]:.2e} "
                  f"and a parameter difference of {twin['max_abs_error']:.2e}; later steps are judged against "
                  f"{TWIN_MARGIN:g}x that drift\n") if twin else Text("")
+    if result.noise_driven:
+        names = ", ".join(result.noise_driven[:4]) + (f" and {len(result.noise_driven) - 4} more"
+                                                        if len(result.noise_driven) > 4 else "")
+        drift += Text(f"first gradients that are rounding (zero in float64): {names}; AdamW steps them by "
+                      "noise, so their values are not compared, their gradients are\n")
     summary = Text(f"merged parameters after the last step: max abs error {result.max_abs_error:.2e} "
                    f"({result.worst_param}), tolerance {result.param_tolerance():.0e}; first-step "
                    f"gradients: max error {result.max_grad_error:.2e} of the largest ({result.worst_grad}), "

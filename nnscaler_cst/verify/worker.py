@@ -182,6 +182,33 @@ def capture_zero_gradients(model, shards, optimizer, comm):
     return captured
 
 
+def exact_first_gradients(entry, model, seed):
+    """The first step's gradients in float64, from the same weights and batch: how far the float32
+    reference itself lands from the exact gradient (a gradient that is zero in exact arithmetic,
+    a bias before a norm over its own dim, is pure rounding in float32). None when the model does
+    not run in float64 (code that names float32)."""
+    import copy
+
+    def widened(value):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.double()
+        if isinstance(value, dict):
+            return {k: widened(v) for k, v in value.items()}
+        if isinstance(value, (tuple, list)):
+            return type(value)(widened(v) for v in value)
+        return value
+    try:
+        exact = copy.deepcopy(model).double()
+        exact.train()
+        batch = widened(batch_for(entry, 0, seed))
+        output = exact(**batch) if isinstance(batch, dict) else exact(*batch)
+        loss_of(entry, output).backward()
+    except Exception:       # noqa: BLE001 -- no yardstick; verify judges as before
+        return None
+    return {name: param.grad.detach().clone() for name, param in exact.named_parameters(remove_duplicate=False)
+            if param.grad is not None}
+
+
 def reference(args):
     target = os.path.abspath(args.target)
     sys.path.insert(0, os.path.dirname(target))     # the entry's own imports (a sibling model file)
@@ -189,6 +216,7 @@ def reference(args):
     torch.manual_seed(args.seed)
     model = entry.build()
     torch.save(model.state_dict(), os.path.join(args.workdir, "init.pt"))
+    exact = exact_first_gradients(entry, model, args.seed) if not args.nudge else None
     model.train()
     optimizer = adamw(model.parameters(), args.lr)
     grads = capture_first_gradients(model, optimizer, args.nudge)
@@ -203,7 +231,7 @@ def reference(args):
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     enter("saving")
-    torch.save({"losses": losses, "state": model.state_dict(), "grads": grads},
+    torch.save({"losses": losses, "state": model.state_dict(), "grads": grads, "exact_grads": exact},
                os.path.join(args.workdir, "twin.pt" if args.nudge else "reference.pt"))
 
 
