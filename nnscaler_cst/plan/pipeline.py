@@ -352,8 +352,8 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
         plan.drop[stage], plan.shadow[stage] = drop, shadow
     not_held = [set(plan.drop[s]) | set(plan.shadow[s]) | block_set for s in range(plan.stages)]
     for info in trace.params.values():
-        holders = {s for alias in info.aliases for s in range(plan.stages)
-                   if not any(a in not_held[s] for a in _ancestors(alias))}
+        holders = {s for inside in map(_ancestors, info.aliases) for s in range(plan.stages)
+                   if not any(a in not_held[s] for a in inside)}
         if len(holders) > 1:
             plan.tied.append(sorted(info.aliases))
 

@@ -129,8 +129,15 @@ def _changed(old, new) -> bool:
         return True
 
 
+_POSITIONS: dict[int, tuple] = {}   # id(code) -> (code, its co_positions()): kept alive, so ids stay unique
+
+
 def _position(frame) -> tuple | None:
-    positions = list(frame.f_code.co_positions())
+    code = frame.f_code
+    known = _POSITIONS.get(id(code))
+    if known is None:                   # listing them is a pass over the whole function's bytecode
+        known = _POSITIONS[id(code)] = (code, list(code.co_positions()))
+    positions = known[1]
     index = frame.f_lasti // 2
     return positions[index] if 0 <= index < len(positions) else None
 
