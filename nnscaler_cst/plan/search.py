@@ -979,6 +979,16 @@ def _disagreeing_sources(graph: Graph, options, edges, consumer_of, lay, var, lo
     term joins the producer's choice with one consumer's, so a value read by many sites costs
     terms in proportion, not in product."""
     instance, grad, feeds, sources, shared = _arguments_fed(edges, consumer_of)
+    # z3 builds an expression per call of its Python API; equal expressions are one term (hash-
+    # consed), so each is built once here: same assertions, a third of the time for a 7B model
+    built: dict[tuple, z3.BoolRef] = {}
+
+    def equal(term, value: int, key: tuple) -> z3.BoolRef:
+        found = built.get(key)
+        if found is None:
+            found = built[key] = term == value
+        return found
+
     codes: dict[str, int] = {"absent": -1}
     terms: dict[tuple, list] = defaultdict(list)
     left: dict[tuple, z3.ArithRef] = {}             # (producer output, argument) -> what is left, coded
@@ -992,11 +1002,12 @@ def _disagreeing_sources(graph: Graph, options, edges, consumer_of, lay, var, lo
         step_at = {(use, p): z3.Int(f"src{n_source}_{uses.index(use)}_{p}") for use in uses for p in range(depth)}
         definitions = []
         for (use, a, b), steps in table.items():
-            chosen = [var[su] == a] if su is not None else []
-            chosen += [var[use[0]] == b] if use != "loss" else []
+            chosen = [equal(var[su], a, ("site", su, a))] if su is not None else []
+            chosen += [equal(var[use[0]], b, ("site", use[0], b))] if use != "loss" else []
+            both = z3.And(chosen) if depth else None
             for p in range(depth):
                 code = codes.setdefault(str(steps[p]), len(codes)) if p < len(steps) else -1
-                definitions.append(z3.Implies(z3.And(chosen), step_at[(use, p)] == code))
+                definitions.append(z3.Implies(both, equal(step_at[(use, p)], code, ("step", n_source, use, p, code))))
         prefix = z3.Int(f"src{n_source}_prefix")     # how many leading steps every use shares
         shares = [z3.And([step_at[(use, p)] == step_at[(uses[0], p)] for use in uses] +
                          [step_at[(uses[0], p)] != -1]) for p in range(depth)] if wraps else []
@@ -1009,10 +1020,12 @@ def _disagreeing_sources(graph: Graph, options, edges, consumer_of, lay, var, lo
             if use == "loss" or use not in shared:
                 continue
             rest = left.setdefault((source, use), z3.Int(f"src{n_source}_left{len(left)}"))
-            chosen = ([var[su] == a] if su is not None else []) + [var[use[0]] == b]
+            chosen = ([equal(var[su], a, ("site", su, a))] if su is not None else []) + \
+                [equal(var[use[0]], b, ("site", use[0], b))]
             for p in range(len(steps) + 1):
                 code = codes.setdefault(str(steps[p:]), len(codes))
-                definitions.append(z3.Implies(z3.And(chosen + [prefix == p]), rest == code))
+                definitions.append(z3.Implies(z3.And(chosen + [equal(prefix, p, ("prefix", n_source, p))]),
+                                              equal(rest, code, ("left", source, use, code))))
         terms[next(use for use in uses if use in shared)] += definitions
     for argument in shared:
         remainders = [left[(s, argument)] for s in sorted(sources[argument], key=str) if (s, argument) in left]

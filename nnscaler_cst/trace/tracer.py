@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import inspect
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,15 @@ def _changed(old, new) -> bool:
         return not bool(old == new)
     except Exception:  # noqa: BLE001 - an object without a plain equality: count it as changed
         return True
+
+
+def _inode(path: str) -> tuple[int, int] | None:
+    """(device, inode) of the file a path names, symlinks followed; None when it cannot be read."""
+    try:
+        found = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return found.st_dev, found.st_ino
 
 
 _POSITIONS: dict[int, tuple] = {}   # id(code) -> (code, its co_positions()): kept alive, so ids stay unique
@@ -553,10 +563,15 @@ class Tracer(TorchFunctionMode):
         for path in self.own_files:
             self.sources.get(path)
         wanted = set(self.own_files)
+        # A module file resolving to an own file is that same file: one stat (its inode) rules out
+        # the thousands of torch / library modules, where resolving is a system call per component.
+        inodes = set(filter(None, map(_inode, wanted)))
         for mod in list(sys.modules.values()):     # resolved once per module, not once per own file
             file = getattr(mod, "__file__", None)
-            if isinstance(file, str) and file not in wanted and resolved(file) in wanted:
-                self.own_files.add(file)
+            if isinstance(file, str) and file not in wanted:
+                inode = _inode(file)
+                if (inode is None or inode in inodes) and resolved(file) in wanted:
+                    self.own_files.add(file)
 
     def _params(self, model, ctor_sites) -> dict[str, ParamInfo]:
         params: dict[str, ParamInfo] = {}
