@@ -833,28 +833,38 @@ def _cost_tables(graph: Graph, options, n: int, device: DeviceSpec, data_paralle
         return steps_of[key]
 
     pair_cost: dict[tuple[SiteId, SiteId], dict[tuple[int, int], float | None]] = defaultdict(dict)
+    seconds_of: dict[tuple, float] = {}     # (steps, bytes) -> conversion_time: a block repeats its edges
+
+    def seconds(steps, nbytes: int) -> float:
+        key = (id(steps), nbytes)            # steps_of keeps every steps list alive: ids stay unique
+        found = seconds_of.get(key)
+        if found is None:
+            found = seconds_of[key] = conversion_time(steps, nbytes, n, device)
+        return found
+
     for key, count in edges.items():
         su, k, sv, name, nbytes, requires_grad, _ = key
         v = consumer_of[key]
+        if su is not None:                   # what each producer option hands over, once per edge
+            u = options[su].nodes[0]
+            table = pair_cost[(su, sv)]
+            haves = [from_end(outs[k], rank_out(u, k)) if k < len(outs) else R
+                     for outs in (lay(u, u_label).outputs for u_label in options[su].labels[u])]
         for b, label in enumerate(options[sv].labels[v]):
             wanted = lay(v, label)
             need = from_end(wanted.inputs[name], rank_in(v, name))
             if su is None:
                 steps = convert(R, need, wanted.split, requires_grad)
-                cost = count * conversion_time(steps, nbytes, n, device)
+                cost = count * seconds(steps, nbytes)
                 if cost:
                     unary[sv][b] += ns(cost)
                 continue
-            u = options[su].nodes[0]
-            table = pair_cost[(su, sv)]
-            for a, u_label in enumerate(options[su].labels[u]):
-                outs = lay(u, u_label).outputs
-                steps = convert(from_end(outs[k], rank_out(u, k)) if k < len(outs) else R, need,
-                                wanted.split, requires_grad)
+            for a, have in enumerate(haves):
+                steps = convert(have, need, wanted.split, requires_grad)
                 if steps is None:
                     table[(a, b)] = None
                 elif table.get((a, b), 0.0) is not None:
-                    table[(a, b)] = table.get((a, b), 0.0) + count * conversion_time(steps, nbytes, n, device)
+                    table[(a, b)] = table.get((a, b), 0.0) + count * seconds(steps, nbytes)
     loss_source = None
     loss = graph.trace.loss
     if loss is not None and loss in producer_out:
