@@ -127,7 +127,7 @@ def _blocks(graph: Graph) -> _Blocks:
     cache = _search_cache(graph)
     if "blocks" in cache:
         return cache["blocks"]
-    from .pipeline import find_trunk
+    from .pipeline import find_trunk, node_blocks
     from .recompute import block_activations, recompute_site
     n = len(graph.nodes)
     try:
@@ -135,11 +135,7 @@ def _blocks(graph: Graph) -> _Blocks:
     except UserError as exc:
         cache["blocks"] = _Blocks(0, [0] * n, [], 0.0, 0.0, exc.message, exc.message)
         return cache["blocks"]
-    block_of: dict[int, int] = {}
-    for node in graph.nodes:
-        for b, path in enumerate(trunk.blocks):
-            if any(m == path or m.startswith(path + ".") for m in (node.module_path, node.callee_path or "")):
-                block_of[node.index] = b
+    block_of = node_blocks(graph, trunk.blocks)
     first, last = (min(block_of), max(block_of)) if block_of else (0, 0)
     flops = [0.0] * len(trunk.blocks)
     pro = epi = 0.0
@@ -214,6 +210,10 @@ class _NodeFacts:
     saved: float
     params: list[tuple[str, float]]     # (canonical name, elements)
     operands: list[tuple]               # (name, rank, nbytes, requires_grad, producer node, output k)
+    # the same, interned for _regions' keys: `key` and each operand without its producer's choice
+    # as small ints (equal ints exactly when the tuples are equal), with the producer node
+    key_id: int = 0
+    operand_ids: tuple = ()             # per operand: (id, producer node or None)
 
 
 def _node_facts(graph: Graph) -> list[_NodeFacts]:
@@ -237,7 +237,14 @@ def _node_facts(graph: Graph) -> list[_NodeFacts]:
             facts.append(_NodeFacts((site, shapes), saved_bytes(node, graph.trace),
                                     [(tensors[tid].param, tensors[tid].nbytes / 4)
                                      for _, tid in graph.param_operands(node.index)], operands))
+        interned: dict[tuple, int] = {}
+        for fact in facts:
+            fact.key_id = interned.setdefault(("key", fact.key), len(interned))
+            fact.operand_ids = tuple(
+                (interned.setdefault((o[:4], facts[o[4]].key[0], o[5]), len(interned)), o[4]) if o[4] is not None
+                else (interned.setdefault(("input", o), len(interned)), None) for o in fact.operands)
         cache["node_facts"] = facts
+        cache["producers"] = producer
     return cache["node_facts"]
 
 
@@ -292,8 +299,8 @@ def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, de
         label = choice.get(index, REPLICATE)
         ways = n if label != REPLICATE else 1
         # a repeated block's op costs what its first instance cost: same site, shapes, split and producers
-        key = (fact.key, label, tuple((o[:4], facts[o[4]].key[0], choice.get(o[4], REPLICATE), o[5])
-                                      if o[4] is not None else o for o in fact.operands)) if split else (fact.key, label)
+        key = (fact.key_id, label, tuple((o, choice.get(u, REPLICATE)) if u is not None else o
+                                         for o, u in fact.operand_ids)) if split else (fact.key_id, label)
         costs = priced.get(key)
         if costs is None:
             costs = priced[key] = price(node, fact, label, ways)
@@ -308,8 +315,7 @@ def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, de
             layout = layouts.get(param)
             held[param] = elements / (n if layout is not None and layout.kind == "S" else 1)
     loss = trace.loss
-    producer = {tid: (node.index, k) for node in graph.nodes for k, tid in enumerate(node.outputs)} \
-        if split and loss is not None else {}
+    producer = _search_cache(graph)["producers"] if split and loss is not None else {}
     if loss in producer:
         u, k = producer[loss]
         outs = _layout(graph, u, choice.get(u, REPLICATE)).outputs
@@ -577,20 +583,61 @@ def _stages(cost: _Regions, blocks: _Blocks, pp: int) -> _Stages:
 def _estimate(config: Config, cost: _Regions, blocks: _Blocks, batch: int, cluster: ClusterSpec,
               budget: float) -> Estimate:
     """The step time and peak memory per device of one configuration (the module docstring's
-    formulas; the memory is plan/memory.py's device_memory, per stage at once)."""
-    tp, dp, pp, micro, zero = config.tp, config.dp, config.pp, config.micro_batches, config.zero
-    fraction = 1.0 / (dp * micro)                 # of the traced batch, per micro-batch
-    device, dp_link, pp_link = _link(cluster, 1, tp), _link(cluster, tp, dp), _link(cluster, tp * dp, pp)
-    hidden = blocks.input_bytes / (tp if config.sequence_parallel else 1)
+    formulas; the memory is plan/memory.py's device_memory, per stage at once).
+
+    The search prices every (micro-batches, ZeRO, recompute) of a (tp, pp, dp): the per-stage
+    time depends on the micro-batches and recompute only, the gradient sync and the state on
+    ZeRO only, so each part is computed once and kept on `cost` (the same floating-point
+    operations in the same order as pricing each configuration from scratch: same figures)."""
+    dp, pp, micro, zero = config.dp, config.pp, config.micro_batches, config.zero
+    parts = cost.__dict__.setdefault("_parts", {})
+    timed = parts.get(("time", pp, dp, micro, config.recompute))
+    if timed is None:
+        timed = parts[("time", pp, dp, micro, config.recompute)] = _stage_times(config, cost, blocks, cluster)
+    stage_seconds, activations, pipeline = timed
+    synced = parts.get(("sync", pp, dp, zero))
+    if synced is None:
+        synced = parts[("sync", pp, dp, zero)] = _stage_state(config, cost, blocks, cluster)
+    state, sync_most = synced
+    if config.recompute:
+        block_saved = _block_maxima(cost, blocks)[0]
+        fraction = 1.0 / (dp * micro)
+        recomputed = fraction * block_saved
+        memory = [s + a + recomputed if n > 0 else s + a
+                  for s, a, n in zip(state, activations, _stages(cost, blocks, pp).blocks)]
+    else:
+        memory = [s + a for s, a in zip(state, activations)]
+    if zero == 3:
+        gathered = int(_block_maxima(cost, blocks)[1]) * PARAM_BYTES
+        memory = [m + gathered for m in memory]
+    stage_memory = [float(m) for m in memory]
+    estimate = Estimate(config, pipeline + sync_most, max(stage_memory), list(stage_seconds), stage_memory, pipeline,
+                        sync_most)
+    if estimate.memory > budget:
+        estimate.why_not = f"needs {format_bytes(estimate.memory)} per device, budget {format_bytes(budget)}"
+    return estimate
+
+
+def _block_maxima(cost: _Regions, blocks: _Blocks) -> tuple[float, float]:
+    """The most activations one block saves, and the most parameter elements one block holds."""
     extra = cost.__dict__.get("_block_maxima")
     if extra is None:
         extra = cost.__dict__["_block_maxima"] = (
             max((cost.saved[r] for r in range(1, blocks.count + 1)), default=0.0),
             max((sum(cost.params[r].values()) for r in range(1, blocks.count + 1)), default=0.0))
-    block_saved, block_params = extra
+    return extra
+
+
+def _stage_times(config: Config, cost: _Regions, blocks: _Blocks, cluster: ClusterSpec):
+    """Per stage, seconds per micro-batch and the activations it keeps (bytes), and the pipeline's
+    seconds: what depends on (pp, dp, micro-batches, recompute) alone."""
+    tp, dp, pp, micro = config.tp, config.dp, config.pp, config.micro_batches
+    fraction = 1.0 / (dp * micro)                 # of the traced batch, per micro-batch
+    pp_link = _link(cluster, tp * dp, pp)
+    hidden = blocks.input_bytes / (tp if config.sequence_parallel else 1)
     st = _stages(cost, blocks, pp)
     hand_off = pp_link.latency + fraction * hidden / pp_link.bandwidth if pp > 1 else 0.0
-    stage_seconds, stage_memory, sync_most = [], [], 0.0
+    stage_seconds, activations = [], []
     for s in range(pp):
         seconds = fraction * st.bw[s] + st.fx[s]
         if config.recompute:
@@ -599,6 +646,20 @@ def _estimate(config: Config, cost: _Regions, blocks: _Blocks, batch: int, clust
         else:
             saved = st.saved[s]
         seconds += st.sends[s] * hand_off        # one send each way per neighbour, per micro-batch
+        stage_seconds.append(seconds)
+        activations.append(fraction * saved * min(st.after[s], micro))
+    pipeline = sum(stage_seconds) + (micro - 1) * max(stage_seconds)
+    return stage_seconds, activations, pipeline
+
+
+def _stage_state(config: Config, cost: _Regions, blocks: _Blocks, cluster: ClusterSpec):
+    """Per stage, the bytes of parameters, gradients and optimizer state one device holds, and the
+    slowest stage's gradient sync and optimizer step: what depends on (pp, dp, ZeRO) alone."""
+    tp, dp, pp, zero = config.tp, config.dp, config.pp, config.zero
+    device, dp_link = _link(cluster, 1, tp), _link(cluster, tp, dp)
+    st = _stages(cost, blocks, pp)
+    states, sync_most = [], 0.0
+    for s in range(pp):
         params = st.params[s]
         grads = params * 4.0
         sync = st.partial_seconds[s]
@@ -618,20 +679,9 @@ def _estimate(config: Config, cost: _Regions, blocks: _Blocks, batch: int, clust
             state = held[0] * PARAM_BYTES + held[1] * GRAD_BYTES + held[2] * ADAMW_STATE_BYTES
         else:
             state = params * (PARAM_BYTES + GRAD_BYTES + ADAMW_STATE_BYTES)
-        memory = state + fraction * saved * min(st.after[s], micro)
-        if config.recompute and st.blocks[s] > 0:
-            memory += fraction * block_saved
-        if zero == 3:
-            memory += int(block_params) * PARAM_BYTES
-        stage_seconds.append(seconds)
-        stage_memory.append(float(memory))
+        states.append(state)
         sync_most = max(sync_most, sync)
-    pipeline = sum(stage_seconds) + (micro - 1) * max(stage_seconds)
-    estimate = Estimate(config, pipeline + sync_most, max(stage_memory), stage_seconds, stage_memory, pipeline,
-                        sync_most)
-    if estimate.memory > budget:
-        estimate.why_not = f"needs {format_bytes(estimate.memory)} per device, budget {format_bytes(budget)}"
-    return estimate
+    return states, sync_most
 
 
 _links: dict = {}

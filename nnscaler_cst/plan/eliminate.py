@@ -79,16 +79,33 @@ def minimize(domains: list[int], unary: list[list[float]], pairs: dict[tuple[int
             terms.append((at, values, len(values) == math.prod(domains[u] for u in fscope)))
         best: dict[tuple[int, ...], float] = {}
         argbest: dict[tuple[int, ...], int] = {}
+        # Per term, the row over v's options for one outer assignment, summed term by term in
+        # the same order for every x (the same totals as summing per point, built without a
+        # tuple per point and term): a term over v alone has one row whatever the outer choice.
+        xs = range(domains[v])
+        own = len(scope)
+        plans = []
+        for at, values, dense in terms:
+            if at == (own,):
+                row = [values[(x,)] for x in xs] if dense else [values.get((x,), 0) for x in xs]
+                plans.append((None, row, None, None))
+            else:
+                plans.append((at, values, dense, at.index(own)))
         for outer in itertools.product(*(range(domains[u]) for u in scope)):
+            totals = [0] * len(xs)
+            for at, values, dense, where in plans:
+                if at is None:
+                    totals = [t + w for t, w in zip(totals, values)]
+                    continue
+                sub = [outer[k] if k != own else 0 for k in at]
+                get = values.__getitem__ if dense else (lambda key, values=values: values.get(key, 0))
+                for x in xs:
+                    sub[where] = x
+                    totals[x] += get(tuple(sub))
             low, low_at = math.inf, 0
-            for x in range(domains[v]):
-                point = (*outer, x)
-                total = 0
-                for at, values, dense in terms:
-                    sub = tuple(point[k] for k in at)
-                    total += values[sub] if dense else values.get(sub, 0)
-                if total < low:
-                    low, low_at = total, x
+            for x in xs:
+                if totals[x] < low:
+                    low, low_at = totals[x], x
             best[outer], argbest[outer] = low, low_at
         trail.append((v, scope, argbest))
         if scope:

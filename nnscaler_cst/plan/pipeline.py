@@ -207,11 +207,7 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
     if n_blocks < stages:
         raise UserError(f"{n_blocks} blocks cannot fill {stages} pipeline stages", trunk.function_span.start,
                         hint="use fewer stages (--pp, --virtual-stages)")
-    block_of: dict[int, int] = {}
-    for node in graph.nodes:
-        for b, path in enumerate(trunk.blocks):    # a block's own ops, or the call of a leaf block (nn.Linear)
-            if any(m == path or m.startswith(path + ".") for m in (node.module_path, node.callee_path or "")):
-                block_of[node.index] = b
+    block_of = node_blocks(graph, trunk.blocks)
     first = min(block_of) if block_of else 0
     last = max(block_of) if block_of else 0
     cost = [0.0] * n_blocks
@@ -263,63 +259,101 @@ def _check_blocks_run_once(graph: Graph, trunk: Trunk) -> None:
 
 
 def _balanced(cost: list[float], stages: int, pro: float, epi: float) -> list[tuple[int, int]]:
-    """Contiguous ranges minimising the most expensive stage (prologue on 0, epilogue on last)."""
+    """Contiguous ranges minimising the most expensive stage (prologue on 0, epilogue on last).
+
+    Dynamic programming from the last stage back: best[start] is the least bottleneck of blocks
+    start.. on the remaining stages, and the first (smallest) end reaching it is kept; the same
+    sums and comparisons, in the same order, as solving each (start, stage) top-down, in loops
+    rather than a call per state (96 blocks on 48 stages are 200 k states)."""
     n = len(cost)
     prefix = [0.0]
     for c in cost:
         prefix.append(prefix[-1] + c)
-    best: dict[tuple[int, int], tuple[float, list]] = {}
+    inf = float("inf")
+    # the last stage takes every block from start on
+    best = [prefix[n] - prefix[start] + (pro if stages == 1 else 0.0) + epi for start in range(n + 1)]
+    cut_at: list[list[int]] = []            # per stage, per start: where its range ends
+    for stage in range(stages - 2, -1, -1):
+        extra = pro if stage == 0 else 0.0
+        here_best, here_end = [inf] * (n + 1), [0] * (n + 1)
+        later = stages - stage - 1          # stages after this one, each needs a block
+        for start in (range(1) if stage == 0 else range(stage, n - later)):
+            least, chosen, base = inf, 0, prefix[start]
+            for end in range(start + 1, n - later + 1):
+                here = prefix[end] - base + extra
+                rest = best[end]
+                worst = here if here > rest else rest
+                if worst < least:
+                    least, chosen = worst, end
+            here_best[start], here_end[start] = least, chosen
+        best = here_best
+        cut_at.append(here_end)
+    cut_at.reverse()
+    ranges, start = [], 0
+    for stage in range(stages - 1):
+        end = cut_at[stage][start]
+        ranges.append((start, end))
+        start = end
+    ranges.append((start, n))
+    return ranges
 
-    def solve(start: int, stage: int) -> tuple[float, list]:
-        if (start, stage) in best:
-            return best[(start, stage)]
-        extra = (pro if stage == 0 else 0.0)
-        if stage == stages - 1:
-            result = (prefix[n] - prefix[start] + extra + epi, [(start, n)])
-        else:
-            result = (float("inf"), [])
-            for end in range(start + 1, n - (stages - stage - 1) + 1):
-                here = prefix[end] - prefix[start] + extra
-                rest, ranges = solve(end, stage + 1)
-                if max(here, rest) < result[0]:
-                    result = (max(here, rest), [(start, end), *ranges])
-        best[(start, stage)] = result
-        return result
 
-    return solve(0, 0)[1]
+def node_blocks(graph: Graph, blocks: list[str]) -> dict[int, int]:
+    """Node index -> the block it belongs to: a block's own ops, or the call of a leaf block
+    (nn.Linear); the last block in order when both its module and its callee are blocks."""
+    index = {path: b for b, path in enumerate(blocks)}
+    block_of: dict[int, int] = {}
+    for node in graph.nodes:
+        found = [index[m] for path in (node.module_path, node.callee_path or "") if path
+                 for m in (path, *_ancestors(path)) if m in index]
+        if found:
+            block_of[node.index] = max(found)
+    return block_of
+
+
+def _ancestors(path: str) -> list[str]:
+    """"a.b.c" -> ["a", "a.b"]: the modules a path lies strictly inside."""
+    parts = path.split(".")
+    return [".".join(parts[:k]) for k in range(1, len(parts))]
 
 
 def _ownership(graph: Graph, plan: StagePlan) -> None:
     """Which modules each stage drops (those it never calls), and which parameters several
-    stages hold (tied weights: the embedding on the first stage, the LM head on the last)."""
+    stages hold (tied weights: the embedding on the first stage, the LM head on the last).
+    "Inside a module" tests go through each path's ancestors and set lookups, not through every
+    pair of paths: a 96-block model has thousands of paths (linear, not quadratic)."""
     trace = graph.trace
-    used: dict[str, set[int]] = {}
+    used: dict[str, set[int]] = {}          # module -> stages running it or anything inside it
     for node in graph.nodes:
         for path in filter(None, (node.module_path, node.callee_path)):
-            used.setdefault(path, set()).add(plan.node_stage[node.index])
+            for module in (path, *_ancestors(path)):
+                used.setdefault(module, set()).add(plan.node_stage[node.index])
 
-    def stages_using(module: str) -> set[int]:
-        return {s for path, stages in used.items() if path == module or path.startswith(module + ".")
-                for s in stages}
-
-    everywhere = {path for node in graph.nodes if _runs_on_every_stage(graph, plan, node)
-                  for path in filter(None, (node.module_path, node.callee_path))}
-
-    def run_everywhere(module: str) -> bool:
-        return any(path == module or path.startswith(module + ".") for path in everywhere)
+    everywhere = set()                      # modules running, or holding something that runs, on every stage
+    for node in graph.nodes:
+        if _runs_on_every_stage(graph, plan, node):
+            for path in filter(None, (node.module_path, node.callee_path)):
+                everywhere.update((path, *_ancestors(path)))
 
     blocks = plan.trunk.blocks
+    block_set = set(blocks)
     owners = sorted({alias.rpartition(".")[0] for info in trace.params.values() for alias in info.aliases})
-    owners = [m for m in owners if not any(m == b or m.startswith(b + ".") for b in blocks)]
+    owners = [m for m in owners if not (m in block_set or any(a in block_set for a in _ancestors(m)))]
     for stage in range(plan.stages):
         drop, shadow = [], []
+        dropped: set[str] = set()
         for module in owners:
-            if stage not in stages_using(module) and not any(module.startswith(d + ".") for d in drop):
-                (shadow if run_everywhere(module) else drop).append(module)
+            if stage not in used.get(module, ()) and not any(a in dropped for a in _ancestors(module)):
+                if module in everywhere:
+                    shadow.append(module)
+                else:
+                    drop.append(module)
+                    dropped.add(module)
         plan.drop[stage], plan.shadow[stage] = drop, shadow
+    not_held = [set(plan.drop[s]) | set(plan.shadow[s]) | block_set for s in range(plan.stages)]
     for info in trace.params.values():
-        holders = {s for alias in info.aliases for s in range(plan.stages)
-                   if not any(alias.startswith(m + ".") for m in [*plan.drop[s], *plan.shadow[s], *blocks])}
+        holders = {s for inside in map(_ancestors, info.aliases) for s in range(plan.stages)
+                   if not any(a in not_held[s] for a in inside)}
         if len(holders) > 1:
             plan.tied.append(sorted(info.aliases))
 
@@ -376,8 +410,12 @@ def _runs_on_every_stage(graph: Graph, plan: StagePlan, node) -> bool:
     """Whether a call before the blocks runs on every stage: it is reached from code above the
     cut function (which every stage runs up to its call), not from the cut function's prologue
     (which only the first stage runs)."""
-    if plan.node_stage[node.index] != 0 or node.span is None or any(
-            node.module_path == b or node.module_path.startswith(b + ".") for b in plan.trunk.blocks):
+    if plan.node_stage[node.index] != 0 or node.span is None:
+        return False
+    blocks = plan.trunk.__dict__.get("_block_set")
+    if blocks is None:
+        blocks = plan.trunk.__dict__["_block_set"] = set(plan.trunk.blocks)
+    if any(m in blocks for m in (node.module_path, *_ancestors(node.module_path))):
         return False
     cut = plan.trunk.function_span
     span, module = node.span, node.module_path

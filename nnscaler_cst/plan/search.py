@@ -199,7 +199,9 @@ def _refined(graph: Graph) -> None:
 
 def _layout(graph: Graph, index: int, label: str):
     """layouts_for an invocation's choice, kept per graph."""
-    cache = _search_cache(graph).setdefault("layouts", {})
+    cache = graph.__dict__.get("_layouts")
+    if cache is None:
+        cache = graph.__dict__["_layouts"] = _search_cache(graph).setdefault("layouts", {})
     found = cache.get((index, label))
     if found is None:
         found = cache[(index, label)] = layouts_for(graph.dims.get(index), label, _operand_names(graph, index))
@@ -334,7 +336,8 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
     else:
         picked, time_ns, memory = _solved_by_z3(graph, options, var, tables, uses, narrowed_to, memory_budget,
                                                 axis, n)
-    node_choice = {i: options[sid].labels[i][picked[sid]] for sid in sids for i in options[sid].nodes}
+    node_choice = {i: labels[i][k] for sid, k, labels, nodes in
+                   ((sid, picked[sid], options[sid].labels, options[sid].nodes) for sid in sids) for i in nodes}
     param_layout = {p: entries[0][1][picked[entries[0][0]]] for p, entries in uses.items()}
     partial = _partial_grad_params(graph, node_choice)
     cost = time_ns / 1e9
@@ -435,14 +438,20 @@ def _eliminated(graph: Graph, options, var, tables: "_Tables", uses, allowed_by,
         if not math.isfinite(value):
             return None if nogoods else INFEASIBLE     # no choice satisfies the pairwise facts
         picked = {sid: assignment[index[sid]] for sid in sids}
-        disagree = _disagreeing_sources(graph, options, tables.edges, tables.consumer_of, tables.lay, var,
-                                        tables.loss_source, tables.rank_in, tables.rank_out, fixed=picked)
-        if not disagree:
+        # --plan auto checks the optimum of every tensor-parallel size, and most of them hand the
+        # shared arguments the same steps: z3's answer is kept per _agreement_key
+        agreement = _agreement_key(graph, options, tables, picked)
+        if not agreement:
             return picked
-        fixed = z3.Solver()
-        fixed.add(*[var[sid] == k for sid, k in picked.items()])
-        fixed.add(*[expr for hard in disagree.values() for expr in hard])
-        if fixed.check() == z3.sat:
+        answers = _search_cache(graph).setdefault("agreement_answers", {})
+        if agreement not in answers:
+            disagree = _disagreeing_sources(graph, options, tables.edges, tables.consumer_of, tables.lay, var,
+                                            tables.loss_source, tables.rank_in, tables.rank_out, fixed=picked)
+            fixed = z3.Solver()
+            fixed.add(*[var[sid] == k for sid, k in picked.items()])
+            fixed.add(*[expr for hard in disagree.values() for expr in hard])
+            answers[agreement] = fixed.check() == z3.sat
+        if answers[agreement]:
             return picked
         # The optimum breaks an argument's agreement: z3 names the choices in conflict (the unsat
         # core of the choices as assumptions), and elimination runs again without that combination.
@@ -627,10 +636,15 @@ def _param_uses(graph: Graph, options) -> dict[str, list[tuple[SiteId, list[Layo
                         order.append((sid, name, param))
         cache["param_sites"] = order
     uses: dict[str, list[tuple[SiteId, list[Layout]]]] = defaultdict(list)
+    known = cache.setdefault("param_layouts", {})     # (node, operand, its options' labels) -> layouts
     for sid, name, param in cache["param_sites"]:
         opts = options[sid]
         i = opts.nodes[0]   # option k gives the same layouts in every instance of a site
-        uses[param].append((sid, [_layout(graph, i, label).inputs[name] for label in opts.labels[i]]))
+        key = (i, name, tuple(opts.labels[i]))
+        layouts = known.get(key)
+        if layouts is None:
+            layouts = known[key] = [_layout(graph, i, label).inputs[name] for label in opts.labels[i]]
+        uses[param].append((sid, list(layouts)))
     return uses
 
 
@@ -789,10 +803,13 @@ def _cost_tables(graph: Graph, options, n: int, device: DeviceSpec, data_paralle
     unary = {sid: [0] * len(opts.options) for sid, opts in options.items()}
     memory = {sid: [0] * len(opts.options) for sid, opts in options.items()}
     for site, (sid, opts) in enumerate(options.items()):
+        labels = opts.labels
         for k in range(len(opts.options)):
             total, saved = 0.0, 0.0
-            for i in opts.nodes:
-                seconds, kept = price(site, i, opts.labels[i][k])
+            for i in opts.nodes:             # price()'s cache inlined: a site has an instance per block
+                label = labels[i][k]
+                found = priced.get((site, label, shape_of[i]))
+                seconds, kept = found if found is not None else price(site, i, label)
                 total += seconds
                 saved += kept
             if total:
@@ -816,28 +833,38 @@ def _cost_tables(graph: Graph, options, n: int, device: DeviceSpec, data_paralle
         return steps_of[key]
 
     pair_cost: dict[tuple[SiteId, SiteId], dict[tuple[int, int], float | None]] = defaultdict(dict)
+    seconds_of: dict[tuple, float] = {}     # (steps, bytes) -> conversion_time: a block repeats its edges
+
+    def seconds(steps, nbytes: int) -> float:
+        key = (id(steps), nbytes)            # steps_of keeps every steps list alive: ids stay unique
+        found = seconds_of.get(key)
+        if found is None:
+            found = seconds_of[key] = conversion_time(steps, nbytes, n, device)
+        return found
+
     for key, count in edges.items():
         su, k, sv, name, nbytes, requires_grad, _ = key
         v = consumer_of[key]
+        if su is not None:                   # what each producer option hands over, once per edge
+            u = options[su].nodes[0]
+            table = pair_cost[(su, sv)]
+            haves = [from_end(outs[k], rank_out(u, k)) if k < len(outs) else R
+                     for outs in (lay(u, u_label).outputs for u_label in options[su].labels[u])]
         for b, label in enumerate(options[sv].labels[v]):
             wanted = lay(v, label)
             need = from_end(wanted.inputs[name], rank_in(v, name))
             if su is None:
                 steps = convert(R, need, wanted.split, requires_grad)
-                cost = count * conversion_time(steps, nbytes, n, device)
+                cost = count * seconds(steps, nbytes)
                 if cost:
                     unary[sv][b] += ns(cost)
                 continue
-            u = options[su].nodes[0]
-            table = pair_cost[(su, sv)]
-            for a, u_label in enumerate(options[su].labels[u]):
-                outs = lay(u, u_label).outputs
-                steps = convert(from_end(outs[k], rank_out(u, k)) if k < len(outs) else R, need,
-                                wanted.split, requires_grad)
+            for a, have in enumerate(haves):
+                steps = convert(have, need, wanted.split, requires_grad)
                 if steps is None:
                     table[(a, b)] = None
                 elif table.get((a, b), 0.0) is not None:
-                    table[(a, b)] = table.get((a, b), 0.0) + count * conversion_time(steps, nbytes, n, device)
+                    table[(a, b)] = table.get((a, b), 0.0) + count * seconds(steps, nbytes)
     loss_source = None
     loss = graph.trace.loss
     if loss is not None and loss in producer_out:
@@ -878,18 +905,10 @@ def _cost_tables(graph: Graph, options, n: int, device: DeviceSpec, data_paralle
                    loss_source, rank_in, rank_out)
 
 
-def _disagreeing_sources(graph: Graph, options, edges, consumer_of, lay, var, loss_source, rank_in,
-                         rank_out, fixed: dict | None = None) -> dict:
-    """An argument written once in source but fed by different producers in different instances
-    (a block's input: the embedding first, the previous block's residual after) gets one
-    conversion on its line, so what each producer leaves to it must be the same. What a producer
-    leaves: its conversion to that argument, less the steps all its uses share (those go on the
-    producer's result, as materialize/edits.py writes them).
-
-    In z3, per producer output: each use's steps as codes by position, the length of the prefix
-    they share, and per shared argument the code of what is left; the codes must be equal. Every
-    term joins the producer's choice with one consumer's, so a value read by many sites costs
-    terms in proportion, not in product."""
+def _arguments_fed(edges, consumer_of):
+    """Per argument (consumer site, operand name): an instance that has it, whether it needs a
+    gradient, the producer outputs feeding it; per producer output the arguments it feeds; and
+    the arguments fed by more than one producer output (those must agree)."""
     instance: dict[tuple, int] = {}
     grad: dict[tuple, bool] = defaultdict(bool)
     feeds: dict[tuple, set] = defaultdict(set)       # producer output -> arguments it feeds
@@ -902,45 +921,103 @@ def _disagreeing_sources(graph: Graph, options, edges, consumer_of, lay, var, lo
         sources[argument].add((su, k))
         feeds[(su, k)].add(argument)
     shared = {argument for argument, feeding in sources.items() if len(feeding) > 1}
+    return instance, grad, feeds, sources, shared
+
+
+def _use_steps(options, lay, rank_in, rank_out, loss_source, source, feeds, instance, grad, fixed):
+    """One producer output's uses (the arguments it feeds, and "loss"), and the conversion steps
+    of each (use, producer option, consumer option) that some collective sequence joins."""
+    su, k = source
+    u = options[su].nodes[0] if su is not None else None
+    haves = [R] if su is None else [
+        from_end(outs[k], rank_out(u, k)) if k < len(outs) else R
+        for outs in (lay(u, label).outputs for label in options[su].labels[u])]
+    uses = sorted(feeds[source], key=str) + (["loss"] if source == loss_source else [])
+    table = {}                                   # (use, producer option, consumer option) -> steps
+    for use in uses:
+        consumer_options = [None] if use == "loss" else \
+            [fixed[use[0]]] if fixed is not None else range(len(options[use[0]].options))
+        for a, have in enumerate(haves):
+            if fixed is not None and su is not None and a != fixed[su]:
+                continue        # checking one assignment: only its own steps
+            for b in consumer_options:
+                if use == "loss":
+                    need, split, needs_grad = R, False, False
+                else:
+                    v = instance[use]
+                    wanted = lay(v, options[use[0]].labels[v][b])
+                    need, split, needs_grad = from_end(wanted.inputs[use[1]], rank_in(v, use[1])), \
+                        wanted.split, grad[use]
+                steps = conversion(have, need, consumer_split=split, requires_grad=needs_grad)
+                if steps is not None:    # pairs no collective joins are ruled out by the edge facts
+                    table[(use, a, b)] = steps
+    return uses, table
+
+
+def _agreement_key(graph: Graph, options, tables: "_Tables", picked: dict) -> tuple:
+    """What the argument-agreement facts of one assignment amount to: per producer output feeding
+    a shared argument, whether its steps may go on its result and each use's steps. The facts
+    _disagreeing_sources(fixed=picked) writes are a function of this alone (the option indices
+    only select which steps; codes are the steps' text), so equal keys are equally satisfiable.
+    Empty when no argument is shared."""
+    edges_key = ("agreement_args", id(tables.edges))
+    cache = _search_cache(graph)
+    fed = cache.get(edges_key)
+    if fed is None or fed[0] is not tables.edges:
+        fed = cache[edges_key] = (tables.edges, _arguments_fed(tables.edges, tables.consumer_of))
+    instance, grad, feeds, sources, shared = fed[1]
+    key = []
+    for source in sorted({s for a in shared for s in sources[a]}, key=str):
+        su = source[0]
+        uses, table = _use_steps(options, tables.lay, tables.rank_in, tables.rank_out, tables.loss_source, source,
+                                 feeds, instance, grad, picked)
+        wraps = su is not None and graph.result_wrappable(graph.nodes[options[su].nodes[0]])
+        key.append((source, wraps, tuple(uses), tuple((use, tuple(steps)) for (use, _, _), steps in table.items())))
+    return tuple(key)
+
+
+def _disagreeing_sources(graph: Graph, options, edges, consumer_of, lay, var, loss_source, rank_in,
+                         rank_out, fixed: dict | None = None) -> dict:
+    """An argument written once in source but fed by different producers in different instances
+    (a block's input: the embedding first, the previous block's residual after) gets one
+    conversion on its line, so what each producer leaves to it must be the same. What a producer
+    leaves: its conversion to that argument, less the steps all its uses share (those go on the
+    producer's result, as materialize/edits.py writes them).
+
+    In z3, per producer output: each use's steps as codes by position, the length of the prefix
+    they share, and per shared argument the code of what is left; the codes must be equal. Every
+    term joins the producer's choice with one consumer's, so a value read by many sites costs
+    terms in proportion, not in product."""
+    instance, grad, feeds, sources, shared = _arguments_fed(edges, consumer_of)
+    # z3 builds an expression per call of its Python API; equal expressions are one term (hash-
+    # consed), so each is built once here: same assertions, a third of the time for a 7B model
+    built: dict[tuple, z3.BoolRef] = {}
+
+    def equal(term, value: int, key: tuple) -> z3.BoolRef:
+        found = built.get(key)
+        if found is None:
+            found = built[key] = term == value
+        return found
+
     codes: dict[str, int] = {"absent": -1}
     terms: dict[tuple, list] = defaultdict(list)
     left: dict[tuple, z3.ArithRef] = {}             # (producer output, argument) -> what is left, coded
     for n_source, source in enumerate(sorted({s for a in shared for s in sources[a]}, key=str)):
         su, k = source
         u = options[su].nodes[0] if su is not None else None
-        haves = [R] if su is None else [
-            from_end(outs[k], rank_out(u, k)) if k < len(outs) else R
-            for outs in (lay(u, label).outputs for label in options[su].labels[u])]
-        uses = sorted(feeds[source], key=str) + (["loss"] if source == loss_source else [])
-        table = {}                                   # (use, producer option, consumer option) -> steps
-        for use in uses:
-            consumer_options = [None] if use == "loss" else \
-                [fixed[use[0]]] if fixed is not None else range(len(options[use[0]].options))
-            for a, have in enumerate(haves):
-                if fixed is not None and su is not None and a != fixed[su]:
-                    continue        # checking one assignment: only its own steps
-                for b in consumer_options:
-                    if use == "loss":
-                        need, split, needs_grad = R, False, False
-                    else:
-                        v = instance[use]
-                        wanted = lay(v, options[use[0]].labels[v][b])
-                        need, split, needs_grad = from_end(wanted.inputs[use[1]], rank_in(v, use[1])), \
-                            wanted.split, grad[use]
-                    steps = conversion(have, need, consumer_split=split, requires_grad=needs_grad)
-                    if steps is not None:    # pairs no collective joins are ruled out by the edge facts
-                        table[(use, a, b)] = steps
+        uses, table = _use_steps(options, lay, rank_in, rank_out, loss_source, source, feeds, instance, grad, fixed)
         depth = max((len(steps) for steps in table.values()), default=0)
         wraps = su is not None and graph.result_wrappable(graph.nodes[u])
         # the steps each use needs, position by position, as codes
         step_at = {(use, p): z3.Int(f"src{n_source}_{uses.index(use)}_{p}") for use in uses for p in range(depth)}
         definitions = []
         for (use, a, b), steps in table.items():
-            chosen = [var[su] == a] if su is not None else []
-            chosen += [var[use[0]] == b] if use != "loss" else []
+            chosen = [equal(var[su], a, ("site", su, a))] if su is not None else []
+            chosen += [equal(var[use[0]], b, ("site", use[0], b))] if use != "loss" else []
+            both = z3.And(chosen) if depth else None
             for p in range(depth):
                 code = codes.setdefault(str(steps[p]), len(codes)) if p < len(steps) else -1
-                definitions.append(z3.Implies(z3.And(chosen), step_at[(use, p)] == code))
+                definitions.append(z3.Implies(both, equal(step_at[(use, p)], code, ("step", n_source, use, p, code))))
         prefix = z3.Int(f"src{n_source}_prefix")     # how many leading steps every use shares
         shares = [z3.And([step_at[(use, p)] == step_at[(uses[0], p)] for use in uses] +
                          [step_at[(uses[0], p)] != -1]) for p in range(depth)] if wraps else []
@@ -953,10 +1030,12 @@ def _disagreeing_sources(graph: Graph, options, edges, consumer_of, lay, var, lo
             if use == "loss" or use not in shared:
                 continue
             rest = left.setdefault((source, use), z3.Int(f"src{n_source}_left{len(left)}"))
-            chosen = ([var[su] == a] if su is not None else []) + [var[use[0]] == b]
+            chosen = ([equal(var[su], a, ("site", su, a))] if su is not None else []) + \
+                [equal(var[use[0]], b, ("site", use[0], b))]
             for p in range(len(steps) + 1):
                 code = codes.setdefault(str(steps[p:]), len(codes))
-                definitions.append(z3.Implies(z3.And(chosen + [prefix == p]), rest == code))
+                definitions.append(z3.Implies(z3.And(chosen + [equal(prefix, p, ("prefix", n_source, p))]),
+                                              equal(rest, code, ("left", source, use, code))))
         terms[next(use for use in uses if use in shared)] += definitions
     for argument in shared:
         remainders = [left[(s, argument)] for s in sorted(sources[argument], key=str) if (s, argument) in left]

@@ -25,6 +25,18 @@ class Span:
     end_col: int
     via: tuple[str, ...] = ()   # a child of the nn.Sequential called here: ("1",) is `head[1]`
 
+    def __hash__(self) -> int:
+        # the dataclass's own hash (of the fields), computed once: the planner keys its tables by
+        # site, (span, callee), and looks them up millions of times for a 96-layer model
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = hash((self.path, self.line, self.col, self.end_line, self.end_col, self.via))
+            object.__setattr__(self, "_hash", found)
+        return found
+
+    def __getstate__(self):            # a hash is per process (string hashing is salted)
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @property
     def start(self) -> Location:
         return Location(display_path(self.path), self.line, self.col)

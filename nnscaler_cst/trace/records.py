@@ -24,6 +24,10 @@ UNKNOWN = _Unknown()   # an argument value the trace did not keep (objects, larg
 ArgPath = tuple
 
 
+_ITEM_BYTES = {"torch.float64": 8, "torch.int64": 8, "torch.float16": 2, "torch.bfloat16": 2, "torch.bool": 1,
+               "torch.int32": 4}
+
+
 @dataclass
 class TensorInfo:
     tid: int
@@ -37,12 +41,16 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        size = {"torch.float64": 8, "torch.int64": 8, "torch.float16": 2, "torch.bfloat16": 2,
-                "torch.bool": 1, "torch.int32": 4}.get(self.dtype, 4)
+        # kept with the shape and dtype it was computed from: the planner asks millions of times
+        known = self.__dict__.get("_nbytes")
+        if known is not None and known[0] is self.shape and known[1] is self.dtype:
+            return known[2]
         n = 1
         for s in self.shape:
             n *= s
-        return n * size
+        n *= _ITEM_BYTES.get(self.dtype, 4)
+        self.__dict__["_nbytes"] = (self.shape, self.dtype, n)
+        return n
 
 
 @dataclass

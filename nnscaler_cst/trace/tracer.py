@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import inspect
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -129,8 +130,24 @@ def _changed(old, new) -> bool:
         return True
 
 
+def _inode(path: str) -> tuple[int, int] | None:
+    """(device, inode) of the file a path names, symlinks followed; None when it cannot be read."""
+    try:
+        found = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return found.st_dev, found.st_ino
+
+
+_POSITIONS: dict[int, tuple] = {}   # id(code) -> (code, its co_positions()): kept alive, so ids stay unique
+
+
 def _position(frame) -> tuple | None:
-    positions = list(frame.f_code.co_positions())
+    code = frame.f_code
+    known = _POSITIONS.get(id(code))
+    if known is None:                   # listing them is a pass over the whole function's bytecode
+        known = _POSITIONS[id(code)] = (code, list(code.co_positions()))
+    positions = known[1]
     index = frame.f_lasti // 2
     return positions[index] if 0 <= index < len(positions) else None
 
@@ -546,10 +563,15 @@ class Tracer(TorchFunctionMode):
         for path in self.own_files:
             self.sources.get(path)
         wanted = set(self.own_files)
+        # A module file resolving to an own file is that same file: one stat (its inode) rules out
+        # the thousands of torch / library modules, where resolving is a system call per component.
+        inodes = set(filter(None, map(_inode, wanted)))
         for mod in list(sys.modules.values()):     # resolved once per module, not once per own file
             file = getattr(mod, "__file__", None)
-            if isinstance(file, str) and file not in wanted and resolved(file) in wanted:
-                self.own_files.add(file)
+            if isinstance(file, str) and file not in wanted:
+                inode = _inode(file)
+                if (inode is None or inode in inodes) and resolved(file) in wanted:
+                    self.own_files.add(file)
 
     def _params(self, model, ctor_sites) -> dict[str, ParamInfo]:
         params: dict[str, ParamInfo] = {}
