@@ -276,7 +276,9 @@ def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: in
 
 def _schedule_comment(orders: list[list[Action]], table: str, micro: int) -> str:
     lines = [f"# Pipeline schedule {table}: {len(orders)} ranks x {micro} micro-batches; "
-             "SF M = stage S forward (F) or backward (B) of micro-batch M"]
+             "SF M = stage S forward (F) or backward (B) of micro-batch M"
+             + ("; SFMrC = its pass C of the recycling loop, without gradient (F alone: the last pass)"
+                if any(a.cycle is not None for order in orders for a in order) else "")]
     lines += [f"#   rank {r}: {' '.join(map(str, order))}" for r, order in enumerate(orders)]
     return "\n".join(lines) + "\n"
 
