@@ -135,6 +135,95 @@ def test_a_broken_3f1b_table_is_refused_by_the_simulator_naming_steps_and_ranks(
     assert "rank 1 at step 0 (1F1r0) waits for 0F1r0 from rank 0" in message
 
 
+# A trunk that is a submodule's forward (`self.stack(...)`), run twice by a recycling loop that
+# carries one value: the mechanism does not depend on the fixture's names.
+RECYCLER = """import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, h):
+        return h + torch.tanh(self.fc(self.norm(h)))
+
+
+class Stack(nn.Module):
+    def __init__(self, width, depth):
+        super().__init__()
+        self.layers = nn.ModuleList(Block(width) for _ in range(depth))
+
+    def forward(self, h):
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+class Recycler(nn.Module):
+    def __init__(self, width=16, depth=4, passes=2):
+        super().__init__()
+        self.passes = passes
+        self.inp = nn.Linear(8, width)
+        self.stack = Stack(width, depth)
+        self.back = nn.Linear(width, width)
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x, y):
+        h0 = self.inp(x)
+        carry = torch.zeros_like(h0)
+        for i in range(self.passes):
+            with torch.set_grad_enabled(i == self.passes - 1):
+                h = self.stack(h0 + self.back(carry))
+            carry = h.detach()
+        return F.mse_loss(self.head(h), y)
+
+
+def build():
+    torch.manual_seed(0)
+    return Recycler()
+
+
+def example_inputs():
+    return {"x": torch.randn(4, 8), "y": torch.randn(4, 1)}
+"""
+
+TWICE_WITHOUT_A_LOOP = RECYCLER.replace("""        for i in range(self.passes):
+            with torch.set_grad_enabled(i == self.passes - 1):
+                h = self.stack(h0 + self.back(carry))
+            carry = h.detach()
+""", """        h = self.stack(self.stack(h0))
+""")
+
+
+def _analyze(tmp_path, text):
+    from nnscaler_cst.analysis import analyze
+    (tmp_path / "recycler.py").write_text(text)
+    return analyze(tmp_path / "recycler.py")
+
+
+def test_the_recycling_loop_around_a_submodule_trunk_is_found_with_its_carried_value(tmp_path):
+    from nnscaler_cst.plan.pipeline import plan_stages
+    plan = plan_stages(_analyze(tmp_path, RECYCLER).graph, 2, recycling=True)
+    recycle = plan.trunk.recycle
+    assert recycle.passes == 2 and recycle.carried == ["carry"]
+    assert recycle.loop.line == RECYCLER.splitlines().index("        for i in range(self.passes):") + 1
+    assert plan.block_ranges == [(0, 2), (2, 4)]
+
+
+def test_a_trunk_run_twice_without_a_loop_is_refused_for_3f1b(tmp_path):
+    from nnscaler_cst.plan.pipeline import plan_stages
+    graph = _analyze(tmp_path, TWICE_WITHOUT_A_LOOP).graph
+    with pytest.raises(UserError, match="run 2 times in one forward, and no `for` loop calls it"):
+        plan_stages(graph, 2, recycling=True)
+    with pytest.raises(UserError, match="run 2 times in one forward") as refused:
+        plan_stages(graph, 2)                  # 1F1B: refused, pointing at 3F1B
+    assert "--schedule 3f1b" in refused.value.hint
+
+
 def _cli(*args, cwd=REPO):
     env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", *map(str, args)], cwd=cwd, env=env,
@@ -170,3 +259,10 @@ def test_3f1b_on_four_stages_with_middle_stages_passes_verify_on_gloo(tmp_path):
     result = _cli("verify", tmp_path / "evoformer4.py", "--pp", "4", "--schedule", "3f1b", "--micro-batches", "4")
     assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr
     assert "4 gloo processes" in result.stdout
+
+
+@pytest.mark.slow
+def test_3f1b_on_a_submodule_trunk_carrying_one_value_passes_verify_on_gloo(tmp_path):
+    (tmp_path / "recycler.py").write_text(RECYCLER)
+    result = _cli("verify", tmp_path / "recycler.py", "--pp", "2", "--schedule", "3f1b", "--micro-batches", "4")
+    assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr
