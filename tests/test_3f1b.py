@@ -266,3 +266,31 @@ def test_3f1b_on_a_submodule_trunk_carrying_one_value_passes_verify_on_gloo(tmp_
     (tmp_path / "recycler.py").write_text(RECYCLER)
     result = _cli("verify", tmp_path / "recycler.py", "--pp", "2", "--schedule", "3f1b", "--micro-batches", "4")
     assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr
+
+
+def test_verify_simulates_the_schedule_written_in_the_rank_files_with_its_passes():
+    """check_schedules reads SCHEDULE (hand edits included) with its `r` passes and refuses a
+    hand-edited order that would hang before any process starts."""
+    from types import SimpleNamespace
+    from nnscaler_cst.verify.equivalence import check_schedules
+    _, orders = _orders(2, 2, 3)
+
+    def package(rank0):
+        modules = [SimpleNamespace(SCHEDULE=" ".join(map(str, order)), STAGE_RANKS=[0, 1], PIPELINE_LENGTH=2,
+                                   PIPELINE_STAGE_COUNT=2, PIPELINE_PASSES=3) for order in orders]
+        modules[0].SCHEDULE = rank0
+        return SimpleNamespace(PP_SIZE=2, TP_SIZE=1, DP_SIZE=1, rank_module=lambda rank: modules[rank])
+    check_schedules(package(" ".join(map(str, orders[0]))))
+    # rank 0 starts micro-batch 0's second pass before handing on micro-batch 0's first
+    edited = "0F0r1 0F0r0 0F1r0 0F1r1 0F0 0F1 0B0 0B1"
+    with pytest.raises(UserError, match=r"rank 0 at step 0 \(0F0r1\) waits for 1F0r0 from rank 1"):
+        check_schedules(package(edited))
+
+
+@pytest.mark.slow
+def test_rewrite_refuses_a_deadlocking_3f1b_table_with_exit_2(tmp_path):
+    (tmp_path / "broken.toml").write_text(BROKEN)
+    result = _cli("fixtures/evoformer.py", "--pp", "2", "--schedule", tmp_path / "broken.toml", "--micro-batches", "2",
+                  "-o", tmp_path / "out")
+    assert result.returncode == 2 and not (tmp_path / "out").exists()
+    assert "deadlocks" in result.stderr and "rank 0 at step 1 (0F0r1)" in result.stderr, result.stderr
