@@ -171,6 +171,7 @@ class Recycler(nn.Module):
         self.stack = Stack(width, depth)
         self.back = nn.Linear(width, width)
         self.head = nn.Linear(width, 1)
+        self.post = nn.Linear(width, width)
 
     def forward(self, x, y):
         h0 = self.inp(x)
@@ -178,7 +179,7 @@ class Recycler(nn.Module):
         for i in range(self.passes):
             with torch.set_grad_enabled(i == self.passes - 1):
                 h = self.stack(h0 + self.back(carry))
-            carry = h.detach()
+            carry = self.post(h).detach()     # after the trunk's call: on the last stage
         return F.mse_loss(self.head(h), y)
 
 
@@ -194,7 +195,7 @@ def example_inputs():
 TWICE_WITHOUT_A_LOOP = RECYCLER.replace("""        for i in range(self.passes):
             with torch.set_grad_enabled(i == self.passes - 1):
                 h = self.stack(h0 + self.back(carry))
-            carry = h.detach()
+            carry = self.post(h).detach()     # after the trunk's call: on the last stage
 """, """        h = self.stack(self.stack(h0))
 """)
 
@@ -212,6 +213,9 @@ def test_the_recycling_loop_around_a_submodule_trunk_is_found_with_its_carried_v
     assert recycle.passes == 2 and recycle.carried == ["carry"]
     assert recycle.loop.line == RECYCLER.splitlines().index("        for i in range(self.passes):") + 1
     assert plan.block_ranges == [(0, 2), (2, 4)]
+    # the loop's code after the trunk's call runs on the last stage only, before it on the first
+    assert "post" in plan.drop[0] and "post" not in plan.drop[1] and not plan.tied
+    assert plan.shadow[1] == ["back", "inp"]
 
 
 def test_a_trunk_run_twice_without_a_loop_is_refused_for_3f1b(tmp_path):

@@ -43,6 +43,7 @@ class Recycle:
     function: Span                 # the function holding it
     carried: list[str]             # names the body reads before setting them and sets again
     passes: int                    # N: how often the trunk runs in one forward
+    call: Span | None = None       # the call of the cut function in it
 
 
 @dataclass
@@ -259,8 +260,8 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
             current = stage_of_block[block_of[node.index]]
         elif node.index > last:
             current = stages - 1
-        elif node.index < last_pass:
-            current = 0
+        elif node.index < last_pass:        # between two passes: before the trunk's call or after it
+            current = _between_passes(node, trunk.recycle, current, stages - 1)
         node_stage[node.index] = current if node.index >= first else 0
     seconds = [0.0] * stages
     for node in graph.nodes:
@@ -316,7 +317,21 @@ def find_recycle(graph: Graph, trunk: Trunk) -> Recycle:
         function = source.parents.get(function)
     body = loop.body.body if isinstance(loop.body, cst.IndentedBlock) else [cst.SimpleStatementLine(loop.body.body)]
     carried = sorted((exposed_reads(body) & names_in(body, True)) - names_in([loop.target], False))
-    return Recycle(source.span_of(loop), source.span_of(function), carried, runs)
+    return Recycle(source.span_of(loop), source.span_of(function), carried, runs, source.span_of(calls[0]) if len(
+        calls) == 1 else None)
+
+
+def _between_passes(node, recycle: Recycle, current: int, last: int) -> int:
+    """The stage of an op run between two passes of the recycling loop: the loop's code after the
+    trunk's call runs on the last stage (which ends the pass), the code before it (the next pass's
+    inputs) on the first; an op inside a function the loop calls stays with the code around it."""
+    span = node.span
+    if span is None or not recycle.loop.contains(span):
+        return current
+    call = recycle.call
+    if call is not None and (span.line, span.col) >= (call.end_line, call.end_col):
+        return last
+    return 0
 
 
 def _check_blocks_run_once(graph: Graph, trunk: Trunk) -> None:
