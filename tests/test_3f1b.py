@@ -228,6 +228,25 @@ def test_a_trunk_run_twice_without_a_loop_is_refused_for_3f1b(tmp_path):
     assert "--schedule 3f1b" in refused.value.hint
 
 
+def test_the_rewrite_runs_one_pass_per_action_and_is_deterministic(tmp_path):
+    """The recycling loop of the rank files: its iterable wrapped in pp_passes, the carried value
+    taken from the last stage at the top of the body and handed back at its end; the passes in
+    PIPELINE_PASSES and SCHEDULE; the same bytes on a second run."""
+    from nnscaler_cst.rewrite import PlanRequest, rewrite
+    analysis = _analyze(tmp_path, RECYCLER)
+    request = PlanRequest(pp=2, schedule="3f1b", micro_batches=2)
+    files = rewrite(analysis, request).files
+    stage0, stage1 = files["model_stage0.py"], files["model_stage1.py"]
+    assert "        for i in pp_passes(range(self.passes)):  # pipeline (3F1B)" in stage0
+    assert "            carry = pp_recycled(carry)  # pipeline: the first stage starts a later pass" in stage0
+    assert "            pp_recycle(carry)  # pipeline: the last stage hands these to the first stage" in stage0
+    assert "PIPELINE_PASSES = 2" in stage0 and 'SCHEDULE = "0F0r0 0F1r0 0F0 0F1 0B0 0B1"' in stage0
+    assert 'SCHEDULE = "1F0r0 1F1r0 1F0 1B0 1F1 1B1"' in stage1
+    assert "SFMrC = its pass C of the recycling loop" in stage0
+    assert files["schedule.csv"] == "0F0r0,0F1r0,0F0,0F1,0B0,0B1\n1F0r0,1F1r0,1F0,1B0,1F1,1B1\n"
+    assert rewrite(analysis, request).files == files
+
+
 def _cli(*args, cwd=REPO):
     env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", *map(str, args)], cwd=cwd, env=env,
