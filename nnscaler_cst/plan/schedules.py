@@ -3,7 +3,9 @@
 A table states order constraints between one rank's forward steps F[k] and backward steps
 B[k] (k = 0..K-1), with expressions over k, the rank's pipeline index i, the ranks D, the
 micro-batches M, the stages per rank V, the pipelines P, K = V*M/P and the warm-up W. A
-constraint may hold only `when` a condition does. z3 finds positions satisfying all of them;
+constraint may hold only `when` a condition does. A table with `recycling = true` (3f1b) orders
+N forward passes per micro-batch, F{c}[k] for c = 1..N (F[k] is pass N, the only one with a
+backward); a constraint naming c holds for every pass. z3 finds positions satisfying all of them;
 a new schedule is a new table, not new code.
 
 Placement (op-assign) is a table's too: the D*V stages form P pipelines of D*V/P stages each
@@ -123,7 +125,7 @@ def load_schedule(name: str) -> ScheduleTable:
         raise toml_error(exc, path, text) from None
     if "schedule" not in data:
         raise UserError(f"{name} is a plan table, not a schedule", Location(display_path(path)),
-                        hint="--schedule takes a table with a [schedule] header (gpipe, 1f1b, interleaved); "
+                        hint="--schedule takes a table with a [schedule] header (gpipe, 1f1b, interleaved, chimera, 3f1b); "
                         "give plan tables to --plan")
     head = data["schedule"]
     return ScheduleTable(head.get("name", name), head.get("description", ""), int(head.get("virtual_stages", 1)),
