@@ -366,10 +366,11 @@ def schedule(model_file: Path = typer.Argument(..., help="model or entry file"),
         analysis = analyze(model_file, model_class=options["model"])
         cuts = [int(x) for x in stages.split(",")] if stages else None
         place = placement(table, pp)
-        plan = plan_stages(analysis.graph, pp, table.virtual_stages, cuts, place)
+        plan = plan_stages(analysis.graph, pp, table.virtual_stages, cuts, place, recycling=table.recycling)
+        passes = plan.trunk.recycle.passes if plan.trunk.recycle is not None else 1
         micro = micro_batches or pp * table.virtual_stages
-        orders = make_schedule(table, pp, micro)
-        events = simulate(orders, plan.stages, forward_seconds=plan.stage_seconds, placement=place)
+        orders = make_schedule(table, pp, micro, passes)
+        events = simulate(orders, plan.stages, forward_seconds=plan.stage_seconds, placement=place, passes=passes)
         if csv:
             sys.stdout.write(to_csv(orders))
         else:

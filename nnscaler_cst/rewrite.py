@@ -268,13 +268,17 @@ def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: in
              *([f"STAGE_SHADOWS = {{{', '.join(f'{s}: {stages.shadow[s]}' for s in mine)}}}  "
                 "# run by code above the cut function on every stage; trained on the stage that owns them"]
                if any(stages.shadow.get(s) for s in mine) else []),
+             *([f"PIPELINE_PASSES = {stages.trunk.recycle.passes}  # forwards per micro-batch (recycling): "
+                "all but the last without gradient, SFMrC = pass C"] if stages.trunk.recycle is not None else []),
              f'SCHEDULE = "{" ".join(map(str, orders[pp_rank]))}"  # this rank\'s order']
     return "\n".join(lines) + "\n"
 
 
 def _schedule_comment(orders: list[list[Action]], table: str, micro: int) -> str:
     lines = [f"# Pipeline schedule {table}: {len(orders)} ranks x {micro} micro-batches; "
-             "SF M = stage S forward (F) or backward (B) of micro-batch M"]
+             "SF M = stage S forward (F) or backward (B) of micro-batch M"
+             + ("; SFMrC = its pass C of the recycling loop, without gradient (F alone: the last pass)"
+                if any(a.cycle is not None for order in orders for a in order) else "")]
     lines += [f"#   rank {r}: {' '.join(map(str, order))}" for r, order in enumerate(orders)]
     return "\n".join(lines) + "\n"
 
@@ -289,7 +293,9 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
     split = None
     if stages is not None:
         trunk = stages.trunk
-        split = StageSplit(trunk.function_span, trunk.loop_index, trunk.handoff, trunk.container, trunk.owner is not None)
+        split = StageSplit(trunk.function_span, trunk.loop_index, trunk.handoff, trunk.container, trunk.owner is not None,
+                           trunk.recycle.loop if trunk.recycle else None,
+                           tuple(trunk.recycle.carried) if trunk.recycle else ())
         if trunk.function_span.path != str(main_source.path):
             raise UserError("the loop over the blocks is not in the model's main file", trunk.function_span.start,
                             hint="pipelines cut the file that holds the block loop: keep that loop in the file "
@@ -306,7 +312,7 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
     module = add_comm_import(module, ctx.used, ctx.needs_torch)
     body = module.code
     files: dict[str, str] = {}
-    micro = len([a for a in orders[0] if a.kind == "F"]) * (stages.stages // stages.per_pipeline) // stages.virtual \
+    micro = len([a for a in orders[0] if a.kind == "F" and a.cycle is None]) * (stages.stages // stages.per_pipeline) // stages.virtual \
         if orders else 0     # each micro-batch runs through one of the pipelines
     for program in programs(plan, stages):     # peers running the same code share one file
         text = body
@@ -366,7 +372,9 @@ def plan_pipeline(analysis: Analysis, plan: Plan, request: PlanRequest) -> tuple
     """Stages as op_assign, the schedule as op_order; simulated before anything is written."""
     table = load_schedule(request.schedule)
     place = placement(table, request.pp)
-    stages = plan_stages(analysis.graph, request.pp, table.virtual_stages, request.stage_cuts, place)
+    stages = plan_stages(analysis.graph, request.pp, table.virtual_stages, request.stage_cuts, place,
+                         recycling=table.recycling)
+    passes = stages.trunk.recycle.passes if stages.trunk.recycle is not None else 1
     micro = _micro_batches(request)
     batch = (analysis.trace.batch_size or 1) // plan.mesh["dp"]
     if batch % micro:
@@ -374,8 +382,8 @@ def plan_pipeline(analysis: Analysis, plan: Plan, request: PlanRequest) -> tuple
                         _inputs_location(analysis), hint="choose --micro-batches dividing the batch")
     if micro > 1:
         check_batch_split(analysis.graph, f"{micro} micro-batches", across_ranks=False)
-    orders = schedule(table, request.pp, micro)
-    simulate(orders, stages.stages, placement=place)
+    orders = schedule(table, request.pp, micro, passes)
+    simulate(orders, stages.stages, placement=place, passes=passes)
     plan.name += f"+{table.name}"
     plan.mesh["pp"] = request.pp
     for index, model_stage in stages.node_stage.items():

@@ -32,6 +32,8 @@ class StageSplit:
     handoff: list[str]
     container: str
     owned: bool = False       # the function also runs other blocks: cut only the call on the trunk's owner
+    recycle: Span | None = None     # the loop running the trunk N times (3F1B): one pass per action
+    carried: tuple[str, ...] = ()   # what one pass of it hands the next
 
 
 @dataclass
@@ -401,6 +403,29 @@ class SplitStages:
             body=[*docstring, *head, loop, handoff, *epilogue]))
 
 
+    def leave_for(self, span: Span, loop: cst.For) -> cst.For:
+        """Recycling (3F1B): each pipeline action runs one pass of the loop that runs the trunk N
+        times. The first stage starts a later pass from the values the last stage handed back; the
+        last stage ends every pass but the last by handing them back."""
+        split = self.ctx.split
+        if split is None or split.recycle is None or span != split.recycle:
+            return loop
+        self.ctx.used.update({"pp_passes", "pp_recycled", "pp_recycle"})
+        names = ", ".join(split.carried)
+        loop = loop.with_changes(
+            iter=cst.Call(cst.Name("pp_passes"), [cst.Arg(loop.iter)]),
+            body=loop.body.with_changes(header=cst.TrailingWhitespace(
+                whitespace=cst.SimpleWhitespace("  "),
+                comment=cst.Comment("# pipeline (3F1B): the pass this step runs, one per pipeline action"))))
+        if not split.carried or not isinstance(loop.body, cst.IndentedBlock):
+            return loop
+        take = cst.parse_statement(f"{names} = pp_recycled({names})  # pipeline: the first stage starts a later pass "
+                                   "from what the last stage handed back\n")
+        give = cst.parse_statement(f"pp_recycle({names})  # pipeline: the last stage hands these to the first "
+                                   "stage and ends here, on every pass but the last\n")
+        return loop.with_changes(body=loop.body.with_changes(body=[take, *loop.body.body, give]))
+
+
 def _is_docstring(stmt: cst.BaseStatement) -> bool:
     return isinstance(stmt, cst.SimpleStatementLine) and isinstance(stmt.body[0], cst.Expr) and isinstance(
         stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
@@ -490,6 +515,9 @@ class FileRewriter(cst.CSTTransformer):
 
     def leave_FunctionDef(self, original, updated):
         return self.stages.leave_function(self._span(original), updated)
+
+    def leave_For(self, original, updated):
+        return self.stages.leave_for(self._span(original), updated)
 
     def leave_Attribute(self, original, updated):
         if isinstance(updated.value, cst.BinaryOperation):     # (a + b).view(...) keeps its parentheses

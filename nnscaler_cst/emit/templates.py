@@ -339,11 +339,13 @@ def replica_grads(stages, module):
             param.grad = copies[name][0].grad.clone()
 
 
-def parse_action(action):
-    """"1F3" -> ("F", 1, 3): the forward (F) or backward (B) of stage 1 on micro-batch 3."""
+def parse_action(action, passes=1):
+    """"1F3" -> ("F", 1, 3, passes - 1): the forward (F) or backward (B) of stage 1 on micro-batch 3,
+    in the last pass; "1F3r0" -> ("F", 1, 3, 0): its pass 0, without gradient (recycling, 3F1B)."""
+    action, _, cycle = action.partition("r")
     kind = "F" if "F" in action else "B"
     stage, m = (int(x) for x in action.split(kind))
-    return kind, stage, m
+    return kind, stage, m, int(cycle) if cycle else passes - 1
 
 
 def pipeline_train_step(stages, optimizer, batch, module):
@@ -361,22 +363,31 @@ def pipeline_train_step(stages, optimizer, batch, module):
     first = lambda stage: stage % length == 0
     last = lambda stage: stage % length == length - 1
     rank_of = lambda stage: pipeline[module.STAGE_RANKS[stage]]
-    actions = [parse_action(action) for action in module.SCHEDULE.split()]
+    # recycling (3F1B): each micro-batch runs the forward PIPELINE_PASSES times, all but the last
+    # pass without gradient; the last stage hands each earlier pass's values back to the first
+    passes = _comm.PIPE.passes = getattr(module, "PIPELINE_PASSES", 1)
+    tag = lambda m, cycle: m + MICRO_BATCHES * (passes - 1 - cycle)   # keeps the passes' hand-offs apart
+    key = lambda m, cycle: shapes[m] if cycle == passes - 1 else (shapes[m], cycle)
+    actions = [parse_action(action, passes) for action in module.SCHEDULE.split()]
     held, requests, loss_sum = {{}}, [], torch.zeros(())
 
     def receives(action):
-        """What `action` will receive: activations from the stage before, gradients from the one after."""
-        kind, stage, m = action
+        """What `action` will receive: activations from the stage before (or, for a later pass on
+        the first stage, the recycled values from the last), gradients from the one after."""
+        kind, stage, m, cycle = action
         if kind == "F" and not first(stage):
-            return _comm.activation_recvs(rank_of(stage - 1), stage, m, shapes[m])
+            return _comm.activation_recvs(rank_of(stage - 1), stage, tag(m, cycle), key(m, cycle))
+        if kind == "F" and cycle > 0:
+            return _comm.activation_recvs(rank_of(stage + length - 1), stage, tag(m, cycle), key(m, cycle))
         if kind == "B" and not last(stage):
             return _comm.grad_recvs(held[(stage, m)][1], rank_of(stage + 1), stage + 1, m)
         return None
 
     incoming = receives(actions[0])
     _comm.post_p2p([], incoming)                 # the first action's receives
-    for i, (kind, stage, m) in enumerate(actions):
+    for i, (kind, stage, m, cycle) in enumerate(actions):
         _comm.PIPE.stage = stage % length
+        _comm.PIPE.cycle = cycle if passes > 1 else None
         before = rank_of(stage - 1) if not first(stage) else None
         after = rank_of(stage + 1) if not last(stage) else None
         sends = []
@@ -384,6 +395,8 @@ def pipeline_train_step(stages, optimizer, batch, module):
             received = []
             if not first(stage):
                 _comm.PIPE.inbox, received = _comm.wait_activations(incoming)
+            elif cycle > 0:   # recycling: this pass starts from the last stage's values of the pass before
+                _comm.PIPE.recycled, _ = _comm.wait_activations(incoming)
             inputs = micro[m]
             try:
                 output = stages[local[stage]](**inputs) if isinstance(inputs, dict) else stages[local[stage]](*inputs)
@@ -391,10 +404,16 @@ def pipeline_train_step(stages, optimizer, batch, module):
                 loss_sum += loss.detach()
                 sent = [loss]
             except _comm.StageBoundary as boundary:
-                sends = _comm.activation_sends(boundary.values, after, stage + 1, m, shapes[m])
+                sends = _comm.activation_sends(boundary.values, after, stage + 1, tag(m, cycle), key(m, cycle))
                 sent = _comm.flat_tensors(boundary.values)
-            _comm.PIPE.inbox = ()       # what was received lives on in `held` until its backward only
-            held[(stage, m)] = (received, sent)
+            except _comm.RecycleBoundary as boundary:   # the end of a pass without gradient, on the last stage
+                head = stage - length + 1                # to the first stage, for the next pass
+                sends = _comm.activation_sends(boundary.values, rank_of(head), head, tag(m, cycle + 1),
+                                               key(m, cycle + 1))
+                sent = []
+            _comm.PIPE.inbox, _comm.PIPE.recycled = (), None   # what was received lives on in `held` only
+            if cycle == passes - 1:     # the pass with gradient keeps what its backward needs
+                held[(stage, m)] = (received, sent)
         else:
             received, sent = held.pop((stage, m))
             if last(stage):

@@ -31,6 +31,19 @@ class Trunk:
     # the module whose method holds the loop, when that method also loops over other blocks
     # (T5's one stack class runs the encoder's and the decoder's): only its call is cut
     owner: str | None = None
+    recycle: "Recycle | None" = None     # the loop running the trunk N times (3F1B), when it has one
+
+
+@dataclass
+class Recycle:
+    """The loop that runs the trunk N times (recycling): each pass but the last without gradient,
+    its outputs fed back as the next pass's inputs. With the 3F1B schedule every pipeline action
+    runs one pass of it: the first stage takes the carried values from the last stage."""
+    loop: Span                     # the `for` statement
+    function: Span                 # the function holding it
+    carried: list[str]             # names the body reads before setting them and sets again
+    passes: int                    # N: how often the trunk runs in one forward
+    call: Span | None = None       # the call of the cut function in it
 
 
 @dataclass
@@ -185,10 +198,11 @@ def handoff_variables(function: cst.FunctionDef, loop_index: int) -> list[str]:
 
 
 def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | None = None,
-                placement=None) -> StagePlan:
+                placement=None, recycling: bool = False) -> StagePlan:
     """`placement` (plan.schedules.Placement): the schedule table's op-assign; with replicated
     pipelines the model is cut into the stages of one pipeline, and every replica of a model
-    stage holds its blocks."""
+    stage holds its blocks. `recycling`: the schedule pipelines a trunk the forward runs several
+    times (3F1B); otherwise such a trunk is refused."""
     if placement is not None and placement.length < ranks * virtual:
         plan = plan_stages(graph, placement.length, 1, cuts)
         copies = ranks * virtual // placement.length
@@ -201,7 +215,10 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
             plan.shadow[stage] = plan.shadow.get(stage % placement.length, [])
         return plan
     trunk = find_trunk(graph)
-    _check_blocks_run_once(graph, trunk)
+    if recycling and graph.trace.module_runs.get(trunk.blocks[0], 1) > 1:
+        trunk.recycle = find_recycle(graph, trunk)
+    else:
+        _check_blocks_run_once(graph, trunk)
     stages = ranks * virtual
     n_blocks = len(trunk.blocks)
     if n_blocks < stages:
@@ -228,6 +245,14 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
     else:
         ranges = _balanced(cost, stages, pro, epi)
     stage_of_block = {b: s for s, (a, z) in enumerate(ranges) for b in range(a, z)}
+    # recycling: the passes before the last run the same ops; what lies between the blocks of two
+    # passes (the recycled values' norms and sums) runs, with gradient, before the last pass's
+    # first block, on the first stage
+    last_pass = first
+    if trunk.recycle is not None:
+        starts = [n for n, b in block_of.items() if b == 0]
+        before = max((n for n, b in block_of.items() if b == n_blocks - 1 and n < max(starts)), default=-1)
+        last_pass = min(n for n in starts if n > before)
     node_stage = {}
     current = 0
     for node in graph.nodes:
@@ -235,6 +260,8 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
             current = stage_of_block[block_of[node.index]]
         elif node.index > last:
             current = stages - 1
+        elif node.index < last_pass:        # between two passes: before the trunk's call or after it
+            current = _between_passes(node, trunk.recycle, current, stages - 1)
         node_stage[node.index] = current if node.index >= first else 0
     seconds = [0.0] * stages
     for node in graph.nodes:
@@ -246,6 +273,67 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
     return plan
 
 
+def find_recycle(graph: Graph, trunk: Trunk) -> Recycle:
+    """The `for` loop that calls the function holding the block loop (recycling: AlphaFold2 runs
+    its trunk N times). The call is `self.NAME(...)` of the cut method, or, when the cut function
+    is a module's forward, that module's call; the nearest `for` around it is the loop."""
+    runs = graph.trace.module_runs.get(trunk.blocks[0], 1)
+    span = trunk.function_span
+    source = graph.sources.get(span.path)
+    name = trunk.function.name.value
+    calls = []
+    if name == "forward":
+        owner = trunk.owner if trunk.owner is not None else trunk.container.rpartition(".")[0]
+        site = graph.trace.module_calls.get(owner)
+        if site is not None and site[0].path == span.path:
+            node = source.node_at(site[0].line, site[0].col, site[0].end_line, site[0].end_col)
+            if node is not None:
+                calls.append(node)
+    else:
+        class Calls(cst.CSTVisitor):
+            def visit_Call(self, call: cst.Call) -> None:
+                func = call.func
+                if isinstance(func, cst.Attribute) and func.attr.value == name and isinstance(func.value, cst.Name) \
+                        and func.value.value == "self":
+                    calls.append(call)
+        source.module.visit(Calls())
+    hint = ("3F1B pipelines a trunk run in a `for` loop (recycling): `for cycle in range(n): ... x = "
+            f"self.{name}(x) ...` in the model's main file")
+    loops = []
+    for call in calls:
+        loop = source.parents.get(call)
+        while loop is not None and not isinstance(loop, (cst.For, cst.While, cst.FunctionDef)):
+            loop = source.parents.get(loop)
+        if isinstance(loop, cst.For):
+            loops.append(loop)
+    if len(loops) != 1:
+        what = "no `for` loop calls it" if not loops else f"{len(loops)} loops call it"
+        raise UserError(f"the blocks of {trunk.container} run {runs} times in one forward, and {what}, so the "
+                        "3F1B schedule cannot tell which loop recycles them",
+                        graph.trace.module_calls[trunk.blocks[0]][0].start, hint=hint)
+    loop = loops[0]
+    function = source.parents.get(loop)
+    while function is not None and not isinstance(function, cst.FunctionDef):
+        function = source.parents.get(function)
+    body = loop.body.body if isinstance(loop.body, cst.IndentedBlock) else [cst.SimpleStatementLine(loop.body.body)]
+    carried = sorted((exposed_reads(body) & names_in(body, True)) - names_in([loop.target], False))
+    return Recycle(source.span_of(loop), source.span_of(function), carried, runs, source.span_of(calls[0]) if len(
+        calls) == 1 else None)
+
+
+def _between_passes(node, recycle: Recycle, current: int, last: int) -> int:
+    """The stage of an op run between two passes of the recycling loop: the loop's code after the
+    trunk's call runs on the last stage (which ends the pass), the code before it (the next pass's
+    inputs) on the first; an op inside a function the loop calls stays with the code around it."""
+    span = node.span
+    if span is None or not recycle.loop.contains(span):
+        return current
+    call = recycle.call
+    if call is not None and (span.line, span.col) >= (call.end_line, call.end_col):
+        return last
+    return 0
+
+
 def _check_blocks_run_once(graph: Graph, trunk: Trunk) -> None:
     """Each stage runs its blocks once per micro-batch, then hands on: a trunk the forward runs
     again (recycling) would need its last stage to hand back to its first."""
@@ -254,8 +342,8 @@ def _check_blocks_run_once(graph: Graph, trunk: Trunk) -> None:
         raise UserError(f"the blocks of {trunk.container} run {runs} times in one forward (the loop over them is "
                         "itself run again: recycling, or a trunk called in a loop), and pipeline stages run "
                         "their blocks once per micro-batch", graph.trace.module_calls[trunk.blocks[0]][0].start,
-                        hint="use --tp or --dp for this model; the 3F1B schedule, which pipelines "
-                             "repeated trunk runs, is not implemented")
+                        hint="--schedule 3f1b pipelines a trunk run again in a loop (recycling); "
+                             "or use --tp or --dp for this model")
 
 
 def _balanced(cost: list[float], stages: int, pro: float, epi: float) -> list[tuple[int, int]]:

@@ -3,7 +3,9 @@
 A table states order constraints between one rank's forward steps F[k] and backward steps
 B[k] (k = 0..K-1), with expressions over k, the rank's pipeline index i, the ranks D, the
 micro-batches M, the stages per rank V, the pipelines P, K = V*M/P and the warm-up W. A
-constraint may hold only `when` a condition does. z3 finds positions satisfying all of them;
+constraint may hold only `when` a condition does. A table with `recycling = true` (3f1b) orders
+N forward passes per micro-batch, F{c}[k] for c = 1..N (F[k] is pass N, the only one with a
+backward); a constraint naming c holds for every pass. z3 finds positions satisfying all of them;
 a new schedule is a new table, not new code.
 
 Placement (op-assign) is a table's too: the D*V stages form P pipelines of D*V/P stages each
@@ -25,7 +27,8 @@ import z3
 from ..errors import Location, UserError, display_path, toml_error
 from ..rules_path import find_rules_file, rules_files
 
-_CONSTRAINT = re.compile(r"^\s*([FB])\[(.+?)\]\s*<\s*([FB])\[(.+?)\]\s*(?:when\s+(.+))?$")
+# `F[k] < B[k]`, and with recycling `F{c}[k] < F{c + 1}[k]`: the forward of pass c (1..N)
+_CONSTRAINT = re.compile(r"^\s*([FB])(?:\{(.+?)\})?\[(.+?)\]\s*<\s*([FB])(?:\{(.+?)\})?\[(.+?)\]\s*(?:when\s+(.+))?$")
 
 
 @dataclass(frozen=True)
@@ -33,9 +36,25 @@ class Action:
     kind: str          # "F" or "B"
     stage: int         # global (virtual) stage
     micro: int
+    # recycling (NF1B): the pass of a forward without gradient, 0..N-2; None for the forward
+    # that keeps its activations for the backward (the last pass, or the only one)
+    cycle: int | None = None
 
-    def __str__(self) -> str:          # torch.distributed.pipelining's action grammar
-        return f"{self.stage}{self.kind}{self.micro}"
+    def __str__(self) -> str:          # torch.distributed.pipelining's action grammar (+ "r<pass>")
+        return f"{self.stage}{self.kind}{self.micro}" + (f"r{self.cycle}" if self.cycle is not None else "")
+
+
+_ACTION = re.compile(r"^(\d+)([FB])(\d+)(?:r(\d+))?$")
+
+
+def parse_action(text: str) -> Action:
+    """"1F3" -> the forward of stage 1 on micro-batch 3; "0F2r1" -> its no-grad pass 1 (recycling)."""
+    match = _ACTION.match(text)
+    if not match:
+        raise UserError(f"cannot read the pipeline action {text!r}",
+                        hint="actions are STAGE F|B MICRO, e.g. 0F1, 1B0, and 0F1r0 for a no-grad pass")
+    stage, kind, micro, cycle = match.groups()
+    return Action(kind, int(stage), int(micro), int(cycle) if cycle is not None else None)
 
 
 @dataclass
@@ -52,6 +71,9 @@ class ScheduleTable:
     pipelines: int = 1
     stage_rank: str = "v % D"
     bubble: tuple[str, str] | None = None      # the bubble's formula: numerator, denominator
+    # recycling (NF1B): the table orders N forward passes per micro-batch, F{1}..F{N}, the first
+    # N-1 without gradient; N is how often the model runs its trunk (the trace counts it)
+    recycling: bool = False
 
     def formula(self, ranks: int, micro: int) -> tuple[str, float] | None:
         """The table's bubble formula, written out, and its value for D ranks and M micro-batches."""
@@ -103,14 +125,15 @@ def load_schedule(name: str) -> ScheduleTable:
         raise toml_error(exc, path, text) from None
     if "schedule" not in data:
         raise UserError(f"{name} is a plan table, not a schedule", Location(display_path(path)),
-                        hint="--schedule takes a table with a [schedule] header (gpipe, 1f1b, interleaved); "
+                        hint="--schedule takes a table with a [schedule] header (gpipe, 1f1b, interleaved, chimera, 3f1b); "
                         "give plan tables to --plan")
     head = data["schedule"]
     return ScheduleTable(head.get("name", name), head.get("description", ""), int(head.get("virtual_stages", 1)),
                          head.get("warmup", "0"), head.get("order", []), head.get("forward_chunk", "0"),
                          head.get("backward_chunk", "0"), head.get("micro_batch", "k"),
                          Location(display_path(path), _line(path, "order")), int(head.get("pipelines", 1)),
-                         head.get("stage_rank", "v % D"), tuple(head["bubble"]) if "bubble" in head else None)
+                         head.get("stage_rank", "v % D"), tuple(head["bubble"]) if "bubble" in head else None,
+                         bool(head.get("recycling", False)))
 
 
 def placement(table: ScheduleTable, ranks: int) -> Placement:
@@ -161,56 +184,74 @@ def _names(text: str) -> set[str]:
     return set(re.findall(r"[A-Za-z_]\w*", text))
 
 
-def rank_order(table: ScheduleTable, rank: int, ranks: int, micro: int) -> list[Action]:
-    """One rank's actions in the order the table's constraints allow (z3)."""
-    V, P = table.virtual_stages, table.pipelines
+def rank_order(table: ScheduleTable, rank: int, ranks: int, micro: int, passes: int = 1) -> list[Action]:
+    """One rank's actions in the order the table's constraints allow (z3). `passes`: forwards per
+    micro-batch (recycling, NF1B): F{1}..F{N}, of which only F{N} (= F) has a backward."""
+    V, P, N = table.virtual_stages, table.pipelines, passes
     K = V * micro // P               # each micro-batch runs through one of the P pipelines
-    env = {"i": rank, "D": ranks, "M": micro, "V": V, "P": P, "K": K}
+    env = {"i": rank, "D": ranks, "M": micro, "V": V, "P": P, "K": K, "N": N}
     mine = placement(table, ranks).stages_of(rank)
     warmup_at = Location(table.location.path, _line(Path(table.location.path), "warmup"))
     env["W"] = evaluate(table.warmup, env, warmup_at)
     # a fresh context each time: where the constraints leave a choice, z3's pick then depends on
     # the table and the sizes only, not on what this process solved before (same output each run)
     ctx = z3.Context()
-    pos = {(kind, k): z3.Int(f"{kind}{k}", ctx) for kind in "FB" for k in range(K)}
+    steps_of = [("F", c) for c in range(1, N + 1)] + [("B", N)]
+    pos = {(kind, c, k): z3.Int(f"{kind}{k}" if c == N else f"{kind}{c}_{k}", ctx) for kind, c in steps_of for k in range(K)}
     solver = z3.Solver(ctx=ctx)
     solver.add(z3.Distinct(*pos.values()))
     for value in pos.values():
-        solver.add(value >= 0, value < 2 * K)
+        solver.add(value >= 0, value < len(pos))
     for text in table.order:
         match = _CONSTRAINT.match(text)
         if not match:
             raise UserError(f"cannot read the order constraint {text!r}", table.location,
-                            hint="write `F[k] < B[k]`, optionally followed by `when i == 0`")
-        a_kind, a_index, b_kind, b_index, when = match.groups()
-        # a constraint naming j relates every pair of steps (k, j): an order by a computed key
-        pairs = _names(text) & {"j"}
-        for k in range(K):
-            for j in (range(K) if pairs else [None]):
-                local = {**env, "k": k} if j is None else {**env, "k": k, "j": j}
-                if when and not evaluate(when, local, table.location):
-                    continue
-                a, b = evaluate(a_index, local, table.location), evaluate(b_index, local, table.location)
-                if 0 <= a < K and 0 <= b < K and (a_kind, a) != (b_kind, b):
-                    solver.add(pos[(a_kind, a)] < pos[(b_kind, b)])
+                            hint="write `F[k] < B[k]`, optionally followed by `when i == 0` "
+                                 "(with recycling, `F{c}[k] < F{c + 1}[k]`: pass c of 1..N)")
+        a_kind, a_pass, a_index, b_kind, b_pass, b_index, when = match.groups()
+        # a constraint naming j relates every pair of steps (k, j): an order by a computed key;
+        # one naming c holds for every forward pass c = 1..N
+        named = _names(text)
+        for c in (range(1, N + 1) if "c" in named else [None]):
+            for k in range(K):
+                for j in (range(K) if "j" in named else [None]):
+                    local = {**env, "k": k}
+                    if j is not None:
+                        local["j"] = j
+                    if c is not None:
+                        local["c"] = c
+                    if when and not evaluate(when, local, table.location):
+                        continue
+                    a, b = evaluate(a_index, local, table.location), evaluate(b_index, local, table.location)
+                    pa = evaluate(a_pass, local, table.location) if a_pass and a_kind == "F" else N
+                    pb = evaluate(b_pass, local, table.location) if b_pass and b_kind == "F" else N
+                    if 0 <= a < K and 0 <= b < K and 1 <= pa <= N and 1 <= pb <= N \
+                            and (a_kind, pa, a) != (b_kind, pb, b):
+                        solver.add(pos[(a_kind, pa, a)] < pos[(b_kind, pb, b)])
     if solver.check() != z3.sat:
         raise UserError(f"the order constraints of schedule {table.name} contradict each other on rank {rank}",
                         table.location)
     model = solver.model()
     steps = sorted(pos, key=lambda key: model.eval(pos[key]).as_long())
     out = []
-    for kind, k in steps:
+    for kind, c, k in steps:
         local = {**env, "k": k}
         chunk = evaluate(table.forward_chunk if kind == "F" else table.backward_chunk, local, table.location)
         m = evaluate(table.micro_batch, local, table.location)
         if not 0 <= chunk < V:
             raise UserError(f"schedule {table.name}: step {kind}[{k}] of rank {rank} runs chunk {chunk}, not one of "
                             f"its {V} stages", table.location)
-        out.append(Action(kind, mine[chunk], m))
+        out.append(Action(kind, mine[chunk], m, c - 1 if kind == "F" and c < N else None))
     return out
 
 
-def schedule(table: ScheduleTable, ranks: int, micro: int) -> list[list[Action]]:
+def schedule(table: ScheduleTable, ranks: int, micro: int, passes: int = 1) -> list[list[Action]]:
+    """Every rank's order. `passes` > 1 (a trunk run N times, recycling) needs a table that
+    orders the no-grad passes (`recycling = true`, 3f1b)."""
+    if passes > 1 and not table.recycling:
+        raise UserError(f"schedule {table.name} runs each micro-batch's forward once; this model runs its trunk "
+                        f"{passes} times (recycling)", table.location,
+                        hint="--schedule 3f1b pipelines the no-grad passes of later micro-batches into the bubbles")
     if table.virtual_stages > 1 and table.pipelines == 1 and micro % ranks:
         raise UserError(f"schedule {table.name} needs the micro-batches ({micro}) to be a multiple of the "
                         f"pipeline ranks ({ranks})", table.location)
@@ -218,7 +259,7 @@ def schedule(table: ScheduleTable, ranks: int, micro: int) -> list[list[Action]]
         raise UserError(f"schedule {table.name} needs the micro-batches ({micro}) to be a multiple of its "
                         f"{table.pipelines} pipelines", table.location,
                         hint=f"e.g. --micro-batches {max(table.pipelines, micro + table.pipelines - micro % table.pipelines)}")
-    return [rank_order(table, r, ranks, micro) for r in range(ranks)]
+    return [rank_order(table, r, ranks, micro, passes) for r in range(ranks)]
 
 
 def to_csv(orders: list[list[Action]]) -> str:

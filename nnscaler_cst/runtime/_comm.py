@@ -799,6 +799,12 @@ class PipelineState:
         self.stage = 0
         self.stages = 1
         self.inbox: tuple = ()
+        # recycling (3F1B): the pass of the recycling loop this action runs (None: no schedule
+        # runs passes, as in the dry run: the last pass only), how many there are, and what the
+        # last stage handed back for it (the first stage's input to a later pass)
+        self.cycle: int | None = None
+        self.passes = 1
+        self.recycled: tuple | None = None
 
 
 PIPE = PipelineState()
@@ -831,6 +837,40 @@ def pp_handoff(*values):
     """End this stage's forward with `values` for the next stage; a no-op on the last stage."""
     if PIPE.stage < PIPE.stages - 1:
         raise StageBoundary(values)
+
+
+class RecycleBoundary(Exception):
+    """Raised by pp_recycle on the last stage after every pass of the recycling loop but the last:
+    this forward ends, and the values go back to the first stage for the next pass."""
+
+    def __init__(self, values: tuple):
+        super().__init__("recycling: end of a pass")
+        self.values = values
+
+
+def pp_passes(passes):
+    """Recycling (3F1B): of the loop's passes, the one this pipeline action runs."""
+    passes = list(passes)
+    if PIPE.cycle is None:
+        return passes[-1:]
+    if len(passes) != PIPE.passes:
+        raise RuntimeError(f"the recycling loop runs {len(passes)} passes; the schedule was made for {PIPE.passes}")
+    return passes[PIPE.cycle:PIPE.cycle + 1]
+
+
+def pp_recycled(*values):
+    """The values a pass starts from: on the first stage, from the second pass on, what the last
+    stage handed back at the end of the pass before; elsewhere the values themselves (the later
+    stages receive their inputs at the cut instead)."""
+    if PIPE.stage == 0 and PIPE.recycled is not None:
+        values = PIPE.recycled
+    return values[0] if len(values) == 1 else values
+
+
+def pp_recycle(*values):
+    """End a pass: the last stage hands `values` back to the first (every pass but the last)."""
+    if PIPE.stage == PIPE.stages - 1 and PIPE.cycle is not None and PIPE.cycle < PIPE.passes - 1:
+        raise RecycleBoundary(values)
 
 
 class _TensorSlot:

@@ -58,7 +58,11 @@ def _scan(statements, defined: set[str], exposed: set[str]) -> set[str]:
             for small in stmt.body:
                 exposed |= _reads(small) - defined
                 defined = defined | names_in([small], True)
-        else:                      # loops, with, try: every name inside counts as read on entry
+        elif isinstance(stmt, cst.With) and isinstance(stmt.body, cst.IndentedBlock):
+            # a `with` body runs once, after its items: read in order like plain statements
+            exposed |= names_in(list(stmt.items), False) - defined
+            defined = _scan(stmt.body.body, defined | names_in(list(stmt.items), True), exposed)
+        else:                      # loops, try: every name inside counts as read on entry
             exposed |= names_in([stmt], False) - defined
             defined = defined | names_in([stmt], True)
     return defined

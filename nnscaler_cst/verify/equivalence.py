@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..plan.schedules import Action, Placement
+from ..plan.schedules import Placement, parse_action
 from . import forkserver
 from .launch import LaunchError, fixed_port, process_env, run_all, run_world, terminated_as_exit
 from .simulate import simulate
@@ -94,14 +94,10 @@ def check_schedules(package) -> None:
     modules = [package.rank_module(p * stride) for p in range(package.PP_SIZE)]
     orders = []
     for module in modules:
-        order = []
-        for text in module.SCHEDULE.split():
-            kind = "F" if "F" in text else "B"
-            stage, micro = (int(x) for x in text.split(kind))
-            order.append(Action(kind, stage, micro))
-        orders.append(order)
+        orders.append([parse_action(text) for text in module.SCHEDULE.split()])
     placement = Placement(tuple(modules[0].STAGE_RANKS), modules[0].PIPELINE_LENGTH)
-    simulate(orders, modules[0].PIPELINE_STAGE_COUNT, placement=placement)
+    simulate(orders, modules[0].PIPELINE_STAGE_COUNT, placement=placement,
+             passes=getattr(modules[0], "PIPELINE_PASSES", 1))
 
 
 GRAD_SCALE_FLOOR = 1e-3   # share of the largest gradient below which a gradient's own scale is noise

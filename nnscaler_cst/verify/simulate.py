@@ -21,11 +21,19 @@ class Event:
     end: float
 
 
-def _needs(action: Action, place: Placement) -> list[tuple[Action, int | None]]:
-    """(the action this one waits for, the rank it comes from; None when it is this rank's own)."""
+def _needs(action: Action, place: Placement, passes: int = 1) -> list[tuple[Action, int | None]]:
+    """(the action this one waits for, the rank it comes from; None when it is this rank's own).
+    Recycling (`passes` N > 1): pass c > 0 of a micro-batch starts on the first stage with what
+    the last stage of its pipeline handed back from pass c - 1."""
     s, m = action.stage, action.micro
     if action.kind == "F":
-        return [(Action("F", s - 1, m), place.ranks[s - 1])] if not place.first(s) else []
+        if not place.first(s):
+            return [(Action("F", s - 1, m, action.cycle), place.ranks[s - 1])]
+        cycle = action.cycle if action.cycle is not None else passes - 1
+        if cycle == 0:
+            return []
+        last = s + place.length - 1
+        return [(Action("F", last, m, cycle - 1), place.ranks[last])]
     needs = [(Action("F", s, m), None)]
     if not place.last(s):
         needs.append((Action("B", s + 1, m), place.ranks[s + 1]))
@@ -33,13 +41,13 @@ def _needs(action: Action, place: Placement) -> list[tuple[Action, int | None]]:
 
 
 def simulate(orders: list[list[Action]], stages: int, *, forward_seconds: list[float] | None = None,
-             latency: float = 0.0, placement: Placement | None = None) -> list[Event]:
+             latency: float = 0.0, placement: Placement | None = None, passes: int = 1) -> list[Event]:
     """`placement`: which rank runs each stage, and how many stages one pipeline has (default:
-    stage s on rank s % ranks, one pipeline of all `stages`)."""
+    stage s on rank s % ranks, one pipeline of all `stages`). `passes`: forwards per micro-batch
+    (recycling); a no-grad pass takes a forward's time and has no backward."""
     ranks = len(orders)
     place = placement or Placement(tuple(s % ranks for s in range(stages)), stages)
-    expected = {Action(k, s, m) for order in orders for (k, s, m) in
-                [(a.kind, a.stage, a.micro) for a in order]}
+    expected = {action for order in orders for action in order}
     for rank, order in enumerate(orders):
         for step, action in enumerate(order):
             if not 0 <= action.stage < len(place.ranks) or place.ranks[action.stage] != rank:
@@ -60,7 +68,7 @@ def simulate(orders: list[list[Action]], stages: int, *, forward_seconds: list[f
         for rank in range(ranks):
             while position[rank] < len(orders[rank]):
                 action = orders[rank][position[rank]]
-                needs = _needs(action, place)
+                needs = _needs(action, place, passes)
                 if any(need not in done for need, _ in needs):
                     break
                 ready = max([clock[rank]] + [done[n] + (latency if src is not None else 0.0) for n, src in needs])
@@ -77,7 +85,7 @@ def simulate(orders: list[list[Action]], stages: int, *, forward_seconds: list[f
                 if position[rank] == len(orders[rank]):
                     continue
                 action = orders[rank][position[rank]]
-                for need, src in _needs(action, place):
+                for need, src in _needs(action, place, passes):
                     if need not in done:
                         who = "itself" if src is None else f"rank {src}"
                         later = "never runs it" if need not in expected else "runs it only later"

@@ -1,0 +1,319 @@
+"""3F1B (generally NF1B; issue 10, item 2): a trunk run N times per micro-batch (AlphaFold2's
+recycling), the first N-1 passes without gradient, pipelined by the table rules/plans/3f1b.toml
+so the no-grad passes of later micro-batches fill the bubbles of earlier ones.
+
+- The table's order, checked against the paper's constraints written out here: for every rank,
+  f_c(m+1) before f_{c+1}(m) (f1(m+2) < f2(m+1) < f3(m) for N = 3), f_N(m + ofst) before b(m),
+  b(m) before the next diagonal, ofst = D - i - 1.
+- The simulator: pass c > 0 of a micro-batch waits on the first stage for pass c - 1 from the
+  last stage; a table that breaks this is refused naming the steps and ranks that wait.
+- Slow: the rewrite of fixtures/evoformer.py (PP = 2, 3 recycles) passes verify on gloo.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nnscaler_cst.errors import UserError
+from nnscaler_cst.plan.schedules import Action, load_schedule, parse_action, placement, schedule, to_csv
+from nnscaler_cst.verify.simulate import bubble_fraction, simulate
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _orders(ranks, micro, passes):
+    table = load_schedule("3f1b")
+    orders = schedule(table, ranks, micro, passes)
+    return table, orders
+
+
+def _position(order):
+    """(pass 1..N or "B", micro) -> step index; the forward with gradient is pass N."""
+    passes = 1 + max((a.cycle + 1 for a in order if a.cycle is not None), default=0)
+    return {(("B" if a.kind == "B" else (a.cycle + 1 if a.cycle is not None else passes)), a.micro): n
+            for n, a in enumerate(order)}, passes
+
+
+def test_3f1b_at_two_ranks_four_micro_batches_is_the_diagonal_order_written_out():
+    """Rank 0 (W = 1) and rank 1 (W = 0) of D = 2, M = 4, N = 3, by hand: forwards in diagonals
+    m + c (lower passes, later micro-batches, first), a backward after the diagonal ending with
+    f3(m + W)."""
+    _, orders = _orders(2, 4, 3)
+    assert " ".join(map(str, orders[0])) == ("0F0r0 0F1r0 0F0r1 0F2r0 0F1r1 0F0 0F3r0 0F2r1 0F1 0B0 "
+                                             "0F3r1 0F2 0B1 0F3 0B2 0B3")
+    assert " ".join(map(str, orders[1])) == ("1F0r0 1F1r0 1F0r1 1F2r0 1F1r1 1F0 1B0 1F3r0 1F2r1 1F1 1B1 "
+                                             "1F3r1 1F2 1B2 1F3 1B3")
+
+
+@pytest.mark.parametrize("ranks, micro, passes", [(2, 2, 3), (2, 4, 3), (2, 8, 3), (4, 4, 3), (4, 8, 3),
+                                                  (2, 4, 2), (3, 6, 4), (4, 8, 5)])
+def test_3f1b_order_holds_the_papers_constraints_and_does_not_deadlock(ranks, micro, passes):
+    table, orders = _orders(ranks, micro, passes)
+    for rank, order in enumerate(orders):
+        assert len(order) == micro * (passes + 1) and len(set(order)) == len(order)
+        at, _ = _position(order)
+        W = ranks - rank - 1
+        for m in range(micro):
+            for c in range(1, passes):
+                assert at[(c, m)] < at[(c + 1, m)]                         # passes of one micro-batch in order
+                if m + 1 < micro:
+                    assert at[(c, m + 1)] < at[(c + 1, m)]                 # f1(m+2) < f2(m+1) < f3(m)
+            assert at[(passes, min(m + W, micro - 1))] < at[("B", m)]      # f3(m + ofst) < b(m)
+            for c in range(1, passes + 1):                                 # b(m) < the next diagonal
+                if m + W + 1 + passes - c < micro:
+                    assert at[("B", m)] < at[(c, m + W + 1 + passes - c)]
+    events = simulate(orders, ranks, placement=placement(table, ranks), passes=passes)
+    assert len(events) == ranks * micro * (passes + 1)
+
+
+def test_3f1b_fills_the_bubbles_better_than_running_the_passes_one_micro_batch_after_another():
+    """Simulated with B = 2F: the diagonal order against the same passes run without overlap
+    (each micro-batch's no-grad passes, then 1F1B on the last pass), D = 2 and 4, M = 8, N = 3."""
+    table = load_schedule("3f1b")
+    for ranks in (2, 4):
+        orders = schedule(table, ranks, 8, 3)
+        ours = bubble_fraction(simulate(orders, ranks, placement=placement(table, ranks), passes=3), ranks)
+        plain = []
+        for rank, order in enumerate(orders):
+            grad = [a for a in order if a.cycle is None]
+            plain.append([Action("F", rank, m, c) for m in range(8) for c in range(2)] + grad)
+        serial = bubble_fraction(simulate(plain, ranks, placement=placement(table, ranks), passes=3), ranks)
+        assert ours < serial
+
+
+def test_one_pass_is_1f1b():
+    _, orders = _orders(4, 8, 1)
+    one = schedule(load_schedule("1f1b"), 4, 8)
+    assert orders == one
+
+
+def test_a_schedule_without_recycling_refuses_several_passes():
+    with pytest.raises(UserError, match="runs its trunk 3 times"):
+        schedule(load_schedule("1f1b"), 2, 4, 3)
+
+
+def test_actions_with_a_pass_read_back_and_go_to_csv():
+    assert parse_action("0F2r1") == Action("F", 0, 2, 1)
+    assert parse_action("1B3") == Action("B", 1, 3)
+    assert str(Action("F", 1, 0, 0)) == "1F0r0"
+    assert to_csv([[Action("F", 0, 0, 0), Action("F", 0, 0)]]) == "0F0r0,0F0\n"
+    with pytest.raises(UserError, match="cannot read the pipeline action"):
+        parse_action("0X1")
+
+
+BROKEN = """[schedule]
+name = "broken-3f1b"
+recycling = true
+warmup = "D - i - 1"
+order = [
+  "F{c}[k] < F{c+1}[k]", "B[k] < B[k+1]", "F[k] < B[k]", "F[min(k+W, K-1)] < B[k]",
+  # rank 0 runs the next pass of micro-batch 0 before micro-batch 1's first; the last rank
+  # takes micro-batch 1's first pass before micro-batch 0's
+  "F{c}[k] < F{c}[k+1] when i < D - 1", "F{c}[k+1] < F{c}[k] when i == D - 1",
+  "F{c+1}[k] < F{c}[k+1] when i == 0",
+]
+"""
+
+
+def test_a_broken_3f1b_table_is_refused_by_the_simulator_naming_steps_and_ranks(tmp_path):
+    """Rank 0 waits at 0F0r1 for rank 1's recycled 1F0r0, which rank 1 runs after 1F1r0, which
+    waits for rank 0's 0F1r0, which rank 0 runs only after 0F0r1: a hang on real processes."""
+    path = tmp_path / "broken.toml"
+    path.write_text(BROKEN)
+    table = load_schedule(str(path))
+    orders = schedule(table, 2, 2, 3)         # each rank's constraints alone are satisfiable
+    assert str(orders[0][1]) == "0F0r1" and str(orders[1][0]) == "1F1r0"
+    with pytest.raises(UserError) as refused:
+        simulate(orders, 2, placement=placement(table, 2), passes=3)
+    message = str(refused.value)
+    assert "deadlocks" in message
+    assert "rank 0 at step 1 (0F0r1) waits for 1F0r0 from rank 1" in message
+    assert "rank 1 at step 0 (1F1r0) waits for 0F1r0 from rank 0" in message
+
+
+# A trunk that is a submodule's forward (`self.stack(...)`), run twice by a recycling loop that
+# carries one value: the mechanism does not depend on the fixture's names.
+RECYCLER = """import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, h):
+        return h + torch.tanh(self.fc(self.norm(h)))
+
+
+class Stack(nn.Module):
+    def __init__(self, width, depth):
+        super().__init__()
+        self.layers = nn.ModuleList(Block(width) for _ in range(depth))
+
+    def forward(self, h):
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+class Recycler(nn.Module):
+    def __init__(self, width=16, depth=4, passes=2):
+        super().__init__()
+        self.passes = passes
+        self.inp = nn.Linear(8, width)
+        self.stack = Stack(width, depth)
+        self.back = nn.Linear(width, width)
+        self.head = nn.Linear(width, 1)
+        self.post = nn.Linear(width, width)
+
+    def forward(self, x, y):
+        h0 = self.inp(x)
+        carry = torch.zeros_like(h0)
+        for i in range(self.passes):
+            with torch.set_grad_enabled(i == self.passes - 1):
+                h = self.stack(h0 + self.back(carry))
+            carry = self.post(h).detach()     # after the trunk's call: on the last stage
+        return F.mse_loss(self.head(h), y)
+
+
+def build():
+    torch.manual_seed(0)
+    return Recycler()
+
+
+def example_inputs():
+    return {"x": torch.randn(4, 8), "y": torch.randn(4, 1)}
+"""
+
+TWICE_WITHOUT_A_LOOP = RECYCLER.replace("""        for i in range(self.passes):
+            with torch.set_grad_enabled(i == self.passes - 1):
+                h = self.stack(h0 + self.back(carry))
+            carry = self.post(h).detach()     # after the trunk's call: on the last stage
+""", """        h = self.stack(self.stack(h0))
+""")
+
+
+def _analyze(tmp_path, text):
+    from nnscaler_cst.analysis import analyze
+    (tmp_path / "recycler.py").write_text(text)
+    return analyze(tmp_path / "recycler.py")
+
+
+def test_the_recycling_loop_around_a_submodule_trunk_is_found_with_its_carried_value(tmp_path):
+    from nnscaler_cst.plan.pipeline import plan_stages
+    plan = plan_stages(_analyze(tmp_path, RECYCLER).graph, 2, recycling=True)
+    recycle = plan.trunk.recycle
+    assert recycle.passes == 2 and recycle.carried == ["carry"]
+    assert recycle.loop.line == RECYCLER.splitlines().index("        for i in range(self.passes):") + 1
+    assert plan.block_ranges == [(0, 2), (2, 4)]
+    # the loop's code after the trunk's call runs on the last stage only, before it on the first
+    assert "post" in plan.drop[0] and "post" not in plan.drop[1] and not plan.tied
+    assert plan.shadow[1] == ["back", "inp"]
+
+
+def test_a_trunk_run_twice_without_a_loop_is_refused_for_3f1b(tmp_path):
+    from nnscaler_cst.plan.pipeline import plan_stages
+    graph = _analyze(tmp_path, TWICE_WITHOUT_A_LOOP).graph
+    with pytest.raises(UserError, match="run 2 times in one forward, and no `for` loop calls it"):
+        plan_stages(graph, 2, recycling=True)
+    with pytest.raises(UserError, match="run 2 times in one forward") as refused:
+        plan_stages(graph, 2)                  # 1F1B: refused, pointing at 3F1B
+    assert "--schedule 3f1b" in refused.value.hint
+
+
+def test_the_rewrite_runs_one_pass_per_action_and_is_deterministic(tmp_path):
+    """The recycling loop of the rank files: its iterable wrapped in pp_passes, the carried value
+    taken from the last stage at the top of the body and handed back at its end; the passes in
+    PIPELINE_PASSES and SCHEDULE; the same bytes on a second run."""
+    from nnscaler_cst.rewrite import PlanRequest, rewrite
+    analysis = _analyze(tmp_path, RECYCLER)
+    request = PlanRequest(pp=2, schedule="3f1b", micro_batches=2)
+    files = rewrite(analysis, request).files
+    stage0, stage1 = files["model_stage0.py"], files["model_stage1.py"]
+    assert "        for i in pp_passes(range(self.passes)):  # pipeline (3F1B)" in stage0
+    assert "            carry = pp_recycled(carry)  # pipeline: the first stage starts a later pass" in stage0
+    assert "            pp_recycle(carry)  # pipeline: the last stage hands these to the first stage" in stage0
+    assert "PIPELINE_PASSES = 2" in stage0 and 'SCHEDULE = "0F0r0 0F1r0 0F0 0F1 0B0 0B1"' in stage0
+    assert 'SCHEDULE = "1F0r0 1F1r0 1F0 1B0 1F1 1B1"' in stage1
+    assert "SFMrC = its pass C of the recycling loop" in stage0
+    assert files["schedule.csv"] == "0F0r0,0F1r0,0F0,0F1,0B0,0B1\n1F0r0,1F1r0,1F0,1B0,1F1,1B1\n"
+    assert rewrite(analysis, request).files == files
+
+
+def _cli(*args, cwd=REPO):
+    env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_3f1b_rewrite_of_the_evoformer_is_per_rank_code_and_passes_verify_on_gloo(tmp_path):
+    """fixtures/evoformer.py (3 recycles) at PP = 2, 2 micro-batches (its batch is 2): the
+    recycling loop runs one pass per action, the last stage hands the recycled values back, and
+    the run matches the single device."""
+    out = tmp_path / "out"
+    result = _cli("fixtures/evoformer.py", "--pp", "2", "--schedule", "3f1b", "--micro-batches", "2", "-o", out)
+    assert result.returncode == 0, result.stderr
+    stage0 = (out / "model_stage0.py").read_text()
+    assert "for cycle in pp_passes(range(self.recycles)):" in stage0
+    assert "prev_m, prev_z = pp_recycled(prev_m, prev_z)" in stage0
+    assert "pp_recycle(prev_m, prev_z)" in stage0 and "PIPELINE_PASSES = 3" in stage0
+    assert 'SCHEDULE = "0F0r0 0F1r0 0F0r1 0F1r1 0F0 0F1 0B0 0B1"' in stage0
+    assert "except _comm.RecycleBoundary" in (out / "train.py").read_text()
+    result = _cli("verify", "fixtures/evoformer.py", "--pp", "2", "--schedule", "3f1b", "--micro-batches", "2")
+    assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_3f1b_on_four_stages_with_middle_stages_passes_verify_on_gloo(tmp_path):
+    """The evoformer with 4 blocks and a batch of 4, at PP = 4 and 4 micro-batches: middle stages
+    receive and hand on every pass, the last hands back to the first."""
+    text = (REPO / "fixtures" / "evoformer.py").read_text()
+    text = text.replace("    return Evoformer()\n", "    return Evoformer(blocks=4)\n")
+    text = text.replace("(2, 4, 8)", "(4, 4, 8)").replace("(2, 8, 8)", "(4, 8, 8)")
+    (tmp_path / "evoformer4.py").write_text(text)
+    result = _cli("verify", tmp_path / "evoformer4.py", "--pp", "4", "--schedule", "3f1b", "--micro-batches", "4")
+    assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr
+    assert "4 gloo processes" in result.stdout
+
+
+@pytest.mark.slow
+def test_3f1b_on_a_submodule_trunk_carrying_one_value_passes_verify_on_gloo(tmp_path):
+    (tmp_path / "recycler.py").write_text(RECYCLER)
+    result = _cli("verify", tmp_path / "recycler.py", "--pp", "2", "--schedule", "3f1b", "--micro-batches", "4")
+    assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr
+
+
+def test_verify_simulates_the_schedule_written_in_the_rank_files_with_its_passes():
+    """check_schedules reads SCHEDULE (hand edits included) with its `r` passes and refuses a
+    hand-edited order that would hang before any process starts."""
+    from types import SimpleNamespace
+    from nnscaler_cst.verify.equivalence import check_schedules
+    _, orders = _orders(2, 2, 3)
+
+    def package(rank0):
+        modules = [SimpleNamespace(SCHEDULE=" ".join(map(str, order)), STAGE_RANKS=[0, 1], PIPELINE_LENGTH=2,
+                                   PIPELINE_STAGE_COUNT=2, PIPELINE_PASSES=3) for order in orders]
+        modules[0].SCHEDULE = rank0
+        return SimpleNamespace(PP_SIZE=2, TP_SIZE=1, DP_SIZE=1, rank_module=lambda rank: modules[rank])
+    check_schedules(package(" ".join(map(str, orders[0]))))
+    # rank 0 starts micro-batch 0's second pass before handing on micro-batch 0's first
+    edited = "0F0r1 0F0r0 0F1r0 0F1r1 0F0 0F1 0B0 0B1"
+    with pytest.raises(UserError, match=r"rank 0 at step 0 \(0F0r1\) waits for 1F0r0 from rank 1"):
+        check_schedules(package(edited))
+
+
+@pytest.mark.slow
+def test_rewrite_refuses_a_deadlocking_3f1b_table_with_exit_2(tmp_path):
+    (tmp_path / "broken.toml").write_text(BROKEN)
+    result = _cli("fixtures/evoformer.py", "--pp", "2", "--schedule", tmp_path / "broken.toml", "--micro-batches", "2",
+                  "-o", tmp_path / "out")
+    assert result.returncode == 2 and not (tmp_path / "out").exists()
+    assert "deadlocks" in result.stderr and "rank 0 at step 1 (0F0r1)" in result.stderr, result.stderr
