@@ -24,6 +24,7 @@ from .materialize.edits import Edits, data_parallel_edits, one_device_edits, pla
 from .plan.ir import OpAssign, OpOrder, OpTrans, Plan
 from .plan.pipeline import StagePlan, plan_stages
 from .plan.recompute import recompute_seconds, recompute_site
+from .plan import interlaced
 from .plan.schedules import Action, Placement, load_schedule, placement, schedule, to_csv
 from .plan.zero import check_zero
 from .verify.simulate import simulate
@@ -268,6 +269,9 @@ def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: in
              *([f"STAGE_SHADOWS = {{{', '.join(f'{s}: {stages.shadow[s]}' for s in mine)}}}  "
                 "# run by code above the cut function on every stage; trained on the stage that owns them"]
                if any(stages.shadow.get(s) for s in mine) else []),
+             *([f"VOCAB_MODULES = {stages.vocab_modules}  # split on the vocabulary over the pipeline ranks",
+                f"VOCAB_STAGES = {stages.vocab_stages}  # stages calling them: every other rank takes part "
+                "(sEk, sGk)"] if stages.vocab_modules else []),
              f'SCHEDULE = "{" ".join(map(str, orders[pp_rank]))}"  # this rank\'s order']
     return "\n".join(lines) + "\n"
 
@@ -275,6 +279,8 @@ def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: in
 def _schedule_comment(orders: list[list[Action]], table: str, micro: int) -> str:
     lines = [f"# Pipeline schedule {table}: {len(orders)} ranks x {micro} micro-batches; "
              "SF M = stage S forward (F) or backward (B) of micro-batch M"]
+    if any(a.kind in "EG" for order in orders for a in order):
+        lines[0] += "; SE M / SG M = this rank's share of the vocabulary-split modules in that forward / backward"
     lines += [f"#   rank {r}: {' '.join(map(str, order))}" for r, order in enumerate(orders)]
     return "\n".join(lines) + "\n"
 
@@ -332,6 +338,7 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
     title = f"Parallel version of {source_label}: plan {plan.describe()}."
     files["__init__.py"] = with_header(templates.INIT.format(title=title, world=plan.world_size, tp=tp, dp=dp,
                                                              pp=pp, splits=splits, aliases=aliases,
+                                                             vocab_splits=stages.vocab_params if stages else [],
                                                              programs=[p.name for p in programs(plan, stages)]),
                                        f"from {source_label}")
     partial = ", ".join(repr(a) for p in (edits.partial_grad_params if edits else [])
@@ -374,8 +381,12 @@ def plan_pipeline(analysis: Analysis, plan: Plan, request: PlanRequest) -> tuple
                         _inputs_location(analysis), hint="choose --micro-batches dividing the batch")
     if micro > 1:
         check_batch_split(analysis.graph, f"{micro} micro-batches", across_ranks=False)
-    orders = schedule(table, request.pp, micro)
-    simulate(orders, stages.stages, placement=place)
+    if table.vocab:       # interlaced: the embedding split over all pipeline ranks, shares placed by z3
+        interlaced.apply(analysis.graph, stages, table)
+        orders = interlaced.orders(table, request.pp, micro, place, stages.vocab_stages)
+    else:
+        orders = schedule(table, request.pp, micro)
+    simulate(orders, stages.stages, placement=place, shared=stages.vocab_stages)
     plan.name += f"+{table.name}"
     plan.mesh["pp"] = request.pp
     for index, model_stage in stages.node_stage.items():

@@ -51,6 +51,11 @@ class StagePlan:
     # then count model stages, 0..length-1, and stage s runs model stage s % length
     placement: tuple[int, ...] = ()
     length: int = 0
+    # interlaced (plan/interlaced.py): modules split on the vocabulary over all pipeline ranks,
+    # every name of the parameters they split, and the stages whose steps call them
+    vocab_modules: list[str] = field(default_factory=list)
+    vocab_params: list[str] = field(default_factory=list)
+    vocab_stages: list[int] = field(default_factory=list)
 
     @property
     def stages(self) -> int:

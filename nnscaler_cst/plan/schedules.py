@@ -52,6 +52,10 @@ class ScheduleTable:
     pipelines: int = 1
     stage_rank: str = "v % D"
     bubble: tuple[str, str] | None = None      # the bubble's formula: numerator, denominator
+    # interlaced (plan/interlaced.py): which embeddings every pipeline rank holds a vocabulary
+    # piece of ("tied", "all"), and at which owner's step each rank runs its share (`E[k] = F[k]`)
+    vocab: str | None = None
+    together: tuple[str, ...] = ()
 
     def formula(self, ranks: int, micro: int) -> tuple[str, float] | None:
         """The table's bubble formula, written out, and its value for D ranks and M micro-batches."""
@@ -110,7 +114,8 @@ def load_schedule(name: str) -> ScheduleTable:
                          head.get("warmup", "0"), head.get("order", []), head.get("forward_chunk", "0"),
                          head.get("backward_chunk", "0"), head.get("micro_batch", "k"),
                          Location(display_path(path), _line(path, "order")), int(head.get("pipelines", 1)),
-                         head.get("stage_rank", "v % D"), tuple(head["bubble"]) if "bubble" in head else None)
+                         head.get("stage_rank", "v % D"), tuple(head["bubble"]) if "bubble" in head else None,
+                         head.get("vocab"), tuple(head.get("together", ())))
 
 
 def placement(table: ScheduleTable, ranks: int) -> Placement:

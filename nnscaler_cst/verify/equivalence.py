@@ -96,12 +96,13 @@ def check_schedules(package) -> None:
     for module in modules:
         order = []
         for text in module.SCHEDULE.split():
-            kind = "F" if "F" in text else "B"
+            kind = next(k for k in "FBEG" if k in text)
             stage, micro = (int(x) for x in text.split(kind))
             order.append(Action(kind, stage, micro))
         orders.append(order)
     placement = Placement(tuple(modules[0].STAGE_RANKS), modules[0].PIPELINE_LENGTH)
-    simulate(orders, modules[0].PIPELINE_STAGE_COUNT, placement=placement)
+    simulate(orders, modules[0].PIPELINE_STAGE_COUNT, placement=placement,
+             shared=getattr(modules[0], "VOCAB_STAGES", ()))
 
 
 GRAD_SCALE_FLOOR = 1e-3   # share of the largest gradient below which a gradient's own scale is noise
