@@ -177,6 +177,8 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
         names = _table_names(request, tp, dp)
         tables = [load_table(n) for n in names]
         constraints = [c for t in tables for c in t.for_axis("tp")] + [c for c in annotations if c.axis == "tp"]
+        if request.pp > 1 and tp > 1 and load_schedule(request.schedule).vocab:   # interlaced: split over pp
+            constraints = interlaced.keep_whole_on_tp(graph, load_schedule(request.schedule), request.pp, constraints)
         batch = analysis.trace.batch_size or 1
         if dp > 1 and batch % dp:
             table_line = next((c.location for t in tables for c in t.for_axis("dp")), None)

@@ -18,6 +18,7 @@ simulator checks the result again, with the collectives).
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -25,7 +26,8 @@ import z3
 
 from ..errors import Location, UserError
 from ..graph.graph import Graph
-from .pipeline import StagePlan, _ancestors
+from .pipeline import StagePlan, find_trunk
+from .tables import Constraint
 from .schedules import Action, Placement, ScheduleTable, _line, evaluate, schedule
 
 _TOGETHER = re.compile(r"^\s*([EG])\[(.+?)\]\s*=\s*([FB])\[(.+?)\]\s*$")
@@ -35,10 +37,10 @@ def _inside(path: str, module: str) -> bool:
     return path == module or path.startswith(module + ".")
 
 
-def vocab_modules(graph: Graph, stages: StagePlan, mode: str, where: Location) -> tuple[list[str], list[str]]:
+def vocab_modules(graph: Graph, blocks: list[str], ranks: int, mode: str,
+                  where: Location) -> tuple[list[str], list[str]]:
     """The modules split on the vocabulary and every name of the parameters they split."""
     trace = graph.trace
-    blocks = stages.trunk.blocks
     embeddings = set()
     for node in graph.nodes:
         if node.callee == "torch.nn.functional.embedding" and node.module_path:
@@ -68,17 +70,27 @@ def vocab_modules(graph: Graph, stages: StagePlan, mode: str, where: Location) -
                 raise UserError(f"{module} has a bias: a vocabulary-split head takes none yet", where)
             modules.append(module)
             names.append(alias)
-        if info.shape[0] % stages.ranks:
-            raise UserError(f"{info.name} has {info.shape[0]} rows, not divisible by the {stages.ranks} "
+        if info.shape[0] % ranks:
+            raise UserError(f"{info.name} has {info.shape[0]} rows, not divisible by the {ranks} "
                             "pipeline ranks it is split over", where)
     return sorted(set(modules)), sorted(set(names))
+
+
+def keep_whole_on_tp(graph: Graph, table: ScheduleTable, ranks: int, constraints: list[Constraint]) -> list[Constraint]:
+    """op-trans on the tensor-parallel axis: the vocabulary modules stay whole there (their split
+    is the pipeline's), as if the table said `op_trans = { axis = "tp", algo = "replicate" }`; the
+    plan's other constraints select the rest."""
+    where = Location(table.location.path, _line(Path(table.location.path), "vocab"))
+    modules, _ = vocab_modules(graph, find_trunk(graph).blocks, ranks, table.vocab, where)
+    others = [dataclasses.replace(c, select={**c.select, "except_inside": modules}) for c in constraints]
+    return others + [Constraint("interlaced-vocab", where, "tp", {"inside": modules}, algo="replicate")]
 
 
 def apply(graph: Graph, stages: StagePlan, table: ScheduleTable) -> None:
     """Record the vocabulary split on the stage plan: the modules every stage holds (a piece of),
     the stages whose step calls them, and the drops and tied groups without them."""
     where = Location(table.location.path, _line(Path(table.location.path), "vocab"))
-    modules, names = vocab_modules(graph, stages, table.vocab, where)
+    modules, names = vocab_modules(graph, stages.trunk.blocks, stages.ranks, table.vocab, where)
     owners = set()
     for node in graph.nodes:
         if any(_inside(p, m) for p in filter(None, (node.module_path, node.callee_path)) for m in modules):
