@@ -10,19 +10,21 @@ every other rank runs its piece at the same step ("sEk": its share of stage s's 
 micro-batch k, "sGk" of the backward), because the op is collective over all ranks. The
 table's `together` constraints say which step a share joins (`E[k] = F[k]`, `G[k] = B[k]`).
 
-The stages keep their own table order (1F1B); z3 places every rank's shares on one timeline
-of all ranks: equal times for the steps of one collective, each forward after the one it
-receives from, each backward after the one it receives gradients from, every rank's own order
-kept. Executed in time order, no rank waits for a step that comes later (the deadlock
-simulator checks the result again, with the collectives).
+The stages keep their own table order (1F1B, ordered by z3 from the table's constraints); the
+shares are placed by a walk of one timeline of all ranks: a share at the same time as its
+owner's step, each forward after the one it receives from, each backward after the one it
+receives gradients from, every rank's own order kept. The deadlock simulator checks the result
+with the collectives before anything is written.
+
+Each share holds its rank for the owner's whole step (the owner ends it with a header at the end
+of its step), which the walk and the simulator count: while a stage that calls a vocabulary
+module runs, no other rank computes.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
 from pathlib import Path
-
-import z3
 
 from ..errors import Location, UserError
 from ..graph.graph import Graph
@@ -112,11 +114,16 @@ def apply(graph: Graph, stages: StagePlan, table: ScheduleTable) -> None:
 
 
 def orders(table: ScheduleTable, ranks: int, micro: int, place: Placement, owners: list[int]) -> list[list[Action]]:
-    """Every rank's order: its stages' steps in the table's order, and its shares of the owners'
-    steps, at the same time as the owner's step (one timeline of all ranks, solved by z3)."""
+    """Every rank's order: its stages' steps in the table's order (z3, as for 1F1B), and its shares
+    of the owners' steps, each joined when the owner's step is due (`together` maps a share to the
+    owner's step). The shares are placed by a walk of the timeline (a forward takes 1, a backward 2,
+    a collective step the owner's time on every rank): the next step to start is the one that could
+    start first, and a rank free when an owner's step is due joins it before starting anything
+    else. (z3's optimiser over every step's time took more than a minute at D = 4, M = 4.)"""
     base = schedule(table, ranks, micro)
     if not owners:
         return base
+    share_of: dict[tuple[str, int], tuple[str, int]] = {}    # owner's (kind, micro) -> share's
     together = []
     for text in table.together:
         match = _TOGETHER.match(text)
@@ -127,48 +134,53 @@ def orders(table: ScheduleTable, ranks: int, micro: int, place: Placement, owner
     if {g[0] for g in together} != {"E", "G"}:
         raise UserError("the interlaced table needs `together` for both E (forward) and G (backward) shares",
                         table.location)
-    ctx = z3.Context()
-    time: dict[tuple[int, Action], z3.ArithRef] = {}
-    solver = z3.Optimize(ctx=ctx)
-    shares: list[list[Action]] = [[] for _ in range(ranks)]
-    for rank, order in enumerate(base):
-        for action in order:
-            time[(rank, action)] = z3.Int(f"r{rank}_{action}", ctx)
-        for a, b in zip(order, order[1:]):
-            solver.add(time[(rank, a)] < time[(rank, b)])
-    for rank in range(ranks):
-        for stage in owners:
-            if place.ranks[stage] == rank:
+    for share, k_expr, kind, j_expr in together:
+        for k in range(micro):
+            env = {"k": k, "D": ranks, "M": micro}
+            a, b = evaluate(k_expr, env, table.location), evaluate(j_expr, env, table.location)
+            if (share == "E") != (kind == "F"):
+                raise UserError(f"`{share}[{k_expr}] = {kind}[{j_expr}]`: E joins a forward (F), G a backward (B)",
+                                table.location)
+            share_of.setdefault((kind, b), (share, a))
+    shared = set(owners)
+    position = [0] * ranks
+    free = [0.0] * ranks
+    finish: dict[Action, float] = {}
+    out: list[list[Action]] = [[] for _ in range(ranks)]
+
+    def needs(action: Action) -> list[Action]:
+        if action.kind == "F":
+            return [] if place.first(action.stage) else [Action("F", action.stage - 1, action.micro)]
+        return [Action("F", action.stage, action.micro)] + \
+            ([] if place.last(action.stage) else [Action("B", action.stage + 1, action.micro)])
+
+    while any(position[r] < len(base[r]) for r in range(ranks)):
+        best = None
+        for rank in range(ranks):
+            if position[rank] == len(base[rank]):
                 continue
-            for share, k_expr, kind, j_expr in together:
-                for k in range(micro):
-                    env = {"k": k, "i": rank, "D": ranks, "M": micro}
-                    a, b = evaluate(k_expr, env, table.location), evaluate(j_expr, env, table.location)
-                    step = Action(share, stage, a)
-                    shares[rank].append(step)
-                    time[(rank, step)] = z3.Int(f"r{rank}_{step}", ctx)
-                    solver.add(time[(rank, step)] == time[(place.ranks[stage], Action(kind, stage, b))])
-    for rank in range(ranks):
-        mine = [t for (r, _), t in time.items() if r == rank]
-        solver.add(z3.Distinct(*mine))
-        for t in mine:
-            solver.add(t >= 0)
-    for (rank, action), t in time.items():       # receives after their sends
-        if action.kind == "F" and not place.first(action.stage):
-            before = Action("F", action.stage - 1, action.micro)
-            solver.add(time[(place.ranks[before.stage], before)] < t)
-        if action.kind == "B":
-            solver.add(time[(rank, Action("F", action.stage, action.micro))] < t)
-            if not place.last(action.stage):
-                after = Action("B", action.stage + 1, action.micro)
-                solver.add(time[(place.ranks[after.stage], after)] < t)
-    solver.minimize(z3.Sum(*time.values()))
-    if solver.check() != z3.sat:
-        raise UserError(f"schedule {table.name}: no order of all ranks runs every share of the vocabulary "
-                        "ops at its owner's step", table.location)
-    model = solver.model()
-    out = []
-    for rank in range(ranks):
-        steps = [a for (r, a) in time if r == rank]
-        out.append(sorted(steps, key=lambda a: model.eval(time[(rank, a)]).as_long()))
+            action = base[rank][position[rank]]
+            if any(n not in finish for n in needs(action)):
+                continue
+            due = max([free[rank]] + [finish[n] for n in needs(action)])
+            # a collective step starts when every rank is free; it is due when the owner is ready
+            key = (due, action.stage not in shared, rank)
+            if best is None or key < best[0]:
+                best = (key, rank, action)
+        if best is None:
+            raise UserError(f"schedule {table.name}: the ranks' own orders wait for each other", table.location)
+        (due, _, _), rank, action = best
+        length = 1.0 if action.kind == "F" else 2.0
+        if action.stage in shared:
+            begin = max([due] + free)
+            for other in range(ranks):
+                if other != rank and (action.kind, action.micro) in share_of:
+                    kind, m = share_of[(action.kind, action.micro)]
+                    out[other].append(Action(kind, action.stage, m))
+                free[other] = begin + length
+        else:
+            begin = due
+        out[rank].append(action)
+        free[rank] = finish[action] = begin + length
+        position[rank] += 1
     return out
