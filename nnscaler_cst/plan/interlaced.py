@@ -92,6 +92,9 @@ def apply(graph: Graph, stages: StagePlan, table: ScheduleTable) -> None:
     """Record the vocabulary split on the stage plan: the modules every stage holds (a piece of),
     the stages whose step calls them, and the drops and tied groups without them."""
     where = Location(table.location.path, _line(Path(table.location.path), "vocab"))
+    if table.virtual_stages != 1 or table.pipelines != 1:
+        raise UserError(f"schedule {table.name}: a vocabulary split over the pipeline runs with one stage per "
+                        "rank and one pipeline", where, hint="set virtual_stages = 1 and pipelines = 1")
     modules, names = vocab_modules(graph, stages.trunk.blocks, stages.ranks, table.vocab, where)
     owners = set()
     for node in graph.nodes:
