@@ -273,7 +273,9 @@ def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: in
                if any(stages.shadow.get(s) for s in mine) else []),
              *([f"VOCAB_MODULES = {stages.vocab_modules}  # split on the vocabulary over the pipeline ranks",
                 f"VOCAB_STAGES = {stages.vocab_stages}  # stages calling them: every other rank takes part "
-                "(sEk, sGk)"] if stages.vocab_modules else []),
+                "(sEk, sGk)",
+                f"VOCAB_CALLS = {stages.vocab_calls}  # their calls in one step of each such stage"]
+               if stages.vocab_modules else []),
              f'SCHEDULE = "{" ".join(map(str, orders[pp_rank]))}"  # this rank\'s order']
     return "\n".join(lines) + "\n"
 

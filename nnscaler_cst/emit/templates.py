@@ -399,10 +399,10 @@ def pipeline_train_step(stages, optimizer, batch, module):
         after = rank_of(stage + 1) if not last(stage) else None
         sends = []
         if kind in "EG":    # this rank's share of another stage's vocabulary ops, at that stage's step
-            _comm.vocab_share(kind, stage, m, rank_of(stage))
-        elif kind == "F":
-            if stage in vocab:
-                _comm.vocab_begin()     # the owner of this step: its calls are numbered from 0
+            _comm.vocab_share(kind, stage, m, rank_of(stage), module.VOCAB_CALLS[stage])
+        elif stage in vocab:
+            _comm.vocab_begin()         # the owner of this step: its calls are counted from 0
+        if kind == "F":
             received = []
             if not first(stage):
                 _comm.PIPE.inbox, received = _comm.wait_activations(incoming)
@@ -418,8 +418,8 @@ def pipeline_train_step(stages, optimizer, batch, module):
             _comm.PIPE.inbox = ()       # what was received lives on in `held` until its backward only
             held[(stage, m)] = (received, sent)
             if stage in vocab:
-                _comm.vocab_end()       # the other ranks' share of this step ends here
-        else:
+                _comm.vocab_end(module.VOCAB_CALLS[stage])   # the step made the calls the other ranks serve
+        elif kind == "B":
             received, sent = held.pop((stage, m))
             if last(stage):
                 sent[0].backward()
@@ -427,7 +427,7 @@ def pipeline_train_step(stages, optimizer, batch, module):
                 outputs = [t for t in sent if t.requires_grad]
                 torch.autograd.backward(outputs, _comm.wait_grads(incoming))
             if stage in vocab:
-                _comm.vocab_end()
+                _comm.vocab_end(module.VOCAB_CALLS[stage])
             if not first(stage):
                 sends = _comm.grad_sends(received, before, stage, m)
             del received, sent

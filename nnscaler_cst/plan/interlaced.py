@@ -16,9 +16,9 @@ owner's step, each forward after the one it receives from, each backward after t
 receives gradients from, every rank's own order kept. The deadlock simulator checks the result
 with the collectives before anything is written.
 
-Each share holds its rank for the owner's whole step (the owner ends it with a header at the end
-of its step), which the walk and the simulator count: while a stage that calls a vocabulary
-module runs, no other rank computes.
+A share serves the owner's calls of one step (VOCAB_CALLS, counted in the trace) and ends with
+the last: the other ranks wait from the step they join the owner's to its last vocabulary op.
+The walk and the simulator count a share as long as the owner's whole step (an upper bound).
 """
 from __future__ import annotations
 
@@ -96,10 +96,14 @@ def apply(graph: Graph, stages: StagePlan, table: ScheduleTable) -> None:
         raise UserError(f"schedule {table.name}: a vocabulary split over the pipeline runs with one stage per "
                         "rank and one pipeline", where, hint="set virtual_stages = 1 and pipelines = 1")
     modules, names = vocab_modules(graph, stages.trunk.blocks, stages.ranks, table.vocab, where)
-    owners = set()
+    calls: dict[int, int] = {}      # stage -> calls of vocabulary modules in one of its steps
     for node in graph.nodes:
-        if any(_inside(p, m) for p in filter(None, (node.module_path, node.callee_path)) for m in modules):
-            owners.update(stages.replicas(stages.node_stage[node.index]))
+        if (node.callee_kind == "module" and node.callee_path in modules) or (
+                node.callee in ("torch.nn.functional.embedding", "torch.nn.functional.linear")
+                and node.module_path in modules):
+            for stage in stages.replicas(stages.node_stage[node.index]):
+                calls[stage] = calls.get(stage, 0) + 1
+    owners = set(calls)
     owner_paths = sorted({a.rpartition(".")[0] for info in graph.trace.params.values() for a in info.aliases})
     for stage, drops in stages.drop.items():
         kept = []
@@ -114,6 +118,7 @@ def apply(graph: Graph, stages: StagePlan, table: ScheduleTable) -> None:
         stages.shadow[stage] = [s for s in shadows if s not in modules]
     stages.tied = [group for group in stages.tied if not set(group) & set(names)]
     stages.vocab_modules, stages.vocab_params, stages.vocab_stages = modules, names, sorted(owners)
+    stages.vocab_calls = dict(sorted(calls.items()))
 
 
 def orders(table: ScheduleTable, ranks: int, micro: int, place: Placement, owners: list[int]) -> list[list[Action]]:

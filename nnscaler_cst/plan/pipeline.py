@@ -56,6 +56,7 @@ class StagePlan:
     vocab_modules: list[str] = field(default_factory=list)
     vocab_params: list[str] = field(default_factory=list)
     vocab_stages: list[int] = field(default_factory=list)
+    vocab_calls: dict[int, int] = field(default_factory=dict)   # stage -> their calls in one step
 
     @property
     def stages(self) -> int:

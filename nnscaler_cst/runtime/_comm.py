@@ -1162,9 +1162,9 @@ def recv_grads(outputs: list, src: int, stage: int, micro: int) -> list:
 # header (what runs next, on what shape) and the input; every rank computes its rows and the
 # pieces are summed (embedding) or gathered (head). The other ranks take part in the same step
 # of the schedule: "0E3" is this rank's share of stage 0's forward of micro-batch 3, "0G3" of its
-# backward. A header with kind 0 ends the owner's step.
+# backward. The other ranks serve as many calls as the plan counted in that step (VOCAB_CALLS).
 
-_V_END, _V_EMBED, _V_LINEAR, _V_EMBED_GRAD, _V_LINEAR_GRAD = 0, 1, 2, 3, 4
+_V_EMBED, _V_LINEAR, _V_EMBED_GRAD, _V_LINEAR_GRAD = 1, 2, 3, 4
 _V_HEADER = 8
 
 
@@ -1175,6 +1175,7 @@ class VocabState:
     def __init__(self) -> None:
         self.modules: list = []
         self.calls = 0
+        self.grads = 0
         self.saved: dict = {}
 
 
@@ -1241,6 +1242,7 @@ class _VocabEmbedding(torch.autograd.Function):
     def backward(ctx, grad):
         ids, weight = ctx.saved_tensors
         index, padding_idx, call = ctx.meta
+        VOCAB.grads += 1
         grad = grad.contiguous()
         _owner_header(_V_EMBED_GRAD, call, index, grad)
         _broadcast(grad, GLOBAL_RANK, PP)
@@ -1265,6 +1267,7 @@ class _VocabLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         index, call = ctx.meta
+        VOCAB.grads += 1
         grad = grad.contiguous()
         _owner_header(_V_LINEAR_GRAD, call, index, grad)
         _broadcast(grad, GLOBAL_RANK, PP)
@@ -1325,27 +1328,30 @@ def vocab_split(model: torch.nn.Module, paths: list[str]) -> None:
 
 def vocab_begin() -> None:
     """The owner starts a step of a stage that calls vocabulary-split modules."""
-    VOCAB.calls = 0
+    VOCAB.calls = VOCAB.grads = 0
 
 
-def vocab_end(device=None) -> None:
-    """The owner ends such a step: the header that releases the other ranks."""
-    _header([_V_END], GLOBAL_RANK, device or _vocab_device())
+def vocab_end(expected: int) -> None:
+    """The owner ends such a step: it must have made the calls the other ranks serve (the
+    plan's count), else they would wait on."""
+    made = VOCAB.calls if VOCAB.grads == 0 else VOCAB.grads
+    if made != expected:
+        raise RuntimeError(f"this pipeline step made {made} calls of vocabulary-split modules, the other "
+                           f"ranks serve {expected} (VOCAB_CALLS)")
 
 
 def _vocab_device():
     return VOCAB.modules[0].weight.device if VOCAB.modules else torch.device("cpu")
 
 
-def vocab_share(kind: str, stage: int, micro: int, src: int) -> None:
+def vocab_share(kind: str, stage: int, micro: int, src: int, calls: int) -> None:
     """This rank's share of the owner's step (`src`: its global rank): "E" of a forward, "G" of
-    a backward. Runs what the owner's headers say until the end header."""
+    a backward. Serves the owner's `calls` calls, as each header says, and returns after the
+    last (not at the end of the owner's step)."""
     device = _vocab_device()
     saved = VOCAB.saved.setdefault((stage, micro), {}) if kind == "E" else VOCAB.saved.pop((stage, micro), {})
-    while True:
+    for _ in range(calls):
         what, call, index, ndim, *shape = _header([], src, device)
-        if what == _V_END:
-            return
         shape = shape[:ndim]
         module = VOCAB.modules[index]
         weight = module.weight
