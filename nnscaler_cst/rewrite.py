@@ -404,6 +404,14 @@ def plan_pipeline(analysis: Analysis, plan: Plan, request: PlanRequest) -> tuple
     for rank, order in enumerate(orders):
         for before, after in zip(order, order[1:]):
             plan.order.append(OpOrder(str(before), str(after), rank))
+    for node in interlaced.vocab_calls(analysis.graph, stages.vocab_modules):   # interlaced: n = |D| pieces
+        if node.span is not None and OpTrans(node.span.label, node.callee, "pp", "vocab", request.pp) not in plan.trans:
+            plan.trans.append(OpTrans(node.span.label, node.callee, "pp", "vocab", request.pp))
+            plan.assign += [OpAssign(node.span.label, "pp", i, plan.devices_of("pp", i)) for i in range(request.pp)]
+    for name in stages.vocab_params:
+        for pname, info in analysis.trace.params.items():
+            if name in info.aliases and pname in plan.params:
+                plan.params[pname]["pp"] = "S0"        # rows of the vocabulary, one share per pipeline rank
     return stages, orders
 
 

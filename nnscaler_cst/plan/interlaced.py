@@ -88,6 +88,13 @@ def keep_whole_on_tp(graph: Graph, table: ScheduleTable, ranks: int, constraints
     return others + [Constraint("interlaced-vocab", where, "tp", {"inside": modules}, algo="replicate")]
 
 
+def vocab_calls(graph: Graph, modules: list[str]) -> list:
+    """The trace's calls of the vocabulary modules (a module call, or the embedding/linear inside
+    a subclass's forward)."""
+    return [node for node in graph.nodes if (node.callee_kind == "module" and node.callee_path in modules) or (
+        node.callee in ("torch.nn.functional.embedding", "torch.nn.functional.linear") and node.module_path in modules)]
+
+
 def apply(graph: Graph, stages: StagePlan, table: ScheduleTable) -> None:
     """Record the vocabulary split on the stage plan: the modules every stage holds (a piece of),
     the stages whose step calls them, and the drops and tied groups without them."""
@@ -97,12 +104,9 @@ def apply(graph: Graph, stages: StagePlan, table: ScheduleTable) -> None:
                         "rank and one pipeline", where, hint="set virtual_stages = 1 and pipelines = 1")
     modules, names = vocab_modules(graph, stages.trunk.blocks, stages.ranks, table.vocab, where)
     calls: dict[int, int] = {}      # stage -> calls of vocabulary modules in one of its steps
-    for node in graph.nodes:
-        if (node.callee_kind == "module" and node.callee_path in modules) or (
-                node.callee in ("torch.nn.functional.embedding", "torch.nn.functional.linear")
-                and node.module_path in modules):
-            for stage in stages.replicas(stages.node_stage[node.index]):
-                calls[stage] = calls.get(stage, 0) + 1
+    for node in vocab_calls(graph, modules):
+        for stage in stages.replicas(stages.node_stage[node.index]):
+            calls[stage] = calls.get(stage, 0) + 1
     owners = set(calls)
     owner_paths = sorted({a.rpartition(".")[0] for info in graph.trace.params.values() for a in info.aliases})
     for stage, drops in stages.drop.items():
