@@ -103,6 +103,26 @@ def test_a_hand_edited_order_missing_or_moving_a_share_is_refused():
         simulate(own, 2, placement=place, shared=[0, 1])
 
 
+def test_the_tied_embedding_and_head_of_gpt_are_split_over_every_stage():
+    from nnscaler_cst.analysis import analyze
+    from nnscaler_cst.plan.pipeline import plan_stages
+
+    table = load_schedule("interlaced")
+    analysis = analyze(REPO / "fixtures" / "gpt.py")
+    stages = plan_stages(analysis.graph, 2, 1, None, placement(table, 2))
+    assert stages.tied and "lm_head" in stages.drop[0]            # 1F1B: the head on the last stage only
+    interlaced.apply(analysis.graph, stages, table)
+    assert stages.vocab_modules == ["lm_head", "transformer.wte"]
+    assert stages.vocab_params == ["lm_head.weight", "transformer.wte.weight"]
+    assert stages.vocab_stages == [0, 1] and stages.vocab_calls == {0: 1, 1: 1}
+    assert not stages.tied                                         # one share per rank: nothing summed across stages
+    assert all(m not in stages.drop[s] for s in (0, 1) for m in stages.vocab_modules)
+    every, _ = interlaced.vocab_modules(analysis.graph, stages.trunk.blocks, 2, "all", table.location)
+    assert "transformer.wpe" in every                              # "all": the position embedding too
+    with pytest.raises(UserError, match="not divisible by the 3"):
+        interlaced.vocab_modules(analysis.graph, stages.trunk.blocks, 3, "tied", table.location)
+
+
 # --- gloo runs: a T5-style and a BART-style encoder-decoder, one embedding shared by the
 # encoder, the decoder and the LM head (transformers' own classes, tiny configs) ---
 
