@@ -24,6 +24,7 @@ from .materialize.edits import Edits, data_parallel_edits, one_device_edits, pla
 from .plan.ir import OpAssign, OpOrder, OpTrans, Plan
 from .plan.pipeline import StagePlan, plan_stages
 from .plan.recompute import recompute_seconds, recompute_site
+from .plan import interlaced
 from .plan.schedules import Action, Placement, load_schedule, placement, schedule, to_csv
 from .plan.zero import check_zero
 from .verify.simulate import simulate
@@ -176,6 +177,8 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
         names = _table_names(request, tp, dp)
         tables = [load_table(n) for n in names]
         constraints = [c for t in tables for c in t.for_axis("tp")] + [c for c in annotations if c.axis == "tp"]
+        if request.pp > 1 and tp > 1 and load_schedule(request.schedule).vocab:   # interlaced: split over pp
+            constraints = interlaced.keep_whole_on_tp(graph, load_schedule(request.schedule), request.pp, constraints)
         batch = analysis.trace.batch_size or 1
         if dp > 1 and batch % dp:
             table_line = next((c.location for t in tables for c in t.for_axis("dp")), None)
@@ -270,15 +273,22 @@ def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: in
                if any(stages.shadow.get(s) for s in mine) else []),
              *([f"PIPELINE_PASSES = {stages.trunk.recycle.passes}  # forwards per micro-batch (recycling): "
                 "all but the last without gradient, SFMrC = pass C"] if stages.trunk.recycle is not None else []),
+             *([f"VOCAB_MODULES = {stages.vocab_modules}  # split on the vocabulary over the pipeline ranks",
+                f"VOCAB_STAGES = {stages.vocab_stages}  # stages calling them: every other rank takes part "
+                "(sEk, sGk)",
+                f"VOCAB_CALLS = {stages.vocab_calls}  # their calls in one step of each such stage"]
+               if stages.vocab_modules else []),
              f'SCHEDULE = "{" ".join(map(str, orders[pp_rank]))}"  # this rank\'s order']
     return "\n".join(lines) + "\n"
 
 
 def _schedule_comment(orders: list[list[Action]], table: str, micro: int) -> str:
     lines = [f"# Pipeline schedule {table}: {len(orders)} ranks x {micro} micro-batches; "
-             "SF M = stage S forward (F) or backward (B) of micro-batch M"
-             + ("; SFMrC = its pass C of the recycling loop, without gradient (F alone: the last pass)"
-                if any(a.cycle is not None for order in orders for a in order) else "")]
+             "SF M = stage S forward (F) or backward (B) of micro-batch M"]
+    if any(a.cycle is not None for order in orders for a in order):
+        lines[0] += "; SFMrC = its pass C of the recycling loop, without gradient (F alone: the last pass)"
+    if any(a.kind in "EG" for order in orders for a in order):
+        lines[0] += "; SE M / SG M = this rank's share of the vocabulary-split modules in that forward / backward"
     lines += [f"#   rank {r}: {' '.join(map(str, order))}" for r, order in enumerate(orders)]
     return "\n".join(lines) + "\n"
 
@@ -338,6 +348,7 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
     title = f"Parallel version of {source_label}: plan {plan.describe()}."
     files["__init__.py"] = with_header(templates.INIT.format(title=title, world=plan.world_size, tp=tp, dp=dp,
                                                              pp=pp, splits=splits, aliases=aliases,
+                                                             vocab_splits=stages.vocab_params if stages else [],
                                                              programs=[p.name for p in programs(plan, stages)]),
                                        f"from {source_label}")
     partial = ", ".join(repr(a) for p in (edits.partial_grad_params if edits else [])
@@ -382,8 +393,12 @@ def plan_pipeline(analysis: Analysis, plan: Plan, request: PlanRequest) -> tuple
                         _inputs_location(analysis), hint="choose --micro-batches dividing the batch")
     if micro > 1:
         check_batch_split(analysis.graph, f"{micro} micro-batches", across_ranks=False)
-    orders = schedule(table, request.pp, micro, passes)
-    simulate(orders, stages.stages, placement=place, passes=passes)
+    if table.vocab:       # interlaced: the embedding split over all pipeline ranks, shares placed in time
+        interlaced.apply(analysis.graph, stages, table)
+        orders = interlaced.orders(table, request.pp, micro, place, stages.vocab_stages)
+    else:
+        orders = schedule(table, request.pp, micro, passes)
+    simulate(orders, stages.stages, placement=place, passes=passes, shared=stages.vocab_stages)
     plan.name += f"+{table.name}"
     plan.mesh["pp"] = request.pp
     for index, model_stage in stages.node_stage.items():
@@ -397,6 +412,14 @@ def plan_pipeline(analysis: Analysis, plan: Plan, request: PlanRequest) -> tuple
     for rank, order in enumerate(orders):
         for before, after in zip(order, order[1:]):
             plan.order.append(OpOrder(str(before), str(after), rank))
+    for node in interlaced.vocab_calls(analysis.graph, stages.vocab_modules):   # interlaced: n = |D| pieces
+        if node.span is not None and OpTrans(node.span.label, node.callee, "pp", "vocab", request.pp) not in plan.trans:
+            plan.trans.append(OpTrans(node.span.label, node.callee, "pp", "vocab", request.pp))
+            plan.assign += [OpAssign(node.span.label, "pp", i, plan.devices_of("pp", i)) for i in range(request.pp)]
+    for name in stages.vocab_params:
+        for pname, info in analysis.trace.params.items():
+            if name in info.aliases and pname in plan.params:
+                plan.params[pname]["pp"] = "S0"        # rows of the vocabulary, one share per pipeline rank
     return stages, orders
 
 

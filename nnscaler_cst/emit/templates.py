@@ -27,6 +27,9 @@ TP_SPLITS = {{
 PARAMETER_ALIASES = {{
 {aliases}}}
 
+# Interlaced pipeline: parameters split on dim 0 (the vocabulary) over the pipeline ranks.
+PP_VOCAB_SPLITS = {vocab_splits!r}
+
 
 def coords(rank):
     return {{"tp": rank % TP_SIZE, "dp": rank // TP_SIZE % DP_SIZE, "pp": rank // (TP_SIZE * DP_SIZE)}}
@@ -51,7 +54,12 @@ def build(rank):
     module = rank_module(rank)
     if PP_SIZE == 1:
         return module.build()
-    return torch.nn.ModuleList(keep_stage(module.build(), stage, module) for stage in module.PIPELINE_STAGES)
+    stages = torch.nn.ModuleList(keep_stage(module.build(), stage, module) for stage in module.PIPELINE_STAGES)
+    if getattr(module, "VOCAB_MODULES", None):   # interlaced: split on the vocabulary over the pipeline
+        from ._comm import vocab_split
+        for stage in stages:
+            vocab_split(stage, module.VOCAB_MODULES)
+    return stages
 
 
 def keep_stage(model, stage, module):
@@ -158,6 +166,8 @@ def shard_state_dict(state_dict, rank):
     tp_rank = coords(rank)["tp"]
 
     def share(name, t):
+        if name in PP_VOCAB_SPLITS:     # interlaced: this pipeline rank's rows of the vocabulary
+            t = t.chunk(PP_SIZE, dim=0)[coords(rank)["pp"]]
         return shard(t, *TP_SPLITS[name], tp_rank) if name in TP_SPLITS else t.clone()
 
     if PP_SIZE == 1:
@@ -187,6 +197,9 @@ def merge_state_dicts(state_dicts):
                 name = global_key(rest, module.PIPELINE_STAGES[int(local)], module)
             if name in merged:
                 continue  # a tied weight held by two stages: both copies are equal
+            if name in PP_VOCAB_SPLITS:    # interlaced: every pipeline rank holds rows of it
+                merged[name] = torch.cat([state_dicts[p * DP_SIZE * TP_SIZE][key] for p in range(PP_SIZE)], dim=0)
+                continue
             merged[name] = unshard([state_dicts[r][key] for r in ranks], *TP_SPLITS[name]) \
                 if name in TP_SPLITS else t.clone()
     for name in list(merged):
@@ -341,9 +354,10 @@ def replica_grads(stages, module):
 
 def parse_action(action, passes=1):
     """"1F3" -> ("F", 1, 3, passes - 1): the forward (F) or backward (B) of stage 1 on micro-batch 3,
-    in the last pass; "1F3r0" -> ("F", 1, 3, 0): its pass 0, without gradient (recycling, 3F1B)."""
+    in the last pass; "1F3r0" -> ("F", 1, 3, 0): its pass 0, without gradient (recycling, 3F1B);
+    "1E3" and "1G3": this rank's share of the vocabulary-split modules in that forward or backward."""
     action, _, cycle = action.partition("r")
-    kind = "F" if "F" in action else "B"
+    kind = next(k for k in "FBEG" if k in action)
     stage, m = (int(x) for x in action.split(kind))
     return kind, stage, m, int(cycle) if cycle else passes - 1
 
@@ -371,10 +385,14 @@ def pipeline_train_step(stages, optimizer, batch, module):
     actions = [parse_action(action, passes) for action in module.SCHEDULE.split()]
     held, requests, loss_sum = {{}}, [], torch.zeros(())
 
+    vocab = set(getattr(module, "VOCAB_STAGES", ()))    # stages calling vocabulary-split modules
+
     def receives(action):
         """What `action` will receive: activations from the stage before (or, for a later pass on
         the first stage, the recycled values from the last), gradients from the one after."""
         kind, stage, m, cycle = action
+        if kind in "EG":
+            return None
         if kind == "F" and not first(stage):
             return _comm.activation_recvs(rank_of(stage - 1), stage, tag(m, cycle), key(m, cycle))
         if kind == "F" and cycle > 0:
@@ -391,6 +409,10 @@ def pipeline_train_step(stages, optimizer, batch, module):
         before = rank_of(stage - 1) if not first(stage) else None
         after = rank_of(stage + 1) if not last(stage) else None
         sends = []
+        if kind in "EG":    # this rank's share of another stage's vocabulary ops, at that stage's step
+            _comm.vocab_share(kind, stage, m, rank_of(stage), module.VOCAB_CALLS[stage])
+        elif stage in vocab:
+            _comm.vocab_begin()         # the owner of this step: its calls are counted from 0
         if kind == "F":
             received = []
             if not first(stage):
@@ -414,13 +436,17 @@ def pipeline_train_step(stages, optimizer, batch, module):
             _comm.PIPE.inbox, _comm.PIPE.recycled = (), None   # what was received lives on in `held` only
             if cycle == passes - 1:     # the pass with gradient keeps what its backward needs
                 held[(stage, m)] = (received, sent)
-        else:
+            if stage in vocab:
+                _comm.vocab_end(module.VOCAB_CALLS[stage])   # the step made the calls the other ranks serve
+        elif kind == "B":
             received, sent = held.pop((stage, m))
             if last(stage):
                 sent[0].backward()
             else:
                 outputs = [t for t in sent if t.requires_grad]
                 torch.autograd.backward(outputs, _comm.wait_grads(incoming))
+            if stage in vocab:
+                _comm.vocab_end(module.VOCAB_CALLS[stage])
             if not first(stage):
                 sends = _comm.grad_sends(received, before, stage, m)
             del received, sent

@@ -64,6 +64,12 @@ class StagePlan:
     # then count model stages, 0..length-1, and stage s runs model stage s % length
     placement: tuple[int, ...] = ()
     length: int = 0
+    # interlaced (plan/interlaced.py): modules split on the vocabulary over all pipeline ranks,
+    # every name of the parameters they split, and the stages whose steps call them
+    vocab_modules: list[str] = field(default_factory=list)
+    vocab_params: list[str] = field(default_factory=list)
+    vocab_stages: list[int] = field(default_factory=list)
+    vocab_calls: dict[int, int] = field(default_factory=dict)   # stage -> their calls in one step
 
     @property
     def stages(self) -> int:
@@ -260,7 +266,8 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
             current = stage_of_block[block_of[node.index]]
         elif node.index > last:
             current = stages - 1
-        elif node.index < last_pass:        # between two passes: before the trunk's call or after it
+        elif trunk.recycle is not None and node.index < last_pass:   # between two passes: before the
+            # trunk's call or after it
             current = _between_passes(node, trunk.recycle, current, stages - 1)
         node_stage[node.index] = current if node.index >= first else 0
     seconds = [0.0] * stages

@@ -33,7 +33,7 @@ _CONSTRAINT = re.compile(r"^\s*([FB])(?:\{(.+?)\})?\[(.+?)\]\s*<\s*([FB])(?:\{(.
 
 @dataclass(frozen=True)
 class Action:
-    kind: str          # "F" or "B"
+    kind: str          # "F" or "B"; "E" / "G": a rank's share of another stage's F / B (interlaced)
     stage: int         # global (virtual) stage
     micro: int
     # recycling (NF1B): the pass of a forward without gradient, 0..N-2; None for the forward
@@ -44,15 +44,17 @@ class Action:
         return f"{self.stage}{self.kind}{self.micro}" + (f"r{self.cycle}" if self.cycle is not None else "")
 
 
-_ACTION = re.compile(r"^(\d+)([FB])(\d+)(?:r(\d+))?$")
+_ACTION = re.compile(r"^(\d+)([FBEG])(\d+)(?:r(\d+))?$")
 
 
 def parse_action(text: str) -> Action:
-    """"1F3" -> the forward of stage 1 on micro-batch 3; "0F2r1" -> its no-grad pass 1 (recycling)."""
+    """"1F3" -> the forward of stage 1 on micro-batch 3; "0F2r1" -> its no-grad pass 1 (recycling);
+    "1E3" / "1G3" -> this rank's share of that forward / backward (interlaced)."""
     match = _ACTION.match(text)
     if not match:
         raise UserError(f"cannot read the pipeline action {text!r}",
-                        hint="actions are STAGE F|B MICRO, e.g. 0F1, 1B0, and 0F1r0 for a no-grad pass")
+                        hint="actions are STAGE F|B MICRO, e.g. 0F1, 1B0, 0F1r0 for a no-grad pass, "
+                             "0E1 / 0G1 for a share of stage 0's vocabulary-split modules")
     stage, kind, micro, cycle = match.groups()
     return Action(kind, int(stage), int(micro), int(cycle) if cycle is not None else None)
 
@@ -74,6 +76,10 @@ class ScheduleTable:
     # recycling (NF1B): the table orders N forward passes per micro-batch, F{1}..F{N}, the first
     # N-1 without gradient; N is how often the model runs its trunk (the trace counts it)
     recycling: bool = False
+    # interlaced (plan/interlaced.py): which embeddings every pipeline rank holds a vocabulary
+    # piece of ("tied", "all"), and at which owner's step each rank runs its share (`E[k] = F[k]`)
+    vocab: str | None = None
+    together: tuple[str, ...] = ()
 
     def formula(self, ranks: int, micro: int) -> tuple[str, float] | None:
         """The table's bubble formula, written out, and its value for D ranks and M micro-batches."""
@@ -133,7 +139,8 @@ def load_schedule(name: str) -> ScheduleTable:
                          head.get("backward_chunk", "0"), head.get("micro_batch", "k"),
                          Location(display_path(path), _line(path, "order")), int(head.get("pipelines", 1)),
                          head.get("stage_rank", "v % D"), tuple(head["bubble"]) if "bubble" in head else None,
-                         bool(head.get("recycling", False)))
+                         bool(head.get("recycling", False)), head.get("vocab"),
+                         tuple(head.get("together", ())))
 
 
 def placement(table: ScheduleTable, ranks: int) -> Placement:

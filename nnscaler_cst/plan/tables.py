@@ -48,6 +48,9 @@ class Constraint:
     def selects(self, graph: Graph, index: int) -> bool:
         node = graph.nodes[index]
         sel = self.select
+        if "except_inside" in sel and any(p == m or p.startswith(m + ".") for m in sel["except_inside"]
+                                          for p in filter(None, (node.callee_path, node.module_path))):
+            return False        # the interlaced pipeline's vocabulary modules: split over the pipeline
         if sel.get("all"):
             return True
         if "callee" in sel:
@@ -63,6 +66,9 @@ class Constraint:
         if "line" in sel and node.span is not None:
             path, line = sel["line"]
             return node.span.path == path and node.span.line <= line <= node.span.end_line
+        if "inside" in sel:     # ops that call or run inside these modules (module paths)
+            return any(p == m or p.startswith(m + ".") for p in filter(None, (node.callee_path, node.module_path))
+                       for m in sel["inside"])
         return False
 
     def allows(self, graph: Graph, index: int, label: str) -> bool:

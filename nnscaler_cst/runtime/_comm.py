@@ -60,6 +60,7 @@ __all__ = [
     "activation_sends", "activation_recvs", "grad_sends", "grad_recvs", "post_p2p",
     "wait_activations", "wait_grads", "shape_key", "HandoffMismatch",
     "COUNTERS", "reset_counters",
+    "vocab_split", "vocab_begin", "vocab_end", "vocab_share",
 ]
 
 
@@ -171,7 +172,7 @@ def axis_ranks(axis: Axis) -> list[int]:
 # --------------------------------------------------------------------------
 
 COUNTERS = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0, "send": 0, "recv": 0, "bytes": 0,
-            "handoff_headers": 0}  # pipeline hand-off metadata headers sent
+            "handoff_headers": 0, "broadcast": 0}  # pipeline hand-off metadata headers sent
 
 
 def reset_counters() -> None:
@@ -1191,3 +1192,223 @@ def recv_grads(outputs: list, src: int, stage: int, micro: int) -> list:
     incoming = grad_recvs(outputs, src, stage, micro)
     post_p2p([], incoming)
     return wait_grads(incoming)
+
+
+# --------------------------------------------------------------------------
+# Interlaced pipeline: vocabulary-parallel modules over all pipeline ranks
+# --------------------------------------------------------------------------
+# The embedding (and the modules sharing its weight: an LM head) is split on the vocabulary
+# over every rank of the pipeline (PP). The stage that calls it (the owner) broadcasts a small
+# header (what runs next, on what shape) and the input; every rank computes its rows and the
+# pieces are summed (embedding) or gathered (head). The other ranks take part in the same step
+# of the schedule: "0E3" is this rank's share of stage 0's forward of micro-batch 3, "0G3" of its
+# backward. The other ranks serve as many calls as the plan counted in that step (VOCAB_CALLS).
+
+_V_EMBED, _V_LINEAR, _V_EMBED_GRAD, _V_LINEAR_GRAD = 1, 2, 3, 4
+_V_HEADER = 8
+
+
+class VocabState:
+    """The vocabulary-split modules of this rank (VOCAB_MODULES order), the owner's call counter
+    within one step, and what the other ranks keep from a forward share for its backward."""
+
+    def __init__(self) -> None:
+        self.modules: list = []
+        self.calls = 0
+        self.grads = 0
+        self.saved: dict = {}
+
+
+VOCAB = VocabState()
+
+
+def _broadcast(t: torch.Tensor, src: int, axis: Axis) -> torch.Tensor:
+    """In-place broadcast from global rank ``src`` over ``axis``."""
+    if axis.size > 1:
+        _record("broadcast", t if GLOBAL_RANK == src else None)
+        dist.broadcast(t, src=src, group=axis.group)
+    return t
+
+
+
+def _vocab_rows(weight: torch.Tensor) -> tuple[int, int]:
+    rows = weight.shape[0]
+    return PP.rank * rows, rows
+
+
+def _embed_local(ids: torch.Tensor, weight: torch.Tensor, padding_idx) -> torch.Tensor:
+    start, rows = _vocab_rows(weight)
+    outside = (ids < start) | (ids >= start + rows)
+    out = F.embedding((ids - start).masked_fill(outside, 0), weight)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def _embed_grad(ids: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, padding_idx) -> torch.Tensor:
+    start, rows = _vocab_rows(weight)
+    keep = (ids >= start) & (ids < start + rows)
+    if padding_idx is not None:
+        keep &= ids != (padding_idx if padding_idx >= 0 else padding_idx + rows * PP.size)
+    rows_of = (ids - start).masked_fill(~keep, 0).reshape(-1)
+    grad = grad.to(weight.dtype).masked_fill(~keep.unsqueeze(-1), 0.0).reshape(-1, weight.shape[-1])
+    return torch.zeros_like(weight).index_add_(0, rows_of, grad)
+
+
+def _header(values: list[int], src: int, device) -> list[int]:
+    """The owner (src) sends `values`; the other ranks get them."""
+    t = torch.tensor(values + [0] * (_V_HEADER - len(values)), dtype=torch.long, device=device)
+    _broadcast(t, src, PP)
+    return values if src == GLOBAL_RANK else t.tolist()
+
+
+def _owner_header(kind: int, call: int, index: int, x: torch.Tensor) -> None:
+    _header([kind, call, index, x.dim(), *x.shape], GLOBAL_RANK, x.device)
+
+
+class _VocabEmbedding(torch.autograd.Function):
+    """Forward: the ids to every pipeline rank, each looks up its rows, all-reduce(sum).
+    Backward: the output's gradient to every rank, each accumulates its rows' gradient."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, index, padding_idx, call):
+        ids = ids.long().contiguous()
+        _owner_header(_V_EMBED, call, index, ids)
+        _broadcast(ids, GLOBAL_RANK, PP)
+        out = _all_reduce(_embed_local(ids, weight, padding_idx).contiguous(), PP)
+        ctx.save_for_backward(ids, weight)
+        ctx.meta = (index, padding_idx, call)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        ids, weight = ctx.saved_tensors
+        index, padding_idx, call = ctx.meta
+        VOCAB.grads += 1
+        grad = grad.contiguous()
+        _owner_header(_V_EMBED_GRAD, call, index, grad)
+        _broadcast(grad, GLOBAL_RANK, PP)
+        return None, _embed_grad(ids, grad, weight, padding_idx), None, None, None
+
+
+class _VocabLinear(torch.autograd.Function):
+    """Forward: the input to every pipeline rank, each computes its vocabulary slice of the
+    output, all-gathered on the last dim. Backward: the output's gradient to every rank, each
+    computes its weight rows' gradient and its part of the input's, all-reduce(sum)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, index, call):
+        x = x.to(weight.dtype).contiguous()
+        _owner_header(_V_LINEAR, call, index, x)
+        _broadcast(x, GLOBAL_RANK, PP)
+        ctx.save_for_backward(x, weight)
+        ctx.meta = (index, call)
+        return torch.cat(_all_gather(F.linear(x, weight), PP), dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        index, call = ctx.meta
+        VOCAB.grads += 1
+        grad = grad.contiguous()
+        _owner_header(_V_LINEAR_GRAD, call, index, grad)
+        _broadcast(grad, GLOBAL_RANK, PP)
+        gw, gx = _linear_grads(x, grad, weight)
+        return _all_reduce(gx, PP), gw, None, None
+
+
+def _linear_grads(x, grad, weight):
+    start, rows = _vocab_rows(weight)
+    mine = grad[..., start:start + rows]
+    gw = mine.reshape(-1, rows).t().matmul(x.reshape(-1, x.shape[-1]))
+    return gw, mine.matmul(weight).contiguous()
+
+
+class VocabEmbedding(torch.nn.Embedding):
+    """nn.Embedding whose weight holds this pipeline rank's rows of the vocabulary."""
+
+    def forward(self, ids):
+        VOCAB.calls += 1
+        return _VocabEmbedding.apply(ids, self.weight, self.vocab_index, self.padding_idx, VOCAB.calls - 1)
+
+
+class VocabLinear(torch.nn.Linear):
+    """nn.Linear (no bias) whose weight holds this pipeline rank's rows (outputs) of the vocabulary."""
+
+    def forward(self, x):
+        VOCAB.calls += 1
+        return _VocabLinear.apply(x, self.weight, self.vocab_index, VOCAB.calls - 1)
+
+
+def vocab_split(model: torch.nn.Module, paths: list[str]) -> None:
+    """Turn the modules at `paths` into their vocabulary-parallel kind: the weight (one parameter
+    however many modules share it) keeps this pipeline rank's rows, dim 0 split over PP."""
+    shards: dict[int, torch.nn.Parameter] = {}
+    VOCAB.modules = []
+    for index, path in enumerate(paths):
+        module = model.get_submodule(path)
+        base = VocabEmbedding if isinstance(module, torch.nn.Embedding) else VocabLinear
+        if not isinstance(module, (torch.nn.Embedding, torch.nn.Linear)) or \
+                (base is VocabLinear and module.bias is not None):
+            raise TypeError(f"{path}: only an nn.Embedding or an nn.Linear without bias is split on the vocabulary")
+        if not isinstance(module, base):
+            cls = type(module)
+            module.__class__ = base if cls in (torch.nn.Embedding, torch.nn.Linear) else \
+                type(cls.__name__, (cls, base), {})
+        weight = module.weight
+        if id(weight) not in shards:
+            rows = weight.shape[0]
+            if rows % PP.size:
+                raise ValueError(f"{path}: {rows} rows do not split over {PP.size} pipeline ranks")
+            part = rows // PP.size
+            shards[id(weight)] = torch.nn.Parameter(weight.detach()[PP.rank * part:(PP.rank + 1) * part].clone(),
+                                                    requires_grad=weight.requires_grad)
+        module.weight = shards[id(weight)]
+        module.vocab_index = index
+        VOCAB.modules.append(module)
+
+
+def vocab_begin() -> None:
+    """The owner starts a step of a stage that calls vocabulary-split modules."""
+    VOCAB.calls = VOCAB.grads = 0
+
+
+def vocab_end(expected: int) -> None:
+    """The owner ends such a step: it must have made the calls the other ranks serve (the
+    plan's count), else they would wait on."""
+    made = VOCAB.calls if VOCAB.grads == 0 else VOCAB.grads
+    if made != expected:
+        raise RuntimeError(f"this pipeline step made {made} calls of vocabulary-split modules, the other "
+                           f"ranks serve {expected} (VOCAB_CALLS)")
+
+
+def _vocab_device():
+    return VOCAB.modules[0].weight.device if VOCAB.modules else torch.device("cpu")
+
+
+def vocab_share(kind: str, stage: int, micro: int, src: int, calls: int) -> None:
+    """This rank's share of the owner's step (`src`: its global rank): "E" of a forward, "G" of
+    a backward. Serves the owner's `calls` calls, as each header says, and returns after the
+    last (not at the end of the owner's step)."""
+    device = _vocab_device()
+    saved = VOCAB.saved.setdefault((stage, micro), {}) if kind == "E" else VOCAB.saved.pop((stage, micro), {})
+    for _ in range(calls):
+        what, call, index, ndim, *shape = _header([], src, device)
+        shape = shape[:ndim]
+        module = VOCAB.modules[index]
+        weight = module.weight
+        if what == _V_EMBED:
+            ids = _broadcast(torch.empty(shape, dtype=torch.long, device=device), src, PP)
+            _all_reduce(_embed_local(ids, weight.detach(), module.padding_idx).contiguous(), PP)
+            saved[call] = ids
+        elif what == _V_LINEAR:
+            x = _broadcast(torch.empty(shape, dtype=weight.dtype, device=device), src, PP)
+            _all_gather(F.linear(x, weight.detach()), PP)
+            saved[call] = x
+        else:
+            grad = _broadcast(torch.empty(shape, dtype=weight.dtype, device=device), src, PP)
+            if what == _V_EMBED_GRAD:
+                gw = _embed_grad(saved[call], grad, weight, module.padding_idx)
+            else:
+                gw, gx = _linear_grads(saved[call], grad, weight.detach())
+                _all_reduce(gx, PP)
+            if weight.requires_grad:
+                weight.grad = gw if weight.grad is None else weight.grad + gw

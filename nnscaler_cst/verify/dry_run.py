@@ -100,6 +100,7 @@ def _shape_only_collectives(comm) -> None:
     comm._all_reduce = lambda t, axis, op=None: t
     comm._all_gather = lambda t, axis: [t.clone() for _ in range(axis.size)]
     comm._reduce_scatter = lambda t, axis, dim: t.chunk(axis.size, dim)[axis.rank].clone()
+    comm._broadcast = lambda t, src, axis: t
 
 
 def _place(comm, package, rank: int) -> dict[str, int]:

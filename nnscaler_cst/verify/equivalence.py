@@ -97,7 +97,7 @@ def check_schedules(package) -> None:
         orders.append([parse_action(text) for text in module.SCHEDULE.split()])
     placement = Placement(tuple(modules[0].STAGE_RANKS), modules[0].PIPELINE_LENGTH)
     simulate(orders, modules[0].PIPELINE_STAGE_COUNT, placement=placement,
-             passes=getattr(modules[0], "PIPELINE_PASSES", 1))
+             passes=getattr(modules[0], "PIPELINE_PASSES", 1), shared=getattr(modules[0], "VOCAB_STAGES", ()))
 
 
 GRAD_SCALE_FLOOR = 1e-3   # share of the largest gradient below which a gradient's own scale is noise

@@ -40,16 +40,36 @@ def _needs(action: Action, place: Placement, passes: int = 1) -> list[tuple[Acti
     return needs
 
 
+def _collective(action: Action, shared) -> tuple[str, int, int] | None:
+    """The step of an owner's stage that every rank takes part in (interlaced: the vocabulary-split
+    modules): the owner's F or B of a `shared` stage, another rank's share E or G of it."""
+    if action.kind in "EG":
+        return ("F" if action.kind == "E" else "B", action.stage, action.micro)
+    if action.stage in shared:
+        return (action.kind, action.stage, action.micro)
+    return None
+
+
 def simulate(orders: list[list[Action]], stages: int, *, forward_seconds: list[float] | None = None,
-             latency: float = 0.0, placement: Placement | None = None, passes: int = 1) -> list[Event]:
+             latency: float = 0.0, placement: Placement | None = None, passes: int = 1,
+             shared=()) -> list[Event]:
     """`placement`: which rank runs each stage, and how many stages one pipeline has (default:
     stage s on rank s % ranks, one pipeline of all `stages`). `passes`: forwards per micro-batch
-    (recycling); a no-grad pass takes a forward's time and has no backward."""
+    (recycling); a no-grad pass takes a forward's time and has no backward. `shared`: stages
+    whose steps are collective over all ranks (interlaced): each other rank runs its share (sEk,
+    sGk), and none of them goes on before all have reached it."""
+    shared = set(shared)
     ranks = len(orders)
     place = placement or Placement(tuple(s % ranks for s in range(stages)), stages)
     expected = {action for order in orders for action in order}
     for rank, order in enumerate(orders):
         for step, action in enumerate(order):
+            if action.kind in "EG":
+                if action.stage not in shared or place.ranks[action.stage] == rank:
+                    raise UserError(f"rank {rank} step {step} runs {action}, a share of stage {action.stage}, "
+                                    "which " + ("is its own" if action.stage in shared else
+                                               "calls no vocabulary-split module"))
+                continue
             if not 0 <= action.stage < len(place.ranks) or place.ranks[action.stage] != rank:
                 owner = place.ranks[action.stage] if 0 <= action.stage < len(place.ranks) else "no rank"
                 raise UserError(f"rank {rank} step {step} runs {action}, a stage of rank {owner}")
@@ -63,19 +83,40 @@ def simulate(orders: list[list[Action]], stages: int, *, forward_seconds: list[f
     clock = [0.0] * ranks
     events: list[Event] = []
     cost = forward_seconds or [1.0] * stages
+    def head(rank):
+        return orders[rank][position[rank]] if position[rank] < len(orders[rank]) else None
+
+    def members(key) -> dict[int, Action]:
+        kind, stage, m = key
+        owner = place.ranks[stage]
+        return {r: Action(kind, stage, m) if r == owner else Action("E" if kind == "F" else "G", stage, m)
+                for r in range(ranks)}
+
+    def ready_at(rank, action) -> float | None:
+        needs = [] if action.kind in "EG" else _needs(action, place, passes)
+        if any(need not in done for need, _ in needs):
+            return None
+        return max([clock[rank]] + [done[n] + (latency if src is not None else 0.0) for n, src in needs])
+
     while True:
         progressed = False
         for rank in range(ranks):
             while position[rank] < len(orders[rank]):
                 action = orders[rank][position[rank]]
-                needs = _needs(action, place, passes)
-                if any(need not in done for need, _ in needs):
+                key = _collective(action, shared)
+                group = members(key) if key else {rank: action}
+                if any(head(r) != a for r, a in group.items()):
+                    break          # a collective step: every rank must be at it
+                starts = [ready_at(r, a) for r, a in group.items()]
+                if any(s is None for s in starts):
                     break
-                ready = max([clock[rank]] + [done[n] + (latency if src is not None else 0.0) for n, src in needs])
-                length = cost[action.stage] * (1.0 if action.kind == "F" else 2.0)
-                events.append(Event(rank, action, ready, ready + length))
-                done[action] = clock[rank] = ready + length
-                position[rank] += 1
+                ready = max(starts)
+                for r, a in group.items():
+                    stage = a.stage
+                    length = cost[stage] * (1.0 if a.kind == "F" else 2.0) if a.kind in "FB" else 0.0
+                    events.append(Event(r, a, ready, ready + length))
+                    done[a] = clock[r] = ready + length
+                    position[r] += 1
                 progressed = True
         if all(position[r] == len(orders[r]) for r in range(ranks)):
             return events
@@ -85,7 +126,16 @@ def simulate(orders: list[list[Action]], stages: int, *, forward_seconds: list[f
                 if position[rank] == len(orders[rank]):
                     continue
                 action = orders[rank][position[rank]]
-                for need, src in _needs(action, place, passes):
+                key = _collective(action, shared)
+                if key:
+                    for r, a in members(key).items():
+                        if head(r) != a:
+                            where = f"at step {position[r]} ({head(r)})" if head(r) else "at its end"
+                            later = "runs it only later" if a in orders[r] else "never runs it"
+                            waits.append(f"rank {rank} at step {position[rank]} ({action}) waits for rank {r} "
+                                         f"to join {a} (collective over all ranks); rank {r} is {where} and "
+                                         f"{later}")
+                for need, src in ([] if action.kind in "EG" else _needs(action, place, passes)):
                     if need not in done:
                         who = "itself" if src is None else f"rank {src}"
                         later = "never runs it" if need not in expected else "runs it only later"
