@@ -193,7 +193,48 @@ def part3(folder: Path, with_z3: bool) -> list[str]:
             row += " - | - | - | - |"
         print(row, flush=True)
         lines.append(row)
+    if with_z3:
+        lines += ["", *fixtures_against_z3()]
     return lines + [""]
+
+
+# Split searches that z3's optimiser takes minutes on (from tests/test_auto_search.py, where only
+# the quick case stays): the fixture, the constraint table (None: the full space), tp, dp.
+Z3_CASES = [("gpt", None, 2, 2), ("gpt", "sequence_parallel", 2, 1), ("hf_llama", None, 2, 2),
+            ("complex_rotary", None, 2, 1)]
+
+
+def fixtures_against_z3() -> list[str]:
+    """Elimination against z3's optimiser on other fixtures: the same least cost and memory."""
+    from nnscaler_cst.analysis import analyze
+    from nnscaler_cst.plan import search
+    from nnscaler_cst.materialize.conversions import fused_collectives
+    from nnscaler_cst.plan.cost import load_cluster
+    from nnscaler_cst.plan.tables import load_table
+    lines = ["Other fixtures, one `search_axis` each (CPU s, one run): elimination against z3's optimiser.", "",
+             "| fixture | table | tp | dp | elimination | z3 | same cost and memory |", "|---|---|---|---|---|---|---|"]
+    for fixture, table, tp, dp in Z3_CASES:
+        graph = analyze(ROOT / "fixtures" / f"{fixture}.py").graph
+        constraints = load_table(table).for_axis("tp") if table else []
+        device = load_cluster("cpu-gloo").axis(1, tp)
+        eliminated = search._eliminated
+        with fused_collectives(table == "sequence_parallel"):
+            start = time.process_time()
+            fast = search.search_axis(graph, "tp", tp, constraints, device, data_parallel=dp)
+            fast_s = time.process_time() - start
+            search._eliminated = lambda *args, **kwargs: None
+            try:
+                start = time.process_time()
+                slow = search.search_axis(graph, "tp", tp, constraints, device, data_parallel=dp)
+                slow_s = time.process_time() - start
+            finally:
+                search._eliminated = eliminated
+        same = abs(fast.cost - slow.cost) <= 1e-12 * max(1.0, abs(slow.cost)) and fast.memory == slow.memory
+        row = f"| {fixture} | {table or 'full space'} | {tp} | {dp} | {fast_s:.2f} | {slow_s:.1f} | " \
+              f"{'yes' if same else 'NO'} |"
+        print(row, flush=True)
+        lines.append(row)
+    return lines
 
 
 def part4() -> list[str]:

@@ -77,15 +77,12 @@ def test_elimination_is_exact_on_integers_past_float_precision():
     assert (value, assignment) == (2 * big + 2, [1, 1])
 
 
-@pytest.mark.parametrize("fixture, table, tp, dp", [
-    ("gpt", "megatron", 2, 1),
-    # z3's optimiser takes 10 s to minutes on these (benchmarks/BENCH_PLANNING.md)
-    *[pytest.param(*case, marks=pytest.mark.slow) for case in [
-        ("gpt", None, 2, 2), ("gpt", "sequence_parallel", 2, 1), ("hf_llama", None, 2, 2),
-        ("complex_rotary", None, 2, 1)]]])
+@pytest.mark.parametrize("fixture, table, tp, dp", [("gpt", "megatron", 2, 1)])
 def test_the_split_search_costs_what_z3s_optimiser_finds(fixture, table, tp, dp, monkeypatch):
     """Elimination (with z3 checking the argument-agreement facts) against the whole problem
-    handed to z3's optimiser, as the search did before: the same least cost and memory."""
+    handed to z3's optimiser, as the search did before: the same least cost and memory. The
+    cases z3 takes minutes on (the full space, hf_llama, complex_rotary: one ran past 15 minutes
+    in CI) are part 3 of benchmarks/bench_planning.py."""
     graph = analyze(FIXTURES / f"{fixture}.py").graph
     constraints = load_table(table).for_axis("tp") if table else []
     device = CPU.axis(1, tp)
