@@ -140,7 +140,8 @@ def _shared_loop_owner(graph: Graph, blocks: list[str], function: cst.FunctionDe
     stages cut that call only, and the other container's call runs whole. None otherwise."""
     calls = graph.trace.module_calls
     container = blocks[0].rsplit(".", 1)[0]
-    if not any(s == span and not path.startswith(container + ".") for path, (s, _) in calls.items()):
+    if not any(s == span and path != container and not path.startswith(container + ".")
+               for path, (s, _) in calls.items()):      # (an nn.Sequential's own call shares the span)
         return None
     # the self of that call: the module running the function's last op before the first block, an
     # ancestor of the container (the encoder stack, for encoder.block)
