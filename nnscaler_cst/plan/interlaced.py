@@ -1,4 +1,4 @@
-"""The interlaced pipeline (nnScaler, OSDI'23): the embedding, and the modules sharing its weight
+"""The interlaced pipeline (nnScaler, OSDI '24): the embedding, and the modules sharing its weight
 (an LM head), split on the vocabulary over *all* ranks of the pipeline; the blocks form stages.
 
 Op-trans: each vocabulary module's weight is cut on dim 0 into n = |D| pieces (the table's
