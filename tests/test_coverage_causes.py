@@ -461,3 +461,57 @@ def test_batch_norm_under_data_parallelism_sums_its_statistics_over_the_ranks(tm
 def test_batch_norm_under_data_parallelism_trains_like_one_device(tmp_path, plan):
     result, outcome = _verify(tmp_path, BATCH_NORM, *plan)
     assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+
+
+# A loop that counts its blocks (`enumerate(self.layers)`) and reads a per-block setting by that
+# count (BEiT/Beam-style `self.config.layer_types[i]`): each pipeline stage holds only its blocks,
+# numbered from 0, so the count must start at the stage's first block in the whole model.
+COUNTED_BLOCKS = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(32, 32) for _ in range(4)])
+        self.kinds = ["tanh", "relu", "sigmoid", "gelu"]
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            x = getattr(torch.nn.functional, self.kinds[i])(block(x)) + x
+        return x.pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 8, 32),)
+'''
+
+
+def test_a_stage_counts_its_blocks_from_its_first_block_in_the_whole_model(tmp_path):
+    model = _write(tmp_path, COUNTED_BLOCKS)
+    result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "rewrite", str(model), "--pp", "2",
+                             "--micro-batches", "2", "-o", str(tmp_path / "out")], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    stages = sorted((tmp_path / "out").glob("model_stage*.py"))
+    assert stages
+    for stage in stages:
+        assert "enumerate(self.blocks, pp_first_block(STAGE_BLOCKS))" in stage.read_text()
+    from nnscaler_cst.runtime import _comm
+    stage = _comm.PIPE.stage
+    try:
+        _comm.PIPE.stage = 1
+        assert _comm.pp_first_block({1: (2, 4)}) == 2 and _comm.pp_first_block({0: (0, 2)}) == 0
+    finally:
+        _comm.PIPE.stage = stage
+
+
+@pytest.mark.slow
+def test_a_stage_that_counts_its_blocks_trains_like_one_device_under_pp(tmp_path):
+    result, outcome = _verify(tmp_path, COUNTED_BLOCKS, "--pp", "2", "--micro-batches", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
