@@ -515,3 +515,80 @@ def test_a_stage_counts_its_blocks_from_its_first_block_in_the_whole_model(tmp_p
 def test_a_stage_that_counts_its_blocks_trains_like_one_device_under_pp(tmp_path):
     result, outcome = _verify(tmp_path, COUNTED_BLOCKS, "--pp", "2", "--micro-batches", "2")
     assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+
+
+# A helper outside the model's files that reads a tensor for its shape only (transformers'
+# `create_causal_mask(config, inputs_embeds, ...)`: the batch size, not the hidden size), called
+# from two lambdas one after the other (Beam's `mask_creation_functions[layer_type]()`).
+MASK_HELPER = '''
+import torch
+
+
+def make_mask(x, window):
+    b, s = x.shape[0], x.shape[1]
+    rows = torch.arange(s).unsqueeze(1)
+    cols = torch.arange(s).unsqueeze(0)
+    allowed = (cols <= rows) & (rows - cols < window)
+    return torch.zeros(b, 1, s, s).masked_fill(~allowed, float("-inf"))
+'''
+
+MASKED_BY_HELPER = '''
+import torch
+import torch.nn as nn
+
+from mask_helper import make_mask
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.down = nn.Linear(64, 32)
+
+    def forward(self, x):
+        h = self.up(x)
+        makers = {
+            "full": lambda: make_mask(h, 8),
+            "sliding": lambda: make_mask(h, 3),
+        }
+        masks = {kind: maker() for kind, maker in makers.items()}
+        scores = (x @ x.transpose(1, 2)).unsqueeze(1)
+        weights = (scores + masks["full"]).softmax(-1) + (scores + masks["sliding"]).softmax(-1)
+        return (weights.squeeze(1) @ self.down(h.relu())).pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 8, 32),)
+'''
+
+
+def _with_helper(tmp_path):
+    (tmp_path / "mask_helper.py").write_text(MASK_HELPER.lstrip())
+    return _write(tmp_path, MASKED_BY_HELPER)
+
+
+def test_helpers_called_from_two_lambdas_one_after_the_other_are_two_invocations(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    analysis = analyze(_with_helper(tmp_path))
+    calls = [n for n in analysis.graph.nodes if n.callee.endswith("make_mask")]
+    assert len(calls) == 2 and len({n.span for n in calls}) == 2
+    assert all(len(n.outputs) == 1 for n in calls)
+
+
+def test_a_tensor_read_for_its_batch_size_may_arrive_split_on_its_hidden_dim(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    analysis = analyze(_with_helper(tmp_path))
+    for node in (n for n in analysis.graph.nodes if n.callee.endswith("make_mask")):
+        dims = analysis.graph.dims[node.index]
+        assert dims.shape_only == {"x"} and dims.free == {"x": {2}}   # batch and length set the mask's shape
+
+
+@pytest.mark.slow
+def test_a_tensor_read_for_its_batch_size_trains_like_one_device_under_tp(tmp_path):
+    (tmp_path / "mask_helper.py").write_text(MASK_HELPER.lstrip())
+    result, outcome = _verify(tmp_path, MASKED_BY_HELPER, "--tp", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr

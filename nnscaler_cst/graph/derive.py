@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -177,6 +177,7 @@ class _Probed:
 
     labels: list[_Label]
     shape_only: set[str]
+    free: dict[str, set[int]] = field(default_factory=dict)   # see OpDims.free
 
 
 def _operand_names(node: Node) -> dict[int, list[str]]:
@@ -222,6 +223,7 @@ def _probe(node: Node, trace: Trace, replay: Replay) -> _Probed | str:
             shape_only.update(names[tid])
         else:
             data.append(tid)
+    free = _free_dims(call, trace, whole, names, shape_only, params)
     taken: set[tuple[int, int]] = set()
     labels = []
     # operands read for their shape whose shape the result follows (`key[..., :n].copy_(k)`,
@@ -253,7 +255,27 @@ def _probe(node: Node, trace: Trace, replay: Replay) -> _Probed | str:
                 found = _find_label(call, trace, whole, data + weights, tid, dim, taken, groups)
                 if found is not None:
                     found_label(found)
-    return _Probed(labels, shape_only)
+    return _Probed(labels, shape_only, free)
+
+
+def _free_dims(call, trace: Trace, whole, names: dict[int, list[str]], shape_only: set[str],
+               params: set[int]) -> dict[str, set[int]]:
+    """Per shape-only operand, the dims it may have half of with the same results."""
+    free: dict[str, set[int]] = {}
+    for tid, own in names.items():
+        if tid in params or tid not in call.base or own[0] not in shape_only:
+            continue
+        for dim, size in enumerate(trace.tensors[tid].shape):
+            if size < 2 or size % 2:
+                continue
+            try:
+                same = _all_equal(call({tid: call.base[tid].narrow(dim, 0, size // 2)}), whole)
+            except _CannotReplay:
+                same = False
+            if same:
+                for name in own:
+                    free.setdefault(name, set()).add(dim)
+    return free
 
 
 def _refs(value) -> list[int]:
@@ -399,4 +421,5 @@ def _to_dims(probed: _Probed, node: Node, trace: Trace, replay: Replay) -> OpDim
             return None
         position = replay.outputs.index(tid)
         outputs.append(TensorDims(tid, dims_of(trace.tensors[tid].shape, lambda d: out_at.get((position, d)))))
-    return OpDims(inputs, outputs, reduced=reduced, shape_only=set(probed.shape_only))
+    return OpDims(inputs, outputs, reduced=reduced, shape_only=set(probed.shape_only),
+                  free={name: set(dims) for name, dims in probed.free.items()})

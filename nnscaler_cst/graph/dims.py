@@ -55,6 +55,10 @@ class OpDims:
     fixed: set[str] = field(default_factory=set)
     impl: dict[str, str] = field(default_factory=dict)
     shape_only: set[str] = field(default_factory=set)   # operands read for their shape or dtype only
+    # of those, the dims whose size the results do not depend on: such an operand may arrive
+    # split on them as it is (`create_causal_mask(config, inputs_embeds, ...)` reads the batch
+    # size of inputs_embeds, not its hidden size)
+    free: dict[str, set[int]] = field(default_factory=dict)
 
     def sizes(self) -> dict[str, int]:
         out: dict[str, int] = {}

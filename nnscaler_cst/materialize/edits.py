@@ -113,6 +113,8 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
             if operand.tid is None or tensors[operand.tid].param is not None:
                 continue
             info = tensors[operand.tid]
+            if _arrives_as_is(graph.dims.get(node.index), operand.name, have.get(operand.tid, R)):
+                continue
             steps = conversion(have.get(operand.tid, R), wanted.inputs[operand.name], consumer_split=wanted.split,
                                requires_grad=grad_at.get((node.span, operand.path), info.requires_grad))
             if steps is None:
@@ -194,6 +196,14 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
     edits.full_sizes = full_size_reads(graph, plan.param_layout, n)
     edits.regions = coshard_regions(graph, plan, edits.sites, lay, have, coshard_devices) if plan.chunks else []
     return edits
+
+
+def _arrives_as_is(dims, name: str, have: Layout) -> bool:
+    """An operand the op reads for its shape only, split on a dim whose size the results do not
+    depend on (or a partial sum, of the whole shape), needs no conversion."""
+    if dims is None or name not in dims.shape_only:
+        return False
+    return have.kind == "P" or (have.kind == "S" and have.dim in dims.free.get(name, ()))
 
 
 def one_device_edits(graph: Graph, stand_in: AxisChoices) -> Edits:
