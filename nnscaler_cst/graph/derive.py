@@ -196,7 +196,11 @@ def _probe(node: Node, trace: Trace, replay: Replay) -> _Probed | str:
     # An operand no torch call inside reads (only its .shape or .dtype) is no data input.
     read = {tid for index in node.ops for tid in trace.ops[index].inputs}
     shape_only = {name for tid, own in names.items() if tid not in read for name in own}
-    unprobed = _Probed([], shape_only)
+    # a call that returns no tensor (create_causal_mask when attention needs no mask) depends
+    # on no dim of its operands
+    unprobed = _Probed([], shape_only, {name: set(range(len(trace.tensors[tid].shape)))
+                                        for tid, own in names.items() for name in own if name in shape_only}
+                       if not replay.outputs else {})
     tids = sorted({*_refs(replay.args), *_refs(replay.kwargs), *replay.state.values()})
     if any(_numel(trace.tensors[t].shape) > MAX_PROBE_ELEMENTS for t in tids):
         return unprobed if shape_only else "no rule, and its tensors are too large to probe"

@@ -248,23 +248,44 @@ def _producer_prefixes(graph: Graph, by_output: dict) -> dict[tuple, list[Step]]
                 prefix[key] = ended
     while True:
         rests: dict[tuple, dict[tuple, list[Step]]] = defaultdict(dict)    # argument -> key -> rest
+        wholes: dict[tuple, dict[tuple, list[Step]]] = defaultdict(dict)   # argument -> key -> all its steps
         for key, uses in by_output.items():
             for tid, consumer, path, steps in uses:
                 argument = _argument(consumer, path)
                 if argument is not None:
                     rests[argument][key] = steps_from_end(steps[len(prefix[key]):], len(tensors[tid].shape))
-        # producers feeding one argument with different rests keep only the steps they share
-        # on their results (a row-split layer's reduction, with its bias, stays on the layer),
-        # the rest goes on the argument
+                    wholes[argument][key] = steps
+        # producers feeding one argument with different rests keep on their results only what
+        # leaves the argument one rest: the steps before the ones they all end with (a dense
+        # MLP's reduction stays on its row-split layer, the scatter both it and an MoE block need
+        # goes on the argument), or else only the steps they share (a row-split layer's
+        # reduction, with its bias, stays on the layer), the rest on the argument
         changed = False
-        for by_key in rests.values():
+        for argument, by_key in rests.items():
             if len({str(r) for r in by_key.values()}) > 1:
-                shared = common_prefix([prefix[key] for key in by_key])
+                ending = _common_ending(argument, wholes[argument], tensors, by_output)
+                cut = {key: wholes[argument][key][:len(wholes[argument][key]) - ending] for key in by_key}
+                if not all(len(cut[key]) <= len(prefix[key]) for key in by_key):
+                    shared = common_prefix([prefix[key] for key in by_key])
+                    cut = {key: shared for key in by_key}
                 for key in by_key:
-                    if len(prefix[key]) > len(shared):
-                        prefix[key], changed = shared, True
+                    if len(prefix[key]) > len(cut[key]):
+                        prefix[key], changed = cut[key], True
         if not changed:
             return prefix
+
+
+def _common_ending(argument, wholes: dict[tuple, list[Step]], tensors, by_output: dict) -> int:
+    """How many last steps every producer feeding one argument needs alike (dims counted from
+    the end)."""
+    ends = []
+    for key, steps in wholes.items():
+        tid = next(tid for tid, consumer, path, _ in by_output[key] if _argument(consumer, path) == argument)
+        ends.append([str(s) for s in steps_from_end(steps, len(tensors[tid].shape))])
+    length = 0
+    while all(len(e) > length for e in ends) and len({str(e[len(e) - 1 - length]) for e in ends}) == 1:
+        length += 1
+    return length
 
 
 def _check_biases_added(graph: Graph, edits: Edits) -> None:
