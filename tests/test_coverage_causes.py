@@ -592,3 +592,25 @@ def test_a_tensor_read_for_its_batch_size_trains_like_one_device_under_tp(tmp_pa
     (tmp_path / "mask_helper.py").write_text(MASK_HELPER.lstrip())
     result, outcome = _verify(tmp_path, MASKED_BY_HELPER, "--tp", "2")
     assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+
+
+def test_producers_of_one_argument_keep_the_steps_before_those_they_all_end_with():
+    # bailing_hybrid: `hidden_states = residual + hidden_states` after `self.mlp(...)`, a dense MLP
+    # in layer 0 (partial sums: reduce, then scatter) and an MoE block in layer 1 (whole: scatter).
+    # One line, one conversion: the reduce stays on the dense MLP's result, the scatter goes on
+    # the argument (was: "instances of Tensor.add need different conversions").
+    from types import SimpleNamespace
+
+    from nnscaler_cst.materialize.conversions import Step
+    from nnscaler_cst.materialize.edits import _producer_prefixes
+
+    dense, moe, add = (SimpleNamespace(span=f"line {k}") for k in (197, 828, 885))
+    tensors = {0: SimpleNamespace(shape=(4, 16, 64), producer=0), 1: SimpleNamespace(shape=(4, 16, 64), producer=1)}
+    graph = SimpleNamespace(trace=SimpleNamespace(tensors=tensors), nodes=[dense, moe],
+                            result_wrappable=lambda node: True)
+    reduce, scatter = Step("reduce"), Step("scatter", 2)
+    by_output = {("line 197", "torch.nn.Linear", 0): [(0, add, ("pos", 0), [reduce, scatter]),
+                                                       (0, SimpleNamespace(span="line 830"), ("pos", 0), [reduce])],
+                 ("line 828", "Tensor.add", 0): [(1, add, ("pos", 0), [scatter])]}
+    prefixes = _producer_prefixes(graph, by_output)
+    assert prefixes == {("line 197", "torch.nn.Linear", 0): [reduce], ("line 828", "Tensor.add", 0): []}
