@@ -517,3 +517,12 @@ def test_a_weight_of_size_one_still_fits_where_its_dim_is_one_everywhere():
     x, weight = torch.randn(4, 8), torch.randn(1, 8)
     dims = instantiate("torch.nn.Linear", {"arg0": x, "self.weight": weight}, [x @ weight.T])
     assert labels_at(dims.inputs["self.weight"], 0) == []
+
+
+def test_a_fresh_cache_hands_back_the_indexer_keys_it_is_given_split_as_they_come():
+    # DeepSeek-V3.2-style indexers (axk2) route their keys through Cache.update_indexer; in training
+    # the cache starts empty, so it returns its operand, as Cache.update does: the batch may be split.
+    keys = torch.randn(4, 16, 96)
+    dims = instantiate("transformers.cache_utils.Cache.update_indexer", {"indexer_key_states": keys}, [keys])
+    assert dims.inputs["indexer_key_states"].dims == dims.outputs[0].dims and all(dims.outputs[0].dims)
+    assert not dims.fixed
