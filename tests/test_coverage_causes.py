@@ -461,3 +461,156 @@ def test_batch_norm_under_data_parallelism_sums_its_statistics_over_the_ranks(tm
 def test_batch_norm_under_data_parallelism_trains_like_one_device(tmp_path, plan):
     result, outcome = _verify(tmp_path, BATCH_NORM, *plan)
     assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+
+
+# A loop that counts its blocks (`enumerate(self.layers)`) and reads a per-block setting by that
+# count (BEiT/Beam-style `self.config.layer_types[i]`): each pipeline stage holds only its blocks,
+# numbered from 0, so the count must start at the stage's first block in the whole model.
+COUNTED_BLOCKS = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(32, 32) for _ in range(4)])
+        self.kinds = ["tanh", "relu", "sigmoid", "gelu"]
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            x = getattr(torch.nn.functional, self.kinds[i])(block(x)) + x
+        return x.pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 8, 32),)
+'''
+
+
+def test_a_stage_counts_its_blocks_from_its_first_block_in_the_whole_model(tmp_path):
+    model = _write(tmp_path, COUNTED_BLOCKS)
+    result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "rewrite", str(model), "--pp", "2",
+                             "--micro-batches", "2", "-o", str(tmp_path / "out")], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    stages = sorted((tmp_path / "out").glob("model_stage*.py"))
+    assert stages
+    for stage in stages:
+        assert "enumerate(self.blocks, pp_first_block(STAGE_BLOCKS))" in stage.read_text()
+    from nnscaler_cst.runtime import _comm
+    stage = _comm.PIPE.stage
+    try:
+        _comm.PIPE.stage = 1
+        assert _comm.pp_first_block({1: (2, 4)}) == 2 and _comm.pp_first_block({0: (0, 2)}) == 0
+    finally:
+        _comm.PIPE.stage = stage
+
+
+@pytest.mark.slow
+def test_a_stage_that_counts_its_blocks_trains_like_one_device_under_pp(tmp_path):
+    result, outcome = _verify(tmp_path, COUNTED_BLOCKS, "--pp", "2", "--micro-batches", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+
+
+# A helper outside the model's files that reads a tensor for its shape only (transformers'
+# `create_causal_mask(config, inputs_embeds, ...)`: the batch size, not the hidden size), called
+# from two lambdas one after the other (Beam's `mask_creation_functions[layer_type]()`).
+MASK_HELPER = '''
+import torch
+
+
+def make_mask(x, window):
+    b, s = x.shape[0], x.shape[1]
+    rows = torch.arange(s).unsqueeze(1)
+    cols = torch.arange(s).unsqueeze(0)
+    allowed = (cols <= rows) & (rows - cols < window)
+    return torch.zeros(b, 1, s, s).masked_fill(~allowed, float("-inf"))
+'''
+
+MASKED_BY_HELPER = '''
+import torch
+import torch.nn as nn
+
+from mask_helper import make_mask
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.down = nn.Linear(64, 32)
+
+    def forward(self, x):
+        h = self.up(x)
+        makers = {
+            "full": lambda: make_mask(h, 8),
+            "sliding": lambda: make_mask(h, 3),
+        }
+        masks = {kind: maker() for kind, maker in makers.items()}
+        scores = (x @ x.transpose(1, 2)).unsqueeze(1)
+        weights = (scores + masks["full"]).softmax(-1) + (scores + masks["sliding"]).softmax(-1)
+        return (weights.squeeze(1) @ self.down(h.relu())).pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 8, 32),)
+'''
+
+
+def _with_helper(tmp_path):
+    (tmp_path / "mask_helper.py").write_text(MASK_HELPER.lstrip())
+    return _write(tmp_path, MASKED_BY_HELPER)
+
+
+def test_helpers_called_from_two_lambdas_one_after_the_other_are_two_invocations(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    analysis = analyze(_with_helper(tmp_path))
+    calls = [n for n in analysis.graph.nodes if n.callee.endswith("make_mask")]
+    assert len(calls) == 2 and len({n.span for n in calls}) == 2
+    assert all(len(n.outputs) == 1 for n in calls)
+
+
+def test_a_tensor_read_for_its_batch_size_may_arrive_split_on_its_hidden_dim(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    analysis = analyze(_with_helper(tmp_path))
+    for node in (n for n in analysis.graph.nodes if n.callee.endswith("make_mask")):
+        dims = analysis.graph.dims[node.index]
+        assert dims.shape_only == {"x"} and dims.free == {"x": {2}}   # batch and length set the mask's shape
+
+
+@pytest.mark.slow
+def test_a_tensor_read_for_its_batch_size_trains_like_one_device_under_tp(tmp_path):
+    (tmp_path / "mask_helper.py").write_text(MASK_HELPER.lstrip())
+    result, outcome = _verify(tmp_path, MASKED_BY_HELPER, "--tp", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+
+
+def test_producers_of_one_argument_keep_the_steps_before_those_they_all_end_with():
+    # bailing_hybrid: `hidden_states = residual + hidden_states` after `self.mlp(...)`, a dense MLP
+    # in layer 0 (partial sums: reduce, then scatter) and an MoE block in layer 1 (whole: scatter).
+    # One line, one conversion: the reduce stays on the dense MLP's result, the scatter goes on
+    # the argument (was: "instances of Tensor.add need different conversions").
+    from types import SimpleNamespace
+
+    from nnscaler_cst.materialize.conversions import Step
+    from nnscaler_cst.materialize.edits import _producer_prefixes
+
+    dense, moe, add = (SimpleNamespace(span=f"line {k}") for k in (197, 828, 885))
+    tensors = {0: SimpleNamespace(shape=(4, 16, 64), producer=0), 1: SimpleNamespace(shape=(4, 16, 64), producer=1)}
+    graph = SimpleNamespace(trace=SimpleNamespace(tensors=tensors), nodes=[dense, moe],
+                            result_wrappable=lambda node: True)
+    reduce, scatter = Step("reduce"), Step("scatter", 2)
+    by_output = {("line 197", "torch.nn.Linear", 0): [(0, add, ("pos", 0), [reduce, scatter]),
+                                                       (0, SimpleNamespace(span="line 830"), ("pos", 0), [reduce])],
+                 ("line 828", "Tensor.add", 0): [(1, add, ("pos", 0), [scatter])]}
+    prefixes = _producer_prefixes(graph, by_output)
+    assert prefixes == {("line 197", "torch.nn.Linear", 0): [reduce], ("line 828", "Tensor.add", 0): []}

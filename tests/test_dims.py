@@ -245,6 +245,44 @@ def test_transformers_attention_rule_matches_transformers_own_head_grouping():
     split_reproduces(attention, {"query": q, "key": k, "value": v}, dims, "g")
 
 
+def _masked_attention(arg0, arg1, arg2, arg3):
+    return F.scaled_dot_product_attention(arg0, arg1, arg2, attn_mask=arg3, enable_gqa=True)
+
+
+@pytest.mark.parametrize("mask_shape, batch_labelled", [((2, 1, 16, 16), True), ((1, 1, 16, 16), False),
+                                                       ((16, 16), False)])
+def test_an_attention_mask_goes_with_the_samples_and_queries_and_broadcasts_where_it_is_size_1(mask_shape,
+                                                                                              batch_labelled):
+    # A per-sample mask (b, 1, s, t) splits with the batch; a mask shared by all samples (a size-1
+    # batch, or no batch dim at all: `...` lets it lack leading dims) is whole on every device.
+    q, k, v = torch.randn(2, 8, 16, 32), torch.randn(2, 2, 16, 32), torch.randn(2, 2, 16, 32)
+    mask = torch.randn(mask_shape)
+    inputs = {"arg0": q, "arg1": k, "arg2": v, "arg3": mask}
+    dims = instantiate("torch.nn.functional.scaled_dot_product_attention", inputs, [_masked_attention(**inputs)])
+    batch = labels_at(dims.inputs["arg0"], 0)
+    assert (dims.inputs["arg3"].where(batch[0]) is not None) == batch_labelled
+    assert "s" in dims.inputs["arg3"].labels() and batch[0] not in dims.fixed
+    for label in (batch[0], "g", "s"):
+        split_reproduces(_masked_attention, inputs, dims, label)
+
+
+def test_transformers_attention_mask_of_the_samples_splits_with_the_batch():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = SimpleNamespace(num_key_value_groups=4, is_causal=False)
+    q, k, v = torch.randn(2, 8, 16, 32), torch.randn(2, 2, 16, 32), torch.randn(2, 2, 16, 32)
+    mask = torch.randn(2, 1, 16, 16)
+
+    def attention(query, key, value, attention_mask):
+        return sdpa_attention_forward(module, query, key, value, attention_mask)[0]
+
+    inputs = {"query": q, "key": k, "value": v, "attention_mask": mask}
+    dims = instantiate("transformers.integrations.sdpa_attention.sdpa_attention_forward", inputs, [attention(**inputs)])
+    batch = labels_at(dims.inputs["query"], 0)[0]
+    assert labels_at(dims.inputs["attention_mask"], 0) == [batch] and batch not in dims.fixed
+    split_reproduces(attention, inputs, dims, batch)
+
+
 # ---- reshape: C -> (nh, hs) ---------------------------------------------------------------------------
 @pytest.fixture
 def to_heads():
@@ -479,3 +517,12 @@ def test_a_weight_of_size_one_still_fits_where_its_dim_is_one_everywhere():
     x, weight = torch.randn(4, 8), torch.randn(1, 8)
     dims = instantiate("torch.nn.Linear", {"arg0": x, "self.weight": weight}, [x @ weight.T])
     assert labels_at(dims.inputs["self.weight"], 0) == []
+
+
+def test_a_fresh_cache_hands_back_the_indexer_keys_it_is_given_split_as_they_come():
+    # DeepSeek-V3.2-style indexers (axk2) route their keys through Cache.update_indexer; in training
+    # the cache starts empty, so it returns its operand, as Cache.update does: the batch may be split.
+    keys = torch.randn(4, 16, 96)
+    dims = instantiate("transformers.cache_utils.Cache.update_indexer", {"indexer_key_states": keys}, [keys])
+    assert dims.inputs["indexer_key_states"].dims == dims.outputs[0].dims and all(dims.outputs[0].dims)
+    assert not dims.fixed

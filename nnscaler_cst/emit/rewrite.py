@@ -391,7 +391,8 @@ class SplitStages:
         mark = cst.TrailingWhitespace(whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(
             f"# pipeline: this stage's blocks of {split.container} only"))
         if isinstance(loop, cst.For):
-            loop = loop.with_changes(body=loop.body.with_changes(header=mark))
+            loop = loop.with_changes(iter=self._count_from_first_block(loop.iter),
+                                     body=loop.body.with_changes(header=mark))
         elif loop.trailing_whitespace.comment is None:      # `x = self.blocks(x)` on an nn.Sequential
             loop = loop.with_changes(trailing_whitespace=mark)
         handoff = cst.parse_statement(f"pp_handoff({', '.join(split.handoff)})  # pipeline: every stage but the "
@@ -402,6 +403,27 @@ class SplitStages:
         return function.with_changes(body=function.body.with_changes(
             body=[*docstring, *head, loop, handoff, *epilogue]))
 
+
+    def _count_from_first_block(self, iterable: cst.BaseExpression) -> cst.BaseExpression:
+        """`enumerate(self.layers)` counts a stage's blocks from its first one's index in the
+        whole model (`self.config.layer_types[i]`): each stage holds only its blocks, from 0."""
+        if not (isinstance(iterable, cst.Call) and isinstance(iterable.func, cst.Name)
+                and iterable.func.value == "enumerate" and iterable.args and iterable.args[0].keyword is None):
+            return iterable
+        self.ctx.used.add("pp_first_block")
+        # a class whose other calls run their blocks whole (split.owned) counts those from 0
+        offset = cst.parse_expression("(pp_first_block(STAGE_BLOCKS) if pp_cuts(self) else 0)"
+                                      if self.ctx.split.owned else "pp_first_block(STAGE_BLOCKS)")
+        args = list(iterable.args)
+        start = next((k for k, a in enumerate(args[1:], 1) if a.keyword is None or a.keyword.value == "start"), None)
+        if start is None:
+            args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+            args.append(cst.Arg(offset))
+        else:
+            args[start] = args[start].with_changes(value=cst.BinaryOperation(
+                args[start].value, cst.Add(), offset) if not (isinstance(args[start].value, cst.Integer)
+                                                              and args[start].value.value == "0") else offset)
+        return iterable.with_changes(args=args)
 
     def leave_for(self, span: Span, loop: cst.For) -> cst.For:
         """Recycling (3F1B): each pipeline action runs one pass of the loop that runs the trunk N

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -177,6 +177,7 @@ class _Probed:
 
     labels: list[_Label]
     shape_only: set[str]
+    free: dict[str, set[int]] = field(default_factory=dict)   # see OpDims.free
 
 
 def _operand_names(node: Node) -> dict[int, list[str]]:
@@ -195,7 +196,11 @@ def _probe(node: Node, trace: Trace, replay: Replay) -> _Probed | str:
     # An operand no torch call inside reads (only its .shape or .dtype) is no data input.
     read = {tid for index in node.ops for tid in trace.ops[index].inputs}
     shape_only = {name for tid, own in names.items() if tid not in read for name in own}
-    unprobed = _Probed([], shape_only)
+    # a call that returns no tensor (create_causal_mask when attention needs no mask) depends
+    # on no dim of its operands
+    unprobed = _Probed([], shape_only, {name: set(range(len(trace.tensors[tid].shape)))
+                                        for tid, own in names.items() for name in own if name in shape_only}
+                       if not replay.outputs else {})
     tids = sorted({*_refs(replay.args), *_refs(replay.kwargs), *replay.state.values()})
     if any(_numel(trace.tensors[t].shape) > MAX_PROBE_ELEMENTS for t in tids):
         return unprobed if shape_only else "no rule, and its tensors are too large to probe"
@@ -222,6 +227,7 @@ def _probe(node: Node, trace: Trace, replay: Replay) -> _Probed | str:
             shape_only.update(names[tid])
         else:
             data.append(tid)
+    free = _free_dims(call, trace, whole, names, shape_only, params)
     taken: set[tuple[int, int]] = set()
     labels = []
     # operands read for their shape whose shape the result follows (`key[..., :n].copy_(k)`,
@@ -253,7 +259,27 @@ def _probe(node: Node, trace: Trace, replay: Replay) -> _Probed | str:
                 found = _find_label(call, trace, whole, data + weights, tid, dim, taken, groups)
                 if found is not None:
                     found_label(found)
-    return _Probed(labels, shape_only)
+    return _Probed(labels, shape_only, free)
+
+
+def _free_dims(call, trace: Trace, whole, names: dict[int, list[str]], shape_only: set[str],
+               params: set[int]) -> dict[str, set[int]]:
+    """Per shape-only operand, the dims it may have half of with the same results."""
+    free: dict[str, set[int]] = {}
+    for tid, own in names.items():
+        if tid in params or tid not in call.base or own[0] not in shape_only:
+            continue
+        for dim, size in enumerate(trace.tensors[tid].shape):
+            if size < 2 or size % 2:
+                continue
+            try:
+                same = _all_equal(call({tid: call.base[tid].narrow(dim, 0, size // 2)}), whole)
+            except _CannotReplay:
+                same = False
+            if same:
+                for name in own:
+                    free.setdefault(name, set()).add(dim)
+    return free
 
 
 def _refs(value) -> list[int]:
@@ -399,4 +425,5 @@ def _to_dims(probed: _Probed, node: Node, trace: Trace, replay: Replay) -> OpDim
             return None
         position = replay.outputs.index(tid)
         outputs.append(TensorDims(tid, dims_of(trace.tensors[tid].shape, lambda d: out_at.get((position, d)))))
-    return OpDims(inputs, outputs, reduced=reduced, shape_only=set(probed.shape_only))
+    return OpDims(inputs, outputs, reduced=reduced, shape_only=set(probed.shape_only),
+                  free={name: set(dims) for name, dims in probed.free.items()})

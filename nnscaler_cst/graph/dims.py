@@ -55,6 +55,10 @@ class OpDims:
     fixed: set[str] = field(default_factory=set)
     impl: dict[str, str] = field(default_factory=dict)
     shape_only: set[str] = field(default_factory=set)   # operands read for their shape or dtype only
+    # of those, the dims whose size the results do not depend on: such an operand may arrive
+    # split on them as it is (`create_causal_mask(config, inputs_embeds, ...)` reads the batch
+    # size of inputs_embeds, not its hidden size)
+    free: dict[str, set[int]] = field(default_factory=dict)
 
     def sizes(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -84,6 +88,7 @@ _TOKEN = re.compile(r"\(([^)]*)\)|(\*?[A-Za-z_][A-Za-z_0-9]*[+^]?|\d+)")
 @dataclass
 class DimSpec:
     tokens: list[list[str]]     # per dim: factor tokens; a variadic dim is ["*name"]
+    broadcast: bool = False     # `... dims`: leading dims may be missing, as broadcasting allows
 
 
 @dataclass
@@ -120,11 +125,13 @@ class Annotation:
 
 
 def _parse_dims(text: str) -> DimSpec:
+    text = text.strip()
+    broadcast = text.startswith("...")
     tokens = []
-    for match in _TOKEN.finditer(text.strip()):
+    for match in _TOKEN.finditer(text[3:] if broadcast else text):
         group, single = match.groups()
         tokens.append(group.split() if group is not None else [single])
-    return DimSpec(tokens)
+    return DimSpec(tokens, broadcast)
 
 
 def _strip(token: str) -> tuple[str, str]:
@@ -184,10 +191,17 @@ def _no_broadcast_weight(name: str, spec: DimSpec, shape, sizes) -> None:
 
 
 def _bind_tensor(spec: DimSpec, shape, sizes, variadic_len, result: OpDims) -> list[tuple[Factor, ...]]:
-    fixed_count = sum(1 for t in spec.tokens if not t[0].startswith("*"))
+    token_list = spec.tokens
+    fixed_count = sum(1 for t in token_list if not t[0].startswith("*"))
+    if spec.broadcast and len(shape) < fixed_count:
+        # An operand that broadcasts against the others (an attention mask of (s, t) for a
+        # query of (b, h, s, d)) lacks leading dims: it has the rule's last ones.
+        plain = [t for t in token_list if not t[0].startswith("*")]
+        token_list = plain[len(plain) - len(shape):] if shape else []
+        fixed_count = len(token_list)
     dims: list[tuple[Factor, ...]] = []
     position = 0
-    for tokens in spec.tokens:
+    for tokens in token_list:
         if tokens[0].startswith("*"):
             base, mark = _strip(tokens[0][1:])
             count = len(shape) - fixed_count

@@ -113,6 +113,8 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
             if operand.tid is None or tensors[operand.tid].param is not None:
                 continue
             info = tensors[operand.tid]
+            if _arrives_as_is(graph.dims.get(node.index), operand.name, have.get(operand.tid, R)):
+                continue
             steps = conversion(have.get(operand.tid, R), wanted.inputs[operand.name], consumer_split=wanted.split,
                                requires_grad=grad_at.get((node.span, operand.path), info.requires_grad))
             if steps is None:
@@ -196,6 +198,14 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
     return edits
 
 
+def _arrives_as_is(dims, name: str, have: Layout) -> bool:
+    """An operand the op reads for its shape only, split on a dim whose size the results do not
+    depend on (or a partial sum, of the whole shape), needs no conversion."""
+    if dims is None or name not in dims.shape_only:
+        return False
+    return have.kind == "P" or (have.kind == "S" and have.dim in dims.free.get(name, ()))
+
+
 def one_device_edits(graph: Graph, stand_in: AxisChoices) -> Edits:
     """Co-shard on one device: only the regions of a C-way stand-in plan, its C pieces run one
     after another here; nothing else is split, so no other edit."""
@@ -238,23 +248,44 @@ def _producer_prefixes(graph: Graph, by_output: dict) -> dict[tuple, list[Step]]
                 prefix[key] = ended
     while True:
         rests: dict[tuple, dict[tuple, list[Step]]] = defaultdict(dict)    # argument -> key -> rest
+        wholes: dict[tuple, dict[tuple, list[Step]]] = defaultdict(dict)   # argument -> key -> all its steps
         for key, uses in by_output.items():
             for tid, consumer, path, steps in uses:
                 argument = _argument(consumer, path)
                 if argument is not None:
                     rests[argument][key] = steps_from_end(steps[len(prefix[key]):], len(tensors[tid].shape))
-        # producers feeding one argument with different rests keep only the steps they share
-        # on their results (a row-split layer's reduction, with its bias, stays on the layer),
-        # the rest goes on the argument
+                    wholes[argument][key] = steps
+        # producers feeding one argument with different rests keep on their results only what
+        # leaves the argument one rest: the steps before the ones they all end with (a dense
+        # MLP's reduction stays on its row-split layer, the scatter both it and an MoE block need
+        # goes on the argument), or else only the steps they share (a row-split layer's
+        # reduction, with its bias, stays on the layer), the rest on the argument
         changed = False
-        for by_key in rests.values():
+        for argument, by_key in rests.items():
             if len({str(r) for r in by_key.values()}) > 1:
-                shared = common_prefix([prefix[key] for key in by_key])
+                ending = _common_ending(argument, wholes[argument], tensors, by_output)
+                cut = {key: wholes[argument][key][:len(wholes[argument][key]) - ending] for key in by_key}
+                if not all(len(cut[key]) <= len(prefix[key]) for key in by_key):
+                    shared = common_prefix([prefix[key] for key in by_key])
+                    cut = {key: shared for key in by_key}
                 for key in by_key:
-                    if len(prefix[key]) > len(shared):
-                        prefix[key], changed = shared, True
+                    if len(prefix[key]) > len(cut[key]):
+                        prefix[key], changed = cut[key], True
         if not changed:
             return prefix
+
+
+def _common_ending(argument, wholes: dict[tuple, list[Step]], tensors, by_output: dict) -> int:
+    """How many last steps every producer feeding one argument needs alike (dims counted from
+    the end)."""
+    ends = []
+    for key, steps in wholes.items():
+        tid = next(tid for tid, consumer, path, _ in by_output[key] if _argument(consumer, path) == argument)
+        ends.append([str(s) for s in steps_from_end(steps, len(tensors[tid].shape))])
+    length = 0
+    while all(len(e) > length for e in ends) and len({str(e[len(e) - 1 - length]) for e in ends}) == 1:
+        length += 1
+    return length
 
 
 def _check_biases_added(graph: Graph, edits: Edits) -> None:

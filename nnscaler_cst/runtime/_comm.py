@@ -823,6 +823,13 @@ def pp_first_stage() -> bool:
     return PIPE.stage == 0
 
 
+def pp_first_block(stage_blocks: dict) -> int:
+    """The index in the whole model of this stage's first block (STAGE_BLOCKS: per stage of this
+    file, its range of blocks), where the model counts its blocks (`enumerate(self.layers)`)."""
+    blocks = stage_blocks.get(PIPE.stage)
+    return blocks[0] if blocks else 0
+
+
 def pp_cuts(module) -> bool:
     """Whether this call of a function that loops over blocks is the one the stages cut (one stack
     class can run the encoder's blocks and the decoder's: build() marks the trunk's owner)."""

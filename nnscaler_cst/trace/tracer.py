@@ -165,7 +165,7 @@ class Tracer(TorchFunctionMode):
         self._tid_of: dict[int, int] = {}     # id(tensor) -> tid
         self._keep: list[Any] = []             # keeps traced tensors alive so ids stay unique
         self._module_names: dict[int, str] = {}
-        self._current: tuple | None = None     # (frame id, lasti) of the open invocation
+        self._current: tuple | None = None     # (frame, lasti, ...) of the open invocation
         self._recording = False
         self.size_queries: list[tuple[Span, int, int | None]] = []
         self.module_calls: dict[str, tuple[Span, int]] = {}   # module path -> (call site, first node index)
@@ -320,7 +320,10 @@ class Tracer(TorchFunctionMode):
         in_tids = [self._tid(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         chain = self._chain(caller, own) if own is not None else []
         contained = self._container_child(chain) if own is not None else None
-        key = (id(own), own.f_lasti, contained and id(contained[1].f_locals["self"])) if own is not None else None
+        # The frame itself, not its id: two lambdas called one after the other (`lambda:
+        # create_causal_mask(...)`, then `lambda: create_sliding_window_causal_mask(...)`) may run
+        # in frames at the same address, at the same instruction; holding the open one keeps it apart.
+        key = (own, own.f_lasti, contained and id(contained[1].f_locals["self"])) if own is not None else None
         # A torch function the own frame calls itself is one invocation per call: a loop whose body
         # makes just that call (`parts.append(x[i])`) repeats the key and still gets a node per
         # iteration. Calls made below a helper or module share the key of the own frame's call.
