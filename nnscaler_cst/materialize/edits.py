@@ -256,16 +256,15 @@ def _producer_prefixes(graph: Graph, by_output: dict) -> dict[tuple, list[Step]]
                     rests[argument][key] = steps_from_end(steps[len(prefix[key]):], len(tensors[tid].shape))
                     wholes[argument][key] = steps
         # producers feeding one argument with different rests keep on their results only what
-        # leaves the argument one rest: the steps before the ones they all end with (a dense
+        # leaves the argument one rest: all but the fewest last steps they need alike (a dense
         # MLP's reduction stays on its row-split layer, the scatter both it and an MoE block need
-        # goes on the argument), or else only the steps they share (a row-split layer's
-        # reduction, with its bias, stays on the layer), the rest on the argument
+        # goes on the argument; a row-split layer's reduction, with its bias, stays on the layer
+        # when both producers need it), or else only the steps they share, the rest on the argument
         changed = False
         for argument, by_key in rests.items():
             if len({str(r) for r in by_key.values()}) > 1:
-                ending = _common_ending(argument, wholes[argument], tensors, by_output)
-                cut = {key: wholes[argument][key][:len(wholes[argument][key]) - ending] for key in by_key}
-                if not all(len(cut[key]) <= len(prefix[key]) for key in by_key):
+                cut = _cut_before_common_ending(argument, wholes[argument], prefix, tensors, by_output)
+                if cut is None:
                     shared = common_prefix([prefix[key] for key in by_key])
                     cut = {key: shared for key in by_key}
                 for key in by_key:
@@ -275,17 +274,23 @@ def _producer_prefixes(graph: Graph, by_output: dict) -> dict[tuple, list[Step]]
             return prefix
 
 
-def _common_ending(argument, wholes: dict[tuple, list[Step]], tensors, by_output: dict) -> int:
-    """How many last steps every producer feeding one argument needs alike (dims counted from
-    the end)."""
+def _cut_before_common_ending(argument, wholes: dict[tuple, list[Step]], prefix: dict, tensors,
+                              by_output: dict) -> dict[tuple, list[Step]] | None:
+    """Per producer feeding one argument, its steps less the fewest last steps that every
+    producer needs alike (dims counted from the end) such that each keeps no more than all its
+    uses share; None where no such ending exists."""
     ends = []
     for key, steps in wholes.items():
         tid = next(tid for tid, consumer, path, _ in by_output[key] if _argument(consumer, path) == argument)
         ends.append([str(s) for s in steps_from_end(steps, len(tensors[tid].shape))])
-    length = 0
-    while all(len(e) > length for e in ends) and len({str(e[len(e) - 1 - length]) for e in ends}) == 1:
-        length += 1
-    return length
+    common = 0
+    while all(len(e) > common for e in ends) and len({e[len(e) - 1 - common] for e in ends}) == 1:
+        common += 1
+    for ending in range(1, common + 1):
+        cut = {key: steps[:len(steps) - ending] for key, steps in wholes.items()}
+        if all(len(cut[key]) <= len(prefix[key]) for key in wholes):
+            return cut
+    return None
 
 
 def _check_biases_added(graph: Graph, edits: Edits) -> None:
