@@ -937,6 +937,12 @@ def main() -> None:
     if args.check_entry:
         print(json.dumps(check_entry(Path(args.check_entry))))
         return
+    if args.dry_run:
+        # a dry run writes entries to look at; it must not replace the recorded results
+        args.work = args.work or tempfile.mkdtemp(prefix="nnscaler-coverage-")
+        for name, default in (("results", "coverage_results.json"), ("out", "COVERAGE.md")):
+            if getattr(args, name) == str(ROOT / "benchmarks" / default):
+                setattr(args, name, str(Path(args.work) / default))
     if args.entry:
         entry = Path(args.entry).resolve()
         work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="nnscaler-coverage-"))
