@@ -63,8 +63,10 @@ class Probe(torch.nn.Module):
         shifted = shift_right(ids, 0)
         mask = causal_mask(x)
         both = contract(s, s.transpose(1, 2))
+        chosen = torch.zeros_like(s)
+        chosen.scatter_(-1, torch.topk(s, 2, dim=-1).indices, 1.0)
         return (top.sum() + rep.sum() + zeros.sum() + run.sum() + pad.sum() + rolled.sum()
-                + shifted.float().sum() + mask.float().sum() + both.sum())
+                + shifted.float().sum() + mask.float().sum() + both.sum() + (chosen * s).sum())
 
 
 def build():
@@ -125,6 +127,15 @@ def test_shape_only_operands_are_no_data(probed):
         assert operand in dims.shape_only, callee
 
 
+def test_indices_read_as_a_set_are_data(probed):
+    """`mask.scatter_(-1, topk_indices, 1)`: each row of indices holds k distinct columns, so
+    shifting every index within the range leaves the row's set, and the result, unchanged; the
+    indices are still data, split with the rows they index."""
+    _, dims = _site(probed, "Tensor.scatter_")
+    assert "arg2" not in dims.shape_only
+    assert _split_dims(dims, "arg2") == _split_dims(dims, "arg0") == {0, 1}
+
+
 def test_contraction_is_a_partial_sum(probed):
     _, dims = _site(probed, "probe_helpers.contract")
     a, b = dims.inputs["a"].dims, dims.inputs["b"].dims
@@ -173,7 +184,8 @@ def _four_way_holds(analysis, node, dims, label: str) -> bool:
 
 
 @pytest.mark.parametrize("callee", ["torch.topk", "Tensor.repeat_interleave", "torch.logcumsumexp",
-                                    "torch.nn.functional.pad", "torch.roll", "probe_helpers.contract"])
+                                    "torch.nn.functional.pad", "torch.roll", "probe_helpers.contract",
+                                    "Tensor.scatter_"])
 def test_derived_labels_hold_four_ways(probed, callee):
     node, dims = _site(probed, callee)
     labels = [l for l in dims.splittable() if all(

@@ -105,14 +105,19 @@ def _real(shape: tuple[int, ...], dtype_name: str, generator: torch.Generator, i
     return ((torch.arange(shape[-1]) + rows * offset + offset) % last).to(dtype)
 
 
-def _other_values(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """A tensor of the same shape whose every element differs from `tensor`'s."""
+def _other_values(tensor: torch.Tensor, generator: torch.Generator) -> list[torch.Tensor]:
+    """Tensors of the same shape whose values differ from `tensor`'s. For integers two: every
+    element shifted within the range seen, and all of one value. A row of indices holding each
+    of 0..k-1 once is shifted into another such row, which an op reading the indices as a set
+    (`scatter_(1, topk_indices, 1)`) cannot tell apart; a constant row it can."""
     if tensor.is_floating_point() or tensor.is_complex():
-        return tensor + 1 + torch.rand(tensor.shape, generator=generator).to(tensor.dtype)
+        return [tensor + 1 + torch.rand(tensor.shape, generator=generator).to(tensor.dtype)]
     if tensor.dtype == torch.bool:
-        return ~tensor
+        return [~tensor]
     modulus = max(int(tensor.max()) + 1 if tensor.numel() else 2, 2)
-    return ((tensor + 1) % modulus).to(tensor.dtype)
+    shifted = ((tensor + 1) % modulus).to(tensor.dtype)
+    constant = torch.full_like(tensor, 0 if tensor.numel() and bool((tensor != 0).any()) else 1)
+    return [shifted, constant]
 
 
 def _numel(shape) -> int:
@@ -218,9 +223,9 @@ def _probe(node: Node, trace: Trace, replay: Replay) -> _Probed | str:
     for tid in names:
         if tid in params or tid not in call.base or names[tid][0] in shape_only:
             continue
-        fresh = _other_values(call.base[tid], call.generator)
         try:
-            same = _all_equal(call({tid: fresh}), whole)
+            same = all(_all_equal(call({tid: fresh}), whole)
+                       for fresh in _other_values(call.base[tid], call.generator))
         except _CannotReplay:
             same = False
         if same:

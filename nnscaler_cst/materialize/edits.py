@@ -126,13 +126,13 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
             if not isinstance(operand.value, TensorList):
                 continue
             for k, tid in enumerate(operand.value):
+                element = (*operand.path, k) if operand.path else None
                 if wanted.split is False:
                     steps = conversion(have.get(tid, R), R, consumer_split=False, requires_grad=False)
-                    needs[tid].append((node, None, steps))
+                    needs[tid].append((node, element, steps))
                     continue
                 where = _list_element_layout(graph, node, plan.node_choice[node.index],
                                              f"{operand.name}[{k}]", local.get(node.index))
-                element = (*operand.path, k) if operand.path else None
                 steps = conversion(have.get(tid, R), where, consumer_split=True,
                                    requires_grad=grad_at.get((node.span, element), tensors[tid].requires_grad))
                 if steps is None:
