@@ -11,7 +11,11 @@ single-device run.
   missing from the merged state dict and never loaded onto the stages holding it by another name;
 - Mixtral: the router's `torch.topk` and the experts module run on tokens (data parallel refused);
 - RoBERTa's masked LM at PP=2: its embedding is called above the function holding the block loop
-  (stage 1 had dropped it and crashed), and the LM head's parameters were taken for tied ones.
+  (stage 1 had dropped it and crashed), and the LM head's parameters were taken for tied ones;
+- DeepSeek-V3 at TP=2 (multi-head latent attention, grouped top-k router, cache on): the router's
+  `scatter_` of top-k indices took the indices for shape-only (the dry run crashed), a gather for
+  a tuple element inside a whole `torch.cat` had no place, and the latent passed whole through the
+  cache update got a second all-reduce of its gradient (a wrong result once the rest wrote).
 """
 from __future__ import annotations
 
@@ -88,6 +92,23 @@ def example_inputs():
     return {"input_ids": ids, "labels": ids}
 '''
 
+DEEPSEEK_V3 = '''
+import torch
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+
+def build():
+    config = DeepseekV3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                              moe_intermediate_size=128, vocab_size=128, num_key_value_heads=4,
+                              first_k_dense_replace=1)
+    return DeepseekV3ForCausalLM(config)
+
+
+def example_inputs():
+    ids = torch.randint(0, 128, (4, 16))
+    return {"input_ids": ids, "labels": ids}
+'''
+
 CASES = {
     "llama-nocache-dp2": (LLAMA, ("--dp", "2")),
     "bart-dp2": (BART, ("--dp", "2")),
@@ -96,6 +117,7 @@ CASES = {
     "mixtral-dp2": (MIXTRAL, ("--dp", "2")),
     "mixtral-pp2": (MIXTRAL, ("--pp", "2", "--micro-batches", "2")),
     "roberta-pp2": (ROBERTA, ("--pp", "2", "--micro-batches", "2")),
+    "deepseek_v3-tp2": (DEEPSEEK_V3, ("--tp", "2")),
 }
 
 

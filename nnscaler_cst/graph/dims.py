@@ -59,6 +59,9 @@ class OpDims:
     # split on them as it is (`create_causal_mask(config, inputs_embeds, ...)` reads the batch
     # size of inputs_embeds, not its hidden size)
     free: dict[str, set[int]] = field(default_factory=dict)
+    # operand -> the results it reaches, where known (a cache update hands input i on as result
+    # i); an operand missing here may reach every result
+    feeds: dict[str, set[int]] = field(default_factory=dict)
 
     def sizes(self) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -376,7 +376,7 @@ def passthrough(call: Call) -> OpDims:
             outputs.append(TensorDims(tid, []))
     for n in names:
         inputs.setdefault(n, TensorDims(call.tids[n], []))
-    return OpDims(inputs, outputs)
+    return OpDims(inputs, outputs, feeds={n: {k} if k < len(outputs) else set() for k, n in enumerate(names)})
 
 
 def einsum(call: Call) -> OpDims:

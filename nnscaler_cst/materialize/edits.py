@@ -115,7 +115,8 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
             info = tensors[operand.tid]
             if _arrives_as_is(graph.dims.get(node.index), operand.name, have.get(operand.tid, R)):
                 continue
-            steps = conversion(have.get(operand.tid, R), wanted.inputs[operand.name], consumer_split=wanted.split,
+            steps = conversion(have.get(operand.tid, R), wanted.inputs[operand.name],
+                               consumer_split=_reaches_a_split_result(graph.dims.get(node.index), operand.name, wanted),
                                requires_grad=grad_at.get((node.span, operand.path), info.requires_grad))
             if steps is None:
                 raise UserError(f"{node.callee} would need a partial sum as input", _loc(node))
@@ -196,6 +197,17 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
     edits.full_sizes = full_size_reads(graph, plan.param_layout, n)
     edits.regions = coshard_regions(graph, plan, edits.sites, lay, have, coshard_devices) if plan.chunks else []
     return edits
+
+
+def _reaches_a_split_result(dims, name: str, wanted) -> bool:
+    """A whole operand of a split call gets partial gradients (a `copy`: all-reduced backward)
+    unless every result it reaches is whole on each rank: a cache update hands a whole value on
+    whole, and the gradient coming back to it is already complete."""
+    if not wanted.split:
+        return False
+    if dims is None or name not in dims.feeds:
+        return True
+    return any(k >= len(wanted.outputs) or wanted.outputs[k].kind != "R" for k in dims.feeds[name])
 
 
 def _arrives_as_is(dims, name: str, have: Layout) -> bool:
