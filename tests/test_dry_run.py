@@ -178,6 +178,35 @@ def test_the_break_is_real_without_the_dry_run(at_repo, monkeypatch):
     assert "tp_gather(self.transformer.wpe(pos)" not in result.files["model.py"]
 
 
+def test_a_value_stored_on_the_model_is_run_again_at_a_second_step(at_repo, monkeypatch):
+    """fixtures/stored_buffer.py stores its position encoding back on the module in forward, as
+    transformers' CTRL does. With the scatter written on the stored value (what the rewrite did
+    before: materialize now converts its use), the first step passes and the second slices the
+    slice; the first step changed the model's state, so the dry run runs a second one and refuses
+    at the add, naming the line that stores the buffer. The rewrite as it is passes."""
+    path = REPO / "fixtures" / "stored_buffer.py"
+    add_line, _ = line_of(path, "x + pos_embeds")
+    store_line, store_col = line_of(path, "self.pos_encoding = self.pos_encoding.to(device")
+    result = rewrite(analysis_of("stored_buffer.py"), PlanRequest(tp=2))
+    model = result.files["model.py"]
+    assert "self.pos_encoding = self.pos_encoding.to(device=x.device, dtype=x.dtype)\n" in model
+    assert "pos_embeds = tp_scatter(self.pos_encoding, TP, dim=1)[positions, :]" in model
+    report = dry.dry_run(analysis_of("stored_buffer.py"), result.files)
+    assert (0, "forward, backward") in report.checked and (0, "second step") not in report.checked
+
+    from nnscaler_cst.source.files import SourceFile
+    monkeypatch.setattr(SourceFile, "value_is_stored", lambda self, node: False)
+    with pytest.raises(UserError) as error:
+        rewrite(analyze(path), PlanRequest(tp=2))          # a fresh analysis: the planner caches per graph
+    message = error.value.format()
+    assert message.startswith(f"fixtures/stored_buffer.py:{add_line}:9: error: internal error:"), message
+    assert "rank 0 (tp 0, dp 0, pp 0): the forward raised RuntimeError" in message
+    assert "(at the second step: the first changed the model's state)" in message
+    assert (f"fixtures/stored_buffer.py:{store_line}:{store_col}: note: pos_encoding was [32, 64] when built "
+            "and is [32, 32] after a step: stored here (self.pos_encoding = tp_scatter(") in message
+    no_dry_run_left()
+
+
 # ---- what the dry run cannot run is a warning -----------------------------------------------------
 
 def test_unsupported_under_fake_tensors_is_a_warning(at_repo, monkeypatch):

@@ -440,9 +440,12 @@ def test_a_trunk_run_again_by_recycling_is_refused_for_pipelines_at_its_blocks_c
     ("indexed_writes.py", ("--tp", "2")),
     ("complex_rotary.py", ("--tp", "2", "--dp", "2")),
     ("evoformer.py", ("--tp", "2", "--dp", "2")),
+    ("stored_buffer.py", ("--tp", "2")),
+    ("stored_buffer.py", ("--pp", "2", "--micro-batches", "2")),
 ], ids=["convnet-tp2", "einsum-tp2", "residual-pp2xtp2", "multihead-attention-tp2",
         "vit-dp2xtp2", "hf-bert-with-dropout-tp2", "indexed-writes-tp2", "complex-rotary-dp2xtp2",
-        "evoformer-dp2xtp2"])
+        "evoformer-dp2xtp2", "stored-position-buffer-tp2",
+        "stored-position-buffer-pp2"])
 def test_other_styles_train_like_the_single_device_run(tmp_path, fixtures_dir, fixture, args):
     path = fixtures_dir / fixture
     if fixture in ENTRIES:

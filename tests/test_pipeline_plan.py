@@ -171,6 +171,23 @@ def test_only_values_live_when_a_stage_starts_are_handed_on():
     assert handoff_variables(function, 2) == ["h", "seen"]
 
 
+def test_an_attribute_the_prologue_stores_hands_on_no_module():
+    """`self.pe = self.pe.to(h.dtype)` before the loop (transformers' CTRL) binds no variable: neither
+    `self` (stage 1 was handed stage 0's module, whose final norm it does not hold) nor `pe` (an
+    attribute's name, no local) is handed on. A write by index still hands on what it changed."""
+    import libcst as cst
+    from nnscaler_cst.plan.pipeline import handoff_variables
+    function = cst.parse_module(
+        "def forward(self, h, mask):\n"
+        "    self.pe = self.pe.to(h.dtype)\n"
+        "    h = h + self.pe\n"
+        "    mask[:, 0] = 1\n"
+        "    for layer in self.layers:\n"
+        "        h = layer(h, mask, self.pe)\n"
+        "    return self.norm(h)\n").body[0]
+    assert handoff_variables(function, 3) == ["h", "mask"]
+
+
 def test_every_op_runs_on_the_stage_of_its_block_the_prologue_first_the_epilogue_last(graph):
     plan = stages(graph, 2, [1])
     stage_of_block = {0: 0, 1: 1, 2: 1, 3: 1}

@@ -77,12 +77,15 @@ class Graph:
         return self.sources.get(span.path).node_at(span.line, span.col, span.end_line, span.end_col)
 
     def result_wrappable(self, node: Node) -> bool:
-        """A producer's result can carry a conversion when it is one tensor used whole."""
+        """A producer's result can carry a conversion when it is one tensor used whole, and is not
+        stored in an attribute: `self.pe = tp_scatter(self.pe.to(x.dtype), ...)` would keep the
+        slice, and the next call would slice the slice; its uses are converted instead."""
         if not (node.mapped and node.span is not None and len(node.outputs) == 1) or \
                 node.callee == "Tensor.__setitem__":
             return False    # `x[i] = v` is a statement: its result is x, read where it is used next
         call = self.source_node(node)
-        return call is not None and self.sources.get(node.span.path).value_is_whole(call)
+        source = self.sources.get(node.span.path) if call is not None else None
+        return source is not None and source.value_is_whole(call) and not source.value_is_stored(call)
 
     @property
     def nodes(self) -> list[Node]:

@@ -117,6 +117,18 @@ class SourceFile:
             return True
         return True
 
+    def value_is_stored(self, node: cst.CSTNode) -> bool:
+        """Whether an expression's value is assigned to an attribute (`self.pe = pe.to(x.dtype)`):
+        it outlives the call, and the next call reads what was stored."""
+        parent = self.parents.get(node)
+        if isinstance(parent, cst.AssignTarget):
+            parent = self.parents.get(parent)
+        if isinstance(parent, cst.Assign) and parent.value is node:
+            return any(isinstance(t.target, cst.Attribute) for t in parent.targets)
+        if isinstance(parent, cst.AnnAssign) and parent.value is node:
+            return isinstance(parent.target, cst.Attribute)
+        return False
+
     @cached_property
     def _index(self) -> dict[tuple[int, int, int, int], list[cst.CSTNode]]:
         index: dict[tuple[int, int, int, int], list[cst.CSTNode]] = {}

@@ -13,18 +13,39 @@ def names_in(nodes, store: bool) -> set[str]:
         def visit_Name(self, name: cst.Name) -> None:
             found.add(name.value)
 
+        def visit_Attribute(self, node: cst.Attribute) -> bool:
+            node.value.visit(self)      # `self.h` reads self; h is no variable
+            return False
+
+    def bound(target: cst.BaseExpression) -> None:
+        """The names an assignment target binds: names, and the tensor a write by index changes
+        (`x[i] = v`: x is handed on like a new value). An attribute target (`self.pe = ...`)
+        binds no name: it changes an object's state, which is no variable of this code."""
+        if isinstance(target, cst.Name):
+            found.add(target.value)
+        elif isinstance(target, (cst.Tuple, cst.List)):
+            for element in target.elements:
+                bound(element.value)
+        elif isinstance(target, cst.StarredElement):
+            bound(target.value)
+        elif isinstance(target, cst.Subscript) and isinstance(target.value, cst.Name):
+            found.add(target.value.value)
+
     class Targets(cst.CSTVisitor):
         def visit_AssignTarget(self, target):
-            target.target.visit(Collect())
+            bound(target.target)
 
         def visit_AugAssign(self, node):
-            node.target.visit(Collect())
+            bound(node.target)
 
         def visit_AnnAssign(self, node):
-            node.target.visit(Collect())
+            bound(node.target)
 
         def visit_For(self, node):
-            node.target.visit(Collect())
+            bound(node.target)
+
+        def visit_NamedExpr(self, node):
+            bound(node.target)
 
     for node in nodes:
         node.visit(Targets() if store else Collect())

@@ -164,11 +164,57 @@ class _Checker:
                     self.result.checked.append((last, "shard shapes"))
                 else:
                     self._build_and_load(last, full)
-            if pp == 1:
-                self._forward_backward(firsts[0], models[firsts[0]])
-            else:
-                self._pipeline(firsts, models)
+            step = (lambda: self._forward_backward(firsts[0], models[firsts[0]])) if pp == 1 else \
+                (lambda: self._pipeline(firsts, models))
+            self._steps(step, {rank: models[rank] for rank in firsts})
         return self.result
+
+    def _steps(self, step, models: dict) -> None:
+        """One training step; a second one where the first left the models' state (a buffer, a
+        tensor attribute) at other shapes than it was built with: a value stored on the model in
+        the forward (`self.pe = self.pe.to(x.dtype)`) is what the next step reads, and the ranks
+        run several steps. With the same batch, the state must not change shape again."""
+        built = _state_shapes(models)
+        step()
+        after = _state_shapes(models)
+        changed = {key: (built[key], shape) for key, shape in after.items() if key in built and built[key] != shape}
+        if not changed:
+            return
+        try:
+            step()
+        except UserError as error:
+            error.related.extend(self._state_notes(changed))
+            error.message += " (at the second step: the first changed the model's state)"
+            raise
+        again = _state_shapes(models)
+        drift = {key: (after[key], shape) for key, shape in again.items() if key in after and after[key] != shape}
+        if drift:
+            (rank, key), (first, second) = next(iter(drift.items()))
+            notes = self._state_notes(drift)
+            error = self._internal(rank, f"{key} changes shape at every step: {list(first)} after the first, "
+                                         f"{list(second)} after the second", notes[0][0] if notes else None)
+            error.related.extend(notes)
+            raise error
+        self.result.checked.append((next(iter(models)), "second step"))
+
+    def _state_notes(self, changed: dict) -> list[tuple[Location, str]]:
+        """Per changed state tensor, where the rank's code stores it (`self.<attr> = ...`), at the
+        user's line it came from."""
+        notes = []
+        for (rank, key), (before, after) in changed.items():
+            attr = key.rpartition(".")[2]
+            file = self._file(rank)
+            lines = self.files.get(file, "").splitlines()
+            store = re.compile(rf"^\s*self\.{re.escape(attr)}\s*(?::[^=]*)?=(?!=)")
+            index = next((i for i, line in enumerate(lines) if store.match(line) and not _in_init(lines, i)), None)
+            text = f"{key} was {list(before)} when built and is {list(after)} after a step"
+            if index is None:
+                notes.append((Location(file, 1, 0), text))
+                continue
+            location = _user_location(self.analysis, lines, index, None) or \
+                Location(file, index + 1, len(lines[index]) - len(lines[index].lstrip()))
+            notes.append((location, f"{text}: stored here ({_normal(lines[index])})"))
+        return notes
 
     def _import(self, rank: int) -> None:
         try:
@@ -372,6 +418,31 @@ class _Checker:
         if name not in ("__init__.py", "train.py") and text:
             location = _user_location(self.analysis, lines, frame.lineno - 1, getattr(frame, "colno", None))
         return location, (name, frame.lineno or 1, text)
+
+
+def _state_shapes(models: dict) -> dict[tuple[int, str], tuple]:
+    """(rank, dotted name) -> shape of every buffer and plain tensor attribute of the ranks' models
+    (parameters are loaded, never stored to by a forward)."""
+    shapes = {}
+    for rank, model in models.items():
+        roots = list(model) if isinstance(model, (list, tuple)) else [model]
+        for k, root in enumerate(roots):
+            prefix = f"{k}." if len(roots) > 1 else ""
+            for name, module in root.named_modules(remove_duplicate=False):
+                for attr, value in list(vars(module).items()) + list(module._buffers.items()):
+                    if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                        shapes[(rank, f"{prefix}{name + '.' if name else ''}{attr}")] = tuple(value.shape)
+    return shapes
+
+
+def _in_init(lines: list[str], index: int) -> bool:
+    """Whether line `index` lies in an `__init__` method (the store a forward makes is elsewhere)."""
+    indent = len(lines[index]) - len(lines[index].lstrip())
+    for line in reversed(lines[:index]):
+        stripped = line.lstrip()
+        if stripped.startswith("def ") and len(line) - len(stripped) < indent:
+            return stripped.startswith("def __init__")
+    return False
 
 
 def _first_line(exc: Exception) -> str:
