@@ -582,3 +582,98 @@ def test_a_stage_reading_the_dtype_of_a_module_another_stage_holds_verifies(tmp_
     (tmp_path / "dtype_read.py").write_text(DTYPE_READ_ABOVE_THE_CUT)
     result = run_cli("verify", tmp_path / "dtype_read.py", "--pp", 2, "--micro-batches", 2, "-o", tmp_path / "out")
     assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr
+
+
+# A position bias made once, above the function whose block loop is cut, by a module with a
+# parameter (CpmAnt's CpmAntSegmentPositionEmbedding, T5's relative attention bias): every stage
+# runs that code, and every block adds its output to its scores.
+SHARED_BIAS_ABOVE_THE_CUT = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+
+    class PositionBias(nn.Module):
+        def __init__(self, seq):
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(2 * seq - 1) * 0.5)
+            self.seq = seq
+
+        def forward(self, n):
+            position = torch.arange(n)
+            return self.table[position[None, :] - position[:, None] + self.seq - 1]
+
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, h, bias):
+            scores = h @ h.transpose(-1, -2) / 8 + bias
+            return h + self.proj(scores.softmax(-1) @ h)
+
+
+    class Trunk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block() for _ in range(4)])
+
+        def forward(self, h, bias):
+            for block in self.blocks:
+                h = block(h, bias)
+            return h
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(4, 8)
+            self.bias = PositionBias(6)
+            self.trunk = Trunk()
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x):
+            bias = self.bias(x.shape[1])
+            h = self.trunk(self.embed(x), bias)
+            return self.head(h).square().mean()
+
+
+    def build():
+        return Model()
+
+
+    def example_inputs():
+        return {"x": torch.randn(4, 6, 4)}
+""")
+
+
+def test_a_shadow_whose_output_later_stages_compute_with_is_trained_on_every_stage(tmp_path):
+    """The position bias runs on every stage (code above the cut function) and the blocks of
+    every stage add it: its parameter is shared, trained on every stage with the gradients summed
+    over the pipeline. The embedding, which later stages run only to have the value they replace
+    by the one received, stays a frozen shadow."""
+    from nnscaler_cst.analysis import analyze
+    (tmp_path / "shared_bias.py").write_text(SHARED_BIAS_ABOVE_THE_CUT)
+    graph = analyze(tmp_path / "shared_bias.py").graph
+    for pp in (2, 3):
+        plan = stages(graph, pp)
+        assert all(plan.shadow[s] == ["bias", "embed"] for s in range(1, pp)), plan.shadow
+        assert plan.shared == [["bias.table"]] and plan.tied == [], (plan.shared, plan.tied)
+    (tmp_path / "dtype_read.py").write_text(DTYPE_READ_ABOVE_THE_CUT)
+    plan = stages(analyze(tmp_path / "dtype_read.py").graph, 2)
+    assert plan.shadow[1] == ["embed"] and plan.shared == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp", [2, 3])
+def test_a_bias_module_above_the_cut_that_every_block_reads_verifies(tmp_path, pp):
+    """Each stage's blocks contribute to the bias table's gradient: frozen on the later stages,
+    the gradient of their blocks was dropped (and their copy went stale after the first step),
+    the cpmant PP=2 result differed from the single-device run."""
+    (tmp_path / "shared_bias.py").write_text(SHARED_BIAS_ABOVE_THE_CUT)
+    result = run_cli("verify", tmp_path / "shared_bias.py", "--pp", pp, "--micro-batches", 2,
+                     "-o", tmp_path / "out", "--json")
+    outcome = json.loads(result.stdout[result.stdout.find("{"):])
+    assert result.returncode == 0 and outcome["passed"] is True, outcome
+    rank_file = (tmp_path / "out" / f"model_stage{pp - 1}.py").read_text()
+    assert "SHARED_PARAMETERS = ['bias.table']" in rank_file

@@ -58,6 +58,10 @@ class StagePlan:
     # because code outside the cut function runs them on every stage (an embedding called above the
     # block loop, whose output a later stage reads for its shape only); the owning stage trains them
     tied: list[list[str]] = field(default_factory=list)   # params held by several stages
+    # params of shadows whose output a later stage computes with (a position bias made once above
+    # the cut function and read by every block): trained on every stage, gradients summed over the
+    # pipeline, so each stage's contribution reaches them and every copy stays equal
+    shared: list[list[str]] = field(default_factory=list)
     stage_seconds: list[float] = field(default_factory=list)
     # op-assign of the schedule table: the rank of each stage (default s % ranks), and the stages
     # of one pipeline (fewer than all when pipelines are replicas: Chimera); node_stage and tied
@@ -447,11 +451,47 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
                     dropped.add(module)
         plan.drop[stage], plan.shadow[stage] = drop, shadow
     not_held = [set(plan.drop[s]) | set(plan.shadow[s]) | block_set for s in range(plan.stages)]
+    live = _computed_on_later_stages(graph, plan, {m for s in plan.shadow.values() for m in s})
     for info in trace.params.values():
+        if any(a in live for alias in info.aliases for a in _ancestors(alias)):
+            plan.shared.append(sorted(info.aliases))    # every stage holds it: summed over all of them
+            continue
         holders = {s for inside in map(_ancestors, info.aliases) for s in range(plan.stages)
                    if not any(a in not_held[s] for a in inside)}
         if len(holders) > 1:
             plan.tied.append(sorted(info.aliases))
+
+
+def _computed_on_later_stages(graph: Graph, plan: StagePlan, shadows: set[str]) -> set[str]:
+    """The shadow modules whose output a stage after the first computes with: a value made by
+    code above the cut function (which every stage runs), flowing through more such code into a
+    call another stage runs (CpmAnt's position bias, read by every block). Each stage's copy then
+    takes part in the loss, and its gradient counts. A shadow read for its shape only (the
+    embedding a later stage replaces by the value it receives) has no such consumer."""
+    if not shadows:
+        return set()
+    consumers = graph.consumers
+    tensors = graph.trace.tensors
+    live = set()
+    for module in sorted(shadows):
+        inside = [n for n in graph.nodes if plan.node_stage[n.index] == 0 and any(
+            p == module or p.startswith(module + ".") for p in (n.module_path, n.callee_path or ""))]
+        frontier = [t for n in inside for t in n.outputs]
+        seen = set(frontier)
+        while frontier and module not in live:
+            tid = frontier.pop()
+            if not tensors[tid].requires_grad:
+                continue
+            for index, _ in consumers.get(tid, ()):
+                node = graph.nodes[index]
+                if plan.node_stage[index] != 0:
+                    live.add(module)
+                    break
+                if _runs_on_every_stage(graph, plan, node):
+                    fresh = [t for t in node.outputs if t not in seen]
+                    seen.update(fresh)
+                    frontier.extend(fresh)
+    return live
 
 
 def _holders(plan: StagePlan, module: str) -> set[int]:
