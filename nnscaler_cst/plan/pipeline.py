@@ -16,7 +16,7 @@ import libcst as cst
 from ..errors import UserError
 from ..graph.graph import Graph
 from ..source.files import Span
-from ..source.names import exposed_reads, names_in
+from ..source.names import bound_on_every_path, exposed_reads, names_in
 from .cost import node_flops
 
 
@@ -32,6 +32,9 @@ class Trunk:
     # (T5's one stack class runs the encoder's and the decoder's): only its call is cut
     owner: str | None = None
     recycle: "Recycle | None" = None     # the loop running the trunk N times (3F1B), when it has one
+    # hand-off variables the first stage may reach the hand-off without (set before the loop only
+    # under a condition: MVP's `if self.use_prompt: self_attn_prompt = ...`): bound to None first
+    unset: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -133,8 +136,10 @@ def find_trunk(graph: Graph) -> Trunk:
                         source.span_of(loop).start)
     index = body.index(loop)
     function_span = source.span_of(function)
-    return Trunk(container, blocks, function, function_span, index, handoff_variables(function, index),
-                 _shared_loop_owner(graph, blocks, function, function_span, span))
+    handoff = handoff_variables(function, index)
+    return Trunk(container, blocks, function, function_span, index, handoff,
+                 _shared_loop_owner(graph, blocks, function, function_span, span),
+                 unset=maybe_unset(function, index, handoff))
 
 
 def _shared_loop_owner(graph: Graph, blocks: list[str], function: cst.FunctionDef, function_span: Span,
@@ -185,6 +190,30 @@ def _loop_runs_once(group: list[str], calls: dict) -> bool:
     spans = {calls[p][0] for p in group if p in calls}
     container = group[0].rsplit(".", 1)[0]
     return not any(span in spans and path not in group and path != container for path, (span, _) in calls.items())
+
+
+def maybe_unset(function: cst.FunctionDef, loop_index: int, handoff: list[str]) -> list[str]:
+    """The hand-off variables that may be unbound where the first stage hands them on: not
+    parameters of the function, nor bound on every path through the code before the loop and one
+    pass of the loop (each stage runs at least one block)."""
+    params = function.params
+    bound = {p.name.value for p in (*params.posonly_params, *params.params, *params.kwonly_params)}
+    for star in (params.star_arg, params.star_kwarg):
+        if isinstance(star, cst.Param):
+            bound.add(star.name.value)
+    body = list(function.body.body)
+    after = bound_on_every_path(body[:loop_index], bound)
+    if after is None:
+        return []
+    loop = body[loop_index]
+    if isinstance(loop, cst.For):
+        inside = loop.body.body if isinstance(loop.body, cst.IndentedBlock) else [cst.SimpleStatementLine(loop.body.body)]
+        after = bound_on_every_path(inside, after | names_in([loop.target], True))
+    else:
+        after = bound_on_every_path([loop], after)
+    if after is None:
+        return []
+    return [name for name in handoff if name not in after]
 
 
 def handoff_variables(function: cst.FunctionDef, loop_index: int) -> list[str]:
