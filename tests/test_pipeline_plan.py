@@ -665,18 +665,22 @@ def test_a_shadow_whose_output_later_stages_compute_with_is_trained_on_every_sta
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pp", [2, 3])
-def test_a_bias_module_above_the_cut_that_every_block_reads_verifies(tmp_path, pp):
+@pytest.mark.parametrize("pp, args", [
+    (2, ("--micro-batches", 2)),
+    (3, ("--micro-batches", 2)),
+    (2, ("--micro-batches", 4, "--schedule", "interleaved")),    # two copies on each rank
+    (2, ("--micro-batches", 2, "--dp", 2, "--zero", 1)),         # gradients are views of one buffer
+], ids=["pp2", "pp3", "pp2-interleaved", "pp2xdp2-zero1"])
+def test_a_bias_module_above_the_cut_that_every_block_reads_verifies(tmp_path, pp, args):
     """Each stage's blocks contribute to the bias table's gradient: frozen on the later stages,
     the gradient of their blocks was dropped (and their copy went stale after the first step),
     the cpmant PP=2 result differed from the single-device run."""
     (tmp_path / "shared_bias.py").write_text(SHARED_BIAS_ABOVE_THE_CUT)
-    result = run_cli("verify", tmp_path / "shared_bias.py", "--pp", pp, "--micro-batches", 2,
-                     "-o", tmp_path / "out", "--json")
+    result = run_cli("verify", tmp_path / "shared_bias.py", "--pp", pp, *args, "-o", tmp_path / "out", "--json")
     outcome = json.loads(result.stdout[result.stdout.find("{"):])
     assert result.returncode == 0 and outcome["passed"] is True, outcome
-    rank_file = (tmp_path / "out" / f"model_stage{pp - 1}.py").read_text()
-    assert "SHARED_PARAMETERS = ['bias.table']" in rank_file
+    rank_files = sorted((tmp_path / "out").glob("model_stage*.py"))
+    assert len(rank_files) == pp and all("SHARED_PARAMETERS = ['bias.table']" in f.read_text() for f in rank_files)
 
 
 # The function whose block loop is cut sets a value before the loop only under a config flag

@@ -371,12 +371,19 @@ def shared_grads(stages, module):
     for name in sorted(copies):       # the same names, in the same order, on every pipeline rank
         params = copies[name]
         grads = [p.grad for p in params if p.grad is not None]
-        params[0].grad = torch.stack(grads).sum(0) if grads else torch.zeros_like(params[0])
+        total = torch.stack(grads).sum(0) if len(grads) > 1 else None
+        if params[0].grad is None:
+            params[0].grad = torch.zeros_like(params[0])
+        if total is not None:
+            params[0].grad.copy_(total)   # in place: under ZeRO-1 a gradient is a view of one buffer
         firsts.append(params[0])
     _comm.sync_grads(firsts, _comm.PP, average=False)
     for name in sorted(copies):
         for param in copies[name][1:]:
-            param.grad = copies[name][0].grad.clone()
+            if param.grad is None:
+                param.grad = copies[name][0].grad.clone()
+            else:
+                param.grad.copy_(copies[name][0].grad)
 
 
 def parse_action(action, passes=1):
