@@ -254,6 +254,7 @@ def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: in
     mine = stages.stages_of(pp_rank)
     replicas = Placement(tuple(stages.rank_of(s) for s in range(stages.stages)), stages.per_pipeline).replica_groups()
     tied = sorted({alias for group in stages.tied for alias in group})
+    shared = sorted({alias for group in stages.shared for alias in group})
     lines = ["", "", f"# --- pipeline: what this rank runs ({table}; stages balanced by the cost model) ---",
              f'PIPELINE_BLOCKS = "{stages.trunk.container}"',
              f"PIPELINE_STAGE_COUNT = {stages.stages}",
@@ -271,6 +272,8 @@ def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: in
              *([f"STAGE_SHADOWS = {{{', '.join(f'{s}: {stages.shadow[s]}' for s in mine)}}}  "
                 "# run by code above the cut function on every stage; trained on the stage that owns them"]
                if any(stages.shadow.get(s) for s in mine) else []),
+             *([f"SHARED_PARAMETERS = {shared}  # of modules every stage runs and computes with: trained "
+                "on every stage, gradients summed over the pipeline"] if shared else []),
              *([f"PIPELINE_PASSES = {stages.trunk.recycle.passes}  # forwards per micro-batch (recycling): "
                 "all but the last without gradient, SFMrC = pass C"] if stages.trunk.recycle is not None else []),
              *([f"VOCAB_MODULES = {stages.vocab_modules}  # split on the vocabulary over the pipeline ranks",
@@ -305,7 +308,7 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
         trunk = stages.trunk
         split = StageSplit(trunk.function_span, trunk.loop_index, trunk.handoff, trunk.container, trunk.owner is not None,
                            trunk.recycle.loop if trunk.recycle else None,
-                           tuple(trunk.recycle.carried) if trunk.recycle else ())
+                           tuple(trunk.recycle.carried) if trunk.recycle else (), tuple(trunk.unset))
         if trunk.function_span.path != str(main_source.path):
             raise UserError("the loop over the blocks is not in the model's main file", trunk.function_span.start,
                             hint="pipelines cut the file that holds the block loop: keep that loop in the file "

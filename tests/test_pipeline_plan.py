@@ -599,3 +599,204 @@ def test_a_stage_reading_the_dtype_of_a_module_another_stage_holds_verifies(tmp_
     (tmp_path / "dtype_read.py").write_text(DTYPE_READ_ABOVE_THE_CUT)
     result = run_cli("verify", tmp_path / "dtype_read.py", "--pp", 2, "--micro-batches", 2, "-o", tmp_path / "out")
     assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr
+
+
+# A position bias made once, above the function whose block loop is cut, by a module with a
+# parameter (CpmAnt's CpmAntSegmentPositionEmbedding, T5's relative attention bias): every stage
+# runs that code, and every block adds its output to its scores.
+SHARED_BIAS_ABOVE_THE_CUT = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+
+    class PositionBias(nn.Module):
+        def __init__(self, seq):
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(2 * seq - 1) * 0.5)
+            self.seq = seq
+
+        def forward(self, n):
+            position = torch.arange(n)
+            return self.table[position[None, :] - position[:, None] + self.seq - 1]
+
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, h, bias):
+            scores = h @ h.transpose(-1, -2) / 8 + bias
+            return h + self.proj(scores.softmax(-1) @ h)
+
+
+    class Trunk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block() for _ in range(4)])
+
+        def forward(self, h, bias):
+            for block in self.blocks:
+                h = block(h, bias)
+            return h
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(4, 8)
+            self.bias = PositionBias(6)
+            self.trunk = Trunk()
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x):
+            bias = self.bias(x.shape[1])
+            h = self.trunk(self.embed(x), bias)
+            return self.head(h).square().mean()
+
+
+    def build():
+        return Model()
+
+
+    def example_inputs():
+        return {"x": torch.randn(4, 6, 4)}
+""")
+
+
+def test_a_shadow_whose_output_later_stages_compute_with_is_trained_on_every_stage(tmp_path):
+    """The position bias runs on every stage (code above the cut function) and the blocks of
+    every stage add it: its parameter is shared, trained on every stage with the gradients summed
+    over the pipeline. The embedding, which later stages run only to have the value they replace
+    by the one received, stays a frozen shadow."""
+    from nnscaler_cst.analysis import analyze
+    (tmp_path / "shared_bias.py").write_text(SHARED_BIAS_ABOVE_THE_CUT)
+    graph = analyze(tmp_path / "shared_bias.py").graph
+    for pp in (2, 3):
+        plan = stages(graph, pp)
+        assert all(plan.shadow[s] == ["bias", "embed"] for s in range(1, pp)), plan.shadow
+        assert plan.shared == [["bias.table"]] and plan.tied == [], (plan.shared, plan.tied)
+    (tmp_path / "dtype_read.py").write_text(DTYPE_READ_ABOVE_THE_CUT)
+    plan = stages(analyze(tmp_path / "dtype_read.py").graph, 2)
+    assert plan.shadow[1] == ["embed"] and plan.shared == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp, args", [
+    (2, ("--micro-batches", 2)),
+    (3, ("--micro-batches", 2)),
+    (2, ("--micro-batches", 4, "--schedule", "interleaved")),    # two copies on each rank
+    (2, ("--micro-batches", 2, "--dp", 2, "--zero", 1)),         # gradients are views of one buffer
+], ids=["pp2", "pp3", "pp2-interleaved", "pp2xdp2-zero1"])
+def test_a_bias_module_above_the_cut_that_every_block_reads_verifies(tmp_path, pp, args):
+    """Each stage's blocks contribute to the bias table's gradient: frozen on the later stages,
+    the gradient of their blocks was dropped (and their copy went stale after the first step),
+    the cpmant PP=2 result differed from the single-device run."""
+    (tmp_path / "shared_bias.py").write_text(SHARED_BIAS_ABOVE_THE_CUT)
+    result = run_cli("verify", tmp_path / "shared_bias.py", "--pp", pp, *args, "-o", tmp_path / "out", "--json")
+    outcome = json.loads(result.stdout[result.stdout.find("{"):])
+    assert result.returncode == 0 and outcome["passed"] is True, outcome
+    rank_files = sorted((tmp_path / "out").glob("model_stage*.py"))
+    assert len(rank_files) == pp and all("SHARED_PARAMETERS = ['bias.table']" in f.read_text() for f in rank_files)
+
+
+# The function whose block loop is cut sets a value before the loop only under a config flag
+# (MVP's `if self.use_prompt: self_attn_prompt = self.self_attn_prompt(prompt_ids)`), and the loop
+# passes it to every block under the same flag.
+SET_UNDER_A_FLAG = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    USE_PROMPT = {use_prompt}
+
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, h, prompt=None):
+            if prompt is not None:
+                h = h + prompt
+            return h + torch.tanh(self.proj(h))
+
+
+    class Encoder(nn.Module):
+        def __init__(self, use_prompt):
+            super().__init__()
+            self.embed = nn.Linear(4, 8)
+            self.use_prompt = use_prompt
+            if use_prompt:
+                self.prompt = nn.Embedding(4, 8)
+            self.blocks = nn.ModuleList([Block() for _ in range(4)])
+
+        def forward(self, x):
+            h = self.embed(x)
+            if self.use_prompt:
+                prompt = self.prompt(torch.arange(4))
+            for idx, block in enumerate(self.blocks):
+                h = block(h, prompt=(prompt[idx] if self.use_prompt else None))
+            return h
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = Encoder(USE_PROMPT)
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.head(self.encoder(x)).square().mean()
+
+
+    def build():
+        return Model()
+
+
+    def example_inputs():
+        return {{"x": torch.randn(4, 4)}}
+""")
+
+
+def test_a_value_set_before_the_loop_only_under_a_flag_is_bound_to_none_first():
+    import libcst as cst
+    from nnscaler_cst.plan.pipeline import handoff_variables, maybe_unset
+    encoder = next(c for c in cst.parse_module(SET_UNDER_A_FLAG.format(use_prompt=False)).body
+                   if isinstance(c, cst.ClassDef) and c.name.value == "Encoder")
+    function = next(f for f in encoder.body.body if f.name.value == "forward")
+    handoff = handoff_variables(function, 2)
+    assert "prompt" in handoff and maybe_unset(function, 2, handoff) == ["prompt"]
+    # set on every path (both branches, or a branch that raises), or a parameter: nothing to bind
+    both = textwrap.dedent("""
+        def forward(self, h, mask=None):
+            if self.flag:
+                p = 1
+            elif mask is None:
+                raise ValueError("no mask")
+            else:
+                p = 2
+            for block in self.blocks:
+                h, mask = block(h, p, mask)
+            return h
+    """)
+    function = cst.parse_module(both).body[0]
+    handoff = handoff_variables(function, 1)
+    assert set(handoff) >= {"p", "mask", "h"} and maybe_unset(function, 1, handoff) == []
+
+
+def test_a_pipeline_cut_of_a_loop_reading_a_value_set_under_a_false_flag_writes(tmp_path):
+    """The first stage hands on what the code before the loop set; under a false flag that
+    value was never set, and the hand-off raised UnboundLocalError in the dry run (MVP at PP=2)."""
+    (tmp_path / "flag.py").write_text(SET_UNDER_A_FLAG.format(use_prompt=False))
+    result = run_cli(tmp_path / "flag.py", "--pp", 2, "--micro-batches", 2, "-o", tmp_path / "out")
+    assert result.returncode == 0, result.stdout + result.stderr
+    stage0 = (tmp_path / "out" / "model_stage0.py").read_text()
+    assert stage0.count("prompt = None  # pipeline: set before the hand-off only under a condition") == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("use_prompt", [False, True])
+def test_a_value_set_under_a_flag_before_the_loop_verifies(tmp_path, use_prompt):
+    (tmp_path / "flag.py").write_text(SET_UNDER_A_FLAG.format(use_prompt=use_prompt))
+    result = run_cli("verify", tmp_path / "flag.py", "--pp", 2, "--micro-batches", 2, "-o", tmp_path / "out")
+    assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr

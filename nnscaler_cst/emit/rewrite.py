@@ -34,6 +34,7 @@ class StageSplit:
     owned: bool = False       # the function also runs other blocks: cut only the call on the trunk's owner
     recycle: Span | None = None     # the loop running the trunk N times (3F1B): one pass per action
     carried: tuple[str, ...] = ()   # what one pass of it hands the next
+    unset: tuple[str, ...] = ()     # hand-off names the first stage may not have bound: None first
 
 
 @dataclass
@@ -400,6 +401,11 @@ class SplitStages:
         if split.owned:
             handoff = cst.parse_statement(f"if pp_cuts(self):\n    pp_handoff({', '.join(split.handoff)})  "
                                           "# pipeline: every stage but the last hands these on and ends here\n")
+        if split.unset:     # set only under a condition before the hand-off: handed on as None when unset
+            unset = cst.parse_statement(f"{' = '.join(split.unset)} = None  # pipeline: set before the hand-off "
+                                        "only under a condition; handed on as None when unset\n")
+            head = [unset.with_changes(leading_lines=head[0].leading_lines),
+                    head[0].with_changes(leading_lines=[]), *head[1:]]
         return function.with_changes(body=function.body.with_changes(
             body=[*docstring, *head, loop, handoff, *epilogue]))
 

@@ -84,7 +84,7 @@ def keep_stage(model, stage, module):
             hollow(model.get_submodule(path), path)
     for path in getattr(module, "STAGE_SHADOWS", {{}}).get(stage, []):   # run here, trained where owned
         for name, param in model.get_submodule(path).named_parameters(prefix=path):
-            if name not in module.TIED_PARAMETERS:
+            if name not in module.TIED_PARAMETERS and name not in getattr(module, "SHARED_PARAMETERS", ()):
                 param.requires_grad_(False)
     return model
 
@@ -338,6 +338,8 @@ def replica_grads(stages, module):
         if not param.requires_grad:       # a shadow: trained on the stage that owns it
             continue
         local, _, rest = key.partition(".")
+        if rest in getattr(module, "SHARED_PARAMETERS", ()):   # summed over every stage: shared_grads
+            continue
         name = global_key(rest, module.PIPELINE_STAGES[int(local)], module)
         copies.setdefault(min(PARAMETER_ALIASES.get(name, [name])), []).append(param)
     firsts = []
@@ -350,6 +352,38 @@ def replica_grads(stages, module):
     for name in sorted(copies):
         for param in copies[name][1:]:
             param.grad = copies[name][0].grad.clone()
+
+
+def shared_grads(stages, module):
+    """Parameters of a module that code above the cut function runs on every stage, whose output
+    later stages compute with (module.SHARED_PARAMETERS): each stage's copy holds that stage's
+    share of the gradient; every copy, on this rank and on every other pipeline rank, ends with the
+    sum, so that the copies stay equal after the optimizer step."""
+    shared = getattr(module, "SHARED_PARAMETERS", ())
+    if not shared:
+        return
+    copies = {{}}
+    for key, param in stages.named_parameters():
+        rest = key.partition(".")[2]
+        if rest in shared:
+            copies.setdefault(min(PARAMETER_ALIASES.get(rest, [rest])), []).append(param)
+    firsts = []
+    for name in sorted(copies):       # the same names, in the same order, on every pipeline rank
+        params = copies[name]
+        grads = [p.grad for p in params if p.grad is not None]
+        total = torch.stack(grads).sum(0) if len(grads) > 1 else None
+        if params[0].grad is None:
+            params[0].grad = torch.zeros_like(params[0])
+        if total is not None:
+            params[0].grad.copy_(total)   # in place: under ZeRO-1 a gradient is a view of one buffer
+        firsts.append(params[0])
+    _comm.sync_grads(firsts, _comm.PP, average=False)
+    for name in sorted(copies):
+        for param in copies[name][1:]:
+            if param.grad is None:
+                param.grad = copies[name][0].grad.clone()
+            else:
+                param.grad.copy_(copies[name][0].grad)
 
 
 def parse_action(action, passes=1):
@@ -460,6 +494,7 @@ def pipeline_train_step(stages, optimizer, batch, module):
     else:
         tied = [p for key, p in named.items() if key.partition(".")[2] in module.TIED_PARAMETERS]
         _comm.sync_grads(tied, _comm.PP_ENDS, average=False)    # the embedding and the head tied across stages
+    shared_grads(stages, module)    # modules every stage runs and computes with: summed over the pipeline
     _comm.sync_grads([p for k, p in named.items() if k.partition(".")[2] in TP_PARTIAL_GRADS], _comm.TP,
                      average=False)
 {dp_update}    dist.all_reduce(loss_sum, group=_comm.PP.group)         # only the last stage holds the loss

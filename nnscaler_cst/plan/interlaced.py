@@ -121,6 +121,7 @@ def apply(graph: Graph, stages: StagePlan, table: ScheduleTable) -> None:
     for stage, shadows in stages.shadow.items():
         stages.shadow[stage] = [s for s in shadows if s not in modules]
     stages.tied = [group for group in stages.tied if not set(group) & set(names)]
+    stages.shared = [group for group in stages.shared if not set(group) & set(names)]
     stages.vocab_modules, stages.vocab_params, stages.vocab_stages = modules, names, sorted(owners)
     stages.vocab_calls = dict(sorted(calls.items()))
 

@@ -16,7 +16,7 @@ import libcst as cst
 from ..errors import UserError
 from ..graph.graph import Graph
 from ..source.files import Span
-from ..source.names import exposed_reads, names_in
+from ..source.names import bound_on_every_path, exposed_reads, names_in
 from .cost import node_flops
 
 
@@ -32,6 +32,9 @@ class Trunk:
     # (T5's one stack class runs the encoder's and the decoder's): only its call is cut
     owner: str | None = None
     recycle: "Recycle | None" = None     # the loop running the trunk N times (3F1B), when it has one
+    # hand-off variables the first stage may reach the hand-off without (set before the loop only
+    # under a condition: MVP's `if self.use_prompt: self_attn_prompt = ...`): bound to None first
+    unset: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -58,6 +61,10 @@ class StagePlan:
     # because code outside the cut function runs them on every stage (an embedding called above the
     # block loop, whose output a later stage reads for its shape only); the owning stage trains them
     tied: list[list[str]] = field(default_factory=list)   # params held by several stages
+    # params of shadows whose output a later stage computes with (a position bias made once above
+    # the cut function and read by every block): trained on every stage, gradients summed over the
+    # pipeline, so each stage's contribution reaches them and every copy stays equal
+    shared: list[list[str]] = field(default_factory=list)
     stage_seconds: list[float] = field(default_factory=list)
     # op-assign of the schedule table: the rank of each stage (default s % ranks), and the stages
     # of one pipeline (fewer than all when pipelines are replicas: Chimera); node_stage and tied
@@ -129,8 +136,10 @@ def find_trunk(graph: Graph) -> Trunk:
                         source.span_of(loop).start)
     index = body.index(loop)
     function_span = source.span_of(function)
-    return Trunk(container, blocks, function, function_span, index, handoff_variables(function, index),
-                 _shared_loop_owner(graph, blocks, function, function_span, span))
+    handoff = handoff_variables(function, index)
+    return Trunk(container, blocks, function, function_span, index, handoff,
+                 _shared_loop_owner(graph, blocks, function, function_span, span),
+                 unset=maybe_unset(function, index, handoff))
 
 
 def _shared_loop_owner(graph: Graph, blocks: list[str], function: cst.FunctionDef, function_span: Span,
@@ -181,6 +190,30 @@ def _loop_runs_once(group: list[str], calls: dict) -> bool:
     spans = {calls[p][0] for p in group if p in calls}
     container = group[0].rsplit(".", 1)[0]
     return not any(span in spans and path not in group and path != container for path, (span, _) in calls.items())
+
+
+def maybe_unset(function: cst.FunctionDef, loop_index: int, handoff: list[str]) -> list[str]:
+    """The hand-off variables that may be unbound where the first stage hands them on: not
+    parameters of the function, nor bound on every path through the code before the loop and one
+    pass of the loop (each stage runs at least one block)."""
+    params = function.params
+    bound = {p.name.value for p in (*params.posonly_params, *params.params, *params.kwonly_params)}
+    for star in (params.star_arg, params.star_kwarg):
+        if isinstance(star, cst.Param):
+            bound.add(star.name.value)
+    body = list(function.body.body)
+    after = bound_on_every_path(body[:loop_index], bound)
+    if after is None:
+        return []
+    loop = body[loop_index]
+    if isinstance(loop, cst.For):
+        inside = loop.body.body if isinstance(loop.body, cst.IndentedBlock) else [cst.SimpleStatementLine(loop.body.body)]
+        after = bound_on_every_path(inside, after | names_in([loop.target], True))
+    else:
+        after = bound_on_every_path([loop], after)
+    if after is None:
+        return []
+    return [name for name in handoff if name not in after]
 
 
 def handoff_variables(function: cst.FunctionDef, loop_index: int) -> list[str]:
@@ -447,11 +480,47 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
                     dropped.add(module)
         plan.drop[stage], plan.shadow[stage] = drop, shadow
     not_held = [set(plan.drop[s]) | set(plan.shadow[s]) | block_set for s in range(plan.stages)]
+    live = _computed_on_later_stages(graph, plan, {m for s in plan.shadow.values() for m in s})
     for info in trace.params.values():
+        if any(a in live for alias in info.aliases for a in _ancestors(alias)):
+            plan.shared.append(sorted(info.aliases))    # every stage holds it: summed over all of them
+            continue
         holders = {s for inside in map(_ancestors, info.aliases) for s in range(plan.stages)
                    if not any(a in not_held[s] for a in inside)}
         if len(holders) > 1:
             plan.tied.append(sorted(info.aliases))
+
+
+def _computed_on_later_stages(graph: Graph, plan: StagePlan, shadows: set[str]) -> set[str]:
+    """The shadow modules whose output a stage after the first computes with: a value made by
+    code above the cut function (which every stage runs), flowing through more such code into a
+    call another stage runs (CpmAnt's position bias, read by every block). Each stage's copy then
+    takes part in the loss, and its gradient counts. A shadow read for its shape only (the
+    embedding a later stage replaces by the value it receives) has no such consumer."""
+    if not shadows:
+        return set()
+    consumers = graph.consumers
+    tensors = graph.trace.tensors
+    live = set()
+    for module in sorted(shadows):
+        inside = [n for n in graph.nodes if plan.node_stage[n.index] == 0 and any(
+            p == module or p.startswith(module + ".") for p in (n.module_path, n.callee_path or ""))]
+        frontier = [t for n in inside for t in n.outputs]
+        seen = set(frontier)
+        while frontier and module not in live:
+            tid = frontier.pop()
+            if not tensors[tid].requires_grad:
+                continue
+            for index, _ in consumers.get(tid, ()):
+                node = graph.nodes[index]
+                if plan.node_stage[index] != 0:
+                    live.add(module)
+                    break
+                if _runs_on_every_stage(graph, plan, node):
+                    fresh = [t for t in node.outputs if t not in seen]
+                    seen.update(fresh)
+                    frontier.extend(fresh)
+    return live
 
 
 def _holders(plan: StagePlan, module: str) -> set[int]:

@@ -108,3 +108,116 @@ def _binds_names_only(target: cst.BaseExpression) -> bool:
     if isinstance(target, (cst.Tuple, cst.List)):
         return all(_binds_names_only(e.value) for e in target.elements)
     return False
+
+
+
+def bound_on_every_path(statements, bound: set[str]) -> set[str] | None:
+    """The names bound after `statements` on every path through them that goes on after them,
+    given those bound before (definite assignment); None when no path does (each returns or
+    raises). An `if` binds what each of its branches that goes on binds, a loop nothing (it may
+    run no pass), a `with` what its body binds; a statement that may `continue` or `break` the
+    loop around the statements ends what counts. Conservative: a name left out may be bound."""
+    bound = set(bound)
+    for stmt in statements:
+        if isinstance(stmt, cst.SimpleStatementLine):
+            for small in stmt.body:
+                if isinstance(small, (cst.Return, cst.Raise)):
+                    return None
+                if isinstance(small, (cst.Continue, cst.Break)):
+                    return bound
+                if isinstance(small, cst.Assign):
+                    for target in small.targets:
+                        bound |= _plain_names(target.target)
+                elif isinstance(small, cst.AnnAssign) and small.value is not None:
+                    bound |= _plain_names(small.target)
+                elif isinstance(small, cst.AugAssign):
+                    bound |= _plain_names(small.target)
+                elif isinstance(small, (cst.Import, cst.ImportFrom)) and not isinstance(small.names, cst.ImportStar):
+                    for alias in small.names:
+                        name = alias.asname.name if alias.asname is not None else alias.name
+                        while isinstance(name, cst.Attribute):      # `import a.b` binds a
+                            name = name.value
+                        if isinstance(name, cst.Name):
+                            bound.add(name.value)
+                elif isinstance(small, cst.Del):
+                    bound -= _plain_names(small.target)
+            continue
+        if _may_leave_the_loop(stmt):
+            return bound
+        if isinstance(stmt, cst.If):
+            branches = [bound_on_every_path(stmt.body.body, bound)]
+            other = stmt.orelse
+            if other is None:
+                branches.append(bound)
+            elif isinstance(other, cst.If):
+                branches.append(bound_on_every_path([other], bound))
+            else:
+                branches.append(bound_on_every_path(other.body.body, bound))
+            going_on = [b for b in branches if b is not None]
+            if not going_on:
+                return None
+            bound = bound | set.intersection(*going_on)
+        elif isinstance(stmt, cst.With) and isinstance(stmt.body, cst.IndentedBlock):
+            for item in stmt.items:
+                if item.asname is not None:
+                    bound |= _plain_names(item.asname.name)
+            after = bound_on_every_path(stmt.body.body, bound)
+            if after is None:
+                return None
+            bound = after
+        elif isinstance(stmt, cst.Try):
+            after = bound_on_every_path(stmt.body.body, bound)
+            if after is not None and stmt.orelse is not None:
+                after = bound_on_every_path(stmt.orelse.body.body, after)
+            going_on = [b for b in [after, *(bound_on_every_path(h.body.body, bound) for h in stmt.handlers)]
+                        if b is not None]
+            if not going_on:
+                return None
+            bound = bound | set.intersection(*going_on)
+            if stmt.finalbody is not None:
+                bound = bound_on_every_path(stmt.finalbody.body.body, bound)
+                if bound is None:
+                    return None
+        elif isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+            bound.add(stmt.name.value)
+        # loops and the rest bind nothing for sure
+    return bound
+
+
+def _plain_names(target: cst.BaseExpression) -> set[str]:
+    """The plain names an assignment target binds (`a, (b, *c) = ...`), not `x[i]` or `x.y`."""
+    if isinstance(target, cst.Name):
+        return {target.value}
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return set().union(*(_plain_names(e.value) for e in target.elements))
+    if isinstance(target, cst.StarredElement):
+        return _plain_names(target.value)
+    return set()
+
+
+def _may_leave_the_loop(stmt) -> bool:
+    """Whether a compound statement holds a `continue` or `break` of the loop around it (not of
+    a loop, or in a function, nested in it)."""
+    found = []
+
+    class Find(cst.CSTVisitor):
+        def visit_Continue(self, node):
+            found.append(node)
+
+        def visit_Break(self, node):
+            found.append(node)
+
+        def visit_For(self, node):
+            return False
+
+        def visit_While(self, node):
+            return False
+
+        def visit_FunctionDef(self, node):
+            return False
+
+        def visit_ClassDef(self, node):
+            return False
+
+    stmt.visit(Find())
+    return bool(found)
