@@ -408,6 +408,123 @@ def test_sliding_chunks_over_a_sequence_first_layout_train_like_one_device_under
     assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
 
 
+# DeepSeek-V4's experts: a decorator swaps the forward for a library one (grouped matmul) that
+# sorts all (token, expert) pairs by expert and calls back into the model's file
+# (`self._apply_gate`). The trace cuts the module call in two parts around the callback; only the
+# second holds the call's results and can be replayed (as the whole call, which keeps tokens
+# apart). The first was refused: "has no split rule (... cannot be replayed ...)".
+GROUPED_LIB = '''
+import torch
+
+
+def grouped(cls):
+    def forward(self, hidden, top_k_index, top_k_weights):
+        k = top_k_index.shape[1]
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)           # every token's pairs, by expert
+        token = order // k
+        picked = flat[order]
+        h = torch.bmm(hidden[token].unsqueeze(1), self.gate_up[picked]).squeeze(1)
+        h = self._apply_gate(h)
+        y = torch.bmm(h.unsqueeze(1), self.down[picked]).squeeze(1) * top_k_weights.reshape(-1)[order, None]
+        return torch.zeros_like(hidden).index_add_(0, token, y)
+
+    cls.forward = forward
+    return cls
+'''
+
+GROUPED_EXPERTS = '''
+import torch
+import torch.nn as nn
+from grouped_lib import grouped
+
+
+@grouped
+class Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.randn(4, 32, 32) * 0.1)
+        self.down = nn.Parameter(torch.randn(4, 16, 32) * 0.1)
+
+    def _apply_gate(self, h):
+        gate, up = h.chunk(2, dim=-1)
+        return nn.functional.silu(gate) * up
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(32, 4)
+        self.experts = Experts()
+
+    def forward(self, x):
+        b, t, h = x.shape
+        flat = x.view(-1, h)
+        weights, index = self.router(flat).softmax(dim=-1).topk(2, dim=-1)
+        return x + self.experts(flat, index, weights).view(b, t, h)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 8, 32),)
+'''
+
+
+def test_a_module_call_cut_by_a_callback_keeps_samples_apart_as_a_whole(tmp_path):
+    (tmp_path / "grouped_lib.py").write_text(GROUPED_LIB.lstrip())
+    analysis = analyze(_write(tmp_path, GROUPED_EXPERTS))
+    graph = analysis.graph
+    parts = [n for n in graph.nodes if n.callee.endswith(".Experts") and n.callee_path == "blocks.0.experts"]
+    assert len(parts) == 2                                   # before and after self._apply_gate
+    first, last = parts
+    assert first.index not in graph.dims and "cannot be replayed" in graph.problems[first.index]
+    assert graph.resumed_at(first) == last.index
+    whole = graph.dims[last.index]                           # the whole call: tokens apart
+    assert whole.inputs["arg0"].dims[0] and whole.outputs[0].dims[0]
+    assert whole.inputs["arg0"].dims[0][0].label == whole.outputs[0].dims[0][0].label
+    assert batch_split_problem(graph, "data parallel (--dp 2)") is None
+    assert batch_split_problem(graph, "micro-batches (--micro-batches 2)", across_ranks=False) is None
+
+
+def test_a_module_call_part_whose_results_leave_the_call_is_not_skipped(tmp_path):
+    """Only results read inside the call make a part of it: one read after the call is not."""
+    # another module name: the first test's grouped_lib stays imported in this process
+    (tmp_path / "leaky_lib.py").write_text(GROUPED_LIB.replace(
+        "        order = torch.argsort(flat, stable=True)",
+        "        order = LAST['order'] = torch.argsort(flat, stable=True)").replace("import torch\n", "import torch\n\nLAST = {}\n").lstrip())
+    leaked = GROUPED_EXPERTS.replace("from grouped_lib import grouped", "from leaky_lib import LAST, grouped").replace(
+        "self.experts(flat, index, weights).view(b, t, h)",
+        "self.experts(flat, index, weights).view(b, t, h) * LAST['order'].float().mean()")
+    assert leaked != GROUPED_EXPERTS
+    analysis = analyze(_write(tmp_path, leaked))
+    first = next(n for n in analysis.graph.nodes if n.callee.endswith(".Experts"))
+    assert analysis.graph.resumed_at(first) is None
+    problem = batch_split_problem(analysis.graph, "data parallel (--dp 2)")
+    assert problem is not None and "Experts has no split rule" in str(problem)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", [("--dp", "2"), ("--pp", "2", "--micro-batches", "2")], ids=["dp2", "pp2"])
+def test_a_module_call_cut_by_a_callback_trains_like_one_device(tmp_path, plan):
+    (tmp_path / "grouped_lib.py").write_text(GROUPED_LIB.lstrip())
+    result, outcome = _verify(tmp_path, GROUPED_EXPERTS, *plan)
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+
+
 PADDED = '''
 import torch
 import torch.nn as nn
