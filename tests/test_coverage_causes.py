@@ -22,6 +22,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from nnscaler_cst.analysis import analyze
 from nnscaler_cst.plan.batch import batch_split_problem
@@ -226,6 +227,71 @@ def test_a_tensor_made_empty_and_filled_by_copy_trains_like_one_device_under_dp(
     assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
 
 
+# The whole factory family sized from a batched tensor's shape: the operand (or none, for
+# torch.zeros/empty) gives dtype and device, the size its own `.shape`, which each rank reads
+# from its slice (AXK1's `kv_nope.new_empty(*kv_nope.shape[:-1], n)` was refused as
+# "Tensor.new_empty cannot split its operand arg0 on the batch dim" before 698bdb8).
+FACTORIES = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = self.a(x)
+        b, t, _ = h.shape
+        zeros = h.new_zeros(b, t, 16)
+        ones = h.new_ones((b, t, 16))
+        full = h.new_full(h.shape, 0.5)
+        empty = h.new_empty(*h.shape[:-1], 16).fill_(0.25)
+        z = torch.zeros(h.shape[0], t, 16, dtype=h.dtype)
+        e = torch.empty(b, h.size(1), 16).fill_(2.0)
+        out = torch.cat([h * ones + zeros + full + empty, z + e * h], dim=-1)
+        return x + out
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 8, 32),)
+'''
+
+
+def test_factories_sized_from_a_batched_shape_keep_samples_apart(tmp_path):
+    analysis = analyze(_write(tmp_path, FACTORIES))
+    called = {n.callee for n in analysis.graph.nodes}
+    assert {"Tensor.new_zeros", "Tensor.new_ones", "Tensor.new_full", "Tensor.new_empty",
+            "torch.zeros", "torch.empty"} <= called
+    for node in analysis.graph.nodes:
+        if node.callee.startswith("Tensor.new_"):
+            assert analysis.graph.dims[node.index].shape_only == {"arg0"}, node.callee
+    assert batch_split_problem(analysis.graph, "data parallel (--dp 2)") is None
+    assert batch_split_problem(analysis.graph, "micro-batches (--micro-batches 2)", across_ranks=False) is None
+
+
+@pytest.mark.slow
+def test_factories_sized_from_a_batched_shape_train_like_one_device_under_dp(tmp_path):
+    result, outcome = _verify(tmp_path, FACTORIES, "--dp", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+
+
 CHUNKS = '''
 import torch
 import torch.nn as nn
@@ -287,6 +353,175 @@ def test_a_call_on_sizes_that_reach_into_the_next_sample_is_refused(tmp_path):
 @pytest.mark.slow
 def test_a_call_on_sizes_read_from_its_operand_trains_like_one_device_under_dp(tmp_path):
     result, outcome = _verify(tmp_path, CHUNKS, "--dp", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+
+
+# LED's sliding chunks: the states are (seq, batch, hidden) in memory (projected sequence-first),
+# viewed batch-first, so `h.stride()` is not the contiguous strides of `h.size()` and as_strided
+# reads the memory in that order. The probe of a call at half the batch gives its real tensors the
+# traced strides (was: contiguous, so the chunks read other elements and DP was refused).
+CHUNKS_SEQUENCE_FIRST = CHUNKS.replace(
+    "        h = self.proj(x)\n",
+    "        h = self.proj(x.transpose(0, 1)).transpose(0, 1)    # (batch, seq, hidden), seq-first in memory\n")
+
+
+def test_sliding_chunks_over_a_sequence_first_layout_keep_samples_apart(tmp_path):
+    assert CHUNKS_SEQUENCE_FIRST != CHUNKS
+    analysis = analyze(_write(tmp_path, CHUNKS_SEQUENCE_FIRST))
+    chunks = [n for n in analysis.graph.nodes if n.callee == "Tensor.as_strided"]
+    assert chunks
+    for node in chunks:
+        (source,) = [o.tid for o in node.operands if o.tid is not None]
+        whole = analysis.trace.tensors[source]
+        assert whole.stride is not None and whole.stride[0] < whole.stride[1]   # seq-first memory
+        assert analysis.graph.batch_kept_apart(node) == {node.outputs[0]: 0}
+    assert batch_split_problem(analysis.graph, "data parallel (--dp 2)") is None
+
+
+def test_sliding_chunks_of_each_half_batch_concatenate_to_the_whole():
+    """The same call in plain torch: each rank's half of the batch, laid out sequence-first as
+    the rank holds it and chunked with its own size() and stride(), gives its half of the whole."""
+    def arguments(h):
+        h = h.view(h.size(0), h.size(1) // 4, 4, h.size(2))
+        size, stride = list(h.size()), list(h.stride())
+        size[1], stride[1] = size[1] * 2 - 1, stride[1] // 2
+        return h, size, stride
+
+    def chunk(h):
+        h, size, stride = arguments(h)
+        return h.as_strided(size=size, stride=stride)
+
+    seq_first = torch.randn(8, 6, 5)                       # (seq, batch, hidden)
+    whole = chunk(seq_first.transpose(0, 1))
+    halves = [chunk(seq_first[:, k * 3:(k + 1) * 3].contiguous().transpose(0, 1)) for k in (0, 1)]
+    assert torch.equal(torch.cat(halves, dim=0), whole)
+    # the traced arguments (sequence-first strides) on a batch-first copy read other elements:
+    # what the probe saw when it made its real tensors contiguous
+    _, size, stride = arguments(seq_first.transpose(0, 1))
+    contiguous = seq_first.transpose(0, 1).contiguous().view(6, 2, 4, 5)
+    assert not torch.equal(contiguous.as_strided(size=size, stride=stride), whole)
+
+
+@pytest.mark.slow
+def test_sliding_chunks_over_a_sequence_first_layout_train_like_one_device_under_dp(tmp_path):
+    result, outcome = _verify(tmp_path, CHUNKS_SEQUENCE_FIRST, "--dp", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+
+
+# DeepSeek-V4's experts: a decorator swaps the forward for a library one (grouped matmul) that
+# sorts all (token, expert) pairs by expert and calls back into the model's file
+# (`self._apply_gate`). The trace cuts the module call in two parts around the callback; only the
+# second holds the call's results and can be replayed (as the whole call, which keeps tokens
+# apart). The first was refused: "has no split rule (... cannot be replayed ...)".
+GROUPED_LIB = '''
+import torch
+
+
+def grouped(cls):
+    def forward(self, hidden, top_k_index, top_k_weights):
+        k = top_k_index.shape[1]
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)           # every token's pairs, by expert
+        token = order // k
+        picked = flat[order]
+        h = torch.bmm(hidden[token].unsqueeze(1), self.gate_up[picked]).squeeze(1)
+        h = self._apply_gate(h)
+        y = torch.bmm(h.unsqueeze(1), self.down[picked]).squeeze(1) * top_k_weights.reshape(-1)[order, None]
+        return torch.zeros_like(hidden).index_add_(0, token, y)
+
+    cls.forward = forward
+    return cls
+'''
+
+GROUPED_EXPERTS = '''
+import torch
+import torch.nn as nn
+from grouped_lib import grouped
+
+
+@grouped
+class Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.randn(4, 32, 32) * 0.1)
+        self.down = nn.Parameter(torch.randn(4, 16, 32) * 0.1)
+
+    def _apply_gate(self, h):
+        gate, up = h.chunk(2, dim=-1)
+        return nn.functional.silu(gate) * up
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(32, 4)
+        self.experts = Experts()
+
+    def forward(self, x):
+        b, t, h = x.shape
+        flat = x.view(-1, h)
+        weights, index = self.router(flat).softmax(dim=-1).topk(2, dim=-1)
+        return x + self.experts(flat, index, weights).view(b, t, h)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 8, 32),)
+'''
+
+
+def test_a_module_call_cut_by_a_callback_keeps_samples_apart_as_a_whole(tmp_path):
+    (tmp_path / "grouped_lib.py").write_text(GROUPED_LIB.lstrip())
+    analysis = analyze(_write(tmp_path, GROUPED_EXPERTS))
+    graph = analysis.graph
+    parts = [n for n in graph.nodes if n.callee.endswith(".Experts") and n.callee_path == "blocks.0.experts"]
+    assert len(parts) == 2                                   # before and after self._apply_gate
+    first, last = parts
+    assert first.index not in graph.dims and "cannot be replayed" in graph.problems[first.index]
+    assert graph.resumed_at(first) == last.index
+    whole = graph.dims[last.index]                           # the whole call: tokens apart
+    assert whole.inputs["arg0"].dims[0] and whole.outputs[0].dims[0]
+    assert whole.inputs["arg0"].dims[0][0].label == whole.outputs[0].dims[0][0].label
+    assert batch_split_problem(graph, "data parallel (--dp 2)") is None
+    assert batch_split_problem(graph, "micro-batches (--micro-batches 2)", across_ranks=False) is None
+
+
+def test_a_module_call_part_whose_results_leave_the_call_is_not_skipped(tmp_path):
+    """Only results read inside the call make a part of it: one read after the call is not."""
+    # another module name: the first test's grouped_lib stays imported in this process
+    (tmp_path / "leaky_lib.py").write_text(GROUPED_LIB.replace(
+        "        order = torch.argsort(flat, stable=True)",
+        "        order = LAST['order'] = torch.argsort(flat, stable=True)").replace("import torch\n", "import torch\n\nLAST = {}\n").lstrip())
+    leaked = GROUPED_EXPERTS.replace("from grouped_lib import grouped", "from leaky_lib import LAST, grouped").replace(
+        "self.experts(flat, index, weights).view(b, t, h)",
+        "self.experts(flat, index, weights).view(b, t, h) * LAST['order'].float().mean()")
+    assert leaked != GROUPED_EXPERTS
+    analysis = analyze(_write(tmp_path, leaked))
+    first = next(n for n in analysis.graph.nodes if n.callee.endswith(".Experts"))
+    assert analysis.graph.resumed_at(first) is None
+    problem = batch_split_problem(analysis.graph, "data parallel (--dp 2)")
+    assert problem is not None and "Experts has no split rule" in str(problem)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", [("--dp", "2"), ("--pp", "2", "--micro-batches", "2")], ids=["dp2", "pp2"])
+def test_a_module_call_cut_by_a_callback_trains_like_one_device(tmp_path, plan):
+    (tmp_path / "grouped_lib.py").write_text(GROUPED_LIB.lstrip())
+    result, outcome = _verify(tmp_path, GROUPED_EXPERTS, *plan)
     assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
 
 

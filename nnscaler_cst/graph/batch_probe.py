@@ -21,7 +21,7 @@ import torch
 
 from ..trace.records import Node, Trace
 from ..trace.replay import Replay, TensorRef
-from .derive import _CannotReplay, _Caller, _close, _equal, _filled_uninitialized_memory
+from .derive import _CannotReplay, _Caller, _close, _equal, _filled_uninitialized_memory, with_strides
 
 SLICES = 2
 
@@ -43,7 +43,7 @@ def batch_kept_apart(node: Node, trace: Trace, half: Trace) -> dict[int, int] | 
     if not any(cut is not None for cut in cuts.values()):
         return None
     with _filled_uninitialized_memory():
-        whole_call = _Caller(trace, full_replay, sorted(cuts))
+        whole_call = _Caller(trace, full_replay, sorted(cuts), strided=True)
         try:
             whole = whole_call()
         except _CannotReplay:
@@ -51,7 +51,9 @@ def batch_kept_apart(node: Node, trace: Trace, half: Trace) -> dict[int, int] | 
         half_call = _Caller(half, half_replay, sorted({h for _, h in pairs}))
         found: dict[int, int | None] = {}
         for k in range(SLICES):
-            values = {h: _piece(whole_call.base[f], cuts[f], k) for f, h in pairs}
+            # each slice laid out as the half-batch trace has it: a rank's own tensor
+            values = {h: with_strides(_piece(whole_call.base[f], cuts[f], k), getattr(half.tensors[h], "stride", None))
+                      for f, h in pairs}
             try:
                 pieces = half_call(values)
             except _CannotReplay:

@@ -127,17 +127,43 @@ def _numel(shape) -> int:
     return n
 
 
-class _Caller:
-    """Calls the replay with real tensors; `override` replaces some of them."""
+def with_strides(value: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Tensor:
+    """`value` laid out in memory with `stride` (a traced tensor's), when that is a dense order
+    of its elements (a transposed view reshaped); as it is otherwise. A call reading memory
+    itself (`x.as_strided(x.size(), x.stride())`) reads the elements in the traced order."""
+    if stride is None or len(stride) != value.dim() or not _dense(tuple(value.shape), stride):
+        return value
+    out = torch.empty_strided(tuple(value.shape), stride, dtype=value.dtype)
+    out.copy_(value)
+    return out
 
-    def __init__(self, trace: Trace, replay: Replay, tids: list[int]):
-        self.replay, self.trace, self.tids = replay, trace, tids
+
+def _dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Every element of `shape` at its own offset, with no gaps: a permutation of the dims'
+    contiguous strides."""
+    expected = 1
+    for size, step in sorted(((s, t) for s, t in zip(shape, stride) if s != 1), key=lambda p: p[1]):
+        if step != expected:
+            return False
+        expected *= size
+    return True
+
+
+class _Caller:
+    """Calls the replay with real tensors; `override` replaces some of them. `strided`: the real
+    tensors have the traced strides (see with_strides)."""
+
+    def __init__(self, trace: Trace, replay: Replay, tids: list[int], strided: bool = False):
+        self.replay, self.trace, self.tids, self.strided = replay, trace, tids, strided
         self.generator = torch.Generator().manual_seed(0)
         self.base = self._values()
 
     def _values(self, index_range: int = 0) -> dict[int, torch.Tensor]:
-        return {tid: _real(self.trace.tensors[tid].shape, self.trace.tensors[tid].dtype, self.generator, index_range)
-                for tid in self.tids}
+        values = {tid: _real(self.trace.tensors[tid].shape, self.trace.tensors[tid].dtype, self.generator, index_range)
+                  for tid in self.tids}
+        if self.strided:
+            values = {tid: with_strides(v, getattr(self.trace.tensors[tid], "stride", None)) for tid, v in values.items()}
+        return values
 
     def narrow_indices(self) -> None:
         """Integers in {0, 1} only: for calls whose integer operands index something smaller than

@@ -133,6 +133,8 @@ def _first_mixing_op(graph: Graph, labels: dict[int, str] | None = None,
             continue
         dims = graph.dims.get(node.index)
         problem = None
+        if dims is None and graph.resumed_at(node) is not None:
+            continue    # a part of a module call that resumes later: checked there, as the whole call
         if dims is None:
             problem = f"has no split rule ({graph.problems.get(node.index) or 'no annotation'})"
         else:

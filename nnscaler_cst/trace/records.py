@@ -38,6 +38,9 @@ class TensorInfo:
     param: str | None = None           # canonical parameter name
     buffer: str | None = None
     input_name: str | None = None      # name of the model input it is
+    # its strides in the trace, when they are not the contiguous ones of its shape (a transposed
+    # view reshaped: `x.as_strided(x.size(), x.stride())` reads memory in that order)
+    stride: tuple[int, ...] | None = None
 
     @property
     def nbytes(self) -> int:

@@ -252,7 +252,7 @@ class Tracer(TorchFunctionMode):
         self._tid_of[key] = tid
         self._keep.append(tensor)
         self.tensors[tid] = TensorInfo(tid, tuple(tensor.shape), str(tensor.dtype),
-                                       bool(tensor.requires_grad), **info)
+                                       bool(tensor.requires_grad), stride=_strides(tensor), **info)
         return tid
 
     # ---- the mode -----------------------------------------------------------------------
@@ -669,6 +669,16 @@ def trace_model(entry: Entry, sources: SourceSet, *, library_modules=(), mode: s
             if mode == "fake":
                 raise
     return Tracer(sources, entry, library_modules).run("real", batch_slices)
+
+
+def _strides(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """The tensor's strides when they differ from the contiguous ones of its shape, else None."""
+    try:
+        if tensor.layout != torch.strided or tensor.is_contiguous():
+            return None
+        return tuple(int(s) for s in tensor.stride())
+    except Exception:   # noqa: BLE001 - a tensor subclass without strides: taken as contiguous
+        return None
 
 
 def _batch_slice(inputs, slices: int):
