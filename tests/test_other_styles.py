@@ -334,7 +334,59 @@ def example_inputs():
     return {"input_ids": ids, "labels": ids}
 '''
 
-ENTRIES = {"attention": ATTENTION, "bert": BERT_WITH_DROPOUT}
+SCALED_EMBEDDING = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class ScaledEmbedding(nn.Embedding):
+    """A word embedding that scales its rows: its forward reaches nn.Embedding's by super()."""
+
+    def __init__(self, vocab, dim, padding_idx, scale):
+        super().__init__(vocab, dim, padding_idx)
+        self.scale = scale
+
+    def forward(self, ids):
+        return super().forward(ids) * self.scale
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class LM(nn.Module):
+    def __init__(self, vocab=128, dim=32):
+        super().__init__()
+        self.embed = ScaledEmbedding(vocab, dim, padding_idx=0, scale=dim ** 0.5)
+        self.blocks = nn.ModuleList([Block(dim) for _ in range(2)])
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids, labels):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def build():
+    return LM()
+
+
+def example_inputs():
+    ids = torch.randint(0, 128, (4, 16))
+    return ids, ids
+'''
+
+
+ENTRIES = {"attention": ATTENTION, "bert": BERT_WITH_DROPOUT, "scaled-embedding": SCALED_EMBEDDING}
 
 
 # ---- writes by index ---------------------------------------------------------------------------
@@ -442,10 +494,11 @@ def test_a_trunk_run_again_by_recycling_is_refused_for_pipelines_at_its_blocks_c
     ("evoformer.py", ("--tp", "2", "--dp", "2")),
     ("stored_buffer.py", ("--tp", "2")),
     ("stored_buffer.py", ("--pp", "2", "--micro-batches", "2")),
+    ("scaled-embedding", ("--tp", "2")),
 ], ids=["convnet-tp2", "einsum-tp2", "residual-pp2xtp2", "multihead-attention-tp2",
         "vit-dp2xtp2", "hf-bert-with-dropout-tp2", "indexed-writes-tp2", "complex-rotary-dp2xtp2",
         "evoformer-dp2xtp2", "stored-position-buffer-tp2",
-        "stored-position-buffer-pp2"])
+        "stored-position-buffer-pp2", "super-forward-embedding-vocab-split-tp2"])
 def test_other_styles_train_like_the_single_device_run(tmp_path, fixtures_dir, fixture, args):
     path = fixtures_dir / fixture
     if fixture in ENTRIES:

@@ -278,7 +278,7 @@ class InsertCollectives:
             raise UserError("only a call can be replaced by a split implementation", span.start)
         template = site.replace
         try:
-            text = template.format(**self._template_values(span, node))
+            text = template.format(**{**site.traced, **self._template_values(span, node)})
         except (KeyError, IndexError) as exc:
             raise UserError(f"the call does not pass {exc} that `{template}` needs", span.start) from None
         self.ctx.needs_torch |= "torch." in text

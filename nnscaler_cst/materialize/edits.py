@@ -11,6 +11,7 @@ would need different edits are refused. Decides nothing about the plan; writes n
 """
 from __future__ import annotations
 
+import inspect
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -48,6 +49,9 @@ class SiteEdit:
     args: dict[tuple, list[Step]] = field(default_factory=dict)    # wrap an argument
     sizes: list[SizeEdit] = field(default_factory=list)
     replace: str | None = None      # a template for the whole call (split impl, row-parallel)
+    # what the traced call received that the source call does not write, for the template: a
+    # subclass's `super().forward(ids)` reaches `F.embedding(ids, self.weight, padding_idx=0)`
+    traced: dict[str, str] = field(default_factory=dict)
     bias: str | None = None         # added after the reduction of a row-parallel call
     notes: list[str] = field(default_factory=list)
     # `x[i] = v`: the site is the assignment's target, so a conversion of x rebinds it on a line
@@ -411,6 +415,7 @@ def _split_site_edits(graph: Graph, node: Node, choice: str, n: int, edits: Edit
     if choice in dims.impl:
         template = dims.impl[choice]
         _same(site, "replace", template, node)
+        site.traced = _traced_arguments(graph, node)
         _note(site, f"split {n}-way by {template.split('(')[0]}")
     elif choice in dims.reduced:
         bias = graph.partial_bias(node.index)
@@ -420,6 +425,33 @@ def _split_site_edits(graph: Graph, node: Node, choice: str, n: int, edits: Edit
             _same(site, "bias", bias, node)
             _note(site, "partial sums reduced, bias added once")
     _size_edits(graph, node, choice, n, site, layouts, have)
+
+
+def _traced_arguments(graph: Graph, node: Node) -> dict[str, str]:
+    """Template values for what the traced call received, written as the site's method can
+    read them: a parameter of the module whose code holds the site as `self.<name>`, a plain
+    value as a literal; `{restN}` as the keywords whose values differ from the callee's defaults."""
+    values: dict[str, str] = {}
+    prefix = f"{node.module_path}." if node.module_path else ""
+    for operand in node.operands:
+        if operand.tid is not None:
+            param = graph.trace.tensors[operand.tid].param
+            if param is not None and param.startswith(prefix) and "." not in param[len(prefix):]:
+                values[operand.name] = f"self.{param[len(prefix):]}"
+        elif operand.value is None or isinstance(operand.value, (bool, int, float, str)):
+            values[operand.name] = repr(operand.value)
+    replay = graph.trace.replays.get(node.index)
+    try:
+        defaults = {name: p.default for name, p in inspect.signature(replay.fn).parameters.items()}
+    except (AttributeError, TypeError, ValueError):
+        return values
+    keywords = "".join(f", {o.name}={values[o.name]}" for o in node.operands
+                       if o.path and o.path[0] == "kw" and o.name in values and o.tid is None
+                       and defaults.get(o.name, inspect.Parameter.empty) != o.value)
+    positional = sum(1 for o in node.operands if o.path and o.path[0] == "pos")
+    for i in range(positional + 1):
+        values[f"rest{i}"] = keywords
+    return values
 
 
 def _note(site: SiteEdit, text: str) -> None:
