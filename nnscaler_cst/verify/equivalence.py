@@ -47,6 +47,7 @@ class VerifyResult:
     counters: list[dict] = field(default_factory=list)
     twin: dict | None = None         # the sensitivity twin's drift from the reference, when one ran
     noise_driven: list[str] = field(default_factory=list)   # first gradient is rounding: values not compared
+    exact_first_loss: float | None = None    # the first loss in float64, where the model runs in it
 
     @property
     def loss_errors(self) -> list[float]:
@@ -55,9 +56,13 @@ class VerifyResult:
     def loss_tolerances(self) -> list[float]:
         tol = self.tolerance
         drift = self.twin["loss_errors"] if self.twin else [0.0] * len(self.reference_losses)
-        drift = [0.0, *drift[1:]]          # the first loss comes before any step: never widened
-        return [max(tol["loss_atol"] + tol["rtol"] * abs(r), TWIN_MARGIN * d)
-                for r, d in zip(self.reference_losses, drift)]
+        drift = [0.0, *drift[1:]]          # the first loss comes before any step: never widened by it
+        tolerances = [max(tol["loss_atol"] + tol["rtol"] * abs(r), TWIN_MARGIN * d)
+                      for r, d in zip(self.reference_losses, drift)]
+        if tolerances and self.exact_first_loss is not None:    # ... but by the reference's own rounding
+            rounding = abs(self.reference_losses[0] - self.exact_first_loss)
+            tolerances[0] = max(tolerances[0], ROUNDING_MARGIN * rounding)
+        return tolerances
 
     def param_tolerance(self) -> float:
         return max(self.tolerance["param_atol"], TWIN_MARGIN * self.twin["max_abs_error"] if self.twin else 0.0)
@@ -154,7 +159,8 @@ def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1
         result = VerifyResult(world, steps, ref["losses"], ranks[0]["losses"], max_abs, max_rel, worst,
                               max_grad, worst_grad, {"param_atol": param_atol, "loss_atol": loss_atol,
                                                      "rtol": rtol, "grad_rtol": grad_rtol},
-                              0.0, [r["counters"] for r in ranks], noise_driven=sorted(unmeasured))
+                              0.0, [r["counters"] for r in ranks], noise_driven=sorted(unmeasured),
+                              exact_first_loss=ref.get("exact_loss"))
         if not result.passed and result.first_step_passed and steps > 1:
             result.twin = _sensitivity_twin(entry_file, workdir, common, ref, max(max_grad, TWIN_LEAST_NUDGE),
                                             timeout, forks)

@@ -182,10 +182,11 @@ def capture_zero_gradients(model, shards, optimizer, comm):
     return captured
 
 
-def exact_first_gradients(entry, model, seed):
-    """The first step's gradients in float64, from the same weights and batch: how far the float32
-    reference itself lands from the exact gradient (a gradient that is zero in exact arithmetic,
-    a bias before a norm over its own dim, is pure rounding in float32). None when the model does
+def exact_first_step(entry, model, seed):
+    """The first step's loss and gradients in float64, from the same weights and batch: how far
+    the float32 reference itself lands from the exact values (a gradient that is zero in exact
+    arithmetic, a bias before a norm over its own dim, is pure rounding in float32; a loss through
+    BatchNorm over four values per channel carries 1e-4 of it). (None, None) when the model does
     not run in float64 (code that names float32)."""
     import copy
 
@@ -202,11 +203,12 @@ def exact_first_gradients(entry, model, seed):
         exact.train()
         batch = widened(batch_for(entry, 0, seed))
         output = exact(**batch) if isinstance(batch, dict) else exact(*batch)
-        loss_of(entry, output).backward()
+        loss = loss_of(entry, output)
+        loss.backward()
     except Exception:       # noqa: BLE001 -- no yardstick; verify judges as before
-        return None
-    return {name: param.grad.detach().clone() for name, param in exact.named_parameters(remove_duplicate=False)
-            if param.grad is not None}
+        return None, None
+    return loss.item(), {name: param.grad.detach().clone()
+                         for name, param in exact.named_parameters(remove_duplicate=False) if param.grad is not None}
 
 
 def reference(args):
@@ -216,7 +218,7 @@ def reference(args):
     torch.manual_seed(args.seed)
     model = entry.build()
     torch.save(model.state_dict(), os.path.join(args.workdir, "init.pt"))
-    exact = exact_first_gradients(entry, model, args.seed) if not args.nudge else None
+    exact_loss, exact = exact_first_step(entry, model, args.seed) if not args.nudge else (None, None)
     model.train()
     optimizer = adamw(model.parameters(), args.lr)
     grads = capture_first_gradients(model, optimizer, args.nudge)
@@ -231,7 +233,8 @@ def reference(args):
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     enter("saving")
-    torch.save({"losses": losses, "state": model.state_dict(), "grads": grads, "exact_grads": exact},
+    torch.save({"losses": losses, "state": model.state_dict(), "grads": grads, "exact_grads": exact,
+                "exact_loss": exact_loss},
                os.path.join(args.workdir, "twin.pt" if args.nudge else "reference.pt"))
 
 
