@@ -308,7 +308,8 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
         trunk = stages.trunk
         split = StageSplit(trunk.function_span, trunk.loop_index, trunk.handoff, trunk.container, trunk.owner is not None,
                            trunk.recycle.loop if trunk.recycle else None,
-                           tuple(trunk.recycle.carried) if trunk.recycle else (), tuple(trunk.unset))
+                           tuple(trunk.recycle.carried) if trunk.recycle else (), tuple(trunk.unset),
+                           tuple(trunk.replays))
         if trunk.function_span.path != str(main_source.path):
             raise UserError("the loop over the blocks is not in the model's main file", trunk.function_span.start,
                             hint="pipelines cut the file that holds the block loop: keep that loop in the file "

@@ -511,6 +511,82 @@ def test_module_state_set_where_every_stage_runs_it_is_not_refused(tmp_path):
     assert plan.block_ranges == [(0, 2), (2, 4)]
 
 
+# BigBird-Pegasus: the code before the block loop calls `self.set_attention_type("original_full")`
+# for short inputs, which sets the encoder's attribute and swaps every layer's attention module.
+# Stage 1 holds its own copies of those layers: it must run the call too.
+STATE_SET_BY_A_METHOD_BEFORE_THE_LOOP = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.act = nn.Tanh()
+            self.scale = 1.0
+
+        def set_scale(self, value):
+            self.scale = value
+            self.act = nn.Sigmoid()      # a module swapped for another: not a value one could send
+
+        def forward(self, x):
+            return x + self.scale * self.act(self.fc(x))
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(4, 8)
+            self.blocks = nn.ModuleList([Block() for _ in range(4)])
+            self.head = nn.Linear(8, 1)
+            self.scale = 1.0
+
+        def set_scale(self, value):
+            if value == self.scale:
+                return
+            self.scale = value
+            for block in self.blocks:
+                block.set_scale(value)
+
+        def forward(self, x):
+            h = self.embed(x)
+            if x.shape[1] < 16:
+                self.set_scale(0.5)
+            for block in self.blocks:
+                h = block(h)
+            return self.head(h).square().mean()
+
+
+    def build():
+        return Model()
+
+
+    def example_inputs():
+        return {"x": torch.randn(4, 4)}
+""")
+
+
+def test_module_state_set_by_a_method_of_self_before_the_loop_is_replayed_on_later_stages(tmp_path):
+    """The call is noted as one every later stage runs too (it was refused, as the write above)."""
+    from nnscaler_cst.analysis import analyze
+    (tmp_path / "method.py").write_text(STATE_SET_BY_A_METHOD_BEFORE_THE_LOOP)
+    plan = stages(analyze(tmp_path / "method.py").graph, 2)
+    line = STATE_SET_BY_A_METHOD_BEFORE_THE_LOOP.splitlines().index("            self.set_scale(0.5)") + 1
+    assert [(span.line, span.col) for span in plan.trunk.replays] == [(line, 12)]
+
+
+@pytest.mark.slow
+def test_module_state_set_by_a_method_of_self_before_the_loop_verifies(tmp_path):
+    (tmp_path / "method.py").write_text(STATE_SET_BY_A_METHOD_BEFORE_THE_LOOP)
+    result = run_cli("verify", tmp_path / "method.py", "--pp", 2, "--micro-batches", 2, "-o", tmp_path / "out")
+    assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr
+    stage1 = (tmp_path / "out" / "model_stage1.py").read_text()
+    assert 'pp_replayed(self, "set_scale", 0.5)  # pipeline: later stages run this call too' in stage1
+    assert "h, pp_calls = pp_receive()" in stage1 and "pp_replay(self, pp_calls)" in stage1
+    assert "pp_handoff(h, pp_replays(self))" in stage1
+
+
 DTYPE_READ_ABOVE_THE_CUT = textwrap.dedent("""
     import torch
     from torch import nn

@@ -35,6 +35,7 @@ class StageSplit:
     recycle: Span | None = None     # the loop running the trunk N times (3F1B): one pass per action
     carried: tuple[str, ...] = ()   # what one pass of it hands the next
     unset: tuple[str, ...] = ()     # hand-off names the first stage may not have bound: None first
+    replays: tuple[Span, ...] = ()  # prologue calls that change state later stages hold: run there too
 
 
 @dataclass
@@ -372,9 +373,18 @@ class SplitStages:
         docstring = body[:1] if body and _is_docstring(body[0]) else []
         index = split.loop_index
         prologue, loop, epilogue = body[len(docstring):index], body[index], body[index + 1:]
-        names = ", ".join(split.handoff) + ("," if len(split.handoff) == 1 else "")
+        handed = list(split.handoff)
+        calls = None
+        if split.replays:       # the state-changing calls the first stage ran go with the hand-off
+            taken = set(_names_in(function))
+            calls = next(n for n in ("pp_calls", *(f"pp_calls{k}" for k in range(2, 100))) if n not in taken)
+            self.ctx.used.update({"pp_replays", "pp_replay"})
+        names = ", ".join([*handed, *([calls] if calls else [])]) + ("," if len(handed) + bool(calls) == 1 else "")
         self.ctx.used.update({"pp_first_stage", "pp_receive", "pp_handoff"} | ({"pp_cuts"} if split.owned else set()))
         receive = cst.parse_statement(f"{names} = pp_receive()  # pipeline: from the previous stage\n")
+        receive = [receive] if calls is None else [receive, cst.parse_statement(
+            f"pp_replay(self, {calls})  # pipeline: run the calls before the blocks that changed module state "
+            "here too, once\n")]
         head: list[cst.BaseStatement] = []
         first_stage = "pp_first_stage() or not pp_cuts(self)" if split.owned else "pp_first_stage()"
         later_stage = "not pp_first_stage() and pp_cuts(self)" if split.owned else "not pp_first_stage()"
@@ -385,7 +395,7 @@ class SplitStages:
             first = [prologue[0].with_changes(leading_lines=[]), *prologue[1:]]
             guard = guard.with_changes(body=guard.body.with_changes(body=first),
                                        orelse=guard.orelse.with_changes(body=guard.orelse.body.with_changes(
-                                           body=[receive])), leading_lines=prologue[0].leading_lines)
+                                           body=receive)), leading_lines=prologue[0].leading_lines)
             head = [guard]
         else:
             head = [cst.parse_statement(f"if {later_stage}:\n    {names} = pp_receive()\n")]
@@ -396,10 +406,11 @@ class SplitStages:
                                      body=loop.body.with_changes(header=mark))
         elif loop.trailing_whitespace.comment is None:      # `x = self.blocks(x)` on an nn.Sequential
             loop = loop.with_changes(trailing_whitespace=mark)
-        handoff = cst.parse_statement(f"pp_handoff({', '.join(split.handoff)})  # pipeline: every stage but the "
+        given = ", ".join([*handed, *(["pp_replays(self)"] if calls else [])])
+        handoff = cst.parse_statement(f"pp_handoff({given})  # pipeline: every stage but the "
                                       "last hands these on and ends here\n")
         if split.owned:
-            handoff = cst.parse_statement(f"if pp_cuts(self):\n    pp_handoff({', '.join(split.handoff)})  "
+            handoff = cst.parse_statement(f"if pp_cuts(self):\n    pp_handoff({given})  "
                                           "# pipeline: every stage but the last hands these on and ends here\n")
         if split.unset:     # set only under a condition before the hand-off: handed on as None when unset
             unset = cst.parse_statement(f"{' = '.join(split.unset)} = None  # pipeline: set before the hand-off "
@@ -409,6 +420,28 @@ class SplitStages:
         return function.with_changes(body=function.body.with_changes(
             body=[*docstring, *head, loop, handoff, *epilogue]))
 
+
+    def leave_call(self, span: Span, call: cst.BaseExpression) -> cst.BaseExpression:
+        """`self.set_attention_type("original_full")` before the blocks, which changes state later
+        stages hold, becomes `pp_replayed(self, "set_attention_type", "original_full")`: it runs
+        here and is noted, and every later stage runs it too (pp_replay after pp_receive)."""
+        split = self.ctx.split
+        if split is None or span not in split.replays or not isinstance(call, cst.Call) \
+                or not isinstance(call.func, cst.Attribute):
+            return call
+        path, target = [], call.func
+        while isinstance(target, cst.Attribute):
+            path.insert(0, target.attr.value)
+            target = target.value
+        if not (isinstance(target, cst.Name) and target.value == "self"):
+            return call
+        self.ctx.used.add("pp_replayed")
+        self.ctx.note(span, "pipeline: later stages run this call too (it changes state of modules they hold)")
+        method = cst.Arg(cst.SimpleString('"' + ".".join(path) + '"'), comma=cst.Comma(
+            whitespace_after=cst.SimpleWhitespace(" ")) if call.args else cst.MaybeSentinel.DEFAULT)
+        return call.with_changes(func=cst.Name("pp_replayed"), args=[
+            cst.Arg(cst.Name("self"), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))), method,
+            *call.args])
 
     def _count_from_first_block(self, iterable: cst.BaseExpression) -> cst.BaseExpression:
         """`enumerate(self.layers)` counts a stage's blocks from its first one's index in the
@@ -454,6 +487,18 @@ class SplitStages:
         return loop.with_changes(body=loop.body.with_changes(body=[take, *loop.body.body, give]))
 
 
+def _names_in(node: cst.CSTNode) -> set[str]:
+    """Every name a piece of code spells: a new variable must not shadow any of them."""
+    found: set[str] = set()
+
+    class Names(cst.CSTVisitor):
+        def visit_Name(self, name: cst.Name) -> None:
+            found.add(name.value)
+
+    node.visit(Names())
+    return found
+
+
 def _is_docstring(stmt: cst.BaseStatement) -> bool:
     return isinstance(stmt, cst.SimpleStatementLine) and isinstance(stmt.body[0], cst.Expr) and isinstance(
         stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
@@ -483,7 +528,7 @@ class FileRewriter(cst.CSTTransformer):
             return self._unroll(span, updated)
         for concern in self.concerns:
             updated = concern.leave(span, updated)
-        return updated
+        return self.stages.leave_call(span, updated) if isinstance(updated, cst.Call) else updated
 
     def _layer_edit(self, span: Span, via: tuple[str, ...]) -> SiteEdit | None:
         site = self.ctx.edits.sites.get(dataclasses.replace(span, via=via))

@@ -35,6 +35,10 @@ class Trunk:
     # hand-off variables the first stage may reach the hand-off without (set before the loop only
     # under a condition: MVP's `if self.use_prompt: self_attn_prompt = ...`): bound to None first
     unset: list[str] = field(default_factory=list)
+    # calls in the code before the loop (`self.set_attention_type("original_full")`) that change the
+    # state of modules later stages hold: the first stage notes each one it runs, and every later
+    # stage runs it too, before its blocks (pp_replayed / pp_replay)
+    replays: list[Span] = field(default_factory=list)
 
 
 @dataclass
@@ -546,6 +550,7 @@ def _check_state_writes(graph: Graph, plan: StagePlan) -> None:
     loop = source.span_of(body[trunk.loop_index])
     last = plan.stages - 1
     n = len(graph.nodes)
+    replays: set[Span] = set()
     for write in graph.trace.state_writes:
         inside = next((span for span in write.stack if span.path == cut.path and cut.contains(span)), None)
         if inside is None:
@@ -560,6 +565,10 @@ def _check_state_writes(graph: Graph, plan: StagePlan) -> None:
         missing = sorted(_holders(plan, write.module) - writers)
         if not missing:
             continue
+        if writers == {0} and part.endswith("before the block loop") and (
+                inside in replays or _replayable(source, trunk.function, inside)):
+            replays.add(inside)     # later stages run the call too: they see the change
+            continue
         where = f"{write.module}.{write.attr}" if write.module else f"the model's {write.attr}"
         stage = "stages " + ", ".join(map(str, missing)) if len(missing) > 1 else f"stage {missing[0]}"
         ran = ", ".join(map(str, sorted(writers)))
@@ -568,7 +577,31 @@ def _check_state_writes(graph: Graph, plan: StagePlan) -> None:
             f"stage {ran} runs; {stage} also hold{'s' if len(missing) == 1 else ''} that module and would run with "
             "the attribute's old value", write.stack[0].start,
             hint="pipelining needs module state set in the constructor (or outside the function whose block loop "
-                 "is cut), not in code that only one stage runs")
+                 "is cut), or, before the block loop, by a call of a method of `self` (`self.set_mode(...)`), which "
+                 "every later stage then runs too; not in other code that only one stage runs")
+    trunk.replays = sorted(replays, key=lambda span: (span.line, span.col))
+
+
+def _replayable(source, function: cst.FunctionDef, span: Span) -> bool:
+    """Whether the write happened inside a call the later stages can run again on their own copy
+    of the module: a statement of its own calling a method of the cut function's `self`
+    (`self.set_attention_type("original_full")`, `self.encoder.set_mode(m)`), whose result is not used."""
+    params = function.params.params
+    if not params or params[0].name.value != "self":
+        return False
+    node = source.node_at(span.line, span.col, span.end_line, span.end_col)
+    if not isinstance(node, cst.Call) or any(arg.star for arg in node.args):
+        return False
+    parent = source.parents.get(node)
+    if not isinstance(parent, cst.Expr):
+        return False
+    func = node.func
+    if not isinstance(func, cst.Attribute):
+        return False
+    target = func.value
+    while isinstance(target, cst.Attribute):
+        target = target.value
+    return isinstance(target, cst.Name) and target.value == "self"
 
 
 def _runs_on_every_stage(graph: Graph, plan: StagePlan, node) -> bool:

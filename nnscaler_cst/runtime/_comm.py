@@ -847,6 +847,43 @@ def pp_handoff(*values):
         raise StageBoundary(values)
 
 
+def _replayed_calls(owner) -> list:
+    """The calls that changed module state which this stage ran or replayed on `owner`, in order
+    (kept on the module itself, outside its attributes, parameters and state dict)."""
+    return owner.__dict__.setdefault("_pp_replayed_calls", [])
+
+
+def pp_replayed(owner, method: str, *args, **kwargs):
+    """Run `owner.<method>(*args, **kwargs)`, a call that changes the state of modules later
+    stages hold (BigBird's prologue switching its layers' attention type), and note it: every
+    later stage runs it too, once, before its blocks (pp_replay). The same call again is noted once."""
+    calls = _replayed_calls(owner)
+    call = (method, args, kwargs)
+    if not calls or calls[-1] != call:
+        calls.append(call)
+    target = owner
+    for name in method.split("."):
+        target = getattr(target, name)
+    return target(*args, **kwargs)
+
+
+def pp_replays(owner) -> list:
+    """Every state-changing call noted on this stage so far, handed on with the activations (a
+    list that only grows, so its hand-off metadata stays the same once the call has run)."""
+    return list(_replayed_calls(owner))
+
+
+def pp_replay(owner, calls) -> None:
+    """Run the calls the previous stage handed over that this stage has not run yet, in order."""
+    done = _replayed_calls(owner)
+    for method, args, kwargs in calls[len(done):]:
+        done.append((method, tuple(args), dict(kwargs)))
+        target = owner
+        for name in method.split("."):
+            target = getattr(target, name)
+        target(*args, **kwargs)
+
+
 class RecycleBoundary(Exception):
     """Raised by pp_recycle on the last stage after every pass of the recycling loop but the last:
     this forward ends, and the values go back to the first stage for the next pass."""
