@@ -178,6 +178,7 @@ def test_a_factory_inside_arithmetic_has_its_size_divided(tmp_path):
     ("torch.ones(size=(config.n,)) + 1.0", 0, 1, "torch.ones(size=(config.n // 2,)) + 1.0"),
     ("-torch.ones(n, dtype=torch.float32)", 0, 1, "-torch.ones(n // 2, dtype=torch.float32)"),
     ("torch.empty(n).uniform_(-0.5, 0.5)", 0, 1, "torch.empty(n // 2).uniform_(-0.5, 0.5)"),
+    ("torch.Tensor(out_features, in_features)", 0, 2, "torch.Tensor(out_features // 2, in_features)"),
     ("nn.init.trunc_normal_(torch.zeros(1, 1, n), std=0.02)", 2, 3,
      "nn.init.trunc_normal_(torch.zeros(1, 1, n // 2), std=0.02)"),
 ])
@@ -202,6 +203,7 @@ def test_the_size_of_a_parameter_factory_is_found_through_common_forms(tmp_path,
     ("torch.ones(*shape)", set(), "inside *args"),
     ("torch.ones(n) * torch.rand(n)", set(), "more than one factory"),
     ("weights.clone()", set(), "calls no tensor factory"),
+    ("torch.Tensor([0.5])", set(), "holds values"),
     ("torch.ones(a, b)", set(), "cannot tell which size"),        # a 1-dim parameter from two sizes
 ])
 def test_a_factory_size_that_cannot_be_found_says_why(written, shapes, why):

@@ -61,6 +61,7 @@ def _written_at(items: list, at: int, from_end: int, starred) -> int | None:
 # ---- a parameter made by a tensor factory in the model file: nn.Parameter(torch.ones(n)) -----------
 # torch.<name>(*sizes) or (sizes), and tensor.new_<name>(...); `full` takes its sizes first, then the value
 FACTORIES = {"ones", "zeros", "empty", "randn", "rand", "full"}
+LEGACY = {"Tensor", "FloatTensor", "DoubleTensor"}    # torch.Tensor(a, b): sizes; torch.Tensor([..]): values
 # methods and nn.init functions that give back a tensor of the shape they were given
 SHAPE_KEEPING = {"uniform_", "normal_", "fill_", "zero_", "exponential_", "clamp_", "clamp", "float", "double",
                  "half", "bfloat16", "to", "type", "mul", "mul_", "add", "add_", "sub", "sub_", "div", "div_",
@@ -90,6 +91,8 @@ def factory_size(parameter: cst.Call, dim: int, rank: int | None,
     if len(made) > 1:
         return f"`{_code(data.value)}` makes the tensor from more than one factory call"
     factory = made[0]
+    if _last_name(factory.func) in LEGACY and any(isinstance(a.value, (cst.Tuple, cst.List)) for a in factory.args):
+        return f"`{_code(factory)}` holds values, not sizes"
     full = _last_name(factory.func).removeprefix("new_") == "full"
     keyword = next((a for a in factory.args if a.keyword is not None and a.keyword.value == "size"), None)
     positional = [a for a in factory.args if a.keyword is None]
@@ -125,7 +128,7 @@ def _factories(expr: cst.BaseExpression) -> list[cst.Call]:
     func, name = expr.func, _last_name(expr.func)
     if isinstance(func, cst.Attribute) and isinstance(func.value, cst.Call):      # torch.empty(n).uniform_()
         return _factories(func.value) if name in SHAPE_KEEPING else []
-    if name in FACTORIES and (isinstance(func, cst.Name) or _dotted(func).startswith("torch.")) or (
+    if name in FACTORIES | LEGACY and (isinstance(func, cst.Name) or _dotted(func).startswith("torch.")) or (
             name.startswith("new_") and name[4:] in FACTORIES):
         return [expr]
     if "init." in _dotted(func) or _dotted(func).startswith("init."):         # nn.init.trunc_normal_(torch.zeros(n))
