@@ -36,7 +36,7 @@ from .plan.batch import check_batch_split, loss_reduction
 from .plan.choices import choices_from_plan, site_keys
 from .plan.coshard import CoshardChoice, plan_coshard
 from .plan.cost import check_precision, load_cluster, node_time, optimizer_time
-from .plan.search import AxisPlan, search_axis
+from .plan.search import AxisPlan, params_kept_whole, search_axis
 from .plan.whole_sizes import splits_a_read_size
 from .plan.tables import load_table, source_annotations, weights_left_whole
 
@@ -207,6 +207,7 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
     plan.auto = auto
     plan.warnings = weights_left_whole(graph) if tp > 1 else []
     plan.warnings += tp_plan.left_whole if tp_plan is not None else []
+    plan.warnings += params_kept_whole(graph, tp_plan.param_layout) if tp_plan is not None else []
     plan.estimated_step_seconds = tp_plan.cost if tp_plan is not None else dp_only(graph, dp, cluster)[0]
     stepped = _local_params(graph, tp_plan, tp) / (dp if request.zero else 1)   # ZeRO: each dp rank steps its shard
     plan.estimated_step_seconds += optimizer_time(stepped, cluster.axis(1, tp))

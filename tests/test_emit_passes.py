@@ -167,6 +167,52 @@ def test_a_factory_inside_arithmetic_has_its_size_divided(tmp_path):
             "requires_grad=True)  # * / 2\n") in code
 
 
+@pytest.mark.parametrize("written, dim, rank, local", [
+    ("init_values * torch.ones(config.hidden_size)", 0, 1, "init_values * torch.ones(config.hidden_size // 2)"),
+    ("torch.ones(dim) * init_values", 0, 1, "torch.ones(dim // 2) * init_values"),
+    ("torch.full((self.dim,), 0.1)", 0, 1, "torch.full((self.dim // 2,), 0.1)"),
+    ("torch.full(size=[dim], fill_value=0.1)", 0, 1, "torch.full(size=[dim // 2], fill_value=0.1)"),
+    ("torch.zeros(config.dim)", 0, 1, "torch.zeros(config.dim // 2)"),
+    ("torch.randn(a, b) * scale", 1, 2, "torch.randn(a, b // 2) * scale"),
+    ("torch.randn((a, b)) * scale", 0, 2, "torch.randn((a // 2, b)) * scale"),
+    ("torch.ones(size=(config.n,)) + 1.0", 0, 1, "torch.ones(size=(config.n // 2,)) + 1.0"),
+    ("-torch.ones(n, dtype=torch.float32)", 0, 1, "-torch.ones(n // 2, dtype=torch.float32)"),
+    ("torch.empty(n).uniform_(-0.5, 0.5)", 0, 1, "torch.empty(n // 2).uniform_(-0.5, 0.5)"),
+    ("torch.Tensor(out_features, in_features)", 0, 2, "torch.Tensor(out_features // 2, in_features)"),
+    ("nn.init.trunc_normal_(torch.zeros(1, 1, n), std=0.02)", 2, 3,
+     "nn.init.trunc_normal_(torch.zeros(1, 1, n // 2), std=0.02)"),
+])
+def test_the_size_of_a_parameter_factory_is_found_through_common_forms(tmp_path, written, dim, rank, local):
+    """Layer scales and learned tokens: `scale * torch.ones(n)`, `torch.full((n,), v)`, `torch.randn(a, b)
+    * s`, ...: the factory's size argument for the split dim is divided, the rest kept as written."""
+    source = parse(tmp_path, f"""
+        class Layer(nn.Module):
+            def __init__(self, config):
+                self.gamma = nn.Parameter({written}, requires_grad=True)
+    """)
+    edits = no_edits()
+    edits.ctors[span(source, f"nn.Parameter({written}, requires_grad=True)")] = [
+        CtorEdit([f"factory:{dim}"], 2, f"dim {dim} / 2", rank)]
+    code, _ = rewritten(source, edits)
+    assert f"        self.gamma = nn.Parameter({local}, requires_grad=True)  # dim {dim} / 2\n" in code
+
+
+@pytest.mark.parametrize("written, shapes, why", [
+    ("torch.ones(shape) * 0.5", {"shape"}, "a whole shape"),
+    ("torch.full(shape, 0.5)", set(), "a whole shape"),
+    ("torch.ones(*shape)", set(), "inside *args"),
+    ("torch.ones(n) * torch.rand(n)", set(), "more than one factory"),
+    ("weights.clone()", set(), "calls no tensor factory"),
+    ("torch.Tensor([0.5])", set(), "holds values"),
+    ("torch.ones(a, b)", set(), "cannot tell which size"),        # a 1-dim parameter from two sizes
+])
+def test_a_factory_size_that_cannot_be_found_says_why(written, shapes, why):
+    from nnscaler_cst.materialize.size_args import factory_size
+    call = cst.parse_expression(f"nn.Parameter({written})")
+    found = factory_size(call, 0, 1, frozenset(shapes))
+    assert isinstance(found, str) and why in found, found
+
+
 def test_a_constructor_that_does_not_pass_the_size_is_refused_at_its_call(tmp_path):
     source = parse(tmp_path, CTOR_SOURCE)
     edits = no_edits()

@@ -386,7 +386,84 @@ def example_inputs():
 '''
 
 
-ENTRIES = {"attention": ATTENTION, "bert": BERT_WITH_DROPOUT, "scaled-embedding": SCALED_EMBEDDING}
+LAYER_SCALE = '''
+import torch
+import torch.nn as nn
+
+
+class Config:
+    hidden = 16
+    inner = 32
+    layer_scale_init_value = 0.1
+
+
+class Block(nn.Module):
+    """An MLP whose hidden features are scaled by parameters made in the ways models write them:
+    BEiT/Data2Vec's `init_values * torch.ones(n)`, CaiT's `torch.full`, ConvNeXt's `torch.ones(n) * v`."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.inner = config.inner
+        inner = config.inner
+        shape = (inner,)
+        self.up = nn.Linear(config.hidden, config.inner)
+        self.down = nn.Linear(config.inner, config.hidden)
+        self.lambda_1 = nn.Parameter(config.layer_scale_init_value * torch.ones(config.inner), requires_grad=True)
+        self.gamma = nn.Parameter(torch.full((inner,), 0.5))
+        self.scale = nn.Parameter(torch.ones(self.inner) * 0.9)
+        self.shift = nn.Parameter(torch.zeros(inner))
+        self.gain = nn.Parameter(data=torch.ones(size=(config.inner,)) + 1.0)
+        self.jitter = nn.Parameter(torch.empty(inner).uniform_(0.5, 1.5))
+        self.tail = nn.Parameter(torch.ones(shape) * 0.7)      # a whole shape by name: stays whole
+
+    def forward(self, x):
+        h = torch.relu(self.up(x)) * self.lambda_1 + self.shift
+        h = h * self.gamma * self.scale * self.gain * self.jitter * self.tail
+        return x + self.down(h)
+
+
+class Model(nn.Module):
+    def __init__(self, config=Config()):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(config) for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return {"x": torch.randn(4, 8, 16)}
+'''
+
+
+ENTRIES = {"attention": ATTENTION, "bert": BERT_WITH_DROPOUT, "scaled-embedding": SCALED_EMBEDDING,
+           "layer-scale": LAYER_SCALE}
+
+
+def test_layer_scale_parameters_are_built_at_their_local_size_or_kept_whole(tmp_path):
+    """A parameter a tensor factory makes in __init__ (a layer scale) and the plan splits is built at
+    its local size: the factory's size argument is divided, whatever form the call takes. One whose
+    size cannot be found (`torch.ones(shape)`, shape a tuple) stays whole, with a warning at its
+    line, instead of refusing the rewrite."""
+    from nnscaler_cst.rewrite import PlanRequest, rewrite
+    (tmp_path / "layer_scale.py").write_text(LAYER_SCALE.lstrip("\n"))
+    result = rewrite(analyze(tmp_path / "layer_scale.py"), PlanRequest(tp=2))
+    model = result.files["model.py"]
+    for local in ["nn.Parameter(config.layer_scale_init_value * torch.ones(config.inner // 2), requires_grad=True)",
+                  "nn.Parameter(torch.full((inner // 2,), 0.5))", "nn.Parameter(torch.ones(self.inner // 2) * 0.9)",
+                  "nn.Parameter(torch.zeros(inner // 2))", "nn.Parameter(data=torch.ones(size=(config.inner // 2,)) + 1.0)",
+                  "nn.Parameter(torch.empty(inner // 2).uniform_(0.5, 1.5))"]:
+        assert local in model
+    assert "self.tail = nn.Parameter(torch.ones(shape) * 0.7)" in model
+    line = next(i for i, text in enumerate(LAYER_SCALE.lstrip("\n").splitlines(), 1) if "self.tail =" in text)
+    warned = [w for w in result.plan.warnings if "blocks.0.tail" in w]
+    assert len(warned) == 1 and f"layer_scale.py:{line}:" in warned[0] and "stays whole" in warned[0], warned
 
 
 # ---- writes by index ---------------------------------------------------------------------------
@@ -495,10 +572,13 @@ def test_a_trunk_run_again_by_recycling_is_refused_for_pipelines_at_its_blocks_c
     ("stored_buffer.py", ("--tp", "2")),
     ("stored_buffer.py", ("--pp", "2", "--micro-batches", "2")),
     ("scaled-embedding", ("--tp", "2")),
+    ("layer-scale", ("--tp", "2")),
+    ("layer-scale", ("--dp", "2", "--tp", "2")),
 ], ids=["convnet-tp2", "einsum-tp2", "residual-pp2xtp2", "multihead-attention-tp2",
         "vit-dp2xtp2", "hf-bert-with-dropout-tp2", "indexed-writes-tp2", "complex-rotary-dp2xtp2",
         "evoformer-dp2xtp2", "stored-position-buffer-tp2",
-        "stored-position-buffer-pp2", "super-forward-embedding-vocab-split-tp2"])
+        "stored-position-buffer-pp2", "super-forward-embedding-vocab-split-tp2",
+        "layer-scale-factories-tp2", "layer-scale-factories-dp2xtp2"])
 def test_other_styles_train_like_the_single_device_run(tmp_path, fixtures_dir, fixture, args):
     path = fixtures_dir / fixture
     if fixture in ENTRIES:

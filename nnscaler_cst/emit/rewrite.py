@@ -16,6 +16,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from ..errors import UserError
 from ..materialize.edits import CtorEdit, Edits, SiteEdit
+from ..materialize.size_args import factory_size
 from ..source.files import SourceFile, Span
 from .expr import COLLECTIVE_NOTES, bias_added, code, collective, divided, parenthesized
 
@@ -88,16 +89,6 @@ def _replace_arg(call: cst.Call, index: int, value: cst.BaseExpression) -> cst.C
     return call.with_changes(args=args)
 
 
-def _factory_call(value) -> cst.Call | None:
-    """The tensor factory inside a parameter's value: the value itself, or an operand of the
-    arithmetic around it (`init_values * torch.ones(n)`, Data2Vec's layer scale)."""
-    if isinstance(value, cst.Call):
-        return value
-    if isinstance(value, cst.BinaryOperation):
-        return _factory_call(value.left) or _factory_call(value.right)
-    return None
-
-
 class ShardConstructors:
     DESCRIPTION = "Divide the constructor arguments that size a split parameter."
 
@@ -115,14 +106,11 @@ class ShardConstructors:
 
     def _apply(self, span: Span, call: cst.Call, edit: CtorEdit) -> cst.Call:
         if edit.aliases[0].startswith("factory:"):     # nn.Parameter(torch.ones(a, b)), or `scale * torch.ones(n)`
-            dim = int(edit.aliases[0].split(":")[1])
-            value = call.args[0].value if call.args else None
-            inner = _factory_call(value)
-            if inner is None or _arg_index(inner, ("pos", dim)) is None:
-                raise UserError("cannot find the size argument of this parameter's factory call", span.start)
-            index = _arg_index(inner, ("pos", dim))
-            local = _replace_arg(inner, index, divided(inner.args[index].value, edit.divisor))
-            return _replace_arg(call, 0, value.deep_replace(inner, local))
+            size = factory_size(call, int(edit.aliases[0].split(":")[1]), edit.rank)
+            if isinstance(size, str):       # the plan keeps such a parameter whole: not expected here
+                raise UserError(f"cannot find the size argument of this parameter's factory call: {size}",
+                                span.start)
+            return call.deep_replace(size, divided(size, edit.divisor))
         for alias in edit.aliases:
             path = ("pos", int(alias[3:])) if re.fullmatch(r"arg\d+", alias) else ("kw", alias)
             index = _arg_index(call, path)

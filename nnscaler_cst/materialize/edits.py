@@ -41,6 +41,7 @@ class CtorEdit:
     aliases: list[str]      # constructor argument: positional "argN" and keyword names
     divisor: int
     note: str
+    rank: int | None = None     # "factory:D": the parameter's number of dims (which size of the factory is D)
 
 
 @dataclass
@@ -529,8 +530,10 @@ def _ctor_edits(graph: Graph, edits: Edits) -> None:
         if per_dim is None or (per_dim != [["*"]] and layout.dim >= len(per_dim)):
             raise UserError(f"the [[ctor]] rule for {info.module_type} does not cover {info.attr}",
                             info.ctor_span.start)
-        aliases = [f"factory:{layout.dim}"] if per_dim == [["*"]] else per_dim[layout.dim]
-        note = f"{'/'.join(a for a in aliases if not a.startswith('arg'))} / {edits.n}"
+        factory = per_dim == [["*"]]
+        aliases = [f"factory:{layout.dim}"] if factory else per_dim[layout.dim]
+        note = f"dim {layout.dim} / {edits.n}" if factory else \
+            f"{'/'.join(a for a in aliases if not a.startswith('arg'))} / {edits.n}"
         if layout.groups > 1:
             note += f", {layout.groups} fused blocks split alike"
         key = tuple(aliases)
@@ -540,7 +543,7 @@ def _ctor_edits(graph: Graph, edits: Edits) -> None:
         by_span[info.ctor_span][key] = layout.groups
         ctor_list = edits.ctors.setdefault(info.ctor_span, [])
         if all(e.aliases != aliases for e in ctor_list):
-            ctor_list.append(CtorEdit(aliases, edits.n, note))
+            ctor_list.append(CtorEdit(aliases, edits.n, note, len(info.shape) if factory else None))
     # a constructor used for both split and whole parameters cannot be rewritten in place
     for name, info in graph.trace.params.items():
         if info.ctor_span in edits.ctors and edits.param_layout.get(name, R).kind != "S":

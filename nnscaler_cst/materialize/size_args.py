@@ -56,3 +56,118 @@ def _written_at(items: list, at: int, from_end: int, starred) -> int | None:
     if from_end <= len(items) - 1 - last_star:
         return len(items) - from_end
     return None
+
+
+# ---- a parameter made by a tensor factory in the model file: nn.Parameter(torch.ones(n)) -----------
+# torch.<name>(*sizes) or (sizes), and tensor.new_<name>(...); `full` takes its sizes first, then the value
+FACTORIES = {"ones", "zeros", "empty", "randn", "rand", "full"}
+LEGACY = {"Tensor", "FloatTensor", "DoubleTensor"}    # torch.Tensor(a, b): sizes; torch.Tensor([..]): values
+# methods and nn.init functions that give back a tensor of the shape they were given
+SHAPE_KEEPING = {"uniform_", "normal_", "fill_", "zero_", "exponential_", "clamp_", "clamp", "float", "double",
+                 "half", "bfloat16", "to", "type", "mul", "mul_", "add", "add_", "sub", "sub_", "div", "div_",
+                 "clone", "detach", "requires_grad_", "contiguous", "abs", "exp", "log", "sqrt", "neg", "cpu"}
+
+
+def parameter_data(call: cst.Call) -> cst.Arg | None:
+    """The argument holding nn.Parameter's tensor: the first positional one, or `data=`."""
+    return next((a for a in call.args if a.keyword is None and not a.star), None) or next(
+        (a for a in call.args if a.keyword is not None and a.keyword.value == "data"), None)
+
+
+def factory_size(parameter: cst.Call, dim: int, rank: int | None,
+                 shape_names: frozenset[str] = frozenset()) -> cst.BaseExpression | str:
+    """The expression that sets dim `dim` of a parameter made by `nn.Parameter(<factory>)`:
+    `n` in `torch.ones(n)`, `scale * torch.ones(n)`, `torch.ones(n) * scale`, `torch.full((n,), v)`,
+    `torch.randn(a, n) * std`, `torch.empty(n).uniform_()`, `nn.Parameter(data=torch.zeros(size=(n,)))`;
+    or why it cannot be found. `rank`: the parameter's number of dims (None: not checked);
+    `shape_names`: names known to hold a whole shape, not one size (`shape = (n,)`)."""
+    data = parameter_data(parameter)
+    if data is None:
+        return "the parameter's tensor is not passed to nn.Parameter"
+    made = _factories(data.value)
+    if not made:
+        return f"`{_code(data.value)}` calls no tensor factory (torch.ones, torch.zeros, torch.full, ...) " \
+               "whose sizes the rewrite can make local"
+    if len(made) > 1:
+        return f"`{_code(data.value)}` makes the tensor from more than one factory call"
+    factory = made[0]
+    if _last_name(factory.func) in LEGACY and any(isinstance(a.value, (cst.Tuple, cst.List)) for a in factory.args):
+        return f"`{_code(factory)}` holds values, not sizes"
+    full = _last_name(factory.func).removeprefix("new_") == "full"
+    keyword = next((a for a in factory.args if a.keyword is not None and a.keyword.value == "size"), None)
+    positional = [a for a in factory.args if a.keyword is None]
+    if full:
+        positional = positional[:1]
+    if keyword is not None:
+        positional = [keyword]
+    if any(a.star for a in positional):
+        return f"the sizes of `{_code(factory)}` are inside *args"
+    items = [a.value for a in positional]
+    if len(items) == 1 and isinstance(items[0], (cst.Tuple, cst.List)):
+        elements = items[0].elements
+        if any(isinstance(e, cst.StarredElement) for e in elements):
+            return f"the sizes of `{_code(factory)}` are inside *args"
+        items = [e.value for e in elements]
+    elif len(items) == 1 and (full or keyword is not None or _dotted(items[0]) in shape_names):
+        return f"the sizes of `{_code(factory)}` come from `{_code(items[0])}`, a whole shape"
+    if rank is not None and len(items) != rank:
+        return f"cannot tell which size of `{_code(factory)}` sets dim {dim} of a {rank}-dim parameter"
+    if not -len(items) <= dim < len(items):
+        return f"`{_code(factory)}` has no size for dim {dim}"
+    return items[dim]
+
+
+def _factories(expr: cst.BaseExpression) -> list[cst.Call]:
+    """The factory calls whose result the expression keeps the shape of."""
+    if isinstance(expr, cst.BinaryOperation):
+        return _factories(expr.left) + _factories(expr.right)
+    if isinstance(expr, cst.UnaryOperation):
+        return _factories(expr.expression)
+    if not isinstance(expr, cst.Call):
+        return []
+    func, name = expr.func, _last_name(expr.func)
+    if isinstance(func, cst.Attribute) and isinstance(func.value, cst.Call):      # torch.empty(n).uniform_()
+        return _factories(func.value) if name in SHAPE_KEEPING else []
+    if name in FACTORIES | LEGACY and (isinstance(func, cst.Name) or _dotted(func).startswith("torch.")) or (
+            name.startswith("new_") and name[4:] in FACTORIES):
+        return [expr]
+    if "init." in _dotted(func) or _dotted(func).startswith("init."):         # nn.init.trunc_normal_(torch.zeros(n))
+        first = next((a for a in expr.args if a.keyword is None and not a.star), None)
+        return _factories(first.value) if first is not None else []
+    return []
+
+
+def _last_name(func: cst.BaseExpression) -> str:
+    return func.value if isinstance(func, cst.Name) else func.attr.value if isinstance(func, cst.Attribute) else ""
+
+
+def _dotted(expr: cst.BaseExpression) -> str:
+    if isinstance(expr, cst.Name):
+        return expr.value
+    if isinstance(expr, cst.Attribute):
+        inner = _dotted(expr.value)
+        return f"{inner}.{expr.attr.value}" if inner else ""
+    return ""
+
+
+def _code(node: cst.CSTNode) -> str:
+    return cst.Module([]).code_for_node(node)
+
+
+def shape_names(function: cst.FunctionDef | None) -> frozenset[str]:
+    """Names the function binds to a whole shape: `shape = (n, m)`, `= [n]`, `= x.shape`, `= x.size()`."""
+    if function is None:
+        return frozenset()
+    out = set()
+
+    class Visit(cst.CSTVisitor):
+        def visit_Assign(self, node: cst.Assign) -> None:
+            value = node.value
+            whole = isinstance(value, (cst.Tuple, cst.List)) or (
+                isinstance(value, cst.Attribute) and value.attr.value == "shape") or (
+                isinstance(value, cst.Call) and _last_name(value.func) in ("size", "Size", "tuple", "list"))
+            if whole:
+                out.update(_dotted(t.target) for t in node.targets if _dotted(t.target))
+
+    function.visit(Visit())
+    return frozenset(out)

@@ -13,12 +13,13 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import libcst as cst
 import z3
 
 from ..errors import Location, UserError
 from ..graph.graph import Graph
 from ..materialize.conversions import conversion, conversion_time
-from ..materialize.size_args import SIZE_ARGUMENTS, locate_size_argument
+from ..materialize.size_args import SIZE_ARGUMENTS, factory_size, locate_size_argument, shape_names
 from ..sizes import format_bytes
 from .batch import batch_labels
 from .cost import DeviceSpec, all_reduce_time, node_time
@@ -132,9 +133,16 @@ def _split_problem(graph: Graph, index: int, label: str, read_whole: dict[int, s
             problem = locate_size_argument(graph, node, out[0].dim)
             if isinstance(problem, str):
                 return problem
-    whole = splits_read_size(graph, index, layouts_for(dims, label, _operand_names(graph, index)), read_whole)
+    layouts = layouts_for(dims, label, _operand_names(graph, index))
+    whole = splits_read_size(graph, index, layouts, read_whole)
     if whole:
         return whole
+    for name, tid in graph.param_operands(index):
+        layout = layouts.inputs.get(name)
+        if layout is not None and layout.kind == "S":
+            problem = parameter_size_problem(graph, graph.trace.tensors[tid].param, layout.dim)
+            if problem:
+                return problem
     rule = graph.node_rule.get(index)
     # a derived partial sum was probed with every other operand whole: none is added twice
     if label in dims.reduced and label not in dims.impl and not (rule is not None and rule.name == "derived"):
@@ -143,6 +151,52 @@ def _split_problem(graph: Graph, index: int, label: str, read_whole: dict[int, s
             if label not in tensor.labels() and name != bias and graph.trace.tensors[tensor.tid].shape:
                 return f"splitting {label} would add {name} once per device"
     return None
+
+
+def parameter_size_problem(graph: Graph, param: str | None, dim: int) -> str | None:
+    """Why splitting `param` on `dim` cannot be written at its construction, or None. A parameter
+    made in the model file by a tensor factory (`nn.Parameter(init * torch.ones(n))`) is built at
+    its local size by dividing the factory's size argument; where that argument cannot be found
+    the parameter stays whole (and the split that needs it is not an option), with a warning."""
+    info = graph.trace.params.get(param) if param is not None else None
+    if info is None or info.ctor_span is None or graph.sources is None:
+        return None
+    rule = graph.rules.ctor_for(info.module_type)
+    if rule is None or (rule.params.get(info.attr) or rule.params.get("*")) != [["*"]]:
+        return None
+    rank = len(info.shape)
+    dim %= max(rank, 1)
+    found = _search_cache(graph).setdefault("factory_sizes", {})
+    if (param, dim) not in found:
+        span = info.ctor_span
+        source = graph.sources.get(span.path)
+        call = source.node_at(span.line, span.col, span.end_line, span.end_col)
+        if not isinstance(call, cst.Call):
+            found[(param, dim)] = "cannot find its constructor call"
+        else:
+            function = call
+            while function is not None and not isinstance(function, cst.FunctionDef):
+                function = source.parents.get(function)
+            size = factory_size(call, dim, rank, shape_names(function))
+            found[(param, dim)] = size if isinstance(size, str) else None
+    problem = found[(param, dim)]
+    return f"parameter {param} stays whole: {problem}" if problem else None
+
+
+def params_kept_whole(graph: Graph, param_layout: dict[str, Layout]) -> list[str]:
+    """Warnings, at each constructor, for the factory-made parameters a split would have needed
+    at their local size, which the rewrite cannot write: they stay whole on every rank."""
+    kept: dict[tuple, list[str]] = {}      # (constructor, dim, why) -> parameters (a block's instances)
+    for (param, dim), problem in sorted(_search_cache(graph).get("factory_sizes", {}).items()):
+        if problem and param_layout.get(param, R).kind != "S":
+            kept.setdefault((graph.trace.params[param].ctor_span, dim, problem), []).append(param)
+    out = []
+    for (span, dim, problem), params in kept.items():
+        more = f" (and {len(params) - 1} more made there)" if len(params) > 1 else ""
+        out.append(f"{span.start}: warning: {params[0]}{more} stays whole on every tensor-parallel rank: split on "
+                   f"dim {dim} it would be built at its local size, but {problem}; the ops using it run whole "
+                   "(write the sizes out in the factory call, as in nn.Parameter(torch.ones(n)), to split it)")
+    return out
 
 
 def _operand_names(graph: Graph, index: int) -> list[str]:
