@@ -178,6 +178,9 @@ def config_overrides(config) -> dict:
         value = get(name)
         if DROPOUT.search(name) and type(value) is float and value > 0 and name not in aliases:
             out[name] = 0.0
+        elif DROPOUT.search(name) and type(value) in (list, tuple) and name not in aliases and \
+                any(type(v) is float and v > 0 for v in value):     # per stage (CvT's drop_path_rate)
+            out[name] = [0.0 if type(v) is float else v for v in value]
     vocab = out.get("vocab_size", VOCAB)
     for new, name in enumerate(("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id",
                                 "sep_token_id", "cls_token_id", "mask_token_id", "unk_token_id")):
