@@ -443,12 +443,12 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
    (the fake-tensor trace itself takes 30 s and 0.9 GB). The same `search_axis` called from this script reached 20 GB
    RSS before the kernel killed it; at batch 16 a stack dump shows it in plan/batch.py `_first_mixing_op` ->
    graph/batch_probe.py `batch_kept_apart`, which replays a call on real tensors of the traced shapes
-   (graph/derive.py `_real`). AlphaFold2 at batch 128 grew to 14 GB in the same place before being stopped here.
+   (graph/derive.py `_real`). AlphaFold2 at batch 128 grew to 14 GB in its TP 2 search before being stopped here (where, not confirmed).
    Work-around: T5, mBART and AlphaFold2 are planned at a traced batch of 2 (`DGX2_TRACE_BATCH`) and the regions'
    batch-proportional terms scaled to the global batch (`priced_with`); Swin is planned at its full batch of 256.
 2. **Strided Conv2d is priced at 2 million times its FLOPs.** Swin's patch embedding `Conv2d(3, 512, 4, stride=4)`
-   on (256, 3, 1536, 1536): plan/cost.py `node_flops` multiplies every dim of the conv's annotation (input and output
-   pixels both): 4.4e18 FLOPs (true 1.9e12), 131,325 s on one V100, the whole step. The entry uses reshape + Linear.
+   on (256, 3, 1536, 1536): plan/cost.py `node_flops` returns 2 x the product of every dim size of the op's annotation (the cause is
+   presumably that a strided conv's annotation holds input and output pixels both; not checked): 4.4e18 FLOPs (true 1.9e12), 131,325 s on one V100, the whole step. The entry uses reshape + Linear.
 3. **Encoder-decoder pipelines cut the encoder only.** plan/pipeline.py `find_trunk` takes one block list
    (T5: `encoder.block`); the 24 decoder layers and the head are the epilogue, on the last stage
    (`schedule ... --pp 4`: "stage 2: blocks 2-22, stage 3: blocks 23-23"). T5-3B at TP 8 x PP 4 with recompute:
