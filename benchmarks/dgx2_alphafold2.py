@@ -1,0 +1,32 @@
+"""Entry file for the DGX-2 comparison (benchmarks/bench_dgx2.py): the Evoformer trunk of fixtures/evoformer.py
+at AlphaFold2's published sizes (Jumper et al. 2021, Suppl. 1.5-1.6 and Table 4, initial training): 48 Evoformer
+blocks, MSA channels c_m 256, pair channels c_z 128, 8 heads of 32 in the MSA attentions, outer-product-mean
+hidden 32 (the fixture uses one c_hidden for it and the triangle multiplications, whose published width is 128:
+32 here), 128 MSA sequences, 256 residues, 3 recycling passes (N_cycle = 3: two without gradient), global batch
+128 (one protein per TPU core). The fixture has no triangle attention, templates, extra-MSA stack or structure
+module. Traced on fake tensors only:
+    nnscaler-rewrite schedule benchmarks/dgx2_alphafold2.py --pp 4 --micro-batches 16 --schedule 3f1b
+"""
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from evoformer import AMINO_ACIDS, DISTANCE_BINS, Evoformer  # noqa: E402
+
+BLOCKS, C_M, C_Z, HEADS, C_HEAD, C_HIDDEN, SEQUENCES, RESIDUES, BATCH, RECYCLES = 48, 256, 128, 8, 32, 32, 128, 256, 128, 3
+# bench_dgx2.py plans at a smaller traced batch and scales (see there): the batch split probe replays
+# calls on real tensors of the traced shapes
+BATCH = int(os.environ.get("DGX2_TRACE_BATCH", BATCH))
+
+
+def build():
+    return Evoformer(c_m=C_M, c_z=C_Z, heads=HEADS, c_head=C_HEAD, c_hidden=C_HIDDEN, blocks=BLOCKS, recycles=RECYCLES,
+                     max_relpos=32)
+
+
+def example_inputs():
+    return {"msa": torch.randint(0, AMINO_ACIDS, (BATCH, SEQUENCES, RESIDUES)),
+            "distances": torch.randint(0, DISTANCE_BINS, (BATCH, RESIDUES, RESIDUES))}
