@@ -92,6 +92,44 @@ def test_an_embedding_is_a_gather_not_a_matmul():
     assert not is_contraction(embedding, graph.dims.get(embedding.index), graph.trace)
 
 
+CONVS = textwrap.dedent("""
+    import torch
+    import torch.nn as nn
+
+
+    class Convs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.patches = nn.Conv2d(3, 16, kernel_size=8, stride=8)
+            self.same = nn.Conv2d(16, 32, kernel_size=3, padding=1)
+            self.proj = nn.Linear(32, 10)
+
+        def forward(self, x):
+            return self.proj(self.same(self.patches(x)).mean((2, 3))).sum()
+
+
+    def build():
+        return Convs()
+
+
+    def example_inputs():
+        return (torch.randn(2, 3, 64, 64),)
+""")
+
+
+def test_a_contraction_costs_its_output_times_what_each_output_element_sums(tmp_path):
+    """A conv sums c·kh·kw products per output element; the input's spatial size, which the
+    rule names too, is no factor (a strided patch embedding was priced at 2·n·c·h·w·o·kh·kw·ho·wo:
+    Swin-H's at 131,325 s on a V100)."""
+    path = tmp_path / "convs.py"
+    path.write_text(CONVS)
+    graph = analyze(path, trace_mode="fake").graph
+    convs = [n for n in graph.nodes if n.callee == "torch.nn.Conv2d"]
+    linear = next(n for n in graph.nodes if n.callee == "torch.nn.Linear")
+    flops = [node_flops(n, graph.dims.get(n.index), graph.trace) for n in (*convs, linear)]
+    assert flops == [2 * (2 * 16 * 8 * 8) * (3 * 8 * 8), 2 * (2 * 32 * 8 * 8) * (16 * 3 * 3), 2 * (2 * 10) * 32]
+
+
 def test_a_memory_bound_op_scales_with_bytes_and_dtype(tmp_path):
     device = load_cluster("h100-node").axis(1, 1)
     small, small_ops, _ = _ops(tmp_path, rows=64)

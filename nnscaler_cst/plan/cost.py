@@ -212,12 +212,18 @@ def is_contraction(node: Node, dims: OpDims | None, trace: Trace) -> bool:
 
 
 def node_flops(node: Node, dims: OpDims | None, trace: Trace) -> float:
-    """Forward FLOPs of a contraction, 2·(product of all dim sizes); else elements touched."""
+    """Forward FLOPs of a contraction: 2 · output elements · the products each one sums, which is
+    the fewest elements an operand carries beyond the output's dims (a matmul's k; a conv's
+    c·kh·kw, from its weight, not the c·h·w of its input); else elements touched."""
     if dims is not None and dims.reduced:
-        total = 2.0
-        for size in dims.sizes().values():
-            total *= size
-        return total
+        sizes = dims.sizes()
+        kept = set().union(*(t.labels() for t in dims.outputs)) if dims.outputs else set()
+        output = 1.0
+        for label in kept:
+            output *= sizes[label]
+        window = min((_product(sizes[l] for l in t.labels() - kept) for t in dims.inputs.values()
+                      if t.labels() - kept), default=1.0)
+        return 2.0 * output * window
     sizes = [trace.tensors[t].nbytes / 4 for t in node.outputs] or [0.0]
     return max(sizes)
 
@@ -262,6 +268,13 @@ def element_bytes(trace: Trace, dims_of, precision: str | None) -> dict[int, int
         _element_cache.clear()
     _element_cache[key] = (trace, sizes)
     return sizes
+
+
+def _product(values) -> float:
+    total = 1.0
+    for value in values:
+        total *= value
+    return total
 
 
 def _numel(shape) -> int:
