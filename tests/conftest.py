@@ -5,7 +5,9 @@ expression was passed explicitly (`pytest -m slow`, `pytest -m "slow or not slow
 """
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,3 +49,19 @@ def processes_mentioning(text: str) -> list[int]:
             except OSError:
                 pass
     return pids
+
+
+def import_output(folder: Path):
+    """Import an output folder as the package it is meant to be (its folder name), fresh.
+
+    Tests in one worker process reuse folder names ("gpt_plain"); a package of that name left
+    in sys.modules by another test would be returned instead, with another model in it."""
+    name = folder.name
+    for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+        del sys.modules[module]
+    importlib.invalidate_caches()
+    sys.path.insert(0, str(folder.parent))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(folder.parent))

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import import_output
 from nnscaler_cst.errors import Location
 from nnscaler_cst.plan.tables import pieces_per_device
 
@@ -127,43 +128,37 @@ def test_coshard_on_any_device_count_trains_like_the_single_device_run(tmp_path,
 def _saved_bytes(folder: Path) -> dict:
     """Bytes autograd keeps from the forward to the backward of one step of the generated
     package's model, and the peak over forward and backward (recompute included)."""
-    sys.path.insert(0, str(folder.parent))
-    try:
-        package = importlib.import_module(folder.name)
-        train = importlib.import_module(folder.name + ".train")
-        torch.manual_seed(0)
-        model = package.build(0)
-        model.train()
-        module = package.rank_module(0)
-        torch.manual_seed(0)
-        batch = module.example_inputs()
-        ignore = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *batch]}
-        meter = {"alive": 0, "peak": 0}
-        tracked = set()
+    package = import_output(folder)
+    train = importlib.import_module(folder.name + ".train")
+    torch.manual_seed(0)
+    model = package.build(0)
+    model.train()
+    module = package.rank_module(0)
+    torch.manual_seed(0)
+    batch = module.example_inputs()
+    ignore = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *batch]}
+    meter = {"alive": 0, "peak": 0}
+    tracked = set()
 
-        def freed(key, nbytes):
-            tracked.discard(key)
-            meter["alive"] -= nbytes
+    def freed(key, nbytes):
+        tracked.discard(key)
+        meter["alive"] -= nbytes
 
-        def pack(t):
-            storage = t.untyped_storage()
-            if storage.data_ptr() in ignore or id(storage) in tracked:
-                return t
-            tracked.add(id(storage))
-            meter["alive"] += storage.nbytes()
-            meter["peak"] = max(meter["peak"], meter["alive"])
-            weakref.finalize(storage, freed, id(storage), storage.nbytes())
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() in ignore or id(storage) in tracked:
             return t
+        tracked.add(id(storage))
+        meter["alive"] += storage.nbytes()
+        meter["peak"] = max(meter["peak"], meter["alive"])
+        weakref.finalize(storage, freed, id(storage), storage.nbytes())
+        return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = train.loss_of(module, model(*batch))
-            kept = meter["alive"]
-            loss.backward()
-        return {"kept": kept, "peak": meter["peak"], "loss": loss.item()}
-    finally:
-        sys.path.remove(str(folder.parent))
-        for name in [n for n in sys.modules if n == folder.name or n.startswith(folder.name + ".")]:
-            del sys.modules[name]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = train.loss_of(module, model(*batch))
+        kept = meter["alive"]
+        loss.backward()
+    return {"kept": kept, "peak": meter["peak"], "loss": loss.item()}
 
 
 def _long_sequences(tmp_path: Path) -> Path:

@@ -5,7 +5,6 @@ and backward: measured on CPU, in process, against bounds derived from the model
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
@@ -21,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from conftest import import_output
 from nnscaler_cst.analysis import analyze
 from nnscaler_cst.plan.recompute import block_activations
 from nnscaler_cst.rewrite import PlanRequest, rewrite
@@ -172,11 +172,7 @@ class AliveBytes(TorchDispatchMode):
 
 def held_after_forward(folder: Path) -> tuple[int, list[int]]:
     """(bytes alive after the forward, bytes each block's forward left alive) of the output's rank 0."""
-    sys.path.insert(0, str(folder.parent))
-    try:
-        package = importlib.import_module(folder.name)
-    finally:
-        sys.path.remove(str(folder.parent))
+    package = import_output(folder)
     module = package.rank_module(0)
     torch.manual_seed(0)
     model = package.build(0)

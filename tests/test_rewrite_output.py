@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import import_output
+
 pytestmark = pytest.mark.slow      # every test reads the shared CLI runs (`scenarios`): whole-model rewrites
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "fixtures"
@@ -147,12 +149,7 @@ def world(case: str) -> tuple[int, int, int]:
 
 
 def load_package(folder: Path):
-    """Import an output folder as the package it is meant to be (its folder name)."""
-    sys.path.insert(0, str(folder.parent))
-    try:
-        return importlib.import_module(folder.name)
-    finally:
-        sys.path.remove(str(folder.parent))
+    return import_output(folder)
 
 
 def load_entry(case: str):
