@@ -15,7 +15,10 @@ single-device run.
 - DeepSeek-V3 at TP=2 (multi-head latent attention, grouped top-k router, cache on): the router's
   `scatter_` of top-k indices took the indices for shape-only (the dry run crashed), a gather for
   a tuple element inside a whole `torch.cat` had no place, and the latent passed whole through the
-  cache update got a second all-reduce of its gradient (a wrong result once the rest wrote).
+  cache update got a second all-reduce of its gradient (a wrong result once the rest wrote);
+- LED at DP×TP 2×2 (Longformer attention): `mask.expand(chunk.size())` run whole by the plan
+  still takes the size of a chunk split over the tp ranks, so it is built split; it was scattered
+  again (the dry run failed: a dim of size 1 split in 2).
 """
 from __future__ import annotations
 
@@ -109,6 +112,23 @@ def example_inputs():
     return {"input_ids": ids, "labels": ids}
 '''
 
+LED = '''
+import torch
+import transformers
+
+
+def build():
+    config = transformers.LEDConfig(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                    decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                                    vocab_size=128, dropout=0.0)
+    return transformers.LEDForConditionalGeneration(config)
+
+
+def example_inputs():
+    ids = torch.randint(0, 128, (4, 16))
+    return {"input_ids": ids, "decoder_input_ids": torch.randint(0, 128, (4, 16)), "labels": ids}
+'''
+
 CASES = {
     "llama-nocache-dp2": (LLAMA, ("--dp", "2")),
     "bart-dp2": (BART, ("--dp", "2")),
@@ -118,6 +138,7 @@ CASES = {
     "mixtral-pp2": (MIXTRAL, ("--pp", "2", "--micro-batches", "2")),
     "roberta-pp2": (ROBERTA, ("--pp", "2", "--micro-batches", "2")),
     "deepseek_v3-tp2": (DEEPSEEK_V3, ("--tp", "2")),
+    "led-dp2xtp2": (LED, ("--dp", "2", "--tp", "2")),
 }
 
 

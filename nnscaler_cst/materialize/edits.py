@@ -15,6 +15,8 @@ import inspect
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import libcst as cst
+
 from ..errors import UserError
 from ..graph.graph import Graph
 from ..plan.batch import batch_factors, batch_labels, data_parallel_impl
@@ -111,6 +113,10 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
         for k, tid in enumerate(node.outputs):
             outs = lay(node).outputs
             have[tid] = outs[k] if k < len(outs) else R
+        if node.callee in SIZE_ARGUMENTS and node.outputs and have[node.outputs[0]] == R:
+            sized = _dim_sized_by_a_split_tensor(graph, node, have)
+            if sized is not None:       # planned whole, but built at the size a split tensor has
+                have[node.outputs[0]] = shard(sized)
     grad_at = _grad_at_argument(graph)
     for node in graph.nodes:
         wanted = lay(node)
@@ -499,6 +505,35 @@ def _size_edits(graph: Graph, node: Node, choice: str, n: int, site: SiteEdit, l
     for edit in new:
         if edit not in site.sizes:
             site.sizes.append(edit)
+
+
+def _dim_sized_by_a_split_tensor(graph: Graph, node: Node, have: dict[int, Layout]) -> int | None:
+    """The output dim of a view or expand whose size the source reads from a tensor split on the
+    matching dim (`mask.expand(x.size())`, `y.view(x.size(0), -1)`): at run time that size is the
+    local one, so the result is split there even where the plan runs the call whole."""
+    call = graph.source_node(node)
+    if not isinstance(call, cst.Call) or graph.sources is None:
+        return None
+    source = graph.sources.get(node.span.path)
+    rank = len(graph.trace.tensors[node.outputs[0]].shape)
+    # (expression, starred) of each size argument, or of each item of a sizes tuple
+    positional = [(a.value, bool(a.star)) for a in call.args if a.keyword is None]
+    positional = positional[1:] if node.callee == "torch.reshape" else positional
+    if len(positional) == 1 and isinstance(positional[0][0], (cst.Tuple, cst.List)):
+        positional = [(e.value, isinstance(e, cst.StarredElement)) for e in positional[0][0].elements]
+    for span, tid, dim in graph.trace.size_queries:
+        layout = have.get(tid, R)
+        read_rank = len(graph.trace.tensors[tid].shape)
+        if layout.kind != "S" or layout.groups != 1 or not node.span.contains(span):
+            continue
+        for at, (argument, starred) in enumerate(positional):
+            if starred or not source.span_of(argument).contains(span):
+                continue
+            if dim is None and len(positional) == 1 and read_rank == rank:   # the whole shape
+                return layout.dim
+            if dim is not None and dim % read_rank == layout.dim and not any(s for _, s in positional[:at]):
+                return at
+    return None
 
 
 def _reads_local_size(graph: Graph, node: Node, have: dict[int, Layout]) -> bool:
