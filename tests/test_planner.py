@@ -525,6 +525,53 @@ def test_a_plan_whose_dry_run_trips_on_a_size_read_into_names_is_solved_again(tm
     assert plan["params"]["a.weight"]["tp"] != "S(0)"      # x = a(x) is no longer split on C
 
 
+
+EXPAND_BY_ANOTHER_SIZE = """import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, width=32):
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        h = self.up(x)
+        column = h[..., None]
+        pairs = column.expand(*h.size(), h.size(1))  # nnscaler: tp=replicate
+        return self.down(pairs.mean(-1) + h)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x.pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 8, 32),)
+"""
+
+
+@pytest.mark.slow
+def test_a_whole_expand_sized_by_another_split_tensor_is_solved_again_and_trains(tmp_path):
+    """`column.expand(*h.size(), n)` run whole (here pinned; Bamba's segment_sum, by the search)
+    while h is column-split: the local size breaks the expand of the gathered column. The dry run
+    catches it; solved again with h kept whole, the rewrite trains like the single device."""
+    (tmp_path / "expand_sizes.py").write_text(EXPAND_BY_ANOTHER_SIZE)
+    result = cli("verify", "expand_sizes.py", "--tp", "2", cwd=tmp_path)
+    assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr
+
 WEIGHTS_THAT_CANNOT_SPLIT = '''
 import torch
 from torch import nn

@@ -22,16 +22,21 @@ def dims_read_whole(graph: Graph, every_read: bool = False) -> dict[int, set[int
     """Tensor id -> dims (from 0, or ANY_DIM) whose size a call other than a view reads; with
     `every_read`, also sizes assigned to names (`B, T, C = x.shape`), whose uses the trace
     cannot follow: the cautious answer when the first plan's dry run failed."""
-    callee = {n.span: n.callee for n in graph.nodes if n.span is not None}
+    at_span = {n.span: n for n in graph.nodes if n.span is not None}
     out: dict[int, set[int | None]] = defaultdict(set)
     for span, tid, dim in graph.trace.size_queries:
-        around = [s for s in callee if s != span and s.contains(span)]
+        around = [s for s in at_span if s != span and s.contains(span)]
         # the innermost call around the read: it starts last, and of those ends first
         consumer = max(around, key=lambda s: (s.line, s.col, -s.end_line, -s.end_col), default=None)
         if consumer is None and not every_read:
             continue                # assigned to a name: local is right where views use it
-        if consumer is not None and callee[consumer] in SIZE_ARGUMENTS | SPLIT_SIZES:
-            continue                # a view's size: the rewrite makes the view local
+        view = at_span[consumer] if consumer is not None else None
+        if view is not None and view.callee in SIZE_ARGUMENTS | SPLIT_SIZES and (
+                not every_read or any(op.name == "arg0" and op.tid == tid for op in view.operands)):
+            # a view's size: the rewrite makes the view local. Unless the plan runs the view whole
+            # and the size is another tensor's (`y.expand(*x.size(), n)`): the cautious answer
+            # keeps that tensor whole too
+            continue
         rank = len(graph.trace.tensors[tid].shape)
         if isinstance(dim, int) and rank:
             out[tid].add(dim % rank)
