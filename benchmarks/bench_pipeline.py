@@ -8,6 +8,14 @@
 Everything is measured in one run; figures are ratios against a baseline of the same run.
 ``--schedule chimera`` (or any table) measures that schedule's bubble instead, against its own
 formula when the table states one (part 2, the comparison with pipelining, is 1F1B's only).
+``--schedule interlaced,1f1b`` (a comma list) runs both schedules' outputs in the same rank
+processes, every (schedule, M) variant taking turns, and prints the first against 1F1B.
+Interlaced: the GPT copy ties lm_head to wte, which the plan splits on the vocabulary over all
+ranks; each rank's shares of the owners' steps (sEk / sGk: ``_comm.vocab_share``) are timed as
+actions too. simulate() gives a share no length (the sharer only waits to join the owner's
+step), so its bubble compares with the "own-steps" bubble (only the rank's own F and B busy);
+the schedule bubble counts the shares busy. replay() knows no collective step: for interlaced
+its column repeats simulate() with the measured F.
 
 Model: a benchmark-local copy of fixtures/gpt.py with only the numbers changed (n_embd 256,
 n_layer --layers, block_size 64, batch 16 x 64 tokens; vocab 128 and n_head 4 as in the
@@ -203,6 +211,8 @@ def rank_bubble(argv: list[str]) -> None:
         stages.train()
         for stage_module in stages:
             stage_module.forward = timed("F", stage_module.forward)   # on the instance: driver-side only
+        if getattr(module, "VOCAB_CALLS", None):    # interlaced: time this rank's shares (sEk / sGk) too
+            comm.vocab_share = (lambda share: lambda kind, *rest: timed(kind, share)(kind, *rest))(comm.vocab_share)
         variants.append({"name": Path(out_dir).name, "package": package, "train": train, "comm": comm,
                          "module": module, "stages": stages,
                          "optimizer": torch.optim.AdamW(stages.parameters(), lr=a.lr),
@@ -266,6 +276,7 @@ def rank_bubble(argv: list[str]) -> None:
         module = v["module"]
         record = {"rank": rank, "stages": list(module.PIPELINE_STAGES),
                   "micro_batches": v["train"].MICRO_BATCHES, "one_way_s": v["one_way_s"],
+                  "vocab_stages": sorted(getattr(module, "VOCAB_CALLS", None) or {}),
                   "one_way_raw_s": v["one_way_raw_s"],
                   "stage_blocks": {str(s): list(module.STAGE_BLOCKS[s]) for s in module.PIPELINE_STAGES},
                   "steps": v["steps"]}
@@ -442,7 +453,7 @@ def read_orders(out_dir: Path):
     for line in (out_dir / "schedule.csv").read_text().split():
         row = []
         for text in line.split(","):
-            kind = "F" if "F" in text else "B"
+            kind = next(k for k in "FBEG" if k in text)
             stage, micro = (int(x) for x in text.split(kind))
             row.append(Action(kind, stage, micro))
         orders.append(row)
@@ -487,7 +498,7 @@ def bubble_figures(records: list[dict], D: int) -> dict:
     forward / backward seconds, and the CPU share of the actions (thread CPU time / wall time
     inside them: 1.0 when nothing else ran on the rank's core)."""
     n = len(records[0]["steps"])
-    step_b, sched_b, shares, walls, tails, loads = [], [], [], [], [], []
+    step_b, sched_b, own_b, shares, walls, tails, loads, rounds = [], [], [], [], [], [], [], []
     per_stage = {}
     for k in range(n):
         if not records[0]["steps"][k]["timed"]:
@@ -495,6 +506,7 @@ def bubble_figures(records: list[dict], D: int) -> dict:
         steps = [rec["steps"][k] for rec in records]
         loads.append(steps[0]["loadavg"])
         busy = [sum(e - s for _, s, e, _ in st["actions"]) for st in steps]
+        own = [sum(e - s for act, s, e, _ in st["actions"] if "E" not in act and "G" not in act) for st in steps]
         busy_cpu = [sum(c for *_, c in st["actions"]) for st in steps]
         wall = [st["end"] - st["start"] for st in steps]
         first = min(st["actions"][0][1] for st in steps)
@@ -502,30 +514,46 @@ def bubble_figures(records: list[dict], D: int) -> dict:
         span = last - first
         step_b.append(statistics.mean(1 - b / w for b, w in zip(busy, wall)))
         sched_b.append(1 - sum(busy) / (D * span))
+        own_b.append(1 - sum(own) / (D * span))
         shares.append(sum(busy_cpu) / sum(busy))
         walls.append(max(wall))
+        rounds.append(steps[0]["round"])
         tails.append(statistics.mean((st["end"] - st["actions"][-1][2]) / (st["end"] - st["start"]) for st in steps))
         for st in steps:
             for act, s, e, c in st["actions"]:
-                kind = "F" if "F" in act else "B"
+                kind = next(k for k in "FBEG" if k in act)
                 stage = int(act.split(kind)[0])
                 per_stage.setdefault((stage, kind), []).append(e - s)
                 per_stage.setdefault((stage, kind + "cpu"), []).append(c)
     med = statistics.median
-    count = 1 + max(s for s, _ in per_stage)        # D stages, or more (interleaving, Chimera)
+    count = 1 + max(s for s, k in per_stage if k in "FB")        # D stages, or more (interleaving, Chimera)
     stage_f = [med(per_stage[(s, "F")]) for s in range(count)]
     stage_b = [med(per_stage[(s, "B")]) for s in range(count)]
     stage_f_cpu = [med(per_stage[(s, "Fcpu")]) for s in range(count)]
     stage_b_cpu = [med(per_stage[(s, "Bcpu")]) for s in range(count)]
     losses = [rec["steps"][k]["loss"] for k in range(n) for rec in records[:1]]
-    return {"step_bubble": med(step_b), "schedule_bubble": med(sched_b),
+    share_s = {f"{s}{k}": med(t) for (s, k), t in per_stage.items() if k in "EG"}
+    return {"step_bubble": med(step_b), "schedule_bubble": med(sched_b), "own_bubble": med(own_b),
+            "share_s": share_s, "vocab_stages": records[0].get("vocab_stages", []),
             "cpu_share": med(shares), "loadavg": med(loads), "one_way_s": records[0]["one_way_s"],
-            "step_wall_s": med(walls), "tail_fraction": med(tails),
+            "step_wall_s": med(walls), "tail_fraction": med(tails), "step_walls": walls, "step_rounds": rounds,
             "stage_forward_s": stage_f, "stage_backward_s": stage_b,
             "stage_forward_cpu_s": stage_f_cpu, "stage_backward_cpu_s": stage_b_cpu,
             "one_way_raw_s": records[0]["one_way_raw_s"],
             "step_bubbles": step_b, "schedule_bubbles": sched_b, "losses": losses,
             "stage_blocks": {s: b for rec in records for s, b in rec["stage_blocks"].items()}}
+
+
+def paired_ratios(f: dict, g: dict) -> list[float]:
+    """Per round, f's median step over g's (their blocks of a round ran in the same processes,
+    close in time, so a drift in machine load mostly cancels)."""
+    def by_round(fig):
+        out = {}
+        for r, w in zip(fig["step_rounds"], fig["step_walls"]):
+            out.setdefault(r, []).append(w)
+        return out
+    a, b = by_round(f), by_round(g)
+    return [statistics.median(a[r]) / statistics.median(b[r]) for r in sorted(a) if r in b]
 
 
 def main() -> None:
@@ -535,7 +563,9 @@ def main() -> None:
         return rank_compare(sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pp", default="2,4", help="pipeline sizes D for the bubble part")
-    p.add_argument("--schedule", default="1f1b", help="the schedule table of the bubble part (1f1b, chimera, ...)")
+    p.add_argument("--schedule", default="1f1b",
+                   help="the schedule table(s) of the bubble part (1f1b, chimera, interlaced, ...); a comma list "
+                        "(interlaced,1f1b) runs them in the same processes, taking turns with the M variants")
     p.add_argument("--micro", default="2,4,8", help="micro-batch counts M for the bubble part")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--rounds", type=int, default=5, help="bubble part: rounds (the M variants take turns)")
@@ -553,9 +583,13 @@ def main() -> None:
     from nnscaler_cst.plan.schedules import load_schedule, placement
     from nnscaler_cst.verify.simulate import bubble_fraction, simulate
 
-    table = load_schedule(a.schedule)
-    if a.schedule != "1f1b" and a.compare_micro:
+    names = [x for x in a.schedule.split(",") if x]
+    tables = {name: load_schedule(name) for name in names}
+    if "1f1b" not in names and a.compare_micro:
         p.error("the pipelining comparison is of 1F1B: with another --schedule pass --compare-micro 0")
+
+    def out_name(S, D, M):
+        return f"gpt_pipe_pp{D}_m{M}" if len(names) == 1 else f"gpt_pipe_{S}_pp{D}_m{M}"
 
     pps = [int(x) for x in a.pp.split(",") if x]
     micros = [int(x) for x in a.micro.split(",") if x]
@@ -573,40 +607,40 @@ def main() -> None:
         out["n_params"] = sum(p.numel() for p in model.parameters())
         torch.save(model.state_dict(), tmp / "init.pt")
         outputs = {}
-        configs = sorted({(D, M) for D in pps for M in micros} |
-                         ({(2, a.compare_micro)} if a.compare_micro else set()))
-        for D, M in configs:
-            out_dir = tmp / f"gpt_pipe_pp{D}_m{M}"
+        configs = sorted({(S, D, M) for S in names for D in pps for M in micros} |
+                         ({("1f1b", 2, a.compare_micro)} if a.compare_micro else set()))
+        for S, D, M in configs:
+            out_dir = tmp / out_name(S, D, M)
             if out_dir.exists():
                 shutil.rmtree(out_dir)
             try:
                 run_cli([str(model_file), "--pp", str(D), "--micro-batches", str(M), "--schedule",
-                         a.schedule, "-o", str(out_dir)], tmp)
-                outputs[(D, M)] = out_dir
+                         S, "-o", str(out_dir)], tmp)
+                outputs[(S, D, M)] = out_dir
             except ToolError as error:
-                outputs[(D, M)] = None
-                out["bubble"].append({"D": D, "M": M, "tool_error": str(error)})
-                print(f"D={D} M={M}: the rewrite exits 2: {error}", flush=True)
+                outputs[(S, D, M)] = None
+                out["bubble"].append({"schedule": S, "D": D, "M": M, "tool_error": str(error)})
+                print(f"{S} D={D} M={M}: the rewrite exits 2: {error}", flush=True)
         print(f"machine: {before['cores']} cores ({before['cpu']}), no GPU, torch {before['torch']}, "
               f"1-min loadavg {before['loadavg'][0]:.2f}, revision {before['revision']}")
         print(f"model: fixtures/gpt.py resized to {cfg} ({out['n_params'] / 1e6:.2f} M params)\n")
 
         for D in pps:
-            ms = [M for M in micros if outputs.get((D, M))]
+            ms = [(S, M) for M in micros for S in names if outputs.get((S, D, M))]
             if not ms:
                 continue
             workdir = tmp / f"bubble_pp{D}"
             workdir.mkdir(exist_ok=True)
             shutil.copy(tmp / "init.pt", workdir / "init.pt")
             t0 = time.perf_counter()
-            launch("_bubble", [str(workdir), *[str(outputs[(D, M)]) for M in ms], "--warmup", str(a.warmup),
+            launch("_bubble", [str(workdir), *[str(outputs[(S, D, M)]) for S, M in ms], "--warmup", str(a.warmup),
                                "--steps", str(a.steps), "--rounds", str(a.rounds),
                                "--act-shape", f"{cfg['batch']},{cfg['block_size']},{cfg['n_embd']}"], world=D)
             took = time.perf_counter() - t0
-            for M in ms:
-                out_dir = outputs[(D, M)]
+            for S, M in ms:
+                out_dir, table = outputs[(S, D, M)], tables[S]
                 text = run_cli(["schedule", str(model_file), "--pp", str(D), "--micro-batches", str(M),
-                                "--schedule", a.schedule], tmp)
+                                "--schedule", S], tmp)
                 m = re.search(r"bubble ([0-9.]+)% \(cost model\)", text)
                 records = [json.loads((workdir / f"{out_dir.name}_rank{r}.json").read_text()) for r in range(D)]
                 fig = bubble_figures(records, D)
@@ -617,15 +651,20 @@ def main() -> None:
                 fig["formula"] = own[1] if own else (D - 1) / (D - 1 + M)
                 fig["formula_1f1b"] = (D - 1) / (D - 1 + M)
                 n = len(place.ranks)
-                fig["sim_unit"] = bubble_fraction(simulate(orders, n, placement=place), D)
-                fig["sim_measured_f"] = bubble_fraction(simulate(orders, n, forward_seconds=F, placement=place), D)
+                shared = fig["vocab_stages"]    # interlaced: the owners' steps are collective over all ranks
+                fig["sim_unit"] = bubble_fraction(simulate(orders, n, placement=place, shared=shared), D)
+                fig["sim_measured_f"] = bubble_fraction(simulate(orders, n, forward_seconds=F, placement=place,
+                                                                 shared=shared), D)
                 fig["sim_measured_f_latency"] = bubble_fraction(
-                    simulate(orders, n, forward_seconds=F, latency=fig["one_way_s"], placement=place), D)
-                fig["replay_measured_fb"] = replay(orders, F, fig["stage_backward_s"], place)
+                    simulate(orders, n, forward_seconds=F, latency=fig["one_way_s"], placement=place,
+                             shared=shared), D)
+                # replay() knows no collective step: for interlaced, simulate() with the measured F stands in
+                fig["replay_measured_fb"] = fig["sim_measured_f"] if shared else \
+                    replay(orders, F, fig["stage_backward_s"], place)
                 fig["tool_cost_model"] = float(m.group(1)) / 100 if m else float("nan")
-                fig.update(D=D, M=M, run_seconds=took, oversubscribed=D > (os.cpu_count() or 1))
+                fig.update(schedule=S, D=D, M=M, run_seconds=took, oversubscribed=D > (os.cpu_count() or 1))
                 out["bubble"].append(fig)
-                print(f"D={D} M={M}: schedule bubble {fig['schedule_bubble']:.3f}, step bubble "
+                print(f"{S} D={D} M={M}: schedule bubble {fig['schedule_bubble']:.3f}, step bubble "
                       f"{fig['step_bubble']:.3f}, formula {fig['formula']:.3f}, simulated {fig['sim_unit']:.3f}, "
                       f"replay {fig['replay_measured_fb']:.3f}; step {fig['step_wall_s'] * 1e3:.0f} ms, "
                       f"one-way p2p {fig['one_way_s'] * 1e3:.2f} ms, CPU share {fig['cpu_share']:.2f}", flush=True)
@@ -634,7 +673,7 @@ def main() -> None:
             workdir = tmp / "compare"
             workdir.mkdir(exist_ok=True)
             shutil.copy(tmp / "init.pt", workdir / "init.pt")
-            launch("_compare", [str(model_file), str(outputs[(2, a.compare_micro)]), str(workdir),
+            launch("_compare", [str(model_file), str(outputs[("1f1b", 2, a.compare_micro)]), str(workdir),
                                 "--warmup", str(a.compare_warmup), "--steps", str(a.compare_steps),
                                 "--rounds", str(a.compare_rounds)], world=2)
             out["compare"] = json.loads((workdir / "compare.json").read_text())
@@ -642,7 +681,7 @@ def main() -> None:
         if not a.keep:
             shutil.rmtree(tmp, ignore_errors=True)
     out["machine_after"] = machine()
-    out["bubble"].sort(key=lambda f: (f["D"], f["M"]))
+    out["bubble"].sort(key=lambda f: (f["D"], f["M"], names.index(f["schedule"])))
     report(out, a)
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1, default=str))
@@ -652,43 +691,64 @@ def report(out: dict, a) -> None:
     after = out["machine_after"]
     print(f"\n1-min loadavg after: {after['loadavg'][0]:.2f}\n")
     if out["bubble"]:
-        print(f"## 1. {a.schedule} bubble of the generated code on gloo ({a.rounds} rounds x ({a.warmup} warm-up + "
+        print(f"## 1. {a.schedule.replace(',', ' and ')} bubble of the generated code on gloo ({a.rounds} rounds x ({a.warmup} warm-up + "
               f"{a.steps} timed) steps per (D, M), the M variants taking turns; medians over the "
               f"{a.rounds * a.steps} timed steps)\n")
-        print("| D | M | blocks per stage | step ms | step / step at the smallest M | measured schedule bubble "
+        print("| schedule | D | M | blocks per stage | step ms | step / step at the smallest M | measured schedule bubble "
               "| measured step bubble | formula (the schedule's own; 1F1B: (D-1)/(D-1+M)) | simulate(), unit cost | tool cost model (`schedule`) "
               "| measured schedule bubble / formula |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         base = {}
         for f in out["bubble"]:
             if "tool_error" not in f:
-                base.setdefault(f["D"], f["step_wall_s"])
+                base.setdefault((f["schedule"], f["D"]), f["step_wall_s"])
         for f in out["bubble"]:
             if "tool_error" in f:
-                print(f"| {f['D']} | {f['M']} | | | | the rewrite exits 2: {f['tool_error'][:120]}... | | "
+                print(f"| {f['schedule']} | {f['D']} | {f['M']} | | | | the rewrite exits 2: {f['tool_error'][:120]}... | | "
                       f"{(f['D'] - 1) / (f['D'] - 1 + f['M']):.3f} | | | |")
                 continue
             blocks = " ".join(f"{b[1] - b[0]}" for _, b in sorted(f["stage_blocks"].items(), key=lambda x: int(x[0])))
             flag = f" ({f['D']} procs, {out['machine_before']['cores']} cores)" if f["oversubscribed"] else ""
-            print(f"| {f['D']}{flag} | {f['M']} | {blocks} | {f['step_wall_s'] * 1e3:.0f} "
-                  f"| {f['step_wall_s'] / base[f['D']]:.2f} | {f['schedule_bubble']:.3f} | {f['step_bubble']:.3f} | {f['formula']:.3f} "
+            print(f"| {f['schedule']} | {f['D']}{flag} | {f['M']} | {blocks} | {f['step_wall_s'] * 1e3:.0f} "
+                  f"| {f['step_wall_s'] / base[(f['schedule'], f['D'])]:.2f} | {f['schedule_bubble']:.3f} | {f['step_bubble']:.3f} | {f['formula']:.3f} "
                   f"| {f['sim_unit']:.3f} | {f['tool_cost_model']:.3f} "
                   f"| {f['schedule_bubble'] / f['formula'] if f['formula'] else float('inf'):.2f} |")
-        print("\n| D | M | per-stage F ms, wall (CPU) | per-stage B ms, wall (CPU) | replay, measured F+B, free comm "
+        print("\n| schedule | D | M | per-stage F ms, wall (CPU) | per-stage B ms, wall (CPU) | replay, measured F+B, free comm "
               "| one-way p2p ms: send_values (1 tensor alone; ratio) | simulate(), measured F + that latency "
               "| CPU share in actions | loadavg | tail after last action / step | schedule bubble per step, min / max |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for f in out["bubble"]:
             if "tool_error" in f:
                 continue
             fs = " ".join(f"{x * 1e3:.0f} ({c * 1e3:.0f})" for x, c in zip(f["stage_forward_s"], f["stage_forward_cpu_s"]))
             bs = " ".join(f"{x * 1e3:.0f} ({c * 1e3:.0f})" for x, c in zip(f["stage_backward_s"], f["stage_backward_cpu_s"]))
-            print(f"| {f['D']} | {f['M']} | {fs} | {bs} | {f['replay_measured_fb']:.3f} "
+            print(f"| {f['schedule']} | {f['D']} | {f['M']} | {fs} | {bs} | {f['replay_measured_fb']:.3f} "
                   f"| {f['one_way_s'] * 1e3:.2f} ({f['one_way_raw_s'] * 1e3:.2f}; "
                   f"{f['one_way_s'] / f['one_way_raw_s']:.1f}x) "
                   f"| {f['sim_measured_f_latency']:.3f} | {f['cpu_share']:.2f} "
                   f"| {f['loadavg']:.1f} | {f['tail_fraction']:.3f} "
                   f"| {min(f['schedule_bubbles']):.3f} / {max(f['schedule_bubbles']):.3f} |")
+        ref = {(f["D"], f["M"]): f for f in out["bubble"] if f["schedule"] == "1f1b" and "tool_error" not in f}
+        others = [f for f in out["bubble"] if f["schedule"] != "1f1b" and "tool_error" not in f
+                  and (f["D"], f["M"]) in ref]
+        if others:
+            print("\nAgainst 1F1B in the same processes (the variants taking turns). Schedule bubble: the shares "
+                  "(interlaced sEk / sGk) counted busy, as simulate() counts them; own-steps bubble: only the "
+                  "rank's own F and B counted busy. Share ms: median wall time of one share, per owner stage.\n")
+            print("| schedule | D | M | step ms | 1F1B step ms | step / 1F1B | paired per round: median (min / max) "
+                  "| schedule bubble | own-steps bubble "
+                  "| 1F1B schedule bubble | simulate(), unit cost | 1F1B simulate(), unit cost "
+                  "| simulate(), measured F + latency | share ms |")
+            print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+            for f in others:
+                g = ref[(f["D"], f["M"])]
+                f["paired_round_ratios"] = paired = paired_ratios(f, g)
+                shares = " ".join(f"{k} {v * 1e3:.0f}" for k, v in sorted(f.get("share_s", {}).items()))
+                print(f"| {f['schedule']} | {f['D']} | {f['M']} | {f['step_wall_s'] * 1e3:.0f} "
+                      f"| {g['step_wall_s'] * 1e3:.0f} | {f['step_wall_s'] / g['step_wall_s']:.2f} "
+                      f"| {statistics.median(paired):.2f} ({min(paired):.2f} / {max(paired):.2f}) "
+                      f"| {f['schedule_bubble']:.3f} | {f['own_bubble']:.3f} | {g['schedule_bubble']:.3f} "
+                      f"| {f['sim_unit']:.3f} | {g['sim_unit']:.3f} | {f['sim_measured_f_latency']:.3f} | {shares} |")
     c = out["compare"]
     if c:
         med = {n: statistics.median(t) for n, t in c["times"].items()}
