@@ -388,8 +388,11 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
         time_ns = sum(tables.unary[sid][k] for sid, k in picked.items()) + sum(
             table.get((picked[su], picked[sv]), 0) for (su, sv), table in tables.pairs.items())
     else:
-        picked, time_ns, memory = _solved_by_z3(graph, options, var, tables, uses, narrowed_to, memory_budget,
-                                                axis, n)
+        picked, time_ns, memory, stopped = _solved_by_z3(graph, options, var, tables, uses, narrowed_to,
+                                                         memory_budget, axis, n)
+        if stopped:
+            left_whole.append(f"warning: the {axis} split search stopped after {Z3_LIMIT_S:g} s without proving "
+                              f"its plan the cheapest: this is the best plan it found by then")
     node_choice = {i: labels[i][k] for sid, k, labels, nodes in
                    ((sid, picked[sid], options[sid].labels, options[sid].nodes) for sid in sids) for i in nodes}
     param_layout = {p: entries[0][1][picked[entries[0][0]]] for p, entries in uses.items()}
@@ -425,6 +428,7 @@ def _constraint_answers(graph: Graph, constraint: Constraint):
 
 
 MAX_NOGOODS = 64       # elimination rounds before the whole problem goes to z3
+Z3_LIMIT_S = 30.0      # z3's optimiser stops here with the best plan found (a plan, never a hang)
 INFEASIBLE = object()  # _eliminated: the constraints and pairwise facts leave no choice
 
 
@@ -527,7 +531,7 @@ def _eliminated(graph: Graph, options, var, tables: "_Tables", uses, allowed_by,
 
 
 def _solved_by_z3(graph: Graph, options, var, tables: "_Tables", uses, narrowed_to, memory_budget, axis: str,
-                  n: int) -> tuple[dict[SiteId, int], int, int]:
+                  n: int) -> tuple[dict[SiteId, int], int, int, bool]:
     """The whole problem in z3: the unsat core when the constraints contradict each other, the
     least memory when the cheapest plan is over the budget, and every case elimination declines."""
     hard = [bound for sid in options for bound in (var[sid] >= 0, var[sid] < len(options[sid].options))]
@@ -554,9 +558,9 @@ def _solved_by_z3(graph: Graph, options, var, tables: "_Tables", uses, narrowed_
     if checker.check() != z3.sat:
         _report_core(checker.unsat_core(), [*tracked, *facts], options, axis, n, graph, blocked)
     constraints = hard + [expr for _, expr, _ in facts] + [expr for _, expr, _ in tracked]
-    model = _minimize(constraints, terms, memory_terms, memory_budget, axis, n)
-    picked = {sid: model.eval(var[sid]).as_long() for sid in options}
-    return picked, _weighed(model, terms), _weighed(model, memory_terms)
+    model, stopped = _minimize(constraints, terms, memory_terms, memory_budget, axis, n, checker.model())
+    picked = {sid: model.eval(var[sid], model_completion=True).as_long() for sid in options}
+    return picked, _weighed(model, terms), _weighed(model, memory_terms), stopped
 
 
 def _weights_cannot_split_here(constraint: Constraint, opts: SiteOptions) -> bool:
@@ -581,7 +585,8 @@ def _weighed(model, terms: Weighted) -> int:
     return sum(w for cond, w in terms if z3.is_true(model.eval(cond, model_completion=True)))
 
 
-def _minimize(constraints: list, time: Weighted, memory: Weighted, budget: float | None, axis: str, n: int):
+def _minimize(constraints: list, time: Weighted, memory: Weighted, budget: float | None, axis: str, n: int,
+              feasible):
     """The cheapest assignment when it fits the budget, else the one using least memory,
     cheapest among those. (z3 with the budget as a hard bound takes minutes; two optimisations
     take seconds. Merging equal terms is what makes a 7B model's axis fast: 20.6 -> 7.4 s in z3.
@@ -597,21 +602,32 @@ def _minimize(constraints: list, time: Weighted, memory: Weighted, budget: float
     solver = z3.Optimize()
     solver.add(*constraints)
     solver.minimize(total(time))
-    solver.check()
-    model = solver.model()
+    model, stopped = _best_within_limit(solver, feasible)
     if budget is None or _weighed(model, memory) <= budget:
-        return model
+        return model, stopped
     solver = z3.Optimize()
     solver.set(priority="lex")
     solver.add(*constraints)
     solver.minimize(total(memory))
     solver.minimize(total(time))
-    solver.check()
-    model = solver.model()
+    model, stopped = _best_within_limit(solver, feasible)
     least = _weighed(model, memory)
     if least > budget:
         raise UserError(_over_budget(axis, n, least, budget), hint="raise --memory-budget, or use more devices")
-    return model
+    return model, stopped
+
+
+def _best_within_limit(solver: z3.Optimize, feasible):
+    """(model, stopped): z3's optimum, or, when the optimiser has not proved one within
+    Z3_LIMIT_S (a model too densely connected for elimination), the best plan it found by then
+    (at worst `feasible`, a plan meeting every constraint)."""
+    solver.set(timeout=int(Z3_LIMIT_S * 1000))
+    if solver.check() == z3.sat:
+        return solver.model(), False
+    try:
+        return solver.model(), True
+    except z3.Z3Exception:
+        return feasible, True
 
 
 def _report_core(core, tracked, options, axis: str, n: int, graph: Graph, blocked: dict) -> None:
