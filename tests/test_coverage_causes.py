@@ -849,3 +849,112 @@ def test_producers_of_one_argument_keep_the_steps_before_those_they_all_end_with
                  ("line 828", "Tensor.add", 0): [(1, add, ("pos", 0), [scatter])]}
     prefixes = _producer_prefixes(graph, by_output)
     assert prefixes == {("line 197", "torch.nn.Linear", 0): [reduce], ("line 828", "Tensor.add", 0): []}
+
+
+# An expert bank larger than the op probe's old size limit (BailingHybrid's 512 experts at a tiny
+# hidden size: gate_up 512 x 256 x 64 = 8.4M elements, over the 4M elements the probe ran on):
+# the call reading the bank (transformers' Experts module; here `self.gate_up_proj[expert]`) was
+# not probed, had no split rule, and the bank stayed whole on every device (3% of the block
+# parameters split at TP=2). Routed experts stored as 3D parameters (144 x 512 x 64 = 4.7M
+# elements), a Python loop over the hit experts, a shared expert beside them behind a sigmoid gate.
+MANY_EXPERTS = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+HIDDEN, INTER, EXPERTS, TOP_K = 64, 256, {experts}, 2
+
+
+class Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.num_experts = EXPERTS
+        self.gate_up_proj = nn.Parameter(torch.randn(EXPERTS, 2 * INTER, HIDDEN) * 0.1)
+        self.down_proj = nn.Parameter(torch.randn(EXPERTS, HIDDEN, INTER) * 0.1)
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        with torch.no_grad():
+            mask = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert in hit:
+            expert = expert[0]
+            pos, token = torch.where(mask[expert])
+            gate, up = F.linear(hidden[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, self.down_proj[expert]) * top_k_weights[token, pos, None]
+            out.index_add_(0, token, h.to(out.dtype))
+        return out
+
+
+class Shared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(HIDDEN, INTER, bias=False)
+        self.down = nn.Linear(INTER, HIDDEN, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.router = nn.Linear(HIDDEN, EXPERTS, bias=False)
+        self.experts = Experts()
+        self.shared = Shared()
+        self.shared_gate = nn.Linear(HIDDEN, 1, bias=False)
+
+    def forward(self, x):
+        b, t, h = x.shape
+        flat = self.norm(x).view(-1, h)
+        probs = F.softmax(self.router(flat), dim=-1, dtype=torch.float)
+        weights, index = torch.topk(probs, TOP_K, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(flat.dtype)
+        routed = self.experts(flat, index, weights)
+        shared = torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)
+        return x + (routed + shared).view(b, t, h)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, HIDDEN)
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.head = nn.Linear(HIDDEN, 64)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randint(0, 64, (2, 8)),)
+'''
+
+
+def _block_split_share(params: dict) -> float:
+    block = {name: info for name, info in params.items() if name.startswith("blocks.")}
+    total = sum(torch.Size(info["shape"]).numel() for info in block.values())
+    return sum(torch.Size(info["shape"]).numel() for info in block.values() if info["tp"].startswith("S")) / total
+
+
+def test_a_bank_of_many_experts_is_split_by_its_intermediate_dim(tmp_path):
+    plan, _ = build_plan(analyze(_write(tmp_path, MANY_EXPERTS.format(experts=144))), PlanRequest(tp=2))
+    layouts = {name.rsplit(".", 1)[-1]: info["tp"] for name, info in plan.params.items() if ".experts." in name}
+    assert layouts == {"gate_up_proj": "S(1, groups=2)", "down_proj": "S(2)"}
+    assert _block_split_share(plan.params) >= 0.75
+
+
+@pytest.mark.slow
+def test_a_bank_of_many_experts_split_trains_like_one_device(tmp_path):
+    result, outcome = _verify(tmp_path, MANY_EXPERTS.format(experts=144), "--tp", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+    params = json.loads((tmp_path / "out" / "plan.json").read_text())["params"]
+    assert _block_split_share(params) >= 0.75

@@ -25,8 +25,14 @@ from ..trace.records import Node, TensorList, Trace
 from ..trace.replay import Replay, TensorRef, substitute
 from .dims import Factor, OpDims, TensorDims
 
-# Calls on tensors larger than this are not probed (production shapes): their dims stay whole.
+# Calls on tensors larger than these are not probed (production shapes): their dims stay whole.
+# The probe's time and memory grow with the activations (a call's intermediates and results are
+# sized by them: AlphaFold's pair tensors at 8M elements make GBs inside one call), less with the
+# weights it reads: a weight may be 16M elements (64 MiB of fp32), so that a tiny model's bank of
+# hundreds of experts (BailingHybrid's 512 x 256 x 64 = 8.4M) is probed and split, while
+# production weights (Llama-7B's 4096 x 11008) stay over it.
 MAX_PROBE_ELEMENTS = 1 << 22
+MAX_PROBE_PARAM_ELEMENTS = 1 << 24
 _MAX_COMBINATIONS = 32
 
 
@@ -233,7 +239,8 @@ def _probe(node: Node, trace: Trace, replay: Replay) -> _Probed | str:
                                         for tid, own in names.items() for name in own if name in shape_only}
                        if not replay.outputs else {})
     tids = sorted({*_refs(replay.args), *_refs(replay.kwargs), *replay.state.values()})
-    if any(_numel(trace.tensors[t].shape) > MAX_PROBE_ELEMENTS for t in tids):
+    if any(_numel(trace.tensors[t].shape) > (MAX_PROBE_ELEMENTS if trace.tensors[t].param is None
+                                             else MAX_PROBE_PARAM_ELEMENTS) for t in tids):
         return unprobed if shape_only else "no rule, and its tensors are too large to probe"
     call = _Caller(trace, replay, tids)
     try:
