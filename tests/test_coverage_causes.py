@@ -945,6 +945,7 @@ def _block_split_share(params: dict) -> float:
     return sum(torch.Size(info["shape"]).numel() for info in block.values() if info["tp"].startswith("S")) / total
 
 
+@pytest.mark.slow         # 20-30 s: the probe runs the 144-expert bank
 def test_a_bank_of_many_experts_is_split_by_its_intermediate_dim(tmp_path):
     plan, _ = build_plan(analyze(_write(tmp_path, MANY_EXPERTS.format(experts=144))), PlanRequest(tp=2))
     layouts = {name.rsplit(".", 1)[-1]: info["tp"] for name, info in plan.params.items() if ".experts." in name}
