@@ -562,15 +562,18 @@ class Tracer(TorchFunctionMode):
         layers could not both split. Called as one op at each call site instead (`self.dense(x)`),
         each place gets its own split, derived by the probe like a library layer's.
         A layer here: its forward is in the model's files, it holds a weight of two or more
-        dims itself, and no module under it holds parameters (an attention block holding its
-        projections is not one)."""
+        dims itself that meets the activations (see _weights_meeting_activations: a projection
+        or a convolution, not an embedding table, whose roles all split alike), and no module
+        under it holds parameters (an attention block holding its projections is not one)."""
+        meeting = self._weights_meeting_activations()
         places: dict[type, set] = {}
         for name, module in model.named_modules():
             cls = type(module)
             forward = getattr(getattr(cls, "forward", None), "__code__", None)
             if forward is None or forward.co_filename not in self.own_files:
                 continue
-            if not any(p.dim() >= 2 for p in module.parameters(recurse=False)):
+            if not any(p.dim() >= 2 and (self._tid_of.get(id(p)), name) in meeting
+                       for p in module.parameters(recurse=False)):
                 continue
             if any(True for child in module.children() for _ in child.parameters()):
                 continue
@@ -578,6 +581,27 @@ class Tracer(TorchFunctionMode):
             if call is not None:
                 places.setdefault(cls, set()).add(call[0])
         return frozenset(cls for cls, spans in places.items() if len(spans) > 1)
+
+    def _weights_meeting_activations(self) -> set[tuple[int, str]]:
+        """(parameter, module path) where the forward of the module at that path brings the
+        parameter, alone or through ops on parameters only (`self.weight.T`, a weight
+        standardized by its own statistics), into an op together with a floating tensor not
+        computed from parameters alone: a weight multiplied into the activations. An embedding
+        table meets integer ids only in its own forward (a tied output layer's matmul is the
+        head's)."""
+        sources: dict[int, set[int]] = {tid: {tid} for tid, info in self.tensors.items() if info.param is not None}
+        meeting: set[tuple[int, str]] = set()
+        for op in self.ops:
+            if not op.inputs:
+                continue
+            weights = [t for t in op.inputs if t in sources]
+            if len(weights) == len(op.inputs):
+                for out in op.outputs:
+                    sources[out] = set().union(*(sources[t] for t in weights))
+            elif weights and any(_floating(self.tensors[t].dtype) for t in op.inputs if t not in sources):
+                path = self.nodes[op.node].module_path
+                meeting.update((param, path) for t in weights for param in sources[t])
+        return meeting
 
     def _state_written(self, module, name: str, frame) -> None:
         path = self._module_names.get(id(module))
@@ -730,6 +754,11 @@ def trace_model(entry: Entry, sources: SourceSet, *, library_modules=(), mode: s
             if mode == "fake":
                 raise
     return run("real")
+
+
+def _floating(dtype_name: str) -> bool:
+    dtype = getattr(torch, dtype_name.removeprefix("torch."), None)
+    return isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype.is_complex)
 
 
 def _strides(tensor: torch.Tensor) -> tuple[int, ...] | None:
