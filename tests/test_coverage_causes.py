@@ -11,7 +11,20 @@ small model with the same shape of code, and the mechanism that fixed it:
   `slopes ... .repeat(batch_size, 1, 1)`, then `baddbmm` with (batch heads) queries): split by
   heads, it is `batch` interleaved groups, and under data parallelism or micro-batches each
   device holds batch / slices of them. The collectives were written with the traced batch
-  (`groups=4` where each device held 2): a WRONG rewrite at DP x TP that only verify caught.
+  (`groups=4` where each device held 2): a WRONG rewrite at DP x TP that only verify caught;
+- one layer class of the model's own files in several roles (Falcon's `FalconLinear`, an
+  nn.Linear whose forward is `x @ self.weight.T`, as the fused qkv, the output and both MLP
+  layers; BiT's weight-standardized conv as each conv of a bottleneck): traced into, every
+  instance ran the one line of its forward, which takes one split, so the column and the row
+  layers could not both split (Falcon's TP plan split 0% of its block parameters). Such a
+  class is called as one op at each call site, its rule derived by the probe;
+- a probe slicing a layer's weight while the layer's forward reads the size from its own
+  attribute (`self.weight.reshape(1, self.out_channels, -1)`): the attribute now holds the
+  slice's size, as in the rewrite, whose constructor argument is divided (BiT: 0%);
+- sizes unpacked into names (`b, t, three_times_hidden_size = fused_qkv.shape`) kept every dim
+  of the tensor whole when the first plan's dry run failed and the plan was solved again with
+  every read size whole (Bloom's `_merge_heads` finds the batch by the full number of heads):
+  a name the function never uses reads nothing, so Bloom's fused qkv splits by heads (74%).
 
 Quick tests check the traced structure; the slow ones run verify on gloo.
 """
@@ -959,3 +972,219 @@ def test_a_bank_of_many_experts_split_trains_like_one_device(tmp_path):
     assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
     params = json.loads((tmp_path / "out" / "plan.json").read_text())["params"]
     assert _block_split_share(params) >= 0.75
+
+
+
+ROLE_LINEAR = '''import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Projection(nn.Linear):
+    """A linear layer written as a matmul (falcon's FalconLinear): one class, two roles."""
+
+    def forward(self, x):
+        return x @ self.weight.T
+
+
+class Block(nn.Module):
+    def __init__(self, dim=64):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = Projection(dim, 4 * dim, bias=False)
+        self.down = Projection(4 * dim, dim, bias=False)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 16, 64),)
+'''
+
+
+def test_a_layer_class_in_two_roles_is_one_op_at_each_call_site(tmp_path):
+    analysis = analyze(_write(tmp_path, ROLE_LINEAR))
+    calls = [n for n in analysis.graph.nodes if n.callee.endswith(".Projection")]
+    lines = {_line_of(ROLE_LINEAR, "self.down(F.gelu(")}
+    assert len(calls) == 4 and {n.span.line for n in calls} == lines      # 2 blocks x (up, down), one line
+    assert len({n.span for n in calls}) == 2                               # two sites: up and down
+    assert not any(n.callee == "Tensor.matmul" for n in analysis.graph.nodes)
+    params = rewrite(analysis, PlanRequest(tp=2)).plan.params
+    assert params["blocks.0.up.weight"]["tp"] == "S(0)" and params["blocks.0.down.weight"]["tp"] == "S(1)"
+
+
+@pytest.mark.slow
+def test_a_layer_class_in_two_roles_trains_like_one_device_under_tp(tmp_path):
+    result, outcome = _verify(tmp_path, ROLE_LINEAR, "--tp", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+    text = (tmp_path / "out" / "model.py").read_text()
+    assert "self.up = Projection(dim, 4 * dim // 2, bias=False)" in text
+    assert "self.down = Projection(4 * dim // 2, dim, bias=False)" in text
+
+
+STANDARDIZED_CONV = '''import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class StandardizedConv(nn.Conv2d):
+    """A convolution with weight standardization (BiT's WeightStandardizedConv2d): statistics
+    of each output channel's weights, read with the layer's own `self.out_channels`."""
+
+    def forward(self, x):
+        weight = F.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None, training=True,
+                              momentum=0.0, eps=1e-6).reshape_as(self.weight)
+        return F.conv2d(x, weight, self.bias, self.stride, self.padding)
+
+
+class Block(nn.Module):
+    def __init__(self, channels=32):
+        super().__init__()
+        self.conv1 = StandardizedConv(channels, 2 * channels, 1, bias=False)
+        self.conv2 = StandardizedConv(2 * channels, channels, 3, padding=1, bias=False)
+
+    def forward(self, x):
+        return x + self.conv2(F.relu(self.conv1(x)))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 32, 8, 8),)
+'''
+
+
+def test_a_probed_layer_reads_its_sliced_size_from_its_own_attribute(tmp_path):
+    analysis = analyze(_write(tmp_path, STANDARDIZED_CONV))
+    calls = [n for n in analysis.graph.nodes if n.callee.endswith(".StandardizedConv")]
+    assert len(calls) == 4
+    for node in calls:          # the output channels split: the weight's dim 0 with the result's dim 1
+        dims = analysis.graph.dims[node.index]
+        label = dims.inputs["self.weight"].dims[0]
+        assert label and dims.outputs[0].dims[1] == label
+    params = rewrite(analysis, PlanRequest(tp=2)).plan.params
+    assert params["blocks.0.conv1.weight"]["tp"] == "S(0)" and params["blocks.0.conv2.weight"]["tp"] == "S(0)"
+
+
+@pytest.mark.slow
+def test_a_weight_standardized_conv_split_on_its_outputs_trains_like_one_device_under_tp(tmp_path):
+    result, outcome = _verify(tmp_path, STANDARDIZED_CONV, "--tp", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+
+
+MERGED_HEADS = '''import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Attention(nn.Module):
+    """Bloom's attention: a fused q|k|v split per head, (batch heads) flattened for bmm, and the
+    batch found again from the flattened dim by the full number of heads."""
+
+    def __init__(self, dim=64, heads=4):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def _merge_heads(self, x):
+        batch_and_heads, length, _ = x.shape
+        batch = batch_and_heads // self.heads
+        x = x.view(batch, self.heads, length, self.head_dim).permute(0, 2, 1, 3)
+        return x.reshape(batch, length, self.heads * self.head_dim)
+
+    def forward(self, h):
+        batch, length, _ = h.shape
+        fused = self.qkv(h)
+        b, t, three_times_dim = fused.shape
+        fused = fused.view(b, t, self.heads, 3, self.head_dim)
+        q = fused[..., 0, :].transpose(1, 2).reshape(batch * self.heads, length, self.head_dim)
+        k = fused[..., 1, :].transpose(1, 2).reshape(batch * self.heads, length, self.head_dim)
+        v = fused[..., 2, :].transpose(1, 2).reshape(batch * self.heads, length, self.head_dim)
+        scores = torch.bmm(q, k.transpose(1, 2)) / math.sqrt(self.head_dim)
+        context = torch.bmm(F.softmax(scores, dim=-1), v)
+        return self.out(self._merge_heads(context))
+
+
+class Block(nn.Module):
+    def __init__(self, dim=64):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = Attention(dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 16, 64),)
+'''
+
+
+def test_a_size_unpacked_into_an_unused_name_is_not_read(tmp_path):
+    from nnscaler_cst.plan.whole_sizes import dims_read_whole
+
+    analysis = analyze(_write(tmp_path, MERGED_HEADS))
+    qkv = next(n for n in analysis.graph.nodes if n.callee == "torch.nn.Linear" and n.span.line ==
+               _line_of(MERGED_HEADS, "fused = self.qkv(h)"))
+    read = dims_read_whole(analysis.graph, every_read=True)
+    assert read[qkv.outputs[0]] == {0, 1}                # b, t used; three_times_dim never
+    hidden = next(op.tid for op in qkv.operands if op.name == "arg0")
+    assert read[hidden] == {0, 1}                        # batch, length = h.shape; `_` unused
+    params = rewrite(analysis, PlanRequest(tp=2)).plan.params
+    assert params["blocks.0.attn.qkv.weight"]["tp"] == "S(0)" and params["blocks.0.attn.out.weight"]["tp"] == "S(1)"
+
+
+@pytest.mark.slow
+def test_heads_merged_by_the_full_head_count_train_like_one_device_under_tp(tmp_path):
+    result, outcome = _verify(tmp_path, MERGED_HEADS, "--tp", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+

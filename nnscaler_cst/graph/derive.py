@@ -46,14 +46,18 @@ class _CannotReplay(Exception):
     pass
 
 
-def derive(node: Node, trace: Trace, cache: dict) -> Derived:
+def derive(node: Node, trace: Trace, cache: dict, size_attributes=None) -> Derived:
+    """`size_attributes(module type)`: per parameter and dim, the names of the layer's
+    attributes holding that size (RuleSet.size_attributes); a probe slicing a layer's weight
+    sets them to the local size, as the rewrite's divided constructor argument does."""
     replay = trace.replays.get(node.index)
     if replay is None or replay.outputs is None:
         return Derived(None, "no rule, and the call cannot be replayed to derive one")
     key = _signature(node, trace, replay)
     if key not in cache:
         with _filled_uninitialized_memory():
-            cache[key] = _probe(node, trace, replay)
+            sizes = size_attributes(node.callee) if size_attributes is not None and replay.module is not None else {}
+            cache[key] = _probe(node, trace, replay, sizes)
     found = cache[key]
     if isinstance(found, str):
         return Derived(None, found)
@@ -159,8 +163,10 @@ class _Caller:
     """Calls the replay with real tensors; `override` replaces some of them. `strided`: the real
     tensors have the traced strides (see with_strides)."""
 
-    def __init__(self, trace: Trace, replay: Replay, tids: list[int], strided: bool = False):
+    def __init__(self, trace: Trace, replay: Replay, tids: list[int], strided: bool = False,
+                 size_attributes: dict[str, list[set[str]]] | None = None):
         self.replay, self.trace, self.tids, self.strided = replay, trace, tids, strided
+        self.size_attributes = size_attributes or {}
         self.generator = torch.Generator().manual_seed(0)
         self.base = self._values()
 
@@ -186,7 +192,8 @@ class _Caller:
                 module = self.replay.module
                 if module is not None:
                     state = {name: tensors[tid] for name, tid in self.replay.state.items()}
-                    result = torch.func.functional_call(module, state, args, kwargs, strict=False)
+                    with _local_sizes(module, self.size_attributes, state, self.trace, self.replay.state):
+                        result = torch.func.functional_call(module, state, args, kwargs, strict=False)
                 else:
                     result = self.replay.fn(*args, **kwargs)
         except Exception as exc:   # any failure means "this slicing is not a valid split"
@@ -195,6 +202,31 @@ class _Caller:
         if len(flat) != len(self.replay.outputs):
             raise _CannotReplay("the call returned other results than in the trace")
         return flat
+
+
+@contextlib.contextmanager
+def _local_sizes(module, size_attributes: dict[str, list[set[str]]], state: dict, trace: Trace, tids: dict[str, int]):
+    """While a sliced weight runs through its layer: the layer's attributes holding a sliced
+    dim's size (`self.out_channels`) hold the slice's size, as in a layer built with that
+    constructor argument divided."""
+    saved = {}
+    try:
+        for param, per_dim in size_attributes.items():
+            value = state.get(param)
+            if value is None or param not in tids:
+                continue
+            full = trace.tensors[tids[param]].shape
+            for d, names in enumerate(per_dim[:len(full)]):
+                if value.dim() != len(full) or value.shape[d] == full[d]:
+                    continue
+                for name in names:
+                    held = module.__dict__.get(name)
+                    if type(held) is int and held == full[d] and name not in saved:
+                        saved[name] = held
+                        module.__dict__[name] = int(value.shape[d])
+        yield
+    finally:
+        module.__dict__.update(saved)
 
 
 # ---- the probe ----------------------------------------------------------------------------
@@ -228,7 +260,7 @@ def _operand_names(node: Node) -> dict[int, list[str]]:
     return names
 
 
-def _probe(node: Node, trace: Trace, replay: Replay) -> _Probed | str:
+def _probe(node: Node, trace: Trace, replay: Replay, size_attributes=None) -> _Probed | str:
     names = _operand_names(node)
     # An operand no torch call inside reads (only its .shape or .dtype) is no data input.
     read = {tid for index in node.ops for tid in trace.ops[index].inputs}
@@ -242,7 +274,7 @@ def _probe(node: Node, trace: Trace, replay: Replay) -> _Probed | str:
     if any(_numel(trace.tensors[t].shape) > (MAX_PROBE_ELEMENTS if trace.tensors[t].param is None
                                              else MAX_PROBE_PARAM_ELEMENTS) for t in tids):
         return unprobed if shape_only else "no rule, and its tensors are too large to probe"
-    call = _Caller(trace, replay, tids)
+    call = _Caller(trace, replay, tids, size_attributes=size_attributes)
     try:
         whole = call()
     except _CannotReplay:

@@ -145,7 +145,7 @@ def build_graph(trace: Trace, rules: RuleSet, sources: SourceSet | None = None) 
     for node in trace.nodes:
         rule, node_dims, problem = annotate(node, trace, rules)
         if node_dims is None:
-            derived = derive(node, trace, probed)
+            derived = derive(node, trace, probed, rules.size_attributes)
             if derived.dims is not None:
                 rule, node_dims = derived_rule(node), derived.dims
             elif rule is None:

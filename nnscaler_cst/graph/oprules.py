@@ -77,6 +77,22 @@ class RuleSet:
                 return rule if _same_arguments(cls, base, rule) else _through_super_call(cls, base, rule)
         return None
 
+    def size_attributes(self, module_type: str) -> dict[str, list[set[str]]]:
+        """Per parameter of a module type, per dim: the names of the constructor arguments that
+        set that dim (its [[ctor]] rule's and its bases'), which the layer also keeps as
+        attributes (`self.out_channels`). A forward reading one (`self.weight.reshape(1,
+        self.out_channels, -1)`) reads the local size once the rewrite divides the argument."""
+        names: dict[str, list[set[str]]] = {}
+        cls = _class_named(module_type)
+        rules = [self.ctor_for(module_type)] + [self.ctors.get(short_type(qualified_type(b)))
+                                                for b in (cls.__mro__[1:] if cls is not None else ())]
+        for rule in filter(None, rules):
+            for param, per_dim in rule.params.items():
+                dims = names.setdefault(param, [set() for _ in per_dim])
+                for d, aliases in enumerate(per_dim[:len(dims)]):
+                    dims[d].update(a for a in aliases if a.isidentifier() and not (a.startswith("arg") and a[3:].isdigit()))
+        return names
+
 
 def load_rules(rules_dir: Path | None = None) -> RuleSet:
     """The op rules of `rules_dir`, or of every rules folder (rules_path.py): the built-in ones

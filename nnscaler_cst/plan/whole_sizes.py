@@ -64,6 +64,8 @@ def _indexed_dims(graph: Graph, span, rank: int) -> set[int | None]:
     parent = source.parents.get(node) if node is not None else None
     if isinstance(parent, cst.Call) and parent.func is node and not parent.args:   # x.size()
         node, parent = parent, source.parents.get(parent)
+    if isinstance(parent, cst.Assign) and parent.value is node:
+        return _unpacked_dims(source, parent, rank)
     if not (isinstance(parent, cst.Subscript) and parent.value is node and len(parent.slice) == 1):
         return {ANY_DIM}
     index = parent.slice[0].slice
@@ -76,6 +78,34 @@ def _indexed_dims(graph: Graph, span, rank: int) -> set[int | None]:
             return {ANY_DIM}
         return set(range(rank)[slice(*bounds)])
     return {ANY_DIM}
+
+
+def _unpacked_dims(source, assign: cst.Assign, rank: int) -> set[int | None]:
+    """`B, T, _ = x.shape`: the dims whose names the enclosing function uses again. A name
+    nothing reads (`_`, `three_times_hidden_size` in Bloom's attention) holds a size no one
+    sees, whole or local; any other appearance of the name, even assigned again, counts as a
+    use. ANY_DIM when the shape is not unpacked into plain names, one per dim."""
+    if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, (cst.Tuple, cst.List)):
+        return {ANY_DIM}
+    elements = assign.targets[0].target.elements
+    if len(elements) != rank or not all(isinstance(e, cst.Element) and isinstance(e.value, cst.Name)
+                                        for e in elements):
+        return {ANY_DIM}
+    scope = source.parents.get(assign)
+    while scope is not None and not isinstance(scope, (cst.FunctionDef, cst.Module)):
+        scope = source.parents.get(scope)
+    if scope is None:
+        return {ANY_DIM}
+    targets = {id(e.value) for e in elements}
+    seen: dict[str, int] = {}
+
+    class _Names(cst.CSTVisitor):
+        def visit_Name(self, name: cst.Name) -> None:
+            if id(name) not in targets:
+                seen[name.value] = seen.get(name.value, 0) + 1
+
+    scope.visit(_Names())
+    return {d for d, e in enumerate(elements) if seen.get(e.value.value)}
 
 
 def splits_read_size(graph: Graph, index: int, lay: ChoiceLayouts, read: dict[int, set[int | None]]) -> str | None:

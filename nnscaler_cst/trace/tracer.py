@@ -153,11 +153,16 @@ def _position(frame) -> tuple | None:
 
 
 class Tracer(TorchFunctionMode):
-    def __init__(self, sources: SourceSet, entry: Entry, library_modules: tuple[str, ...] = ()):
+    def __init__(self, sources: SourceSet, entry: Entry, library_modules: tuple[str, ...] = (),
+                 leaf_types: frozenset = frozenset()):
         super().__init__()
         self.sources = sources
         self.entry = entry
         self.library_modules = tuple(library_modules)
+        # Layer classes of the model's files called as one op at each call site (see role_layers)
+        self.leaf_types = frozenset(leaf_types)
+        self._leaf_ids: set[int] = set()      # id() of their instances in the model being traced
+        self.role_layers: frozenset = frozenset()   # found by this trace: see _role_layers
         self.own_files: set[str] = {str(entry.path)}
         self.nodes: list[Node] = []
         self.ops: list[OpCall] = []
@@ -178,11 +183,25 @@ class Tracer(TorchFunctionMode):
 
     # ---- frames -------------------------------------------------------------------------
     def own_frame(self, frame):
+        if self._leaf_ids:
+            return self._own_and_leaf(frame)[0]
         while frame is not None:
             if frame.f_code.co_filename in self.own_files:
                 return frame
             frame = frame.f_back
         return None
+
+    def _own_and_leaf(self, frame) -> tuple[Any, bool]:
+        """(the innermost own frame outside every call of a leaf layer, whether `frame` runs
+        inside such a call): a leaf layer's forward is one op of its caller, not model lines."""
+        found, inside = None, False
+        while frame is not None:
+            if frame.f_code.co_name in _MODULE_CALL and id(frame.f_locals.get("self")) in self._leaf_ids:
+                found, inside = None, True
+            elif found is None and frame.f_code.co_filename in self.own_files:
+                found = frame
+            frame = frame.f_back
+        return found, inside
 
     @staticmethod
     def _chain(frame, own) -> list:
@@ -287,8 +306,12 @@ class Tracer(TorchFunctionMode):
         path = self._module_names.get(id(module))
         if path is not None:
             self.module_runs[path] = self.module_runs.get(path, 0) + 1
+        if id(module) in self._leaf_ids:
+            self._current = None    # each call of a leaf layer is a node, in a loop too
         if path is None or path in self.module_calls:
             return
+        if self._leaf_ids and self._own_and_leaf(sys._getframe(1))[1] and id(module) not in self._leaf_ids:
+            return                  # a module a leaf layer calls: part of that op
         own = self.own_frame(sys._getframe(1))
         if own is not None and own.f_locals.get("self") is not module:
             span = self._span(own)
@@ -306,8 +329,8 @@ class Tracer(TorchFunctionMode):
 
     def _record_size_query(self, args, kwargs):
         """`x.size(-1)` / `x.shape`: where a size came from, so a rewrite never divides it twice."""
-        own = self.own_frame(sys._getframe(3))
-        if own is None:
+        own, inside = self._own_and_leaf(sys._getframe(3)) if self._leaf_ids else (self.own_frame(sys._getframe(3)), False)
+        if own is None or inside:
             return
         span = self._span(own)
         if span is not None:
@@ -487,6 +510,7 @@ class Tracer(TorchFunctionMode):
             with _CtorRecorder() as ctors:
                 model = self._call_user(entry.build, "build()")
             self._add_model_files(model)
+            self._leaf_ids = {id(m) for m in model.modules() if type(m) in self.leaf_types}
             ctor_sites = {key: self._ctor_site(stack) for key, stack in ctors.stacks.items()}
             inputs = self._call_user(entry.example_inputs, "example_inputs()")
             if batch_slices > 1:
@@ -521,11 +545,63 @@ class Tracer(TorchFunctionMode):
                                 "does not have a grad_fn", Location(display_path(entry.path)),
                                 hint="the model must run on its example inputs on one CPU device")
         self._set_outputs(loss_tid)
+        if not self.leaf_types:
+            self.role_layers = self._role_layers(model)
         batch = next((self.tensors[t].shape[0] for t in input_tids.values() if self.tensors[t].shape), None)
         return Trace(mode, sorted(self.own_files), self.nodes, self.ops, self.tensors, params, input_tids,
                      loss_tid, {name: qualified_type(type(m)) for name, m in model.named_modules()}, batch,
                      self.size_queries, self.module_calls, self.containers, self.replays, self.state_writes,
                      self.module_runs)
+
+    def _role_layers(self, model: torch.nn.Module) -> frozenset:
+        """Layer classes of the model's files that are called from two or more places: a
+        projection class serving as the fused qkv, the output and both MLP layers
+        (`FalconLinear`, an nn.Linear whose forward is `x @ self.weight.T`), or a convolution
+        class serving as each conv of a bottleneck. Traced line by line, every instance runs the
+        one line of its forward, and one source line takes one split: the column and the row
+        layers could not both split. Called as one op at each call site instead (`self.dense(x)`),
+        each place gets its own split, derived by the probe like a library layer's.
+        A layer here: its forward is in the model's files, it holds a weight of two or more
+        dims itself that meets the activations (see _weights_meeting_activations: a projection
+        or a convolution, not an embedding table, whose roles all split alike), and no module
+        under it holds parameters (an attention block holding its projections is not one)."""
+        meeting = self._weights_meeting_activations()
+        places: dict[type, set] = {}
+        for name, module in model.named_modules():
+            cls = type(module)
+            forward = getattr(getattr(cls, "forward", None), "__code__", None)
+            if forward is None or forward.co_filename not in self.own_files:
+                continue
+            if not any(p.dim() >= 2 and (self._tid_of.get(id(p)), name) in meeting
+                       for p in module.parameters(recurse=False)):
+                continue
+            if any(True for child in module.children() for _ in child.parameters()):
+                continue
+            call = self.module_calls.get(name)
+            if call is not None:
+                places.setdefault(cls, set()).add(call[0])
+        return frozenset(cls for cls, spans in places.items() if len(spans) > 1)
+
+    def _weights_meeting_activations(self) -> set[tuple[int, str]]:
+        """(parameter, module path) where the forward of the module at that path brings the
+        parameter, alone or through ops on parameters only (`self.weight.T`, a weight
+        standardized by its own statistics), into an op together with a floating tensor not
+        computed from parameters alone: a weight multiplied into the activations. An embedding
+        table meets integer ids only in its own forward (a tied output layer's matmul is the
+        head's)."""
+        sources: dict[int, set[int]] = {tid: {tid} for tid, info in self.tensors.items() if info.param is not None}
+        meeting: set[tuple[int, str]] = set()
+        for op in self.ops:
+            if not op.inputs:
+                continue
+            weights = [t for t in op.inputs if t in sources]
+            if len(weights) == len(op.inputs):
+                for out in op.outputs:
+                    sources[out] = set().union(*(sources[t] for t in weights))
+            elif weights and any(_floating(self.tensors[t].dtype) for t in op.inputs if t not in sources):
+                path = self.nodes[op.node].module_path
+                meeting.update((param, path) for t in weights for param in sources[t])
+        return meeting
 
     def _state_written(self, module, name: str, frame) -> None:
         path = self._module_names.get(id(module))
@@ -661,14 +737,28 @@ def quiet_fake_mode():
 
 def trace_model(entry: Entry, sources: SourceSet, *, library_modules=(), mode: str = "auto",
                 batch_slices: int = 1) -> Trace:
-    """Trace under fake tensors; fall back to real CPU tensors when fake mode cannot run."""
+    """Trace under fake tensors; fall back to real CPU tensors when fake mode cannot run.
+    When the trace finds layer classes called from several places (Tracer._role_layers), the
+    model is traced again with each of their calls one op."""
+    def run(how: str) -> Trace:
+        tracer = Tracer(sources, entry, library_modules)
+        trace = tracer.run(how, batch_slices)
+        if tracer.role_layers:
+            return Tracer(sources, entry, library_modules, tracer.role_layers).run(how, batch_slices)
+        return trace
+
     if mode in ("auto", "fake"):
         try:
-            return Tracer(sources, entry, library_modules).run("fake", batch_slices)
+            return run("fake")
         except UserError:
             if mode == "fake":
                 raise
-    return Tracer(sources, entry, library_modules).run("real", batch_slices)
+    return run("real")
+
+
+def _floating(dtype_name: str) -> bool:
+    dtype = getattr(torch, dtype_name.removeprefix("torch."), None)
+    return isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype.is_complex)
 
 
 def _strides(tensor: torch.Tensor) -> tuple[int, ...] | None:
