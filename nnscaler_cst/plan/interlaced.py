@@ -18,7 +18,10 @@ with the collectives before anything is written.
 
 A share serves the owner's calls of one step (VOCAB_CALLS, counted in the trace) and ends with
 the last: the other ranks wait from the step they join the owner's to its last vocabulary op.
-The walk and the simulator count a share as long as the owner's whole step (an upper bound).
+The walk counts a share as long as the owner's whole step (an upper bound; measured on gloo, a
+share of a step whose vocabulary op comes last lasts that whole step: BENCH_PIPELINE.md part 4).
+verify/simulate.py gives a share no length: its rank waits for the owner to start, not to end,
+so simulate() can be optimistic for interlaced orders.
 """
 from __future__ import annotations
 
