@@ -15,14 +15,12 @@ import inspect
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-import libcst as cst
-
 from ..errors import UserError
 from ..graph.graph import Graph
 from ..plan.batch import batch_factors, batch_labels, data_parallel_impl
 from ..plan.layouts import REPLICATE, R, Layout, layouts_for, shard
 from ..plan.search import AxisChoices
-from .size_args import SIZE_ARGUMENTS, SPLIT_SIZES, locate_size_argument
+from .size_args import SIZE_ARGUMENTS, SPLIT_SIZES, dims_sized_by_read, locate_size_argument
 from .size_reads import full_size_reads
 from ..source.files import Span
 from ..trace.records import Node, TensorList
@@ -511,28 +509,13 @@ def _dim_sized_by_a_split_tensor(graph: Graph, node: Node, have: dict[int, Layou
     """The output dim of a view or expand whose size the source reads from a tensor split on the
     matching dim (`mask.expand(x.size())`, `y.view(x.size(0), -1)`): at run time that size is the
     local one, so the result is split there even where the plan runs the call whole."""
-    call = graph.source_node(node)
-    if not isinstance(call, cst.Call) or graph.sources is None:
-        return None
-    source = graph.sources.get(node.span.path)
-    rank = len(graph.trace.tensors[node.outputs[0]].shape)
-    # (expression, starred) of each size argument, or of each item of a sizes tuple
-    positional = [(a.value, bool(a.star)) for a in call.args if a.keyword is None]
-    positional = positional[1:] if node.callee == "torch.reshape" else positional
-    if len(positional) == 1 and isinstance(positional[0][0], (cst.Tuple, cst.List)):
-        positional = [(e.value, isinstance(e, cst.StarredElement)) for e in positional[0][0].elements]
     for span, tid, dim in graph.trace.size_queries:
         layout = have.get(tid, R)
-        read_rank = len(graph.trace.tensors[tid].shape)
         if layout.kind != "S" or layout.groups != 1 or not node.span.contains(span):
             continue
-        for at, (argument, starred) in enumerate(positional):
-            if starred or not source.span_of(argument).contains(span):
-                continue
-            if dim is None and len(positional) == 1 and read_rank == rank:   # the whole shape
-                return layout.dim
-            if dim is not None and dim % read_rank == layout.dim and not any(s for _, s in positional[:at]):
-                return at
+        sized = dims_sized_by_read(graph, node, span, len(graph.trace.tensors[tid].shape), dim)
+        if layout.dim in sized:
+            return sized[layout.dim]
     return None
 
 

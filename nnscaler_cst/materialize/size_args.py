@@ -171,3 +171,30 @@ def shape_names(function: cst.FunctionDef | None) -> frozenset[str]:
 
     function.visit(Visit())
     return frozenset(out)
+
+
+def dims_sized_by_read(graph: Graph, node: Node, read_span, read_rank: int, dim: int | None) -> dict[int, int]:
+    """The output dims of a view or expand whose size the source takes from a size read at
+    `read_span` of a tensor of rank `read_rank`: read dim -> output dim. `x.size()` as the only
+    size (`mask.expand(x.size())`), `*x.size()` with no starred size before it
+    (`y.expand(*x.size(), n)`), or `x.size(d)` as one size (`y.view(x.size(0), -1)`)."""
+    call = graph.source_node(node)
+    if not isinstance(call, cst.Call) or graph.sources is None or not node.outputs:
+        return {}
+    source = graph.sources.get(node.span.path)
+    rank = len(graph.trace.tensors[node.outputs[0]].shape)
+    # (expression, starred) of each size argument, or of each item of a sizes tuple
+    positional = [(a.value, bool(a.star)) for a in call.args if a.keyword is None]
+    positional = positional[1:] if node.callee == "torch.reshape" else positional
+    if len(positional) == 1 and isinstance(positional[0][0], (cst.Tuple, cst.List)):
+        positional = [(e.value, isinstance(e, cst.StarredElement)) for e in positional[0][0].elements]
+    for at, (argument, starred) in enumerate(positional):
+        if not source.span_of(argument).contains(read_span) or any(s for _, s in positional[:at]):
+            continue
+        if dim is None and starred and at + read_rank <= rank:
+            return {d: at + d for d in range(read_rank)}
+        if dim is None and not starred and len(positional) == 1 and read_rank == rank:   # the whole shape
+            return {d: d for d in range(rank)}
+        if dim is not None and not starred:
+            return {dim % read_rank: at}
+    return {}

@@ -12,7 +12,8 @@ from collections import defaultdict
 import libcst as cst
 
 from ..graph.graph import Graph
-from ..materialize.size_args import SIZE_ARGUMENTS, SPLIT_SIZES
+from ..trace.records import Node
+from ..materialize.size_args import SIZE_ARGUMENTS, SPLIT_SIZES, dims_sized_by_read
 from .layouts import REPLICATE, ChoiceLayouts, layouts_for
 
 ANY_DIM = None           # `x.shape` read whole: every dim of x is read
@@ -31,18 +32,34 @@ def dims_read_whole(graph: Graph, every_read: bool = False) -> dict[int, set[int
         if consumer is None and not every_read:
             continue                # assigned to a name: local is right where views use it
         view = at_span[consumer] if consumer is not None else None
-        if view is not None and view.callee in SIZE_ARGUMENTS | SPLIT_SIZES and (
-                not every_read or any(op.name == "arg0" and op.tid == tid for op in view.operands)):
-            # a view's size: the rewrite makes the view local. Unless the plan runs the view whole
-            # and the size is another tensor's (`y.expand(*x.size(), n)`): the cautious answer
-            # keeps that tensor whole too
-            continue
         rank = len(graph.trace.tensors[tid].shape)
+        if view is not None and view.callee in SIZE_ARGUMENTS | SPLIT_SIZES:
+            if not every_read or any(op.name == "arg0" and op.tid == tid for op in view.operands):
+                continue        # a view's size: the rewrite makes the view local
+            # the cautious answer: the plan may run the view whole while the size is another
+            # tensor's (`y.expand(*x.size(), n)`), so x stays whole. Not where the expand
+            # broadcasts a dim of size 1 (`mask.expand(x.size())`): that one is right local
+            kept = _expanded_read_dims(graph, view, span, rank, dim)
+            if kept is not None:
+                out[tid].update(kept)
+                continue
         if isinstance(dim, int) and rank:
             out[tid].add(dim % rank)
         else:
             out[tid].update(_indexed_dims(graph, span, rank))
     return dict(out)
+
+
+def _expanded_read_dims(graph: Graph, view: Node, span, rank: int, dim: int | None) -> set[int] | None:
+    """The dims of a size read into an expand that size a dim the expand does not broadcast from
+    size 1; None where the read's place among the sizes is not known."""
+    tensor = next((op.tid for op in view.operands if op.name == "arg0"), None)
+    sized = dims_sized_by_read(graph, view, span, rank, dim) if view.callee == "Tensor.expand" else {}
+    if tensor is None or not sized:
+        return None
+    shape_in, shape_out = graph.trace.tensors[tensor].shape, graph.trace.tensors[view.outputs[0]].shape
+    lead = len(shape_out) - len(shape_in)          # dims the expand adds in front
+    return {read for read, at in sized.items() if at >= lead and shape_in[at - lead] != 1}
 
 
 def _int(node: cst.BaseExpression | None) -> int | None:
