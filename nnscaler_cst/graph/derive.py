@@ -50,6 +50,11 @@ def derive(node: Node, trace: Trace, cache: dict, size_attributes=None) -> Deriv
     """`size_attributes(module type)`: per parameter and dim, the names of the layer's
     attributes holding that size (RuleSet.size_attributes); a probe slicing a layer's weight
     sets them to the local size, as the rewrite's divided constructor argument does."""
+    names = _operand_names(node)
+    if all(not trace.tensors[tid].shape for tid in [*names, *node.outputs]):
+        # scalars in and out (a cache's counters): no dim to split, so it runs whole, exactly
+        return Derived(OpDims({name: TensorDims(tid, []) for tid, own in names.items() for name in own},
+                              [TensorDims(tid, []) for tid in node.outputs]), None)
     replay = trace.replays.get(node.index)
     if replay is None or replay.outputs is None:
         return Derived(None, "no rule, and the call cannot be replayed to derive one")

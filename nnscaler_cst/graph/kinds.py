@@ -385,12 +385,15 @@ def einsum(call: Call) -> OpDims:
     if not isinstance(equation, str) or "->" not in equation or "..." in equation:
         raise DimsError("einsum needs an explicit equation without ...")
     lhs, rhs = equation.replace(" ", "").split("->")
-    names = [n for n in call.shapes]
+    operands = [(n, call.tids[n], call.shapes[n]) for n in call.shapes]
+    if not operands and len(call.lists) == 1:       # the operands as one tuple: einsum(eq, (a, b))
+        name, tids = next(iter(call.lists.items()))
+        operands = [(f"{name}[{k}]", t, shape) for k, (t, shape) in enumerate(zip(tids, call.values[f"{name}.shapes"]))]
     parts = lhs.split(",")
-    if len(parts) != len(names):
+    if len(parts) != len(operands):
         raise DimsError("einsum operand count mismatch")
-    inputs = {n: TensorDims(call.tids[n], [(Factor(c, s),) for c, s in zip(p, call.shapes[n])])
-              for n, p in zip(names, parts)}
+    inputs = {n: TensorDims(tid, [(Factor(c, s),) for c, s in zip(p, shape)])
+              for (n, tid, shape), p in zip(operands, parts)}
     out = TensorDims(call.out_tids[0], [(Factor(c, s),) for c, s in zip(rhs, call.out_shapes[0])])
     return OpDims(inputs, [out], reduced=set(lhs.replace(",", "")) - set(rhs))
 

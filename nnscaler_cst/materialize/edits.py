@@ -20,7 +20,7 @@ from ..graph.graph import Graph
 from ..plan.batch import batch_factors, batch_labels, data_parallel_impl
 from ..plan.layouts import REPLICATE, R, Layout, layouts_for, shard
 from ..plan.search import AxisChoices
-from .size_args import SIZE_ARGUMENTS, SPLIT_SIZES, dims_sized_by_read, locate_size_argument
+from .size_args import SIZE_ARGUMENTS, SPLIT_SIZES, dims_sized_by_read, expand_broadcasts, locate_size_argument
 from .size_reads import full_size_reads
 from ..source.files import Span
 from ..trace.records import Node, TensorList
@@ -111,7 +111,7 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
         for k, tid in enumerate(node.outputs):
             outs = lay(node).outputs
             have[tid] = outs[k] if k < len(outs) else R
-        if node.callee in SIZE_ARGUMENTS and node.outputs and have[node.outputs[0]] == R:
+        if node.callee == "Tensor.expand" and node.outputs and have[node.outputs[0]] == R:
             sized = _dim_sized_by_a_split_tensor(graph, node, have)
             if sized is not None:       # planned whole, but built at the size a split tensor has
                 have[node.outputs[0]] = shard(sized)
@@ -506,16 +506,18 @@ def _size_edits(graph: Graph, node: Node, choice: str, n: int, site: SiteEdit, l
 
 
 def _dim_sized_by_a_split_tensor(graph: Graph, node: Node, have: dict[int, Layout]) -> int | None:
-    """The output dim of a view or expand whose size the source reads from a tensor split on the
-    matching dim (`mask.expand(x.size())`, `y.view(x.size(0), -1)`): at run time that size is the
-    local one, so the result is split there even where the plan runs the call whole."""
+    """The output dim of an expand whose size the source reads from a tensor split on the
+    matching dim, where the expand broadcasts a dim of size 1 (`mask.expand(x.size())`): at run
+    time that size is the local one, so the result is split there even where the plan runs
+    the call whole. (Where it does not broadcast, the cautious re-plan keeps x whole:
+    plan/whole_sizes.py.)"""
     for span, tid, dim in graph.trace.size_queries:
         layout = have.get(tid, R)
         if layout.kind != "S" or layout.groups != 1 or not node.span.contains(span):
             continue
-        sized = dims_sized_by_read(graph, node, span, len(graph.trace.tensors[tid].shape), dim)
-        if layout.dim in sized:
-            return sized[layout.dim]
+        at = dims_sized_by_read(graph, node, span, len(graph.trace.tensors[tid].shape), dim).get(layout.dim)
+        if at is not None and expand_broadcasts(graph, node, at):
+            return at
     return None
 
 

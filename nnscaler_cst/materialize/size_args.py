@@ -198,3 +198,15 @@ def dims_sized_by_read(graph: Graph, node: Node, read_span, read_rank: int, dim:
         if dim is not None and not starred:
             return {dim % read_rank: at}
     return {}
+
+
+def expand_broadcasts(graph: Graph, node: Node, dim: int) -> bool:
+    """An expand's output dim comes from a dim of size 1 of its input, or is added in front:
+    its size may be anything, whole or local, and the input still fits."""
+    tensor = next((op.tid for op in node.operands if op.name == "arg0"), None)
+    if node.callee != "Tensor.expand" or tensor is None:
+        return False
+    shape_in = graph.trace.tensors[tensor].shape
+    lead = len(graph.trace.tensors[node.outputs[0]].shape) - len(shape_in)
+    return dim < lead or shape_in[dim - lead] == 1
+

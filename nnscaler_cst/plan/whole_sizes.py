@@ -13,7 +13,7 @@ import libcst as cst
 
 from ..graph.graph import Graph
 from ..trace.records import Node
-from ..materialize.size_args import SIZE_ARGUMENTS, SPLIT_SIZES, dims_sized_by_read
+from ..materialize.size_args import SIZE_ARGUMENTS, SPLIT_SIZES, dims_sized_by_read, expand_broadcasts
 from .layouts import REPLICATE, ChoiceLayouts, layouts_for
 
 ANY_DIM = None           # `x.shape` read whole: every dim of x is read
@@ -51,15 +51,12 @@ def dims_read_whole(graph: Graph, every_read: bool = False) -> dict[int, set[int
 
 
 def _expanded_read_dims(graph: Graph, view: Node, span, rank: int, dim: int | None) -> set[int] | None:
-    """The dims of a size read into an expand that size a dim the expand does not broadcast from
-    size 1; None where the read's place among the sizes is not known."""
-    tensor = next((op.tid for op in view.operands if op.name == "arg0"), None)
+    """The dims of a size read into an expand that size a dim the expand does not broadcast;
+    None where the read's place among the sizes is not known."""
     sized = dims_sized_by_read(graph, view, span, rank, dim) if view.callee == "Tensor.expand" else {}
-    if tensor is None or not sized:
+    if not sized:
         return None
-    shape_in, shape_out = graph.trace.tensors[tensor].shape, graph.trace.tensors[view.outputs[0]].shape
-    lead = len(shape_out) - len(shape_in)          # dims the expand adds in front
-    return {read for read, at in sized.items() if at >= lead and shape_in[at - lead] != 1}
+    return {read for read, at in sized.items() if not expand_broadcasts(graph, view, at)}
 
 
 def _int(node: cst.BaseExpression | None) -> int | None:
