@@ -234,3 +234,104 @@ def test_ops_without_rules_on_a_split_path_train_like_one_device(tmp_path, plan)
                              "-o", str(tmp_path / "out"), "--json"], capture_output=True, text=True, timeout=600)
     outcome = json.loads(result.stdout[result.stdout.find("{"):])
     assert result.returncode == 0 and outcome["passed"] is True, result.stdout + result.stderr
+
+
+STEP_HELPERS = '''
+import torch
+
+
+class Steps:
+    """Holds a counter, as transformers' caches do: made in forward, scalars only."""
+
+    def __init__(self):
+        self.seen = torch.zeros((), dtype=torch.long)
+        self.scale = torch.ones(())
+'''
+
+TUPLE_EINSUM_MODEL = '''
+import torch
+import torch.nn as nn
+from step_helpers import Steps
+
+
+class Mixer(nn.Module):
+    def __init__(self, width=16, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qk = nn.Linear(width, 2 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x):
+        steps = Steps()
+        q, k = self.qk(x).chunk(2, dim=-1)
+        b, t, c = q.shape
+        q = q.view(b, t, self.heads, c // self.heads)
+        k = k.view(b, t, self.heads, c // self.heads)
+        scores = torch.einsum("bthd,bshd->bhts", (q, k)).softmax(-1)     # the operands as one tuple
+        mixed = torch.einsum("bhts,bshd->bthd", (scores, k)).reshape(b, t, c)
+        return self.out(mixed) * steps.scale
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Mixer() for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x.pow(2).mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 8, 16),)
+'''
+
+
+@pytest.fixture(scope="module")
+def tuple_einsum(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tuple_einsum")
+    (folder / "step_helpers.py").write_text(STEP_HELPERS.lstrip())
+    (folder / "tuple_einsum.py").write_text(TUPLE_EINSUM_MODEL.lstrip())
+    sys.path.insert(0, str(folder))
+    try:
+        return folder / "tuple_einsum.py", analyze(folder / "tuple_einsum.py")
+    finally:
+        sys.path.remove(str(folder))
+
+
+def test_einsum_with_its_operands_in_one_tuple_has_the_equations_labels(tuple_einsum):
+    """`torch.einsum(eq, (a, b))`, the older calling form (Longformer, LED): the equation's
+    letters label the tuple's tensors; d is summed, the heads h split both."""
+    _, analysis = tuple_einsum
+    node = next(n for n in analysis.trace.nodes if n.callee.endswith("einsum"))
+    dims = analysis.graph.dims.get(node.index)
+    assert dims is not None, analysis.graph.problems.get(node.index)
+    q, k = (dims.inputs[name].dims for name in sorted(dims.inputs))
+    assert q[3][0].label == k[3][0].label == "d" and "d" in dims.reduced
+    assert q[2][0].label == k[2][0].label == "h" and "h" not in dims.reduced
+
+
+def test_a_call_with_scalars_only_runs_whole_without_a_probe(tuple_einsum):
+    """A helper object's constructor that makes scalar tensors (a cache's counters) has no dim
+    to split: it is annotated, with nothing splittable, instead of left without a rule."""
+    _, analysis = tuple_einsum
+    node = next(n for n in analysis.trace.nodes if n.callee.endswith("Steps.__init__"))
+    dims = analysis.graph.dims.get(node.index)
+    assert dims is not None, analysis.graph.problems.get(node.index)
+    assert dims.splittable() == []
+    assert analysis.graph.summary()["unannotated_sites"] == 0
+
+
+@pytest.mark.slow
+def test_tuple_einsum_heads_split_trains_like_one_device(tuple_einsum):
+    path, _ = tuple_einsum
+    # the output beside the model: its ranks import step_helpers from there
+    result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "verify", str(path), "--tp", "2",
+                             "-o", str(path.parent / "out"), "--json"], capture_output=True, text=True, timeout=600)
+    outcome = json.loads(result.stdout[result.stdout.find("{"):])
+    assert result.returncode == 0 and outcome["passed"] is True, result.stdout + result.stderr
