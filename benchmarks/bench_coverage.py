@@ -775,6 +775,9 @@ def render(data: dict) -> str:
                f"({sum(s <= 10 for s in plan_seconds)} of {len(plan_seconds)} within 10 s); beyond the plain-PyTorch "
                f"check process of the same entry (imports, build, one step): median "
                f"{statistics.median(beyond):.1f}, max {max(beyond):.1f}" if plan_seconds else "-"),
+              *([f"- quiet `plan --tp 2`, one process at a time (`{data.get('plan_time_command')}`): "
+                 + plan_time_line([a["plan_time"] for a in ran if "plan_time" in a])]
+                if any("plan_time" in a for a in ran) else []),
               "- families run: " + ", ".join(f"{f} {sum(a['family'] == f for a in ran)}" for f in FAMILIES),
               "- entry styles run: " + ", ".join(f"`{s}` {sum(a['style'] == s for a in ran)}" for s in ("from", "module"))
               + " (`from`: `from transformers import X`; `module`: `import transformers` + `transformers.X(config)`); "
@@ -783,11 +786,12 @@ def render(data: dict) -> str:
     # Per architecture.
     lines += ["## Per architecture", "",
               "annotated = call sites with a split annotation (inspect); split = block parameter elements split by "
-              "the TP=2 plan; plan s = wall seconds of `plan --tp 2`; total s = the whole architecture, checks "
-              "included.", "",
-              "| architecture | family | model class | style | use_cache | params | annotated | plan s | split | "
-              "TP=2 | DP=2 | PP=2 | DP×TP | total s | notes |",
-              "|---|---|---|---|---|---:|---:|---:|---:|---|---|---|---|---:|---|"]
+              "the TP=2 plan; plan s = wall seconds of `plan --tp 2` in the sweep; quiet plan s = the same, one "
+              "process at a time (bench_plan_time.py), and in brackets the tool's own share (less the entry's "
+              "import and build); total s = the whole architecture, checks included.", "",
+              "| architecture | family | model class | style | use_cache | params | annotated | plan s | quiet plan s "
+              "| split | TP=2 | DP=2 | PP=2 | DP×TP | total s | notes |",
+              "|---|---|---|---|---|---:|---:|---:|---:|---:|---|---|---|---|---:|---|"]
     for a in ran:
         runs = by_run[a["arch"]]
         annotated = runs.get("inspect", {}).get("details", {}).get("annotated_sites")
@@ -796,7 +800,7 @@ def render(data: dict) -> str:
         plan_s = f"{plan['seconds']:.1f}" if plan.get("status") == "ok" else plan.get("status", "-")
         params = a["check"].get("params")
         cells = [a["arch"], a["family"], f"`{a['model_class']}`", a["style"], a["use_cache"],
-                 f"{params / 1e6:.2f}M" if params else "-", pct(annotated), plan_s, pct(split)]
+                 f"{params / 1e6:.2f}M" if params else "-", pct(annotated), plan_s, quiet_plan(a), pct(split)]
         cells += [runs.get(r, {}).get("status", "-") for r in VERIFY_RUNS]
         cells.append(f"{a['seconds']:.0f}")
         notes = (["entry defines loss()"] if a.get("with_loss") else []) + \
@@ -840,6 +844,28 @@ def render(data: dict) -> str:
         lines += [f"- {r['arch']} [{r['run']}] at `{r['revision']}`: {r['result']} (`{r['command']}`)"
                   for r in data["rechecks"]]
     return "\n".join(lines) + "\n"
+
+
+def quiet_plan(arch: dict) -> str:
+    timed = arch.get("plan_time")
+    if not timed:
+        return "-"
+    return f"{timed['plan_seconds']:.1f} ({timed['own_seconds']:.1f})" if timed["ok"] else "failed"
+
+
+def plan_time_line(records: list[dict]) -> str:
+    """bench_plan_time.py's records in one line: the plan's wall time, the entry's own import and
+    build, and the difference, the tool's share."""
+    ok = [r for r in records if r["ok"]]
+    if not ok:
+        return "no architecture planned"
+    plans, own = [r["plan_seconds"] for r in ok], [r["own_seconds"] for r in ok]
+    bases = [r["baseline_seconds"] for r in ok]
+    return (f"`plan --tp 2` wall median {statistics.median(plans):.1f} s, max {max(plans):.1f} "
+            f"({sum(s <= 10 for s in plans)} of {len(ok)} within 10 s); the entry's import and build alone "
+            f"median {statistics.median(bases):.1f} s; the tool's own share median {statistics.median(own):.1f} s, "
+            f"max {max(own):.1f} ({sum(s <= 10 for s in own)} of {len(ok)} within 10 s); 1-minute load median "
+            f"{statistics.median(r['load'] for r in ok):.1f}" + (f"; {len(records) - len(ok)} failed" if len(ok) < len(records) else ""))
 
 
 def run_lines(data: dict) -> list[str]:
