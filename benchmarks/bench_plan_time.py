@@ -2,13 +2,14 @@
 """How long `nnscaler-rewrite plan --tp 2` takes per architecture, one process at a time, and
 how much of it is the model's own import and build.
 
-    python benchmarks/bench_coverage.py --dry-run --work /tmp/entries      # writes the entries
-    python benchmarks/bench_plan_time.py --work /tmp/entries [--only llama,bert] [--repeat 1]
-        [--into benchmarks/coverage_results.json]
+    python benchmarks/bench_plan_time.py --into benchmarks/coverage_results.json --work /tmp/entries
+        [--only llama,bert] [--repeat 1]
+    python benchmarks/bench_plan_time.py --work DIR        # entries bench_coverage.py --dry-run wrote
 
 The coverage sweep times `plan` while other runs share the machine; this bench runs nothing
-else. Per architecture (the entry `<work>/<type>/hf_<type>.py` that bench_coverage.py wrote),
-alternately, `--repeat` times each:
+else. Per architecture (the entry `<work>/<type>/hf_<type>.py`: with --into, written again from
+that results file's record of each architecture that ran, as the sweep wrote it), alternately,
+`--repeat` times each:
 
 - the baseline: a fresh interpreter that imports the entry file and calls build(), which is
   what any program using the model pays (torch, transformers, the model's own modules);
@@ -32,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import revision  # noqa: E402
-from bench_coverage import cli, plan_time_line  # noqa: E402
+from bench_coverage import cli, entry_source, enumerate_archs, plan_time_line  # noqa: E402
 
 BASELINE = ("import runpy, sys; sys.path.insert(0, {folder!r}); "
             "runpy.run_path({entry!r})['build']()")
@@ -68,23 +69,40 @@ def measure(entry: Path, repeat: int, timeout: float) -> dict:
             "load": round(load, 2)}
 
 
+def write_entries(results: dict, work: Path) -> None:
+    """The entry of each architecture that ran in the sweep, as the sweep wrote it (its config
+    overrides and loss() as recorded)."""
+    known = {a.name: a for a in enumerate_archs()[0]}
+    for record in results["architectures"]:
+        arch = known.get(record["arch"])
+        if arch is None or not record["check"]["ok"]:
+            continue
+        arch.overrides = record["overrides"]
+        folder = work / arch.name.replace("-", "_")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"hf_{arch.name.replace('-', '_')}.py").write_text(entry_source(arch, with_loss=record["with_loss"]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--work", required=True, help="bench_coverage.py's work folder holding <type>/hf_<type>.py")
+    p.add_argument("--work", required=True, help="folder of the entries, <type>/hf_<type>.py")
     p.add_argument("--only", help="comma-separated model types")
     p.add_argument("--repeat", type=int, default=1, help="runs of each process; the fastest is kept")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--results", help="JSON of this bench's records (default: <work>/plan_time.json)")
-    p.add_argument("--into", help="a coverage results file: add each architecture's plan_time to it")
+    p.add_argument("--into", help="a coverage results file: write its architectures' entries, and add each "
+                   "one's plan_time to it")
     args = p.parse_args()
 
     work = Path(args.work)
+    if args.into:
+        write_entries(json.loads(Path(args.into).read_text()), work)
     entries = sorted(work.glob("*/hf_*.py"))
     if args.only:
         names = set(args.only.split(","))
         entries = [e for e in entries if e.parent.name in names]
     if not entries:
-        raise SystemExit(f"no entries under {work}: run bench_coverage.py --dry-run --work {work} first")
+        raise SystemExit(f"no entries under {work}: give --into a coverage results file")
     meta = {"command": " ".join(["python", "benchmarks/bench_plan_time.py", *sys.argv[1:]]),
             "revision": revision(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "cores": os.cpu_count()}
