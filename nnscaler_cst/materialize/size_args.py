@@ -209,4 +209,3 @@ def expand_broadcasts(graph: Graph, node: Node, dim: int) -> bool:
     shape_in = graph.trace.tensors[tensor].shape
     lead = len(graph.trace.tensors[node.outputs[0]].shape) - len(shape_in)
     return dim < lead or shape_in[dim - lead] == 1
-

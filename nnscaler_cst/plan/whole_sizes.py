@@ -12,8 +12,8 @@ from collections import defaultdict
 import libcst as cst
 
 from ..graph.graph import Graph
-from ..trace.records import Node
 from ..materialize.size_args import SIZE_ARGUMENTS, SPLIT_SIZES, dims_sized_by_read, expand_broadcasts
+from ..trace.records import Node
 from .layouts import REPLICATE, ChoiceLayouts, layouts_for
 
 ANY_DIM = None           # `x.shape` read whole: every dim of x is read
