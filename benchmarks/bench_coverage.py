@@ -775,7 +775,8 @@ def render(data: dict) -> str:
                f"({sum(s <= 10 for s in plan_seconds)} of {len(plan_seconds)} within 10 s); beyond the plain-PyTorch "
                f"check process of the same entry (imports, build, one step): median "
                f"{statistics.median(beyond):.1f}, max {max(beyond):.1f}" if plan_seconds else "-"),
-              *([f"- quiet `plan --tp 2`, one process at a time (`{data.get('plan_time_command')}`): "
+              *([f"- quiet `plan --tp 2`, one process at a time (`{data.get('plan_time_command')}`; revision "
+                 + ", ".join(sorted({a["plan_time"]["revision"] for a in ran if "plan_time" in a})) + "): "
                  + plan_time_line([a["plan_time"] for a in ran if "plan_time" in a])]
                 if any("plan_time" in a for a in ran) else []),
               "- families run: " + ", ".join(f"{f} {sum(a['family'] == f for a in ran)}" for f in FAMILIES),

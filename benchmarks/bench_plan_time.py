@@ -99,7 +99,7 @@ def main() -> None:
         write_entries(json.loads(Path(args.into).read_text()), work)
     entries = sorted(work.glob("*/hf_*.py"))
     if args.only:
-        names = set(args.only.split(","))
+        names = {name.replace("-", "_") for name in args.only.split(",")}
         entries = [e for e in entries if e.parent.name in names]
     if not entries:
         raise SystemExit(f"no entries under {work}: give --into a coverage results file")
@@ -119,10 +119,11 @@ def main() -> None:
     if args.into:
         into = Path(args.into)
         data = json.loads(into.read_text())
-        by_name = {r["arch"]: r for r in records}
+        by_folder = {r["arch"]: r for r in records}       # folders are named with _ for - (xlm-roberta)
         for arch in data["architectures"]:
-            if arch["arch"] in by_name:
-                arch["plan_time"] = {**by_name[arch["arch"]], "revision": meta["revision"], "date": meta["date"]}
+            timed = by_folder.get(arch["arch"].replace("-", "_"))
+            if timed is not None:
+                arch["plan_time"] = {**timed, "revision": meta["revision"], "date": meta["date"]}
         data["plan_time_command"] = meta["command"]
         into.write_text(json.dumps(data, indent=1))
         print(f"added plan_time to {into}")
