@@ -121,9 +121,9 @@ def main() -> None:
         data = json.loads(into.read_text())
         by_folder = {r["arch"]: r for r in records}       # folders are named with _ for - (xlm-roberta)
         for arch in data["architectures"]:
-            timed = by_folder.get(arch["arch"].replace("-", "_"))
-            if timed is not None:
-                arch["plan_time"] = {**timed, "revision": meta["revision"], "date": meta["date"]}
+            found = by_folder.get(arch["arch"].replace("-", "_"))
+            if found is not None:
+                arch["plan_time"] = {**found, "revision": meta["revision"], "date": meta["date"]}
         data["plan_time_command"] = meta["command"]
         into.write_text(json.dumps(data, indent=1))
         print(f"added plan_time to {into}")
