@@ -148,6 +148,7 @@ def _write(out_dir: Path, model_file: Path, given: dict, result, opened: set[str
     True when conflicts were left to resolve (the command exits 1)."""
     from .checkcache import effective_options, record
     from .config import project_defaults
+    from .emit.beside import beside_warning
     from .emit.output import write_output
     from .report.regenerate_view import regeneration_lines
     options = effective_options(given, project_defaults(model_file))
@@ -158,6 +159,7 @@ def _write(out_dir: Path, model_file: Path, given: dict, result, opened: set[str
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     for line in conflicts:
         err_console.print(line, markup=False, highlight=False, soft_wrap=True)
+    _print_warnings([w for w in [beside_warning(result.files, model_file, out_dir)] if w])
     return bool(conflicts)
 
 

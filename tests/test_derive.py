@@ -17,7 +17,9 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from nnscaler_cst.analysis import analyze
+from nnscaler_cst.emit.beside import beside_warning, modules_beside
 from nnscaler_cst.graph.derive import _real
+from nnscaler_cst.rewrite import PlanRequest, rewrite
 from nnscaler_cst.trace.replay import substitute
 
 HELPERS = '''
@@ -327,11 +329,24 @@ def test_a_call_with_scalars_only_runs_whole_without_a_probe(tuple_einsum):
     assert analysis.graph.summary()["unannotated_sites"] == 0
 
 
+def test_a_helper_module_beside_the_model_is_named_when_the_output_goes_elsewhere(tuple_einsum, tmp_path):
+    """The programs keep `from step_helpers import Steps`; the output does not hold
+    step_helpers, so written away from the model's folder it needs that folder on the path."""
+    path, analysis = tuple_einsum
+    files = rewrite(analysis, PlanRequest(tp=2)).files
+    assert modules_beside(files, path.parent) == ["step_helpers"]
+    assert beside_warning(files, path, path.parent / "parallel") is None
+    warning = beside_warning(files, path, tmp_path / "out")
+    assert "step_helpers" in warning and f"PYTHONPATH={path.parent}" in warning
+
+
 @pytest.mark.slow
-def test_tuple_einsum_heads_split_trains_like_one_device(tuple_einsum):
+def test_tuple_einsum_heads_split_trains_like_one_device(tmp_path, tuple_einsum):
+    """Written away from the model's folder: verify's ranks find step_helpers on their path,
+    as the warning tells a user to run them."""
     path, _ = tuple_einsum
-    # the output beside the model: its ranks import step_helpers from there
     result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "verify", str(path), "--tp", "2",
-                             "-o", str(path.parent / "out"), "--json"], capture_output=True, text=True, timeout=600)
+                             "-o", str(tmp_path / "out"), "--json"], capture_output=True, text=True, timeout=600)
     outcome = json.loads(result.stdout[result.stdout.find("{"):])
     assert result.returncode == 0 and outcome["passed"] is True, result.stdout + result.stderr
+    assert "warning: the programs import step_helpers" in result.stderr

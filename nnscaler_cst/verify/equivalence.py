@@ -9,6 +9,7 @@ removed however the run ends; the output folder is read, never written (no bytec
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import tempfile
 import time
@@ -135,8 +136,12 @@ def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1
         try:
             run_all([([sys.executable, str(WORKER), "reference", str(entry_file), workdir, *common],
                       process_env(**READ_ONLY))], timeout, forks)
+            # the model's folder on the ranks' path, as the reference has it: helper modules the
+            # programs import from beside the model (emit/beside.py)
+            path = os.pathsep.join([str(Path(entry_file).resolve().parent),
+                                    *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
             run_world([sys.executable, str(WORKER), "rank", str(out_dir), workdir, *common], world, timeout,
-                      forks, **READ_ONLY)
+                      forks, PYTHONPATH=path, **READ_ONLY)
         except LaunchError as err:
             raise VerifyError(str(err)) from None
         ref = torch.load(Path(workdir) / "reference.pt")

@@ -316,6 +316,8 @@ def _run_fork(worker, sock, server_pid: int, request: dict, log_fd: int) -> None
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        # this request's $PYTHONPATH, after the worker's folder, as a fresh interpreter puts it
+        sys.path[1:1] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
         sys.argv = list(request["argv"])
         sys.dont_write_bytecode = bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))
         if os.environ.get("OMP_NUM_THREADS", "").isdigit():
