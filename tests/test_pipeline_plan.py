@@ -587,6 +587,39 @@ def test_module_state_set_by_a_method_of_self_before_the_loop_verifies(tmp_path)
     assert "pp_handoff(h, pp_replays(self))" in stage1
 
 
+# BigBird again, as transformers writes it: the switch comes before the embeddings and rebuilds
+# each layer's attention (new modules given the old weights), so ops are traced under every
+# block's path before the loop calls the first block. Those ops run where the prologue runs.
+LAYERS_REBUILT_BEFORE_THE_EMBEDDING = STATE_SET_BY_A_METHOD_BEFORE_THE_LOOP.replace(
+    "        self.act = nn.Sigmoid()      # a module swapped for another: not a value one could send\n",
+    "        fc = nn.Linear(8, 8)         # rebuilt, then given the old weights\n"
+    "        fc.weight, fc.bias = self.fc.weight, self.fc.bias\n"
+    "        self.fc = fc\n").replace(
+    "        h = self.embed(x)\n        if x.shape[1] < 16:\n            self.set_scale(0.5)\n",
+    "        if x.shape[1] < 16:\n            self.set_scale(0.5)\n        h = self.embed(x)\n")
+
+
+def test_ops_a_prologue_method_traces_inside_the_blocks_stay_on_the_first_stage(tmp_path):
+    from nnscaler_cst.analysis import analyze
+    assert LAYERS_REBUILT_BEFORE_THE_EMBEDDING.count("fc.weight, fc.bias") == 1
+    assert LAYERS_REBUILT_BEFORE_THE_EMBEDDING.index("self.set_scale(0.5)") < \
+        LAYERS_REBUILT_BEFORE_THE_EMBEDDING.index("h = self.embed(x)")
+    (tmp_path / "rebuilt.py").write_text(LAYERS_REBUILT_BEFORE_THE_EMBEDDING)
+    graph = analyze(tmp_path / "rebuilt.py").graph
+    plan = stages(graph, 2)
+    embed = [n for n in graph.nodes if n.callee_path == "embed"]
+    assert embed and all(plan.node_stage[n.index] == 0 for n in embed)
+    assert "embed" not in plan.drop[0] and "embed" in plan.drop[1]
+    assert plan.block_ranges == [(0, 2), (2, 4)]
+
+
+@pytest.mark.slow
+def test_a_prologue_rebuilding_the_blocks_before_the_embedding_verifies(tmp_path):
+    (tmp_path / "rebuilt.py").write_text(LAYERS_REBUILT_BEFORE_THE_EMBEDDING)
+    result = run_cli("verify", tmp_path / "rebuilt.py", "--pp", 2, "--micro-batches", 2, "-o", tmp_path / "out")
+    assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr
+
+
 DTYPE_READ_ABOVE_THE_CUT = textwrap.dedent("""
     import torch
     from torch import nn

@@ -433,12 +433,17 @@ def _balanced(cost: list[float], stages: int, pro: float, epi: float) -> list[tu
 
 def node_blocks(graph: Graph, blocks: list[str]) -> dict[int, int]:
     """Node index -> the block it belongs to: a block's own ops, or the call of a leaf block
-    (nn.Linear); the last block in order when both its module and its callee are blocks."""
+    (nn.Linear); the last block in order when both its module and its callee are blocks.
+    Ops traced before a block is first called are not its own: the prologue may reach into the
+    blocks through a method (BigBird's set_attention_type rebuilds each layer's attention) and
+    such ops run where the prologue runs, not on the block's stage."""
     index = {path: b for b, path in enumerate(blocks)}
+    calls = graph.trace.module_calls
+    first_op = {path: calls[path][1] if path in calls else 0 for path in blocks}
     block_of: dict[int, int] = {}
     for node in graph.nodes:
         found = [index[m] for path in (node.module_path, node.callee_path or "") if path
-                 for m in (path, *_ancestors(path)) if m in index]
+                 for m in (path, *_ancestors(path)) if m in index and node.index >= first_op[m]]
         if found:
             block_of[node.index] = max(found)
     return block_of
