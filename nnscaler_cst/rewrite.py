@@ -311,16 +311,12 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
                            trunk.recycle.loop if trunk.recycle else None,
                            tuple(trunk.recycle.carried) if trunk.recycle else (), tuple(trunk.unset),
                            tuple(trunk.replays))
-        if trunk.function_span.path != str(main_source.path):
-            raise UserError("the loop over the blocks is not in the model's main file", trunk.function_span.start,
-                            hint="pipelines cut the file that holds the block loop: keep that loop in the file "
-                            "the entry builds the model from")
     recompute = recompute_site(analysis.graph) if request is not None and request.recompute else None
-    if recompute is not None and recompute.path != str(main_source.path):
-        raise UserError("--recompute: the loop over the blocks is not in the model's main file", recompute.start)
     module, ctx = rewrite_module(main_source, edits or empty, split, analysis.trace.containers, recompute)
-    if model_path is not None:     # the entry's own classes (a head around imported blocks) are rewritten too
-        entry_module, entry_ctx = rewrite_module(analysis.sources.get(entry_path), edits or empty)
+    if model_path is not None:     # the entry's own classes (a model around imported blocks) are rewritten
+        # too; the block loop may be theirs
+        entry_module, entry_ctx = rewrite_module(analysis.sources.get(entry_path), edits or empty, split,
+                                                 analysis.trace.containers, recompute)
         ctx.used |= entry_ctx.used
         ctx.needs_torch |= entry_ctx.needs_torch
         module = merge_entry(module, model_path, entry_module, entry_path, analysis.entry)
