@@ -25,7 +25,8 @@ from nnscaler_cst.materialize.conversions import fused_collectives
 from nnscaler_cst.plan import search
 from nnscaler_cst.plan.auto import Config, estimate_config, search_auto
 from nnscaler_cst.plan.cost import load_cluster
-from nnscaler_cst.plan.eliminate import minimize
+from nnscaler_cst.plan import eliminate
+from nnscaler_cst.plan.eliminate import minimize, minimize_avoiding
 from nnscaler_cst.plan.memory import device_memory, micro_batches_in_flight, saved_bytes
 from nnscaler_cst.plan.pipeline import plan_stages
 from nnscaler_cst.plan.tables import load_table
@@ -68,6 +69,44 @@ def test_elimination_finds_the_brute_force_minimum_with_forbidden_pairs_and_high
         assert value == best
         if math.isfinite(best):
             assert total(assignment) == best
+
+
+@pytest.mark.parametrize("factors_fit", [True, False])
+def test_elimination_avoiding_named_combinations_finds_the_brute_force_minimum(factors_fit, monkeypatch):
+    """Combinations the caller names only when an optimum holds one (z3's agreement facts), ruled
+    out by factors while the tables stay narrow, and by branching when they would not (here:
+    any factor made too wide, so only branching runs)."""
+    if not factors_fit:
+        plain = eliminate.minimize
+
+        def narrow_only(domains, unary, pairs, factors_over=None):
+            if factors_over:
+                raise eliminate.TooWide("a factor over named combinations")
+            return plain(domains, unary, pairs)
+        monkeypatch.setattr(eliminate, "minimize", narrow_only)
+    rng = random.Random(11)
+    for _ in range(150):
+        n = rng.randint(1, 6)
+        domains = [rng.randint(1, 4) for _ in range(n)]
+        unary = [[rng.choice([0, 1, 2, 7, math.inf]) for _ in range(d)] for d in domains]
+        pairs = {(i, j): [[rng.choice([0, 1, 3, math.inf]) for _ in range(domains[j])] for _ in range(domains[i])]
+                 for i, j in itertools.combinations(range(n), 2) if rng.random() < 0.4}
+        forbidden = []
+        for _ in range(rng.randint(0, 6)):
+            sites = tuple(sorted(rng.sample(range(n), rng.randint(1, n))))
+            forbidden.append((sites, tuple(rng.randrange(domains[s]) for s in sites)))
+
+        def conflict(x):
+            return next(((s, v) for s, v in forbidden if all(x[k] == a for k, a in zip(s, v))), None)
+
+        def total(x):
+            return sum(unary[i][x[i]] for i in range(n)) + sum(t[x[i]][x[j]] for (i, j), t in pairs.items())
+        best = min((total(x) for x in itertools.product(*map(range, domains)) if conflict(x) is None),
+                   default=math.inf)
+        value, assignment = minimize_avoiding(domains, unary, pairs, conflict, max_solves=10 ** 6)
+        assert value == best
+        if math.isfinite(best):
+            assert conflict(assignment) is None and total(assignment) == best
 
 
 def test_elimination_is_exact_on_integers_past_float_precision():

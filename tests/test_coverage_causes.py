@@ -1188,3 +1188,54 @@ def test_heads_merged_by_the_full_head_count_train_like_one_device_under_tp(tmp_
     result, outcome = _verify(tmp_path, MERGED_HEADS, "--tp", "2")
     assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
 
+
+
+# ConvBERT's separable convolution: a pointwise nn.Conv1d (kernel 1) between linear layers. No
+# [[ctor]] rule says how nn.Conv1d sizes its weight, so the rewrite cannot build it at a local
+# size; the search offered that split anyway and the rewrite refused the model ('no [[ctor]]
+# rule says how torch.nn.Conv1d sizes weight'). Such a weight is not a split option: it stays
+# whole, with a warning, and the rest of the block splits.
+POINTWISE_CONV1D = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.pointwise = nn.Conv1d(32, 32, kernel_size=1)
+        self.down = nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = self.up(x).relu()
+        h = self.pointwise(h.transpose(1, 2)).transpose(1, 2)
+        return x + self.down(h)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return {"x": torch.randn(4, 8, 16)}
+'''
+
+
+def test_a_layer_without_a_ctor_rule_keeps_its_weight_whole_and_the_rest_splits(tmp_path):
+    analysis = analyze(_write(tmp_path, POINTWISE_CONV1D))
+    assert analysis.graph.rules.ctor_for("torch.nn.Conv1d") is None     # else this tests nothing
+    params = rewrite(analysis, PlanRequest(tp=2)).plan.params     # the dry run of the ranks included
+    assert params["blocks.0.pointwise.weight"]["tp"] == "R"
+    assert params["blocks.0.up.weight"]["tp"].startswith("S")

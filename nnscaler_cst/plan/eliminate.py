@@ -9,12 +9,15 @@ remaining neighbours, finds the exact optimum in milliseconds where z3's optimis
 seconds. Ties go to the lower option index of the site eliminated (deterministic).
 
 Higher-order facts (an argument fed by several producers) are not pairs; the caller checks
-the optimum against them with z3 and falls back to z3's optimiser when it breaks one.
+each optimum against them with z3, and `minimize_avoiding` rules out each combination z3 names,
+by a factor over its sites while the tables stay narrow, else by branching on it.
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
+from typing import Callable
 
 MAX_TABLE = 1 << 16          # entries of the largest table one elimination may build
 
@@ -28,13 +31,122 @@ class TooWide(Exception):
     """The interaction graph is too dense for elimination within MAX_TABLE."""
 
 
+class GaveUp(Exception):
+    """`minimize_avoiding` solved `max_solves` subproblems without an acceptable optimum."""
+
+
+# A combination to rule out: (sites, the option of each).
+Combination = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def minimize_avoiding(domains: list[int], unary: list[list[float]], pairs: dict[tuple[int, int], list[list[float]]],
+                      conflict: Callable[[list[int]], Combination | None], max_solves: int = 256
+                      ) -> tuple[float, list[int]]:
+    """`minimize`, over the assignments `conflict` accepts. `conflict(assignment)` is None for an
+    acceptable assignment, else a combination it holds that no acceptable one may hold.
+
+    Each combination named is first ruled out by a factor over its sites, and the whole problem
+    eliminated again. When those factors make the tables too wide (a combination spans sites
+    far apart in the chain), the search goes on best first by branching instead: a subproblem
+    is the pairwise problem with some options ruled out (unary rows set to inf); its optimum,
+    when it holds a named combination (s1=v1, ..., sk=vk), is replaced by k children that split
+    what remains without it (child j fixes s1..s(j-1) to v1..v(j-1) and rules out vj at sj). A
+    child's optimum is at least its parent's, so the first acceptable optimum popped is the
+    least acceptable assignment. Raises GaveUp after `max_solves` eliminations."""
+    inf = math.inf
+    known: list[Combination] = []
+    solves = 0
+
+    def counted() -> None:
+        nonlocal solves
+        solves += 1
+        if solves > max_solves:
+            raise GaveUp(f"{max_solves} subproblems without an acceptable optimum")
+
+    def named(assignment: list[int]) -> Combination | None:
+        held = next((c for c in known if all(assignment[s] == v for s, v in zip(*c))), None)
+        if held is None:
+            held = conflict(assignment)
+            if held is not None:
+                known.append(held)
+        return held
+
+    while True:                      # factors, while they keep the tables narrow
+        counted()
+        factors: dict[tuple[int, ...], dict[tuple[int, ...], float]] = {}
+        for sites, values in known:
+            factors.setdefault(sites, {})[values] = inf
+        try:
+            value, assignment = minimize(domains, unary, pairs, factors)
+        except TooWide:
+            break
+        if not math.isfinite(value) or named(assignment) is None:
+            return value, assignment
+
+    counter = itertools.count()
+    heap: list = []
+
+    def solve(rows) -> None:
+        counted()
+        value, assignment = minimize(domains, rows, pairs)
+        if math.isfinite(value):
+            heapq.heappush(heap, (value, next(counter), rows, assignment))
+
+    solve(unary)
+    while heap:
+        value, _, rows, assignment = heapq.heappop(heap)
+        held = named(assignment)
+        if held is None:
+            return value, assignment
+        sites, values = held
+        for j, site in enumerate(sites):
+            child = list(rows)
+            for fixed, keep in zip(sites[:j], values[:j]):
+                child[fixed] = [w if x == keep else inf for x, w in enumerate(rows[fixed])]
+            child[site] = [inf if x == values[j] else w for x, w in enumerate(rows[site])]
+            solve(child)
+    return inf, []
+
+
 def minimize(domains: list[int], unary: list[list[float]], pairs: dict[tuple[int, int], list[list[float]]],
              factors_over: dict[tuple[int, ...], dict[tuple[int, ...], float]] | None = None
              ) -> tuple[float, list[int]]:
     """(minimum, one minimising assignment) of sum_i unary[i][x_i] + sum_(i,j) pairs[i,j][x_i][x_j]
     (+ any `factors_over` a tuple of sites: a sparse map from that tuple's assignments to costs,
     absent entries 0). Infinite entries are forbidden; the minimum is inf when every assignment
-    is forbidden. Costs may be Python ints (exact at any size) or floats."""
+    is forbidden. Costs may be Python ints (exact at any size) or floats.
+
+    Options whose unary cost is inf are dropped first, and a site left with one option becomes
+    part of its neighbours' unary costs: the tables then span only what is still open (a
+    subproblem of `minimize_avoiding` fixes sites far apart, which would otherwise stay wide)."""
+    inf = math.inf
+    keep = [[x for x, w in enumerate(row) if w != inf] for row in unary]
+    if any(not options for options in keep):
+        return inf, []
+    if all(len(options) == d for options, d in zip(keep, domains)):
+        return _eliminate(domains, unary, pairs, factors_over)
+    small_unary = [[unary[i][x] for x in options] for i, options in enumerate(keep)]
+    small_pairs: dict[tuple[int, int], list[list[float]]] = {}
+    for (i, j), grid in pairs.items():
+        sub = [[grid[a][b] for b in keep[j]] for a in keep[i]]
+        if len(keep[i]) == 1:          # i is settled: the pair is a cost of j's options alone
+            small_unary[j] = [w + t for w, t in zip(small_unary[j], sub[0])]
+        elif len(keep[j]) == 1:
+            small_unary[i] = [w + row[0] for w, row in zip(small_unary[i], sub)]
+        else:
+            small_pairs[(i, j)] = sub
+    position = [{x: k for k, x in enumerate(options)} for options in keep]
+    small_factors = {scope: {tuple(position[v][x] for v, x in zip(scope, key)): w for key, w in values.items()
+                             if all(x in position[v] for v, x in zip(scope, key))}
+                     for scope, values in (factors_over or {}).items()}
+    value, small = _eliminate([len(options) for options in keep], small_unary, small_pairs, small_factors)
+    return value, ([keep[i][x] for i, x in enumerate(small)] if small else [])
+
+
+def _eliminate(domains: list[int], unary: list[list[float]], pairs: dict[tuple[int, int], list[list[float]]],
+               factors_over: dict[tuple[int, ...], dict[tuple[int, ...], float]] | None = None
+               ) -> tuple[float, list[int]]:
+    """Bucket elimination itself (see `minimize`)."""
     factors: dict[int, Factor] = {}
     of_var: list[set[int]] = [set() for _ in domains]
     counter = itertools.count()

@@ -23,7 +23,7 @@ from ..materialize.size_args import SIZE_ARGUMENTS, factory_size, locate_size_ar
 from ..sizes import format_bytes
 from .batch import batch_labels
 from .cost import DeviceSpec, all_reduce_time, node_time
-from .eliminate import TooWide, minimize
+from .eliminate import Combination, GaveUp, TooWide, minimize_avoiding
 from .layouts import REPLICATE, R, Layout, layouts_for
 from .memory import saved_bytes
 from .refine import refine_factors
@@ -162,7 +162,9 @@ def parameter_size_problem(graph: Graph, param: str | None, dim: int) -> str | N
     if info is None or info.ctor_span is None or graph.sources is None:
         return None
     rule = graph.rules.ctor_for(info.module_type)
-    if rule is None or (rule.params.get(info.attr) or rule.params.get("*")) != [["*"]]:
+    if rule is None:        # the rewrite could not build it at its local size: not an option
+        return f"parameter {param} stays whole: no [[ctor]] rule says how {info.module_type} sizes {info.attr}"
+    if (rule.params.get(info.attr) or rule.params.get("*")) != [["*"]]:
         return None
     rank = len(info.shape)
     dim %= max(rank, 1)
@@ -427,7 +429,7 @@ def _constraint_answers(graph: Graph, constraint: Constraint):
     return selects, allows
 
 
-MAX_NOGOODS = 64       # elimination rounds before the whole problem goes to z3
+MAX_SOLVES = 256       # elimination subproblems before the whole problem goes to z3
 Z3_LIMIT_S = 30.0      # z3's optimiser stops here with the best plan found (a plan, never a hang)
 INFEASIBLE = object()  # _eliminated: the constraints and pairwise facts leave no choice
 
@@ -441,11 +443,12 @@ def _eliminated(graph: Graph, options, var, tables: "_Tables", uses, allowed_by,
                 memory_first: bool = False) -> dict[SiteId, int] | None:
     """The cheapest choice per site by variable elimination (plan/eliminate.py) over the pairwise
     terms and facts, checked with z3 against the facts that are not pairs (an argument fed by
-    several producers); a combination z3 finds in conflict is ruled out and elimination runs
-    again. None when no choice satisfies the pairwise facts (z3 then names the constraints in
-    conflict), when the sites interact too densely, or after MAX_NOGOODS rounds. `memory_first`:
-    the least memory, cheapest among those (memory x K + time, K past any step time, in exact
-    integers)."""
+    several producers); a combination z3 finds in conflict is ruled out by branching on it and
+    the search goes on best first. INFEASIBLE when no choice satisfies the pairwise facts; None
+    (z3 then takes the whole problem, and names the constraints in conflict) when no choice
+    satisfies them all, when the sites interact too densely, or after MAX_SOLVES subproblems.
+    `memory_first`: the least memory, cheapest among those (memory x K + time, K past any step
+    time, in exact integers)."""
     sids = list(options)
     index = {sid: k for k, sid in enumerate(sids)}
     inf = math.inf
@@ -486,21 +489,19 @@ def _eliminated(graph: Graph, options, var, tables: "_Tables", uses, allowed_by,
                     if la != lb:
                         grid[a][b] = inf
     domains = [len(options[sid].options) for sid in sids]
-    nogoods: dict[tuple[int, ...], dict[tuple[int, ...], float]] = {}
     checker = None
-    for _ in range(MAX_NOGOODS):
-        try:
-            value, assignment = minimize(domains, unary, pairs, nogoods)
-        except TooWide:
-            return None
-        if not math.isfinite(value):
-            return None if nogoods else INFEASIBLE     # no choice satisfies the pairwise facts
+    involved = {var[sid].get_id(): sid for sid in sids}
+
+    def conflict(assignment: list[int]) -> Combination | None:
+        """None when the optimum keeps every argument's agreement, else the combination of
+        choices z3 names as breaking one (the unsat core of the choices as assumptions)."""
+        nonlocal checker
         picked = {sid: assignment[index[sid]] for sid in sids}
         # --plan auto checks the optimum of every tensor-parallel size, and most of them hand the
         # shared arguments the same steps: z3's answer is kept per _agreement_key
         agreement = _agreement_key(graph, options, tables, picked)
         if not agreement:
-            return picked
+            return None
         answers = _search_cache(graph).setdefault("agreement_answers", {})
         if agreement not in answers:
             disagree = _disagreeing_sources(graph, options, tables.edges, tables.consumer_of, tables.lay, var,
@@ -510,24 +511,36 @@ def _eliminated(graph: Graph, options, var, tables: "_Tables", uses, allowed_by,
             fixed.add(*[expr for hard in disagree.values() for expr in hard])
             answers[agreement] = fixed.check() == z3.sat
         if answers[agreement]:
-            return picked
-        # The optimum breaks an argument's agreement: z3 names the choices in conflict (the unsat
-        # core of the choices as assumptions), and elimination runs again without that combination.
+            return None
         if checker is None:
             checker = z3.Solver()
             checker.add(*[var[sid] >= 0 for sid in sids], *[var[sid] < domains[index[sid]] for sid in sids])
             checker.add(*[expr for hard in _disagreeing_sources(
                 graph, options, tables.edges, tables.consumer_of, tables.lay, var, tables.loss_source,
                 tables.rank_in, tables.rank_out).values() for expr in hard])
-        involved = {var[sid].get_id(): sid for sid in sids}
         if checker.check(*[var[sid] == k for sid, k in picked.items()]) != z3.unsat:
-            return None
-        core = sorted(index[involved[c.arg(0).get_id()]] for c in checker.unsat_core())
+            raise GaveUp("z3 did not confirm the conflict")
+        core = [involved[c.arg(0).get_id()] for c in checker.unsat_core()]
         if not core:
-            return None
-        scope = tuple(core)
-        nogoods.setdefault(scope, {})[tuple(assignment[v] for v in scope)] = inf
-    return None
+            raise GaveUp("z3 named no choice in conflict")
+        # z3's core is seldom the smallest; each choice it can do without is dropped, so the
+        # combination ruled out is short (a long one spans the chain and forbids too little)
+        for sid in list(core):
+            rest = [other for other in core if other != sid]
+            if checker.check(*[var[other] == picked[other] for other in rest]) == z3.unsat:
+                core = rest
+        if not core:
+            raise GaveUp("the facts conflict whatever the choices")
+        sites = tuple(sorted(index[sid] for sid in core))
+        return sites, tuple(assignment[v] for v in sites)
+
+    try:
+        value, assignment = minimize_avoiding(domains, unary, pairs, conflict, MAX_SOLVES)
+    except (TooWide, GaveUp):
+        return None
+    if not math.isfinite(value):
+        return INFEASIBLE if checker is None else None    # None: z3 then names the conflict
+    return {sid: assignment[index[sid]] for sid in sids}
 
 
 def _solved_by_z3(graph: Graph, options, var, tables: "_Tables", uses, narrowed_to, memory_budget, axis: str,
