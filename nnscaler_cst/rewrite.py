@@ -311,6 +311,9 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
                            trunk.recycle.loop if trunk.recycle else None,
                            tuple(trunk.recycle.carried) if trunk.recycle else (), tuple(trunk.unset),
                            tuple(trunk.replays))
+        if trunk.function_span.path not in (str(main_source.path), str(analysis.sources.get(entry_path).path)):
+            raise UserError("the loop over the blocks is in neither the model's file nor the entry",
+                            trunk.function_span.start, hint="pipelines cut the file that holds the block loop")
     recompute = recompute_site(analysis.graph) if request is not None and request.recompute else None
     module, ctx = rewrite_module(main_source, edits or empty, split, analysis.trace.containers, recompute)
     if model_path is not None:     # the entry's own classes (a model around imported blocks) are rewritten

@@ -48,14 +48,20 @@ def cli(*args, cwd=REPO):
 # Variable elimination
 # --------------------------------------------------------------------------------------------
 
+def random_pairwise_problem(rng):
+    """(n, domains, unary, pairs): up to 6 sites of up to 4 options, some forbidden (inf)."""
+    n = rng.randint(1, 6)
+    domains = [rng.randint(1, 4) for _ in range(n)]
+    unary = [[rng.choice([0, 1, 2, 7, math.inf]) for _ in range(d)] for d in domains]
+    pairs = {(i, j): [[rng.choice([0, 1, 3, math.inf]) for _ in range(domains[j])] for _ in range(domains[i])]
+             for i, j in itertools.combinations(range(n), 2) if rng.random() < 0.4}
+    return n, domains, unary, pairs
+
+
 def test_elimination_finds_the_brute_force_minimum_with_forbidden_pairs_and_higher_factors():
     rng = random.Random(7)
     for _ in range(200):
-        n = rng.randint(1, 6)
-        domains = [rng.randint(1, 4) for _ in range(n)]
-        unary = [[rng.choice([0, 1, 2, 7, math.inf]) for _ in range(d)] for d in domains]
-        pairs = {(i, j): [[rng.choice([0, 1, 3, math.inf]) for _ in range(domains[j])] for _ in range(domains[i])]
-                 for i, j in itertools.combinations(range(n), 2) if rng.random() < 0.4}
+        n, domains, unary, pairs = random_pairwise_problem(rng)
         triple = tuple(sorted(rng.sample(range(n), min(3, n))))
         # a sparse factor over up to three sites: its absent entries count 0
         extra = {triple: {x: math.inf for x in itertools.product(*(range(domains[v]) for v in triple))
@@ -86,11 +92,7 @@ def test_elimination_avoiding_named_combinations_finds_the_brute_force_minimum(f
         monkeypatch.setattr(eliminate, "minimize", narrow_only)
     rng = random.Random(11)
     for _ in range(150):
-        n = rng.randint(1, 6)
-        domains = [rng.randint(1, 4) for _ in range(n)]
-        unary = [[rng.choice([0, 1, 2, 7, math.inf]) for _ in range(d)] for d in domains]
-        pairs = {(i, j): [[rng.choice([0, 1, 3, math.inf]) for _ in range(domains[j])] for _ in range(domains[i])]
-                 for i, j in itertools.combinations(range(n), 2) if rng.random() < 0.4}
+        n, domains, unary, pairs = random_pairwise_problem(rng)
         forbidden = []
         for _ in range(rng.randint(0, 6)):
             sites = tuple(sorted(rng.sample(range(n), rng.randint(1, n))))

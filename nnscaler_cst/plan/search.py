@@ -443,8 +443,8 @@ def _eliminated(graph: Graph, options, var, tables: "_Tables", uses, allowed_by,
                 memory_first: bool = False) -> dict[SiteId, int] | None:
     """The cheapest choice per site by variable elimination (plan/eliminate.py) over the pairwise
     terms and facts, checked with z3 against the facts that are not pairs (an argument fed by
-    several producers); a combination z3 finds in conflict is ruled out by branching on it and
-    the search goes on best first. INFEASIBLE when no choice satisfies the pairwise facts; None
+    several producers); a combination z3 finds in conflict is ruled out (eliminate.py's
+    `minimize_avoiding`) and the search goes on. INFEASIBLE when no choice satisfies the pairwise facts; None
     (z3 then takes the whole problem, and names the constraints in conflict) when no choice
     satisfies them all, when the sites interact too densely, or after MAX_SOLVES subproblems.
     `memory_first`: the least memory, cheapest among those (memory x K + time, K past any step
