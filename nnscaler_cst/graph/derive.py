@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import warnings
 from dataclasses import dataclass, field
 
@@ -78,7 +79,7 @@ def _filled_uninitialized_memory():
     enabled, warn_only = torch.are_deterministic_algorithms_enabled(), \
         torch.is_deterministic_algorithms_warn_only_enabled()
     fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    _use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = True
     try:
         with warnings.catch_warnings():
@@ -86,7 +87,17 @@ def _filled_uninitialized_memory():
             yield
     finally:
         torch.utils.deterministic.fill_uninitialized_memory = fill
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        _use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+def _use_deterministic_algorithms(mode: bool, *, warn_only: bool):
+    """torch.use_deterministic_algorithms also sets the flag in inductor's config, importing the
+    compiler for it (a second). Nothing compiles here: while inductor is not loaded, set the
+    dispatcher's flag alone (inductor reads its own default when it loads)."""
+    if "torch._inductor.config" in sys.modules:
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+    else:
+        torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
 
 
 def _signature(node: Node, trace: Trace, replay: Replay):

@@ -724,6 +724,8 @@ def _plain(value, depth=0):
 @contextlib.contextmanager
 def quiet_fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from .deferred_dynamo import defer
+    defer()
     # FakeTensorMode logs a traceback of its own when a user op fails (shape mismatch); the
     # failure reaches the user as one UserError instead, so keep its logger quiet meanwhile.
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
