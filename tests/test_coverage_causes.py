@@ -1239,3 +1239,118 @@ def test_a_layer_without_a_ctor_rule_keeps_its_weight_whole_and_the_rest_splits(
     params = rewrite(analysis, PlanRequest(tp=2)).plan.params     # the dry run of the ranks included
     assert params["blocks.0.pointwise.weight"]["tp"] == "R"
     assert params["blocks.0.up.weight"]["tp"].startswith("S")
+
+
+# DeepSeek-V4's cache: `self.lazy_initialization(key_states, value_states)` on a library class,
+# called with one tensor twice. The trace took the method's `self` for the call's first written
+# argument, so value_states sat at ("kw", "value_states") in a call that passes it by position,
+# and the TP rewrite stopped at "cannot insert gather on this argument".
+KV_HELPER = '''
+import torch.nn.functional as F
+
+
+class KeyValueStore:
+    def combine(self, key, value):
+        return F.normalize(key, dim=-1) * value.softmax(-1)
+'''
+
+KV_BY_METHOD = '''
+import torch
+import torch.nn as nn
+
+from kv_helper import KeyValueStore
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.down = nn.Linear(64, 32)
+        self.back = nn.Linear(64, 32)
+        self.store = KeyValueStore()
+
+    def forward(self, x):
+        kv = self.up(x)
+        mixed = self.store.combine(kv, kv)
+        return (self.down(kv.relu()) + self.back(mixed)).pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 8, 32),)
+'''
+
+
+def test_a_library_method_called_on_an_object_takes_its_arguments_by_their_written_position(tmp_path, monkeypatch):
+    (tmp_path / "kv_helper.py").write_text(KV_HELPER.lstrip())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    analysis = analyze(_write(tmp_path, KV_BY_METHOD))
+    [call] = [n for n in analysis.graph.nodes if n.callee.endswith("KeyValueStore.combine")]
+    assert {o.name: o.path for o in call.operands} == {"self": None, "key": ("pos", 0), "value": ("pos", 1)}
+
+
+@pytest.mark.slow
+def test_a_library_method_fed_one_tensor_twice_trains_like_one_device_under_tp(tmp_path):
+    (tmp_path / "kv_helper.py").write_text(KV_HELPER.lstrip())
+    result, outcome = _verify(tmp_path, KV_BY_METHOD, "--tp", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+    assert "combine(tp_gather(kv, TP, dim=2), tp_gather(kv, TP, dim=2))" in (tmp_path / "out" / "model.py").read_text()
+
+
+# DeepSeek-V4's compressors hold an RMSNorm whose branch runs only on longer sequences: the
+# example inputs never reach it, so no op gave its weight a layout, while the norm class's
+# `nn.Parameter(torch.ones(hidden_size))` was divided for the instances that are split. The rank
+# built it at half size and its state-dict share was whole: the dry run stopped the rewrite.
+UNREACHED_INSTANCE = '''
+import torch
+import torch.nn as nn
+
+
+class Scale(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.scale = Scale(64)
+        self.long_scale = Scale(64)
+        self.down = nn.Linear(64, 32)
+
+    def forward(self, x):
+        h = self.up(x).relu()
+        h = self.long_scale(h) if x.shape[1] > 1024 else self.scale(h)
+        return self.down(h).pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 8, 32),)
+'''
+
+
+def test_a_parameter_no_op_reads_takes_the_split_of_its_constructors_other_instances(tmp_path):
+    from nnscaler_cst.plan.layouts import Layout
+    from nnscaler_cst.rewrite import PlanRequest, build_plan
+    analysis = analyze(_write(tmp_path, UNREACHED_INSTANCE))
+    _, tp_plan = build_plan(analysis, PlanRequest("megatron", 2, 1, None, "cpu-gloo", None))
+    assert tp_plan.param_layout["scale.weight"] == Layout("S", 0)
+    assert tp_plan.param_layout["long_scale.weight"] == Layout("S", 0)
+
+
+@pytest.mark.slow
+def test_a_module_the_inputs_do_not_reach_trains_like_one_device_under_tp(tmp_path):
+    result, outcome = _verify(tmp_path, UNREACHED_INSTANCE, "--tp", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr

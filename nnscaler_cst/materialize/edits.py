@@ -568,8 +568,9 @@ def _ctor_edits(graph: Graph, edits: Edits) -> None:
     for name, info in graph.trace.params.items():
         if info.ctor_span in edits.ctors and edits.param_layout.get(name, R).kind != "S":
             rule = rules.ctor_for(info.module_type)
-            dims = rule.params.get(info.attr, []) if rule else []
+            dims = (rule.params.get(info.attr) or rule.params.get("*", [])) if rule else []
             touched = {a for e in edits.ctors[info.ctor_span] for a in e.aliases}
-            if any(set(d) & touched for d in dims):
+            factory = dims == [["*"]] and any(a.startswith("factory:") for a in touched)
+            if factory or any(set(d) & touched for d in dims):
                 raise UserError(f"{name} stays whole but shares its constructor with split parameters",
                                 info.ctor_span.start)

@@ -11,7 +11,8 @@ from ..graph.graph import Graph
 from .ir import Plan
 from .layouts import REPLICATE, Layout, layouts_for
 from .refine import refine_factors
-from .search import AxisChoices, _operand_names, _partial_grad_params, site_options
+from .search import (AxisChoices, _operand_names, _partial_grad_params, site_options,
+                     unread_params_follow_constructor)
 
 
 def site_keys(graph: Graph) -> dict:
@@ -57,5 +58,5 @@ def choices_from_plan(graph: Graph, plan: Plan, axis: str = "tp", *, batch_slice
             if param_layout.setdefault(param, layout) != layout:
                 raise UserError(f"parameter {param} would need two layouts ({param_layout[param]}, {layout})",
                                 node.span.start if node.span else None)
-    return AxisChoices(axis, n, node_choice, param_layout, _partial_grad_params(graph, node_choice), options,
-                       chunks, batch_slices)
+    return AxisChoices(axis, n, node_choice, unread_params_follow_constructor(graph, param_layout, n),
+                       _partial_grad_params(graph, node_choice), options, chunks, batch_slices)

@@ -397,7 +397,8 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
                               f"its plan the cheapest: this is the best plan it found by then")
     node_choice = {i: labels[i][k] for sid, k, labels, nodes in
                    ((sid, picked[sid], options[sid].labels, options[sid].nodes) for sid in sids) for i in nodes}
-    param_layout = {p: entries[0][1][picked[entries[0][0]]] for p, entries in uses.items()}
+    param_layout = unread_params_follow_constructor(
+        graph, {p: entries[0][1][picked[entries[0][0]]] for p, entries in uses.items()}, n)
     partial = _partial_grad_params(graph, node_choice)
     cost = time_ns / 1e9
     for name in partial:
@@ -670,6 +671,27 @@ def _report_core(core, tracked, options, axis: str, n: int, graph: Graph, blocke
                 + "change the sizes, or " + hint)
     raise UserError(f"no {axis} plan on {n} devices satisfies these {len(seen)} constraints together",
                     related[0][0] if related else None, related=related, hint=hint)
+
+
+def unread_params_follow_constructor(graph: Graph, param_layout: dict[str, Layout], n: int) -> dict[str, Layout]:
+    """A parameter no traced op reads (a module the example inputs do not reach: DeepSeek-V4's
+    compressor, whose branch needs longer sequences) has no layout of its own, but its class's
+    constructor is divided for the instances that are split. It takes their layout, so that its
+    share of the state dict has the size the rank builds; where they disagree, or its size does
+    not divide, it stays whole and the constructor check refuses the plan with its location."""
+    split_at: dict[tuple, set[Layout]] = defaultdict(set)
+    for name, layout in param_layout.items():
+        info = graph.trace.params.get(name)
+        if info is not None and info.ctor_span is not None and layout.kind == "S":
+            split_at[(info.ctor_span, info.attr)].add(layout)
+    followed = dict(param_layout)
+    for name, info in graph.trace.params.items():
+        layouts = split_at.get((info.ctor_span, info.attr)) if name not in param_layout else None
+        if layouts and len(layouts) == 1:
+            [layout] = layouts
+            if -len(info.shape) <= layout.dim < len(info.shape) and info.shape[layout.dim] % (n * layout.groups) == 0:
+                followed[name] = layout
+    return followed
 
 
 def _partial_grad_params(graph: Graph, node_choice: dict[int, str]) -> list[str]:

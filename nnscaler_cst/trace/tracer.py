@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import logging
 import os
 import sys
@@ -394,7 +393,7 @@ class Tracer(TorchFunctionMode):
         node = Node(len(self.nodes), span, callee, kind, self._module_path(own) if own else "", mapped=mapped)
         if kind == "module":
             node.callee_path = self._module_names.get(id(callee_frame.f_locals["self"]))
-        node.operands = self._operands(func, kind, callee_frame, args, kwargs, _positional_count(found))
+        node.operands = self._operands(func, kind, callee_frame, args, kwargs, found)
         self.nodes.append(node)
         replay = self._replay(func, kind, callee_frame, args, kwargs)
         if replay is not None:
@@ -448,9 +447,9 @@ class Tracer(TorchFunctionMode):
             if self._entry_args.pop(id(frame), None) is not None:
                 self._returned(id(frame), arg)
 
-    def _operands(self, func, kind, callee_frame, args, kwargs, written_positional=None) -> list[Operand]:
-        """Name every input of the invocation and where it sits in the user's call.
-        `written_positional`: how many arguments the call's source passes by position, if known."""
+    def _operands(self, func, kind, callee_frame, args, kwargs, call=None) -> list[Operand]:
+        """Name every input of the invocation and where it sits in the user's call (`call`, its
+        source node, when the trace found it)."""
         operands: list[Operand] = []
         if kind == "module":
             module = callee_frame.f_locals["self"]
@@ -467,7 +466,8 @@ class Tracer(TorchFunctionMode):
             code = callee_frame.f_code
             values = self._arguments(callee_frame)
             n_pos = code.co_argcount + code.co_kwonlyargcount
-            bound = int(inspect.ismethod(func))      # `obj.helper(a)`: the source does not write obj's slot
+            bound = int(_binds_first_parameter(code, values, call))
+            written_positional = _positional_count(call)
             for i, name in enumerate(code.co_varnames[:n_pos]):
                 if name in values:
                     at = i - bound
@@ -789,6 +789,16 @@ def _batch_slice(inputs, slices: int):
     if isinstance(inputs, (tuple, list)):
         return type(inputs)(cut(v) for v in inputs)
     return cut(inputs)
+
+
+def _binds_first_parameter(code, values: dict, call) -> bool:
+    """`obj.helper(a)` calling a method or classmethod: the attribute lookup fills the first
+    parameter (self, cls), so the source's first argument is the function's second."""
+    if not (code.co_argcount and isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute)
+            and call.func.attr.value == code.co_name and code.co_varnames[0] in values):
+        return False
+    method = getattr(values[code.co_varnames[0]], code.co_name, None)
+    return getattr(getattr(method, "__func__", None), "__code__", None) is code
 
 
 def _positional_count(call) -> int | None:
