@@ -73,9 +73,10 @@ def commands(folder: Path) -> list[tuple[str, list[str]]]:
     ]
 
 
-FLOORS = [("python + torch + torch._dynamo (what fake tensors import)", "import torch, torch._dynamo"),
-          ("... + transformers' Llama (what the Llama entries import)",
-           "import torch, torch._dynamo; from transformers import LlamaForCausalLM")]
+FLOORS = [("python + torch (what a model without transformers imports; the fake trace no longer imports "
+           "torch._dynamo)", "import torch"),
+          ("... + transformers' Llama (what the Llama entries import; it imports torch._dynamo itself)",
+           "import torch; from transformers import LlamaForCausalLM")]
 
 
 def part1(folder: Path, before: Path | None) -> list[str]:
