@@ -526,3 +526,14 @@ def test_a_fresh_cache_hands_back_the_indexer_keys_it_is_given_split_as_they_com
     dims = instantiate("transformers.cache_utils.Cache.update_indexer", {"indexer_key_states": keys}, [keys])
     assert dims.inputs["indexer_key_states"].dims == dims.outputs[0].dims and all(dims.outputs[0].dims)
     assert not dims.fixed
+
+
+def test_a_cache_update_given_one_tensor_twice_labels_both_names_alike():
+    """DeepSeek-V4's shared-KV cache: `past_key_values.update(kv, kv, i)` returns `full, full`,
+    one result for two arguments. Both names are the one tensor: the second was left unlabelled,
+    and data parallelism was refused ("cannot split its operand value_states on the batch dim")."""
+    kv = (4, 1, 16, 8)
+    call = Call({"key_states": kv, "value_states": kv}, {"key_states": 7, "value_states": 7}, {}, [kv], [9], {})
+    dims = RULES.rule_for("transformers.cache_utils.Cache.update").instantiate(call)
+    assert dims.inputs["value_states"].dims == dims.inputs["key_states"].dims == dims.outputs[0].dims
+    assert dims.inputs["value_states"].dims[0]          # the batch dim, labelled

@@ -69,30 +69,6 @@ class Graph:
             self._kept[node.index] = batch_kept_apart(node, self.trace, half) if half is not None else None
         return self._kept[node.index]
 
-    def resumed_at(self, node: Node) -> int | None:
-        """A module call the trace cut in parts: its library forward calls back into the model's
-        own files (DeepSeek-V4's grouped-mm experts call `self._apply_gate`), so the call opens a
-        node, the callback's own calls get nodes, and the call resumes in a later node of the same
-        site and module. Only that last part holds the call's results, so only it can be
-        replayed, as the whole call: its index, when every result of `node` is read inside the
-        call (by the callback or the part that resumes it); else None. What the whole call keeps
-        apart, its parts do too: their results never leave it."""
-        replay = self.trace.replays.get(node.index)
-        if node.callee_path is None or replay is None or replay.outputs is not None or replay.module is None:
-            return None
-        for later in self.nodes[node.index + 1:]:
-            if later.span != node.span or later.callee != node.callee or later.callee_path != node.callee_path:
-                continue
-            whole = self.trace.replays.get(later.index)
-            if whole is None or whole.fn is not replay.fn:
-                return None
-            if whole.outputs is None:
-                continue                                    # another part; the call goes on
-            inside = all(node.index < user <= later.index for tid in node.produced
-                         for user, _ in self.consumers.get(tid, []))
-            return later.index if inside else None
-        return None
-
     def source_node(self, node: Node):
         """The LibCST node of a traced invocation's call site."""
         if node.span is None or self.sources is None:

@@ -374,8 +374,9 @@ def passthrough(call: Call) -> OpDims:
             outputs.append(TensorDims(tid, dims))
         else:
             outputs.append(TensorDims(tid, []))
-    for n in names:
-        inputs.setdefault(n, TensorDims(call.tids[n], []))
+    labelled = {dims.tid: dims for dims in inputs.values()}
+    for n in names:     # one tensor passed twice (`cache.update(kv, kv)`, one result): labelled alike
+        inputs.setdefault(n, labelled.get(call.tids[n], TensorDims(call.tids[n], [])))
     return OpDims(inputs, outputs, feeds={n: {k} if k < len(outputs) else set() for k, n in enumerate(names)})
 
 

@@ -132,9 +132,9 @@ def _first_mixing_op(graph: Graph, labels: dict[int, str] | None = None,
             reduced.update(dict.fromkeys(node.produced, _reducer_kind(node, trace)))
             continue
         dims = graph.dims.get(node.index)
-        problem = None
-        if dims is None and graph.resumed_at(node) is not None:
-            continue    # a part of a module call that resumes later: checked there, as the whole call
+        problem = _leaked_inside_value(graph, node, dims, [tid for _, tid in inputs])
+        if problem is not None:
+            return node, problem
         if dims is None:
             problem = f"has no split rule ({graph.problems.get(node.index) or 'no annotation'})"
         else:
@@ -171,6 +171,30 @@ def _first_mixing_op(graph: Graph, labels: dict[int, str] | None = None,
                     batched[out.tid] = place[0]
     if kinds is not None:
         kinds.update(reduced)
+    return None
+
+
+def _leaked_inside_value(graph: Graph, node: Node, dims, batched_inputs: list[int]) -> str | None:
+    """A call's rule covers the results it returns: a value computed inside it from the batch
+    that later code reads all the same (a library stashing its experts' token order in a
+    global) could mix the samples, and nothing says how."""
+    trace = graph.trace
+    replay = trace.replays.get(node.index)
+    returned = replay.outputs if replay is not None and replay.outputs is not None else node.outputs
+    covered = {tensor.tid for tensor in dims.outputs} if dims is not None else set(returned)
+    leaked = [tid for tid in node.outputs if tid not in covered and graph.consumers.get(tid)]
+    if not leaked:
+        return None
+    from_batch = set(batched_inputs)
+    for op in (trace.ops[i] for i in node.ops):
+        if from_batch.intersection(op.inputs):
+            from_batch.update(op.outputs)
+    for tid in leaked:
+        if tid in from_batch:
+            later = graph.nodes[graph.consumers[tid][0][0]]
+            where = f" at {later.span.start}" if later.span else ""
+            return f"computes a value inside the call that the code after it reads ({later.callee}{where}), " \
+                "and no rule says how it depends on the batch"
     return None
 
 

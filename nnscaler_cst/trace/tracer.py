@@ -179,28 +179,51 @@ class Tracer(TorchFunctionMode):
         self._entry_args: dict[int, tuple] = {}    # id(frame) -> (code, parameter values) as the call began
         self._awaiting: dict[int, Replay] = {}     # id(frame or module) -> replay whose results are not yet seen
         self.state_writes: list[StateWrite] = []
+        self._callbacks: dict[int, tuple] = {}     # id(frame) -> (frame, whether library code called it back)
 
     # ---- frames -------------------------------------------------------------------------
     def own_frame(self, frame):
         if self._leaf_ids:
             return self._own_and_leaf(frame)[0]
+        found = None
         while frame is not None:
             if frame.f_code.co_filename in self.own_files:
-                return frame
+                if not self._called_back(frame):
+                    return frame
+                found = found or frame      # kept in case no own frame made the library call
             frame = frame.f_back
-        return None
+        return found
 
     def _own_and_leaf(self, frame) -> tuple[Any, bool]:
         """(the innermost own frame outside every call of a leaf layer, whether `frame` runs
         inside such a call): a leaf layer's forward is one op of its caller, not model lines."""
-        found, inside = None, False
+        found, callback, inside = None, None, False
         while frame is not None:
             if frame.f_code.co_name in _MODULE_CALL and id(frame.f_locals.get("self")) in self._leaf_ids:
-                found, inside = None, True
+                found, callback, inside = None, None, True
             elif found is None and frame.f_code.co_filename in self.own_files:
-                found = frame
+                if self._called_back(frame):
+                    callback = callback or frame
+                else:
+                    found = frame
             frame = frame.f_back
-        return found, inside
+        return found or callback, inside
+
+    def _called_back(self, frame) -> bool:
+        """A helper of the model's files that library code calls back (transformers' grouped_mm
+        experts call the model's `Experts._apply_gate`) runs inside that library call, which is
+        one op of the model line that made it: its lines are not sites of their own (their
+        results go back to code the rewrite does not touch). Not a call back: a module's forward
+        (model code whatever calls it), and a function called by a decorator's wrapper (which
+        holds the function it wraps)."""
+        known = self._callbacks.get(id(frame))
+        if known is not None and known[0] is frame:
+            return known[1]
+        caller = frame.f_back
+        answer = caller is not None and frame.f_code.co_name != "forward" \
+            and not _model_or_torch_frame(caller, self.own_files) and not _holds_function(caller, frame.f_code)
+        self._callbacks[id(frame)] = (frame, answer)     # the frame is kept, so its id is not reused
+        return answer
 
     @staticmethod
     def _chain(frame, own) -> list:
@@ -789,6 +812,18 @@ def _batch_slice(inputs, slices: int):
     if isinstance(inputs, (tuple, list)):
         return type(inputs)(cut(v) for v in inputs)
     return cut(inputs)
+
+
+def _model_or_torch_frame(frame, own_files) -> bool:
+    path = frame.f_code.co_filename
+    return path in own_files or path.startswith(_TORCH_DIR) or path.startswith(_OUR_DIR) \
+        or frame.f_code.co_name in _WRAPPER_NAMES
+
+
+def _holds_function(frame, code) -> bool:
+    """The frame has the function of `code` (or a method bound to it) among its variables."""
+    return any(getattr(v, "__code__", None) is code or getattr(getattr(v, "__func__", None), "__code__", None) is code
+               for v in frame.f_locals.values())
 
 
 def _binds_first_parameter(code, values: dict, call) -> bool:
