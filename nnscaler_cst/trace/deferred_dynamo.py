@@ -1,6 +1,6 @@
 """Let FakeTensorMode run without importing all of torch._dynamo.
 
-FakeTensorMode reads three flags from `torch._dynamo.config`, and `import torch._dynamo.config`
+FakeTensorMode reads a few flags from `torch._dynamo.config`, and `import torch._dynamo.config`
 runs the package's __init__, which imports the compiler (sympy, the bytecode tracer, export):
 about 2 s of a 4 s `plan` on a model that does not import transformers (which imports dynamo
 itself). `defer()` loads the real config module on its own and stands a placeholder package
