@@ -285,6 +285,25 @@ def test_3f1b_on_four_stages_with_middle_stages_passes_verify_on_gloo(tmp_path):
 
 
 @pytest.mark.slow
+def test_3f1b_with_the_recycling_loop_in_the_entry_around_blocks_of_a_sibling_file_passes_verify(tmp_path):
+    """The evoformer split in two files: blocks.py holds the blocks, the entry model.py the class
+    with the block loop and the recycling loop (it imports the blocks): the entry's own classes
+    are the ones cut into stages."""
+    text = (REPO / "fixtures" / "evoformer.py").read_text()
+    cut = text.index("class Evoformer(nn.Module)")
+    (tmp_path / "blocks.py").write_text(text[:cut])
+    (tmp_path / "model.py").write_text("import torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n\n"
+                                       "from blocks import AMINO_ACIDS, DISTANCE_BINS, EvoformerBlock\n\n\n"
+                                       + text[cut:])
+    out = tmp_path / "out"
+    result = _cli(tmp_path / "model.py", "--pp", "2", "--schedule", "3f1b", "--micro-batches", "2", "-o", out)
+    assert result.returncode == 0, result.stderr
+    assert "for cycle in pp_passes(range(self.recycles)):" in (out / "model_stage0.py").read_text()
+    result = _cli("verify", tmp_path / "model.py", "--pp", "2", "--schedule", "3f1b", "--micro-batches", "2")
+    assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.slow
 def test_3f1b_on_a_submodule_trunk_carrying_one_value_passes_verify_on_gloo(tmp_path):
     (tmp_path / "recycler.py").write_text(RECYCLER)
     result = _cli("verify", tmp_path / "recycler.py", "--pp", "2", "--schedule", "3f1b", "--micro-batches", "4")
