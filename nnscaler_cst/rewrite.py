@@ -85,7 +85,8 @@ def resolve_auto(analysis: Analysis, request: PlanRequest) -> PlanRequest:
     if devices < 2:
         raise UserError("--plan auto needs --devices N (N > 1)")
     if request.schedule != "1f1b":
-        raise UserError(f"--plan auto prices the 1F1B schedule; --schedule {request.schedule} is not searched",
+        raise UserError(f"--plan auto prices the 1F1B schedule (3F1B where the forward recycles its trunk); "
+                        f"--schedule {request.schedule} is not searched",
                         hint="drop --schedule, or give the mesh yourself (--tp, --dp, --pp)")
     cluster = load_cluster(request.cluster).with_precision(check_precision(request.precision))
     annotations = [c for c in source_annotations(analysis.graph) if c.axis == "tp"]
@@ -94,7 +95,7 @@ def resolve_auto(analysis: Analysis, request: PlanRequest) -> PlanRequest:
                   sequence_parallel=True if request.sequence_parallel else None)
     choice = search_auto(analysis.graph, devices, cluster, annotations, request.memory_budget, fixed=fixed)
     config = choice.config
-    return replace(request, tp=config.tp, dp=config.dp, pp=config.pp,
+    return replace(request, tp=config.tp, dp=config.dp, pp=config.pp, schedule=config.schedule,
                    micro_batches=config.micro_batches if config.pp > 1 else None, zero=config.zero,
                    recompute=config.recompute, sequence_parallel=config.sequence_parallel, auto=choice)
 

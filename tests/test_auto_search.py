@@ -319,6 +319,20 @@ def test_the_estimate_of_a_configuration_is_the_one_the_search_ranks(blocks):
     assert again.seconds == pytest.approx(choice.best.seconds) and again.memory == choice.best.memory
 
 
+def test_a_trunk_run_in_a_recycling_loop_is_pipelined_under_3f1b():
+    """The evoformer runs its blocks 3 times per forward (AlphaFold2's recycling): 1F1B cannot
+    pipeline it, 3F1B can, so the search's pipeline configurations name that schedule (they were
+    all refused), and the rewrite emits it."""
+    analysis = analyze(FIXTURES / "evoformer.py")
+    choice = search_auto(analysis.graph, 4, CPU, [], None)
+    piped = [e for e in choice.candidates if e.config.pp > 1]
+    assert all(e.config.schedule == "3f1b" for e in piped) and any(e.why_not is None for e in piped)
+    assert all(e.config.schedule == "1f1b" for e in choice.candidates if e.config.pp == 1)
+    result = rewrite(analysis, PlanRequest(plan="auto", devices=2, pp=2))
+    assert result.plan.name.startswith("auto(tp=1,dp=1,pp=2,micro-batches=") and "schedule=3f1b" in result.plan.name
+    assert "PIPELINE_PASSES = 3" in result.files["model_stage0.py"]
+
+
 # --------------------------------------------------------------------------------------------
 # End to end (gloo processes)
 # --------------------------------------------------------------------------------------------
@@ -337,3 +351,12 @@ def test_auto_under_a_budget_that_needs_stages_and_zero_verifies(tmp_path):
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())
     assert plan["mesh"]["pp"] > 1 or "zero" in plan["plan"], plan["plan"]
     assert plan["mesh"] != {"tp": 1, "dp": 4, "pp": 1} or "zero" in plan["plan"]
+
+
+@pytest.mark.slow
+def test_auto_pipelining_a_recycling_trunk_under_3f1b_verifies(tmp_path):
+    result = cli("verify", FIXTURES / "evoformer.py", "--plan", "auto", "--devices", "2", "--pp", "2",
+                 "-o", tmp_path / "out", "--json", "--steps", "2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads(result.stdout[result.stdout.index("{"):])["passed"]
+    assert "schedule=3f1b" in json.loads((tmp_path / "out" / "plan.json").read_text())["plan"]

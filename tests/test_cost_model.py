@@ -142,6 +142,46 @@ def test_a_memory_bound_op_scales_with_bytes_and_dtype(tmp_path):
     assert _time(small, small_ops[gelu], device, ways=2) == pytest.approx(base / 2)
 
 
+NO_GRAD = textwrap.dedent("""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+
+    class Recycled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(64, 64)
+
+        def forward(self, x):
+            with torch.no_grad():
+                warm = F.gelu(self.proj(x))
+            return F.gelu(self.proj(x + warm)).sum()
+
+
+    def build():
+        return Recycled()
+
+
+    def example_inputs():
+        return (torch.randn(32, 64),)
+""")
+
+
+def test_an_op_whose_outputs_need_no_gradient_is_priced_without_a_backward(tmp_path):
+    """The same linear and gelu, once under no_grad (a recycling pass) and once with gradients:
+    the no-grad ones cost their forward alone, the others forward and backward."""
+    path = tmp_path / "recycled.py"
+    path.write_text(NO_GRAD)
+    graph = analyze(path, trace_mode="fake").graph
+    device = load_cluster("h100-node").axis(1, 1)
+    for callee in ("torch.nn.Linear", "torch.nn.functional.gelu"):
+        no_grad, with_grad = [n for n in graph.nodes if n.callee == callee]
+        forward = node_time(with_grad, graph.dims.get(with_grad.index), graph.trace, device, forward_only=True)
+        assert _time(graph, no_grad, device) == pytest.approx(forward)
+        assert _time(graph, with_grad, device) > 2 * forward
+
+
 def test_a_bf16_matmul_is_faster_than_fp32_by_the_specs_ratio(tmp_path):
     spec = load_cluster("h100-node")
     graph, by_callee, _ = _ops(tmp_path, rows=4096, hidden=4096)

@@ -18,7 +18,11 @@ single-device run.
   cache update got a second all-reduce of its gradient (a wrong result once the rest wrote);
 - LED at DP×TP 2×2 (Longformer attention): `mask.expand(chunk.size())` run whole by the plan
   still takes the size of a chunk split over the tp ranks, so it is built split; it was scattered
-  again (the dry run failed: a dim of size 1 split in 2).
+  again (the dry run failed: a dim of size 1 split in 2);
+- ProphetNet at TP=2: `torch.stack(predict_query_states_list, 1)` needs each element of a list
+  variable converted (refused: "cannot insert scatter on this argument"; now a comprehension over
+  it); at PP=2 its decoder indexes `self.ngram_embeddings.weight` without calling the module, so
+  no stage held it (the dry run stopped the rewrite).
 """
 from __future__ import annotations
 
@@ -129,6 +133,25 @@ def example_inputs():
     return {"input_ids": ids, "decoder_input_ids": torch.randint(0, 128, (4, 16)), "labels": ids}
 '''
 
+PROPHETNET = '''
+import torch
+import transformers
+
+
+def build():
+    config = transformers.ProphetNetConfig(hidden_size=64, num_encoder_layers=2, num_decoder_layers=2,
+                                           encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=128,
+                                           num_encoder_attention_heads=4, num_decoder_attention_heads=4,
+                                           dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                                           use_cache=False)
+    return transformers.ProphetNetForConditionalGeneration(config)
+
+
+def example_inputs():
+    ids = torch.randint(0, 128, (4, 16))
+    return {"input_ids": ids, "decoder_input_ids": torch.randint(0, 128, (4, 16)), "labels": ids}
+'''
+
 CASES = {
     "llama-nocache-dp2": (LLAMA, ("--dp", "2")),
     "bart-dp2": (BART, ("--dp", "2")),
@@ -139,6 +162,8 @@ CASES = {
     "roberta-pp2": (ROBERTA, ("--pp", "2", "--micro-batches", "2")),
     "deepseek_v3-tp2": (DEEPSEEK_V3, ("--tp", "2")),
     "led-dp2xtp2": (LED, ("--dp", "2", "--tp", "2")),
+    "prophetnet-tp2": (PROPHETNET, ("--tp", "2")),
+    "prophetnet-pp2": (PROPHETNET, ("--pp", "2", "--micro-batches", "2")),
 }
 
 

@@ -177,7 +177,9 @@ class InsertCollectives:
             return node
         if site.writes:
             return self._convert_written(span, node, site)
-        for path, steps in site.args.items():
+        args = dict(site.args)
+        node = self._wrap_sequences(span, node, args, site.lengths)
+        for path, steps in args.items():
             node = self._wrap_operand(span, node, path, steps)
         bias = self._bias(span, node, site) if site.bias is not None else None
         if site.replace is not None:
@@ -209,6 +211,35 @@ class InsertCollectives:
                                 span.start, hint="write into a plain variable: `y = ...; y[i] = v`")
             self.ctx.before.append(_rebound(target.value, steps, self.ctx))
         return target
+
+    def _wrap_sequences(self, span, node, args: dict, lengths: dict[tuple, int]):
+        """Every element of a sequence argument that is not written out (`torch.stack(states, 1)`)
+        converted alike: a comprehension over it, `[tp_scatter(t, ...) for t in states]`. Each path
+        handled here leaves `args`; a written-out list or tuple, and elements converted unalike,
+        are left to _wrap_operand."""
+        if not isinstance(node, cst.Call):
+            return node
+        groups: dict[tuple, dict[int, list]] = {}
+        for path, steps in args.items():
+            if len(path) == 3 and path[:2] in lengths:
+                groups.setdefault(path[:2], {})[path[2]] = steps
+        for where, items in groups.items():
+            index = _arg_index(node, where)
+            if index is None or isinstance(node.args[index].value, (cst.Tuple, cst.List)):
+                continue
+            first = next(iter(items.values()))
+            if len(items) != lengths[where] or any(steps != first for steps in items.values()):
+                continue
+            element = cst.Name("t")
+            converted: cst.BaseExpression = element
+            for step in first:
+                converted = collective(step, converted, AXIS)
+                self.ctx.use(span, step)
+            node = _replace_arg(node, index, cst.ListComp(converted, cst.CompFor(target=element,
+                                                                                  iter=node.args[index].value)))
+            for k in items:
+                del args[(*where, k)]
+        return node
 
     def _wrap_operand(self, span, node, path, steps):
         def wrap(expr):

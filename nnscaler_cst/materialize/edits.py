@@ -58,6 +58,9 @@ class SiteEdit:
     # `x[i] = v`: the site is the assignment's target, so a conversion of x rebinds it on a line
     # of its own before the statement (`x = tp_gather(x, ...)`), and one of v wraps the value.
     writes: bool = False
+    # a sequence argument that is not written out (`torch.stack(states, 1)`): its traced length,
+    # so that converting every element can be written as a comprehension over it
+    lengths: dict[tuple, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -195,6 +198,10 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
             site = edits.site(consumer.span)
             site.writes = consumer.callee == SETITEM
             site.args[path] = rest
+            if len(path) == 3:
+                listed = next((o.value for o in consumer.operands if o.path == path[:2]), None)
+                if isinstance(listed, TensorList):
+                    site.lengths[path[:2]] = len(listed)
 
     for node in graph.nodes:
         choice = plan.node_choice[node.index]

@@ -16,6 +16,8 @@ The step of a configuration, per micro-batch of B / (dp M) samples on stage s:
         scale with the micro-batch, latency and per-call overheads do not)
         + with recompute, its blocks' forward again + its sends to the next and previous stage
   step = sum_s t_s + (M - 1) max_s t_s                      (1F1B: fill, steady state, drain)
+         (a trunk run in a recycling loop pipelines under 3F1B: t_s holds every pass, the
+         no-gradient ones as forwards alone, and the same formula prices it)
          + max_s (gradient sync over dp and of partial tensor-parallel gradients + optimizer)
 Memory per device, the worst stage: parameters, gradients and AdamW state of its stage (ZeRO
 shards them over dp), plus min(pp - s, M) micro-batches of activations (recompute keeps each
@@ -52,11 +54,14 @@ class Config:
     zero: int = 0
     recompute: bool = False
     sequence_parallel: bool = False
+    # the pipeline's order: 3f1b where the forward runs the trunk several times (recycling)
+    schedule: str = "1f1b"
 
     def describe(self) -> str:
         parts = [f"tp={self.tp}", f"dp={self.dp}", f"pp={self.pp}"]
         if self.pp > 1:
             parts.append(f"micro-batches={self.micro_batches}")
+            parts += [f"schedule={self.schedule}"] if self.schedule != "1f1b" else []
         parts += [f"zero={self.zero}"] if self.zero else []
         parts += ["recompute"] if self.recompute else []
         parts += ["sequence-parallel"] if self.sequence_parallel else []
@@ -121,17 +126,21 @@ class _Blocks:
     recompute_problem: str | None = None
     input_bytes: float = 0.0            # a block's tensor inputs that need gradients (the hidden state)
     ranges: dict[int, list[tuple[int, int]]] = field(default_factory=dict)   # stages -> block ranges
+    passes: int = 1                     # how often the forward runs the trunk (recycling: 3F1B)
 
 
 def _blocks(graph: Graph) -> _Blocks:
     cache = _search_cache(graph)
     if "blocks" in cache:
         return cache["blocks"]
-    from .pipeline import find_trunk, node_blocks
+    from .pipeline import find_recycle, find_trunk, node_blocks
     from .recompute import block_activations, recompute_site
     n = len(graph.nodes)
     try:
         trunk = find_trunk(graph)
+        passes = graph.trace.module_runs.get(trunk.blocks[0], 1)
+        if passes > 1:
+            find_recycle(graph, trunk)      # a trunk run in a recycling loop pipelines under 3F1B
     except UserError as exc:
         cache["blocks"] = _Blocks(0, [0] * n, [], 0.0, 0.0, exc.message, exc.message)
         return cache["blocks"]
@@ -161,7 +170,7 @@ def _blocks(graph: Graph) -> _Blocks:
     except UserError as exc:
         problem = exc.message
     inputs = float(block_activations(graph).inputs) if problem is None else 0.0
-    cache["blocks"] = _Blocks(len(trunk.blocks), region, flops, pro, epi, None, problem, inputs)
+    cache["blocks"] = _Blocks(len(trunk.blocks), region, flops, pro, epi, None, problem, inputs, passes=passes)
     return cache["blocks"]
 
 
@@ -206,8 +215,9 @@ def _split_devices(device: DeviceSpec) -> tuple[DeviceSpec, DeviceSpec]:
 class _NodeFacts:
     """What pricing an op needs that no split changes, kept per graph."""
 
-    key: tuple                          # (site, shapes): ops with equal keys cost the same
+    key: tuple                          # (site, shapes, grad): ops with equal keys cost the same
     saved: float
+    grad: bool                          # an output needs a gradient (not a no_grad recycling pass)
     params: list[tuple[str, float]]     # (canonical name, elements)
     operands: list[tuple]               # (name, rank, nbytes, requires_grad, producer node, output k)
     # the same, interned for _regions' keys: `key` and each operand without its producer's choice
@@ -227,6 +237,7 @@ def _node_facts(graph: Graph) -> list[_NodeFacts]:
             site = sites.setdefault(site_id(graph, node.index), len(sites))
             shapes = (tuple((tensors[t].shape, tensors[t].dtype) for t in node.inputs),
                       tuple(tensors[t].shape for t in node.outputs))
+            grad = not node.outputs or any(tensors[t].requires_grad for t in node.outputs)
             operands = []
             for operand in node.operands:
                 if operand.tid is None or tensors[operand.tid].param is not None:
@@ -234,7 +245,7 @@ def _node_facts(graph: Graph) -> list[_NodeFacts]:
                 info = tensors[operand.tid]
                 u, k = producer.get(operand.tid, (None, None))
                 operands.append((operand.name, len(info.shape), info.nbytes, info.requires_grad, u, k))
-            facts.append(_NodeFacts((site, shapes), saved_bytes(node, graph.trace),
+            facts.append(_NodeFacts((site, shapes, grad), saved_bytes(node, graph.trace), grad,
                                     [(tensors[tid].param, tensors[tid].nbytes / 4)
                                      for _, tid in graph.param_operands(node.index)], operands))
         interned: dict[tuple, int] = {}
@@ -306,7 +317,9 @@ def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, de
             costs = priced[key] = price(node, fact, label, ways)
         bw[region] += costs[0]
         fx[region] += costs[1]
-        if 0 < region <= blocks.count:
+        # recompute reruns a block for its backward: a no_grad recycling pass is never rerun (masks
+        # inside a block, which it does rerun, are cheap and left out too)
+        if 0 < region <= blocks.count and fact.grad:
             forward_bw[region] += costs[2]
             forward_fx[region] += costs[3]
         saved[region] += fact.saved / ways
@@ -399,7 +412,8 @@ def search_auto(graph: Graph, devices: int, cluster: ClusterSpec, constraints: l
     for tp in divisors(devices):
         for pp in divisors(devices // tp):
             dp = devices // (tp * pp)
-            config = Config(tp, dp, pp)
+            order = "3f1b" if pp > 1 and blocks.passes > 1 else "1f1b"
+            config = Config(tp, dp, pp, schedule=order)
             why = _refusal(config, batch, mixing, blocks, fixed)
             if why:
                 estimates.append(Estimate(config, why_not=why))
@@ -426,7 +440,7 @@ def search_auto(graph: Graph, devices: int, cluster: ClusterSpec, constraints: l
                         for recompute in _recompute_choices(blocks, fixed):
                             evaluated += 1
                             family.append(_estimate(Config(tp, dp, pp, micro, zero, recompute,
-                                                           variant == "sequence_parallel"),
+                                                           variant == "sequence_parallel", order),
                                                     cost, blocks, batch, cluster, budget))
                 feasible = [e for e in family if e.why_not is None]
                 if feasible:
@@ -465,7 +479,7 @@ def _stages_problem(graph: Graph, pp: int) -> str | None:
     if pp not in cache:
         from .pipeline import plan_stages
         try:
-            plan_stages(graph, pp)
+            plan_stages(graph, pp, recycling=_blocks(graph).passes > 1)
             cache[pp] = None
         except UserError as exc:
             cache[pp] = exc.message

@@ -287,10 +287,13 @@ def _numel(shape) -> int:
 def node_time(node: Node, dims: OpDims | None, trace: Trace, device: DeviceSpec, ways: int = 1, *,
               dims_of=None, forward_only: bool = False) -> float:
     """Seconds of one device's forward and backward of `node` split `ways` ways (forward only
-    when asked: what recompute or co-shard repeats). `dims_of(index)` gives any node's dims,
-    for the autocast dtypes; without it, the traced dtypes."""
+    when asked: what recompute or co-shard repeats, and for an op none of whose outputs needs a
+    gradient: masks, indices, a recycling pass under no_grad have no backward). `dims_of(index)`
+    gives any node's dims, for the autocast dtypes; without it, the traced dtypes."""
     if moves_no_bytes(node, trace):
         return 0.0
+    if node.outputs and not any(trace.tensors[t].requires_grad for t in node.outputs):
+        forward_only = True
     if is_contraction(node, dims, trace):
         dtype = contraction_dtype(node, trace, device.precision)
         rate = device.matmul_rate(dtype)

@@ -463,7 +463,7 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
     trace = graph.trace
     used: dict[str, set[int]] = {}          # module -> stages running it or anything inside it
     for node in graph.nodes:
-        for path in filter(None, (node.module_path, node.callee_path)):
+        for path in filter(None, (node.module_path, node.callee_path, *_read_owners(graph, node))):
             for module in (path, *_ancestors(path)):
                 used.setdefault(module, set()).add(plan.node_stage[node.index])
 
@@ -498,6 +498,22 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
                    if not any(a in not_held[s] for a in inside)}
         if len(holders) > 1:
             plan.tied.append(sorted(info.aliases))
+
+
+def _read_owners(graph: Graph, node) -> list[str]:
+    """Modules whose parameters the op reads without calling them (ProphetNet's decoder indexes
+    `self.ngram_embeddings.weight`): the stage running it must hold them. Of a tied parameter's
+    names, those under the module whose code reads it (all, when none is); none when the op is
+    the call of a module holding it (the embedding's call does not need the tied LM head)."""
+    trace = graph.trace
+    owners = []
+    for _, tid in graph.param_operands(node.index):
+        aliases = trace.params[trace.tensors[tid].param].aliases
+        if node.callee_path and any(a.startswith(node.callee_path + ".") for a in aliases):
+            continue
+        inside = [a for a in aliases if not node.module_path or a.startswith(node.module_path + ".")]
+        owners += [a.rpartition(".")[0] for a in inside or aliases]
+    return owners
 
 
 def _computed_on_later_stages(graph: Graph, plan: StagePlan, shadows: set[str]) -> set[str]:

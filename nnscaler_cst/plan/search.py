@@ -884,11 +884,14 @@ def _cost_tables(graph: Graph, options, n: int, device: DeviceSpec, data_paralle
 
     shape_of = _search_cache(graph).get("shapes")
     if shape_of is None:
-        interned: dict[tuple, int] = {}        # equal shapes, one small int: cheap to hash
+        # equal shapes, one small int: cheap to hash; with whether an output needs a gradient (a
+        # no_grad recycling pass runs the same sites and shapes, without backward or saved tensors)
+        interned: dict[tuple, int] = {}
         shape_of = _search_cache(graph)["shapes"] = {
             node.index: interned.setdefault(
                 (tuple((tensors[o.tid].shape, tensors[o.tid].dtype) for o in node.operands if o.tid is not None),
-                 tuple(tensors[t].shape for t in node.outputs)), len(interned)) for node in graph.nodes}
+                 tuple(tensors[t].shape for t in node.outputs),
+                 any(tensors[t].requires_grad for t in node.outputs)), len(interned)) for node in graph.nodes}
 
     # A model's repeated blocks call each site with the same shapes: price each once.
     priced: dict[tuple, tuple[float, float]] = {}
