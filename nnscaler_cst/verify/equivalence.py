@@ -149,7 +149,8 @@ def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1
         merged = package.merge_state_dicts([r["state"] for r in ranks])
         max_abs, max_rel, worst = 0.0, 0.0, ""
         exact = ref.get("exact_grads")
-        unmeasured = set(noise_driven(ref["grads"], exact))
+        rounding = rounding_of(ref["grads"], exact, ref.get("reordered_grads"))
+        unmeasured = set(noise_driven(ref["grads"], exact, rounding))
         for name, expected in ref["state"].items():
             diff = _difference(name, merged, expected)
             if name in unmeasured:
@@ -160,7 +161,7 @@ def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1
                 max_abs, worst = err, name
             max_rel = max(max_rel, rel)
         grads = package.merge_state_dicts([r["grads"] for r in ranks])
-        max_grad, worst_grad = gradient_error(ref["grads"], grads, exact, grad_rtol)
+        max_grad, worst_grad = gradient_error(ref["grads"], grads, rounding, grad_rtol)
         result = VerifyResult(world, steps, ref["losses"], ranks[0]["losses"], max_abs, max_rel, worst,
                               max_grad, worst_grad, {"param_atol": param_atol, "loss_atol": loss_atol,
                                                      "rtol": rtol, "grad_rtol": grad_rtol},
@@ -191,15 +192,15 @@ def _sensitivity_twin(entry_file: Path, workdir: str, common: list[str], ref: di
             "max_abs_error": drift}
 
 
-def gradient_error(expected_grads: dict, merged: dict, exact_grads: dict | None = None,
+def gradient_error(expected_grads: dict, merged: dict, rounding: dict[str, float] | None = None,
                    grad_rtol: float = 1e-3) -> tuple[float, str]:
     """(largest relative error, its parameter) of the parallel run's first gradients.
 
     Each gradient is judged relative to its own scale, but never to less than a small share of
     the largest gradient anywhere: a true gradient of zero (a key bias before softmax) arrives
-    as rounding noise in both runs, and noise over noise is no error. With the float64 gradients
-    (`exact_grads`), a difference within ROUNDING_MARGIN times the float32 reference's own distance
-    from them is rounding too (a sum of terms that cancel, larger than the gradients around it)."""
+    as rounding noise in both runs, and noise over noise is no error. With the reference's own
+    `rounding` per parameter (rounding_of), a difference within ROUNDING_MARGIN times it is
+    rounding too (a sum of terms that cancel, larger than the gradients around it)."""
     overall = max((g.float().abs().max().item() for g in expected_grads.values() if g.numel()), default=0.0)
     floor = max(GRAD_SCALE_FLOOR * overall, 1e-8)
     worst, worst_name = 0.0, ""
@@ -207,30 +208,38 @@ def gradient_error(expected_grads: dict, merged: dict, exact_grads: dict | None 
         if not expected.numel():
             continue
         scale = max(expected.float().abs().max().item(), floor)
-        rounding = _rounding(name, expected, exact_grads)
-        scale = max(scale, ROUNDING_MARGIN * rounding / grad_rtol)
+        scale = max(scale, ROUNDING_MARGIN * (rounding or {}).get(name, 0.0) / grad_rtol)
         err = _difference(name, merged, expected).max().item() / scale
         if err > worst:
             worst, worst_name = err, name
     return worst, worst_name
 
 
-def noise_driven(expected_grads: dict, exact_grads: dict | None) -> list[str]:
+def rounding_of(expected_grads: dict, exact_grads: dict | None, reordered: dict | None = None) -> dict[str, float]:
+    """Per parameter, how far the float32 reference's first gradient is from rounding-free: its
+    distance from the float64 gradient (`exact_grads`), or from the same float32 step summed in
+    another order (`reordered`), whichever is larger. Empty without float64 gradients."""
+    rounding = {}
+    for name, expected in expected_grads.items():
+        exact = (exact_grads or {}).get(name)
+        if exact is None or exact.shape != expected.shape:
+            continue
+        rounding[name] = (expected.double() - exact).abs().max().item()
+        again = (reordered or {}).get(name)
+        if again is not None and again.shape == expected.shape:
+            rounding[name] = max(rounding[name], (expected.double() - again.double()).abs().max().item())
+    return rounding
+
+
+def noise_driven(expected_grads: dict, exact_grads: dict | None, rounding: dict[str, float]) -> list[str]:
     """Parameters whose first float32 gradient is rounding: its exact (float64) value is within
-    ROUNDING_MARGIN times the float32 reference's distance from it. AdamW turns such a gradient
-    into full steps in a direction rounding chose, so their values after later steps are no
-    measure of the rewrite (their gradients are judged, by gradient_error)."""
+    ROUNDING_MARGIN times the float32 reference's rounding (rounding_of). AdamW turns such a
+    gradient into full steps in a direction rounding chose, so their values after later steps
+    are no measure of the rewrite (their gradients are judged, by gradient_error)."""
     if not exact_grads:
         return []
     return [name for name, expected in expected_grads.items() if expected.numel() and name in exact_grads
-            and exact_grads[name].abs().max().item() < ROUNDING_MARGIN * _rounding(name, expected, exact_grads)]
-
-
-def _rounding(name: str, expected: torch.Tensor, exact_grads: dict | None) -> float:
-    exact = (exact_grads or {}).get(name)
-    if exact is None or exact.shape != expected.shape:
-        return 0.0
-    return (expected.double() - exact).abs().max().item()
+            and exact_grads[name].abs().max().item() < ROUNDING_MARGIN * rounding.get(name, 0.0)]
 
 
 def _difference(name: str, merged: dict, expected: torch.Tensor) -> torch.Tensor:
