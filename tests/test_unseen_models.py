@@ -22,7 +22,10 @@ single-device run.
 - ProphetNet at TP=2: `torch.stack(predict_query_states_list, 1)` needs each element of a list
   variable converted (refused: "cannot insert scatter on this argument"; now a comprehension over
   it); at PP=2 its decoder indexes `self.ngram_embeddings.weight` without calling the module, so
-  no stage held it (the dry run stopped the rewrite).
+  no stage held it (the dry run stopped the rewrite);
+- Gemma 3 at TP=2: `create_causal_mask(**mask_kwargs)` passes its arguments by name, but the
+  trace took the `**` splat for unknown positions and placed a conversion at position 1
+  ("cannot insert gather on this argument").
 """
 from __future__ import annotations
 
@@ -152,6 +155,22 @@ def example_inputs():
     return {"input_ids": ids, "decoder_input_ids": torch.randint(0, 128, (4, 16)), "labels": ids}
 '''
 
+GEMMA3 = '''
+import torch
+import transformers
+
+
+def build():
+    config = transformers.Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    return transformers.Gemma3ForCausalLM(config)
+
+
+def example_inputs():
+    ids = torch.randint(0, 128, (4, 16))
+    return {"input_ids": ids, "labels": ids}
+'''
+
 CASES = {
     "llama-nocache-dp2": (LLAMA, ("--dp", "2")),
     "bart-dp2": (BART, ("--dp", "2")),
@@ -164,6 +183,7 @@ CASES = {
     "led-dp2xtp2": (LED, ("--dp", "2", "--tp", "2")),
     "prophetnet-tp2": (PROPHETNET, ("--tp", "2")),
     "prophetnet-pp2": (PROPHETNET, ("--pp", "2", "--micro-batches", "2")),
+    "gemma3-tp2": (GEMMA3, ("--tp", "2")),
 }
 
 

@@ -252,6 +252,14 @@ class InsertCollectives:
             index = _arg_index(node, path)
             if index is not None and len(path) == 2:
                 return _replace_arg(node, index, wrap(node.args[index].value))
+            splat = [i for i, a in enumerate(node.args) if a.star == "**"]
+            if index is None and path[0] == "kw" and len(path) == 2 and len(splat) == 1:
+                # `f(**kwargs)`: the one value overridden in a copy, `f(**{**kwargs, "x": conv(kwargs["x"])})`
+                mapping = node.args[splat[0]].value
+                key = cst.SimpleString(repr(path[1]))
+                item = cst.Subscript(mapping, [cst.SubscriptElement(cst.Index(key))])
+                return _replace_arg(node, splat[0], cst.Dict([cst.StarredDictElement(mapping),
+                                                              cst.DictElement(key, wrap(item))]))
             listed = node.args[index].value if index is not None else None
             if isinstance(listed, (cst.Tuple, cst.List)) and _plain_item(listed, path[2]):  # `torch.cat((a, b))`
                 elements = list(listed.elements)

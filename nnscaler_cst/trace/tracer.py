@@ -837,8 +837,9 @@ def _binds_first_parameter(code, values: dict, call) -> bool:
 
 
 def _positional_count(call) -> int | None:
-    """Arguments a call's source passes by position; None when unknown (not a call, or `*args`)."""
-    if not isinstance(call, cst.Call) or any(a.star for a in call.args):
+    """Arguments a call's source passes by position; None when unknown (not a call, or `*args`;
+    a `**kwargs` splat passes by name: `create_causal_mask(**mask_kwargs)` passes none)."""
+    if not isinstance(call, cst.Call) or any(a.star == "*" for a in call.args):
         return None
-    return sum(1 for a in call.args if a.keyword is None)
+    return sum(1 for a in call.args if a.keyword is None and not a.star)
 
