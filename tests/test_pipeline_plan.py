@@ -144,6 +144,41 @@ def test_layers_sharing_one_module_are_refused_at_the_shared_call(tmp_path):
         "            x = torch.tanh(self.layer(x))") + 1)
 
 
+FORWARD_CALLED = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+
+    class Blocks(nn.Module):
+        # SqueezeBERT's shape: each block's forward called directly, no module call for the trace
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.tanh(layer.forward(x))
+            return x.sum()
+
+
+    def build():
+        return Blocks()
+
+
+    def example_inputs():
+        return {"x": torch.randn(4, 8)}
+""")
+
+
+def test_blocks_whose_forward_is_called_directly_are_refused_with_a_location(tmp_path):
+    from nnscaler_cst.analysis import analyze
+    from nnscaler_cst.plan.pipeline import find_trunk
+    (tmp_path / "forward_called.py").write_text(FORWARD_CALLED)
+    with pytest.raises(UserError, match="not called as modules") as refused:
+        find_trunk(analyze(tmp_path / "forward_called.py").graph)
+    assert refused.value.location is not None and "block.forward(x)" in refused.value.hint
+
+
 LOOP_WITH_LAYERDROP = textwrap.dedent("""
     def forward(self, x, mask):
         h = self.embed(x)

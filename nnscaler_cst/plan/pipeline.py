@@ -105,11 +105,19 @@ def find_trunk(graph: Graph) -> Trunk:
     if not graph.blocks:
         raise _no_blocks(graph)
     calls = graph.trace.module_calls
-    paths = max(graph.blocks.values(), key=lambda group: (_loop_runs_once(group, calls), len(group)))
+    # blocks called as modules first (Funnel's encoder holds ModuleLists of layers, never called
+    # themselves), then a loop that calls no other blocks, then the longest
+    paths = max(graph.blocks.values(), key=lambda group: (sum(p in calls for p in group) >= 2,
+                                                          _loop_runs_once(group, calls), len(group)))
     container = paths[0].rsplit(".", 1)[0]
     blocks = sorted((p for p in paths if p in calls), key=lambda p: calls[p][1])
     if len(blocks) < 2:
-        raise UserError(f"the blocks of {container} are not called from the model's own code")
+        trace = graph.trace
+        reading = next((n.span.start for n in graph.nodes if n.span is not None and any(   # the first block's weights
+            alias.startswith(paths[0] + ".") for _, tid in graph.param_operands(n.index)
+            for alias in trace.params[trace.tensors[tid].param].aliases)), None)
+        raise UserError(f"the blocks of {container} are not called as modules from the model's own code", reading,
+                        hint="pipelining cuts the calls the trace sees, `block(x)`; `block.forward(x)` bypasses them")
     span = calls[blocks[0]][0]
     source = graph.sources.get(span.path)
     node = source.node_at(span.line, span.col, span.end_line, span.end_col)
