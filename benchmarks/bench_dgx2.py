@@ -186,7 +186,7 @@ def both_stacks(graph):
     return auto._Blocks(len(order), region, flops, pro, epi, None, one.recompute_problem, one.input_bytes)
 
 
-def priced_with(graph, config: Config, blocks, constraints, scale: float = 1.0, adjust=None):
+def priced_with(graph, config: Config, blocks, constraints, scale: float = 1.0):
     """`scale`: the global batch over the traced one. The split is solved at the traced batch; the
     regions' batch-proportional terms (bw, forward_bw, saved: auto._Regions) are then scaled, which is
     what tracing at the global batch would give in this cost model (its other terms do not depend on it)."""
@@ -200,8 +200,6 @@ def priced_with(graph, config: Config, blocks, constraints, scale: float = 1.0, 
     cost = auto._regions(graph, blocks, plan, config.tp, CLUSTER.axis(1, config.tp))
     for name in ("bw", "forward_bw", "saved"):
         setattr(cost, name, [v * scale for v in getattr(cost, name)])
-    if adjust is not None:
-        adjust(cost, blocks)
     return auto._estimate(config, cost, blocks, int(traced_batch * scale), CLUSTER, BUDGET), plan, cost
 
 
@@ -365,19 +363,6 @@ def encoder_decoder(lines: list[str], entry: str, title: str, tp: int = 8, pp: i
 PASSES = 3
 
 
-def one_gradient_pass(cost, blocks) -> None:
-    """The trace holds the trunk's 3 passes in each block's region, and auto._regions prices every op
-    with a backward (plan/cost.py node_time has no no-grad case): the blocks' regions become one pass
-    with its backward and two forwards; recompute repeats the gradient pass's forward only; only the
-    gradient pass saves activations."""
-    for r in range(1, blocks.count + 1):
-        cost.bw[r] = (cost.bw[r] + (PASSES - 1) * cost.forward_bw[r]) / PASSES
-        cost.fx[r] = (cost.fx[r] + (PASSES - 1) * cost.forward_fx[r]) / PASSES
-        cost.forward_bw[r] /= PASSES
-        cost.forward_fx[r] /= PASSES
-        cost.saved[r] /= PASSES
-
-
 def alphafold2(lines: list[str]) -> dict:
     from nnscaler_cst.plan.schedules import load_schedule, schedule
     graph, trace_seconds = traced("dgx2_alphafold2.py", TRACE_BATCH)
@@ -391,7 +376,7 @@ def alphafold2(lines: list[str]) -> dict:
         for recompute in (False, True):
             config = Config(tp=tp, dp=dp, micro_batches=micro, recompute=recompute)
             start = time.perf_counter()
-            estimate = priced_with(graph, config, blocks, [], scale, adjust=one_gradient_pass)[0]
+            estimate = priced_with(graph, config, blocks, [], scale)[0]
             label = "DP" if tp == 1 else "TP (the search's own split: pair and MSA dims) + DP"
             rows.append((label + (" + recompute" if recompute else ""), estimate,
                          f"{time.perf_counter() - start:.0f} s to plan"))
@@ -403,7 +388,7 @@ def alphafold2(lines: list[str]) -> dict:
         for recompute in (False, True):
             config = Config(tp=1, dp=dp, pp=pp, micro_batches=micro, recompute=recompute)
             start = time.perf_counter()
-            estimate = priced_with(graph, config, blocks, [], scale, adjust=one_gradient_pass)[0]
+            estimate = priced_with(graph, config, blocks, [], scale)[0]
             # the tool's 3f1b order, simulated: a pass takes a fifth of the stage's time per micro-batch
             # (1 gradient forward + its backward at 2 forwards + 2 no-grad forwards)
             orders = schedule(table, pp, micro, PASSES)
@@ -421,7 +406,7 @@ def alphafold2(lines: list[str]) -> dict:
               "dynamic axial parallelism) splits the MSA and pair representations along their rows; the nearest plan "
               "this tool expresses is its free tensor-parallel search over every op's dims (`--plan auto`'s split at a "
               "fixed tp), with DP over the rest. Times count the two no-gradient passes as forwards only (see "
-              "`one_gradient_pass`).", "", *TABLE_HEAD]
+              "the cost model's own no-grad pricing: plan/cost.py `node_time`).", "", *TABLE_HEAD]
     lines += [row(label, estimate, note) for label, estimate, note in rows]
     lines += ["", f"Picture: {command}", ""]
     return {"base": best([r for r in rows if r[0].startswith("TP")]), "dp": best([r for r in rows if r[0].startswith("DP")]),
@@ -454,9 +439,11 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
    (`schedule ... --pp 4`: "stage 2: blocks 2-22, stage 3: blocks 23-23"). T5-3B at TP 8 x PP 4 with recompute:
    the tool's cut is priced at about 1.6x the step of stages cut over both stacks (the first rows of each table).
    Both plans here use stages over both stacks (`both_stacks`); the generated code would use the tool's cut.
-4. **No-gradient passes are priced with a backward.** plan/cost.py `node_time` has no no-grad case, so the
-   recycling passes 1 and 2 of AlphaFold2 are priced as training passes and their activations as saved
-   (3x the gradient pass's). `one_gradient_pass` corrects the regions before pricing.
+4. **No-gradient passes were priced with a backward** (fixed): plan/cost.py `node_time` now prices an op none
+   of whose outputs needs a gradient as its forward alone, and `auto._regions` leaves such ops out of what
+   recompute repeats, so the recycling passes 1 and 2 of AlphaFold2 cost their forwards and save nothing
+   (this script's own correction, `one_gradient_pass`, is gone; it had also divided the gradient pass's
+   saved activations by 3).
 5. **Co-shard refuses TP 16 on Swin**: "cannot co-shard into 16x64 pieces: `qkv` has 1 along dim 2 on each
    device": the first stage's 16 heads leave one per device and co-shard cuts heads only.
 6. **What `plan` and `schedule` do not price**: `plan` has no --pp/--schedule, and its co-shard estimate adds the
