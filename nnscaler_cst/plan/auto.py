@@ -138,12 +138,15 @@ def _blocks(graph: Graph) -> _Blocks:
     n = len(graph.nodes)
     try:
         trunk = find_trunk(graph)
-        passes = graph.trace.module_runs.get(trunk.blocks[0], 1)
-        if passes > 1:
-            find_recycle(graph, trunk)      # a trunk run in a recycling loop pipelines under 3F1B
     except UserError as exc:
         cache["blocks"] = _Blocks(0, [0] * n, [], 0.0, 0.0, exc.message, exc.message)
         return cache["blocks"]
+    passes = graph.trace.module_runs.get(trunk.blocks[0], 1)
+    if passes > 1:                          # a trunk run in a recycling loop pipelines under 3F1B;
+        try:                                # one run again otherwise is refused per pp (_stages_problem)
+            find_recycle(graph, trunk)
+        except UserError:
+            passes = 1
     block_of = node_blocks(graph, trunk.blocks)
     first, last = (min(block_of), max(block_of)) if block_of else (0, 0)
     flops = [0.0] * len(trunk.blocks)
