@@ -78,6 +78,8 @@ def test_a_reference_whose_one_summation_order_lands_next_to_float64_is_judged_b
     assert gradient_error(expected, merged, rounding_of(expected, exact, reordered))[0] < tolerance
     merged = {"conv.weight": expected["conv.weight"] * 1.5}
     assert gradient_error(expected, merged, rounding_of(expected, exact, reordered))[0] > tolerance
+    empty = {"none": torch.zeros(0)}            # MobileBERT has a parameter with no elements
+    assert rounding_of(empty, {"none": torch.zeros(0, dtype=torch.float64)}, empty) == {}
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from ..errors import UserError
 from ..graph.graph import Graph
 from ..source.files import Span
 from ..source.names import bound_on_every_path, exposed_reads, names_in
+from ..trace.records import TensorList
 from .cost import node_flops
 
 
@@ -515,7 +516,11 @@ def _read_owners(graph: Graph, node) -> list[str]:
     the call of a module holding it (the embedding's call does not need the tied LM head)."""
     trace = graph.trace
     owners = []
-    for _, tid in graph.param_operands(node.index):
+    read = [o.tid for o in node.operands if o.tid is not None] + [   # `torch.cat([w.t(), self.dense.weight])`
+        t for o in node.operands if isinstance(o.value, TensorList) for t in o.value]
+    for tid in read:
+        if trace.tensors[tid].param is None:
+            continue
         aliases = trace.params[trace.tensors[tid].param].aliases
         if node.callee_path and any(a.startswith(node.callee_path + ".") for a in aliases):
             continue
