@@ -136,6 +136,7 @@ def test_a_missing_all_reduce_fails_the_check(runs, tmp_path):
     assert result.returncode == 1 and outcome["passed"] is False, outcome
     assert outcome["max_abs_error"] > outcome["tolerance"]["param_atol"] or any(
         e > outcome["tolerance"]["loss_atol"] for e in outcome["loss_errors"]), outcome
+    assert outcome["float64"]["passed"] is False, outcome     # not rounding: float64 differs as much
     assert (out / "model.py").read_text() == text   # verified as it is
 
 
@@ -150,6 +151,7 @@ def test_a_wrong_formula_on_one_rank_fails_the_check(runs, tmp_path):
     result, _ = verify("fixtures/gpt.py", "-o", out, "--json")
     outcome = report(result)
     assert result.returncode == 1 and outcome["passed"] is False, outcome
+    assert outcome["float64"]["passed"] is False, outcome
     assert (out / "model.py").read_text() == broken
 
 

@@ -166,3 +166,13 @@ def test_the_twin_is_a_real_run_whose_first_step_matches_and_later_steps_drift(t
     assert ref["losses"][0] == twin["losses"][0]
     assert all(torch.equal(ref["grads"][k], twin["grads"][k]) for k in ref["grads"])
     assert ref["losses"][-1] != twin["losses"][-1]
+
+
+def test_float64_decides_only_where_float32_failed():
+    def result(loss_error, float64=None):
+        return VerifyResult(2, 1, [1.0], [1.0 + loss_error], 0.0, 0.0, "w", 0.0, "w",
+                            {"param_atol": 1e-4, "loss_atol": 1e-4, "rtol": 1e-4, "grad_rtol": 1e-3},
+                            0.0, float64=float64)
+    assert result(0.0).passed and not result(1e-2).passed
+    assert result(1e-2, float64=result(0.0)).passed
+    assert not result(1e-2, float64=result(1e-2)).passed

@@ -273,6 +273,7 @@ def test_a_step_without_the_gather_of_the_updated_shards_fails_the_check(tmp_pat
     train.write_text(text.replace(line, "", 1))
     result, outcome = verify("fixtures/gpt.py", "-o", out)         # verified as it is: no rewrite
     assert result.returncode == 1 and outcome["passed"] is False, outcome
+    assert outcome["float64"]["passed"] is False, outcome     # ZeRO's shards in float64 too
     assert "all_gather_params" not in train.read_text()
 
 

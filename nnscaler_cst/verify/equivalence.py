@@ -25,6 +25,7 @@ from .launch import LaunchError, fixed_port, process_env, run_all, run_world, te
 from .simulate import simulate
 
 WORKER = Path(forkserver.WORKER)
+NOT_FLOAT64 = "nnscaler-verify: does not run in float64: "   # worker.py's words (it cannot import us)
 READ_ONLY = {"PYTHONDONTWRITEBYTECODE": 1}   # the processes leave no __pycache__ beside the files they run
 
 
@@ -49,6 +50,7 @@ class VerifyResult:
     twin: dict | None = None         # the sensitivity twin's drift from the reference, when one ran
     noise_driven: list[str] = field(default_factory=list)   # first gradient is rounding: values not compared
     exact_first_loss: float | None = None    # the first loss in float64, where the model runs in it
+    float64: VerifyResult | None = None      # the same check with both runs in float64, when float32 failed
 
     @property
     def loss_errors(self) -> list[float]:
@@ -75,9 +77,17 @@ class VerifyResult:
             all(e <= t for e, t in zip(self.loss_errors[:1], self.loss_tolerances()[:1]))
 
     @property
-    def passed(self) -> bool:
+    def passed_as_run(self) -> bool:
+        """Within tolerance in this run's own dtype."""
         losses_ok = all(e <= t for e, t in zip(self.loss_errors, self.loss_tolerances()))
         return losses_ok and self.first_step_passed and self.max_abs_error <= self.param_tolerance()
+
+    @property
+    def passed(self) -> bool:
+        """In float32, or, where float32 rounding is amplified past its tolerances (an
+        ill-conditioned model), with both runs in float64 under tolerances 1000x tighter: a
+        rewrite that computes something else differs there as much as in float32."""
+        return self.passed_as_run or (self.float64 is not None and self.float64.passed_as_run)
 
     def to_json(self) -> dict:
         return {"passed": self.passed, "world_size": self.world_size, "steps": self.steps,
@@ -88,6 +98,7 @@ class VerifyResult:
                 "tolerance": self.tolerance, "loss_tolerances": self.loss_tolerances(),
                 "param_tolerance": self.param_tolerance(), "twin": self.twin, "seconds": round(self.seconds, 2),
                 "noise_driven": self.noise_driven,
+                "float64": self.float64.to_json() if self.float64 is not None else None,
                 "dropout": "off in both runs (its masks differ between a tensor and its shards)"}
 
 
@@ -110,6 +121,7 @@ GRAD_SCALE_FLOOR = 1e-3   # share of the largest gradient below which a gradient
 TWIN_MARGIN = 10.0        # how far past the twin's own drift the parallel run may land
 TWIN_LEAST_NUDGE = 1e-6   # the twin's first gradients differ by at least this share
 ROUNDING_MARGIN = 10.0    # how far past the float32 reference's own rounding a gradient may land
+FLOAT64_TIGHTENING = 1e-3  # float64's tolerances against float32's (its rounding is 1e-9 of float32's)
 
 
 def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1e-3, seed: int = 0,
@@ -127,28 +139,68 @@ def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1
     finally:
         sys.path.remove(str(out_dir.parent))
         sys.dont_write_bytecode = writes_bytecode
-    world = package.WORLD_SIZE
     check_schedules(package)
     fixed_port()                    # a bad $NNSCALER_VERIFY_PORT is refused before any process starts
+    tolerance = {"param_atol": param_atol, "loss_atol": loss_atol, "rtol": rtol, "grad_rtol": grad_rtol}
     common = ["--steps", str(steps), "--lr", str(lr), "--seed", str(seed)]
     with terminated_as_exit(), tempfile.TemporaryDirectory(prefix="nnscaler-verify-") as workdir, \
             (nullcontext(forks) if forks is not None else forkserver.started()) as forks:
+        run = _Run(entry_file, out_dir, package, workdir, common, timeout, forks)
+        result, ref = run.compare(tolerance)
+        run.judge_later_steps(result, ref)
+        if not result.passed and ref.get("exact_grads") is not None:     # the model runs in float64
+            tighter = {name: value * FLOAT64_TIGHTENING for name, value in tolerance.items()}
+            wide, wide_ref = run.compare(tighter, float64=True)
+            if wide is not None:
+                run.judge_later_steps(wide, wide_ref, float64=True)
+            result.float64 = wide
+    result.seconds = time.monotonic() - started
+    return result
+
+
+@dataclass
+class _Run:
+    """One verify's processes: the reference and the ranks, in float32 or float64."""
+    entry_file: Path
+    out_dir: Path
+    package: object
+    workdir: str
+    common: list[str]
+    timeout: float
+    forks: object
+
+    def _folder(self, float64: bool) -> Path:
+        workdir = Path(self.workdir) / "float64" if float64 else Path(self.workdir)
+        workdir.mkdir(exist_ok=True)
+        return workdir
+
+    def _args(self, float64: bool) -> list[str]:
+        return [*self.common, *(["--float64"] if float64 else [])]
+
+    def compare(self, tolerance: dict[str, float], float64: bool = False) -> tuple[VerifyResult | None, dict]:
+        """Run both sides and compare them; (None, {}) for a float64 run of a model that names
+        float32 itself."""
+        workdir, args = self._folder(float64), self._args(float64)
+        world = self.package.WORLD_SIZE
         try:
-            run_all([([sys.executable, str(WORKER), "reference", str(entry_file), workdir, *common],
-                      process_env(**READ_ONLY))], timeout, forks)
+            run_all([([sys.executable, str(WORKER), "reference", str(self.entry_file), str(workdir), *args],
+                      process_env(**READ_ONLY))], self.timeout, self.forks)
             # the model's folder on the ranks' path, as the reference has it: helper modules the
             # programs import from beside the model (emit/beside.py)
-            path = os.pathsep.join([str(Path(entry_file).resolve().parent),
+            path = os.pathsep.join([str(Path(self.entry_file).resolve().parent),
                                     *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
-            run_world([sys.executable, str(WORKER), "rank", str(out_dir), workdir, *common], world, timeout,
-                      forks, PYTHONPATH=path, **READ_ONLY)
+            run_world([sys.executable, str(WORKER), "rank", str(self.out_dir), str(workdir), *args], world,
+                      self.timeout, self.forks, PYTHONPATH=path, **READ_ONLY)
         except LaunchError as err:
+            if float64 and NOT_FLOAT64 in str(err):
+                return None, {}
             raise VerifyError(str(err)) from None
-        ref = torch.load(Path(workdir) / "reference.pt")
-        ranks = [torch.load(Path(workdir) / f"rank{r}.pt") for r in range(world)]
-        merged = package.merge_state_dicts([r["state"] for r in ranks])
+        ref = torch.load(workdir / "reference.pt")
+        ranks = [torch.load(workdir / f"rank{r}.pt") for r in range(world)]
+        merged = self.package.merge_state_dicts([r["state"] for r in ranks])
         max_abs, max_rel, worst = 0.0, 0.0, ""
-        exact = ref.get("exact_grads")
+        # a float64 run is its own exact reference: its rounding is how far another order moves it
+        exact = ref["grads"] if float64 else ref.get("exact_grads")
         rounding = rounding_of(ref["grads"], exact, ref.get("reordered_grads"))
         unmeasured = set(noise_driven(ref["grads"], exact, rounding))
         for name, expected in ref["state"].items():
@@ -156,40 +208,40 @@ def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1
             if name in unmeasured:
                 continue
             err = diff.max().item() if diff.numel() else 0.0
-            rel = (diff / expected.float().abs().clamp_min(1e-6)).max().item() if diff.numel() else 0.0
+            rel = (diff / expected.double().abs().clamp_min(1e-6)).max().item() if diff.numel() else 0.0
             if err > max_abs:
                 max_abs, worst = err, name
             max_rel = max(max_rel, rel)
-        grads = package.merge_state_dicts([r["grads"] for r in ranks])
-        max_grad, worst_grad = gradient_error(ref["grads"], grads, rounding, grad_rtol)
-        result = VerifyResult(world, steps, ref["losses"], ranks[0]["losses"], max_abs, max_rel, worst,
-                              max_grad, worst_grad, {"param_atol": param_atol, "loss_atol": loss_atol,
-                                                     "rtol": rtol, "grad_rtol": grad_rtol},
-                              0.0, [r["counters"] for r in ranks], noise_driven=sorted(unmeasured),
-                              exact_first_loss=ref.get("exact_loss"))
-        if not result.passed and result.first_step_passed and steps > 1:
-            result.twin = _sensitivity_twin(entry_file, workdir, common, ref, max(max_grad, TWIN_LEAST_NUDGE),
-                                            timeout, forks)
-    result.seconds = time.monotonic() - started
-    return result
+        grads = self.package.merge_state_dicts([r["grads"] for r in ranks])
+        max_grad, worst_grad = gradient_error(ref["grads"], grads, rounding, tolerance["grad_rtol"])
+        result = VerifyResult(world, len(ref["losses"]), ref["losses"], ranks[0]["losses"], max_abs, max_rel,
+                              worst, max_grad, worst_grad, tolerance, 0.0, [r["counters"] for r in ranks],
+                              noise_driven=sorted(unmeasured), exact_first_loss=ref.get("exact_loss"))
+        return result, ref
 
-
-def _sensitivity_twin(entry_file: Path, workdir: str, common: list[str], ref: dict, nudge: float,
-                      timeout: float, forks=None) -> dict:
-    """Later steps can amplify rounding: an unstable run (a loss that jumps at verify's lr) carries
-    the last bits of its first gradients into visible differences. A second single-device run
-    whose first gradients differ from the reference's by as much as the parallel run's did
-    shows how far the reference itself drifts; later steps are judged against that drift."""
-    try:
-        run_all([([sys.executable, str(WORKER), "reference", str(entry_file), workdir, *common,
-                   "--nudge", repr(nudge)], process_env(**READ_ONLY))], timeout, forks)
-    except LaunchError as err:
-        raise VerifyError(str(err)) from None
-    twin = torch.load(Path(workdir) / "twin.pt")
-    drift = max((_difference(name, twin["state"], expected).max().item()
-                 for name, expected in ref["state"].items() if expected.numel()), default=0.0)
-    return {"nudge": nudge, "loss_errors": [abs(a - b) for a, b in zip(ref["losses"], twin["losses"])],
-            "max_abs_error": drift}
+    def judge_later_steps(self, result: VerifyResult, ref: dict, float64: bool = False) -> None:
+        """Later steps can amplify rounding: an unstable run (a loss that jumps at verify's lr)
+        carries the last bits of its first gradients into visible differences. A second
+        single-device run whose first gradients differ from the reference's by as much as the
+        parallel run's did shows how far the reference itself drifts; where the first step
+        passed and a later one did not, later steps are judged against that drift."""
+        if result.passed_as_run or not result.first_step_passed or result.steps < 2:
+            return
+        # the least nudge is some units in the last place of the run's own dtype
+        least = TWIN_LEAST_NUDGE * (torch.finfo(torch.float64).eps / torch.finfo(torch.float32).eps if float64 else 1)
+        nudge = max(result.max_grad_error, least)
+        workdir = self._folder(float64)
+        try:
+            run_all([([sys.executable, str(WORKER), "reference", str(self.entry_file), str(workdir),
+                       *self._args(float64), "--nudge", repr(nudge)], process_env(**READ_ONLY))],
+                    self.timeout, self.forks)
+        except LaunchError as err:
+            raise VerifyError(str(err)) from None
+        twin = torch.load(workdir / "twin.pt")
+        drift = max((_difference(name, twin["state"], expected).max().item()
+                     for name, expected in ref["state"].items() if expected.numel()), default=0.0)
+        result.twin = {"nudge": nudge, "loss_errors": [abs(a - b) for a, b in zip(ref["losses"], twin["losses"])],
+                       "max_abs_error": drift}
 
 
 def gradient_error(expected_grads: dict, merged: dict, rounding: dict[str, float] | None = None,
@@ -248,4 +300,4 @@ def _difference(name: str, merged: dict, expected: torch.Tensor) -> torch.Tensor
     got = merged[name]
     if got.shape != expected.shape:
         raise VerifyError(f"merged {name} has shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
-    return (got.float() - expected.float()).abs()
+    return (got.double() - expected.double()).abs()

@@ -3,8 +3,8 @@
 It imports only torch and the files under test, and makes `import nnscaler_cst` fail, so a
 passing run also proves the generated code is self-contained.
 
-    worker.py reference ENTRY_FILE WORKDIR --steps K --lr LR --seed S
-    worker.py rank OUTPUT_DIR WORKDIR --steps K --lr LR --seed S   (RANK, WORLD_SIZE, MASTER_* set)
+    worker.py reference ENTRY_FILE WORKDIR --steps K --lr LR --seed S [--float64]
+    worker.py rank OUTPUT_DIR WORKDIR --steps K --lr LR --seed S [--float64]   (RANK, WORLD_SIZE, MASTER_* set)
 
 Fault injection, to see what verify does when a rank fails (tests/test_faults.py):
 NNSCALER_VERIFY_FAULT=die:R:K kills rank R (SIGKILL) just before its first collective of step K;
@@ -21,6 +21,7 @@ import time
 
 sys.modules["nnscaler_cst"] = None  # the code under test must not need the tool
 PHASE_MARK = "nnscaler-verify phase: "   # verify/launch.py reads these lines to say when a process failed
+NOT_FLOAT64 = "nnscaler-verify: does not run in float64: "   # verify/equivalence.py reads it
 current_step = None
 
 
@@ -128,9 +129,29 @@ def loss_of(module, output):
     return output if isinstance(output, torch.Tensor) else output.loss
 
 
+def widened(value):
+    """Floating tensors in a batch (nested in dicts, tuples and lists) in float64."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.double()
+    if isinstance(value, dict):
+        return {k: widened(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(widened(v) for v in value)
+    return value
+
+
 def batch_for(module, step, seed):
     torch.manual_seed(seed + step)
-    return module.example_inputs()
+    batch = module.example_inputs()
+    return widened(batch) if torch.get_default_dtype() == torch.float64 else batch
+
+
+def require_float64(model):
+    """A float64 run (verify's second opinion, --float64) of a model that names float32 itself
+    proves nothing more than the float32 one: refused, and verify keeps the float32 verdict."""
+    narrow = [name for name, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float64]
+    if narrow:
+        sys.exit(f"{NOT_FLOAT64}{narrow[0]} is {model.get_parameter(narrow[0]).dtype}")
 
 
 def capture_first_gradients(model, optimizer, nudge=0.0):
@@ -189,15 +210,6 @@ def exact_first_step(entry, model, seed):
     BatchNorm over four values per channel carries 1e-4 of it). (None, None) when the model does
     not run in float64 (code that names float32)."""
     import copy
-
-    def widened(value):
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.double()
-        if isinstance(value, dict):
-            return {k: widened(v) for k, v in value.items()}
-        if isinstance(value, (tuple, list)):
-            return type(value)(widened(v) for v in value)
-        return value
     try:
         exact = copy.deepcopy(model).double()
         exact.train()
@@ -240,9 +252,13 @@ def reference(args):
     entry = load_file(target, "verify_entry")
     torch.manual_seed(args.seed)
     model = entry.build()
+    if args.float64:
+        require_float64(model)
     torch.save(model.state_dict(), os.path.join(args.workdir, "init.pt"))
-    exact_loss, exact = exact_first_step(entry, model, args.seed) if not args.nudge else (None, None)
-    reordered = reordered_first_gradients(entry, model, args.seed) if exact is not None else None
+    yardsticks = not args.nudge and not args.float64
+    exact_loss, exact = exact_first_step(entry, model, args.seed) if yardsticks else (None, None)
+    # float64's own rounding: the yardstick for gradients that are rounding there too
+    reordered = reordered_first_gradients(entry, model, args.seed) if exact is not None or args.float64 else None
     model.train()
     optimizer = adamw(model.parameters(), args.lr)
     grads = capture_first_gradients(model, optimizer, args.nudge)
@@ -275,6 +291,8 @@ def rank(args):
     module = package.rank_module(rank)
     torch.manual_seed(args.seed)
     model = package.build(rank)
+    if args.float64:
+        require_float64(model)
     step = train.pipeline_train_step if package.PP_SIZE > 1 else train.train_step
     init = torch.load(os.path.join(args.workdir, "init.pt"))
     model.load_state_dict(package.shard_state_dict(init, rank))
@@ -313,7 +331,10 @@ def main():
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--nudge", type=float, default=0.0)
+    parser.add_argument("--float64", action="store_true", help="build, batches and steps in float64")
     args = parser.parse_args()
+    if args.float64:
+        torch.set_default_dtype(torch.float64)
     torch.use_deterministic_algorithms(True, warn_only=True)
     switch_off_dropout()
     enter("setup")

@@ -1,0 +1,72 @@
+"""verify's second opinion in float64 (verify/equivalence.py, run_verify): where float32 differs
+past its tolerances, both runs go again in float64 under tolerances 1000x tighter. An
+ill-conditioned model (RegNet's grouped convolutions through BatchNorm over two values per
+channel) amplifies float32 rounding past any fixed tolerance; float64 tells that apart from a
+rewrite that computes something else (tests/test_equivalence.py's broken copies, which fail both).
+
+Here both dtypes run fixtures/mlp.py at TP=2 under tolerances of 1e-10 (1e-13 in float64):
+float32's rounding fails them, float64's passes.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import importlib
+
+import pytest
+import torch
+
+from nnscaler_cst.verify import equivalence, forkserver
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+UNREACHABLE = {"param_atol": 1e-10, "loss_atol": 1e-10, "rtol": 1e-10, "grad_rtol": 1e-10}
+TIGHT = {name: value * equivalence.FLOAT64_TIGHTENING for name, value in UNREACHABLE.items()}
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("float64")
+    shutil.copy(REPO / "fixtures" / "mlp.py", root / "mlp.py")
+    result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "mlp.py", "--tp", "2", "-o", "out"],
+                            cwd=root, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return root
+
+
+def _run(project: Path, workdir: str, forks) -> equivalence._Run:
+    package = _package(project)
+    return equivalence._Run(project / "mlp.py", project / "out", package, workdir, ["--steps", "2", "--lr", "1e-3",
+                                                                                    "--seed", "0"], 120, forks)
+
+
+def _package(project: Path):
+    sys.path.insert(0, str(project))
+    try:
+        return importlib.import_module("out")
+    finally:
+        sys.path.remove(str(project))
+
+
+def test_the_float64_run_matches_to_float64_rounding(project, tmp_path):
+    with forkserver.started() as forks:
+        run = _run(project, str(tmp_path), forks)
+        narrow, _ = run.compare(UNREACHABLE)
+        wide, ref = run.compare(TIGHT, float64=True)
+    assert not narrow.passed_as_run, "float32 met 1e-10: it no longer tells the dtypes apart"
+    assert wide is not None and wide.passed_as_run, wide.to_json()
+    assert all(v.dtype == torch.float64 for v in ref["grads"].values())
+    assert wide.max_abs_error < 1e-12 < narrow.max_abs_error, (wide.max_abs_error, narrow.max_abs_error)
+
+
+def test_a_model_that_names_float32_gets_no_float64_run(project, tmp_path):
+    entry = project / "mlp.py"
+    entry.write_text(entry.read_text().replace("    return MLP()", "    return MLP().float()"))
+    try:
+        with forkserver.started() as forks:
+            assert _run(project, str(tmp_path), forks).compare(TIGHT, float64=True) == (None, {})
+    finally:
+        shutil.copy(REPO / "fixtures" / "mlp.py", entry)
