@@ -1352,3 +1352,92 @@ def test_a_parameter_no_op_reads_takes_the_split_of_its_constructors_other_insta
 def test_a_module_the_inputs_do_not_reach_trains_like_one_device_under_tp(tmp_path):
     result, outcome = _verify(tmp_path, UNREACHED_INSTANCE, "--tp", "2")
     assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+
+
+# MoE layers that sort the tokens of the whole batch by expert and put each result back in its
+# token's place (GLM-4-MoE's group mask `scatter_`, JetMoE's `sort`, Llama 4's `repeat` by
+# expert, Nemotron-H): ops inside mix the samples' rows, the layer as a whole keeps them apart.
+# The batch check was refused at the first such op; it now calls the enclosing module as a
+# whole on each half of the batch (graph/batch_probe.py: module_kept_apart). A capacity that
+# drops the tokens past a share of the whole batch does mix them, and stays refused.
+SORTED_MOE = '''
+import torch
+import torch.nn as nn
+
+
+class MoE(nn.Module):
+    def __init__(self, d=32, experts=4, capacity=CAPACITY):
+        super().__init__()
+        self.gate = nn.Linear(d, experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(experts, d, 64) * 0.1)
+        self.w_out = nn.Parameter(torch.randn(experts, 64, d) * 0.1)
+        self.capacity = capacity          # share of all tokens one expert takes at most
+
+    def forward(self, x):
+        b, t, d = x.shape
+        tokens = x.reshape(-1, d)
+        weight, expert = self.gate(tokens).softmax(-1).max(-1)
+        order = expert.argsort(stable=True)
+        counts = torch.bincount(expert, minlength=self.w_in.shape[0]).tolist()
+        out = torch.zeros_like(tokens)
+        start = 0
+        for e, n in enumerate(counts):
+            idx = order[start:start + n]
+            start += n
+            if self.capacity is not None:
+                idx = idx[:int(self.capacity * tokens.shape[0])]
+            h = torch.relu(tokens[idx] @ self.w_in[e]) @ self.w_out[e]
+            out = out.index_add(0, idx, h * weight[idx, None])
+        return out.reshape(b, t, d)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(32)
+        self.moe = MoE()
+
+    def forward(self, x):
+        return x + self.moe(self.norm(x))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 8, 32),)
+'''
+
+
+def test_a_moe_layer_sorting_the_whole_batch_keeps_samples_apart(tmp_path):
+    analysis = analyze(_write(tmp_path, SORTED_MOE.replace("CAPACITY", "None")))
+    graph = analysis.graph
+    sort = next(n for n in graph.nodes if n.callee == "Tensor.argsort")
+    assert graph.batch_kept_apart(sort) is None          # the op alone mixes the rows: else this tests nothing
+    assert batch_split_problem(graph, "data parallel (--dp 2)") is None
+    assert batch_split_problem(graph, "micro-batches (--micro-batches 2)", across_ranks=False) is None
+
+
+def test_a_moe_layer_whose_capacity_is_a_share_of_the_whole_batch_mixes_samples(tmp_path):
+    text = SORTED_MOE.replace("CAPACITY", "0.1")
+    problem = batch_split_problem(analyze(_write(tmp_path, text)).graph, "data parallel (--dp 2)")
+    # refused where the first op mixing the rows sits, as before
+    assert problem is not None and problem.location.line == _line_of(text, "weight, expert = "), problem
+
+
+@pytest.mark.slow
+def test_a_moe_layer_sorting_the_whole_batch_trains_like_one_device_under_dp(tmp_path):
+    result, outcome = _verify(tmp_path, SORTED_MOE.replace("CAPACITY", "None"), "--dp", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr

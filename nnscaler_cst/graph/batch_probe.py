@@ -10,11 +10,14 @@ each half of the real tensors it read. It keeps the samples apart when every res
 matching half of its whole result, or, unchanged by the batch, equal to it.
 
 Each node of the second trace must be the same call at the same site as in the first (no
-control flow on the batch size); otherwise nothing is claimed. Answers one question; decides
-no plan.
+control flow on the batch size); otherwise nothing is claimed. A module's first call as a
+whole (the tracer's module_replays) is probed the same way: a MoE layer that sorts the tokens
+of the whole batch by expert and puts each result back in its token's place keeps the samples
+apart, though the ops inside it do not. Answers one question; decides no plan.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -29,8 +32,21 @@ SLICES = 2
 def batch_kept_apart(node: Node, trace: Trace, half: Trace) -> dict[int, int] | None:
     """{output tensor id: its batch dim} (absent for a result the batch does not change) when the
     call, with its arguments at half the batch, gives each half of its whole result; else None."""
-    full_replay, half_replay = trace.replays.get(node.index), _same_call(node, half)
-    if full_replay is None or full_replay.outputs is None or half_replay is None:
+    found = _kept_apart(trace, trace.replays.get(node.index), half, _same_call(node, half))
+    return found and {tid: dim for tid, dim in found.items() if tid in node.outputs}
+
+
+def module_kept_apart(path: str, trace: Trace, half: Trace) -> dict[int, int] | None:
+    """The same for the first call of the module at `path` as a whole: a MoE layer whose router
+    sorts the tokens of the whole batch, then puts each token's result back in its place."""
+    if trace.module_runs.get(path) != 1 or half.module_runs.get(path) != 1:
+        return None           # called more than once: which call would the answer be for?
+    return _kept_apart(trace, trace.module_replays.get(path), half, half.module_replays.get(path))
+
+
+def _kept_apart(trace: Trace, full_replay: Replay | None, half: Trace,
+                half_replay: Replay | None) -> dict[int, int] | None:
+    if full_replay is None or full_replay.outputs is None or half_replay is None or half_replay.outputs is None:
         return None
     pairs = _paired_refs(full_replay, half_replay)
     if pairs is None:
@@ -42,7 +58,7 @@ def batch_kept_apart(node: Node, trace: Trace, half: Trace) -> dict[int, int] | 
             return None
     if not any(cut is not None for cut in cuts.values()):
         return None
-    with _filled_uninitialized_memory():
+    with _filled_uninitialized_memory(), _without_dropout():
         whole_call = _Caller(trace, full_replay, sorted(cuts), strided=True)
         try:
             whole = whole_call()
@@ -62,8 +78,23 @@ def batch_kept_apart(node: Node, trace: Trace, half: Trace) -> dict[int, int] | 
                 dim = _piece_of(piece, full, k)
                 if dim is False or found.setdefault(position, dim) != dim:
                     return None
-    return {tid: found[full_replay.outputs.index(tid)] for tid in node.outputs
-            if tid in full_replay.outputs and found.get(full_replay.outputs.index(tid)) is not None}
+    return {tid: found[k] for k, tid in enumerate(full_replay.outputs) if found.get(k) is not None}
+
+
+@contextlib.contextmanager
+def _without_dropout():
+    """Dropout keeps samples apart, but draws other masks for a half batch than for the whole:
+    off while a module (a layer with its attention dropout) is called on both."""
+    functional = torch.nn.functional
+    names = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
+    saved = {name: getattr(functional, name) for name in names}
+    try:
+        for name in names:
+            setattr(functional, name, lambda input, *args, **kwargs: input)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(functional, name, fn)
 
 
 def _same_call(node: Node, half: Trace) -> Replay | None:

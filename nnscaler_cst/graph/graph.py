@@ -17,7 +17,7 @@ from typing import Callable
 from ..source.files import SourceSet, Span
 from ..trace.records import Node, Trace
 from ..errors import Location
-from .batch_probe import batch_kept_apart, half_batch_trace
+from .batch_probe import batch_kept_apart, half_batch_trace, module_kept_apart
 from .derive import derive
 from .dims import OpDims
 from .oprules import OpRule, RuleSet, annotate
@@ -56,18 +56,28 @@ class Graph:
     # traces the model again on 1/k of its batch (analysis.py sets it): see batch_kept_apart
     retrace: Callable[[int], Trace] | None = None
     _half: list = field(default_factory=list)                   # [the half-batch trace or None], once made
-    _kept: dict[int, dict[int, int] | None] = field(default_factory=dict)
+    _kept: dict[int | str, dict[int, int] | None] = field(default_factory=dict)
 
     def batch_kept_apart(self, node: Node) -> dict[int, int] | None:
         """For a call whose split rule has no batch dim: {output tensor: batch dim} when the call,
         made with its own arguments at half the batch, gives each half of its whole result
         (graph/batch_probe.py); None when it does not or cannot be told."""
         if node.index not in self._kept:
-            if not self._half:
-                self._half.append(half_batch_trace(self.retrace) if self.retrace is not None else None)
-            half = self._half[0]
+            half = self._half_trace()
             self._kept[node.index] = batch_kept_apart(node, self.trace, half) if half is not None else None
         return self._kept[node.index]
+
+    def module_kept_apart(self, path: str) -> dict[int, int] | None:
+        """The same for the first call of the module at `path`, as a whole."""
+        if path not in self._kept:
+            half = self._half_trace()
+            self._kept[path] = module_kept_apart(path, self.trace, half) if half is not None else None
+        return self._kept[path]
+
+    def _half_trace(self) -> Trace | None:
+        if not self._half:
+            self._half.append(half_batch_trace(self.retrace) if self.retrace is not None else None)
+        return self._half[0]
 
     def source_node(self, node: Node):
         """The LibCST node of a traced invocation's call site."""

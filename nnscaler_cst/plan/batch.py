@@ -111,67 +111,122 @@ def data_parallel_impl(dims, label: str) -> str | None:
 def _first_mixing_op(graph: Graph, labels: dict[int, str] | None = None,
                      kinds: dict[int, str] | None = None, across_ranks: bool = True) -> tuple[Node, str] | None:
     trace = graph.trace
-    tensors = trace.tensors
     batch = trace.batch_size
     if not batch:
         return None
-    batched = {tid: 0 for tid in trace.inputs.values() if tensors[tid].shape and tensors[tid].shape[0] == batch}
+    batched = {tid: 0 for tid in trace.inputs.values()
+               if trace.tensors[tid].shape and trace.tensors[tid].shape[0] == batch}
     reduced: dict[int, str] = {}       # values computed across the batch: "sum" or "mean" of the samples
+    resume = 0                         # nodes before it ran inside a module found to keep samples apart
     for node in graph.nodes:
-        inputs = list(_batched_operands(node, batched))
-        mixes = any(t in reduced for t in node.inputs)
-        if not inputs:
-            if mixes:
-                reduced.update(dict.fromkeys(node.produced, _combined_kind(node, reduced, batch, trace)))
+        if node.index < resume:
             continue
-        if _dead(node):
+        problem = _mixing(graph, node, batched, reduced, labels, across_ranks)
+        if problem is None:
             continue
-        if mixes:
-            return node, "combines a value reduced over the batch with the batch itself"
-        if all(not tensors[t].shape for t in node.outputs or node.produced):   # a loss or metric: DP averages it
-            reduced.update(dict.fromkeys(node.produced, _reducer_kind(node, trace)))
-            continue
-        dims = graph.dims.get(node.index)
-        problem = _leaked_inside_value(graph, node, dims, [tid for _, tid in inputs])
-        if problem is not None:
+        claim = _enclosing_module_kept_apart(graph, node)
+        if claim is None:
             return node, problem
-        if dims is None:
-            problem = f"has no split rule ({graph.problems.get(node.index) or 'no annotation'})"
-        else:
-            for operand, tid in inputs:
-                tensor = dims.inputs.get(operand)
-                dim = batched[tid]
-                if operand not in dims.shape_only and not (tensor is not None and dim < len(tensor.dims)
-                                                           and tensor.dims[dim]):
-                    problem = f"cannot split its operand {operand} on the batch dim (dim {dim})"
-                    break
-        if problem is not None:
-            kept = graph.batch_kept_apart(node)   # its own arguments at half the batch (`x.as_strided(x.size())`)
-            if kept is None:
-                return node, problem
-            batched.update(kept)
-            continue
-        for operand, tid in inputs:
-            if operand in dims.shape_only:
-                continue
-            tensor = dims.inputs.get(operand)
-            dim = batched[tid]
-            factors = tensor.dims[dim]
-            label = factors[0].label
-            if labels is not None:
-                labels[node.index] = label
-            if label in dims.fixed and not (across_ranks and data_parallel_impl(dims, label)):
-                return node, f"needs the whole batch: dim {dim} of {operand} is fixed in its rule"
-            if label in dims.reduced:
-                reduced.update(dict.fromkeys(node.produced, _reducer_kind(node, trace)))
-                continue
-            for out in dims.outputs:
-                place = out.where(label)
-                if place is not None and place[1] == 1:
-                    batched[out.tid] = place[0]
+        outputs, resume = claim
+        batched.update(outputs)
+        for tid in outputs:
+            reduced.pop(tid, None)
     if kinds is not None:
         kinds.update(reduced)
     return None
+
+
+def _mixing(graph: Graph, node: Node, batched: dict[int, int], reduced: dict[int, str],
+            labels: dict[int, str] | None, across_ranks: bool) -> str | None:
+    """Why `node` mixes the samples, or None; follows the batch dim (`batched`) and the values
+    reduced over the batch (`reduced`) through it."""
+    trace = graph.trace
+    tensors = trace.tensors
+    inputs = list(_batched_operands(node, batched))
+    mixes = any(t in reduced for t in node.inputs)
+    if not inputs:
+        if mixes:
+            reduced.update(dict.fromkeys(node.produced, _combined_kind(node, reduced, trace.batch_size, trace)))
+        return None
+    if _dead(node):
+        return None
+    if mixes:
+        return "combines a value reduced over the batch with the batch itself"
+    if all(not tensors[t].shape for t in node.outputs or node.produced):   # a loss or metric: DP averages it
+        reduced.update(dict.fromkeys(node.produced, _reducer_kind(node, trace)))
+        return None
+    dims = graph.dims.get(node.index)
+    problem = _leaked_inside_value(graph, node, dims, [tid for _, tid in inputs])
+    if problem is not None:
+        return problem
+    if dims is None:
+        problem = f"has no split rule ({graph.problems.get(node.index) or 'no annotation'})"
+    else:
+        for operand, tid in inputs:
+            tensor = dims.inputs.get(operand)
+            dim = batched[tid]
+            if operand not in dims.shape_only and not (tensor is not None and dim < len(tensor.dims)
+                                                       and tensor.dims[dim]):
+                problem = f"cannot split its operand {operand} on the batch dim (dim {dim})"
+                break
+    if problem is not None:
+        kept = graph.batch_kept_apart(node)   # its own arguments at half the batch (`x.as_strided(x.size())`)
+        if kept is None:
+            return problem
+        batched.update(kept)
+        return None
+    for operand, tid in inputs:
+        if operand in dims.shape_only:
+            continue
+        tensor = dims.inputs.get(operand)
+        dim = batched[tid]
+        label = tensor.dims[dim][0].label
+        if labels is not None:
+            labels[node.index] = label
+        if label in dims.fixed and not (across_ranks and data_parallel_impl(dims, label)):
+            return f"needs the whole batch: dim {dim} of {operand} is fixed in its rule"
+        if label in dims.reduced:
+            reduced.update(dict.fromkeys(node.produced, _reducer_kind(node, trace)))
+            continue
+        for out in dims.outputs:
+            place = out.where(label)
+            if place is not None and place[1] == 1:
+                batched[out.tid] = place[0]
+    return None
+
+
+def _enclosing_module_kept_apart(graph: Graph, node: Node) -> tuple[dict[int, int], int] | None:
+    """({output tensor: batch dim}, the first node after the call) of the innermost module around
+    `node` whose call as a whole keeps the samples apart (graph/batch_probe.py): a MoE layer
+    sorting all tokens by expert, then putting each result back in its token's place. Its
+    inside is then no concern of the batch; a value computed inside that later code reads
+    (other than what the call returns) leaves the question open."""
+    path = node.module_path
+    while path:
+        kept = graph.module_kept_apart(path)
+        if kept is not None:
+            inside = _nodes_inside(graph, node, path)
+            returned = set(graph.trace.module_replays[path].outputs)
+            leaked = any(consumer not in inside for n in inside for tid in graph.nodes[n].produced
+                         if tid not in returned for consumer, _ in graph.consumers.get(tid, ()))
+            if leaked:
+                return None
+            return kept, max(inside) + 1
+        path = path.rpartition(".")[0]
+    return None
+
+
+def _nodes_inside(graph: Graph, node: Node, path: str) -> set[int]:
+    """The run of nodes around `node` that the module at `path` (or a module under it) made."""
+    def under(n: int) -> bool:
+        module = graph.nodes[n].module_path
+        return module == path or module.startswith(path + ".")
+    first = last = node.index
+    while first > 0 and under(first - 1):
+        first -= 1
+    while last + 1 < len(graph.nodes) and under(last + 1):
+        last += 1
+    return set(range(first, last + 1))
 
 
 def _leaked_inside_value(graph: Graph, node: Node, dims, batched_inputs: list[int]) -> str | None:

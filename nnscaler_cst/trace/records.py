@@ -143,3 +143,4 @@ class Trace:
     replays: dict[int, Any] = field(default_factory=dict)   # node index -> trace.replay.Replay
     state_writes: list[StateWrite] = field(default_factory=list)   # module attributes the forward changed
     module_runs: dict[str, int] = field(default_factory=dict)      # module path -> forward calls in one step
+    module_replays: dict[str, Any] = field(default_factory=dict)   # module path -> its first call, as a Replay

@@ -178,6 +178,8 @@ class Tracer(TorchFunctionMode):
         self.replays: dict[int, Replay] = {}   # node index -> how to call it again
         self._entry_args: dict[int, tuple] = {}    # id(frame) -> (code, parameter values) as the call began
         self._awaiting: dict[int, Replay] = {}     # id(frame or module) -> replay whose results are not yet seen
+        self.module_replays: dict[str, Replay] = {}    # module path -> its first call as a whole
+        self._awaiting_modules: dict[int, Replay] = {}
         self.state_writes: list[StateWrite] = []
         self._callbacks: dict[int, tuple] = {}     # id(frame) -> (frame, whether library code called it back)
 
@@ -330,10 +332,14 @@ class Tracer(TorchFunctionMode):
             self.module_runs[path] = self.module_runs.get(path, 0) + 1
         if id(module) in self._leaf_ids:
             self._current = None    # each call of a leaf layer is a node, in a loop too
-        if path is None or path in self.module_calls:
+        if path is None:
             return
         if self._leaf_ids and self._own_and_leaf(sys._getframe(1))[1] and id(module) not in self._leaf_ids:
             return                  # a module a leaf layer calls: part of that op
+        if path not in self.module_replays and id(module) not in self._leaf_ids:
+            self._record_module_call(module, path)
+        if path in self.module_calls:
+            return
         own = self.own_frame(sys._getframe(1))
         if own is not None and own.f_locals.get("self") is not module:
             span = self._span(own)
@@ -341,6 +347,23 @@ class Tracer(TorchFunctionMode):
                 self.module_calls[path] = (span, len(self.nodes))
                 if isinstance(module, _CONTAINERS):
                     self.containers.setdefault(span, self._leaves(module))
+
+    def _record_module_call(self, module, path: str) -> None:
+        """The module's first call as a whole, from the frame of nn.Module's call that holds its
+        arguments: graph/batch_probe.py calls it again to see whether the module keeps the
+        samples of a batch apart when ops inside it (a MoE router's sort) do not."""
+        frame = sys._getframe(2)
+        for _ in range(3):
+            if frame is None or frame.f_code.co_name == "_call_impl":
+                break
+            frame = frame.f_back
+        if frame is None or frame.f_code.co_name != "_call_impl" or frame.f_locals.get("self") is not module:
+            return
+        state = {name: self._tid(t) for name, t in [*module.named_parameters(), *module.named_buffers()]}
+        replay = Replay(module, with_refs(frame.f_locals.get("args", ()), self._tid),
+                        with_refs(frame.f_locals.get("kwargs", {}), self._tid), state)
+        self.module_replays[path] = replay
+        self._awaiting_modules[id(module)] = replay
 
     def _leaves(self, container) -> list[tuple[str, ...]]:
         """The modules a container call runs, in order, nested containers flattened."""
@@ -447,8 +470,8 @@ class Tracer(TorchFunctionMode):
         entry = self._entry_args.get(id(frame))
         return entry[1] if entry is not None and entry[0] is frame.f_code else frame.f_locals
 
-    def _returned(self, key: int, result) -> None:
-        replay = self._awaiting.pop(key, None)
+    def _returned(self, key: int, result, awaiting: dict | None = None) -> None:
+        replay = (self._awaiting if awaiting is None else awaiting).pop(key, None)
         if replay is not None:
             flat = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
             if all(id(t) in self._tid_of for t in flat):
@@ -456,6 +479,7 @@ class Tracer(TorchFunctionMode):
 
     def _module_returned(self, module, args, result):
         self._returned(id(module), result)
+        self._returned(id(module), result, self._awaiting_modules)
 
     def _profile(self, frame, event, arg):
         """sys.setprofile hook: the arguments of each library function the model's files call,
@@ -574,7 +598,7 @@ class Tracer(TorchFunctionMode):
         return Trace(mode, sorted(self.own_files), self.nodes, self.ops, self.tensors, params, input_tids,
                      loss_tid, {name: qualified_type(type(m)) for name, m in model.named_modules()}, batch,
                      self.size_queries, self.module_calls, self.containers, self.replays, self.state_writes,
-                     self.module_runs)
+                     self.module_runs, self.module_replays)
 
     def _role_layers(self, model: torch.nn.Module) -> frozenset:
         """Layer classes of the model's files that are called from two or more places: a
