@@ -1441,3 +1441,63 @@ def test_a_moe_layer_whose_capacity_is_a_share_of_the_whole_batch_mixes_samples(
 def test_a_moe_layer_sorting_the_whole_batch_trains_like_one_device_under_dp(tmp_path):
     result, outcome = _verify(tmp_path, SORTED_MOE.replace("CAPACITY", "None"), "--dp", "2")
     assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+
+
+# RoFormer's rotary embedding: `torch.stack([-q[..., 1::2], q[..., ::2]], -1).reshape_as(q)`.
+# reshape_as takes its result's shape from its other tensor, which the rule left out: the plan
+# gathered q whole for it while the stack held one rank's heads, and the dry run stopped the TP
+# rewrite ("shape '[4, 4, 16, 16]' is invalid for input of size 2048"). The other tensor is now
+# split as the result is.
+RESHAPE_AS = '''
+import torch
+import torch.nn as nn
+
+
+class Attention(nn.Module):
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Linear(d, d)
+        self.k = nn.Linear(d, d)
+        self.v = nn.Linear(d, d)
+        self.o = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (proj(x).view(b, t, self.heads, -1).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        q = q + torch.stack([-q[..., 1::2], q[..., ::2]], dim=-1).reshape_as(q)
+        k = k + torch.stack([-k[..., 1::2], k[..., ::2]], dim=-1).reshape_as(k)
+        h = torch.softmax(q @ k.transpose(-1, -2) / 4.0, dim=-1) @ v
+        return self.o(h.transpose(1, 2).reshape(b, t, d))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Attention() for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x.pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(2, 8, 32),)
+'''
+
+
+def test_reshape_as_splits_its_other_tensor_as_its_result(tmp_path):
+    analysis = analyze(_write(tmp_path, RESHAPE_AS))
+    params = rewrite(analysis, PlanRequest(tp=2)).plan.params     # the dry run of the ranks included
+    assert params["blocks.0.q.weight"]["tp"].startswith("S") and params["blocks.0.k.weight"]["tp"].startswith("S")
+
+
+@pytest.mark.slow
+def test_reshape_as_of_split_heads_trains_like_one_device_under_tp(tmp_path):
+    result, outcome = _verify(tmp_path, RESHAPE_AS, "--tp", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr

@@ -149,8 +149,11 @@ def reshape(call: Call) -> OpDims:
         counter += 1
         i += 1
         j += 1
-    return OpDims({name: TensorDims(call.tids[name], in_dims)}, [TensorDims(call.out_tids[0], out_dims)],
-                  fixed=fixed)
+    inputs = {name: TensorDims(call.tids[name], in_dims)}
+    # view_as / reshape_as: the other tensor's shape is the result's, so it is split as the result is
+    for other in (n for n in call.shapes if n != name and call.shapes[n] == dst):
+        inputs[other] = TensorDims(call.tids[other], out_dims)
+    return OpDims(inputs, [TensorDims(call.out_tids[0], out_dims)], fixed=fixed)
 
 
 def transpose(call: Call) -> OpDims:
