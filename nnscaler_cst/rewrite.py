@@ -38,7 +38,7 @@ from .plan.coshard import CoshardChoice, plan_coshard
 from .plan.cost import check_precision, load_cluster, node_time, optimizer_time
 from .plan.search import AxisPlan, params_kept_whole, search_axis
 from .plan.whole_sizes import splits_a_read_size
-from .plan.tables import load_table, source_annotations, weights_left_whole
+from .plan.tables import Constraint, load_table, source_annotations, weights_left_whole
 
 COMM_SOURCE = Path(__file__).parent / "runtime" / "_comm.py"
 
@@ -155,11 +155,13 @@ def _choose_coshard(analysis: Analysis, request: PlanRequest, constraints: list,
     return plan_coshard(graph, constraints, tp, tp_plan, base, request.memory_budget, search)
 
 
-def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool = False) -> tuple[Plan, AxisPlan | None]:
-    """Solve the plan: each table's constraints, plus the model's own annotations."""
+def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool = False,
+               whole_params: tuple[str, ...] = ()) -> tuple[Plan, AxisPlan | None]:
+    """Solve the plan: each table's constraints, plus the model's own annotations.
+    `whole_params`: parameters kept whole on the tensor-parallel axis (see rewrite)."""
     graph = analysis.graph
     cluster = load_cluster(request.cluster).with_precision(check_precision(request.precision))
-    annotations = source_annotations(graph)
+    annotations = source_annotations(graph) + _kept_whole(analysis, whole_params)
     if request.plan == "auto":
         request = resolve_auto(analysis, request)
         tp, dp, tp_plan = request.tp, request.dp, request.auto.tp_plan
@@ -167,7 +169,7 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
         constraints = [c for c in annotations if c.axis == "tp"]
         if request.sequence_parallel:
             constraints = load_table("sequence_parallel").for_axis("tp") + constraints
-        if tp_plan is not None and every_size_read:       # the dry run of the first plan failed: solve again
+        if tp_plan is not None and (every_size_read or whole_params):   # the first plan's dry run failed
             with fused_collectives(request.sequence_parallel):
                 tp_plan = search_axis(graph, "tp", tp, constraints, cluster.axis(1, tp), data_parallel=dp,
                                       micro_batches=_micro_batches(request), every_size_read=True)
@@ -428,12 +430,15 @@ def plan_pipeline(analysis: Analysis, plan: Plan, request: PlanRequest) -> tuple
     return stages, orders
 
 
-def rewrite(analysis: Analysis, request: PlanRequest, every_size_read: bool = False) -> Rewrite:
+def rewrite(analysis: Analysis, request: PlanRequest, every_size_read: bool = False,
+            whole_params: tuple[str, ...] = ()) -> Rewrite:
     """Plan, edit, render, and dry-run. A size the source reads into a name (`B, T, C = x.shape`)
     is taken as local where it is used, which holds for most models; when the dry run of that
-    plan fails, the plan is solved again with every such tensor dim kept whole."""
+    plan fails, the plan is solved again with every such tensor dim kept whole. A parameter the
+    ranks build at another size than the plan's (library code at construction pads a tied bias
+    to its weight's whole vocabulary) is kept whole in a plan solved again, once."""
     request = resolve_auto(analysis, request)
-    plan, tp_plan = build_plan(analysis, request, every_size_read)
+    plan, tp_plan = build_plan(analysis, request, every_size_read, whole_params)
     stages = orders = None
     if request.pp > 1:
         stages, orders = plan_pipeline(analysis, plan, request)
@@ -455,8 +460,23 @@ def rewrite(analysis: Analysis, request: PlanRequest, every_size_read: bool = Fa
     files = render(analysis, plan, edits, label, stages, orders, request)
     try:
         plan.warnings += dry_run(analysis, files).warnings    # ladder step 2: the emitted code runs, unwritten
-    except UserError:
+    except UserError as error:
+        misshapen = tuple(getattr(error, "misshapen_params", ()))
+        if misshapen and not whole_params and tp_plan is not None:
+            try:
+                return rewrite(analysis, request, every_size_read, whole_params=misshapen)
+            except UserError:
+                raise error from None       # no plan keeps them whole: the first failure says more
         if every_size_read or choices is None or not splits_a_read_size(analysis.graph, choices.node_choice):
             raise
-        return rewrite(analysis, request, every_size_read=True)
+        return rewrite(analysis, request, every_size_read=True, whole_params=whole_params)
     return Rewrite(plan, tp_plan, edits, files, stages, orders)
+
+
+def _kept_whole(analysis: Analysis, params: tuple[str, ...]) -> list[Constraint]:
+    """op-trans on the tensor-parallel axis: ops reading these parameters do not split them."""
+    if not params:
+        return []
+    info = analysis.trace.params[params[0]]
+    where = info.ctor_span.start if info.ctor_span is not None else Location(display_path(analysis.entry.path))
+    return [Constraint("built-whole", where, "tp", {"params": list(params)}, forbid="splitting-params")]

@@ -66,6 +66,8 @@ class Constraint:
         if "line" in sel and node.span is not None:
             path, line = sel["line"]
             return node.span.path == path and node.span.line <= line <= node.span.end_line
+        if "params" in sel and isinstance(sel["params"], list):     # ops reading these parameters
+            return any(graph.trace.tensors[tid].param in sel["params"] for _, tid in graph.param_operands(index))
         if "inside" in sel:     # ops that call or run inside these modules (module paths)
             return any(p == m or p.startswith(m + ".") for p in filter(None, (node.callee_path, node.module_path))
                        for m in sel["inside"])
@@ -74,6 +76,11 @@ class Constraint:
     def allows(self, graph: Graph, index: int, label: str) -> bool:
         if self.forbid == "partial-param-grads":
             return not leaves_partial_param_grad(graph, index, label)
+        if self.forbid == "splitting-params":      # the selected parameters stay whole, the op may split
+            dims = graph.dims.get(index)
+            return label == REPLICATE or dims is None or all(
+                name not in dims.inputs or dims.inputs[name].where(label) is None
+                for name, tid in graph.param_operands(index) if graph.trace.tensors[tid].param in self.select["params"])
         if self.algo in (None, "batch"):
             return True
         if self.algo == "replicate":

@@ -350,20 +350,28 @@ class _Checker:
         if problems:
             key, text = problems[0]
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise self._internal(rank, f"state dict mismatch: {text}{more}", self._param_location(rank, key))
+            error = self._internal(rank, f"state dict mismatch: {text}{more}", self._param_location(rank, key))
+            # parameters built at another size than their plan says (library code at construction
+            # ties or pads them to a dim the plan keeps whole): rewrite.py plans again, them whole
+            shaped = {self._param(rank, key) for key, text in problems if "has shape" in text}
+            error.misshapen_params = sorted(name for name in shaped if name is not None)
+            raise error
 
-    def _param_location(self, rank: int, key: str) -> Location | None:
-        """Where the user's code constructs the parameter a rank's state-dict key names."""
+    def _param(self, rank: int, key: str) -> str | None:
+        """The parameter (its canonical name) a rank's state-dict key names."""
         name = key
         if self.package.PP_SIZE > 1:
             module = self.package.rank_module(rank)
             local, _, rest = key.partition(".")
             with contextlib.suppress(ValueError, IndexError, KeyError):
                 name = self.package.global_key(rest, module.PIPELINE_STAGES[int(local)], module)
-        for info in self.analysis.trace.params.values():
-            if name in info.aliases and info.ctor_span is not None:
-                return info.ctor_span.start
-        return None
+        return next((canonical for canonical, info in self.analysis.trace.params.items() if name in info.aliases),
+                    None)
+
+    def _param_location(self, rank: int, key: str) -> Location | None:
+        """Where the user's code constructs the parameter a rank's state-dict key names."""
+        info = self.analysis.trace.params.get(self._param(rank, key) or "")
+        return info.ctor_span.start if info is not None and info.ctor_span is not None else None
 
     # ---- failures ----------------------------------------------------------------------
     def _guard(self, fn, rank, what: str, *, own: bool = True):
