@@ -161,7 +161,7 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
     `whole_params`: parameters kept whole on the tensor-parallel axis (see rewrite)."""
     graph = analysis.graph
     cluster = load_cluster(request.cluster).with_precision(check_precision(request.precision))
-    annotations = source_annotations(graph) + _kept_whole(analysis, whole_params)
+    annotations = source_annotations(graph)
     if request.plan == "auto":
         request = resolve_auto(analysis, request)
         tp, dp, tp_plan = request.tp, request.dp, request.auto.tp_plan
@@ -169,6 +169,7 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
         constraints = [c for c in annotations if c.axis == "tp"]
         if request.sequence_parallel:
             constraints = load_table("sequence_parallel").for_axis("tp") + constraints
+        constraints = _kept_whole(analysis, whole_params, constraints)
         if tp_plan is not None and (every_size_read or whole_params):   # the first plan's dry run failed
             with fused_collectives(request.sequence_parallel):
                 tp_plan = search_axis(graph, "tp", tp, constraints, cluster.axis(1, tp), data_parallel=dp,
@@ -182,6 +183,7 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
         constraints = [c for t in tables for c in t.for_axis("tp")] + [c for c in annotations if c.axis == "tp"]
         if request.pp > 1 and tp > 1 and load_schedule(request.schedule).vocab:   # interlaced: split over pp
             constraints = interlaced.keep_whole_on_tp(graph, load_schedule(request.schedule), request.pp, constraints)
+        constraints = _kept_whole(analysis, whole_params, constraints)
         batch = analysis.trace.batch_size or 1
         if dp > 1 and batch % dp:
             table_line = next((c.location for t in tables for c in t.for_axis("dp")), None)
@@ -434,9 +436,10 @@ def rewrite(analysis: Analysis, request: PlanRequest, every_size_read: bool = Fa
             whole_params: tuple[str, ...] = ()) -> Rewrite:
     """Plan, edit, render, and dry-run. A size the source reads into a name (`B, T, C = x.shape`)
     is taken as local where it is used, which holds for most models; when the dry run of that
-    plan fails, the plan is solved again with every such tensor dim kept whole. A parameter the
-    ranks build at another size than the plan's (library code at construction pads a tied bias
-    to its weight's whole vocabulary) is kept whole in a plan solved again, once."""
+    plan fails, the plan is solved again with every such tensor dim kept whole. Parameters the
+    plan splits but the source cannot build split (library code at construction pads a tied
+    bias to its weight's whole vocabulary; one constructor call builds layers split unalike)
+    are kept whole in a plan solved again, once, with a warning."""
     request = resolve_auto(analysis, request)
     plan, tp_plan = build_plan(analysis, request, every_size_read, whole_params)
     stages = orders = None
@@ -448,8 +451,11 @@ def rewrite(analysis: Analysis, request: PlanRequest, every_size_read: bool = Fa
     fused = request.sequence_parallel if request.plan == "auto" else any(
         load_table(name).fused_collectives for name in _table_names(request, plan.mesh["tp"], plan.mesh["dp"]))
     with fused_collectives(fused):
-        edits = plan_edits(analysis.graph, choices, strict=not plan.name.startswith("auto")) \
-            if choices is not None else None
+        try:
+            edits = plan_edits(analysis.graph, choices, strict=not plan.name.startswith("auto")) \
+                if choices is not None else None
+        except UserError as error:
+            return _planned_again(analysis, request, every_size_read, whole_params, error)
     if choices is None and plan.coshard_stand_in is not None:      # --tp 1: C pieces on the one device
         edits = one_device_edits(analysis.graph, plan.coshard_stand_in)
     if plan.mesh["dp"] > 1:
@@ -461,22 +467,42 @@ def rewrite(analysis: Analysis, request: PlanRequest, every_size_read: bool = Fa
     try:
         plan.warnings += dry_run(analysis, files).warnings    # ladder step 2: the emitted code runs, unwritten
     except UserError as error:
-        misshapen = tuple(getattr(error, "misshapen_params", ()))
-        if misshapen and not whole_params and tp_plan is not None:
-            try:
-                return rewrite(analysis, request, every_size_read, whole_params=misshapen)
-            except UserError:
-                raise error from None       # no plan keeps them whole: the first failure says more
+        # parameters whose constructor the edits did divide, and something else resized
+        misshapen = [name for name in getattr(error, "misshapen_params", ())
+                     if edits is not None and analysis.trace.params[name].ctor_span in edits.ctors]
+        if misshapen and not whole_params:
+            error.misshapen_params = misshapen
+            return _planned_again(analysis, request, every_size_read, whole_params, error)
         if every_size_read or choices is None or not splits_a_read_size(analysis.graph, choices.node_choice):
             raise
         return rewrite(analysis, request, every_size_read=True, whole_params=whole_params)
     return Rewrite(plan, tp_plan, edits, files, stages, orders)
 
 
-def _kept_whole(analysis: Analysis, params: tuple[str, ...]) -> list[Constraint]:
-    """op-trans on the tensor-parallel axis: ops reading these parameters do not split them."""
+def _planned_again(analysis: Analysis, request: PlanRequest, every_size_read: bool, whole_params: tuple[str, ...],
+                   error: UserError) -> Rewrite:
+    """The rewrite with the parameters `error` names (misshapen_params: built at another size than
+    the plan's, or by one constructor call the plan splits unalike) kept whole, once; `error`
+    itself where there are none, or no plan keeps them whole."""
+    misshapen = tuple(getattr(error, "misshapen_params", ()))
+    if not misshapen or whole_params:
+        raise error
+    try:
+        again = rewrite(analysis, request, every_size_read, whole_params=misshapen)
+    except UserError:
+        raise error from None       # the first failure says more
+    more = f" (and {len(misshapen) - 1} more)" if len(misshapen) > 1 else ""
+    again.plan.warnings.append(f"{error.location}: warning: {misshapen[0]}{more} stays whole on every "
+                               f"tensor-parallel rank: the plan that split it could not be written ({error.message})")
+    return again
+
+
+def _kept_whole(analysis: Analysis, params: tuple[str, ...], constraints: list[Constraint]) -> list[Constraint]:
+    """op-trans on the tensor-parallel axis: ops reading these parameters do not split them, and
+    the other constraints (a table's "split every matrix") leave those ops be."""
     if not params:
-        return []
+        return constraints
     info = analysis.trace.params[params[0]]
     where = info.ctor_span.start if info.ctor_span is not None else Location(display_path(analysis.entry.path))
-    return [Constraint("built-whole", where, "tp", {"params": list(params)}, forbid="splitting-params")]
+    others = [dataclasses.replace(c, select={**c.select, "except_params": list(params)}) for c in constraints]
+    return others + [Constraint("built-whole", where, "tp", {"params": list(params)}, forbid="splitting-params")]

@@ -1557,3 +1557,54 @@ def test_a_parameter_built_whole_at_construction_is_planned_whole(tmp_path):
 def test_a_parameter_built_whole_at_construction_trains_like_one_device_under_tp(tmp_path):
     result, outcome = _verify(tmp_path, RESIZED_AT_BUILD, "--tp", "2")
     assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+
+
+# One constructor call building layers the plan splits unalike (JetMoE's experts class, built
+# for the MLP's input and output and the attention's: the input split by its output size, the
+# output by its input size). The rewrite divides a size in that one call for every instance,
+# so it was refused ("instances of this constructor split weight differently"); the plan is
+# now solved again with those parameters whole, with a warning.
+ONE_CTOR_TWO_ROLES = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pair = nn.ModuleList([nn.Linear(32, 32) for _ in range(2)])
+        self.up = nn.Linear(32, 64)
+        self.down = nn.Linear(64, 32)
+
+    def forward(self, x):
+        x = x + self.pair[1](torch.relu(self.pair[0](x)))
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(2, 8, 32),)
+'''
+
+
+def test_one_constructor_call_split_unalike_is_planned_whole_with_a_warning(tmp_path):
+    analysis = analyze(_write(tmp_path, ONE_CTOR_TWO_ROLES))
+    plan = rewrite(analysis, PlanRequest(tp=2)).plan
+    assert {plan.params[f"blocks.{b}.pair.{i}.weight"]["tp"] for b in (0, 1) for i in (0, 1)} == {"R"}
+    assert plan.params["blocks.0.up.weight"]["tp"].startswith("S")         # the rest still splits
+    line = _line_of(ONE_CTOR_TWO_ROLES, "self.pair = ")
+    assert any(f"model.py:{line}:" in w and "split weight differently" in w for w in plan.warnings), plan.warnings

@@ -541,7 +541,7 @@ def _reads_local_size(graph: Graph, node: Node, have: dict[int, Layout]) -> bool
 def _ctor_edits(graph: Graph, edits: Edits) -> None:
     """Divide the constructor argument behind each split dim of a parameter."""
     rules = graph.rules
-    by_span: dict[Span, dict[str, tuple]] = defaultdict(dict)
+    by_span: dict[tuple[Span, str], dict[tuple, int]] = defaultdict(dict)   # (site, attr) -> {size: groups}
     for name, info in graph.trace.params.items():
         layout = edits.param_layout.get(name, R)
         if layout.kind != "S":
@@ -564,10 +564,10 @@ def _ctor_edits(graph: Graph, edits: Edits) -> None:
         if layout.groups > 1:
             note += f", {layout.groups} fused blocks split alike"
         key = tuple(aliases)
-        previous = by_span[info.ctor_span].get(key)
-        if previous is not None and previous != layout.groups:
-            raise UserError(f"instances of this constructor split {info.attr} differently", info.ctor_span.start)
-        by_span[info.ctor_span][key] = layout.groups
+        alike = by_span[(info.ctor_span, info.attr)]         # one divided size serves every instance
+        if alike and alike != {key: layout.groups}:
+            raise _shared_ctor(graph, f"instances of this constructor split {info.attr} differently", info.ctor_span)
+        alike[key] = layout.groups
         ctor_list = edits.ctors.setdefault(info.ctor_span, [])
         if all(e.aliases != aliases for e in ctor_list):
             ctor_list.append(CtorEdit(aliases, edits.n, note, len(info.shape) if factory else None))
@@ -579,5 +579,14 @@ def _ctor_edits(graph: Graph, edits: Edits) -> None:
             touched = {a for e in edits.ctors[info.ctor_span] for a in e.aliases}
             factory = dims == [["*"]] and any(a.startswith("factory:") for a in touched)
             if factory or any(set(d) & touched for d in dims):
-                raise UserError(f"{name} stays whole but shares its constructor with split parameters",
-                                info.ctor_span.start)
+                raise _shared_ctor(graph, f"{name} stays whole but shares its constructor with split parameters",
+                                   info.ctor_span)
+
+
+def _shared_ctor(graph: Graph, message: str, span: Span) -> UserError:
+    """One constructor call in the source builds parameters the plan splits unalike: the
+    rewrite divides a size in that one call for every instance. rewrite.py plans again with
+    them whole (`misshapen_params`)."""
+    error = UserError(message, span.start)
+    error.misshapen_params = sorted(name for name, info in graph.trace.params.items() if info.ctor_span == span)
+    return error

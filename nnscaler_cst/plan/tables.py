@@ -51,6 +51,9 @@ class Constraint:
         if "except_inside" in sel and any(p == m or p.startswith(m + ".") for m in sel["except_inside"]
                                           for p in filter(None, (node.callee_path, node.module_path))):
             return False        # the interlaced pipeline's vocabulary modules: split over the pipeline
+        if "except_params" in sel and any(graph.trace.tensors[tid].param in sel["except_params"]
+                                          for _, tid in graph.param_operands(index)):
+            return False        # parameters the rewrite keeps whole (rewrite.py: _kept_whole)
         if sel.get("all"):
             return True
         if "callee" in sel:
