@@ -484,7 +484,11 @@ def _planned_again(analysis: Analysis, request: PlanRequest, every_size_read: bo
     """The rewrite with the parameters `error` names (misshapen_params: built at another size than
     the plan's, or by one constructor call the plan splits unalike) kept whole, once; `error`
     itself where there are none, or no plan keeps them whole."""
-    misshapen = tuple(getattr(error, "misshapen_params", ()))
+    params = analysis.trace.params
+    named = set(getattr(error, "misshapen_params", ()))
+    # with the others its constructor call builds (a Linear's bias whole means its weight's rows whole)
+    calls = {(params[n].ctor_span, n.rpartition(".")[0]) for n in named}
+    misshapen = tuple(sorted(n for n, info in params.items() if (info.ctor_span, n.rpartition(".")[0]) in calls))
     if not misshapen or whole_params:
         raise error
     try:

@@ -1608,3 +1608,53 @@ def test_one_constructor_call_split_unalike_is_planned_whole_with_a_warning(tmp_
     assert plan.params["blocks.0.up.weight"]["tp"].startswith("S")         # the rest still splits
     line = _line_of(ONE_CTOR_TWO_ROLES, "self.pair = ")
     assert any(f"model.py:{line}:" in w and "split weight differently" in w for w in plan.warnings), plan.warnings
+
+
+# Falcon-Mamba and Nemotron-H initialize `dt_proj.bias` in their constructor from a value
+# computed at the whole size (`init.copy_(self.dt_proj.bias, inv_dt)` with `torch.rand(self.
+# intermediate_size)`): the ranks' build() raised in the dry run. The parameters the failing
+# line names (by the class under construction and the attribute path), with the others their
+# constructor call builds, are now kept whole in a plan solved again.
+INITIALIZED_WHOLE = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, width=64):
+        super().__init__()
+        self.width = width
+        self.up = nn.Linear(32, width)
+        self.down = nn.Linear(width, 32)
+        with torch.no_grad():
+            self.up.bias.copy_(torch.linspace(-1, 1, self.width))    # initialized at the whole size
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(2, 8, 32),)
+'''
+
+
+def test_a_parameter_initialized_at_the_whole_size_is_planned_whole(tmp_path):
+    plan = rewrite(analyze(_write(tmp_path, INITIALIZED_WHOLE)), PlanRequest(tp=2)).plan
+    assert {plan.params[f"blocks.{b}.up.{p}"]["tp"] for b in (0, 1) for p in ("weight", "bias")} == {"R"}
+    line = _line_of(INITIALIZED_WHOLE, "self.up.bias.copy_(")
+    assert any(f"model.py:{line}:" in w and "stays whole" in w for w in plan.warnings), plan.warnings

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import importlib
+import linecache
 import pickle
 import re
 import shutil
@@ -389,7 +390,43 @@ class _Checker:
             return _CannotRun(f"{what} of rank {rank}: {type(exc).__name__}: {_first_line(exc)}")
         location, generated = self._site(exc)
         message = f"{what} raised {type(exc).__name__}: {_first_line(exc)}"
-        return self._internal(rank, message, location, generated)
+        error = self._internal(rank, message, location, generated)
+        if what == "build()":
+            error.misshapen_params = self._written_at_construction(exc)
+        return error
+
+    def _written_at_construction(self, exc: Exception) -> list[str]:
+        """The parameters the failing line of a model's construction names (`init.copy_(self.dt_proj.bias,
+        inv_dt)`: initialization code computing a value at the whole size): every instance's,
+        by the class of the module under construction and the attribute path."""
+        frame = None
+        tb = exc.__traceback__
+        while tb is not None:
+            if self.folder in Path(tb.tb_frame.f_code.co_filename).parents:
+                frame = tb.tb_frame
+            tb = tb.tb_next
+        owner = frame.f_locals.get("self") if frame is not None else None
+        if not isinstance(owner, torch.nn.Module):
+            return []
+        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+        found = set()
+        for chain in re.findall(r"\bself((?:\.\w+)+)", line):
+            value, walked = owner, []
+            for attr in chain.lstrip(".").split("."):       # up to a parameter: `self.up.bias.copy_`
+                value = getattr(value, attr, None)
+                walked.append(attr)
+                if value is None or isinstance(value, torch.nn.Parameter):
+                    break
+            if not isinstance(value, torch.nn.Parameter):
+                continue
+            attrs = ".".join(walked)
+            for canonical, info in self.analysis.trace.params.items():
+                for alias in info.aliases:
+                    path = alias[:-len(attrs) - 1]
+                    if alias.endswith("." + attrs) and \
+                            self.analysis.trace.module_types.get(path, "").rsplit(".", 1)[-1] == type(owner).__name__:
+                        found.add(canonical)
+        return sorted(found)
 
     def _internal(self, rank, message: str, location: Location | None = None,
                   generated: tuple[str, int, str] | None = None) -> UserError:
