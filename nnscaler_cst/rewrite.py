@@ -433,7 +433,7 @@ def plan_pipeline(analysis: Analysis, plan: Plan, request: PlanRequest) -> tuple
 
 
 def rewrite(analysis: Analysis, request: PlanRequest, every_size_read: bool = False,
-            whole_params: tuple[str, ...] = ()) -> Rewrite:
+            whole_params: tuple[str, ...] = (), replan: bool = True) -> Rewrite:
     """Plan, edit, render, and dry-run. A size the source reads into a name (`B, T, C = x.shape`)
     is taken as local where it is used, which holds for most models; when the dry run of that
     plan fails, the plan is solved again with every such tensor dim kept whole. Parameters the
@@ -455,7 +455,9 @@ def rewrite(analysis: Analysis, request: PlanRequest, every_size_read: bool = Fa
             edits = plan_edits(analysis.graph, choices, strict=not plan.name.startswith("auto")) \
                 if choices is not None else None
         except UserError as error:
-            return _planned_again(analysis, request, every_size_read, whole_params, error)
+            if not replan or not getattr(error, "misshapen_params", None):
+                raise
+            return _planned_again(analysis, request, every_size_read, error)
     if choices is None and plan.coshard_stand_in is not None:      # --tp 1: C pieces on the one device
         edits = one_device_edits(analysis.graph, plan.coshard_stand_in)
     if plan.mesh["dp"] > 1:
@@ -470,35 +472,46 @@ def rewrite(analysis: Analysis, request: PlanRequest, every_size_read: bool = Fa
         # parameters whose constructor the edits did divide, and something else resized
         misshapen = [name for name in getattr(error, "misshapen_params", ())
                      if edits is not None and analysis.trace.params[name].ctor_span in edits.ctors]
-        if misshapen and not whole_params:
+        if misshapen:
             error.misshapen_params = misshapen
-            return _planned_again(analysis, request, every_size_read, whole_params, error)
+            if not replan:
+                raise
+            return _planned_again(analysis, request, every_size_read, error)
         if every_size_read or choices is None or not splits_a_read_size(analysis.graph, choices.node_choice):
             raise
-        return rewrite(analysis, request, every_size_read=True, whole_params=whole_params)
+        return rewrite(analysis, request, every_size_read=True, whole_params=whole_params, replan=replan)
     return Rewrite(plan, tp_plan, edits, files, stages, orders)
 
 
-def _planned_again(analysis: Analysis, request: PlanRequest, every_size_read: bool, whole_params: tuple[str, ...],
-                   error: UserError) -> Rewrite:
+MAX_REPLANS = 4   # plans solved again, each keeping whole what the last one's failure named
+
+
+def _planned_again(analysis: Analysis, request: PlanRequest, every_size_read: bool, error: UserError) -> Rewrite:
     """The rewrite with the parameters `error` names (misshapen_params: built at another size than
-    the plan's, or by one constructor call the plan splits unalike) kept whole, once; `error`
-    itself where there are none, or no plan keeps them whole."""
+    the plan's, or by one constructor call the plan splits unalike) kept whole, each with the
+    others its constructor call builds (a Linear's bias whole means its weight's rows whole);
+    a plan solved so may fail on the next such parameter (one initializer after another), up to
+    MAX_REPLANS times. `error`, the first failure, where no plan keeps them whole."""
     params = analysis.trace.params
-    named = set(getattr(error, "misshapen_params", ()))
-    # with the others its constructor call builds (a Linear's bias whole means its weight's rows whole)
-    calls = {(params[n].ctor_span, n.rpartition(".")[0]) for n in named}
-    misshapen = tuple(sorted(n for n, info in params.items() if (info.ctor_span, n.rpartition(".")[0]) in calls))
-    if not misshapen or whole_params:
-        raise error
-    try:
-        again = rewrite(analysis, request, every_size_read, whole_params=misshapen)
-    except UserError:
-        raise error from None       # the first failure says more
-    more = f" (and {len(misshapen) - 1} more)" if len(misshapen) > 1 else ""
-    again.plan.warnings.append(f"{error.location}: warning: {misshapen[0]}{more} stays whole on every "
-                               f"tensor-parallel rank: the plan that split it could not be written ({error.message})")
-    return again
+    kept: set[str] = set()
+    failure = error
+    for _ in range(MAX_REPLANS):
+        calls = {(params[n].ctor_span, n.rpartition(".")[0]) for n in getattr(failure, "misshapen_params", ())}
+        named = {n for n, info in params.items() if (info.ctor_span, n.rpartition(".")[0]) in calls}
+        if named <= kept:
+            break
+        kept |= named
+        try:
+            again = rewrite(analysis, request, every_size_read, whole_params=tuple(sorted(kept)), replan=False)
+        except UserError as later:
+            failure = later
+            continue
+        first = sorted(kept)[0]
+        more = f" (and {len(kept) - 1} more)" if len(kept) > 1 else ""
+        again.plan.warnings.append(f"{error.location}: warning: {first}{more} stays whole on every tensor-parallel "
+                                   f"rank: the plan that split it could not be written ({error.message})")
+        return again
+    raise error
 
 
 def _kept_whole(analysis: Analysis, params: tuple[str, ...], constraints: list[Constraint]) -> list[Constraint]:

@@ -1613,8 +1613,10 @@ def test_one_constructor_call_split_unalike_is_planned_whole_with_a_warning(tmp_
 # Falcon-Mamba and Nemotron-H initialize `dt_proj.bias` in their constructor from a value
 # computed at the whole size (`init.copy_(self.dt_proj.bias, inv_dt)` with `torch.rand(self.
 # intermediate_size)`): the ranks' build() raised in the dry run. The parameters the failing
-# line names (by the class under construction and the attribute path), with the others their
-# constructor call builds, are now kept whole in a plan solved again.
+# line names (by the class of the module it reaches them through, `self.` or `module.`, and the
+# attribute path), with the others their constructor call builds, are now kept whole in a plan
+# solved again; Nemotron-H's second initializer (`init.copy_(module.dt_bias, ...)` in
+# `_init_weights`) fails only in that plan, and a third plan keeps both whole.
 INITIALIZED_WHOLE = '''
 import torch
 import torch.nn as nn
@@ -1625,18 +1627,25 @@ class Block(nn.Module):
         super().__init__()
         self.width = width
         self.up = nn.Linear(32, width)
+        self.gate = nn.Linear(32, width)
         self.down = nn.Linear(width, 32)
         with torch.no_grad():
             self.up.bias.copy_(torch.linspace(-1, 1, self.width))    # initialized at the whole size
 
     def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
+        return x + self.down(torch.relu(self.up(x)) * torch.sigmoid(self.gate(x)))
 
 
 class Model(nn.Module):
     def __init__(self):
         super().__init__()
         self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        for block in self.blocks:
+            self._init_weights(block)
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        module.gate.bias.copy_(torch.full((module.width,), 0.1))   # the next one, through another name
 
     def forward(self, x):
         for block in self.blocks:
@@ -1655,6 +1664,7 @@ def example_inputs():
 
 def test_a_parameter_initialized_at_the_whole_size_is_planned_whole(tmp_path):
     plan = rewrite(analyze(_write(tmp_path, INITIALIZED_WHOLE)), PlanRequest(tp=2)).plan
-    assert {plan.params[f"blocks.{b}.up.{p}"]["tp"] for b in (0, 1) for p in ("weight", "bias")} == {"R"}
+    assert {plan.params[f"blocks.{b}.{layer}.{p}"]["tp"] for b in (0, 1) for layer in ("up", "gate")
+            for p in ("weight", "bias")} == {"R"}
     line = _line_of(INITIALIZED_WHOLE, "self.up.bias.copy_(")
     assert any(f"model.py:{line}:" in w and "stays whole" in w for w in plan.warnings), plan.warnings

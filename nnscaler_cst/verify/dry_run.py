@@ -398,19 +398,21 @@ class _Checker:
     def _written_at_construction(self, exc: Exception) -> list[str]:
         """The parameters the failing line of a model's construction names (`init.copy_(self.dt_proj.bias,
         inv_dt)`: initialization code computing a value at the whole size): every instance's,
-        by the class of the module under construction and the attribute path."""
+        by the class of the module the line reaches them through and the attribute path."""
         frame = None
         tb = exc.__traceback__
         while tb is not None:
             if self.folder in Path(tb.tb_frame.f_code.co_filename).parents:
                 frame = tb.tb_frame
             tb = tb.tb_next
-        owner = frame.f_locals.get("self") if frame is not None else None
-        if not isinstance(owner, torch.nn.Module):
+        if frame is None:
             return []
         line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
         found = set()
-        for chain in re.findall(r"\bself((?:\.\w+)+)", line):
+        for name, chain in re.findall(r"\b(\w+)((?:\.\w+)+)", line):    # self.x.bias, module.dt_bias
+            owner = frame.f_locals.get(name)
+            if not isinstance(owner, torch.nn.Module):
+                continue
             value, walked = owner, []
             for attr in chain.lstrip(".").split("."):       # up to a parameter: `self.up.bias.copy_`
                 value = getattr(value, attr, None)
