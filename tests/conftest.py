@@ -65,3 +65,14 @@ def import_output(folder: Path):
         return importlib.import_module(name)
     finally:
         sys.path.remove(str(folder.parent))
+
+
+def mlp_rewritten_for_tp2(root: Path) -> Path:
+    """fixtures/mlp.py copied into `root` and rewritten for TP=2 into root/out; returns root."""
+    import shutil
+    import subprocess
+    shutil.copy(REPO_ROOT / "fixtures" / "mlp.py", root / "mlp.py")
+    result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "mlp.py", "--tp", "2", "-o", "out"],
+                            cwd=root, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return root

@@ -9,16 +9,15 @@ float32's rounding fails them, float64's passes.
 """
 from __future__ import annotations
 
+import importlib
 import shutil
-import subprocess
 import sys
 from pathlib import Path
-
-import importlib
 
 import pytest
 import torch
 
+from conftest import mlp_rewritten_for_tp2
 from nnscaler_cst.verify import equivalence, forkserver
 
 pytestmark = pytest.mark.slow
@@ -29,12 +28,8 @@ TIGHT = {name: value * equivalence.FLOAT64_TIGHTENING for name, value in UNREACH
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("float64")
-    shutil.copy(REPO / "fixtures" / "mlp.py", root / "mlp.py")
-    result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "mlp.py", "--tp", "2", "-o", "out"],
-                            cwd=root, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    return root
+    """mlp.py rewritten for TP=2 into out/, once."""
+    return mlp_rewritten_for_tp2(tmp_path_factory.mktemp("float64"))
 
 
 def _run(project: Path, workdir: str, forks) -> equivalence._Run:

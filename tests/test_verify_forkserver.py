@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,24 +19,18 @@ from pathlib import Path
 
 import pytest
 
-from conftest import processes_mentioning
+from conftest import mlp_rewritten_for_tp2, processes_mentioning
 from nnscaler_cst.verify import equivalence, forkserver
 from nnscaler_cst.verify.launch import LaunchError, process_env, run_all
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
 WORKER = str(equivalence.WORKER)
 
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
     """mlp.py rewritten for TP=2 into out/, once."""
-    root = tmp_path_factory.mktemp("forks")
-    shutil.copy(REPO / "fixtures" / "mlp.py", root / "mlp.py")
-    result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "mlp.py", "--tp", "2", "-o", "out"],
-                            cwd=root, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    return root
+    return mlp_rewritten_for_tp2(tmp_path_factory.mktemp("forks"))
 
 
 def test_a_verify_whose_processes_are_forks_passes(project, monkeypatch):
