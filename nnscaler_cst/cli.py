@@ -386,7 +386,7 @@ def schedule(model_file: Path = typer.Argument(..., help="model or entry file"),
                 console.print(f"rank {rank}: {' '.join(map(str, order))}", highlight=False)
             blocks = ", ".join(f"stage {s}: blocks {a}-{b - 1}" for s, (a, b) in enumerate(plan.block_ranges))
             own = table.formula(pp, micro)      # the table's own bubble formula, if it states one
-            console.print(f"{plan.trunk.container}: {blocks}; bubble {100 * bubble_fraction(events, pp):.1f}% "
+            console.print(f"{' + '.join(t.container for t in plan.trunks)}: {blocks}; bubble {100 * bubble_fraction(events, pp):.1f}% "
                           f"(cost model), 1F1B formula (D-1)/(D-1+M) = {100 * (pp - 1) / (pp - 1 + micro):.1f}%"
                           + (f", {table.name} formula {own[0]} = {100 * own[1]:.1f}%" if own else ""))
         if picture:

@@ -261,20 +261,30 @@ def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: in
     replicas = Placement(tuple(stages.rank_of(s) for s in range(stages.stages)), stages.per_pipeline).replica_groups()
     tied = sorted({alias for group in stages.tied for alias in group})
     shared = sorted({alias for group in stages.shared for alias in group})
+    if stages.chain:
+        blocks = [f"PIPELINE_BLOCKS = {[t.container for t in stages.chain]}  # the block lists cut as one chain, "
+                  "in call order",
+                  f"STAGE_BLOCKS = {{{', '.join(f'{s}: {stages.local_ranges(s)}' for s in mine)}}}  "
+                  "# per stage, the blocks of each list it holds",
+                  f"STAGE_TRUNKS = {{{', '.join(f'{s}: {_roles(stages, s)}' for s in mine)}}}  # per stage, its "
+                  "part in the loop over each list (owner: role, first block, stop, hands on after its blocks)"]
+    else:
+        blocks = [f'PIPELINE_BLOCKS = "{stages.trunk.container}"',
+                  f"STAGE_BLOCKS = {{{', '.join(f'{s}: {stages.block_ranges[s]}' for s in mine)}}}  "
+                  f"# blocks of {stages.trunk.container} per stage"]
     lines = ["", "", f"# --- pipeline: what this rank runs ({table}; stages balanced by the cost model) ---",
-             f'PIPELINE_BLOCKS = "{stages.trunk.container}"',
+             blocks[0],
              f"PIPELINE_STAGE_COUNT = {stages.stages}",
              f"PIPELINE_LENGTH = {stages.per_pipeline}  # stages of one pipeline; stage s runs model stage "
              f"s % {stages.per_pipeline}",
              f"STAGE_RANKS = {[stages.rank_of(s) for s in range(stages.stages)]}  # the pipeline rank of each stage",
              f"PIPELINE_REPLICAS = {replicas}  # pipeline ranks holding the same model stages: gradients summed",
              f"PIPELINE_STAGES = {mine}  # the stages this rank runs",
-             f"STAGE_BLOCKS = {{{', '.join(f'{s}: {stages.block_ranges[s]}' for s in mine)}}}  "
-             f"# blocks of {stages.trunk.container} per stage",
+             *blocks[1:],
              f"STAGE_DROPS = {{{', '.join(f'{s}: {stages.drop[s]}' for s in mine)}}}  # modules other stages hold",
              f"TIED_PARAMETERS = {tied}  # held by the first and last stage; gradients summed",
              *([f'PIPELINE_CUT_OWNER = "{stages.trunk.owner}"  # whose call of the cut function is cut; its '
-                "class's other calls run whole"] if stages.trunk.owner is not None else []),
+                "class's other calls run whole"] if stages.trunk.owner is not None and not stages.chain else []),
              *([f"STAGE_SHADOWS = {{{', '.join(f'{s}: {stages.shadow[s]}' for s in mine)}}}  "
                 "# run by code above the cut function on every stage; trained on the stage that owns them"]
                if any(stages.shadow.get(s) for s in mine) else []),
@@ -289,6 +299,10 @@ def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: in
                if stages.vocab_modules else []),
              f'SCHEDULE = "{" ".join(map(str, orders[pp_rank]))}"  # this rank\'s order']
     return "\n".join(lines) + "\n"
+
+
+def _roles(stages: StagePlan, stage: int) -> dict:
+    return {owner: (r.role, r.first, r.stop, r.hands_on) for owner, r in stages.roles[stage].items()}
 
 
 def _schedule_comment(orders: list[list[Action]], table: str, micro: int) -> str:
@@ -309,8 +323,17 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
     model_path, entry_path = model_files(analysis.trace.own_files, entry.path)
     empty = Edits("tp", 1, {}, {}, {}, [])
     main_source = analysis.sources.get(model_path or entry_path)
-    split = None
-    if stages is not None:
+    split, chain = None, ()
+    if stages is not None and stages.chain:
+        chain = tuple({t.function_span: StageSplit(t.function_span, t.loop_index, t.handoff, t.container,
+                                                   unset=tuple(t.unset), chained=True)
+                       for t in stages.chain}.values())     # T5: one stack class's method loops over both lists
+        files = (str(main_source.path), str(analysis.sources.get(entry_path).path))
+        outside = next((c.function for c in chain if c.function.path not in files), None)
+        if outside is not None:
+            raise UserError("the loop over the blocks is in neither the model's file nor the entry", outside.start,
+                            hint="pipelines cut the file that holds the block loop")
+    elif stages is not None:
         trunk = stages.trunk
         split = StageSplit(trunk.function_span, trunk.loop_index, trunk.handoff, trunk.container, trunk.owner is not None,
                            trunk.recycle.loop if trunk.recycle else None,
@@ -320,11 +343,11 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
             raise UserError("the loop over the blocks is in neither the model's file nor the entry",
                             trunk.function_span.start, hint="pipelines cut the file that holds the block loop")
     recompute = recompute_site(analysis.graph) if request is not None and request.recompute else None
-    module, ctx = rewrite_module(main_source, edits or empty, split, analysis.trace.containers, recompute)
+    module, ctx = rewrite_module(main_source, edits or empty, split, analysis.trace.containers, recompute, chain)
     if model_path is not None:     # the entry's own classes (a model around imported blocks) are rewritten
         # too; the block loop may be theirs
         entry_module, entry_ctx = rewrite_module(analysis.sources.get(entry_path), edits or empty, split,
-                                                 analysis.trace.containers, recompute)
+                                                 analysis.trace.containers, recompute, chain)
         ctx.used |= entry_ctx.used
         ctx.needs_torch |= entry_ctx.needs_torch
         module = merge_entry(module, model_path, entry_module, entry_path, analysis.entry)

@@ -626,17 +626,37 @@ def example_inputs():
 '''
 
 
+# the decoder's one layer is no list of blocks: only the encoder's call of the shared method is cut
+ONE_STACK_CLASS_ONE_TRUNK = ONE_STACK_CLASS.replace("self.decoder = Stack()", "self.decoder = Stack(1)").replace(
+    "def __init__(self):\n        super().__init__()\n        self.layers = nn.ModuleList([Block() for _ in range(2)])",
+    "def __init__(self, n=2):\n        super().__init__()\n        self.layers = nn.ModuleList([Block() for _ in range(n)])")
+
+
 def test_one_stack_class_for_two_block_lists_cuts_only_the_trunks_call(tmp_path):
-    files = rewrite(analyze(_write(tmp_path, ONE_STACK_CLASS)), PlanRequest(pp=2, micro_batches=2)).files
+    assert ONE_STACK_CLASS_ONE_TRUNK.count("Stack(1)") == 1 and "range(n)" in ONE_STACK_CLASS_ONE_TRUNK
+    files = rewrite(analyze(_write(tmp_path, ONE_STACK_CLASS_ONE_TRUNK)), PlanRequest(pp=2, micro_batches=2)).files
     for stage in ("model_stage0.py", "model_stage1.py"):
         text = files[stage]
         assert "if pp_first_stage() or not pp_cuts(self):" in text and "    if pp_cuts(self):" in text
         assert 'PIPELINE_CUT_OWNER = "encoder"' in text
 
 
+def test_two_block_lists_run_one_after_the_other_are_cut_as_one_chain(tmp_path):
+    """The encoder's two blocks on stage 0, the decoder's on stage 1: the stage past the encoder
+    returns what it returned there (handed on), and receives inside the decoder's loop."""
+    files = rewrite(analyze(_write(tmp_path, ONE_STACK_CLASS)), PlanRequest(pp=2, micro_batches=2)).files
+    first, second = files["model_stage0.py"], files["model_stage1.py"]
+    assert "STAGE_BLOCKS = {0: {'encoder.layers': (0, 2), 'decoder.layers': (0, 0)}}" in first
+    assert "STAGE_TRUNKS = {1: {'encoder': ('skip', 0, 0, False), 'decoder': ('receive', 0, 2, False)}}" in second
+    for text in (first, second):       # one method serves both lists: its guards ask `self`
+        assert "if pp_skips(self):" in text and "return pp_returns(self, self.norm(h))" in text
+        assert "pp_hand_on(self, h, bias)" in text and "PIPELINE_CUT_OWNER" not in text
+
+
 @pytest.mark.slow
-def test_one_stack_class_for_two_block_lists_trains_like_one_device_under_pp(tmp_path):
-    result, outcome = _verify(tmp_path, ONE_STACK_CLASS, "--pp", "2", "--micro-batches", "2")
+@pytest.mark.parametrize("source", [ONE_STACK_CLASS, ONE_STACK_CLASS_ONE_TRUNK], ids=["chain", "one-trunk"])
+def test_one_stack_class_for_two_block_lists_trains_like_one_device_under_pp(tmp_path, source):
+    result, outcome = _verify(tmp_path, source, "--pp", "2", "--micro-batches", "2")
     assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
 
 

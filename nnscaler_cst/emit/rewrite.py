@@ -37,6 +37,7 @@ class StageSplit:
     carried: tuple[str, ...] = ()   # what one pass of it hands the next
     unset: tuple[str, ...] = ()     # hand-off names the first stage may not have bound: None first
     replays: tuple[Span, ...] = ()  # prologue calls that change state later stages hold: run there too
+    chained: bool = False           # one trunk of a chain: its `self` says the stage's part (runtime pp_trunk)
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Context:
 
     edits: Edits
     split: StageSplit | None = None
+    chain: tuple[StageSplit, ...] = ()    # the functions of chained trunks in this file
     notes: dict[Span, list[str]] = field(default_factory=dict)    # node span -> comment fragments
     used: set[str] = field(default_factory=set)                   # _comm names the file now calls
     needs_torch: bool = False
@@ -393,6 +395,9 @@ class SplitStages:
         self.ctx = ctx
 
     def leave_function(self, span: Span, function: cst.FunctionDef) -> cst.FunctionDef:
+        chained = next((c for c in self.ctx.chain if c.function == span), None)
+        if chained is not None:
+            return self._chained(chained, function)
         split = self.ctx.split
         if split is None or span != split.function:
             return function
@@ -429,7 +434,9 @@ class SplitStages:
         mark = cst.TrailingWhitespace(whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(
             f"# pipeline: this stage's blocks of {split.container} only"))
         if isinstance(loop, cst.For):
-            loop = loop.with_changes(iter=self._count_from_first_block(loop.iter),
+            offset = "(pp_first_block(STAGE_BLOCKS) if pp_cuts(self) else 0)" if split.owned \
+                else "pp_first_block(STAGE_BLOCKS)"
+            loop = loop.with_changes(iter=self._count_from_first_block(loop.iter, offset, "pp_first_block"),
                                      body=loop.body.with_changes(header=mark))
         elif loop.trailing_whitespace.comment is None:      # `x = self.blocks(x)` on an nn.Sequential
             loop = loop.with_changes(trailing_whitespace=mark)
@@ -470,16 +477,58 @@ class SplitStages:
             cst.Arg(cst.Name("self"), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))), method,
             *call.args])
 
-    def _count_from_first_block(self, iterable: cst.BaseExpression) -> cst.BaseExpression:
+    def _chained(self, split: StageSplit, function: cst.FunctionDef) -> cst.FunctionDef:
+        """A function looping over one trunk of a chain (an encoder's blocks, then a decoder's): a
+        stage past the trunk returns what it returned on the stage that ran it; the stage reaching it
+        first runs the code before the blocks, a stage starting inside it receives instead; a stage
+        whose blocks end in it hands on after them; what it returns is noted for the later stages."""
+        function = function.visit(_NoteReturns())
+        body = list(function.body.body)
+        docstring = body[:1] if body and _is_docstring(body[0]) else []
+        index = split.loop_index
+        prologue, loop, epilogue = body[len(docstring):index], body[index], body[index + 1:]
+        handed = list(split.handoff)
+        self.ctx.used.update({"pp_skips", "pp_passed", "pp_enters", "pp_received", "pp_hand_on", "pp_returns"})
+        skip = cst.parse_statement("if pp_skips(self):  # pipeline: this stage starts after these blocks; what they "
+                                   "returned came with the hand-off\n    return pp_passed(self)\n")
+        names = ", ".join(handed) + ("," if len(handed) == 1 else "")
+        receive = cst.parse_statement((f"{names} = " if handed else "") + "pp_received(self)  # pipeline: from the "
+                                      "previous stage\n")
+        if prologue:
+            guard = cst.parse_statement("if pp_enters(self):  # pipeline: the stage reaching these blocks first runs "
+                                        "what precedes them\n    pass\nelse:\n    pass\n")
+            first = [prologue[0].with_changes(leading_lines=[]), *prologue[1:]]
+            guard = guard.with_changes(body=guard.body.with_changes(body=first),
+                                       orelse=guard.orelse.with_changes(body=guard.orelse.body.with_changes(
+                                           body=[receive])), leading_lines=prologue[0].leading_lines)
+        else:
+            guard = cst.parse_statement("if not pp_enters(self):\n    pass\n")
+            guard = guard.with_changes(body=guard.body.with_changes(body=[receive]))
+        head = [skip.with_changes(leading_lines=guard.leading_lines), guard.with_changes(leading_lines=[])]
+        if split.unset:
+            head.insert(1, cst.parse_statement(f"{' = '.join(split.unset)} = None  # pipeline: may be unset where "
+                                               "this stage hands on; handed on as None then\n"))
+        mark = cst.TrailingWhitespace(whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(
+            "# pipeline: this stage's blocks of this list only"))
+        if isinstance(loop, cst.For):
+            loop = loop.with_changes(iter=self._count_from_first_block(loop.iter, "pp_first_block_of(self)",
+                                                                       "pp_first_block_of"),
+                                     body=loop.body.with_changes(header=mark))
+        handoff = cst.parse_statement(f"pp_hand_on({', '.join(['self', *handed])})  # pipeline: a stage whose "
+                                      "blocks end in this list hands these on and ends here\n")
+        return function.with_changes(body=function.body.with_changes(
+            body=[*docstring, *head, loop, handoff, *epilogue]))
+
+    def _count_from_first_block(self, iterable: cst.BaseExpression, offset_code: str,
+                                name: str) -> cst.BaseExpression:
         """`enumerate(self.layers)` counts a stage's blocks from its first one's index in the
         whole model (`self.config.layer_types[i]`): each stage holds only its blocks, from 0."""
         if not (isinstance(iterable, cst.Call) and isinstance(iterable.func, cst.Name)
                 and iterable.func.value == "enumerate" and iterable.args and iterable.args[0].keyword is None):
             return iterable
-        self.ctx.used.add("pp_first_block")
+        self.ctx.used.add(name)
         # a class whose other calls run their blocks whole (split.owned) counts those from 0
-        offset = cst.parse_expression("(pp_first_block(STAGE_BLOCKS) if pp_cuts(self) else 0)"
-                                      if self.ctx.split.owned else "pp_first_block(STAGE_BLOCKS)")
+        offset = cst.parse_expression(offset_code)
         args = list(iterable.args)
         start = next((k for k, a in enumerate(args[1:], 1) if a.keyword is None or a.keyword.value == "start"), None)
         if start is None:
@@ -512,6 +561,35 @@ class SplitStages:
         give = cst.parse_statement(f"pp_recycle({names})  # pipeline: the last stage hands these to the first "
                                    "stage and ends here, on every pass but the last\n")
         return loop.with_changes(body=loop.body.with_changes(body=[take, *loop.body.body, give]))
+
+
+class _NoteReturns(cst.CSTTransformer):
+    """`return x` -> `return pp_returns(self, x)` in a chained trunk's function (not in functions
+    or classes defined inside it)."""
+
+    def __init__(self):
+        self.depth = 0
+
+    def visit_FunctionDef(self, node) -> bool:
+        self.depth += 1
+        return self.depth == 1
+
+    def leave_FunctionDef(self, original, updated):
+        self.depth -= 1
+        return updated
+
+    def visit_ClassDef(self, node) -> bool:
+        return False
+
+    def visit_Lambda(self, node) -> bool:
+        return False
+
+    def leave_Return(self, original, updated):
+        if updated.value is None:
+            return updated
+        return updated.with_changes(value=cst.parse_expression("pp_returns(self, x)").with_changes(
+            args=[cst.Arg(cst.Name("self"), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
+                  cst.Arg(updated.value)]))
 
 
 def _names_in(node: cst.CSTNode) -> set[str]:
@@ -692,8 +770,9 @@ class FileRewriter(cst.CSTTransformer):
 
 def rewrite_module(source: SourceFile, edits: Edits, split: StageSplit | None = None,
                    containers: dict[Span, list[tuple[str, ...]]] | None = None,
-                   recompute: Span | None = None) -> tuple[cst.Module, Context]:
+                   recompute: Span | None = None, chain: tuple[StageSplit, ...] = ()) -> tuple[cst.Module, Context]:
     ctx = Context(edits, split if split is not None and split.function.path == str(source.path) else None,
+                  chain=tuple(c for c in chain if c.function.path == str(source.path)),
                   containers=containers or {}, recompute=recompute)
     wrapper = MetadataWrapper(source.module)
     module = wrapper.visit(FileRewriter(source, ctx))

@@ -64,15 +64,19 @@ def build(rank):
 
 def keep_stage(model, stage, module):
     """Keep only what one pipeline stage runs: its range of blocks, none of the dropped modules."""
-    parent_name, _, name = module.PIPELINE_BLOCKS.rpartition(".")
-    parent = model.get_submodule(parent_name)
-    start, stop = module.STAGE_BLOCKS[stage]
-    blocks = getattr(parent, name)
-    kept = list(blocks)[start:stop]
-    setattr(parent, name, torch.nn.Sequential(*kept) if isinstance(blocks, torch.nn.Sequential)
-            else torch.nn.ModuleList(kept))
+    for path, (start, stop) in stage_blocks(module, stage).items():
+        parent_name, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        blocks = getattr(parent, name)
+        kept = list(blocks)[start:stop]
+        setattr(parent, name, torch.nn.Sequential(*kept) if isinstance(blocks, torch.nn.Sequential)
+                else torch.nn.ModuleList(kept))
     if hasattr(module, "PIPELINE_CUT_OWNER"):     # this module's call of the cut function is the one cut
         model.get_submodule(module.PIPELINE_CUT_OWNER).pp_cut_here = True
+    returned = {{}}     # chained trunks: what each trunk returned on this stage, handed on with the activations
+    for owner, part in getattr(module, "STAGE_TRUNKS", {{}}).get(stage, {{}}).items():
+        trunk = model.get_submodule(owner)
+        trunk.pp_owner, trunk.pp_trunk, trunk.pp_returned = owner, part, returned
     for path in module.STAGE_DROPS[stage]:
         owner_name, _, attr = path.rpartition(".")
         owner = model.get_submodule(owner_name)
@@ -130,23 +134,31 @@ def hollow(dropped, path):
                     object.__setattr__(sub, name, Hollow(value, f"{{prefix}}.{{name}}"))
 
 
+def stage_blocks(module, stage):
+    """{{block list: (first, stop)}}: the blocks of each list one stage holds (several lists when
+    the stages cut a chain of them: an encoder's blocks, then a decoder's)."""
+    blocks = module.STAGE_BLOCKS[stage]
+    return blocks if isinstance(blocks, dict) else {{module.PIPELINE_BLOCKS: blocks}}
+
+
 def stage_key(name, stage, module):
     """A single-device parameter name as one stage of `module` calls it, or None if not held."""
-    prefix = module.PIPELINE_BLOCKS + "."
-    if name.startswith(prefix):
-        index, _, rest = name[len(prefix):].partition(".")
-        start, stop = module.STAGE_BLOCKS[stage]
-        return f"{{prefix}}{{int(index) - start}}.{{rest}}" if start <= int(index) < stop else None
+    for path, (start, stop) in stage_blocks(module, stage).items():
+        prefix = path + "."
+        if name.startswith(prefix):
+            index, _, rest = name[len(prefix):].partition(".")
+            return f"{{prefix}}{{int(index) - start}}.{{rest}}" if start <= int(index) < stop else None
     if any(name == d or name.startswith(d + ".") for d in module.STAGE_DROPS[stage]):
         return None
     return name
 
 
 def global_key(key, stage, module):
-    prefix = module.PIPELINE_BLOCKS + "."
-    if key.startswith(prefix):
-        index, _, rest = key[len(prefix):].partition(".")
-        return f"{{prefix}}{{int(index) + module.STAGE_BLOCKS[stage][0]}}.{{rest}}"
+    for path, (start, _) in stage_blocks(module, stage).items():
+        prefix = path + "."
+        if key.startswith(prefix):
+            index, _, rest = key[len(prefix):].partition(".")
+            return f"{{prefix}}{{int(index) + start}}.{{rest}}"
     return key
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ..errors import Location, UserError
 from ..graph.graph import Graph
-from .pipeline import StagePlan, find_trunk
+from .pipeline import StagePlan, cut_blocks
 from .tables import Constraint
 from .schedules import Action, Placement, ScheduleTable, _line, evaluate, schedule
 
@@ -86,7 +86,7 @@ def keep_whole_on_tp(graph: Graph, table: ScheduleTable, ranks: int, constraints
     is the pipeline's), as if the table said `op_trans = { axis = "tp", algo = "replicate" }`; the
     plan's other constraints select the rest."""
     where = Location(table.location.path, _line(Path(table.location.path), "vocab"))
-    modules, _ = vocab_modules(graph, find_trunk(graph).blocks, ranks, table.vocab, where)
+    modules, _ = vocab_modules(graph, cut_blocks(graph), ranks, table.vocab, where)
     others = [dataclasses.replace(c, select={**c.select, "except_inside": modules}) for c in constraints]
     return others + [Constraint("interlaced-vocab", where, "tp", {"inside": modules}, algo="replicate")]
 
@@ -105,7 +105,7 @@ def apply(graph: Graph, stages: StagePlan, table: ScheduleTable) -> None:
     if table.virtual_stages != 1 or table.pipelines != 1:
         raise UserError(f"schedule {table.name}: a vocabulary split over the pipeline runs with one stage per "
                         "rank and one pipeline", where, hint="set virtual_stages = 1 and pipelines = 1")
-    modules, names = vocab_modules(graph, stages.trunk.blocks, stages.ranks, table.vocab, where)
+    modules, names = vocab_modules(graph, stages.blocks, stages.ranks, table.vocab, where)
     calls: dict[int, int] = {}      # stage -> calls of vocabulary modules in one of its steps
     for node in vocab_calls(graph, modules):
         for stage in stages.replicas(stages.node_stage[node.index]):

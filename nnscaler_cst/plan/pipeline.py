@@ -54,6 +54,19 @@ class Recycle:
     call: Span | None = None       # the call of the cut function in it
 
 
+@dataclass(frozen=True)
+class ChainRole:
+    """What one stage does in one trunk of a chain (runtime: the module's `pp_trunk`).
+    enter: it runs the code before the trunk's blocks (the first stage, or the one that ran the
+    previous trunk's last block); receive: it starts there, from the previous stage's hand-off;
+    skip: it starts after the trunk, whose return value came with the hand-off. A stage that ends
+    before a trunk has no role in it. first/stop: its blocks, counted within the trunk."""
+    role: str
+    first: int
+    stop: int
+    hands_on: bool                 # its blocks end inside this trunk: it hands on after them
+
+
 @dataclass
 class StagePlan:
     ranks: int                     # pipeline ranks D
@@ -82,6 +95,26 @@ class StagePlan:
     vocab_params: list[str] = field(default_factory=list)
     vocab_stages: list[int] = field(default_factory=list)
     vocab_calls: dict[int, int] = field(default_factory=dict)   # stage -> their calls in one step
+    # chained trunks (an encoder's blocks, then a decoder's): every trunk in call order, the blocks
+    # counted over all of them; per stage, the part each trunk plays there (ChainRole)
+    chain: list[Trunk] = field(default_factory=list)
+    roles: dict[int, dict[str, "ChainRole"]] = field(default_factory=dict)
+
+    @property
+    def trunks(self) -> list[Trunk]:
+        return self.chain or [self.trunk]
+
+    @property
+    def blocks(self) -> list[str]:
+        """Every block the stages cut, in call order (of all chained trunks)."""
+        return [b for t in self.trunks for b in t.blocks]
+
+    def local_ranges(self, stage: int) -> dict[str, tuple[int, int]]:
+        """Per block list, the blocks of it this stage holds, counted within the list."""
+        if not self.chain:
+            return {self.trunk.container: self.block_ranges[stage]}
+        return {t.container: (role.first, role.stop) if role else (0, 0)
+                for t in self.chain for role in [self.roles[stage].get(t.owner)]}
 
     @property
     def stages(self) -> int:
@@ -110,6 +143,18 @@ def find_trunk(graph: Graph) -> Trunk:
     # themselves), then a loop that calls no other blocks, then the longest
     paths = max(graph.blocks.values(), key=lambda group: (sum(p in calls for p in group) >= 2,
                                                           _loop_runs_once(group, calls), len(group)))
+    return _trunk_of(graph, paths)
+
+
+def cut_blocks(graph: Graph) -> list[str]:
+    """The blocks pipeline stages cut: of every trunk of a chain, or of the one trunk."""
+    chain = find_chain(graph)
+    return [b for t in chain for b in t.blocks] if chain else find_trunk(graph).blocks
+
+
+def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
+    """The loop over one group of blocks, where the trace saw them called."""
+    calls = graph.trace.module_calls
     container = paths[0].rsplit(".", 1)[0]
     blocks = sorted((p for p in paths if p in calls), key=lambda p: calls[p][1])
     if len(blocks) < 2:
@@ -153,6 +198,77 @@ def find_trunk(graph: Graph) -> Trunk:
     return Trunk(container, blocks, function, function_span, index, handoff,
                  _shared_loop_owner(graph, blocks, function, function_span, span),
                  unset=maybe_unset(function, index, handoff))
+
+
+def find_chain(graph: Graph) -> list[Trunk]:
+    """Block lists run one after the other, each by a loop in a method of the module holding it,
+    that module called once (an encoder's layers, then a decoder's, both called from the model's
+    forward): the stages cut them as one chain, blocks counted over all of them, so that stages
+    balance across both. [] when fewer than two lists qualify (one trunk is cut, as before)."""
+    calls, runs = graph.trace.module_calls, graph.trace.module_runs
+    groups = []
+    for paths in graph.blocks.values():
+        called = sorted((p for p in paths if p in calls), key=lambda p: calls[p][1])
+        owner = paths[0].rsplit(".", 1)[0].rpartition(".")[0]
+        if len(called) < 2 or len(called) != len(paths) or not owner or owner not in calls \
+                or any(runs.get(p, 1) != 1 for p in (*called, owner)):
+            continue
+        groups.append((calls[called[0]][1], called, owner))
+    groups.sort()
+    owners = [owner for _, _, owner in groups]
+    if len(groups) < 2 or len({calls[o][0] for o in owners}) < len(owners) or any(
+            a.startswith(b + ".") for a in owners for b in owners):
+        return []
+    chain, last_op = [], -1
+    for _, paths, owner in groups:
+        block_of = node_blocks(graph, paths)
+        if not block_of or min(block_of) <= last_op or _called_in_loop(graph, calls[owner][0]):
+            return []                                   # interleaved with another list, or run per pass of a loop
+        last_op = max(block_of)
+        try:
+            trunk = _trunk_of(graph, paths)
+        except UserError:
+            return []
+        attr = trunk.container.rpartition(".")[2]
+        loop = trunk.function.body.body[trunk.loop_index]
+        params = trunk.function.params.params
+        if not isinstance(loop, cst.For) or not params or params[0].name.value != "self" \
+                or f"self.{attr}" not in cst.Module([]).code_for_node(loop.iter):
+            return []                                   # the loop is not a method's over its own list
+        trunk.owner = owner
+        trunk.unset = maybe_unset(trunk.function, trunk.loop_index, trunk.handoff, one_pass=False)
+        chain.append(trunk)
+    return chain
+
+
+def _called_in_loop(graph: Graph, span: Span) -> bool:
+    source = graph.sources.get(span.path)
+    node = source.node_at(span.line, span.col, span.end_line, span.end_col)
+    while node is not None and not isinstance(node, cst.FunctionDef):
+        if isinstance(node, (cst.For, cst.While)):
+            return True
+        node = source.parents.get(node)
+    return False
+
+
+def _chain_roles(chain: list[Trunk], ranges: list[tuple[int, int]]) -> dict[int, dict[str, ChainRole]]:
+    """Per stage, per trunk (by owner): its ChainRole. A stage whose blocks end where a trunk starts
+    runs that trunk's prologue and hands on before its first block."""
+    roles: dict[int, dict[str, ChainRole]] = {}
+    for stage, (a, b) in enumerate(ranges):
+        mine, offset = {}, 0
+        for trunk in chain:
+            o, n = offset, len(trunk.blocks)
+            offset += n
+            if a >= o + n:
+                mine[trunk.owner] = ChainRole("skip", 0, 0, False)
+                continue
+            if b < o:
+                continue                                # handed on before reaching it
+            role = "enter" if (a < o <= b) or (o == a == 0) else "receive"
+            mine[trunk.owner] = ChainRole(role, max(a, o) - o, min(b, o + n) - o, b < o + n)
+        roles[stage] = mine
+    return roles
 
 
 def _shared_loop_owner(graph: Graph, blocks: list[str], function: cst.FunctionDef, function_span: Span,
@@ -205,10 +321,11 @@ def _loop_runs_once(group: list[str], calls: dict) -> bool:
     return not any(span in spans and path not in group and path != container for path, (span, _) in calls.items())
 
 
-def maybe_unset(function: cst.FunctionDef, loop_index: int, handoff: list[str]) -> list[str]:
+def maybe_unset(function: cst.FunctionDef, loop_index: int, handoff: list[str], one_pass: bool = True) -> list[str]:
     """The hand-off variables that may be unbound where the first stage hands them on: not
     parameters of the function, nor bound on every path through the code before the loop and one
-    pass of the loop (each stage runs at least one block)."""
+    pass of the loop (each stage runs at least one block; `one_pass` False: a stage of a chain may
+    run none of this trunk's blocks)."""
     params = function.params
     bound = {p.name.value for p in (*params.posonly_params, *params.params, *params.kwonly_params)}
     for star in (params.star_arg, params.star_kwarg):
@@ -219,10 +336,10 @@ def maybe_unset(function: cst.FunctionDef, loop_index: int, handoff: list[str]) 
     if after is None:
         return []
     loop = body[loop_index]
-    if isinstance(loop, cst.For):
+    if one_pass and isinstance(loop, cst.For):
         inside = loop.body.body if isinstance(loop.body, cst.IndentedBlock) else [cst.SimpleStatementLine(loop.body.body)]
         after = bound_on_every_path(inside, after | names_in([loop.target], True))
-    else:
+    elif one_pass:
         after = bound_on_every_path([loop], after)
     if after is None:
         return []
@@ -266,30 +383,38 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
         for stage in range(placement.length, ranks * virtual):
             plan.drop[stage] = plan.drop[stage % placement.length]
             plan.shadow[stage] = plan.shadow.get(stage % placement.length, [])
+            if plan.chain:
+                plan.roles[stage] = plan.roles[stage % placement.length]
         return plan
-    trunk = find_trunk(graph)
+    chain = [] if recycling else find_chain(graph)
+    trunk = chain[0] if chain else find_trunk(graph)
     if recycling and graph.trace.module_runs.get(trunk.blocks[0], 1) > 1:
         trunk.recycle = find_recycle(graph, trunk)
     else:
         _check_blocks_run_once(graph, trunk)
     stages = ranks * virtual
-    n_blocks = len(trunk.blocks)
+    blocks = [b for t in chain for b in t.blocks] if chain else trunk.blocks
+    n_blocks = len(blocks)
     if n_blocks < stages:
         raise UserError(f"{n_blocks} blocks cannot fill {stages} pipeline stages", trunk.function_span.start,
                         hint="use fewer stages (--pp, --virtual-stages)")
-    block_of = node_blocks(graph, trunk.blocks)
+    block_of = node_blocks(graph, blocks)
     first = min(block_of) if block_of else 0
     last = max(block_of) if block_of else 0
     cost = [0.0] * n_blocks
     pro = epi = 0.0
+    previous = 0
     for node in graph.nodes:
         flops = node_flops(node, graph.dims.get(node.index), graph.trace)
         if node.index in block_of:
-            cost[block_of[node.index]] += flops
+            previous = block_of[node.index]
+            cost[previous] += flops
         elif node.index < first:
             pro += flops
         elif node.index > last:
             epi += flops
+        elif chain:                # between two trunks: on the stage of the block before
+            cost[previous] += flops
     if cuts:
         bounds = [0, *cuts, n_blocks]
         if len(bounds) != stages + 1 or bounds != sorted(set(bounds)):
@@ -321,7 +446,8 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
     for node in graph.nodes:
         seconds[node_stage[node.index]] += node_flops(node, graph.dims.get(node.index), graph.trace)
     plan = StagePlan(ranks, virtual, trunk, ranges, node_stage, {}, stage_seconds=seconds,
-                     placement=tuple(placement.ranks) if placement is not None else ())
+                     placement=tuple(placement.ranks) if placement is not None else (), chain=chain,
+                     roles=_chain_roles(chain, ranges) if chain else {})
     _ownership(graph, plan)
     _check_state_writes(graph, plan)
     return plan
@@ -482,7 +608,7 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
             for path in filter(None, (node.module_path, node.callee_path)):
                 everywhere.update((path, *_ancestors(path)))
 
-    blocks = plan.trunk.blocks
+    blocks = plan.blocks
     block_set = set(blocks)
     owners = sorted({alias.rpartition(".")[0] for info in trace.params.values() for alias in info.aliases})
     owners = [m for m in owners if not (m in block_set or any(a in block_set for a in _ancestors(m)))]
@@ -563,7 +689,7 @@ def _computed_on_later_stages(graph: Graph, plan: StagePlan, shadows: set[str]) 
 
 def _holders(plan: StagePlan, module: str) -> set[int]:
     """The stages whose program holds this module (a block: its own stage only)."""
-    for b, block in enumerate(plan.trunk.blocks):
+    for b, block in enumerate(plan.blocks):
         if module == block or module.startswith(block + "."):
             return {s for s, (a, z) in enumerate(plan.block_ranges) if a <= b < z}
     return {s for s in range(plan.stages)
@@ -576,13 +702,22 @@ def _check_state_writes(graph: Graph, plan: StagePlan) -> None:
     cut function's prologue runs on the first stage, a block on its own, the epilogue on the
     last), on a module another stage holds and runs with the old value. Code above the cut
     function runs on every stage and is never the cause."""
-    trunk = plan.trunk
+    for trunk in plan.trunks:
+        _check_trunk_state_writes(graph, plan, trunk)
+
+
+def _check_trunk_state_writes(graph: Graph, plan: StagePlan, trunk: Trunk) -> None:
     cut = trunk.function_span
     source = graph.sources.get(cut.path)
     body = list(trunk.function.body.body)
     prologue = [source.span_of(stmt) for stmt in body[:trunk.loop_index]]
     loop = source.span_of(body[trunk.loop_index])
     last = plan.stages - 1
+    enters = 0
+    if plan.chain:      # the stages that run this trunk's prologue and its epilogue
+        plays = {s: plan.roles[s][trunk.owner].role for s in range(plan.stages) if trunk.owner in plan.roles[s]}
+        enters = min(s for s, role in plays.items() if role == "enter")
+        last = max(s for s, role in plays.items() if role != "skip")
     n = len(graph.nodes)
     replays: set[Span] = set()
     for write in graph.trace.state_writes:
@@ -590,7 +725,7 @@ def _check_state_writes(graph: Graph, plan: StagePlan) -> None:
         if inside is None:
             continue
         if any(stmt.contains(inside) for stmt in prologue):
-            writers, part = {0}, "the code before the block loop"
+            writers, part = {enters}, "the code before the block loop"
         elif loop.contains(inside):
             after = min(write.node + 1, n - 1)
             writers, part = {plan.node_stage.get(after, 0)}, "the block loop"
@@ -599,7 +734,7 @@ def _check_state_writes(graph: Graph, plan: StagePlan) -> None:
         missing = sorted(_holders(plan, write.module) - writers)
         if not missing:
             continue
-        if writers == {0} and part.endswith("before the block loop") and (
+        if writers == {0} and not plan.chain and part.endswith("before the block loop") and (
                 inside in replays or _replayable(source, trunk.function, inside)):
             replays.add(inside)     # later stages run the call too: they see the change
             continue
@@ -641,19 +776,21 @@ def _replayable(source, function: cst.FunctionDef, span: Span) -> bool:
 def _runs_on_every_stage(graph: Graph, plan: StagePlan, node) -> bool:
     """Whether a call before the blocks runs on every stage: it is reached from code above the
     cut function (which every stage runs up to its call), not from the cut function's prologue
-    (which only the first stage runs)."""
-    if plan.node_stage[node.index] != 0 or node.span is None:
+    (which only the first stage runs). Chained trunks: code above the cut functions between two
+    trunks runs on its stage and every later one."""
+    stage = plan.node_stage[node.index]
+    if node.span is None or (stage != 0 and not (plan.chain and stage < plan.stages - 1)):
         return False
     blocks = plan.trunk.__dict__.get("_block_set")
     if blocks is None:
-        blocks = plan.trunk.__dict__["_block_set"] = set(plan.trunk.blocks)
+        blocks = plan.trunk.__dict__["_block_set"] = set(plan.blocks)
     if any(m in blocks for m in (node.module_path, *_ancestors(node.module_path))):
         return False
-    cut = plan.trunk.function_span
+    cuts = [t.function_span for t in plan.trunks]
     span, module = node.span, node.module_path
     seen = set()
     while span is not None and module not in seen:
-        if span.path == cut.path and cut.contains(span):
+        if any(span.path == cut.path and cut.contains(span) for cut in cuts):
             return False
         if not module:
             return True

@@ -884,6 +884,57 @@ def pp_replay(owner, calls) -> None:
         target(*args, **kwargs)
 
 
+# Chained trunks: the stages cut several block lists run one after the other (an encoder's,
+# then a decoder's) as one chain. build() gives each list's owner (the module whose method loops
+# over it) this stage's part in it, `pp_trunk` = (role, first, stop, hands_on): "enter" (run the
+# code before its blocks), "receive" (start there from the hand-off) or "skip" (start after it).
+# A call of a module without one (a call the stages do not cut) runs whole.
+
+def pp_skips(owner) -> bool:
+    """Whether this stage starts after these blocks: it does not run them, and the function returns
+    what it returned on the stage that did (pp_passed)."""
+    part = getattr(owner, "pp_trunk", None)
+    return part is not None and part[0] == "skip"
+
+
+def pp_passed(owner):
+    """What the trunk's function returned on an earlier stage, handed on with the activations."""
+    return PIPE.inbox[-1][owner.pp_owner]
+
+
+def pp_enters(owner) -> bool:
+    """Whether this stage runs the code before these blocks (it reached them first)."""
+    part = getattr(owner, "pp_trunk", None)
+    return part is None or part[0] == "enter"
+
+
+def pp_received(owner) -> tuple:
+    """The values the previous stage handed over, before the blocks of this stage."""
+    return PIPE.inbox[:-1]
+
+
+def pp_first_block_of(owner) -> int:
+    """The index in its list of this stage's first block of the list (`enumerate(self.layers)`)."""
+    part = getattr(owner, "pp_trunk", None)
+    return part[1] if part is not None else 0
+
+
+def pp_hand_on(owner, *values):
+    """End this stage's forward after its last block, in this list: hand `values` on, with what the
+    trunks this stage or earlier ones finished returned (later stages skip those trunks)."""
+    part = getattr(owner, "pp_trunk", None)
+    if part is not None and part[3]:
+        returned = {**(PIPE.inbox[-1] if PIPE.inbox else {}), **owner.pp_returned}
+        raise StageBoundary((*values, returned))
+
+
+def pp_returns(owner, value):
+    """Note what a trunk's function returns on this stage: later stages skipping it return the same."""
+    if getattr(owner, "pp_trunk", None) is not None:
+        owner.pp_returned[owner.pp_owner] = value
+    return value
+
+
 class RecycleBoundary(Exception):
     """Raised by pp_recycle on the last stage after every pass of the recycling loop but the last:
     this forward ends, and the values go back to the first stage for the next pass."""
@@ -926,14 +977,19 @@ class _TensorSlot:
         self.shape, self.dtype, self.requires_grad = tuple(tensor.shape), tensor.dtype, tensor.requires_grad
 
 
-def _slots(value, tensors: list):
+def _slots(value, tensors: list, seen: dict | None = None):
+    """`value` with a _TensorSlot for each tensor, `tensors` in slot order. A tensor met twice (a
+    decoder's encoder states, also inside the encoder's output) is one slot, sent once."""
+    seen = {} if seen is None else seen
     if isinstance(value, torch.Tensor):
-        tensors.append(value)
-        return _TensorSlot(len(tensors) - 1, value)
+        if id(value) not in seen:
+            tensors.append(value)
+            seen[id(value)] = _TensorSlot(len(tensors) - 1, value)
+        return seen[id(value)]
     if isinstance(value, (tuple, list)):
-        return type(value)(_slots(v, tensors) for v in value)
+        return type(value)(_slots(v, tensors, seen) for v in value)
     if isinstance(value, dict):
-        return {k: _slots(v, tensors) for k, v in value.items()}
+        return _like(value, {k: _slots(v, tensors, seen) for k, v in value.items()})
     return value
 
 
@@ -943,8 +999,19 @@ def _filled(value, tensors: list):
     if isinstance(value, (tuple, list)):
         return type(value)(_filled(v, tensors) for v in value)
     if isinstance(value, dict):
-        return {k: _filled(v, tensors) for k, v in value.items()}
+        return _like(value, {k: _filled(v, tensors) for k, v in value.items()})
     return value
+
+
+def _like(value: dict, items: dict) -> dict:
+    """`items` as `value`'s own dict class where it is built from keywords (transformers'
+    ModelOutput keeps its attributes: `out.last_hidden_state`), else a plain dict."""
+    if type(value) is dict:
+        return items
+    try:
+        return type(value)(**items)
+    except TypeError:
+        return items
 
 
 def _tag(kind: int, stage: int, micro: int, piece: int) -> int:
@@ -1216,7 +1283,8 @@ def flat_tensors(values) -> list:
 
 def _slots_of(value, found: list):
     if isinstance(value, _TensorSlot):
-        found.append(value)
+        if not any(slot is value for slot in found):     # one slot, however often it is referred to
+            found.append(value)
     elif isinstance(value, (tuple, list)):
         for v in value:
             _slots_of(v, found)
