@@ -282,7 +282,9 @@ def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: in
              f"PIPELINE_STAGES = {mine}  # the stages this rank runs",
              *blocks[1:],
              f"STAGE_DROPS = {{{', '.join(f'{s}: {stages.drop[s]}' for s in mine)}}}  # modules other stages hold",
-             f"TIED_PARAMETERS = {tied}  # held by the first and last stage; gradients summed",
+             f"TIED_PARAMETERS = {tied}  # held by the first and last stage; gradients summed"
+             if not stages.tied_ranks else f"TIED_PARAMETERS = {tied}  # held by several stages; gradients summed",
+             *([f"TIED_RANKS = {stages.tied_ranks}  # the pipeline ranks holding them"] if stages.tied_ranks else []),
              *([f'PIPELINE_CUT_OWNER = "{stages.trunk.owner}"  # whose call of the cut function is cut; its '
                 "class's other calls run whole"] if stages.trunk.owner is not None and not stages.chain else []),
              *([f"STAGE_SHADOWS = {{{', '.join(f'{s}: {stages.shadow[s]}' for s in mine)}}}  "

@@ -303,7 +303,8 @@ def main():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     assert world == WORLD_SIZE, f"this output was generated for {{WORLD_SIZE}} processes"
     _comm.setup(rank, world, tp=TP_SIZE, dp=DP_SIZE, pp=PP_SIZE,
-                pp_replicas=rank_module(rank).PIPELINE_REPLICAS if PP_SIZE > 1 else None)
+                pp_replicas=rank_module(rank).PIPELINE_REPLICAS if PP_SIZE > 1 else None,
+                pp_tied=getattr(rank_module(rank), "TIED_RANKS", None))
     device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

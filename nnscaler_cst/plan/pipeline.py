@@ -83,6 +83,9 @@ class StagePlan:
     # the cut function and read by every block): trained on every stage, gradients summed over the
     # pipeline, so each stage's contribution reaches them and every copy stays equal
     shared: list[list[str]] = field(default_factory=list)
+    # chained trunks: the pipeline ranks holding the tied parameters (an embedding the encoder, the
+    # decoder and the head share may sit on a middle stage too); their gradients are summed there
+    tied_ranks: list[int] = field(default_factory=list)
     stage_seconds: list[float] = field(default_factory=list)
     # op-assign of the schedule table: the rank of each stage (default s % ranks), and the stages
     # of one pipeline (fewer than all when pipelines are replicas: Chimera); node_stage and tied
@@ -633,6 +636,19 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
                    if not any(a in not_held[s] for a in inside)}
         if len(holders) > 1:
             plan.tied.append(sorted(info.aliases))
+            ranks = sorted({plan.rank_of(s) for s in holders})
+            if plan.chain and plan.tied_ranks and ranks != plan.tied_ranks:
+                names = ", ".join(info.aliases)
+                raise UserError(f"parameters tied across pipeline stages are held by different stages ({names} on "
+                                f"ranks {ranks}, others on {plan.tied_ranks}); their gradients are summed over one "
+                                "group of ranks", trunk_location(graph, plan),
+                    hint="use fewer stages (--pp), or cut them with --stages so one set of stages holds them")
+            if plan.chain:
+                plan.tied_ranks = ranks
+
+
+def trunk_location(graph: Graph, plan: StagePlan):
+    return graph.trace.module_calls[plan.trunk.blocks[0]][0].start
 
 
 def _read_owners(graph: Graph, node) -> list[str]:

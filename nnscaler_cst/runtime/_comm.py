@@ -96,17 +96,19 @@ class Axis:
 TP = Axis("tp")
 DP = Axis("dp")
 PP = Axis("pp")
-PP_ENDS = Axis("pp_ends")  # the first and last stage of this rank's pipeline (tied embeddings)
+PP_ENDS = Axis("pp_ends")  # the stages of this rank's pipeline holding tied embeddings (first and last)
 PP_REPLICA = Axis("pp_replica")  # pipeline ranks holding replicas of the same stages (Chimera)
 GLOBAL_RANK = 0  # rebound by setup: read it as _comm.GLOBAL_RANK, not via `from _comm import`
 
 
 def setup(rank: int, world_size: int, *, tp: int = 1, dp: int = 1, pp: int = 1,
-          backend: str | None = None, pp_replicas: list | None = None) -> None:
+          backend: str | None = None, pp_replicas: list | None = None, pp_tied: list | None = None) -> None:
     """Initialise torch.distributed (if needed) and build the tp x dp x pp mesh.
 
     ``pp_replicas``: groups of pipeline indices whose ranks hold replicas of the same
     stages (Chimera: [[0, 3], [1, 2]]); their gradients are summed over ``PP_REPLICA``.
+    ``pp_tied``: the pipeline indices holding tied parameters (default: the first and the
+    last), whose gradients are summed over ``PP_ENDS``.
 
     Global rank = ((pp_index * dp) + dp_index) * tp + tp_index.
     MASTER_ADDR / MASTER_PORT come from the environment (as torchrun sets them).
@@ -136,7 +138,7 @@ def setup(rank: int, world_size: int, *, tp: int = 1, dp: int = 1, pp: int = 1,
         DP: [[global_rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
         PP: [[global_rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
     }
-    lines[PP_ENDS] = [[line[0], line[-1]] for line in lines[PP]] if pp > 1 else [[rank]]
+    lines[PP_ENDS] = [[line[p] for p in (pp_tied or (0, pp - 1))] for line in lines[PP]] if pp > 1 else [[rank]]
     lines[PP_REPLICA] = [[line[p] for p in group] for line in lines[PP] for group in pp_replicas] \
         if pp_replicas else [[rank]]
     _clear_handoff_cache()  # hand-off headers are cached per mesh: a new one starts afresh

@@ -117,7 +117,9 @@ def _place(comm, package, rank: int) -> dict[str, int]:
              comm.DP: [global_rank(p, i, t) for i in range(dp)],
              comm.PP: [global_rank(i, d, t) for i in range(pp)]}
     pipeline = lines[comm.PP]
-    lines[comm.PP_ENDS] = [pipeline[0], pipeline[-1]] if pp > 1 and rank in (pipeline[0], pipeline[-1]) else [rank]
+    tied = [pipeline[i] for i in getattr(package.rank_module(rank), "TIED_RANKS", None) or (0, pp - 1)] \
+        if pp > 1 else [rank]
+    lines[comm.PP_ENDS] = tied if rank in tied else [rank]
     comm.GLOBAL_RANK = rank
     for axis, ranks in lines.items():
         axis._reset()

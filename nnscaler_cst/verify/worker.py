@@ -287,7 +287,8 @@ def rank(args):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     inject_fault(rank)
     comm.setup(rank, world, tp=package.TP_SIZE, dp=package.DP_SIZE, pp=package.PP_SIZE, backend="gloo",
-               pp_replicas=package.rank_module(rank).PIPELINE_REPLICAS if package.PP_SIZE > 1 else None)
+               pp_replicas=package.rank_module(rank).PIPELINE_REPLICAS if package.PP_SIZE > 1 else None,
+               pp_tied=getattr(package.rank_module(rank), "TIED_RANKS", None))
     module = package.rank_module(rank)
     torch.manual_seed(args.seed)
     model = package.build(rank)
