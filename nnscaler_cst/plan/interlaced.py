@@ -66,7 +66,7 @@ def vocab_modules(graph: Graph, blocks: list[str], ranks: int, mode: str,
     for info in params:
         for alias in sorted(info.aliases):
             module = alias.rpartition(".")[0]
-            kind = trace.module_types.get(module, "")
+            kind = trace.module_type(module)
             linear = kind == "torch.nn.modules.linear.Linear"
             if not (module in embeddings or linear or kind.endswith("Embedding")):
                 raise UserError(f"{alias} is shared with a {kind.rpartition('.')[2] or 'module'}: interlacing "

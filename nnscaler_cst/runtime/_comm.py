@@ -1457,8 +1457,10 @@ def vocab_split(model: torch.nn.Module, paths: list[str]) -> None:
     however many modules share it) keeps this pipeline rank's rows, dim 0 split over PP."""
     shards: dict[int, torch.nn.Parameter] = {}
     VOCAB.modules = []
-    for index, path in enumerate(paths):
+    for path in paths:
         module = model.get_submodule(path)
+        if any(module is done for done in VOCAB.modules):
+            continue                    # one module under two names (`shared`, `encoder.embed`): split once
         base = VocabEmbedding if isinstance(module, torch.nn.Embedding) else VocabLinear
         if not isinstance(module, (torch.nn.Embedding, torch.nn.Linear)) or \
                 (base is VocabLinear and module.bias is not None):
@@ -1476,7 +1478,7 @@ def vocab_split(model: torch.nn.Module, paths: list[str]) -> None:
             shards[id(weight)] = torch.nn.Parameter(weight.detach()[PP.rank * part:(PP.rank + 1) * part].clone(),
                                                     requires_grad=weight.requires_grad)
         module.weight = shards[id(weight)]
-        module.vocab_index = index
+        module.vocab_index = len(VOCAB.modules)
         VOCAB.modules.append(module)
 
 

@@ -144,3 +144,13 @@ class Trace:
     state_writes: list[StateWrite] = field(default_factory=list)   # module attributes the forward changed
     module_runs: dict[str, int] = field(default_factory=dict)      # module path -> forward calls in one step
     module_replays: dict[str, Any] = field(default_factory=dict)   # module path -> its first call, as a Replay
+    # a module object registered under several names (one embedding as `shared` and `encoder.embed`):
+    # the name the trace calls it by -> its other names
+    module_aliases: dict[str, list[str]] = field(default_factory=dict)
+
+    def module_type(self, path: str) -> str:
+        """The class of the module at `path`, under any of its names ("" if none)."""
+        if path in self.module_types:
+            return self.module_types[path]
+        return next((self.module_types.get(name, "") for name, others in self.module_aliases.items()
+                     if path in others), "")

@@ -598,7 +598,15 @@ class Tracer(TorchFunctionMode):
         return Trace(mode, sorted(self.own_files), self.nodes, self.ops, self.tensors, params, input_tids,
                      loss_tid, {name: qualified_type(type(m)) for name, m in model.named_modules()}, batch,
                      self.size_queries, self.module_calls, self.containers, self.replays, self.state_writes,
-                     self.module_runs, self.module_replays)
+                     self.module_runs, self.module_replays, self._module_aliases(model))
+
+    def _module_aliases(self, model: torch.nn.Module) -> dict[str, list[str]]:
+        aliases: dict[str, list[str]] = {}
+        for name, module in model.named_modules(remove_duplicate=False):
+            first = self._module_names.get(id(module), name)
+            if first != name:
+                aliases.setdefault(first, []).append(name)
+        return aliases
 
     def _role_layers(self, model: torch.nn.Module) -> frozenset:
         """Layer classes of the model's files that are called from two or more places: a
