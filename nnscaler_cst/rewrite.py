@@ -23,7 +23,7 @@ from .materialize.conversions import fused_collectives
 from .materialize.edits import Edits, data_parallel_edits, one_device_edits, plan_edits
 from .plan.ir import OpAssign, OpOrder, OpTrans, Plan
 from .plan.pipeline import StagePlan, plan_stages
-from .plan.recompute import recompute_seconds, recompute_site
+from .plan.recompute import recompute_seconds, recompute_site, recompute_sites
 from .plan import interlaced
 from .plan.schedules import Action, Placement, load_schedule, placement, schedule, to_csv
 from .plan.zero import check_zero
@@ -344,7 +344,7 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
         if trunk.function_span.path not in (str(main_source.path), str(analysis.sources.get(entry_path).path)):
             raise UserError("the loop over the blocks is in neither the model's file nor the entry",
                             trunk.function_span.start, hint="pipelines cut the file that holds the block loop")
-    recompute = recompute_site(analysis.graph) if request is not None and request.recompute else None
+    recompute = recompute_sites(analysis.graph) if request is not None and request.recompute else ()
     module, ctx = rewrite_module(main_source, edits or empty, split, analysis.trace.containers, recompute, chain)
     if model_path is not None:     # the entry's own classes (a model around imported blocks) are rewritten
         # too; the block loop may be theirs

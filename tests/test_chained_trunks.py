@@ -141,6 +141,13 @@ def test_each_trunk_method_asks_its_self_what_this_stage_does(tmp_path):
     assert "STAGE_TRUNKS = {1: {'encoder': ('skip', 0, 0, False), 'decoder': ('receive', 0, 2, False)}}" in text
 
 
+def test_recompute_checkpoints_the_blocks_of_every_list_of_the_chain(tmp_path):
+    files = rewrite(analyze(_write(tmp_path)), PlanRequest(pp=2, micro_batches=2, recompute=True)).files
+    text = files["model_stage0.py"]
+    assert "h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False)" in text
+    assert "h = torch.utils.checkpoint.checkpoint(layer, h, memory, use_reentrant=False)" in text
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("args", [("--pp", "4", "--micro-batches", "4"),
                                   ("--pp", "2", "--micro-batches", "2", "--schedule", "interlaced")],

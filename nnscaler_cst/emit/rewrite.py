@@ -55,7 +55,7 @@ class Context:
     before: list[cst.SimpleStatementLine] = field(default_factory=list)  # go before the current statement
     after: list[cst.SimpleStatementLine] = field(default_factory=list)   # go after the current statement
     assigned: dict[Span, list] = field(default_factory=dict)     # `x[i] = v` target span -> steps for v
-    recompute: Span | None = None                                 # the block call --recompute checkpoints
+    recompute: tuple[Span, ...] = ()                              # the block calls --recompute checkpoints
 
     def note(self, span: Span, text: str) -> None:
         fragments = self.notes.setdefault(span, [])
@@ -335,7 +335,7 @@ class RecomputeBlocks:
         self.ctx = ctx
 
     def leave(self, span: Span, node: cst.CSTNode) -> cst.CSTNode:
-        if span != self.ctx.recompute:
+        if span not in self.ctx.recompute:
             return node
         collectives = {name for name, _ in COLLECTIVE_NOTES.values()}
         call = node
@@ -770,7 +770,7 @@ class FileRewriter(cst.CSTTransformer):
 
 def rewrite_module(source: SourceFile, edits: Edits, split: StageSplit | None = None,
                    containers: dict[Span, list[tuple[str, ...]]] | None = None,
-                   recompute: Span | None = None, chain: tuple[StageSplit, ...] = ()) -> tuple[cst.Module, Context]:
+                   recompute: tuple[Span, ...] = (), chain: tuple[StageSplit, ...] = ()) -> tuple[cst.Module, Context]:
     ctx = Context(edits, split if split is not None and split.function.path == str(source.path) else None,
                   chain=tuple(c for c in chain if c.function.path == str(source.path)),
                   containers=containers or {}, recompute=recompute)

@@ -17,7 +17,7 @@ from ..errors import UserError
 from ..graph.graph import Graph
 from ..source.files import Span
 from .cost import DeviceSpec, compute_time, node_flops
-from .pipeline import find_trunk
+from .pipeline import find_chain, find_trunk
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,20 @@ def recompute_site(graph: Graph) -> Span:
                         f"{trunk.container} run as one nn.Sequential call", span.start,
                         hint=f"loop over the blocks: `for block in self.{trunk.container}: x = block(x)`")
     return span
+
+
+def recompute_sites(graph: Graph) -> tuple[Span, ...]:
+    """The block calls --recompute checkpoints: one per block list of a chain (an encoder's and a
+    decoder's, plan/pipeline.py find_chain), else the one trunk's."""
+    chain = find_chain(graph)
+    if not chain:
+        return (recompute_site(graph),)
+    spans = []
+    for trunk in chain:
+        span = graph.trace.module_calls[trunk.blocks[0]][0]
+        if span not in spans:                   # T5: one loop serves both lists
+            spans.append(span)
+    return tuple(spans)
 
 
 def block_activations(graph: Graph) -> BlockActivations:
