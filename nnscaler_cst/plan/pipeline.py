@@ -245,6 +245,7 @@ def find_chain(graph: Graph) -> list[Trunk]:
 
 
 def _called_in_loop(graph: Graph, span: Span) -> bool:
+    """Whether the call at `span` sits in a `for` or `while` of its function (a stack per pass)."""
     source = graph.sources.get(span.path)
     node = source.node_at(span.line, span.col, span.end_line, span.end_col)
     while node is not None and not isinstance(node, cst.FunctionDef):
