@@ -141,6 +141,12 @@ def test_each_trunk_method_asks_its_self_what_this_stage_does(tmp_path):
     assert "STAGE_TRUNKS = {1: {'encoder': ('skip', 0, 0, False), 'decoder': ('receive', 0, 2, False)}}" in text
 
 
+def test_plan_auto_prices_stages_over_the_whole_chain(tmp_path):
+    from nnscaler_cst.plan.auto import _blocks, _stage_ranges
+    blocks = _blocks(analyze(_write(tmp_path)).graph)
+    assert blocks.count == 4 and _stage_ranges(blocks, 2) == [(0, 2), (2, 4)]
+
+
 def test_recompute_checkpoints_the_blocks_of_every_list_of_the_chain(tmp_path):
     files = rewrite(analyze(_write(tmp_path)), PlanRequest(pp=2, micro_batches=2, recompute=True)).files
     text = files["model_stage0.py"]

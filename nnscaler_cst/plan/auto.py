@@ -133,7 +133,7 @@ def _blocks(graph: Graph) -> _Blocks:
     cache = _search_cache(graph)
     if "blocks" in cache:
         return cache["blocks"]
-    from .pipeline import find_recycle, find_trunk, node_blocks
+    from .pipeline import find_chain, find_recycle, find_trunk, node_blocks
     from .recompute import block_activations, recompute_site
     n = len(graph.nodes)
     try:
@@ -147,9 +147,11 @@ def _blocks(graph: Graph) -> _Blocks:
             find_recycle(graph, trunk)
         except UserError:
             passes = 1
-    block_of = node_blocks(graph, trunk.blocks)
+    chain = find_chain(graph) if passes == 1 else []     # an encoder's blocks, then a decoder's: one chain
+    cut = [b for t in chain for b in t.blocks] if chain else trunk.blocks
+    block_of = node_blocks(graph, cut)
     first, last = (min(block_of), max(block_of)) if block_of else (0, 0)
-    flops = [0.0] * len(trunk.blocks)
+    flops = [0.0] * len(cut)
     pro = epi = 0.0
     region = []
     current = 1
@@ -164,7 +166,7 @@ def _blocks(graph: Graph) -> _Blocks:
             region.append(0)
         elif node.index > last:
             epi += cost
-            region.append(len(trunk.blocks) + 1)
+            region.append(len(cut) + 1)
         else:
             region.append(current)
     problem = None
@@ -173,7 +175,7 @@ def _blocks(graph: Graph) -> _Blocks:
     except UserError as exc:
         problem = exc.message
     inputs = float(block_activations(graph).inputs) if problem is None else 0.0
-    cache["blocks"] = _Blocks(len(trunk.blocks), region, flops, pro, epi, None, problem, inputs, passes=passes)
+    cache["blocks"] = _Blocks(len(cut), region, flops, pro, epi, None, problem, inputs, passes=passes)
     return cache["blocks"]
 
 
