@@ -148,44 +148,6 @@ def swin(lines: list[str]) -> dict:
 # Shared: blocks of both stacks (encoder-decoder), pass-corrected stage costs, the simulator
 # ---------------------------------------------------------------------------------------------
 
-def both_stacks(graph):
-    """auto._blocks cuts one block list (plan/pipeline.py's find_trunk): for T5 and mBART it is the
-    encoder's, and the whole decoder and head fall in the epilogue, on the last stage. For the 1F1B and
-    interlaced prices here the blocks are both stacks' layers, in order, each with the code after it
-    (auto._blocks' rule), so that stages can balance."""
-    import re
-    pattern = re.compile(r"(?:^|\.)(encoder|decoder)\.(?:block|layers)\.(\d+)(?:\.|$)")
-    keys = []
-    for node in graph.nodes:
-        match = pattern.search(node.module_path or "")
-        key = (match.group(1) == "decoder", int(match.group(2))) if match else None
-        if key is not None and key not in keys:
-            keys.append(key)
-    order = {k: i + 1 for i, k in enumerate(sorted(keys))}
-    region, current, started = [], 0, False
-    flops = [0.0] * len(order)
-    pro = epi = 0.0
-    last_block_node = max(n.index for n in graph.nodes if pattern.search(n.module_path or ""))
-    from nnscaler_cst.plan.cost import node_flops
-    for node in graph.nodes:
-        match = pattern.search(node.module_path or "")
-        cost = node_flops(node, graph.dims.get(node.index), graph.trace)
-        if match:
-            current = order[(match.group(1) == "decoder", int(match.group(2)))]
-            started = True
-        elif node.index > last_block_node:
-            current = len(order) + 1
-        if not started:
-            pro += cost
-        elif current == len(order) + 1:
-            epi += cost
-        else:
-            flops[current - 1] += cost
-        region.append(current if started else 0)
-    one = auto._blocks(graph)
-    return auto._Blocks(len(order), region, flops, pro, epi, None, one.recompute_problem, one.input_bytes)
-
-
 def priced_with(graph, config: Config, blocks, constraints, scale: float = 1.0):
     """`scale`: the global batch over the traced one. The split is solved at the traced batch; the
     regions' batch-proportional terms (bw, forward_bw, saved: auto._Regions) are then scaled, which is
@@ -241,7 +203,7 @@ TRACE_BATCH = 2         # see the entry files: the batch split probe allocates r
 def encoder_decoder(lines: list[str], entry: str, title: str, tp: int = 8, pp: int = 4) -> dict:
     from nnscaler_cst.plan import interlaced
     from nnscaler_cst.plan.cost import all_reduce_time, node_time
-    from nnscaler_cst.plan.pipeline import find_trunk
+    from nnscaler_cst.plan.pipeline import cut_blocks
     from nnscaler_cst.plan.schedules import load_schedule, schedule
     from nnscaler_cst.plan.zero import ADAMW_STATE_BYTES, GRAD_BYTES, PARAM_BYTES
     graph, trace_seconds = traced(entry, TRACE_BATCH)
@@ -250,14 +212,9 @@ def encoder_decoder(lines: list[str], entry: str, title: str, tp: int = 8, pp: i
     dp = DEVICES // (tp * pp)
     micro = batch // dp                              # micro-batch 1 (the artifact's --mbs 1)
     fraction = 1.0 / (dp * micro)
-    blocks = both_stacks(graph)
+    blocks = auto._blocks(graph)     # the encoder's and the decoder's layers, cut as one chain
     megatron = load_table("megatron").for_axis("tp")
     rows, stage_rows = [], []
-    # the tool's own cut, for the record: auto._blocks (the encoder's blocks; the decoder on the last stage)
-    own = priced_with(graph, Config(tp=tp, dp=dp, pp=pp, micro_batches=micro, recompute=True), auto._blocks(graph),
-                      megatron, scale)[0]
-    rows.append(("1F1B + Megatron TP, the tool's stage cut", own,
-                 "auto._blocks: encoder blocks only, decoder + head on the last stage"))
     base = {}
     base_ranges = auto._stage_ranges(blocks, pp)
     for recompute in (False, True):
@@ -268,7 +225,7 @@ def encoder_decoder(lines: list[str], entry: str, title: str, tp: int = 8, pp: i
                      "stages over encoder and decoder layers"))
     # interlaced: the vocabulary modules whole on tp (interlaced.keep_whole_on_tp) and split over the pp ranks
     table = load_schedule("interlaced")
-    modules, names = interlaced.vocab_modules(graph, find_trunk(graph).blocks, pp, table.vocab, table.location)
+    modules, names = interlaced.vocab_modules(graph, cut_blocks(graph), pp, table.vocab, table.location)
     vocab_nodes = [n for n in interlaced.vocab_calls(graph, modules)]
     device = CLUSTER.axis(1, tp)
     pp_link = CLUSTER.axis(tp * dp, pp)
@@ -434,11 +391,10 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
 2. **Strided Conv2d is priced at 2 million times its FLOPs.** Swin's patch embedding `Conv2d(3, 512, 4, stride=4)`
    on (256, 3, 1536, 1536): plan/cost.py `node_flops` returns 2 x the product of every dim size of the op's annotation (the cause is
    presumably that a strided conv's annotation holds input and output pixels both; not checked): 4.4e18 FLOPs (true 1.9e12), 131,325 s on one V100, the whole step. The entry uses reshape + Linear.
-3. **Encoder-decoder pipelines cut the encoder only.** plan/pipeline.py `find_trunk` takes one block list
-   (T5: `encoder.block`); the 24 decoder layers and the head are the epilogue, on the last stage
-   (`schedule ... --pp 4`: "stage 2: blocks 2-22, stage 3: blocks 23-23"). T5-3B at TP 8 x PP 4 with recompute:
-   the tool's cut is priced at about 1.6x the step of stages cut over both stacks (the first rows of each table).
-   Both plans here use stages over both stacks (`both_stacks`); the generated code would use the tool's cut.
+3. **Encoder-decoder pipelines cut the encoder only** (fixed): the encoder's and the decoder's layers are now
+   cut as one chain (plan/pipeline.py `find_chain`), in the generated code and in `auto._blocks`, which these
+   tables use. Before, the decoder's layers and the head were the epilogue, on the last stage, and T5-3B at
+   TP 8 x PP 4 with recompute was priced at about 1.6x the step of stages cut over both stacks.
 4. **No-gradient passes were priced with a backward** (fixed): plan/cost.py `node_time` now prices an op none
    of whose outputs needs a gradient as its forward alone, and `auto._regions` leaves such ops out of what
    recompute repeats, so the recycling passes 1 and 2 of AlphaFold2 cost their forwards and save nothing

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from nnscaler_cst.analysis import analyze
+from nnscaler_cst.errors import UserError
 from nnscaler_cst.plan.pipeline import ChainRole, _chain_roles, plan_stages
 from nnscaler_cst.rewrite import PlanRequest, rewrite
 
@@ -130,6 +131,23 @@ def test_the_stages_cut_both_block_lists_and_the_tied_embedding_sits_where_it_is
     two = plan_stages(graph, 2)
     assert two.block_ranges == [(0, 2), (2, 4)] and two.local_ranges(1) == {"encoder.layers": (0, 0),
                                                                             "decoder.layers": (0, 2)}
+
+
+# the encoder sets its own state before its blocks (BigBird-Pegasus switches its attention type so)
+SETTING_STATE = ENCODER_DECODER.replace(
+    "    def forward(self, ids):\n        h = self.embed(ids) * 2.0\n",
+    "    def set_scale(self, value):\n        self.scale = value\n\n"
+    "    def forward(self, ids):\n        self.set_scale(2.0)\n        h = self.embed(ids) * self.scale\n")
+
+
+def test_state_an_encoder_sets_concerns_only_the_stages_that_run_it(tmp_path):
+    assert "self.set_scale(2.0)" in SETTING_STATE
+    path = tmp_path / "setting.py"
+    path.write_text(SETTING_STATE)
+    graph = analyze(path).graph
+    plan_stages(graph, 2)            # stage 1 skips the encoder: the write is no concern of it
+    with pytest.raises(UserError, match="sets encoder.scale"):
+        plan_stages(graph, 4)        # stage 1 runs the encoder's second block without the write
 
 
 def test_each_trunk_method_asks_its_self_what_this_stage_does(tmp_path):
