@@ -169,6 +169,8 @@ def _blocks(graph: Graph) -> _Blocks:
             region.append(len(cut) + 1)
         else:
             region.append(current)
+            if chain:                       # between two lists of a chain: with the block before, as
+                flops[current - 1] += cost  # plan_stages balances them
     problem = None
     try:
         recompute_site(graph)
