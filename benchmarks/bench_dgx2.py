@@ -293,7 +293,7 @@ def encoder_decoder(lines: list[str], entry: str, title: str, tp: int = 8, pp: i
     svg = f"dgx2_{entry.removeprefix('dgx2_').removesuffix('.py')}_interlaced.svg"
     command = schedule_picture(entry, pp, 8, "interlaced", svg)
     inter_ranges = auto._stage_ranges(blocks, pp)
-    fitting_base = best([r for r in rows[1:] if r[0].startswith("1F1B")])
+    fitting_base = best([r for r in rows if r[0].startswith("1F1B")])
     fitting_inter = best([r for r in rows if r[0].startswith("interlaced")])
     lines += [f"## {title}: interlaced pipeline against 1F1B + Megatron TP", "",
               f"`benchmarks/{entry}` (traced in {trace_seconds:.0f} s, {len(graph.nodes)} ops): TP {tp} x PP {pp} x DP {dp}, "
