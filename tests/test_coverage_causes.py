@@ -38,6 +38,7 @@ import pytest
 import torch
 
 from nnscaler_cst.analysis import analyze
+from nnscaler_cst.graph import derive
 from nnscaler_cst.plan.batch import batch_split_problem
 from nnscaler_cst.rewrite import PlanRequest, build_plan, rewrite
 
@@ -1450,11 +1451,81 @@ def test_a_moe_layer_sorting_the_whole_batch_keeps_samples_apart(tmp_path):
     assert batch_split_problem(graph, "micro-batches (--micro-batches 2)", across_ranks=False) is None
 
 
+def test_a_module_too_large_to_probe_is_not_called_for_real(tmp_path, monkeypatch):
+    # at production shapes (Llama-7B's decoder layer: GBs) the whole-module probe claims nothing
+    # rather than allocating its tensors; it stopped `plan --plan auto` of a 7B model by OOM
+    graph = analyze(_write(tmp_path, SORTED_MOE.replace("CAPACITY", "None"))).graph
+    assert graph.module_kept_apart("blocks.0.moe") is not None
+    graph._kept.clear()
+    monkeypatch.setattr(derive, "MAX_PROBE_ELEMENTS", 64)
+    assert graph.module_kept_apart("blocks.0.moe") is None
+
+
 def test_a_moe_layer_whose_capacity_is_a_share_of_the_whole_batch_mixes_samples(tmp_path):
     text = SORTED_MOE.replace("CAPACITY", "0.1")
     problem = batch_split_problem(analyze(_write(tmp_path, text)).graph, "data parallel (--dp 2)")
     # refused where the first op mixing the rows sits, as before
     assert problem is not None and problem.location.line == _line_of(text, "weight, expert = "), problem
+
+
+# transformers 5.24 put `create_causal_mask` (and the decoders' forwards) under
+# `deprecate_kwarg`, whose wrapper is named `wrapped_func`: the trace took the wrapper for the
+# helper, could not replay it, and every decoder lost data parallelism ("has no split rule").
+# A decorator's closure holding the function it calls is a wrapper, whatever its name.
+DECORATED_LIBRARY = '''
+import functools
+
+import torch
+
+
+def renamed_kwarg(old, new):
+    def wrapper(fn):
+        @functools.wraps(fn)
+        def wrapped_func(*args, **kwargs):
+            if old in kwargs:
+                kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+        return wrapped_func
+    return wrapper
+
+
+@renamed_kwarg("inputs", "x")
+def causal_bias(x):
+    t = x.shape[1]
+    return torch.full((t, t), float("-inf"), dtype=x.dtype).triu(1)
+'''
+
+DECORATED_MODEL = '''
+import torch
+import torch.nn as nn
+
+from _decorated_masks import causal_bias
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        scores = self.proj(x) @ x.transpose(1, 2) + causal_bias(inputs=x)
+        return scores.softmax(-1).pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 8, 16),)
+'''
+
+
+def test_a_library_helper_under_a_decorator_is_traced_as_the_helper(tmp_path):
+    (tmp_path / "_decorated_masks.py").write_text(DECORATED_LIBRARY.lstrip())
+    graph = analyze(_write(tmp_path, DECORATED_MODEL)).graph
+    assert "_decorated_masks.causal_bias" in {n.callee for n in graph.nodes}
+    assert batch_split_problem(graph, "data parallel (--dp 2)") is None
 
 
 @pytest.mark.slow

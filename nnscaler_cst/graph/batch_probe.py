@@ -24,7 +24,7 @@ import torch
 
 from ..trace.records import Node, Trace
 from ..trace.replay import Replay, TensorRef
-from .derive import _CannotReplay, _Caller, _close, _equal, _filled_uninitialized_memory, with_strides
+from .derive import _CannotReplay, _Caller, _close, _equal, _filled_uninitialized_memory, too_large_to_probe, with_strides
 
 SLICES = 2
 
@@ -58,6 +58,8 @@ def _kept_apart(trace: Trace, full_replay: Replay | None, half: Trace,
             return None
     if not any(cut is not None for cut in cuts.values()):
         return None
+    if too_large_to_probe(trace, cuts):
+        return None           # production shapes: nothing is claimed rather than GBs allocated
     with _filled_uninitialized_memory(), _without_dropout():
         whole_call = _Caller(trace, full_replay, sorted(cuts), strided=True)
         try:

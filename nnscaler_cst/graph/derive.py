@@ -146,6 +146,12 @@ def _other_values(tensor: torch.Tensor, generator: torch.Generator) -> list[torc
     return [shifted, constant]
 
 
+def too_large_to_probe(trace: Trace, tids) -> bool:
+    """A probe on these tensors would allocate them for real: not at production shapes."""
+    return any(_numel(trace.tensors[t].shape) > (MAX_PROBE_ELEMENTS if trace.tensors[t].param is None
+                                                 else MAX_PROBE_PARAM_ELEMENTS) for t in tids)
+
+
 def _numel(shape) -> int:
     n = 1
     for s in shape:
@@ -287,8 +293,7 @@ def _probe(node: Node, trace: Trace, replay: Replay, size_attributes=None) -> _P
                                         for tid, own in names.items() for name in own if name in shape_only}
                        if not replay.outputs else {})
     tids = sorted({*_refs(replay.args), *_refs(replay.kwargs), *replay.state.values()})
-    if any(_numel(trace.tensors[t].shape) > (MAX_PROBE_ELEMENTS if trace.tensors[t].param is None
-                                             else MAX_PROBE_PARAM_ELEMENTS) for t in tids):
+    if too_large_to_probe(trace, tids):
         return unprobed if shape_only else "no rule, and its tensors are too large to probe"
     call = _Caller(trace, replay, tids, size_attributes=size_attributes)
     try:

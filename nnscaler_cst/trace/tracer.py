@@ -272,7 +272,7 @@ class Tracer(TorchFunctionMode):
         if outer.f_code.co_filename.startswith(_TORCH_DIR):
             return torch_func_name(func), "torch", None
         i = len(chain) - 1
-        while i > 0 and chain[i].f_code.co_name in _WRAPPER_NAMES:
+        while i > 0 and _wraps(chain[i], chain[i - 1].f_code):
             i -= 1
         inner = chain[i]
         return f"{inner.f_globals.get('__name__', '?')}.{inner.f_code.co_qualname}", "function", inner
@@ -487,7 +487,7 @@ class Tracer(TorchFunctionMode):
         if event == "call":
             back = frame.f_back
             code = frame.f_code
-            if back is not None and (back.f_code.co_filename in self.own_files or back.f_code.co_name in _WRAPPER_NAMES) \
+            if back is not None and (back.f_code.co_filename in self.own_files or _wraps(back, code)) \
                     and code.co_filename not in self.own_files and not code.co_filename.startswith(_TORCH_DIR):
                 self._entry_args[id(frame)] = (code, arguments_at_entry(frame))
         elif event == "return":
@@ -850,6 +850,19 @@ def _model_or_torch_frame(frame, own_files) -> bool:
     path = frame.f_code.co_filename
     return path in own_files or path.startswith(_TORCH_DIR) or path.startswith(_OUR_DIR) \
         or frame.f_code.co_name in _WRAPPER_NAMES
+
+
+def _wraps(frame, code) -> bool:
+    """The frame is a decorator's wrapper calling the function of `code` (`functools.wraps`
+    closures: transformers' `deprecate_kwarg`, torch's `no_grad`): named as wrappers are, or
+    holding that function in one of its closure's variables, whatever the wrapper is named."""
+    own = frame.f_code
+    if own.co_name in _WRAPPER_NAMES:
+        return True
+    if not own.co_freevars:
+        return False
+    values = frame.f_locals
+    return any(getattr(values.get(name), "__code__", None) is code for name in own.co_freevars)
 
 
 def _holds_function(frame, code) -> bool:
