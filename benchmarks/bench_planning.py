@@ -9,7 +9,8 @@ beside it: this machine is shared). Part 2 splits one process's time into trace 
 search. Part 3 times one tensor-parallel axis of the GPT fixture at 12 to 96 layers, by
 variable elimination (this version) and by z3's optimiser (the search before it), with the
 Megatron table and over the full space. Part 4 prices Megatron-LM's published configuration of
-GPT-3 175B with the same cost model the search uses.
+GPT-3 175B with the same cost model the search uses. Part 5 holds the cost model's estimate of a
+training step against the step measured on this CPU (bench_cpu_step.py).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import bench_cpu_step  # noqa: E402
 from _common import revision  # noqa: E402
 
 GIB = 2 ** 30
@@ -290,6 +292,7 @@ def main() -> None:
         lines += part2(folder)
         lines += part3(folder, not args.no_z3)
         lines += part4()
+        lines += bench_cpu_step.section()
     args.out.write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
 

@@ -119,6 +119,13 @@ def case(id, args, says, at=None, files=None, env=None, extra=None):
     return Case(id, args.split() if isinstance(args, str) else args, says, at, files, env or {})
 
 
+def device_line(key: str, new: str) -> str:
+    """The built-in device spec with the line setting `key` replaced by `new` ("": removed)."""
+    text, found = re.subn(rf"^{re.escape(key)} = .*\n", new and new + "\n", GOOD_DEVICE, flags=re.M)
+    assert found == 1, key
+    return text
+
+
 def replace(text: str, old: str, new: str) -> str:
     assert old in text, old
     return text.replace(old, new)
@@ -229,21 +236,21 @@ CASES = [
     case("rules_path_missing", f"model.py --tp 2 {OUT}", [ENV_VAR, "does not exist"],
          env={ENV_VAR: "no_such_rules"}),
     case("device_toml_syntax_error", f"model.py --tp 2 --cluster box {OUT}", ["invalid TOML"],
-         extra={"my_rules/devices/box.toml": replace(GOOD_DEVICE, "flops = 5e10", "flops = 5e10e")},
-         env={ENV_VAR: "my_rules"}, at=("my_rules/devices/box.toml", 4)),
+         extra={"my_rules/devices/box.toml": device_line("flops", "flops = 5e10e")},
+         env={ENV_VAR: "my_rules"}, at=("my_rules/devices/box.toml", "flops")),
     case("device_missing_key", f"model.py --tp 2 --cluster box {OUT}", ["no `latency`"],
-         extra={"my_rules/devices/box.toml": re.sub(r"latency.*\n", "", GOOD_DEVICE)},
+         extra={"my_rules/devices/box.toml": device_line("latency", "")},
          env={ENV_VAR: "my_rules"}, at=("my_rules/devices/box.toml", 1)),
     case("device_value_not_a_number", f"model.py --tp 2 --cluster box {OUT}", ["flops", "positive number"],
-         extra={"my_rules/devices/box.toml": replace(GOOD_DEVICE, "flops = 5e10", 'flops = "fast"')},
+         extra={"my_rules/devices/box.toml": device_line("flops", 'flops = "fast"')},
          env={ENV_VAR: "my_rules"}, at=("my_rules/devices/box.toml", "flops")),
     case("device_matmul_rate_of_an_unknown_dtype", f"model.py --tp 2 --cluster box {OUT}",
          ["[device.matmul] has `int8`", "fp32, tf32, bf16, fp16"],
-         extra={"my_rules/devices/box.toml": replace(GOOD_DEVICE, "bf16 = 5e8", "int8 = 5e8")},
+         extra={"my_rules/devices/box.toml": device_line("bf16", "int8 = 5e8")},
          env={ENV_VAR: "my_rules"}, at=("my_rules/devices/box.toml", "int8")),
     case("device_memory_bandwidth_negative", f"model.py --tp 2 --cluster box {OUT}",
          ["memory_bandwidth", "positive number"],
-         extra={"my_rules/devices/box.toml": replace(GOOD_DEVICE, "memory_bandwidth = 2e9", "memory_bandwidth = -2e9")},
+         extra={"my_rules/devices/box.toml": device_line("memory_bandwidth", "memory_bandwidth = -2e9")},
          env={ENV_VAR: "my_rules"}, at=("my_rules/devices/box.toml", "memory_bandwidth")),
     case("precision_unknown", f"model.py --tp 2 --precision fp8 {OUT}", ["--precision fp8", "bf16"]),
     case("device_without_cluster_table", f"model.py --tp 2 --cluster box {OUT}", ["no [cluster] table"],

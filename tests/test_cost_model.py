@@ -218,7 +218,10 @@ def test_the_precision_option_changes_the_plans_estimate(tmp_path):
         return plan.estimated_step_seconds
 
     assert estimate("h100-node", "bf16") < estimate("h100-node", "tf32") < estimate("h100-node", None)
-    assert estimate("cpu-gloo", "bf16") > estimate("cpu-gloo", None)      # no bf16 matmul units on the CPU
+    # the CPU spec is measured (benchmarks/calibrate_cpu.py): bf16 is faster where the CPU has bf16 units
+    cpu = load_cluster("cpu-gloo").axis(1, 1)
+    bf16_faster = cpu.matmul_rate("bf16") > cpu.matmul_rate("fp32")
+    assert (estimate("cpu-gloo", "bf16") < estimate("cpu-gloo", None)) == bf16_faster
     with pytest.raises(UserError, match="--precision fp8"):
         check_precision("fp8")
 
@@ -234,3 +237,38 @@ def test_a_spec_without_the_new_keys_still_loads_with_defaults_from_flops(tmp_pa
     assert device.bytes_per_second == 4e12
     assert device.matmul_overhead == 0.0
     assert device.seconds_per_param == pytest.approx(28 / 4e12)
+
+
+def test_a_skinny_matmul_runs_below_the_rate_by_the_specs_half_rows(tmp_path):
+    """matmul_half_rows: a contraction whose result has r rows runs at rate / (1 + half / r),
+    r the fewer of its rows (the tokens) and columns (the features)."""
+    from dataclasses import replace
+    device = replace(load_cluster("h100-node").axis(1, 1), matmul_overhead=0.0, matmul_half_rows=64.0)
+    per_flop = {}
+    for rows in (16, 4096):
+        graph, by_callee, _ = _ops(tmp_path, rows=rows, hidden=1024)
+        linear = by_callee["torch.nn.Linear"]
+        per_flop[rows] = _time(graph, linear, device) / node_flops(linear, graph.dims.get(linear.index), graph.trace)
+    assert per_flop[16] / per_flop[4096] == pytest.approx((1 + 64 / 16) / (1 + 64 / 1024))
+
+
+def test_every_op_that_moves_bytes_pays_the_specs_op_overhead(tmp_path):
+    from dataclasses import replace
+    graph, by_callee, _ = _ops(tmp_path, rows=8)
+    device = load_cluster("h100-node").axis(1, 1)
+    slow = replace(device, op_overhead=1e-3)
+    gelu, view = by_callee["torch.nn.functional.gelu"], by_callee["Tensor.view"]
+    # forward and the backward's 1.5 forwards each pay it; a view moves nothing and pays nothing
+    assert _time(graph, gelu, slow) - _time(graph, gelu, device) == pytest.approx(2.5e-3)
+    assert _time(graph, view, slow) == 0.0
+
+
+def test_the_built_in_cpu_spec_is_the_calibration_scripts_output(monkeypatch):
+    """rules/devices/cpu-gloo.toml is written by benchmarks/calibrate_cpu.py (the tests use their
+    own fixed spec, tests/rules): it loads, with every figure the script measures."""
+    monkeypatch.delenv(ENV_VAR)
+    text = (ROOT / "rules" / "devices" / "cpu-gloo.toml").read_text()
+    assert "benchmarks/calibrate_cpu.py" in text
+    device = load_cluster("cpu-gloo").axis(1, 2)
+    assert device.op_overhead > 0 and device.matmul_half_rows > 0 and device.matmul_overhead > 0
+    assert device.optimizer_seconds_per_param is not None and device.memory_bandwidth is not None

@@ -9,6 +9,7 @@ environment and runs the main job from a folder outside the repository.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -54,8 +55,8 @@ def test_a_users_rules_folder_adds_plans_and_clusters_and_shadows_built_in_ones(
         '[plan]\nname = "wide"\naxes = ["tp"]\n\n[[constraint]]\nid = "all-split"\n'
         'select = { params = "matrix" }\nop_trans = { axis = "tp", algo = "split", n = "|tp|" }\n')
     spec = (REPO / "rules" / "devices" / "cpu-gloo.toml").read_text()
-    (mine / "devices" / "box.toml").write_text(spec.replace("flops = 5e10", "flops = 7e10"))
-    (mine / "devices" / "cpu-gloo.toml").write_text(spec.replace("flops = 5e10", "flops = 1e10"))
+    (mine / "devices" / "box.toml").write_text(re.sub(r"(?m)^flops = .*", "flops = 7e10", spec))
+    (mine / "devices" / "cpu-gloo.toml").write_text(re.sub(r"(?m)^flops = .*", "flops = 1e10", spec))
     monkeypatch.setenv(ENV_VAR, str(mine))
     assert rules_dirs() == [mine, REPO / "rules"]
     assert load_table("wide").constraints[0].id == "all-split"
@@ -70,7 +71,7 @@ def test_pyproject_rules_folders_are_read_relative_to_the_pyproject(tmp_path, mo
     monkeypatch.delenv(ENV_VAR, raising=False)
     (tmp_path / "team_rules" / "devices").mkdir(parents=True)
     spec = (REPO / "rules" / "devices" / "cpu-gloo.toml").read_text()
-    (tmp_path / "team_rules" / "devices" / "rack.toml").write_text(spec.replace("latency = 3e-5", "latency = 1e-4"))
+    (tmp_path / "team_rules" / "devices" / "rack.toml").write_text(re.sub(r"(?m)^latency = .*", "latency = 1e-4", spec))
     (tmp_path / "pyproject.toml").write_text('[tool.nnscaler-rewrite]\nrules = ["team_rules"]\ntp = 2\n')
     (tmp_path / "models").mkdir()
     try:

@@ -211,7 +211,7 @@ class _Regions:
 def _split_devices(device: DeviceSpec) -> tuple[DeviceSpec, DeviceSpec]:
     """The device with only its bandwidth terms, and with only its fixed costs."""
     fast = math.inf
-    bandwidth = replace(device, latency=0.0, matmul_overhead=0.0)
+    bandwidth = replace(device, latency=0.0, matmul_overhead=0.0, op_overhead=0.0)
     fixed = replace(device, flops=fast, bandwidth=fast, memory_bandwidth=fast,
                     matmul_rates=tuple((d, fast) for d, _ in device.matmul_rates),
                     optimizer_seconds_per_param=0.0)

@@ -10,6 +10,7 @@ Times are seconds; the search scales them to integer nanoseconds for z3.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -60,6 +61,9 @@ class DeviceSpec:
     memory_bandwidth: float | None = None
     optimizer_seconds_per_param: float | None = None
     precision: str | None = None
+    op_overhead: float = 0.0         # seconds any other op costs beyond its bytes (dispatch: CPU ranks)
+    matmul_half_rows: float = 0.0    # a contraction whose result has r rows (or columns, the fewer) runs at
+                                     # rate / (1 + matmul_half_rows / r): skinny matmuls reuse less
 
     def matmul_rate(self, dtype: str) -> float:
         return dict(self.matmul_rates).get(dtype, self.flops)
@@ -92,6 +96,8 @@ class ClusterSpec:
     memory_bandwidth: float | None = None
     optimizer_seconds_per_param: float | None = None
     precision: str | None = None
+    op_overhead: float = 0.0
+    matmul_half_rows: float = 0.0
 
     def axis(self, stride: int, size: int) -> DeviceSpec:
         """The link an axis of `size` ranks, `stride` apart, talks over: inside a node or not."""
@@ -99,7 +105,8 @@ class ClusterSpec:
         return DeviceSpec(self.name, self.flops, self.memory,
                           self.intra_bandwidth if inside else self.inter_bandwidth, self.latency,
                           self.matmul_rates, self.matmul_overhead, self.memory_bandwidth,
-                          self.optimizer_seconds_per_param, self.precision)
+                          self.optimizer_seconds_per_param, self.precision, self.op_overhead,
+                          self.matmul_half_rows)
 
     def with_precision(self, precision: str | None) -> "ClusterSpec":
         return replace(self, precision=precision)
@@ -170,7 +177,9 @@ def load_cluster(name: str) -> ClusterSpec:
                        number(cluster, "cluster", "latency"), number(cluster, "cluster", "devices", int, required=False),
                        rates, number(device, "device", "matmul_overhead", required=False, zero=True) or 0.0,
                        number(device, "device", "memory_bandwidth", required=False),
-                       number(device, "device", "optimizer_seconds_per_param", required=False, zero=True))
+                       number(device, "device", "optimizer_seconds_per_param", required=False, zero=True),
+                       op_overhead=number(device, "device", "op_overhead", required=False, zero=True) or 0.0,
+                       matmul_half_rows=number(device, "device", "matmul_half_rows", required=False, zero=True) or 0.0)
 
 
 def _short(func: str) -> str:
@@ -226,6 +235,18 @@ def node_flops(node: Node, dims: OpDims | None, trace: Trace) -> float:
         return 2.0 * output * window
     sizes = [trace.tensors[t].nbytes / 4 for t in node.outputs] or [0.0]
     return max(sizes)
+
+
+def contraction_rows(dims: OpDims, trace: Trace) -> float:
+    """The fewer of a contraction's result rows and columns: the elements of its result only
+    its first floating operand carries, or only its second (a linear's tokens and features)."""
+    floating = [t for t in dims.inputs.values() if trace.tensors[t.tid].dtype in _ELEMENT_BYTES]
+    if len(floating) < 2 or not dims.outputs:
+        return math.inf
+    sizes = dims.sizes()
+    kept = set().union(*(t.labels() for t in dims.outputs))
+    a, b = floating[0].labels(), floating[1].labels()
+    return min(_product(sizes[l] for l in (a & kept) - b), _product(sizes[l] for l in (b & kept) - a))
 
 
 def contraction_dtype(node: Node, trace: Trace, precision: str | None) -> str:
@@ -297,7 +318,9 @@ def node_time(node: Node, dims: OpDims | None, trace: Trace, device: DeviceSpec,
     if is_contraction(node, dims, trace):
         dtype = contraction_dtype(node, trace, device.precision)
         rate = device.matmul_rate(dtype)
-        forward = device.matmul_overhead + node_flops(node, dims, trace) / ways / rate
+        rows = contraction_rows(dims, trace) if device.matmul_half_rows else math.inf
+        forward = device.matmul_overhead + node_flops(node, dims, trace) / ways / rate * \
+            (1.0 + device.matmul_half_rows / rows)
         cast = 0.0
         if dtype in _HALF:      # autocast casts float32 operands (weights too) to half, read 4 and write 2 bytes,
             cast = sum(_numel(trace.tensors[t].shape) * 6 for t in node.inputs    # and their gradients back
@@ -307,7 +330,7 @@ def node_time(node: Node, dims: OpDims | None, trace: Trace, device: DeviceSpec,
         return forward * (1.0 + CONTRACTION_BACKWARD) + 2.0 * cast
     sizes = element_bytes(trace, dims_of or (lambda _: None), device.precision if dims_of else None)
     moved = sum(_numel(trace.tensors[t].shape) * sizes[t] for t in {*node.inputs, *node.outputs})
-    forward = moved / ways / device.bytes_per_second
+    forward = device.op_overhead + moved / ways / device.bytes_per_second
     return forward * (1.0 if forward_only else 1.0 + MEMORY_BOUND_BACKWARD)
 
 
