@@ -7,6 +7,7 @@ real tensors to learn how they may be split. Nothing here runs a call.
 from __future__ import annotations
 
 import gc
+import inspect
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -62,13 +63,29 @@ def substitute(value: Any, tensors: dict[int, torch.Tensor]) -> Any:
 _FUNCTIONS: dict[types.CodeType, Callable | None] = {}
 
 
-def function_of(code: types.CodeType) -> Callable | None:
+def function_of(code: types.CodeType, module_globals: dict | None = None) -> Callable | None:
     """The one function object running `code`, or None when there is none or several (closures
     of one code object may differ in what they captured)."""
     if code not in _FUNCTIONS:
-        found = [f for f in gc.get_referrers(code) if isinstance(f, types.FunctionType) and f.__code__ is code]
-        _FUNCTIONS[code] = found[0] if len(found) == 1 else None
+        found = _by_qualified_name(code, module_globals) if module_globals is not None else None
+        if found is None:   # a closure, or renamed: every function object on the heap (slow with a big heap)
+            found = [f for f in gc.get_referrers(code) if isinstance(f, types.FunctionType) and f.__code__ is code]
+            found = found[0] if len(found) == 1 else None
+        _FUNCTIONS[code] = found
     return _FUNCTIONS[code]
+
+
+def _by_qualified_name(code: types.CodeType, module_globals: dict) -> Callable | None:
+    """A module-level function or a class's method, reached by its qualified name from its
+    module: the one function of that code (no closure can have captured anything)."""
+    if code.co_freevars or "<locals>" in code.co_qualname:
+        return None
+    value: Any = module_globals
+    for part in code.co_qualname.split("."):
+        value = value.get(part) if isinstance(value, dict) else inspect.getattr_static(value, part, None)
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+    return value if isinstance(value, types.FunctionType) and value.__code__ is code else None
 
 
 def arguments_at_entry(frame) -> dict[str, Any]:

@@ -457,7 +457,7 @@ class Tracer(TorchFunctionMode):
             self._awaiting[id(module)] = replay
             return replay
         entry = self._entry_args.get(id(callee_frame))
-        fn = function_of(callee_frame.f_code)
+        fn = function_of(callee_frame.f_code, callee_frame.f_globals)
         if entry is None or entry[0] is not callee_frame.f_code or fn is None:
             return None
         call_args, call_kwargs = call_arguments(callee_frame.f_code, entry[1])
