@@ -9,6 +9,9 @@ the cost model, or cut where the user says (--stages). Decides; rewrites nothing
 """
 from __future__ import annotations
 
+import copy
+import functools
+
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -138,6 +141,26 @@ class StagePlan:
         return [s for s in range(self.stages) if self.rank_of(s) == rank]
 
 
+def _once_per_graph(find):
+    """`find(graph)` computed once per graph (plan_stages, cut_blocks, recompute and auto all ask;
+    each answer is a pass over the nodes and the source), its UserError raised again each time.
+    Each caller gets its own copies of the trunks: plan_stages sets per-plan fields on them."""
+    @functools.wraps(find)
+    def cached(graph: Graph):
+        cache = graph.__dict__.setdefault("_pipeline_finds", {})
+        if find.__name__ not in cache:
+            try:
+                cache[find.__name__] = (find(graph), None)
+            except UserError as exc:
+                cache[find.__name__] = (None, exc)
+        found, error = cache[find.__name__]
+        if error is not None:
+            raise error
+        return [copy.copy(t) for t in found] if isinstance(found, list) else copy.copy(found)
+    return cached
+
+
+@_once_per_graph
 def find_trunk(graph: Graph) -> Trunk:
     if not graph.blocks:
         raise _no_blocks(graph)
@@ -203,6 +226,7 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
                  unset=maybe_unset(function, index, handoff))
 
 
+@_once_per_graph
 def find_chain(graph: Graph) -> list[Trunk]:
     """Block lists run one after the other, each by a loop in a method of the module holding it,
     that module called once (an encoder's layers, then a decoder's, both called from the model's
