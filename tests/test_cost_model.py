@@ -272,3 +272,47 @@ def test_the_built_in_cpu_spec_is_the_calibration_scripts_output(monkeypatch):
     device = load_cluster("cpu-gloo").axis(1, 2)
     assert device.op_overhead > 0 and device.matmul_half_rows > 0 and device.matmul_overhead > 0
     assert device.optimizer_seconds_per_param is not None and device.memory_bandwidth is not None
+
+
+ATTENTION = textwrap.dedent("""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(64, 192)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(x).view(b, t, 3, 4, 16).permute(2, 0, 3, 1, 4)
+            return F.scaled_dot_product_attention(q, k, v).sum()
+
+
+    def build():
+        return Attention()
+
+
+    def example_inputs():
+        return (torch.randn(2, TOKENS, 64),)
+""")
+
+
+def test_fused_attention_is_priced_by_the_flops_of_its_two_matmuls(tmp_path):
+    """scaled_dot_product_attention moves b·h·t·d elements per operand but computes b·h·t·t·d
+    twice (scores, then scores x values): its rule counts them (`flops` in rules/ops/torch.toml).
+    Priced by bytes, a long sequence's attention cost next to nothing."""
+    device = load_cluster("h100-node").axis(1, 1)
+    seconds = {}
+    for tokens in (128, 256):
+        path = tmp_path / f"attention_{tokens}.py"
+        path.write_text(ATTENTION.replace("TOKENS", str(tokens)))
+        graph = analyze(path, trace_mode="fake").graph
+        [node] = [n for n in graph.nodes if n.callee.endswith("scaled_dot_product_attention")]
+        dims = graph.dims.get(node.index)
+        assert is_contraction(node, dims, graph.trace)
+        assert node_flops(node, dims, graph.trace) == 2 * 2 * (2 * 4 * tokens * tokens * 16)
+        seconds[tokens] = _time(graph, node, device) - 3 * device.matmul_overhead
+    assert seconds[256] / seconds[128] == pytest.approx(4.0)      # quadratic in the sequence

@@ -62,6 +62,7 @@ class OpDims:
     # operand -> the results it reaches, where known (a cache update hands input i on as result
     # i); an operand missing here may reach every result
     feeds: dict[str, set[int]] = field(default_factory=dict)
+    flops: tuple[tuple[str, ...], ...] = ()     # a fused op's multiply-adds (OpRule.flops)
 
     def sizes(self) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -36,6 +36,9 @@ class OpRule:
     options: dict[str, Any] = field(default_factory=dict)
     impl: dict[str, str] = field(default_factory=dict)       # label -> _comm function splitting it
     partial: dict[str, str] = field(default_factory=dict)    # {"expr": ..., "bias": operand}
+    # a fused op's multiply-adds, as products of its labels ("b g r s t d + b g r s t e": attention's
+    # two matmuls); the cost model prices it as a contraction of 2 FLOPs per multiply-add
+    flops: tuple[tuple[str, ...], ...] = ()
 
     def instantiate(self, call: Call) -> OpDims:
         if self.annotation is not None:
@@ -43,6 +46,7 @@ class OpRule:
         else:
             dims = KINDS[self.kind](call, **self.options)
         dims.impl = dict(self.impl)
+        dims.flops = self.flops
         return dims
 
 
@@ -117,7 +121,8 @@ def load_rules(rules_dir: Path | None = None) -> RuleSet:
                     callees=entry["callee"], location=location,
                     annotation=Annotation.parse(entry["dims"]) if "dims" in entry else None,
                     kind=entry.get("kind"), options=entry.get("options", {}),
-                    impl=entry.get("impl", {}), partial=entry.get("partial", {}))
+                    impl=entry.get("impl", {}), partial=entry.get("partial", {}),
+                    flops=_flops_terms(entry.get("flops", "")))
             except (KeyError, ValueError) as exc:
                 raise UserError(f"bad op rule: {exc}", location,
                                 hint='e.g. dims = "arg0|input: *b k+, self.weight: n k+ -> *b n" '
@@ -233,3 +238,12 @@ def annotate(node: Node, trace: Trace, rules: RuleSet) -> tuple[OpRule | None, O
         return rule, rule.instantiate(call_of(node, trace)), None
     except (DimsError, KeyError, IndexError, TypeError) as exc:
         return rule, None, f"rule {rule.name} does not fit: {exc}"
+
+
+def _flops_terms(text: str) -> tuple[tuple[str, ...], ...]:
+    """`flops = "b g r s t d + b g r s t e"`: per term, the labels whose sizes multiply ("*b": every
+    label the annotation's `*b` binds)."""
+    terms = tuple(tuple(term.split()) for term in text.split("+")) if text.strip() else ()
+    if any(not term for term in terms):
+        raise ValueError(f"flops = {text!r}: each term is labels separated by spaces, terms by +")
+    return terms

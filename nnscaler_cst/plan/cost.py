@@ -210,6 +210,8 @@ def moves_no_bytes(node: Node, trace: Trace) -> bool:
 def is_contraction(node: Node, dims: OpDims | None, trace: Trace) -> bool:
     """A label summed over that two floating operands both carry: FLOP-bound (an embedding's
     vocab is summed over in its dims, but only the table carries it: a gather, memory-bound)."""
+    if dims is not None and _rule_flops(dims) is not None:
+        return True
     if dims is None or not dims.reduced:
         return False
     for label in dims.reduced:
@@ -224,6 +226,9 @@ def node_flops(node: Node, dims: OpDims | None, trace: Trace) -> float:
     """Forward FLOPs of a contraction: 2 · output elements · the products each one sums, which is
     the fewest elements an operand carries beyond the output's dims (a matmul's k; a conv's
     c·kh·kw, from its weight, not the c·h·w of its input); else elements touched."""
+    ruled = _rule_flops(dims) if dims is not None else None
+    if ruled is not None:
+        return ruled
     if dims is not None and dims.reduced:
         sizes = dims.sizes()
         kept = set().union(*(t.labels() for t in dims.outputs)) if dims.outputs else set()
@@ -237,9 +242,33 @@ def node_flops(node: Node, dims: OpDims | None, trace: Trace) -> float:
     return max(sizes)
 
 
+def _rule_flops(dims: OpDims) -> float | None:
+    """2 · the multiply-adds its op rule counts (a fused op: attention), None without such a
+    count or when a label it names is not among the op's (a factor split by refine)."""
+    if not dims.flops:
+        return None
+    sizes = dims.sizes()
+    total = 0.0
+    for term in dims.flops:
+        product = 1.0
+        for label in term:
+            if label.startswith("*"):
+                bound = [s for name, s in sizes.items() if re.fullmatch(rf"{re.escape(label[1:])}\d+", name)]
+                product *= _product(bound)
+            elif label in sizes:
+                product *= sizes[label]
+            else:
+                return None
+        total += product
+    return 2.0 * total
+
+
 def contraction_rows(dims: OpDims, trace: Trace) -> float:
     """The fewer of a contraction's result rows and columns: the elements of its result only
-    its first floating operand carries, or only its second (a linear's tokens and features)."""
+    its first floating operand carries, or only its second (a linear's tokens and features).
+    A fused op (its rule counts its FLOPs) is priced at the rate."""
+    if dims.flops:
+        return math.inf
     floating = [t for t in dims.inputs.values() if trace.tensors[t.tid].dtype in _ELEMENT_BYTES]
     if len(floating) < 2 or not dims.outputs:
         return math.inf
