@@ -316,3 +316,17 @@ def test_fused_attention_is_priced_by_the_flops_of_its_two_matmuls(tmp_path):
         assert node_flops(node, dims, graph.trace) == 2 * 2 * (2 * 4 * tokens * tokens * 16)
         seconds[tokens] = _time(graph, node, device) - 3 * device.matmul_overhead
     assert seconds[256] / seconds[128] == pytest.approx(4.0)      # quadratic in the sequence
+
+
+def test_attention_keeps_its_flops_when_the_search_refines_its_labels():
+    """The search refines a label into factors where a neighbour sees finer structure (plan/
+    refine.py); the rule's FLOPs count follows (it fell back to bytes, and Llama-7B's plans
+    priced attention at nothing)."""
+    from nnscaler_cst.plan.refine import refine_factors
+    graph = analyze(ROOT / "fixtures" / "hf_llama.py").graph
+    [node, *_] = [n for n in graph.nodes if n.callee.endswith("sdpa_attention_forward")]
+    before = node_flops(node, graph.dims[node.index], graph.trace)
+    refine_factors(graph)
+    dims = graph.dims[node.index]
+    assert any("." in label for label in dims.sizes()), "no label was refined: this tests nothing"
+    assert is_contraction(node, dims, graph.trace) and node_flops(node, dims, graph.trace) == before

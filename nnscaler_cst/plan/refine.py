@@ -61,3 +61,5 @@ def _split_label(dims: OpDims, label: str, sizes: list[int]) -> None:
             marks.update(p.label for p in parts)
     if label in dims.impl:
         dims.impl[parts[0].label] = dims.impl.pop(label)
+    dims.flops = tuple(tuple(name for l in term for name in ([p.label for p in parts] if l == label else [l]))
+                       for term in dims.flops)
