@@ -1461,6 +1461,52 @@ def test_a_module_too_large_to_probe_is_not_called_for_real(tmp_path, monkeypatc
     assert graph.module_kept_apart("blocks.0.moe") is None
 
 
+CACHING_LAYER = '''
+import torch
+import torch.nn as nn
+
+
+class Centering(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        if not hasattr(self, "scale"):
+            self.scale = torch.ones(16)          # cached on the first call
+        h = self.proj(x) * self.scale
+        return h - h.mean(0, keepdim=True)       # mixes the samples
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = Centering()
+
+    def forward(self, x):
+        return self.layer(x).pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 16),)
+'''
+
+
+def test_a_module_holding_a_tensor_of_the_fake_trace_is_refused_not_crashed(tmp_path):
+    # T5-3B under transformers 5.24: the whole-module probe called a layer that kept a tensor
+    # made during the fake-tensor trace; its result was fake, and comparing it raised torch's
+    # DataDependentOutputException out of the planner. Such a call cannot be told: refused.
+    analysis = analyze(_write(tmp_path, CACHING_LAYER), trace_mode="fake")
+    assert analysis.trace.mode == "fake"
+    assert analysis.graph.module_kept_apart("layer") is None
+    problem = batch_split_problem(analysis.graph, "data parallel (--dp 2)")
+    assert problem is not None and problem.location.line == _line_of(CACHING_LAYER, "h.mean(0")
+
+
 def test_a_moe_layer_whose_capacity_is_a_share_of_the_whole_batch_mixes_samples(tmp_path):
     text = SORTED_MOE.replace("CAPACITY", "0.1")
     problem = batch_split_problem(analyze(_write(tmp_path, text)).graph, "data parallel (--dp 2)")
