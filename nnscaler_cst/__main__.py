@@ -37,16 +37,17 @@ def main(argv: list[str] | None = None) -> None:
     if not (whole_process and command in IMMEDIATE_EXIT):
         cli_main(argv)
         return
+    code = None
     try:
         cli_main(argv)
-        code = 0
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if not isinstance(exc.code, (int, type(None))):
-            print(exc.code, file=sys.stderr)
+        code = exc.code
+    if code is not None and not isinstance(code, int):      # as Python itself: a message, status 1
+        print(code, file=sys.stderr)
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(code or 0)
 
 
 def _split(args: list[str]) -> tuple[dict[str, str], list[str], list[str]] | None:
