@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -14,11 +15,14 @@ import libcst as cst
 from . import __version__
 from .analysis import Analysis
 from .emit import templates
-from .emit.assemble import add_comm_import, content_hash, merge_entry, model_files, with_header
+from .emit.assemble import (add_comm_import, content_hash, merge_entry, merge_entry_mirrored, model_files,
+                            module_name_of, with_header)
+from .emit.mirrors import library_decorated, plan_mirrors, render_mirror
 from .emit.output import generated_json
 from .emit.programs import programs
 from .emit.rewrite import StageSplit, rewrite_module
 from .errors import Location, UserError, display_path
+from .source.files import resolved
 from .materialize.conversions import fused_collectives
 from .materialize.edits import Edits, data_parallel_edits, one_device_edits, plan_edits
 from .plan.ir import OpAssign, OpOrder, OpTrans, Plan
@@ -322,37 +326,47 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
            stages: StagePlan | None = None, orders: list[list[Action]] | None = None,
            request: PlanRequest | None = None) -> dict[str, str]:
     entry = analysis.entry
-    model_path, entry_path = model_files(analysis.trace.own_files, entry.path)
+    entry_path = entry.path
+    model_paths = model_files(analysis.trace.own_files, entry_path)
     empty = Edits("tp", 1, {}, {}, {}, [])
-    main_source = analysis.sources.get(model_path or entry_path)
     split, chain = None, ()
     if stages is not None and stages.chain:
         chain = tuple({t.function_span: StageSplit(t.function_span, t.loop_index, t.handoff, t.container,
                                                    unset=tuple(t.unset), chained=True)
                        for t in stages.chain}.values())     # T5: one stack class's method loops over both lists
-        files = (str(main_source.path), str(analysis.sources.get(entry_path).path))
-        outside = next((c.function for c in chain if c.function.path not in files), None)
-        if outside is not None:
-            raise UserError("the loop over the blocks is in neither the model's file nor the entry", outside.start,
-                            hint="pipelines cut the file that holds the block loop")
     elif stages is not None:
         trunk = stages.trunk
         split = StageSplit(trunk.function_span, trunk.loop_index, trunk.handoff, trunk.container, trunk.owner is not None,
                            trunk.recycle.loop if trunk.recycle else None,
                            tuple(trunk.recycle.carried) if trunk.recycle else (), tuple(trunk.unset),
                            tuple(trunk.replays))
-        if trunk.function_span.path not in (str(main_source.path), str(analysis.sources.get(entry_path).path)):
-            raise UserError("the loop over the blocks is in neither the model's file nor the entry",
-                            trunk.function_span.start, hint="pipelines cut the file that holds the block loop")
+    loops = [c.function for c in chain] + ([split.function] if split is not None else [])
+    files_read = {str(analysis.sources.get(p).path) for p in [*model_paths, entry_path]}
+    outside = next((span for span in loops if span.path not in files_read), None)
+    if outside is not None:
+        raise UserError("the loop over the blocks is in none of the model's files", outside.start,
+                        hint="pipelines cut the file that holds the block loop")
     recompute = recompute_sites(analysis.graph) if request is not None and request.recompute else ()
-    module, ctx = rewrite_module(main_source, edits or empty, split, analysis.trace.containers, recompute, chain)
-    if model_path is not None:     # the entry's own classes (a model around imported blocks) are rewritten
-        # too; the block loop may be theirs
-        entry_module, entry_ctx = rewrite_module(analysis.sources.get(entry_path), edits or empty, split,
-                                                 analysis.trace.containers, recompute, chain)
-        ctx.used |= entry_ctx.used
-        ctx.needs_torch |= entry_ctx.needs_torch
-        module = merge_entry(module, model_path, entry_module, entry_path, analysis.entry)
+
+    def rewritten(path, in_program=True):
+        return rewrite_module(analysis.sources.get(path), edits or empty, split, analysis.trace.containers,
+                              recompute, chain, in_program)
+
+    mirrored: dict[str, str] = {}
+    if len(model_paths) > 1:        # a model in several files: mirrors, and the entry as the program
+        module, ctx = rewritten(entry_path)
+        module, mirrored = _mirrored(analysis, module, {str(p): rewritten(p, False) for p in model_paths})
+    else:
+        module, ctx = rewritten(model_paths[0] if model_paths else entry_path)
+        if model_paths:     # the entry's own classes (a model around imported blocks) are rewritten too;
+            # the block loop may be theirs
+            name = module_name_of(model_paths[0])
+            if name is not None:
+                module = library_decorated(analysis.sources.get(model_paths[0]).module, module, name)
+            entry_module, entry_ctx = rewritten(entry_path)
+            ctx.used |= entry_ctx.used
+            ctx.needs_torch |= entry_ctx.needs_torch
+            module = merge_entry(module, model_paths[0], entry_module, entry_path, analysis.entry)
     module = add_comm_import(module, ctx.used, ctx.needs_torch)
     body = module.code
     files: dict[str, str] = {}
@@ -366,6 +380,8 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
                 stages, orders, program.pp_rank, table)
         files[program.file] = with_header(
             text, f"from {source_label}; plan {plan.describe()}; {program.describe(plan.world_size)}")
+    for name, text in mirrored.items():
+        files[name] = with_header(text, f"from {source_label}; plan {plan.describe()}; mirrored from the library")
     if orders is not None:
         files["schedule.csv"] = to_csv(orders)
     comm = COMM_SOURCE.read_text()
@@ -404,6 +420,51 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
         if name.endswith(".py"):
             cst.parse_module(text)   # the output must be valid Python; fail before writing
     return files
+
+
+def _mirrored(analysis: Analysis, entry_module: cst.Module,
+              rewritten: dict[str, tuple[cst.Module, object]]) -> tuple[cst.Module, dict[str, str]]:
+    """A model in several files: the mirrors of its files (emit/mirrors.py) by output path, the
+    package files between them, and the entry's code as the program, importing from them."""
+    sources = {resolved(p): (analysis.sources.get(p), module) for p, (module, _) in rewritten.items()}
+    contexts = {resolved(p): ctx for p, (_, ctx) in rewritten.items()}
+    model_classes = {construction.cls for construction in analysis.entry.constructions.values()}
+    traced: dict[str, set[int]] = {}      # lines that ran: traced ops, and the calls that built the modules
+    for node in analysis.trace.nodes:
+        if node.span is not None:
+            traced.setdefault(resolved(node.span.path), set()).add(node.span.line)
+    for construction in analysis.entry.constructions.values():
+        if construction.file is not None:
+            traced.setdefault(resolved(construction.file), set()).add(construction.line)
+    mirrors = plan_mirrors(sources, model_classes, traced)
+    files: dict[str, str] = {}
+    defined: dict[str, tuple[object, str, str]] = {}
+    kept_lines: dict[str, list[tuple[int, int]]] = {}
+    for mirror in mirrors:
+        path = resolved(str(mirror.source.path))
+        ctx = contexts[path]
+        files[mirror.out_name] = render_mirror(mirror, mirrors, ctx.used, ctx.needs_torch)
+        library = sys.modules[mirror.module_name]
+        for index in mirror.members:
+            stmt = mirror.source.module.body[index]
+            where = mirror.source.positions[stmt]
+            kept_lines.setdefault(path, []).append((where.start.line, where.end.line))
+            if isinstance(stmt, (cst.ClassDef, cst.FunctionDef)) and stmt.name.value not in defined:
+                obj = getattr(library, stmt.name.value, None)
+                if obj is not None:
+                    defined[stmt.name.value] = (obj, "." + mirror.out_name[:-3].replace("/", "."), mirror.out_name)
+        folder = Path(mirror.out_name).parent
+        while str(folder) != ".":
+            files.setdefault(f"{folder.as_posix()}/__init__.py",
+                             f'"""The package of the mirrored files below {folder.as_posix()}/ (see model.py)."""\n')
+            folder = folder.parent
+
+    def rewritten_code(construction) -> bool:
+        return construction.file is not None and any(
+            first <= construction.line <= last for first, last in kept_lines.get(resolved(construction.file), ()))
+
+    program = merge_entry_mirrored(entry_module, analysis.entry.path, analysis.entry, defined, rewritten_code)
+    return program, files
 
 
 def _micro_batches(request: PlanRequest) -> int:

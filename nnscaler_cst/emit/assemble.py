@@ -135,6 +135,7 @@ class NameRewritten(cst.CSTTransformer):
         self.loads: dict[str, int] = {}           # module-level name -> uses left in the code
         self.renamed: dict[str, int] = {}         # module-level name -> uses now naming a rewritten object
         self.resolved_calls: dict[tuple[int, int], object] = {}   # (end line, end col) of a call -> its callee
+        self.named: set[str] = set()              # the rewritten names the code now refers to
 
     _MISSING = object()
 
@@ -179,6 +180,7 @@ class NameRewritten(cst.CSTTransformer):
                             hint=f"rename the local variable `{name}` in the entry file")
         root = self._root(original)
         self.renamed[root] = self.renamed.get(root, 0) + 1
+        self.named.add(name)
         if isinstance(updated, cst.Name) and updated.value == name:
             return updated
         return cst.Name(name, lpar=updated.lpar, rpar=updated.rpar)
@@ -247,18 +249,18 @@ def _check_bindings(entry: cst.Module, defined: set[str], namespace: dict,
                 hint=f"rename `{name}` in the entry file (`import ... as Other{name}` for an import)")
 
 
-def _constructed_elsewhere(entry: Entry | None, library: dict[int, tuple[object, str]], model_path: Path,
+def _constructed_elsewhere(entry: Entry | None, library: dict[int, tuple[object, str]], rewritten_code,
                            resolved_calls: dict[tuple[int, int], object]) -> list[tuple[type, str]]:
     """(library class, rewritten name) of each module of the model that build() constructs not by
-    a call of the entry file's that now names the rewritten class: through a factory."""
+    a call of the entry file's that now names the rewritten class, nor by the rewritten code
+    (`rewritten_code(construction)`): through a factory."""
     if entry is None:
         return []
-    model_file = str(Path(model_path).resolve())
     entry_file = str(Path(entry.path).resolve())
     found = {}
     for construction in entry.constructions.values():
         hit = library.get(id(construction.cls))
-        if hit is None or hit[0] is not construction.cls or construction.file == model_file:
+        if hit is None or hit[0] is not construction.cls or rewritten_code(construction):
             continue        # not a library class the file rewrites, or constructed by the rewritten code
         if construction.file == entry_file and resolved_calls.get(
                 (construction.end_line, construction.end_col)) is construction.cls:
@@ -354,7 +356,8 @@ def merge_entry(model: cst.Module, model_path: Path, entry: cst.Module, entry_pa
         naming = NameRewritten(namespace, library, entry_path)
         entry = MetadataWrapper(entry).visit(naming)
         entry = entry.visit(DropImportedNames(defined, naming.unused))
-        factory = _constructed_elsewhere(loaded, library, model_path, naming.resolved_calls)
+        model_file = str(Path(model_path).resolve())
+        factory = _constructed_elsewhere(loaded, library, lambda c: c.file == model_file, naming.resolved_calls)
     else:
         entry = entry.visit(DropImportedNames(defined))
     present = {cst.Module([]).code_for_node(stmt).strip() for stmt in model.body
@@ -373,6 +376,35 @@ def merge_entry(model: cst.Module, model_path: Path, entry: cst.Module, entry_pa
     return model.with_changes(body=[*model.body, *body])
 
 
+def merge_entry_mirrored(entry: cst.Module, entry_path: Path, loaded: Entry,
+                         defined: dict[str, tuple[object, str]], rewritten_code) -> cst.Module:
+    """The entry file's code (build(), example_inputs(), ...) as the program file of a model
+    written out as mirrors: its uses of the library's classes name the rewritten ones, imported
+    from their mirrors. `defined`: rewritten name -> (the library's object, the mirror module
+    that defines it anew, relative to the output package); `rewritten_code(construction)`:
+    whether a module of the model was constructed by code the mirrors hold."""
+    namespace = vars(loaded.module)
+    library = {id(obj): (obj, name) for name, (obj, _, _) in defined.items()}
+    original = entry
+    naming = NameRewritten(namespace, library, entry_path)
+    entry = MetadataWrapper(entry).visit(naming)
+    entry = entry.visit(DropImportedNames(set(defined), naming.unused))
+    factory = _constructed_elsewhere(loaded, library, rewritten_code, naming.resolved_calls)
+    imported = naming.named | {name for _, name in factory}
+    for name in sorted(imported):
+        _check_bindings(original, {name}, namespace, library, Path(defined[name][2]), entry_path)
+    imports: dict[str, list[str]] = {}
+    for name in sorted(imported):
+        imports.setdefault(defined[name][1], []).append(name)
+    lines = [cst.parse_statement(f"from {module} import {', '.join(names)}  # rewritten\n")
+             for module, names in sorted(imports.items())]
+    entry = after_imports(entry, lines)
+    body = list(entry.body)
+    if factory and callable(getattr(loaded.module, "build", None)):
+        body += _factory_section(factory, loaded, entry_path)
+    return entry.with_changes(body=body)
+
+
 def add_comm_import(module: cst.Module, names: set[str], needs_torch: bool) -> cst.Module:
     """`from ._comm import TP, tp_copy` (and `import torch`) after the file's first imports."""
     lines = []
@@ -380,6 +412,12 @@ def add_comm_import(module: cst.Module, names: set[str], needs_torch: bool) -> c
         lines.append(cst.parse_statement("import torch\n"))
     if names:
         lines.append(cst.parse_statement(f"from ._comm import {', '.join(sorted(names))}\n"))
+    return after_imports(module, lines)
+
+
+def after_imports(module: cst.Module, lines: list[cst.BaseStatement]) -> cst.Module:
+    """The module with `lines` placed after its first block of imports (after the docstring
+    when it has none)."""
     if not lines:
         return module
     body = list(module.body)
@@ -413,11 +451,6 @@ def read_header(text: str) -> tuple[str, str] | None:
     return first.rsplit("sha256:", 1)[1].strip(), content_hash(body)
 
 
-def model_files(own_files: list[str], entry_path: Path) -> tuple[Path | None, Path]:
-    """(the package model file, or None when the entry defines the model; the entry file)."""
-    others = sorted({str(Path(p).resolve()) for p in own_files} - {str(entry_path.resolve())})
-    if len(others) > 1:
-        raise UserError("the model's classes come from several files: " +
-                        ", ".join(display_path(p) for p in others),
-                        hint="models spread over several source files are not supported yet")
-    return (Path(others[0]) if others else None), entry_path
+def model_files(own_files: list[str], entry_path: Path) -> list[Path]:
+    """The files of the model's classes other than the entry file, in a fixed order."""
+    return [Path(p) for p in sorted({str(Path(p).resolve()) for p in own_files} - {str(entry_path.resolve())})]

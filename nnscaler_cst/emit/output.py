@@ -48,14 +48,15 @@ def write_output(out_dir: Path, files: dict[str, str], *, force: bool = False,
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         for name, text in result.files.items():
-            (staging / name).write_text(text, encoding="utf-8")
+            _write(staging / name, text)
         for name in result.kept:
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(out_dir / name, staging / name)
-        for folder in folders:               # the user's own folders inside ours stay
-            shutil.copytree(folder, staging / folder.name, symlinks=True)
+        for folder in folders:               # the user's own (empty) folders inside ours stay
+            (staging / folder.relative_to(out_dir)).mkdir(parents=True, exist_ok=True)
         (staging / PRISTINE_DIR).mkdir(parents=True)
         for name, text in result.pristine.items():
-            (staging / PRISTINE_DIR / name).write_text(text, encoding="utf-8")
+            _write(staging / PRISTINE_DIR / name, text)
         if check_cache is not None:
             (staging / CHECK_CACHE).write_text(check_cache, encoding="utf-8")
         if out_dir.exists():
@@ -71,10 +72,17 @@ def write_output(out_dir: Path, files: dict[str, str], *, force: bool = False,
     return result
 
 
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+
+
 def _user_folders(out_dir: Path) -> list[Path]:
+    """Folders below the output folder (their files are handled one by one, as the top's)."""
     if not out_dir.is_dir():
         return []
-    return [p for p in sorted(out_dir.iterdir()) if p.is_dir() and p.name not in (HIDDEN_DIR, "__pycache__")]
+    return [p for p in sorted(out_dir.rglob("*")) if p.is_dir() and p.relative_to(out_dir).parts[0] != HIDDEN_DIR
+            and "__pycache__" not in p.relative_to(out_dir).parts]
 
 
 @dataclass

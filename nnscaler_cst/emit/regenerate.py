@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .assemble import content_hash, read_header
 from .merge import has_unresolved_conflict, merge3
-from .pristine import is_kept_aside, read_pristine
+from .pristine import HIDDEN_DIR, is_kept_aside, read_pristine
 
 GENERATED_JSON_KEY = "generated_by"
 
@@ -112,10 +112,16 @@ def _set_aside(result: Regeneration, on_disk: set[str], name: str, yours: str, n
 
 
 def _plain_files(out_dir: Path) -> set[str]:
-    """Names of the folder's plain files (folders, the hidden one included, are not merged)."""
+    """Paths, relative to the folder, of its plain files, those of folders below it included
+    (mirrored library files live at their package paths), the hidden folder and caches aside."""
     if not out_dir.is_dir():
         return set()
-    return {p.name for p in out_dir.iterdir() if p.is_file()}
+    found = set()
+    for path in out_dir.rglob("*"):
+        relative = path.relative_to(out_dir)
+        if path.is_file() and relative.parts[0] != HIDDEN_DIR and "__pycache__" not in relative.parts:
+            found.add(relative.as_posix())
+    return found
 
 
 def _read(out_dir: Path, name: str) -> str:

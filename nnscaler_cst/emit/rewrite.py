@@ -56,6 +56,7 @@ class Context:
     after: list[cst.SimpleStatementLine] = field(default_factory=list)   # go after the current statement
     assigned: dict[Span, list] = field(default_factory=dict)     # `x[i] = v` target span -> steps for v
     recompute: tuple[Span, ...] = ()                              # the block calls --recompute checkpoints
+    in_program: bool = True         # the file becomes a rank's program (False: a mirror the stages share)
 
     def note(self, span: Span, text: str) -> None:
         fragments = self.notes.setdefault(span, [])
@@ -434,8 +435,9 @@ class SplitStages:
         mark = cst.TrailingWhitespace(whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(
             f"# pipeline: this stage's blocks of {split.container} only"))
         if isinstance(loop, cst.For):
-            offset = "(pp_first_block(STAGE_BLOCKS) if pp_cuts(self) else 0)" if split.owned \
-                else "pp_first_block(STAGE_BLOCKS)"
+            blocks = "STAGE_BLOCKS" if self.ctx.in_program else ""    # a mirror is shared by the stages
+            offset = f"(pp_first_block({blocks}) if pp_cuts(self) else 0)" if split.owned \
+                else f"pp_first_block({blocks})"
             loop = loop.with_changes(iter=self._count_from_first_block(loop.iter, offset, "pp_first_block"),
                                      body=loop.body.with_changes(header=mark))
         elif loop.trailing_whitespace.comment is None:      # `x = self.blocks(x)` on an nn.Sequential
@@ -770,10 +772,11 @@ class FileRewriter(cst.CSTTransformer):
 
 def rewrite_module(source: SourceFile, edits: Edits, split: StageSplit | None = None,
                    containers: dict[Span, list[tuple[str, ...]]] | None = None,
-                   recompute: tuple[Span, ...] = (), chain: tuple[StageSplit, ...] = ()) -> tuple[cst.Module, Context]:
+                   recompute: tuple[Span, ...] = (), chain: tuple[StageSplit, ...] = (),
+                   in_program: bool = True) -> tuple[cst.Module, Context]:
     ctx = Context(edits, split if split is not None and split.function.path == str(source.path) else None,
                   chain=tuple(c for c in chain if c.function.path == str(source.path)),
-                  containers=containers or {}, recompute=recompute)
+                  containers=containers or {}, recompute=recompute, in_program=in_program)
     wrapper = MetadataWrapper(source.module)
     module = wrapper.visit(FileRewriter(source, ctx))
     path = str(source.path)

@@ -71,6 +71,9 @@ def keep_stage(model, stage, module):
         kept = list(blocks)[start:stop]
         setattr(parent, name, torch.nn.Sequential(*kept) if isinstance(blocks, torch.nn.Sequential)
                 else torch.nn.ModuleList(kept))
+    if not isinstance(module.STAGE_BLOCKS[stage], dict):     # mirrored files count blocks from here
+        from ._comm import PIPE
+        PIPE.first_blocks[stage] = module.STAGE_BLOCKS[stage][0]
     if hasattr(module, "PIPELINE_CUT_OWNER"):     # this module's call of the cut function is the one cut
         model.get_submodule(module.PIPELINE_CUT_OWNER).pp_cut_here = True
     returned = {{}}     # chained trunks: what each trunk returned on this stage, handed on with the activations

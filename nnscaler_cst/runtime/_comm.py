@@ -808,6 +808,7 @@ class PipelineState:
         self.cycle: int | None = None
         self.passes = 1
         self.recycled: tuple | None = None
+        self.first_blocks: dict[int, int] = {}     # stage -> index of its first block (build() notes it)
 
 
 PIPE = PipelineState()
@@ -825,9 +826,12 @@ def pp_first_stage() -> bool:
     return PIPE.stage == 0
 
 
-def pp_first_block(stage_blocks: dict) -> int:
+def pp_first_block(stage_blocks: dict | None = None) -> int:
     """The index in the whole model of this stage's first block (STAGE_BLOCKS: per stage of this
-    file, its range of blocks), where the model counts its blocks (`enumerate(self.layers)`)."""
+    file, its range of blocks; a mirrored file, shared by the stages, reads what build() noted),
+    where the model counts its blocks (`enumerate(self.layers)`)."""
+    if stage_blocks is None:
+        return PIPE.first_blocks.get(PIPE.stage, 0)
     blocks = stage_blocks.get(PIPE.stage)
     return blocks[0] if blocks else 0
 
