@@ -217,6 +217,8 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
             source = analysis.sources.get(analysis.entry.path).text
             _print_diff(_unified_diff(source, result.files[name], display_path(analysis.entry.path),
                                       str(out_dir / name)))
+            for mirrored, (original, base) in sorted(result.mirror_bases.items()):   # a model in several files
+                _print_diff(_unified_diff(base, result.files[mirrored], original, str(out_dir / mirrored)))
             return
         if check:       # clean hand edits are not staleness: compared after merging them
             stale = staleness(out_dir, result.files)

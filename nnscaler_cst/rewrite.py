@@ -55,6 +55,8 @@ class Rewrite:
     files: dict[str, str]
     stages: StagePlan | None = None
     orders: list[list[Action]] | None = None
+    # mirrored file -> (its source file, the same definitions before the rewrite): what --diff shows
+    mirror_bases: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
 
 
 @dataclass
@@ -324,7 +326,9 @@ def _schedule_comment(orders: list[list[Action]], table: str, micro: int) -> str
 
 def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: str,
            stages: StagePlan | None = None, orders: list[list[Action]] | None = None,
-           request: PlanRequest | None = None) -> dict[str, str]:
+           request: PlanRequest | None = None, mirror_bases: dict[str, tuple[str, str]] | None = None
+           ) -> dict[str, str]:
+    """The output's files by path. A model in several files also fills `mirror_bases`."""
     entry = analysis.entry
     entry_path = entry.path
     model_paths = model_files(analysis.trace.own_files, entry_path)
@@ -355,7 +359,9 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
     mirrored: dict[str, str] = {}
     if len(model_paths) > 1:        # a model in several files: mirrors, and the entry as the program
         module, ctx = rewritten(entry_path)
-        module, mirrored = _mirrored(analysis, module, {str(p): rewritten(p, False) for p in model_paths})
+        module, mirrored, bases = _mirrored(analysis, module, {str(p): rewritten(p, False) for p in model_paths})
+        if mirror_bases is not None:
+            mirror_bases.update(bases)
     else:
         module, ctx = rewritten(model_paths[0] if model_paths else entry_path)
         if model_paths:     # the entry's own classes (a model around imported blocks) are rewritten too;
@@ -381,7 +387,7 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
         files[program.file] = with_header(
             text, f"from {source_label}; plan {plan.describe()}; {program.describe(plan.world_size)}")
     for name, text in mirrored.items():
-        files[name] = with_header(text, f"from {source_label}; plan {plan.describe()}; mirrored from the library")
+        files[name] = with_header(text, f"from {source_label}; plan {plan.describe()}; mirror of {name}")
     if orders is not None:
         files["schedule.csv"] = to_csv(orders)
     comm = COMM_SOURCE.read_text()
@@ -423,9 +429,11 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
 
 
 def _mirrored(analysis: Analysis, entry_module: cst.Module,
-              rewritten: dict[str, tuple[cst.Module, object]]) -> tuple[cst.Module, dict[str, str]]:
-    """A model in several files: the mirrors of its files (emit/mirrors.py) by output path, the
-    package files between them, and the entry's code as the program, importing from them."""
+              rewritten: dict[str, tuple[cst.Module, object]]
+              ) -> tuple[cst.Module, dict[str, str], dict[str, tuple[str, str]]]:
+    """A model in several files: the entry's code as the program, importing from the mirrors; the
+    mirrors of its files (emit/mirrors.py) and the package files between them, by output path;
+    and per mirror, its source file and the same definitions before the rewrite (for --diff)."""
     sources = {resolved(p): (analysis.sources.get(p), module) for p, (module, _) in rewritten.items()}
     contexts = {resolved(p): ctx for p, (_, ctx) in rewritten.items()}
     model_classes = {construction.cls for construction in analysis.entry.constructions.values()}
@@ -438,12 +446,15 @@ def _mirrored(analysis: Analysis, entry_module: cst.Module,
             traced.setdefault(resolved(construction.file), set()).add(construction.line)
     mirrors = plan_mirrors(sources, model_classes, traced)
     files: dict[str, str] = {}
+    bases: dict[str, tuple[str, str]] = {}
     defined: dict[str, tuple[object, str, str]] = {}
     kept_lines: dict[str, list[tuple[int, int]]] = {}
     for mirror in mirrors:
         path = resolved(str(mirror.source.path))
         ctx = contexts[path]
         files[mirror.out_name] = render_mirror(mirror, mirrors, ctx.used, ctx.needs_torch)
+        bases[mirror.out_name] = (display_path(mirror.source.path), render_mirror(mirror, mirrors, set(), False,
+                                                                                  original=True))
         library = sys.modules[mirror.module_name]
         for index in mirror.members:
             stmt = mirror.source.module.body[index]
@@ -464,7 +475,7 @@ def _mirrored(analysis: Analysis, entry_module: cst.Module,
             first <= construction.line <= last for first, last in kept_lines.get(resolved(construction.file), ()))
 
     program = merge_entry_mirrored(entry_module, analysis.entry.path, analysis.entry, defined, rewritten_code)
-    return program, files
+    return program, files, bases
 
 
 def _micro_batches(request: PlanRequest) -> int:
@@ -551,7 +562,8 @@ def rewrite(analysis: Analysis, request: PlanRequest, every_size_read: bool = Fa
     if edits is not None:
         plan.warnings += edits.warnings
     label = display_path(analysis.entry.path)
-    files = render(analysis, plan, edits, label, stages, orders, request)
+    mirror_bases: dict[str, tuple[str, str]] = {}
+    files = render(analysis, plan, edits, label, stages, orders, request, mirror_bases)
     try:
         plan.warnings += dry_run(analysis, files).warnings    # ladder step 2: the emitted code runs, unwritten
     except UserError as error:
@@ -566,7 +578,7 @@ def rewrite(analysis: Analysis, request: PlanRequest, every_size_read: bool = Fa
         if every_size_read or choices is None or not splits_a_read_size(analysis.graph, choices.node_choice):
             raise
         return rewrite(analysis, request, every_size_read=True, whole_params=whole_params, replan=replan)
-    return Rewrite(plan, tp_plan, edits, files, stages, orders)
+    return Rewrite(plan, tp_plan, edits, files, stages, orders, mirror_bases)
 
 
 MAX_REPLANS = 4   # plans solved again, each keeping whole what the last one's failure named

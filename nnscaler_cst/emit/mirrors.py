@@ -215,9 +215,11 @@ def plan_mirrors(rewritten: dict[str, tuple[SourceFile, cst.Module]], model_clas
     return [m for m in mirrors.values() if m.members]
 
 
-def render_mirror(mirror: Mirror, mirrors: list[Mirror], comm_names: set[str], needs_torch: bool) -> str:
+def render_mirror(mirror: Mirror, mirrors: list[Mirror], comm_names: set[str], needs_torch: bool,
+                  original: bool = False) -> str:
     """The mirror's text: a note, its imports (from the installed module, from other mirrors,
-    from `_comm`), then its kept statements in their order in the source."""
+    from `_comm`), then its kept statements in their order in the source; with `original`, as
+    they are in the source (the base --diff compares the mirror with)."""
     namespace = vars(sys.modules[mirror.module_name])
     by_key = {(resolved(str(m.source.path)), _statement_name(m.source.module.body[i])[0]): m
               for m in mirrors for i in m.members if _statement_name(m.source.module.body[i])}
@@ -252,9 +254,10 @@ def render_mirror(mirror: Mirror, mirrors: list[Mirror], comm_names: set[str], n
         lines.append(_import_line(module, names))
     if comm_names:
         lines.append(_import_line(f"{'.' * mirror.depth}_comm", sorted(comm_names)))
-    body = [mirror.rewritten.body[i] for i in mirror.members]
+    module = mirror.source.module if original else mirror.rewritten
+    body = [module.body[i] for i in mirror.members]
     body[0] = body[0].with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()])
-    return "\n".join(lines) + "\n" + mirror.rewritten.with_changes(body=body, header=[], footer=[]).code
+    return "\n".join(lines) + "\n" + module.with_changes(body=body, header=[], footer=[]).code
 
 
 def _import_line(module: str, names: list[str]) -> str:

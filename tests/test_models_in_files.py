@@ -1,0 +1,233 @@
+"""Spec: a model whose classes live in several files of a package is written out as mirrors.
+
+The package here has four files, as a library or a user's own package would: a registry
+(`registry.py`, whose decorator refuses a second entry under one name), an attention class
+(`attention.py`), blocks that build it through a default argument (`blocks.py`) and the model
+with its registered builder (`model.py`, the block loop counting its blocks with enumerate).
+The entry file builds the model through the registry. What must hold:
+
+- each file whose definitions the plan changes gets a mirror at its package-relative path in
+  the output, holding only the changed definitions and those that build or call them; the rest
+  is imported from the installed package; the program file imports the rewritten classes;
+- the registry's decorator never runs again (the package imports once, with its entries);
+- `--diff` shows every mirrored file against the same definitions before the rewrite, and
+  `--check` reads the mirrors; a hand edit in a mirror survives a regeneration;
+- the output verifies against the single-device model on gloo (slow).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+TIMEOUT_S = 600
+
+PACKAGE = {
+    "__init__.py": """
+        from .registry import create
+        from . import model  # noqa: F401 - registers the builders
+    """,
+    "registry.py": """
+        _BUILDERS = {}
+
+
+        def register(name):
+            def add(builder):
+                if name in _BUILDERS:
+                    raise ValueError(f"a builder is already registered under {name!r}")
+                _BUILDERS[name] = builder
+                return builder
+            return add
+
+
+        def create(name, **kwargs):
+            return _BUILDERS[name](**kwargs)
+    """,
+    "attention.py": """
+        import torch.nn as nn
+        import torch.nn.functional as F
+
+
+        class Attention(nn.Module):
+            def __init__(self, dim, heads):
+                super().__init__()
+                self.heads = heads
+                self.qkv = nn.Linear(dim, 3 * dim)
+                self.proj = nn.Linear(dim, dim)
+
+            def forward(self, x):
+                B, T, C = x.shape
+                q, k, v = self.qkv(x).split(C, dim=2)
+                q = q.view(B, T, self.heads, C // self.heads).transpose(1, 2)
+                k = k.view(B, T, self.heads, C // self.heads).transpose(1, 2)
+                v = v.view(B, T, self.heads, C // self.heads).transpose(1, 2)
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+        def unused_helper(x):
+            return x
+    """,
+    "blocks.py": """
+        import torch.nn as nn
+
+        from .attention import Attention
+
+
+        class Mlp(nn.Module):
+            def __init__(self, dim, hidden):
+                super().__init__()
+                self.fc1 = nn.Linear(dim, hidden)
+                self.fc2 = nn.Linear(hidden, dim)
+
+            def forward(self, x):
+                return self.fc2(nn.functional.gelu(self.fc1(x)))
+
+
+        class Block(nn.Module):
+            def __init__(self, dim, heads, attn_layer=Attention):
+                super().__init__()
+                self.ln1 = nn.LayerNorm(dim)
+                self.attn = attn_layer(dim, heads)
+                self.ln2 = nn.LayerNorm(dim)
+                self.mlp = Mlp(dim, 4 * dim)
+
+            def forward(self, x, scale):
+                x = x + scale * self.attn(self.ln1(x))
+                return x + self.mlp(self.ln2(x))
+    """,
+    "model.py": """
+        import torch.nn as nn
+        import torch.nn.functional as F
+
+        from .blocks import Block
+        from .registry import register
+
+        SCALES = (1.0, 0.5, 0.25, 0.125)
+
+
+        class TinyNet(nn.Module):
+            def __init__(self, vocab=64, dim=32, heads=4, layers=4):
+                super().__init__()
+                self.embed = nn.Embedding(vocab, dim)
+                self.blocks = nn.ModuleList([Block(dim, heads) for _ in range(layers)])
+                self.norm = nn.LayerNorm(dim)
+                self.head = nn.Linear(dim, vocab, bias=False)
+
+            def forward(self, idx, targets):
+                x = self.embed(idx)
+                for i, block in enumerate(self.blocks):
+                    x = block(x, SCALES[i])
+                logits = self.head(self.norm(x))
+                return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+        @register("tiny")
+        def tiny(**kwargs):
+            return TinyNet(**kwargs)
+    """,
+}
+
+ENTRY = """
+    import torch
+    import tinypkg
+
+
+    def build():
+        torch.manual_seed(0)
+        return tinypkg.create("tiny")
+
+
+    def example_inputs():
+        g = torch.Generator().manual_seed(1)
+        return torch.randint(0, 64, (4, 8), generator=g), torch.randint(0, 64, (4, 8), generator=g)
+"""
+
+
+def cli(*args, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    (tmp_path / "tinypkg").mkdir()
+    for name, text in PACKAGE.items():
+        (tmp_path / "tinypkg" / name).write_text(textwrap.dedent(text).lstrip("\n"))
+    (tmp_path / "entry.py").write_text(textwrap.dedent(ENTRY).lstrip("\n"))
+    return tmp_path
+
+
+def generated(folder: Path) -> set[str]:
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*.py")
+            if ".nnscaler" not in p.parts and "__pycache__" not in p.parts}
+
+
+def test_tensor_parallel_writes_a_mirror_per_changed_file(project):
+    result = cli("entry.py", "--tp", "2", "-o", "out", cwd=project)
+    assert result.returncode == 0, result.stderr
+    out = project / "out"
+    assert generated(out) == {"__init__.py", "_comm.py", "model.py", "train.py", "tinypkg/__init__.py",
+                              "tinypkg/attention.py", "tinypkg/blocks.py", "tinypkg/model.py"}
+    attention = (out / "tinypkg/attention.py").read_text()
+    assert "self.qkv = nn.Linear(dim, 3 * dim // 2)" in attention
+    assert "unused_helper" not in attention                       # unchanged: the installed one serves
+    assert "from tinypkg.attention import F, nn" in attention
+    blocks = (out / "tinypkg/blocks.py").read_text()
+    assert "from .attention import Attention" in blocks          # the default argument names the mirror's
+    model = (out / "tinypkg/model.py").read_text()
+    assert "class TinyNet" in model and "def tiny" not in model  # the registered builder is not defined again
+    assert "from tinypkg.model import F, SCALES, nn" in model
+    assert "from ..registry" not in model and "register" not in model
+    program = (out / "model.py").read_text()
+    assert "from .tinypkg.model import TinyNet  # rewritten" in program
+    # built through the registry: the library class builds the rewritten one while build() runs
+    assert "from tinypkg.model import TinyNet as _library_TinyNet" in program
+
+
+def test_data_parallel_alone_mirrors_nothing(project):
+    result = cli("entry.py", "--dp", "2", "-o", "out", cwd=project)
+    assert result.returncode == 0, result.stderr
+    assert generated(project / "out") == {"__init__.py", "_comm.py", "model.py", "train.py"}
+
+
+def test_diff_shows_each_mirror_against_its_source_definitions(project):
+    result = cli("entry.py", "--tp", "2", "-o", "out", "--diff", "0", cwd=project)
+    assert result.returncode == 0, result.stderr
+    diff = result.stdout
+    for name in ("attention", "blocks", "model"):
+        assert f"--- tinypkg/{name}.py" in diff and f"+++ out/tinypkg/{name}.py" in diff
+    assert "\n-        self.qkv = nn.Linear(dim, 3 * dim)\n" in diff
+    assert "\n+        self.qkv = nn.Linear(dim, 3 * dim // 2)" in diff
+    assert "-    def forward" not in diff          # only what the plan changed differs
+
+
+def test_check_and_hand_edits_cover_the_mirrors(project):
+    assert cli("entry.py", "--tp", "2", "-o", "out", cwd=project).returncode == 0
+    mirror = project / "out" / "tinypkg" / "attention.py"
+    assert cli("entry.py", "--tp", "2", "-o", "out", "--check", cwd=project).returncode == 0
+    edited = mirror.read_text().replace("        self.heads = heads\n",
+                                        "        self.heads = heads  # reviewed\n")
+    mirror.write_text(edited)
+    assert cli("entry.py", "--tp", "2", "-o", "out", "--check", cwd=project).returncode == 0   # a clean edit
+    (project / "tinypkg" / "attention.py").write_text(
+        (project / "tinypkg" / "attention.py").read_text().replace("F.scaled_dot_product_attention(q, k, v, ",
+                                                                   "F.scaled_dot_product_attention(q, k, v, scale=0.5, "))
+    stale = cli("entry.py", "--tp", "2", "-o", "out", "--check", cwd=project)
+    assert stale.returncode == 1 and "out/tinypkg/attention.py" in stale.stdout + stale.stderr
+    assert cli("entry.py", "--tp", "2", "-o", "out", cwd=project).returncode == 0
+    text = mirror.read_text()
+    assert "# reviewed" in text and "scale=0.5" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [("--tp", "2"), ("--pp", "2", "--micro-batches", "2")], ids=["tp2", "pp2"])
+def test_the_mirrored_output_verifies(project, mode):
+    result = cli("verify", "entry.py", *mode, "-o", "out", cwd=project)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASSED" in result.stdout
