@@ -26,8 +26,10 @@ def analyze(model_file: str | Path, *, model_class: str | None = None, trace_mod
     rules = rules or load_rules()
     sources = SourceSet()
     entry = load_entry(model_file, sources, model_class)
-    trace = trace_model(entry, sources, library_modules=rules.library_modules, mode=trace_mode)
+    trace = trace_model(entry, sources, library_modules=rules.library_modules, mode=trace_mode,
+                        traced_modules=rules.traced_modules)
     graph = build_graph(trace, rules, sources)
     graph.retrace = lambda slices: trace_model(entry, sources, library_modules=rules.library_modules, mode=trace.mode,
+                                               traced_modules=rules.traced_modules,
                                                batch_slices=slices)
     return Analysis(entry, sources, trace, graph, rules)

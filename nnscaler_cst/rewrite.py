@@ -357,7 +357,8 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
                               recompute, chain, in_program)
 
     mirrored: dict[str, str] = {}
-    if len(model_paths) > 1:        # a model in several files: mirrors, and the entry as the program
+    traced_library = any(module_name_of(p) in analysis.rules.traced_modules for p in model_paths)
+    if len(model_paths) > 1 or traced_library:  # a model in several files: mirrors, the entry as the program
         module, ctx = rewritten(entry_path)
         module, mirrored, bases = _mirrored(analysis, module, {str(p): rewritten(p, False) for p in model_paths})
         if mirror_bases is not None:

@@ -35,6 +35,7 @@ from ..errors import UserError, display_path
 from ..source.files import SourceFile, resolved
 
 _DEFS = (cst.ClassDef, cst.FunctionDef)
+_PACKAGE_GLOBALS = ("torch", "importlib")     # modules the output's __init__.py imports
 
 
 @dataclass
@@ -48,8 +49,12 @@ class Mirror:
 
     @property
     def out_name(self) -> str:
-        """The path in the output folder: the module's dotted name as folders."""
+        """The path in the output folder: the module's dotted name as folders. The output's
+        package module imports torch and importlib: a mirror package of that name would become
+        the package's attribute, in their place (`_torch/nn/modules/transformer.py`)."""
         parts = self.module_name.split(".")
+        if parts[0] in _PACKAGE_GLOBALS:
+            parts[0] = f"_{parts[0]}"
         if Path(self.source.path).name == "__init__.py":
             parts.append("__init__")
         return "/".join(parts) + ".py"

@@ -64,6 +64,9 @@ class RuleSet:
     ops: dict[str, OpRule]
     ctors: dict[str, CtorRule]
     library_modules: tuple[str, ...]
+    # modules of torch or a library whose code is traced line by line and mirrored as the model's
+    # own (torch.nn's transformer layers: split as the layers they are, their block loops pipelined)
+    traced_modules: tuple[str, ...] = ()
 
     def rule_for(self, callee: str) -> OpRule | None:
         return self.ops.get(callee)
@@ -104,6 +107,7 @@ def load_rules(rules_dir: Path | None = None) -> RuleSet:
     ops: dict[str, OpRule] = {}
     ctors: dict[str, CtorRule] = {}
     library: list[str] = []
+    traced: list[str] = []
     folders = [rules_dir] if rules_dir is not None else rules_dirs()[::-1]
     for path in [p for folder in folders for p in sorted((folder / "ops").glob("*.toml"))]:
         text = path.read_text()
@@ -113,6 +117,7 @@ def load_rules(rules_dir: Path | None = None) -> RuleSet:
         except tomllib.TOMLDecodeError as exc:
             raise toml_error(exc, path, text) from None
         library += data.get("library", {}).get("modules", [])
+        traced += data.get("library", {}).get("traced", [])
         for entry in data.get("op", []):
             location = Location(shown, _line_of(text, entry["callee"][0]))
             try:
@@ -136,7 +141,7 @@ def load_rules(rules_dir: Path | None = None) -> RuleSet:
             location = Location(shown, _line_of(text, entry["type"]))
             params = {k: [a.split("|") for a in v] for k, v in entry.items() if k != "type"}
             ctors[entry["type"]] = CtorRule(entry["type"], params, location)
-    return RuleSet(ops, ctors, tuple(library))
+    return RuleSet(ops, ctors, tuple(library), tuple(traced))
 
 
 def _class_named(qualified: str) -> type | None:

@@ -13,6 +13,7 @@ and `verify` runs it on real tensors. It must not rewrite anything.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import os
@@ -72,12 +73,25 @@ class _CtorRecorder:
             stacks[id(param)] = stack
             return param
 
-        self._original = original
+        def recording_deepcopy(value, memo=None, _nil=[]):     # noqa: B006 - copy.deepcopy's own signature
+            memo = {} if memo is None else memo
+            copied = deepcopy(value, memo, _nil)
+            for original_id, copy_ in list(memo.items()):
+                # a copy of a recorded parameter (nn.TransformerEncoder clones its layer) was
+                # created where the original was, and is built at its size
+                if isinstance(copy_, torch.nn.Parameter) and original_id in stacks and id(copy_) not in stacks:
+                    stacks[id(copy_)] = stacks[original_id]
+            return copied
+
+        self._original, deepcopy = original, copy.deepcopy
+        self._deepcopy = deepcopy
         torch.nn.Parameter.__new__ = staticmethod(recording_new)
+        copy.deepcopy = recording_deepcopy
         return self
 
     def __exit__(self, *exc):
         torch.nn.Parameter.__new__ = self._original
+        copy.deepcopy = self._deepcopy
         return False
 
 
@@ -153,11 +167,12 @@ def _position(frame) -> tuple | None:
 
 class Tracer(TorchFunctionMode):
     def __init__(self, sources: SourceSet, entry: Entry, library_modules: tuple[str, ...] = (),
-                 leaf_types: frozenset = frozenset()):
+                 leaf_types: frozenset = frozenset(), traced_modules: tuple[str, ...] = ()):
         super().__init__()
         self.sources = sources
         self.entry = entry
         self.library_modules = tuple(library_modules)
+        self.traced_modules = frozenset(traced_modules)    # torch's or a library's, traced as the model's own
         # Layer classes of the model's files called as one op at each call site (see role_layers)
         self.leaf_types = frozenset(leaf_types)
         self._leaf_ids: set[int] = set()      # id() of their instances in the model being traced
@@ -687,7 +702,8 @@ class Tracer(TorchFunctionMode):
         for name, module in model.named_modules():
             self._module_names[id(module)] = name
             mod_name = type(module).__module__
-            if mod_name.startswith("torch.") or mod_name.startswith(self.library_modules):
+            if (mod_name.startswith("torch.") or mod_name.startswith(self.library_modules)) \
+                    and mod_name not in self.traced_modules:
                 continue
             path = sys.modules[mod_name].__dict__.get("__file__") if mod_name in sys.modules else None
             if path and path.endswith(".py"):
@@ -793,15 +809,16 @@ def quiet_fake_mode():
 
 
 def trace_model(entry: Entry, sources: SourceSet, *, library_modules=(), mode: str = "auto",
-                batch_slices: int = 1) -> Trace:
+                batch_slices: int = 1, traced_modules=()) -> Trace:
     """Trace under fake tensors; fall back to real CPU tensors when fake mode cannot run.
     When the trace finds layer classes called from several places (Tracer._role_layers), the
     model is traced again with each of their calls one op."""
     def run(how: str) -> Trace:
-        tracer = Tracer(sources, entry, library_modules)
+        tracer = Tracer(sources, entry, library_modules, traced_modules=traced_modules)
         trace = tracer.run(how, batch_slices)
         if tracer.role_layers:
-            return Tracer(sources, entry, library_modules, tracer.role_layers).run(how, batch_slices)
+            return Tracer(sources, entry, library_modules, tracer.role_layers,
+                          traced_modules=traced_modules).run(how, batch_slices)
         return trace
 
     if mode in ("auto", "fake"):
