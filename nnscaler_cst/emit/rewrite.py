@@ -440,6 +440,10 @@ class SplitStages:
                 else f"pp_first_block({blocks})"
             loop = loop.with_changes(iter=self._count_from_first_block(loop.iter, offset, "pp_first_block"),
                                      body=loop.body.with_changes(header=mark))
+        elif isinstance(loop, cst.If):      # branches, each running the blocks in its own way
+            loop = loop.with_changes(leading_lines=[*loop.leading_lines, cst.EmptyLine(
+                indent=True, comment=cst.Comment(f"# pipeline: each branch runs this stage's blocks of "
+                                                 f"{split.container} only"))])
         elif loop.trailing_whitespace.comment is None:      # `x = self.blocks(x)` on an nn.Sequential
             loop = loop.with_changes(trailing_whitespace=mark)
         given = ", ".join([*handed, *(["pp_replays(self)"] if calls else [])])

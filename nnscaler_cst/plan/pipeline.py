@@ -216,14 +216,45 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
                         hint="pipelining cuts the loop over the blocks (or the nn.Sequential call) into stages")
     body = list(function.body.body)
     if loop not in body:
-        raise UserError("the loop over the blocks must be a statement of the function's body, not nested",
-                        source.span_of(loop).start)
+        loop = _branches_over_blocks(source, loop, body, container)
     index = body.index(loop)
     function_span = source.span_of(function)
     handoff = handoff_variables(function, index)
     return Trunk(container, blocks, function, function_span, index, handoff,
                  _shared_loop_owner(graph, blocks, function, function_span, span),
                  unset=maybe_unset(function, index, handoff))
+
+
+def _branches_over_blocks(source, loop: cst.CSTNode, body: list, container: str) -> cst.If:
+    """The `if` statement of the function's body whose branches each run the blocks in one way,
+    the traced `loop` among them (timm: `for blk in self.blocks: ...` with a mask, else
+    `checkpoint_seq(self.blocks, x)`, else `x = self.blocks(x)`): each stage holds only its
+    blocks, so every branch runs this stage's. Refused when a branch does anything else, or
+    counts the blocks (`enumerate`), which a stage would count from 0."""
+    statement = loop
+    while statement is not None and statement not in body:
+        statement = source.parents.get(statement)
+    attr = container.rpartition(".")[2]
+
+    def branches(node):
+        while isinstance(node, cst.If):
+            yield node.body
+            node = node.orelse
+        if isinstance(node, cst.Else):
+            yield node.body
+
+    def runs_blocks(block) -> bool:
+        text = cst.Module([]).code_for_node(block.body[0]) if len(block.body) == 1 else ""
+        return f"self.{attr}" in text and "enumerate(" not in text
+
+    wrong = next((block for block in branches(statement) if not runs_blocks(block)), None) \
+        if isinstance(statement, cst.If) else loop
+    if wrong is not None:
+        raise UserError("the loop over the blocks must be a statement of the function's body, not nested",
+                        source.span_of(wrong.body[0] if isinstance(wrong, cst.IndentedBlock) else wrong).start,
+                        hint=f"pipelining cuts a loop over self.{attr} in the function's body, or an `if` whose "
+                             f"branches each run self.{attr} in one statement")
+    return statement
 
 
 @_once_per_graph
@@ -660,8 +691,9 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
         if any(a in live for alias in info.aliases for a in _ancestors(alias)):
             plan.shared.append(sorted(info.aliases))    # every stage holds it: summed over all of them
             continue
-        holders = {s for inside in map(_ancestors, info.aliases) for s in range(plan.stages)
-                   if not any(a in not_held[s] for a in inside)}
+        # a parameter of the model itself (ViT's cls_token) is dropped with the module "" that owns it
+        holders = {s for inside in ((*_ancestors(a), *([""] if "." not in a else [])) for a in info.aliases)
+                   for s in range(plan.stages) if not any(a in not_held[s] for a in inside)}
         if len(holders) > 1:
             plan.tied.append(sorted(info.aliases))
             ranks = sorted({plan.rank_of(s) for s in holders})

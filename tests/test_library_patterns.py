@@ -1,0 +1,175 @@
+"""Spec: patterns of models from libraries other than transformers, each on a model written here.
+
+- torch.nn's own transformer layers: `nn.TransformerEncoderLayer`'s feed-forward is split like
+  any block's (column then row), in a mirror of torch's file (`_torch/nn/modules/transformer.py`),
+  and `nn.TransformerEncoder`'s loop over its cloned layers is cut into pipeline stages.
+- timm's ViT style: the blocks run in one branch of an `if` whose other branches run them
+  another way (`checkpoint_seq(self.blocks, x)`, a loop with a mask), and the model holds
+  parameters of its own (`cls_token`, `pos_embed`) that only the first stage reads.
+Quick tests read the plan and the written code; the gloo runs are slow.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+TIMEOUT_S = 600
+
+TORCH_ENCODER = """
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+
+    class TinyEncoder(nn.Module):
+        def __init__(self, vocab=64, d_model=32, nhead=4, layers=2):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, d_model)
+            layer = nn.TransformerEncoderLayer(d_model, nhead, dim_feedforward=64, dropout=0.0, batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+            self.head = nn.Linear(d_model, vocab)
+
+        def forward(self, idx, targets):
+            logits = self.head(self.encoder(self.embed(idx)))
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+    def build():
+        torch.manual_seed(0)
+        return TinyEncoder()
+
+
+    def example_inputs():
+        g = torch.Generator().manual_seed(1)
+        return torch.randint(0, 64, (4, 8), generator=g), torch.randint(0, 64, (4, 8), generator=g)
+"""
+
+BRANCHED_VIT = """
+    import torch
+    import torch.nn as nn
+
+
+    def run_in_checkpoints(blocks, x):
+        return torch.utils.checkpoint.checkpoint_sequential(blocks, len(blocks), x, use_reentrant=False)
+
+
+    class Block(nn.Module):
+        def __init__(self, dim):
+            super().__init__()
+            self.norm = nn.LayerNorm(dim)
+            self.fc1 = nn.Linear(dim, 2 * dim)
+            self.fc2 = nn.Linear(2 * dim, dim)
+
+        def forward(self, x, scale=1.0):
+            return x + scale * self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+
+    class TinyViT(nn.Module):
+        def __init__(self, dim=16, depth=4, patch=4, classes=10):
+            super().__init__()
+            self.patch_embed = nn.Conv2d(3, dim, patch, patch)
+            self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+            self.pos_embed = nn.Parameter(torch.randn(1, 17, dim) * 0.02)
+            self.blocks = nn.Sequential(*[Block(dim) for _ in range(depth)])
+            self.norm = nn.LayerNorm(dim)
+            self.head = nn.Linear(dim, classes)
+            self.grad_checkpointing = False
+
+        def forward_features(self, x, scale=None):
+            x = self.patch_embed(x).flatten(2).transpose(1, 2)
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+            if scale is not None:
+                for blk in self.blocks:
+                    x = blk(x, scale)
+            elif self.grad_checkpointing:
+                x = run_in_checkpoints(self.blocks, x)
+            else:
+                x = self.blocks(x)
+            return self.norm(x)
+
+        def forward(self, x):
+            return self.head(self.forward_features(x)[:, 0])
+
+
+    def build():
+        torch.manual_seed(0)
+        return TinyViT()
+
+
+    def example_inputs():
+        return (torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1)),)
+
+
+    def loss(output):
+        return output.pow(2).mean()
+"""
+
+
+def cli(*args, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def written(tmp_path: Path, text: str) -> Path:
+    (tmp_path / "model.py").write_text(textwrap.dedent(text).lstrip("\n"))
+    return tmp_path
+
+
+def test_torch_encoder_layers_split_their_feed_forward(tmp_path):
+    root = written(tmp_path, TORCH_ENCODER)
+    result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    params = json.loads((root / "out" / "plan.json").read_text())["params"]
+    for layer in (0, 1):
+        assert params[f"encoder.layers.{layer}.linear1.weight"]["tp"] == "S(0)"
+        assert params[f"encoder.layers.{layer}.linear2.weight"]["tp"] == "S(1)"
+    mirror = (root / "out" / "_torch" / "nn" / "modules" / "transformer.py").read_text()
+    assert "self.linear1 = Linear(d_model, dim_feedforward // 2, bias=bias, **factory_kwargs)" in mirror
+    assert "tp_reduce(" in mirror and "class TransformerDecoderLayer" not in mirror
+    assert "from ._torch.nn.modules.transformer import TransformerEncoderLayer" in (root / "out" / "model.py").read_text()
+
+
+def test_torch_encoder_loop_is_cut_into_stages(tmp_path):
+    root = written(tmp_path, TORCH_ENCODER)
+    result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    mirror = (root / "out" / "_torch" / "nn" / "modules" / "transformer.py").read_text()
+    assert "class TransformerEncoder(Module)" in mirror and "pp_handoff(" in mirror
+    assert 'PIPELINE_BLOCKS = "encoder.layers"' in (root / "out" / "model_stage0.py").read_text()
+
+
+def test_blocks_run_in_branches_and_model_parameters_stay_on_the_first_stage(tmp_path):
+    root = written(tmp_path, BRANCHED_VIT)
+    result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    first, last = ((root / "out" / f"model_stage{s}.py").read_text() for s in (0, 1))
+    assert "# pipeline: each branch runs this stage's blocks of blocks only" in first
+    assert "TIED_PARAMETERS = []" in first and "TIED_PARAMETERS = []" in last   # cls_token: stage 0 only
+
+
+def test_a_branch_that_counts_the_blocks_is_refused(tmp_path):
+    root = written(tmp_path, BRANCHED_VIT.replace("for blk in self.blocks:", "for i, blk in enumerate(self.blocks):"))
+    result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
+    assert result.returncode == 2
+    line = (root / "model.py").read_text().splitlines().index("            for i, blk in enumerate(self.blocks):") + 1
+    assert f"model.py:{line}:13: error:" in result.stderr and "not nested" in result.stderr
+    assert not (root / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,mode", [(TORCH_ENCODER, ("--tp", "2")),
+                                        (TORCH_ENCODER, ("--pp", "2", "--micro-batches", "2")),
+                                        (BRANCHED_VIT, ("--pp", "2", "--micro-batches", "2"))],
+                         ids=["torch-encoder-tp2", "torch-encoder-pp2", "branched-vit-pp2"])
+def test_verifies(tmp_path, model, mode):
+    root = written(tmp_path, model)
+    result = cli("verify", "model.py", *mode, "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASSED" in result.stdout
