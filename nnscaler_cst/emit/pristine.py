@@ -15,11 +15,14 @@ CHECK_CACHE = f"{HIDDEN_DIR}/check.json"
 
 
 def read_pristine(out_dir: Path) -> dict[str, str] | None:
-    """The last generation by file name, or None for a folder written before copies were kept."""
+    """The last generation by each file's path inside the output (`model.py`,
+    `timm/layers/attention.py`), or None for a folder written before copies were kept: what
+    the tool wrote there, whatever else the folder holds."""
     folder = Path(out_dir) / PRISTINE_DIR
     if not folder.is_dir():
         return None
-    return {p.name: p.read_text(encoding="utf-8") for p in sorted(folder.iterdir()) if p.is_file()}
+    return {p.relative_to(folder).as_posix(): p.read_text(encoding="utf-8")
+            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def is_kept_aside(name: str) -> bool:
