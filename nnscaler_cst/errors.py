@@ -52,6 +52,19 @@ def display_path(path: str | Path) -> str:
         return str(path)
 
 
+def package_path(path: str | Path) -> str:
+    """display_path, but a file of an installed package by its path inside the package folder
+    (`transformers/models/llama/modeling_llama.py`): what a table at 80 columns can show."""
+    shown = display_path(path)
+    if not Path(shown).is_absolute():
+        return shown
+    import sys
+    resolved = Path(shown)
+    roots = [Path(p).resolve() for p in sys.path if p]
+    below = [r for r in roots if r in resolved.parents]
+    return str(resolved.relative_to(max(below, key=lambda r: len(r.parts)))) if below else shown
+
+
 def toml_error(exc: Exception, path: str | Path, text: str) -> UserError:
     """A TOMLDecodeError as a UserError at the line and column tomllib names (Python 3.11's
     tomllib puts them in the message only: `... (at line 6, column 3)`)."""

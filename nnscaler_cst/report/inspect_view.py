@@ -5,7 +5,7 @@ from typing import Any
 
 from rich.table import Table
 
-from ..errors import display_path
+from ..errors import display_path, package_path
 from ..graph.graph import Graph, Site
 
 
@@ -66,7 +66,7 @@ def inspect_table(graph: Graph) -> tuple[Table, str]:
         module = record["module_path"] + (f" ×{record['instances']}" if record["instances"] > 1 else "")
         annotation = record["annotation"] or f"[red]{record['problem']}[/red]"
         callee = site.callee.replace("torch.nn.functional.", "F.") + (f" {record['layer']}" if record["layer"] else "")
-        table.add_row(record["location"], module, callee,
+        table.add_row(f"{package_path(site.span.path)}:{site.span.line}:{site.span.col + 1}", module, callee,
                       f"{ins} → {outs}", annotation, " ".join(record["splittable"]))
     summary = graph.summary()
     ops = max(summary["compute_ops"], 1)

@@ -8,6 +8,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from ..errors import package_path
 from ..graph.graph import Graph
 from ..plan.choices import site_keys
 from ..plan.ir import Plan
@@ -102,21 +103,27 @@ def _devices_text(pieces: list[list[int]]) -> str:
     return " | ".join(shown + ([f".. ({len(pieces)} pieces)"] if len(pieces) > 4 else []))
 
 
+def _callee(name: str) -> str:
+    return name.replace("torch.nn.functional.", "F.")
+
+
 def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.1f} GiB"
 
 
 def plan_table(graph: Graph, plan: Plan, tp_plan: AxisPlan | None, binding: list[dict] | None) -> Group:
     ops = Table(header_style="bold", title=f"plan {plan.describe()}")
+    shown = [(site, row) for site, row in zip(graph.sites.values(), plan_rows(graph, plan, tp_plan))
+             if not (row["tp"] == REPLICATE and row["dp"] == "-")]
+    # the site is what one greps for: whole, package-relative; a callee is cut no shorter than its last name
     ops.add_column("site", no_wrap=True)
-    for column in ("callee", "tp split", "n", "output", "tp devices", "dp"):
+    ops.add_column("callee", overflow="fold", min_width=max((len(_callee(r["callee"]).rsplit(".", 1)[-1])
+                                                             for _, r in shown), default=6))
+    for column in ("tp split", "n", "output", "tp devices", "dp"):
         ops.add_column(column, overflow="fold")
-    for row in plan_rows(graph, plan, tp_plan):
-        if row["tp"] == REPLICATE and row["dp"] == "-":
-            continue
-        ops.add_row(row["site"], row["callee"].replace("torch.nn.functional.", "F."), row["tp"], str(row["n"]),
-                    " ".join(row["output_layout"]), _devices_text(row["devices"]),
-                    row["dp"])
+    for site, row in shown:
+        ops.add_row(f"{package_path(site.span.path)}:{site.span.line}", _callee(row["callee"]), row["tp"],
+                    str(row["n"]), " ".join(row["output_layout"]), _devices_text(row["devices"]), row["dp"])
     devices = Table(header_style="bold", title="per device (cost model)")
     for column in ("rank", "coords", "est. step (ms)", "est. memory (MB)"):
         devices.add_column(column, justify="right")
@@ -141,10 +148,11 @@ def plan_table(graph: Graph, plan: Plan, tp_plan: AxisPlan | None, binding: list
         table = Table(header_style="bold", title="constraints (binding: dropping it lowers the cost)")
         table.add_column("constraint", overflow="fold")
         table.add_column("where", no_wrap=True)
-        for column in ("sites narrowed", "binding", "cost without it (ms)"):
+        for column in ("sites narrowed", "binding", "cost with it (ms)", "cost without it (ms)"):
             table.add_column(column, overflow="fold")
         for item in binding:
             table.add_row(item["id"], item["location"], str(item["sites"]), "yes" if item["binding"] else "no",
+                          f"{item['seconds_with'] * 1e3:.3f}",
                           "-" if item["seconds_without"] is None else f"{item['seconds_without'] * 1e3:.3f}")
         parts.append(table)
     parts.append(Text(f"replicated sites not shown; {len(graph.sites)} sites in all"))
