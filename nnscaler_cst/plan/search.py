@@ -592,9 +592,13 @@ def _left_whole_warning(graph: Graph, options, sid: SiteId, n: int) -> str:
     named = []
     for name, tid in graph.param_operands(index):
         tensor = graph.trace.tensors[tid]
-        labels = {f.label for factors in dims.inputs[name].dims for f in factors} if dims and name in dims.inputs else set()
-        reasons = sorted({opts.why[label] for label in labels if label in opts.why})
-        named.append(f"{tensor.param} ({' x '.join(map(str, tensor.shape))})" + (f": {'; '.join(reasons)}" if reasons else ""))
+        on_weight = dims.inputs[name].dims if dims and name in dims.inputs else []
+        labels = {f.label for factors in on_weight for f in factors}
+        # a factor of size 1 splits under no --tp: nothing to act on
+        reasons = sorted({opts.why[label] for label in labels
+                          if label in opts.why and "of size 1 " not in opts.why[label]})
+        sizes = " x ".join(map(str, tensor.shape))
+        named.append(f"{tensor.param} ({sizes})" + (f": {'; '.join(reasons)}" if reasons else ""))
     others = f" (so do its {len(opts.nodes) - 1} more calls from this line)" if len(opts.nodes) > 1 else ""
     return (f"{where}: warning: {sid[1]} keeps its weights whole on every tensor-parallel rank, "
             f"no split of them works {n} ways: " + ", ".join(named or sorted(set(opts.why.values()))) + others)

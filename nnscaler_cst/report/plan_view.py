@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rich import box
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
@@ -104,7 +105,7 @@ def _devices_text(pieces: list[list[int]]) -> str:
 
 
 def _callee(name: str) -> str:
-    return name.replace("torch.nn.functional.", "F.")
+    return name.replace("torch.nn.functional.", "F.").replace("torch.nn.", "nn.")
 
 
 def _gib(nbytes: float) -> str:
@@ -112,18 +113,26 @@ def _gib(nbytes: float) -> str:
 
 
 def plan_table(graph: Graph, plan: Plan, tp_plan: AxisPlan | None, binding: list[dict] | None) -> Group:
-    ops = Table(header_style="bold", title=f"plan {plan.describe()}")
     shown = [(site, row) for site, row in zip(graph.sites.values(), plan_rows(graph, plan, tp_plan))
              if not (row["tp"] == REPLICATE and row["dp"] == "-")]
-    # the site is what one greps for: whole, package-relative; a callee is cut no shorter than its last name
-    ops.add_column("site", no_wrap=True)
-    ops.add_column("callee", overflow="fold", min_width=max((len(_callee(r["callee"]).rsplit(".", 1)[-1])
-                                                             for _, r in shown), default=6))
-    for column in ("tp split", "n", "output", "tp devices", "dp"):
-        ops.add_column(column, overflow="fold")
+    by_file: dict[str, list] = {}
     for site, row in shown:
-        ops.add_row(f"{package_path(site.span.path)}:{site.span.line}", _callee(row["callee"]), row["tp"],
-                    str(row["n"]), " ".join(row["output_layout"]), _devices_text(row["devices"]), row["dp"])
+        by_file.setdefault(package_path(site.span.path), []).append((site, row))
+    # one table per source file, titled by its package-relative path, so that the rows fit 80
+    # columns; a callee is never cut shorter than its whole name
+    widest = max((len(_callee(row["callee"])) for _, row in shown), default=6)
+    parts: list = [Text(f"plan {plan.describe()}", style="bold")]
+    for path, rows in by_file.items():
+        ops = Table(header_style="bold", title=path, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                    collapse_padding=True)
+        ops.add_column("line", no_wrap=True)
+        ops.add_column("callee", overflow="fold", min_width=min(widest, 32))
+        for column in ("tp split", "n", "output", "tp devices", "dp"):
+            ops.add_column(column, overflow="fold", no_wrap=column in ("n", "dp"))
+        for site, row in rows:
+            ops.add_row(f"{site.span.line}:{site.span.col + 1}", _callee(row["callee"]), row["tp"], str(row["n"]),
+                        " ".join(row["output_layout"]), _devices_text(row["devices"]), row["dp"])
+        parts.append(ops)
     devices = Table(header_style="bold", title="per device (cost model)")
     for column in ("rank", "coords", "est. step (ms)", "est. memory (MB)"):
         devices.add_column(column, justify="right")
@@ -141,7 +150,7 @@ def plan_table(graph: Graph, plan: Plan, tp_plan: AxisPlan | None, binding: list
         devices.add_row(str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}",
                         coords if len(ranks) == 1 else f"{coords} (all)", f"{plan.estimated_step_seconds * 1e3:.3f}",
                         f"{memory / 1e6:.2f}" if memory is not None else "-")
-    parts = [ops, devices]
+    parts.append(devices)
     if plan.auto is not None:
         parts += [Text(line) for line in search_lines(plan)]
     if binding is not None:
