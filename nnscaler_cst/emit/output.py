@@ -4,7 +4,9 @@ hidden `.nnscaler/` (the pristine generation and the check cache).
 Everything is rendered in memory first; emit/regenerate.py decides what each file becomes
 (hand edits merged into the new generation); then the folder is written to a temporary folder
 and swapped into place, so a failure leaves the old output untouched. Files the tool did not
-write are never overwritten silently.
+write are never overwritten silently, and a folder that holds an input of the rewrite (which
+the swap would replace) is refused. Generated files may sit in folders of the output
+(`timm/layers/attention.py`); what the tool wrote is what `.nnscaler/pristine/` records.
 """
 from __future__ import annotations
 
