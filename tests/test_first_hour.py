@@ -142,13 +142,12 @@ def test_1_an_output_folder_holding_an_input_or_foreign_files_is_refused_with_or
     model = project(tmp_path)
     (tmp_path / "dot3" / "helper.py").write_text("SCALE = 2\n")
     original = model.read_text()
-    for out in ("dot3", ".", str(tmp_path / "dot3")):
-        for force in ([], ["--force"]):
-            run = cli(["dot3/model.py", "--tp", "2", "-o", out, *force], tmp_path)
-            assert run.returncode == 2, run.stderr
-            assert "Traceback" not in run.stderr
-            [line] = error_lines(run.stderr)
-            assert "dot3/model.py" in line and "input" in line, line
+    for out, force in (("dot3", []), (".", ["--force"]), (str(tmp_path / "dot3"), ["--force"])):
+        run = cli(["dot3/model.py", "--tp", "2", "-o", out, *force], tmp_path)
+        assert run.returncode == 2, run.stderr
+        assert "Traceback" not in run.stderr
+        [line] = error_lines(run.stderr)
+        assert "dot3/model.py" in line and "input" in line, line
     assert model.read_text() == original and sorted(p.name for p in (tmp_path / "dot3").iterdir()) == \
         ["helper.py", "model.py"]
     # an import of the model lives in the folder: refused once the trace has read it
