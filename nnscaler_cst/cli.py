@@ -123,7 +123,7 @@ def inspect(model_file: Path = typer.Argument(..., help="model or entry file"),
         if trace_mode not in ("auto", "fake", "real"):
             raise UserError(f"--trace-mode {trace_mode}: unknown mode", hint="--trace-mode auto | fake | real")
         project_defaults(model_file)        # checked, and its rules folders read
-        with _step(f"tracing {model_file} and probing its ops"):
+        with _step(f"tracing {model_file}"):
             analysis = analyze(model_file, model_class=options["model"], trace_mode=trace_mode)
         if json_out:
             print(json.dumps(inspect_json(analysis.graph), indent=1))
@@ -175,9 +175,9 @@ def _rewrite(model_file: Path, opts: dict):
     from .checkcache import recording
     from .rewrite import rewrite as do_rewrite
     with recording() as opened:
-        with _step(f"tracing {model_file} and probing its ops"):
+        with _step(f"tracing {model_file}"):
             analysis = analyze(model_file, model_class=opts["model"])
-        with _step("searching the plan, rewriting, and a dry run of the output"):
+        with _step("searching the plan and rewriting"):
             result = do_rewrite(analysis, _request(opts))
     _print_warnings(result.plan.warnings)
     return analysis, result, opened
@@ -416,7 +416,7 @@ def _plan_command(model_file: Path, options: dict, json_out: bool, explain: bool
     def body():
         opts = _options(model_file, **options)
         request = _request(opts)
-        with _step(f"tracing {model_file} and probing its ops"):
+        with _step(f"tracing {model_file}"):
             analysis = analyze(model_file, model_class=opts["model"])
         with _step("searching the plan"):
             solved, tp_plan = build_plan(analysis, request)
@@ -482,7 +482,7 @@ def schedule(model_file: Path = typer.Argument(..., help="model or entry file"),
         check_options(options)
         pp, micro_batches, stages, name = (options[k] for k in ("pp", "micro_batches", "stages", "schedule"))
         table = load_schedule(name)
-        with _step(f"tracing {model_file} and probing its ops"):
+        with _step(f"tracing {model_file}"):
             analysis = analyze(model_file, model_class=options["model"])
         cuts = [int(x) for x in stages.split(",")] if stages else None
         place = placement(table, pp)
