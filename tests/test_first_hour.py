@@ -286,6 +286,9 @@ def test_6_tables_fit_80_columns_with_package_relative_sites_and_json_errors(tmp
     assert sorted(row[1] for row in rows) == ["F.gelu", "F.scaled_dot_product_attention", "Tensor.sum",
                                               "nn.Linear", "nn.Linear"]
     assert all(row[-1] == "batch" for row in rows), run.stdout
+    run = cli(["inspect", "model.py"], tmp_path / "app", env={"COLUMNS": "80", "path": [str(site)]})
+    assert run.returncode == 0 and max(map(len, run.stdout.splitlines())) <= 80, run.stdout
+    assert "F.scaled_dot_product_attention" in run.stdout and str(site) not in run.stdout
     run = cli(["plan", "model.py", "--tp", "0", "--json"], tmp_path / "app", env={"path": [str(site)]})
     assert run.returncode == 2
     assert json.loads(run.stdout)["error"] == "--tp 0: must be at least 1"
