@@ -61,7 +61,7 @@ def shared_options(*scopes: str, **own):
 
 def _help(option) -> str:
     """An option's help with its built-in default (the typer default is None: "not given")."""
-    shown = option.default not in (None, False) and "default" not in option.help
+    shown = option.default is not None and option.default is not False and "default" not in option.help
     return option.help + (f" [default: {option.default}]" if shown else "")
 
 
@@ -351,10 +351,11 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
 def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
            options: dict = None,
            steps: int = typer.Option(3, "--steps", help="AdamW steps"),
-           lr: float = typer.Option(1e-3, "--lr"),
+           lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate"),
            timeout: float = typer.Option(300.0, "--timeout", help="seconds before a hung run is ended"),
            json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
-           force: bool = typer.Option(False, "--force"),
+           force: bool = typer.Option(False, "--force", help="as the rewrite's --force, when verify rewrites "
+                                      "first"),
            verbose: bool = VerboseOpt):
     """Run the output on N gloo processes against the single-device model; exit 1 if they differ."""
     _state["verbose"], _state["json"] = verbose, json_out
