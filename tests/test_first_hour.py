@@ -167,6 +167,30 @@ def test_1_an_output_folder_holding_an_input_or_foreign_files_is_refused_with_or
     assert (tmp_path / "mine" / "train.py").read_text() == "print('mine')\n"
 
 
+def test_1_generated_files_in_folders_are_the_tools_by_its_record_and_the_users_files_stay(tmp_path):
+    """A rewritten library class goes to a mirror of its source file (`timm/layers/x.py`): what
+    the tool wrote is what .nnscaler/ records, at any depth; the user's files beside them stay."""
+    from nnscaler_cst.emit.assemble import with_header
+    from nnscaler_cst.emit.output import write_output
+    from nnscaler_cst.errors import UserError
+    out = tmp_path / "out"
+    generation = {"model.py": with_header("x = 1\n", "m"), "timm/__init__.py": with_header("", "m"),
+                  "timm/layers/attention.py": with_header("y = 2\n", "m")}
+    write_output(out, generation)
+    (out / "timm" / "NOTES.md").write_text("mine\n")
+    write_output(out, {**generation, "timm/layers/attention.py": with_header("y = 3\n", "m")})
+    assert (out / "timm" / "layers" / "attention.py").read_text().endswith("y = 3\n")
+    assert (out / "timm" / "NOTES.md").read_text() == "mine\n"
+    write_output(out, {"model.py": generation["model.py"]})          # no longer generated: removed
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if ".nnscaler" not in p.parts) == \
+        ["model.py", "timm", "timm/NOTES.md"]
+    theirs = tmp_path / "theirs"            # no record: nested files of someone else are named
+    (theirs / "pkg").mkdir(parents=True)
+    (theirs / "pkg" / "util.py").write_text("z = 0\n")
+    with pytest.raises(UserError, match=r"did not write: pkg/"):
+        write_output(theirs, generation)
+
+
 # 2 ------------------------------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..errors import UserError, display_path
 from .assemble import content_hash
-from .pristine import CHECK_CACHE, HIDDEN_DIR, PRISTINE_DIR
+from .pristine import CHECK_CACHE, HIDDEN_DIR, PRISTINE_DIR, read_pristine
 from .regenerate import Regeneration, regenerate
 
 
@@ -53,8 +53,10 @@ def write_output(out_dir: Path, files: dict[str, str], *, force: bool = False,
         for name in result.kept:
             (staging / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(out_dir / name, staging / name, follow_symlinks=False)
-        for folder in _user_folders(out_dir):       # empty ones too: the user's folders stay
-            (staging / folder).mkdir(parents=True, exist_ok=True)
+        ours = {parent.as_posix() for name in read_pristine(out_dir) or {} for parent in Path(name).parents}
+        for folder in _user_folders(out_dir):       # the user's own folders stay, empty ones too
+            if folder not in ours:
+                (staging / folder).mkdir(parents=True, exist_ok=True)
         for name, text in result.pristine.items():
             _write_text(staging / PRISTINE_DIR / name, text)
         if check_cache is not None:
