@@ -4,9 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import display_path
 from .graph.graph import Graph, build_graph
 from .graph.oprules import RuleSet, load_rules
 from .source.entry import Entry, load_entry
+from .report.progress import say
 from .source.files import SourceSet
 from .trace.records import Trace
 from .trace.tracer import trace_model
@@ -28,6 +30,7 @@ def analyze(model_file: str | Path, *, model_class: str | None = None, trace_mod
     entry = load_entry(model_file, sources, model_class)
     trace = trace_model(entry, sources, library_modules=rules.library_modules, mode=trace_mode,
                         traced_modules=rules.traced_modules)
+    say(f"probing the ops of {display_path(model_file)} for their split rules")
     graph = build_graph(trace, rules, sources)
     graph.retrace = lambda slices: trace_model(entry, sources, library_modules=rules.library_modules, mode=trace.mode,
                                                traced_modules=rules.traced_modules,

@@ -79,10 +79,34 @@ def effective_options(given: dict, project: dict) -> dict[str, str]:
 def record(model_file: Path, options: dict[str, str], opened: set[str], generated: dict[str, str],
            out_dir: Path) -> str:
     """The text of check.json for a generation made with `options` that read `opened`."""
+    out_dir = Path(out_dir).resolve()
+    files, toml_dirs = {display_path(model_file): _hash_file(Path(model_file))}, set()
+    local, site_tops = local_sources(opened)
+    for path in local:
+        if _is_below(path, out_dir):
+            continue                         # our output
+        files[display_path(path)] = _hash_file(path)
+        if path.suffix == ".toml" and path.name != "pyproject.toml":
+            toml_dirs.add(path.parent)
+    inputs = {
+        **_fixed_inputs(model_file, options),
+        "files": files,
+        "toml_listings": {display_path(d): _toml_names(d) for d in sorted(toml_dirs)},
+        "dists": _dist_versions_at_record(site_tops),
+    }
+    cache = {"format": CACHE_FORMAT, "inputs": inputs,
+             "outputs": {name: _hash_text(text) for name, text in sorted(generated.items())}}
+    return json.dumps(cache, indent=1, sort_keys=True) + "\n"
+
+
+def local_sources(opened: set[str]) -> tuple[list[Path], set[str]]:
+    """(the files read outside the Python installation, the tool and the OS: the model and
+    entry files, local modules, rules tables; the top-level names of the installed packages
+    read), from the paths `recording()` collected."""
     sites = _site_dirs()
     library = sorted({*sites, *_stdlib_dirs()}, key=lambda p: -len(p.parts))     # innermost first
-    out_dir, builtin_rules = Path(out_dir).resolve(), _builtin_rules_dir().resolve()
-    files, toml_dirs, site_tops = {display_path(model_file): _hash_file(Path(model_file))}, set(), set()
+    builtin_rules = _builtin_rules_dir().resolve()
+    local, site_tops = [], set()
     for raw in sorted(opened):
         path = Path(raw)
         if not path.is_absolute():
@@ -97,21 +121,21 @@ def record(model_file: Path, options: dict[str, str], opened: set[str], generate
             if root in sites:
                 site_tops.add(path.relative_to(root).parts[0].split(".")[0])
             continue
-        if any(_is_below(path, d) for d in (PACKAGE_DIR, builtin_rules, out_dir)) \
+        if any(_is_below(path, d) for d in (PACKAGE_DIR, builtin_rules)) \
                 or str(path).startswith(("/proc/", "/sys/", "/dev/")):
-            continue                         # the tool's own (fingerprinted), our output, the OS
-        files[display_path(path)] = _hash_file(path)
-        if path.suffix == ".toml" and path.name != "pyproject.toml":
-            toml_dirs.add(path.parent)
-    inputs = {
-        **_fixed_inputs(model_file, options),
-        "files": files,
-        "toml_listings": {display_path(d): _toml_names(d) for d in sorted(toml_dirs)},
-        "dists": _dist_versions_at_record(site_tops),
-    }
-    cache = {"format": CACHE_FORMAT, "inputs": inputs,
-             "outputs": {name: _hash_text(text) for name, text in sorted(generated.items())}}
-    return json.dumps(cache, indent=1, sort_keys=True) + "\n"
+            continue                         # the tool's own (fingerprinted), the OS
+        local.append(path)
+    return local, site_tops
+
+
+def recorded_options(out_dir: Path) -> dict[str, str] | None:
+    """The options the output was last written with (as effective_options gives them), or None
+    when it holds no readable record (not written by the tool, or before records were kept)."""
+    try:
+        options = json.loads((Path(out_dir) / CHECK_CACHE).read_text(encoding="utf-8"))["inputs"]["options"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return options if isinstance(options, dict) else None
 
 
 def is_current(model_file: Path, options: dict[str, str], out_dir: Path) -> bool:
@@ -141,7 +165,8 @@ def _output_intact(out_dir: Path, outputs: dict[str, str]) -> bool:
     """The pristine copy is the recorded generation; every generated file is there and no
     hand-edited one holds unresolved conflict markers."""
     pristine_dir = out_dir / PRISTINE_DIR
-    if sorted(p.name for p in pristine_dir.iterdir() if p.is_file()) != sorted(outputs):
+    if sorted(p.relative_to(pristine_dir).as_posix() for p in pristine_dir.rglob("*") if p.is_file()) \
+            != sorted(outputs):
         return False
     for name, digest in outputs.items():
         base = (pristine_dir / name).read_text(encoding="utf-8")

@@ -5,6 +5,7 @@ Wiring only: each command calls into the pipeline and prints; user errors exit 2
 """
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect as pyinspect
 import json
@@ -20,14 +21,14 @@ from rich.console import Console
 from .errors import UserError
 from .options import DEFAULTS, OPTIONS
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Rewrite a single-device PyTorch model into explicit per-rank parallel source.")
+# Plain help (click's): flags show as flags, not `<bool>`, and it reads at any width.
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None)
 # Piped output (a file, a pager, CI logs) gets wide tables rather than rich's 80-column default.
 console = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
 err_console = Console(stderr=True)
 SUBCOMMANDS = {"rewrite", "inspect", "verify", "plan", "explain", "schedule"}
 
-_state = {"verbose": False}
+_state = {"verbose": False, "json": False}
 
 VerboseOpt = typer.Option(False, "--verbose", "-v", help="show tracebacks of errors")
 
@@ -42,7 +43,8 @@ def shared_options(*scopes: str, **own):
     def decorate(fn):
         signature = pyinspect.signature(fn, eval_str=True)
         shared = [pyinspect.Parameter(o.key, pyinspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Optional[o.type],
-                                      default=own[o.key] if o.key in own else typer.Option(None, *o.flags, help=o.help))
+                                      default=own[o.key] if o.key in own else typer.Option(None, *o.flags,
+                                                                                         help=_help(o)))
                   for o in chosen]
         params = [q for p in signature.parameters.values() for q in (shared if p.name == "options" else [p])]
 
@@ -57,9 +59,32 @@ def shared_options(*scopes: str, **own):
     return decorate
 
 
+def _help(option) -> str:
+    """An option's help with its built-in default (the typer default is None: "not given")."""
+    shown = option.default is not None and option.default is not False and "default" not in option.help
+    return option.help + (f" [default: {option.default}]" if shown else "")
+
+
+def _version(value: bool):
+    if value:
+        from . import __version__
+        print(f"nnscaler-rewrite {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _commands():
-    """Rewrite a single-device PyTorch model into explicit per-rank parallel source."""
+def _commands(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                           help="print the version and exit")):
+    """Rewrite a single-device PyTorch model into explicit per-rank parallel source.
+
+    \b
+      nnscaler-rewrite model.py [options]
+          rewrite model.py into the output folder (-o, default: parallel/)
+      nnscaler-rewrite COMMAND model.py [options]
+          COMMAND: inspect, plan, explain, verify or schedule
+      nnscaler-rewrite COMMAND --help
+          that command's options
+    """
 
 
 def _run(fn):
@@ -71,7 +96,14 @@ def _run(fn):
             traceback.print_exc()
         # soft_wrap: never break a message into lines; editors parse `path:line:col: error:`
         err_console.print(exc.format(), markup=False, highlight=False, soft_wrap=True)
+        if _state["json"]:
+            _print_json_error(exc.message, str(exc.location) if exc.location else None, exc.hint)
         raise typer.Exit(exc.exit_code)
+
+
+def _print_json_error(message: str, location: str | None = None, hint: str | None = None) -> None:
+    """--json's one object when the command refuses: the error in place of the result."""
+    print(json.dumps({"error": message, "location": location, "hint": hint}, indent=1))
 
 
 @app.command()
@@ -82,7 +114,7 @@ def inspect(model_file: Path = typer.Argument(..., help="model or entry file"),
             trace_mode: str = typer.Option("auto", "--trace-mode", help="auto | fake | real"),
             verbose: bool = VerboseOpt):
     """Show every call site: source position, module, callee, shapes, split annotation."""
-    _state["verbose"] = verbose
+    _state["verbose"], _state["json"] = verbose, json_out
     from .analysis import analyze
     from .report.inspect_view import inspect_json, inspect_table
 
@@ -91,7 +123,8 @@ def inspect(model_file: Path = typer.Argument(..., help="model or entry file"),
         if trace_mode not in ("auto", "fake", "real"):
             raise UserError(f"--trace-mode {trace_mode}: unknown mode", hint="--trace-mode auto | fake | real")
         project_defaults(model_file)        # checked, and its rules folders read
-        analysis = analyze(model_file, model_class=options["model"], trace_mode=trace_mode)
+        with _step(f"tracing {model_file}"):
+            analysis = analyze(model_file, model_class=options["model"], trace_mode=trace_mode)
         if json_out:
             print(json.dumps(inspect_json(analysis.graph), indent=1))
             return
@@ -131,14 +164,21 @@ def _memory_budget(text) -> float | None:
                         "--memory-budget 24GiB (also MiB, GB, TB)") from None
 
 
+def _step(text: str):
+    from .report.progress import step
+    return step(err_console, text)
+
+
 def _rewrite(model_file: Path, opts: dict):
     """(analysis, rewrite, the files read while making it: what --check's cache depends on)."""
     from .analysis import analyze
     from .checkcache import recording
     from .rewrite import rewrite as do_rewrite
     with recording() as opened:
-        analysis = analyze(model_file, model_class=opts["model"])
-        result = do_rewrite(analysis, _request(opts))
+        with _step(f"tracing {model_file}"):
+            analysis = analyze(model_file, model_class=opts["model"])
+        with _step("searching the plan and rewriting"):
+            result = do_rewrite(analysis, _request(opts))
     _print_warnings(result.plan.warnings)
     return analysis, result, opened
 
@@ -146,21 +186,76 @@ def _rewrite(model_file: Path, opts: dict):
 def _write(out_dir: Path, model_file: Path, given: dict, result, opened: set[str], force: bool) -> bool:
     """Write the output with the user's hand edits merged in and say what became of them;
     True when conflicts were left to resolve (the command exits 1)."""
-    from .checkcache import effective_options, record
+    from .checkcache import effective_options, local_sources, record, recorded_options
     from .config import project_defaults
     from .emit.beside import beside_warning
-    from .emit.output import write_output
-    from .report.regenerate_view import regeneration_lines
+    from .emit.output import refuse_inputs_inside, write_output
+    from .errors import display_path
+    from .report.regenerate_view import regenerate_command, regeneration_lines
+    refuse_inputs_inside(out_dir, [model_file, *local_sources(opened)[0]])
     options = effective_options(given, project_defaults(model_file))
+    before = recorded_options(out_dir)
     cache = record(model_file, options, opened, result.files, out_dir)
-    notes, conflicts = regeneration_lines(out_dir, write_output(out_dir, result.files, force=force,
-                                                                check_cache=cache))
+    with _step(f"writing {display_path(out_dir)}/"):
+        written = write_output(out_dir, result.files, force=force, check_cache=cache)
+    notes, conflicts = regeneration_lines(out_dir, written)
+    if before is not None and before != options:
+        notes.insert(0, f"{display_path(out_dir)}/ was written by `{regenerate_command(model_file, before, out_dir)}`; "
+                        f"now by `{regenerate_command(model_file, options, out_dir)}`")
+    said = err_console if _state["json"] else console      # --json: stdout holds the one object
     for line in notes:
-        console.print(line, markup=False, highlight=False, soft_wrap=True)
+        said.print(line, markup=False, highlight=False, soft_wrap=True)
     for line in conflicts:
         err_console.print(line, markup=False, highlight=False, soft_wrap=True)
     _print_warnings([w for w in [beside_warning(result.files, model_file, out_dir)] if w])
+    said.print(f"wrote {display_path(out_dir)}/: {len(result.files)} files, plan {result.plan.describe()}, "
+                  f"est. step {result.plan.estimated_step_seconds * 1e3:.2f} ms", markup=False, highlight=False,
+                  soft_wrap=True)
     return bool(conflicts)
+
+
+def _command(model_file: Path, given: dict, out_dir: Path) -> str:
+    """The command that writes `out_dir` with the options given (over pyproject's)."""
+    from .checkcache import effective_options
+    from .config import project_defaults
+    from .report.regenerate_view import regenerate_command
+    return regenerate_command(model_file, effective_options(given, project_defaults(model_file)), out_dir)
+
+
+def _refuse_stale(model_file: Path, out_dir: Path, given: dict) -> None:
+    """`verify` of a folder as it is: refuse one that is stale against the model file, with the
+    command that regenerates it (from the options .nnscaler/check.json recorded), rather than
+    report the difference as a wrong rewrite. The cache answers when nothing changed; else the
+    rewrite is made again with the recorded options and compared (hand edits that merge
+    cleanly are not staleness). A folder without a record is verified as it is."""
+    from .checkcache import is_current, recorded_options
+    from .emit.output import staleness
+    from .errors import display_path
+    from .options import BY_KEY
+    from .report.regenerate_view import regenerate_command
+    recorded = recorded_options(out_dir)
+    if recorded is None or is_current(model_file, recorded, out_dir):
+        return
+    typed = {key: (value == "True" if BY_KEY[key].type is bool else BY_KEY[key].type(value))
+             for key, value in recorded.items() if key in BY_KEY}
+    given = {**{key: None for key in given}, **{k: v for k, v in typed.items() if k in given}}
+    opts = _options(model_file, **given)
+    _, result, _ = _rewrite(model_file, opts)
+    with _step(f"comparing {display_path(out_dir)}/ with a new generation"):
+        stale = staleness(out_dir, result.files)
+    if stale:
+        names = ", ".join([name for name, _, _ in stale.files] + [p.split(":")[0] for p in stale.problems])
+        command = regenerate_command(model_file, recorded, out_dir)
+        raise UserError(f"{display_path(out_dir)} is stale: {names} differ from what {display_path(model_file)} "
+                        f"gives now, so verify would compare an old rewrite with a new model",
+                        hint=f"regenerate it with `{command}`, or give verify the plan options to rewrite first")
+
+
+def _refuse_inputs_early(out_dir: Path, model_file: Path) -> None:
+    """Before tracing: an -o that holds the model file or the working folder (the files the
+    model imports are known after the trace, and checked again before writing)."""
+    from .emit.output import refuse_inputs_inside
+    refuse_inputs_inside(out_dir, [model_file])
 
 
 def _print_warnings(warnings: list[str]) -> None:
@@ -207,8 +302,14 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
         if diff is not None and diff < 0:
             raise UserError(f"--diff {diff}: ranks start at 0", hint="e.g. --diff 0")
         opts = _options(model_file, **options)
-        analysis, result, opened = _rewrite(model_file, opts)
         out_dir = Path(opts["out"])
+        if check and not out_dir.is_dir():      # nothing to compare: one line, not a diff of every file
+            err_console.print(f"{display_path(out_dir)} does not exist: write it with "
+                              f"`{_command(model_file, options, out_dir)}`", markup=False, soft_wrap=True)
+            raise typer.Exit(1)
+        if diff is None and not check:
+            _refuse_inputs_early(out_dir, model_file)
+        analysis, result, opened = _rewrite(model_file, opts)
         if diff is not None:
             if diff >= result.plan.world_size:
                 raise UserError(f"there is no rank {diff} in a world of {result.plan.world_size}",
@@ -228,16 +329,18 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
                     _print_diff(_unified_diff(now, then, str(path), f"{path} (now)"))
                 for problem in stale.problems:
                     err_console.print(f"{display_path(out_dir)}/{problem}", markup=False, soft_wrap=True)
-                names = ", ".join(name for name, _, _ in stale.files) or "conflicts"
-                err_console.print(f"{display_path(out_dir)} is stale: {names}; "
-                                  f"rerun nnscaler-rewrite {display_path(model_file)}", markup=False, soft_wrap=True)
+                command = _command(model_file, options, out_dir)
+                if stale.files:
+                    names = ", ".join(name for name, _, _ in stale.files)
+                    err_console.print(f"{display_path(out_dir)} is stale: {names}; regenerate it with `{command}`",
+                                      markup=False, soft_wrap=True)
+                else:
+                    err_console.print(f"{display_path(out_dir)}: resolve the conflicts above, then run `{command}`",
+                                      markup=False, soft_wrap=True)
                 raise typer.Exit(1)
             console.print(f"{display_path(out_dir)} is up to date")
             return
-        conflicted = _write(out_dir, model_file, options, result, opened, force)
-        console.print(f"wrote {display_path(out_dir)}/: {len(result.files)} files, plan "
-                      f"{result.plan.describe()}, est. step {result.plan.estimated_step_seconds * 1e3:.2f} ms")
-        if conflicted:
+        if _write(out_dir, model_file, options, result, opened, force):
             raise typer.Exit(1)
 
     _run(body)
@@ -246,17 +349,19 @@ def rewrite(model_file: Path = typer.Argument(..., help="model or entry file"),
 @app.command()
 @shared_options("plan", "pipeline", "output", "model",
                 out=typer.Option(None, "--out", "-o", help="output folder: rewritten first "
-                                 "when --tp/--dp/--plan is given, else verified as it is"))
+                                 "when --tp/--dp/--plan is given, else verified as it is [default: parallel]"))
 def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
            options: dict = None,
            steps: int = typer.Option(3, "--steps", help="AdamW steps"),
-           lr: float = typer.Option(1e-3, "--lr"),
+           lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate"),
            timeout: float = typer.Option(300.0, "--timeout", help="seconds before a hung run is ended"),
            json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
-           force: bool = typer.Option(False, "--force"),
+           force: bool = typer.Option(False, "--force", help="as the rewrite's --force, when verify rewrites "
+                                      "first"),
            verbose: bool = VerboseOpt):
     """Run the output on N gloo processes against the single-device model; exit 1 if they differ."""
-    _state["verbose"] = verbose
+    _state["verbose"], _state["json"] = verbose, json_out
+    from .errors import display_path
     from .verify import forkserver
 
     def body():
@@ -267,24 +372,35 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
                             hint="e.g. --steps 3 --lr 1e-3 --timeout 300 (the defaults)")
         opts = _options(model_file, **options)
         out_dir = Path(opts["out"])
+        rewriting = any(options[o.key] is not None for o in OPTIONS if o.scope in ("plan", "pipeline")
+                        and not o.cost_only) or not out_dir.exists()
+        if rewriting:
+            _refuse_inputs_early(out_dir, model_file)
         # the fork server imports torch for verify's processes while this process imports it and rewrites
         with forkserver.started() as forks:
             from .verify.equivalence import VerifyError, run_verify
             from .report.verify_view import verify_table
-            if any(options[o.key] is not None for o in OPTIONS if o.scope in ("plan", "pipeline")
-                   and not o.cost_only) or not out_dir.exists():
+            if rewriting:
                 _, result, opened = _rewrite(model_file, opts)
                 if _write(out_dir, model_file, options, result, opened, force):
                     raise typer.Exit(1)         # conflict markers: nothing to verify until resolved
+            else:
+                _refuse_stale(model_file, out_dir, options)
             try:
-                outcome = run_verify(model_file, out_dir, steps=steps, lr=lr, timeout=timeout, forks=forks)
+                with _step(f"verifying {display_path(out_dir)}/: the single-device run and the ranks' "
+                           f"gloo run, {steps} steps each"):
+                    outcome = run_verify(model_file, out_dir, steps=steps, lr=lr, timeout=timeout, forks=forks)
             except VerifyError as exc:
                 err_console.print(f"verify failed: {exc}", markup=False)
+                if json_out:
+                    _print_json_error(f"verify failed: {exc}")
                 raise typer.Exit(1)
         if json_out:
-            print(json.dumps(outcome.to_json(), indent=1))
+            print(json.dumps({**outcome.to_json(), "output": display_path(out_dir)}, indent=1))
         else:
             console.print(verify_table(outcome))
+            console.print(f"verified {display_path(out_dir)}/ against {display_path(model_file)}",
+                          markup=False, highlight=False, soft_wrap=True)
         if not outcome.passed:
             raise typer.Exit(1)
 
@@ -292,7 +408,7 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
 
 
 def _plan_command(model_file: Path, options: dict, json_out: bool, explain: bool, verbose: bool):
-    _state["verbose"] = verbose
+    _state["verbose"], _state["json"] = verbose, json_out
     from .analysis import analyze
     from .plan.cost import load_cluster
     from .plan.explain import binding_constraints
@@ -303,8 +419,10 @@ def _plan_command(model_file: Path, options: dict, json_out: bool, explain: bool
     def body():
         opts = _options(model_file, **options)
         request = _request(opts)
-        analysis = analyze(model_file, model_class=opts["model"])
-        solved, tp_plan = build_plan(analysis, request)
+        with _step(f"tracing {model_file}"):
+            analysis = analyze(model_file, model_class=opts["model"])
+        with _step("searching the plan"):
+            solved, tp_plan = build_plan(analysis, request)
         _print_warnings(solved.warnings)
         binding = None
         if explain and tp_plan is not None:
@@ -367,7 +485,8 @@ def schedule(model_file: Path = typer.Argument(..., help="model or entry file"),
         check_options(options)
         pp, micro_batches, stages, name = (options[k] for k in ("pp", "micro_batches", "stages", "schedule"))
         table = load_schedule(name)
-        analysis = analyze(model_file, model_class=options["model"])
+        with _step(f"tracing {model_file}"):
+            analysis = analyze(model_file, model_class=options["model"])
         cuts = [int(x) for x in stages.split(",")] if stages else None
         place = placement(table, pp)
         plan = plan_stages(analysis.graph, pp, table.virtual_stages, cuts, place, recycling=table.recycling)
@@ -398,6 +517,19 @@ def schedule(model_file: Path = typer.Argument(..., help="model or entry file"),
     _run(body)
 
 
+def _refuse_mistyped_command(word: str) -> None:
+    """`nnscaler-rewrite verfy model.py`: a word that is no file but close to a command's name
+    is a mistyped command, not a model file."""
+    if word.startswith("-") or Path(word).exists():
+        return
+    close = difflib.get_close_matches(word, sorted(SUBCOMMANDS), n=1, cutoff=0.6)
+    if close:
+        err_console.print(f"error: unknown command `{word}`; did you mean `{close[0]}`?\n"
+                          f"  hint: nnscaler-rewrite {close[0]} MODEL_FILE [options], or "
+                          "nnscaler-rewrite MODEL_FILE [options] to rewrite", markup=False, soft_wrap=True)
+        raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     # typer raises click's exceptions (or those of the copy of click it carries)
     click_errors = {c.__name__: c for c in typer.BadParameter.__mro__}
@@ -405,18 +537,21 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     # `nnscaler-rewrite model.py ...` (or `nnscaler-rewrite --tp 2 model.py`) is the rewrite;
     # the other commands are named first.
-    if argv and argv[0] not in SUBCOMMANDS and argv[0] not in ("--help", "-h"):
+    if argv and argv[0] not in SUBCOMMANDS and argv[0] not in ("--help", "-h", "--version"):
+        _refuse_mistyped_command(argv[0])
         argv.insert(0, "rewrite")
     try:
         code = app(args=argv, prog_name="nnscaler-rewrite", standalone_mode=False)
     except usage_error as exc:
-        if type(exc).__name__ == "NoArgsIsHelpError":
+        if type(exc).__name__ == "NoArgsIsHelpError":     # the help, once, as --help prints it
             print(exc.ctx.get_help() if exc.ctx else exc.format_message())
             raise SystemExit(2) from None
         # a bad option: an `error:` line and a hint, like every other error
         command = exc.ctx.command_path if exc.ctx else "nnscaler-rewrite"
         err_console.print(f"error: {exc.format_message()}\n  hint: see `{command} --help`",
                           markup=False, highlight=False, soft_wrap=True)
+        if "--json" in argv:
+            _print_json_error(exc.format_message(), hint=f"see `{command} --help`")
         code = exc.exit_code
     except click_error as exc:
         err_console.print(f"error: {exc.format_message()}", markup=False, highlight=False, soft_wrap=True)

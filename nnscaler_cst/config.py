@@ -1,7 +1,8 @@
 """Defaults from `[tool.nnscaler-rewrite]` in the nearest pyproject.toml, as ruff and black do,
 and the checks every option gets before the model is traced.
 
-Keys are option names with dashes or underscores (`tp = 2`, `out = "parallel"`). Command-line
+Keys are the long option names without their dashes (`tp = 2`, `micro-batches = 4`,
+`out = "parallel"`); another spelling is an unknown key, with the one meant. Command-line
 options win over the file. `rules = ["my_rules"]` adds rules folders (relative to the
 pyproject.toml), searched before the built-in one (see rules_path.py).
 """
@@ -61,7 +62,7 @@ def project_defaults(model_file: str | Path) -> dict[str, Any]:
 def _key_location(pyproject: Path, text: str, key: str) -> Location:
     """Where `key = ...` sits in the [tool.nnscaler-rewrite] table (its line and column)."""
     section = None
-    spellings = {key, key.replace("_", "-"), key.replace("-", "_")}
+    spellings = {key}
     for number, line in enumerate(text.splitlines(), 1):
         header = re.match(r"\s*\[\s*([^\]]+?)\s*\]", line)
         if header and not line.strip().startswith("[["):
@@ -75,11 +76,14 @@ def _key_location(pyproject: Path, text: str, key: str) -> Location:
 
 def _check_value(key: str, value: Any, pyproject: Path, text: str) -> None:
     name = key.replace("-", "_")
-    kind = KEYS.get(name)
+    kind = KEYS.get(name) if "_" not in key else None
     where = _key_location(pyproject, text, key)
     if kind is None:
-        raise UserError(f"unknown key `{key}` in [{_SECTION}]", where,
-                        hint="keys: " + ", ".join(k.replace("_", "-") for k in KEYS))
+        import difflib
+        spelled = [k.replace("_", "-") for k in KEYS]
+        close = difflib.get_close_matches(key.replace("_", "-"), spelled, n=1, cutoff=0.6)
+        raise UserError(f"unknown key `{key}` in [{_SECTION}]" + (f"; did you mean `{close[0]}`?" if close else ""),
+                        where, hint="keys: " + ", ".join(spelled))
     problem = _problem(kind, value)
     if problem:
         raise UserError(f"`{key} = {_toml(value)}` in [{_SECTION}]: {problem}", where,

@@ -4,6 +4,7 @@ Internal bugs are not UserErrors; they surface as tracebacks.
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,28 @@ def display_path(path: str | Path) -> str:
         return str(path.relative_to(Path.cwd()))
     except ValueError:
         return str(path)
+
+
+def package_path(path: str | Path) -> str:
+    """display_path, but a file of an installed package (below site-packages or a PYTHONPATH
+    folder) by its path inside that folder (`transformers/models/llama/modeling_llama.py`):
+    what a table at 80 columns can show."""
+    shown = display_path(path)
+    if not Path(shown).is_absolute():
+        return shown
+    below = [root for root in _package_roots() if root in Path(shown).parents]
+    return str(Path(shown).relative_to(max(below, key=lambda r: len(r.parts)))) if below else shown
+
+
+@functools.cache
+def _package_roots() -> tuple[Path, ...]:
+    import os
+    import site
+    import sysconfig
+    paths = sysconfig.get_paths()
+    roots = [*site.getsitepackages(), site.getusersitepackages(), paths["purelib"], paths["platlib"],
+             *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    return tuple({Path(r).resolve() for r in roots if r})
 
 
 def toml_error(exc: Exception, path: str | Path, text: str) -> UserError:

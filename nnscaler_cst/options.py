@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 
 class Option(NamedTuple):
-    key: str                    # the options' dict key; pyproject's key, with dashes or underscores
+    key: str                    # the options' dict key; pyproject's key with its underscores as dashes
     flags: tuple[str, ...]      # the command line's spellings, the long one first
     type: type                  # int, str, Path, or bool (a flag: no value)
     kind: str                   # what config.py checks a pyproject value is: size, name, bytes, ...

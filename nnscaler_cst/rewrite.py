@@ -106,6 +106,23 @@ def resolve_auto(analysis: Analysis, request: PlanRequest) -> PlanRequest:
                    recompute=config.recompute, sequence_parallel=config.sequence_parallel, auto=choice)
 
 
+def _refuse_sequence_parallel_that_moves_nothing(graph, constraints) -> None:
+    """--sequence-parallel whose table moves no norm of this model to sequence slices would
+    write what plain --tp writes: refused, at the table's rule, saying which callees it moves."""
+    moving = [c for c in constraints if c.algo == "sequence"]
+    if not moving or any(c.selects(graph, node.index) for c in moving for node in graph.nodes):
+        return
+    callees = sorted({callee for c in moving for callee in c.select.get("callee", [])})
+    own = sorted({t.rsplit(".", 1)[-1] for t in graph.trace.module_types.values()
+                  if "norm" in t.rsplit(".", 1)[-1].lower() and not t.startswith("torch.")})
+    raise UserError("--sequence-parallel moves no norm of this model to sequence slices: it splits the calls of "
+                    + ", ".join(callees) + ", and the model makes none"
+                    + (f" (its own {', '.join(own)} computes the norm in ops of its own)" if own else ""),
+                    moving[0].location,
+                    hint="call torch.nn.RMSNorm / F.rms_norm or torch.nn.LayerNorm in the model, or drop "
+                         "--sequence-parallel (it would write what --tp alone writes)")
+
+
 def _table_names(request: PlanRequest, tp: int, dp: int) -> list[str]:
     """--plan defaults to what the sizes imply: --tp alone megatron, --dp alone dp, both 2-D."""
     name = {"tp": "megatron"}.get(request.plan, request.plan)
@@ -206,6 +223,8 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
                                   memory_budget=None if coshards else request.memory_budget, data_parallel=dp,
                                   micro_batches=_micro_batches(request),
                                   every_size_read=every_size_read) if tp > 1 else None
+        if request.sequence_parallel:
+            _refuse_sequence_parallel_that_moves_nothing(graph, constraints)
         name = "+".join(names) or "single"
     auto = request.auto if request.plan == "auto" else None
     if request.zero:

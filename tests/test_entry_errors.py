@@ -251,7 +251,7 @@ def test_verbose_shows_the_traceback_and_the_same_error(spec, tmp_path):
 def test_a_good_model_file_exits_0_and_prints_its_sites(fixtures_dir, tmp_path):
     result = run_cli("inspect", str(fixtures_dir / "gpt.py"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "gpt.py:" in result.stdout and "100.0% mapped" in result.stdout
+    assert "fixtures/gpt.py" in result.stdout and "100.0% mapped" in result.stdout
 
 
 @pytest.mark.slow

@@ -15,8 +15,9 @@ CHECK_CACHE = f"{HIDDEN_DIR}/check.json"
 
 
 def read_pristine(out_dir: Path) -> dict[str, str] | None:
-    """The last generation by file path (relative to the output folder), or None for a folder
-    written before copies were kept."""
+    """The last generation by each file's path inside the output (`model.py`,
+    `timm/layers/attention.py`), or None for a folder written before copies were kept: what
+    the tool wrote there, whatever else the folder holds."""
     folder = Path(out_dir) / PRISTINE_DIR
     if not folder.is_dir():
         return None

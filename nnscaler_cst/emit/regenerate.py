@@ -21,11 +21,12 @@ Decides only; emit/output.py writes.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .assemble import content_hash, read_header
-from .merge import has_unresolved_conflict, merge3
+from .merge import conflict_marker_lines, has_unresolved_conflict, merge3
 from .pristine import HIDDEN_DIR, is_kept_aside, read_pristine
 
 GENERATED_JSON_KEY = "generated_by"
@@ -46,7 +47,7 @@ class Regeneration:
     pristine: dict[str, str]               # the new generation, recorded as the next merge's base
     outcomes: list[Outcome]
     kept: list[str] = field(default_factory=list)                  # copied as they are, byte for byte
-    blocked: list[tuple[str, str]] = field(default_factory=list)   # (file, why it cannot be merged)
+    blocked: list[tuple[str, str]] = field(default_factory=list)   # (file or file:line, why it cannot be merged)
     foreign: list[str] = field(default_factory=list)               # files the tool did not write
 
     @property
@@ -68,7 +69,9 @@ def regenerate(out_dir: Path, generated: dict[str, str], *, force: bool = False)
             result.outcomes.append(Outcome(name, "restored" if restored else "new"))
             continue
         base = pristine.get(name) if pristine is not None else _own_base(name, yours, recorded)
-        if yours == new:
+        if pristine is None and not _is_generated(name, yours):     # not ours: never merged, never forced
+            result.foreign.append(name)
+        elif yours == new:
             result.files[name] = new
             result.outcomes.append(Outcome(name, "same"))
         elif base is None and pristine is not None and not force:   # a user file the new generation now claims
@@ -79,7 +82,10 @@ def regenerate(out_dir: Path, generated: dict[str, str], *, force: bool = False)
             result.blocked.append((name, "edited by hand in a folder written before pristine copies were kept, "
                                          "so there is no base to merge against"))
         elif has_unresolved_conflict(yours, base):
-            result.blocked.append((name, "still holds the conflict markers of the last merge"))
+            lines = [n for n in conflict_marker_lines(yours) if n not in set(conflict_marker_lines(base))]
+            result.blocked.append((f"{name}:{lines[0]}" if lines else name,
+                                   "still holds the conflict markers of the last merge (lines "
+                                   + ", ".join(map(str, lines[:6])) + (", ..." if len(lines) > 6 else "") + ")"))
         else:
             merged = merge3(base, yours, new)
             result.files[name] = merged.text
@@ -112,15 +118,18 @@ def _set_aside(result: Regeneration, on_disk: set[str], name: str, yours: str, n
 
 
 def _plain_files(out_dir: Path) -> set[str]:
-    """Paths, relative to the folder, of its plain files, those of folders below it included
-    (mirrored library files live at their package paths), the hidden folder and caches aside."""
+    """The folder's plain files, at any depth, by their path inside it (`timm/layers/x.py`):
+    the generated ones are matched by that path. The hidden record and bytecode are not files
+    of the output."""
     if not out_dir.is_dir():
         return set()
     found = set()
-    for path in out_dir.rglob("*"):
-        relative = path.relative_to(out_dir)
-        if path.is_file() and relative.parts[0] != HIDDEN_DIR and "__pycache__" not in relative.parts:
-            found.add(relative.as_posix())
+    for folder, dirs, names in os.walk(out_dir):
+        here = Path(folder)
+        if here == out_dir:
+            dirs[:] = [d for d in dirs if d != HIDDEN_DIR]
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        found.update((here / n).relative_to(out_dir).as_posix() for n in names if (here / n).is_file())
     return found
 
 

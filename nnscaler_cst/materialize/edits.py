@@ -133,7 +133,7 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
             if steps is None:
                 raise UserError(f"{node.callee} would need a partial sum as input", _loc(node))
             if strict:
-                _warn_forced_regather(graph, plan, node, steps, edits.warnings)
+                _warn_forced_regather(graph, plan, node, operand.name, steps, edits.warnings)
             needs[operand.tid].append((node, operand.path, steps))
         for operand in node.operands:   # tensors inside a list (torch.cat): each element converted
             if not isinstance(operand.value, TensorList):
@@ -392,11 +392,14 @@ def _grad_at_argument(graph: Graph) -> dict[tuple, bool]:
     return grad
 
 
-def _warn_forced_regather(graph: Graph, plan: AxisChoices, node: Node, steps: list[Step],
+def _warn_forced_regather(graph: Graph, plan: AxisChoices, node: Node, operand: str, steps: list[Step],
                           warnings: list[str]) -> None:
     """A split tensor gathered because its consumer cannot be split (no rule, or sizes that do
-    not divide) is correct but slow: the op runs whole on every device. Say where and why."""
-    if plan.node_choice[node.index] != REPLICATE or not any(step.op == "gather" for step in steps):
+    not divide) is correct but slow: the op runs whole on every device. Say where and why, by
+    the dim the operand arrives split on; a dim of size 1 (a batch of one per data-parallel
+    rank) splits under no --tp, so it is nothing to act on."""
+    gathered = [step.dim for step in steps if step.op == "gather"]
+    if plan.node_choice[node.index] != REPLICATE or not gathered:
         return      # a consumer that is split itself only re-splits what it is given
     if node.index not in graph.dims:
         why = f"{node.callee} has no split rule"
@@ -404,7 +407,11 @@ def _warn_forced_regather(graph: Graph, plan: AxisChoices, node: Node, steps: li
     else:
         from ..plan.search import site_id
         options = plan.options.get(site_id(graph, node.index))
-        reasons = sorted({why for why in (options.why.values() if options else ()) if "not divisible" in why})
+        dims = graph.dims[node.index].inputs.get(operand)
+        labels = {f.label for d in gathered if dims is not None and -len(dims.dims) <= d < len(dims.dims)
+                  for f in dims.dims[d]}
+        reasons = sorted({why for label, why in (options.why.items() if options else ())
+                          if "not divisible" in why and label in labels and "of size 1 " not in why})
         if not reasons:
             return  # the planner chose to run it whole: cheaper than the alternatives
         why = f"cannot split {node.callee} {plan.n} ways: {'; '.join(reasons)}"

@@ -456,7 +456,9 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
     n_blocks = len(blocks)
     if n_blocks < stages:
         raise UserError(f"{n_blocks} blocks cannot fill {stages} pipeline stages", trunk.function_span.start,
-                        hint="use fewer stages (--pp, --virtual-stages)")
+                        hint=f"use fewer stages: --pp {max(n_blocks // virtual, 1)} or less"
+                        + (f", or a schedule with fewer virtual stages per rank than {virtual} (--schedule 1f1b)"
+                           if virtual > 1 else ""))
     block_of = node_blocks(graph, blocks)
     first = min(block_of) if block_of else 0
     last = max(block_of) if block_of else 0

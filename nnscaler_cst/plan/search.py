@@ -586,10 +586,22 @@ def _weights_cannot_split_here(constraint: Constraint, opts: SiteOptions) -> boo
 
 
 def _left_whole_warning(graph: Graph, options, sid: SiteId, n: int) -> str:
-    reasons = "; ".join(sorted(set(options[sid].why.values())))
-    where = _site_location(graph, options, sid) or "?"
-    return (f"{where}: warning: {sid[1]} keeps its weights whole on every tensor-parallel rank: no split of them "
-            f"works {n} ways here ({reasons})")
+    """Names the weight, its sizes and why none of its dims splits; not the other operands'."""
+    opts, where = options[sid], _site_location(graph, options, sid) or "?"
+    index, dims = opts.nodes[0], graph.dims.get(opts.nodes[0])
+    named = []
+    for name, tid in graph.param_operands(index):
+        tensor = graph.trace.tensors[tid]
+        on_weight = dims.inputs[name].dims if dims and name in dims.inputs else []
+        labels = {f.label for factors in on_weight for f in factors}
+        # a factor of size 1 splits under no --tp: nothing to act on
+        reasons = sorted({opts.why[label] for label in labels
+                          if label in opts.why and "of size 1 " not in opts.why[label]})
+        sizes = " x ".join(map(str, tensor.shape))
+        named.append(f"{tensor.param} ({sizes})" + (f": {'; '.join(reasons)}" if reasons else ""))
+    others = f" (so do its {len(opts.nodes) - 1} more calls from this line)" if len(opts.nodes) > 1 else ""
+    return (f"{where}: warning: {sid[1]} keeps its weights whole on every tensor-parallel rank, "
+            f"no split of them works {n} ways: " + ", ".join(named or sorted(set(opts.why.values()))) + others)
 
 
 Weighted = list[tuple[z3.BoolRef, int]]     # a sum: each weight counts when its condition holds

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from rich import box
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from ..errors import package_path
 from ..graph.graph import Graph
 from ..plan.choices import site_keys
 from ..plan.ir import Plan
@@ -102,21 +104,35 @@ def _devices_text(pieces: list[list[int]]) -> str:
     return " | ".join(shown + ([f".. ({len(pieces)} pieces)"] if len(pieces) > 4 else []))
 
 
+def _callee(name: str) -> str:
+    return name.replace("torch.nn.functional.", "F.").replace("torch.nn.", "nn.")
+
+
 def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.1f} GiB"
 
 
 def plan_table(graph: Graph, plan: Plan, tp_plan: AxisPlan | None, binding: list[dict] | None) -> Group:
-    ops = Table(header_style="bold", title=f"plan {plan.describe()}")
-    ops.add_column("site", no_wrap=True)
-    for column in ("callee", "tp split", "n", "output", "tp devices", "dp"):
-        ops.add_column(column, overflow="fold")
-    for row in plan_rows(graph, plan, tp_plan):
-        if row["tp"] == REPLICATE and row["dp"] == "-":
-            continue
-        ops.add_row(row["site"], row["callee"].replace("torch.nn.functional.", "F."), row["tp"], str(row["n"]),
-                    " ".join(row["output_layout"]), _devices_text(row["devices"]),
-                    row["dp"])
+    shown = [(site, row) for site, row in zip(graph.sites.values(), plan_rows(graph, plan, tp_plan))
+             if not (row["tp"] == REPLICATE and row["dp"] == "-")]
+    by_file: dict[str, list] = {}
+    for site, row in shown:
+        by_file.setdefault(package_path(site.span.path), []).append((site, row))
+    # one table per source file, titled by its package-relative path, so that the rows fit 80
+    # columns; a callee is never cut shorter than its whole name
+    widest = max((len(_callee(row["callee"])) for _, row in shown), default=6)
+    parts: list = [Text(f"plan {plan.describe()}", style="bold")]
+    for path, rows in by_file.items():
+        ops = Table(header_style="bold", title=path, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                    collapse_padding=True)
+        ops.add_column("line", no_wrap=True)
+        ops.add_column("callee", overflow="fold", min_width=min(widest, 32))
+        for column in ("tp split", "n", "output", "tp devices", "dp"):
+            ops.add_column(column, overflow="fold", no_wrap=column in ("n", "dp"))
+        for site, row in rows:
+            ops.add_row(f"{site.span.line}:{site.span.col + 1}", _callee(row["callee"]), row["tp"], str(row["n"]),
+                        " ".join(row["output_layout"]), _devices_text(row["devices"]), row["dp"])
+        parts.append(ops)
     devices = Table(header_style="bold", title="per device (cost model)")
     for column in ("rank", "coords", "est. step (ms)", "est. memory (MB)"):
         devices.add_column(column, justify="right")
@@ -134,17 +150,18 @@ def plan_table(graph: Graph, plan: Plan, tp_plan: AxisPlan | None, binding: list
         devices.add_row(str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}",
                         coords if len(ranks) == 1 else f"{coords} (all)", f"{plan.estimated_step_seconds * 1e3:.3f}",
                         f"{memory / 1e6:.2f}" if memory is not None else "-")
-    parts = [ops, devices]
+    parts.append(devices)
     if plan.auto is not None:
         parts += [Text(line) for line in search_lines(plan)]
     if binding is not None:
         table = Table(header_style="bold", title="constraints (binding: dropping it lowers the cost)")
         table.add_column("constraint", overflow="fold")
         table.add_column("where", no_wrap=True)
-        for column in ("sites narrowed", "binding", "cost without it (ms)"):
+        for column in ("sites narrowed", "binding", "cost with it (ms)", "cost without it (ms)"):
             table.add_column(column, overflow="fold")
         for item in binding:
             table.add_row(item["id"], item["location"], str(item["sites"]), "yes" if item["binding"] else "no",
+                          f"{item['seconds_with'] * 1e3:.3f}",
                           "-" if item["seconds_without"] is None else f"{item['seconds_without'] * 1e3:.3f}")
         parts.append(table)
     parts.append(Text(f"replicated sites not shown; {len(graph.sites)} sites in all"))

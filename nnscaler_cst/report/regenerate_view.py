@@ -2,6 +2,7 @@
 kept, restored or set aside (notes), and the conflicts left to resolve (errors, exit 1)."""
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from ..emit.regenerate import Regeneration
@@ -29,3 +30,20 @@ def regeneration_lines(out_dir: Path, result: Regeneration) -> tuple[list[str], 
             conflicts.append(f"{path}: error: no longer generated; your edited copy is kept as "
                              f"{outcome.set_aside_as}: carry its edits over by hand")
     return notes, conflicts
+
+
+def regenerate_command(model_file: Path, options: dict[str, str], out_dir: Path) -> str:
+    """The command line that writes `out_dir` from `model_file` with `options` (as check.json
+    records them: text, the command line's over pyproject's), in the options' --help order."""
+    from ..options import OPTIONS
+    words = ["nnscaler-rewrite", display_path(model_file)]
+    for option in OPTIONS:
+        value = options.get(option.key)
+        if value is None or option.key == "out":
+            continue
+        if option.type is bool:
+            words += [option.flags[0]] if value == "True" else []
+        else:
+            words += [option.flags[0], value]
+    words += ["-o", display_path(out_dir)]
+    return " ".join(shlex.quote(w) for w in words)

@@ -824,10 +824,32 @@ def trace_model(entry: Entry, sources: SourceSet, *, library_modules=(), mode: s
     if mode in ("auto", "fake"):
         try:
             return run("fake")
-        except UserError:
+        except UserError as fake_error:
             if mode == "fake":
                 raise
+            weights = _parameter_bytes_on_meta(entry)
+            if weights is not None and weights > MAX_REAL_TRACE_BYTES:
+                # the model's own error, not an allocation failure a real trace would end in
+                fake_error.message += (f" (not retried on real tensors: its parameters would take "
+                                       f"{weights / 2**30:.1f} GiB, over the {MAX_REAL_TRACE_BYTES / 2**30:g} GiB "
+                                       "a trace may allocate)")
+                raise fake_error from None
     return run("real")
+
+
+# A fake trace that fails is retried on real CPU tensors only for a model whose parameters fit here.
+MAX_REAL_TRACE_BYTES = 4 * 2**30
+
+
+def _parameter_bytes_on_meta(entry: Entry) -> int | None:
+    """The bytes of the model's parameters and buffers, built on the meta device (no memory);
+    None when build() cannot run there."""
+    try:
+        with torch.device("meta"):
+            model = entry.build()
+        return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    except Exception:   # noqa: BLE001 -- a build() that needs real tensors: the count is unknown
+        return None
 
 
 def _floating(dtype_name: str) -> bool:

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from ..errors import Location, UserError, display_path
+from ..report.progress import say
 from ..trace.tracer import quiet_fake_mode
 
 HINT = "a bug of nnscaler-rewrite, not of your model: nothing was written; please report it with the model file"
@@ -549,6 +550,7 @@ def dry_run(analysis, files: dict[str, str]) -> DryRun:
     """Build, load and run the emitted rank modules before anything is written (see the module
     docstring). Raises UserError `internal error` on a mismatch; warns when it cannot run."""
     mode = "fake" if analysis.trace.mode == "fake" else "real"
+    say("a dry run of the output before it is written")
     with _package(files) as (name, folder):
         try:
             checker = _Checker(analysis, files, name, folder)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..plan.schedules import Placement, parse_action
+from ..report.progress import say
 from . import forkserver
 from .launch import LaunchError, fixed_port, process_env, run_all, run_world, terminated_as_exit
 from .simulate import simulate
@@ -182,13 +183,16 @@ class _Run:
         float32 itself."""
         workdir, args = self._folder(float64), self._args(float64)
         world = self.package.WORLD_SIZE
+        precision = "float64" if float64 else "float32"
         try:
+            say(f"verify: the single-device run ({precision})")
             run_all([([sys.executable, str(WORKER), "reference", str(self.entry_file), str(workdir), *args],
                       process_env(**READ_ONLY))], self.timeout, self.forks)
             # the model's folder on the ranks' path, as the reference has it: helper modules the
             # programs import from beside the model (emit/beside.py)
             path = os.pathsep.join([str(Path(self.entry_file).resolve().parent),
                                     *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+            say(f"verify: {world} ranks on gloo ({precision})")
             run_world([sys.executable, str(WORKER), "rank", str(self.out_dir), str(workdir), *args], world,
                       self.timeout, self.forks, PYTHONPATH=path, **READ_ONLY)
         except LaunchError as err:
@@ -231,6 +235,7 @@ class _Run:
         least = TWIN_LEAST_NUDGE * (torch.finfo(torch.float64).eps / torch.finfo(torch.float32).eps if float64 else 1)
         nudge = max(result.max_grad_error, least)
         workdir = self._folder(float64)
+        say("verify: a single-device twin with nudged gradients (later steps differ)")
         try:
             run_all([([sys.executable, str(WORKER), "reference", str(self.entry_file), str(workdir),
                        *self._args(float64), "--nudge", repr(nudge)], process_env(**READ_ONLY))],
