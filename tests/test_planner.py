@@ -708,3 +708,88 @@ def test_a_tensor_inside_a_tuple_argument_carries_a_gradient_if_any_instance_doe
     from nnscaler_cst.trace.records import TensorList
     path = next(op.path for op in einsum[0].operands if isinstance(op.value, TensorList))
     assert grad[(einsum[0].span, (*path, 0))] and grad[(einsum[0].span, (*path, 1))]
+
+
+# diffusers' ResnetBlock2D: the time embedding's projection, indexed where it is made. With the
+# embedding's MLP split by columns, the projection is split by rows; its bias is added once.
+TIME_EMBEDDING = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+C, E = 8, 64
+
+
+class ResBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(C, C, 3, padding=1)
+        self.time_emb_proj = nn.Linear(E, C)
+        self.conv2 = nn.Conv2d(C, C, 3, padding=1)
+
+    def forward(self, x, temb):
+        h = self.conv1(F.silu(x))
+        temb = self.time_emb_proj(F.silu(temb))[:, :, None, None]
+        h = h + temb
+        return x + self.conv2(F.silu(h))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.time_1 = nn.Linear(1, E)
+        self.time_2 = nn.Linear(E, E)
+        self.blocks = nn.ModuleList(ResBlock() for _ in range(2))
+
+    def forward(self, x, t):
+        temb = self.time_2(F.silu(self.time_1(t)))
+        for block in self.blocks:
+            x = block(x, temb)
+        return x.pow(2).mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(4, C, 4, 4, generator=g), torch.randn(4, 1, generator=g))
+'''
+
+
+def test_a_row_split_linear_indexed_where_it_is_made_adds_its_bias_after_the_reduction(tmp_path):
+    """`self.time_emb_proj(t)[:, :, None, None]`: the call's result is the tensor indexed, so the
+    reduction, with the bias after it, is written on the call. The plan offered the row split and
+    the rewrite refused it ("its bias could not be added once"): the result of a call indexed
+    where it is made was taken for a tuple's element, whose uses carry the reduction."""
+    from nnscaler_cst.rewrite import PlanRequest, rewrite
+
+    path = tmp_path / "time_embedding.py"
+    path.write_text(TIME_EMBEDDING.lstrip())
+    files = rewrite(analyze(path), PlanRequest(tp=2)).files
+    assert "temb = (tp_reduce(torch.nn.functional.linear(F.silu(temb), self.time_emb_proj.weight), TP) " \
+           "+ self.time_emb_proj.bias)[:, :, None, None]" in files["model.py"]
+
+
+@pytest.mark.slow
+def test_a_row_split_linear_indexed_where_it_is_made_verifies(tmp_path):
+    verifies_at_tp2(tmp_path, "time_embedding.py", TIME_EMBEDDING.lstrip())
+
+
+def test_a_row_split_linear_whose_result_is_stored_is_not_offered(tmp_path):
+    """Stored in an attribute where it is made, the result cannot carry the reduction that its
+    bias must follow: the plan never offers that split, and the rewrite writes the plan it made."""
+    from nnscaler_cst.rewrite import PlanRequest, rewrite
+
+    path = tmp_path / "stored_embedding.py"
+    path.write_text(TIME_EMBEDDING.lstrip().replace(
+        "        temb = self.time_emb_proj(F.silu(temb))[:, :, None, None]\n",
+        "        self.temb = self.time_emb_proj(F.silu(temb))\n        temb = self.temb[:, :, None, None]\n"))
+    analysis = analyze(path)
+    plan = search_axis(analysis.graph, "tp", 2, load_table("megatron").for_axis("tp"))
+    site = next(o for sid, o in plan.options.items() if sid[0].line == 17 and sid[1] == "torch.nn.Linear")
+    reduced = [label for label in analysis.graph.dims[site.nodes[0]].reduced]
+    assert reduced and not set(reduced) & set(site.options)
+    assert "stored or unpacked where it is made" in site.why[reduced[0]]
+    assert "self.temb = self.time_emb_proj(" in rewrite(analysis, PlanRequest(tp=2)).files["model.py"]

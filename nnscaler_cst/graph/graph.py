@@ -14,6 +14,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
+import libcst as cst
+
 from ..source.files import SourceSet, Span
 from ..trace.records import Node, Trace
 from ..errors import Location
@@ -95,7 +97,19 @@ class Graph:
             return False    # `x[i] = v` is a statement: its result is x, read where it is used next
         call = self.source_node(node)
         source = self.sources.get(node.span.path) if call is not None else None
-        return source is not None and source.value_is_whole(call) and not source.value_is_stored(call)
+        if source is None or source.value_is_stored(call):
+            return False
+        return source.value_is_whole(call) or self._indexed_as_tensor(node, source.parents.get(call))
+
+    def _indexed_as_tensor(self, node: Node, parent) -> bool:
+        """`self.proj(t)[:, :, None, None]`: the call's one result is the tensor indexed there (a
+        Tensor.__getitem__ at that subscript reads it), not a tuple's element (`self.lstm(x)[0]`),
+        so a conversion wrapping the call converts that tensor."""
+        if not isinstance(parent, cst.Subscript):
+            return False
+        return any(self.nodes[index].callee == "Tensor.__getitem__" and name == "arg0" and
+                   self.source_node(self.nodes[index]) is parent
+                   for index, name in self.consumers.get(node.outputs[0], ()))
 
     @property
     def nodes(self) -> list[Node]:
