@@ -100,7 +100,8 @@ class AxisPlan:
 
 def site_id(graph: Graph, index: int) -> SiteId:
     node = graph.nodes[index]
-    return (node.span, node.callee) if node.span is not None and node.mapped else ("node", index)
+    return (node.span, node.callee) if node.span is not None and (node.mapped or index in graph.unpackings) \
+        else ("node", index)
 
 
 def option_valid(graph: Graph, index: int, label: str, n: int, local_batch: dict[int, tuple[str, int]],
