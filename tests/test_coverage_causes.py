@@ -1213,7 +1213,8 @@ def test_heads_merged_by_the_full_head_count_train_like_one_device_under_tp(tmp_
 # [[ctor]] rule says how nn.Conv1d sizes its weight, so the rewrite cannot build it at a local
 # size; the search offered that split anyway and the rewrite refused the model ('no [[ctor]]
 # rule says how torch.nn.Conv1d sizes weight'). Such a weight is not a split option: it stays
-# whole, with a warning, and the rest of the block splits.
+# whole, with a warning, and the rest of the block splits. nn.Conv1d has a [[ctor]] rule now
+# (a depthwise conv splits by channels); nn.ConvTranspose1d, of the same shape here, has none.
 POINTWISE_CONV1D = '''
 import torch
 import torch.nn as nn
@@ -1223,7 +1224,7 @@ class Block(nn.Module):
     def __init__(self):
         super().__init__()
         self.up = nn.Linear(16, 32)
-        self.pointwise = nn.Conv1d(32, 32, kernel_size=1)
+        self.pointwise = nn.ConvTranspose1d(32, 32, kernel_size=1)
         self.down = nn.Linear(32, 16)
 
     def forward(self, x):
@@ -1254,7 +1255,7 @@ def example_inputs():
 
 def test_a_layer_without_a_ctor_rule_keeps_its_weight_whole_and_the_rest_splits(tmp_path):
     analysis = analyze(_write(tmp_path, POINTWISE_CONV1D))
-    assert analysis.graph.rules.ctor_for("torch.nn.Conv1d") is None     # else this tests nothing
+    assert analysis.graph.rules.ctor_for("torch.nn.ConvTranspose1d") is None     # else this tests nothing
     params = rewrite(analysis, PlanRequest(tp=2)).plan.params     # the dry run of the ranks included
     assert params["blocks.0.pointwise.weight"]["tp"] == "R"
     assert params["blocks.0.up.weight"]["tp"].startswith("S")
