@@ -103,7 +103,8 @@ class RuleSet:
                 dims = names.setdefault(param, [set() for _ in per_dim])
                 for d, aliases in enumerate(per_dim[:len(dims)]):
                     for names_of in [aliases, *rule.divided_with(aliases)]:
-                        dims[d].update(a for a in names_of if a.isidentifier() and not (a.startswith("arg") and a[3:].isdigit()))
+                        dims[d].update(a for a in names_of
+                                       if a.isidentifier() and not (a.startswith("arg") and a[3:].isdigit()))
         return names
 
 
