@@ -1213,7 +1213,8 @@ def test_heads_merged_by_the_full_head_count_train_like_one_device_under_tp(tmp_
 # [[ctor]] rule says how nn.Conv1d sizes its weight, so the rewrite cannot build it at a local
 # size; the search offered that split anyway and the rewrite refused the model ('no [[ctor]]
 # rule says how torch.nn.Conv1d sizes weight'). Such a weight is not a split option: it stays
-# whole, with a warning, and the rest of the block splits.
+# whole, with a warning, and the rest of the block splits. nn.Conv1d has a [[ctor]] rule now
+# (a depthwise conv splits by channels); nn.ConvTranspose1d, of the same shape here, has none.
 POINTWISE_CONV1D = '''
 import torch
 import torch.nn as nn
@@ -1223,7 +1224,7 @@ class Block(nn.Module):
     def __init__(self):
         super().__init__()
         self.up = nn.Linear(16, 32)
-        self.pointwise = nn.Conv1d(32, 32, kernel_size=1)
+        self.pointwise = nn.ConvTranspose1d(32, 32, kernel_size=1)
         self.down = nn.Linear(32, 16)
 
     def forward(self, x):
@@ -1254,7 +1255,7 @@ def example_inputs():
 
 def test_a_layer_without_a_ctor_rule_keeps_its_weight_whole_and_the_rest_splits(tmp_path):
     analysis = analyze(_write(tmp_path, POINTWISE_CONV1D))
-    assert analysis.graph.rules.ctor_for("torch.nn.Conv1d") is None     # else this tests nothing
+    assert analysis.graph.rules.ctor_for("torch.nn.ConvTranspose1d") is None     # else this tests nothing
     params = rewrite(analysis, PlanRequest(tp=2)).plan.params     # the dry run of the ranks included
     assert params["blocks.0.pointwise.weight"]["tp"] == "R"
     assert params["blocks.0.up.weight"]["tp"].startswith("S")
@@ -1805,3 +1806,96 @@ def test_a_parameter_initialized_at_the_whole_size_is_planned_whole(tmp_path):
             for p in ("weight", "bias")} == {"R"}
     line = _line_of(INITIALIZED_WHOLE, "self.up.bias.copy_(")
     assert any(f"model.py:{line}:" in w and "stays whole" in w for w in plan.warnings), plan.warnings
+
+
+# A MoE layer: tokens dispatched to experts by `torch.where` (indices no rule relates to the
+# batch), and a load-balancing loss that multiplies two means over every token of the batch.
+MOE_BALANCE_LOSS = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+C, E = 8, 4
+
+
+class MoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(C, E)
+        self.experts = nn.ModuleList(nn.Linear(C, C) for _ in range(E))
+
+    def forward(self, x):
+        tokens = x.reshape(-1, C)
+        probs = self.router(tokens).softmax(-1)
+        top = probs.argmax(-1)
+        out = torch.zeros_like(tokens)
+        for e, expert in enumerate(self.experts):
+            idx = torch.where(top == e)[0]
+            out = out.index_add(0, idx, expert(tokens[idx]) * probs[idx, e, None])
+        counts = F.one_hot(top, E)
+        aux = (probs.mean(0) * counts.float().mean(0)).sum()
+        return out.reshape(x.shape), aux
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.moe = MoE()
+        self.head = nn.Linear(C, 1)
+
+    def forward(self, x):
+        h, aux = self.moe(x)
+        return self.head(h).pow(2).mean() + 0.01 * aux
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 6, C),)
+'''
+
+
+def test_a_moe_balance_loss_is_refused_at_the_mean_that_mixes_the_samples(tmp_path):
+    """Rightly refused under data parallelism, but the error named the dispatch's `torch.where`
+    a few lines earlier (whose rule cannot say how it treats the batch, though it keeps the
+    tokens apart), not the mean over every token that the loss multiplies by another."""
+    analysis = analyze(_write(tmp_path, MOE_BALANCE_LOSS))
+    error = batch_split_problem(analysis.graph, "data parallel (--dp 2)")
+    assert error is not None and error.location.line == _line_of(MOE_BALANCE_LOSS, "aux = ")
+    assert error.location.col == MOE_BALANCE_LOSS.lstrip().splitlines()[error.location.line - 1].index("probs.mean")
+    assert "Tensor.mean needs the whole batch" in error.message
+
+
+PRODUCT_OF_MEANS = '''
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h.pow(2).mean() * h.abs().mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 8),)
+'''
+
+
+def test_a_product_of_two_batch_means_is_refused_at_the_product(tmp_path):
+    """Each rank's product of its own slice's means, averaged, is not the product of the
+    batch's means: it was written, and verify found it wrong (gradients off by 5e-2)."""
+    analysis = analyze(_write(tmp_path, PRODUCT_OF_MEANS))
+    error = batch_split_problem(analysis.graph, "data parallel (--dp 2)")
+    assert error is not None and error.location.line == _line_of(PRODUCT_OF_MEANS, "h.pow(2).mean() *")
+    assert "Tensor.mul multiplies values each reduced over the whole batch" in error.message

@@ -350,3 +350,94 @@ def test_tuple_einsum_heads_split_trains_like_one_device(tmp_path, tuple_einsum)
     outcome = json.loads(result.stdout[result.stdout.find("{"):])
     assert result.returncode == 0 and outcome["passed"] is True, result.stdout + result.stderr
     assert "warning: the programs import step_helpers" in result.stderr
+
+
+# wav2vec2's positional conv: a grouped conv under weight norm over its kernel dim, before
+# transformer blocks. Its weight is two parameters, `original0` (g, 1 x 1 x K) and `original1`
+# (v, C x C/4 x K); torch's CPU weight-norm kernel does not check that they agree.
+WEIGHT_NORM_MODEL = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.utils.parametrizations import weight_norm
+
+C, H, K, V = 16, 4, 32, 32
+
+
+class ConvPosition(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = weight_norm(nn.Conv1d(C, C, K, padding=K // 2, groups=4), name="weight", dim=2)
+
+    def forward(self, x):
+        return x + F.gelu(self.conv(x.transpose(1, 2))[:, :, :-1]).transpose(1, 2)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(C)
+        self.qkv = nn.Linear(C, 3 * C)
+        self.proj = nn.Linear(C, C)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, t, 3, H, C // H).unbind(2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return x + self.proj(y.transpose(1, 2).reshape(b, t, C))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(V, C)
+        self.position = ConvPosition()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(C, V)
+
+    def forward(self, idx, targets):
+        x = self.position(self.embed(idx))
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    g = torch.Generator().manual_seed(0)
+    return (torch.randint(0, V, (4, 8), generator=g), torch.randint(0, V, (4, 8), generator=g))
+'''
+
+
+@pytest.fixture(scope="module")
+def weight_norm_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("weight_norm") / "weight_norm.py"
+    path.write_text(WEIGHT_NORM_MODEL.lstrip())
+    return path
+
+
+def test_a_weight_normed_conv_is_probed_without_aborting(weight_norm_model):
+    """Halving `original0` on the kernel dim alone, the probe once fed the weight-norm kernel a g
+    half as long as v's norms: it wrote past its buffer and every command aborted (exit 134,
+    no message). Sliced shapes run on fake tensors first, which check them. No split of the
+    conv rebuilds its result (the norm runs over its channels), so it stays whole, said where."""
+    result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "plan", str(weight_norm_model), "--tp", "2"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"{weight_norm_model}:15:27: warning: torch.nn.utils.parametrize.ParametrizedConv1d is replicated " \
+           "on every tensor-parallel rank" in result.stderr.replace("\n", " ")
+
+
+@pytest.mark.slow
+def test_a_weight_normed_conv_pipelines_like_one_device(weight_norm_model, tmp_path):
+    """The stage calling the conv holds the parametrization module inside it (`original0`,
+    `original1`): it was dropped from stage 0 as a module no op calls, and the conv's forward
+    raised KeyError: 'weight'."""
+    result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "verify", str(weight_norm_model), "--pp", "2",
+                             "--micro-batches", "2", "-o", str(tmp_path / "out"), "--json"],
+                            capture_output=True, text=True, timeout=600)
+    outcome = json.loads(result.stdout[result.stdout.find("{"):])
+    assert result.returncode == 0 and outcome["passed"] is True, result.stdout + result.stderr

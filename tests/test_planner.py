@@ -708,3 +708,169 @@ def test_a_tensor_inside_a_tuple_argument_carries_a_gradient_if_any_instance_doe
     from nnscaler_cst.trace.records import TensorList
     path = next(op.path for op in einsum[0].operands if isinstance(op.value, TensorList))
     assert grad[(einsum[0].span, (*path, 0))] and grad[(einsum[0].span, (*path, 1))]
+
+
+# diffusers' ResnetBlock2D: the time embedding's projection, indexed where it is made. With the
+# embedding's MLP split by columns, the projection is split by rows; its bias is added once.
+TIME_EMBEDDING = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+C, E = 8, 64
+
+
+class ResBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(C, C, 3, padding=1)
+        self.time_emb_proj = nn.Linear(E, C)
+        self.conv2 = nn.Conv2d(C, C, 3, padding=1)
+
+    def forward(self, x, temb):
+        h = self.conv1(F.silu(x))
+        temb = self.time_emb_proj(F.silu(temb))[:, :, None, None]
+        h = h + temb
+        return x + self.conv2(F.silu(h))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.time_1 = nn.Linear(1, E)
+        self.time_2 = nn.Linear(E, E)
+        self.blocks = nn.ModuleList(ResBlock() for _ in range(2))
+
+    def forward(self, x, t):
+        temb = self.time_2(F.silu(self.time_1(t)))
+        for block in self.blocks:
+            x = block(x, temb)
+        return x.pow(2).mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(4, C, 4, 4, generator=g), torch.randn(4, 1, generator=g))
+'''
+
+
+def test_a_row_split_linear_indexed_where_it_is_made_adds_its_bias_after_the_reduction(tmp_path):
+    """`self.time_emb_proj(t)[:, :, None, None]`: the call's result is the tensor indexed, so the
+    reduction, with the bias after it, is written on the call. The plan offered the row split and
+    the rewrite refused it ("its bias could not be added once"): the result of a call indexed
+    where it is made was taken for a tuple's element, whose uses carry the reduction."""
+    from nnscaler_cst.rewrite import PlanRequest, rewrite
+
+    path = tmp_path / "time_embedding.py"
+    path.write_text(TIME_EMBEDDING.lstrip())
+    files = rewrite(analyze(path), PlanRequest(tp=2)).files
+    assert "temb = (tp_reduce(torch.nn.functional.linear(F.silu(temb), self.time_emb_proj.weight), TP) " \
+           "+ self.time_emb_proj.bias)[:, :, None, None]" in files["model.py"]
+
+
+@pytest.mark.slow
+def test_a_row_split_linear_indexed_where_it_is_made_verifies(tmp_path):
+    verifies_at_tp2(tmp_path, "time_embedding.py", TIME_EMBEDDING.lstrip())
+
+
+def test_a_row_split_linear_whose_result_is_stored_is_not_offered(tmp_path):
+    """Stored in an attribute where it is made, the result cannot carry the reduction that its
+    bias must follow: the plan never offers that split, and the rewrite writes the plan it made."""
+    from nnscaler_cst.rewrite import PlanRequest, rewrite
+
+    path = tmp_path / "stored_embedding.py"
+    path.write_text(TIME_EMBEDDING.lstrip().replace(
+        "        temb = self.time_emb_proj(F.silu(temb))[:, :, None, None]\n",
+        "        self.temb = self.time_emb_proj(F.silu(temb))\n        temb = self.temb[:, :, None, None]\n"))
+    analysis = analyze(path)
+    plan = search_axis(analysis.graph, "tp", 2, load_table("megatron").for_axis("tp"))
+    site = next(o for sid, o in plan.options.items() if sid[0].line == 17 and sid[1] == "torch.nn.Linear")
+    reduced = [label for label in analysis.graph.dims[site.nodes[0]].reduced]
+    assert reduced and not set(reduced) & set(site.options)
+    assert "stored or unpacked where it is made" in site.why[reduced[0]]
+    assert "self.temb = self.time_emb_proj(" in rewrite(analysis, PlanRequest(tp=2)).files["model.py"]
+
+
+# A Conformer-like block: attention whose q, k, v are unpacked from one tensor (timm's and
+# x-transformers' style), then a depthwise Conv1d between two pointwise projections.
+UNPACKED_QKV_DEPTHWISE = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+C, H, K = 16, 4, 3
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(C, 3 * C)
+        self.proj = nn.Linear(C, C)
+        self.up = nn.Linear(C, 2 * C)
+        self.depthwise = nn.Conv1d(2 * C, 2 * C, K, padding=K // 2, groups=2 * C)
+        self.down = nn.Linear(2 * C, C)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, H, C // H).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, C))
+        h = self.depthwise(F.gelu(self.up(x)).transpose(1, 2))
+        return x + self.down(F.gelu(h.transpose(1, 2)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 8, C),)
+'''
+
+
+@pytest.fixture(scope="module")
+def unpacked_qkv_depthwise(tmp_path_factory):
+    from nnscaler_cst.rewrite import PlanRequest, rewrite
+
+    path = tmp_path_factory.mktemp("unpacked") / "unpacked_qkv.py"
+    path.write_text(UNPACKED_QKV_DEPTHWISE.lstrip())
+    analysis = analyze(path)
+    plan = search_axis(analysis.graph, "tp", 2, load_table("megatron").for_axis("tp"))
+    return analysis, plan, rewrite(analysis, PlanRequest(tp=2)).files["model.py"]
+
+
+def test_q_k_v_unpacked_from_one_tensor_split_attention_by_heads(unpacked_qkv_depthwise):
+    """`q, k, v = t.view(b, t, 3, H, D).permute(2, 0, 3, 1, 4)` runs Tensor.unbind at the
+    targets, where no call is written: it is split as the heads arrive, as `qkv[0]`, `qkv[1]`,
+    `qkv[2]` are. It was left whole, and the rewrite could not place the gather it needed."""
+    analysis, plan, program = unpacked_qkv_depthwise
+    attention = [n for n in analysis.graph.nodes if n.callee.endswith("scaled_dot_product_attention")]
+    assert attention and all(plan.node_choice[n.index] != REPLICATE for n in attention)
+    assert "q, k, v = self.qkv(tp_copy(x, TP)).view(b, t, 3, H // 2, C // H).permute(2, 0, 3, 1, 4)" in program
+
+
+def test_a_depthwise_conv1d_is_split_by_channels_and_groups(unpacked_qkv_depthwise):
+    """nn.Conv1d(C, C, k, groups=C): halving its channels halves its groups; the constructor's
+    in_channels and groups are divided with out_channels, as they hold the same size."""
+    _, _, program = unpacked_qkv_depthwise
+    assert "self.depthwise = nn.Conv1d(2 * C // 2, 2 * C // 2, K, padding=K // 2, groups=2 * C // 2)" in program
+
+
+@pytest.mark.slow
+def test_unpacked_q_k_v_and_a_depthwise_conv1d_split_verify(tmp_path):
+    verifies_at_tp2(tmp_path, "unpacked_qkv.py", UNPACKED_QKV_DEPTHWISE.lstrip())

@@ -7,7 +7,9 @@ concatenated along one output dim (or summed: a partial sum), equal the whole re
 operand whose values never change the result (`x.new_zeros(...)`, `torch.zeros_like(x)`,
 a mask helper reading only `x.shape`) is read for its shape only and is no data input.
 
-What the probe cannot see it does not claim: a dim no slicing test passes on stays whole.
+Sliced operands run on fake tensors before real ones, so that no CPU kernel that trusts its
+operands' shapes (weight norm's) is fed halves that do not fit together: such a slicing is no
+split. What the probe cannot see it does not claim: a dim no slicing test passes on stays whole.
 The probe derives; it decides no plan. Results are cached per (callee, shapes, arguments),
 so the repeated blocks of a deep model probe once.
 """
@@ -25,6 +27,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..trace.records import Node, TensorList, Trace
 from ..trace.replay import Replay, TensorRef, substitute
+from ..trace.tracer import quiet_fake_mode
 from .dims import Factor, OpDims, TensorDims
 
 # Calls on tensors larger than these are not probed (production shapes): their dims stay whole.
@@ -192,6 +195,7 @@ class _Caller:
         self.size_attributes = size_attributes or {}
         self.generator = torch.Generator().manual_seed(0)
         self.base = self._values()
+        self._runs_fake: bool | None = None     # see _check_shapes
 
     def _values(self, index_range: int = 0) -> dict[int, torch.Tensor]:
         values = {tid: _real(self.trace.tensors[tid].shape, self.trace.tensors[tid].dtype, self.generator, index_range)
@@ -208,17 +212,10 @@ class _Caller:
     def __call__(self, override: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
         tensors = {tid: t.clone() for tid, t in self.base.items()}
         tensors.update({tid: t.clone() for tid, t in (override or {}).items()})
-        args, kwargs = substitute(self.replay.args, tensors), substitute(self.replay.kwargs, tensors)
-        torch.manual_seed(0)
+        if any(t.shape != self.base[tid].shape for tid, t in (override or {}).items()):
+            self._check_shapes(tensors)
         try:
-            with torch.no_grad():
-                module = self.replay.module
-                if module is not None:
-                    state = {name: tensors[tid] for name, tid in self.replay.state.items()}
-                    with _local_sizes(module, self.size_attributes, state, self.trace, self.replay.state):
-                        result = torch.func.functional_call(module, state, args, kwargs, strict=False)
-                else:
-                    result = self.replay.fn(*args, **kwargs)
+            result = self._run(tensors)
         except Exception as exc:   # any failure means "this slicing is not a valid split"
             raise _CannotReplay(f"{type(exc).__name__}: {exc}") from None
         flat = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
@@ -228,6 +225,47 @@ class _Caller:
             # a module holding a tensor the fake trace made (a cached bias): no values to compare
             raise _CannotReplay("the call read a tensor of the fake-tensor trace")
         return flat
+
+    def _run(self, tensors: dict[int, torch.Tensor]):
+        args, kwargs = substitute(self.replay.args, tensors), substitute(self.replay.kwargs, tensors)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            module = self.replay.module
+            if module is None:
+                return self.replay.fn(*args, **kwargs)
+            state = {name: tensors[tid] for name, tid in self.replay.state.items()}
+            with _local_sizes(module, self.size_attributes, state, self.trace, self.replay.state):
+                return torch.func.functional_call(module, state, args, kwargs, strict=False)
+
+    def _check_shapes(self, tensors: dict[int, torch.Tensor]) -> None:
+        """Sliced operands run on fake tensors before real ones: some of torch's CPU kernels do
+        not check their operands' shapes (the weight-norm kernel, given a `g` sliced apart from
+        its `v`, writes past its buffer and the process aborts), while the fake kernels check
+        every shape. A call that fake tensors cannot run even whole is not checked."""
+        if self._runs_fake is None:
+            self._runs_fake = self._fake_run(self.base) is None
+        if not self._runs_fake:
+            return
+        problem = self._fake_run(tensors)
+        if problem is not None:
+            raise _CannotReplay(f"the sliced shapes do not fit together ({problem})")
+
+    def _fake_run(self, tensors: dict[int, torch.Tensor]) -> str | None:
+        """The failure of the call on fake tensors of these shapes; None when it runs. Attributes
+        the call sets on its module (a cache) are put back: they would hold fake tensors."""
+        modules = list(self.replay.module.modules()) if self.replay.module is not None else []
+        saved = [dict(vars(m)) for m in modules]
+        try:
+            with quiet_fake_mode():
+                # made in the mode, not converted (FakeTensorMode.from_tensor imports the compiler)
+                self._run({tid: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for tid, t in tensors.items()})
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}".split("\n")[0]
+        finally:
+            for module, attributes in zip(modules, saved):
+                vars(module).clear()
+                vars(module).update(attributes)
+        return None
 
 
 @contextlib.contextmanager

@@ -12,7 +12,10 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable
+
+import libcst as cst
 
 from ..source.files import SourceSet, Span
 from ..trace.records import Node, Trace
@@ -95,7 +98,35 @@ class Graph:
             return False    # `x[i] = v` is a statement: its result is x, read where it is used next
         call = self.source_node(node)
         source = self.sources.get(node.span.path) if call is not None else None
-        return source is not None and source.value_is_whole(call) and not source.value_is_stored(call)
+        if source is None or source.value_is_stored(call):
+            return False
+        return source.value_is_whole(call) or self._indexed_as_tensor(node, source.parents.get(call))
+
+    def _indexed_as_tensor(self, node: Node, parent) -> bool:
+        """`self.proj(t)[:, :, None, None]` and `q, k, v = t.view(...).permute(...)`: the call's
+        one result is the tensor indexed or unpacked there (a Tensor.__getitem__ at that
+        subscript, the unpacking's Tensor.unbind, reads it), not a tuple's element
+        (`self.lstm(x)[0]`, `out, state = self.rnn(x)`), so a conversion wrapping the call
+        converts that tensor."""
+        consumers = [self.nodes[index] for index, name in self.consumers.get(node.outputs[0], ()) if name == "arg0"]
+        if isinstance(parent, cst.Subscript):
+            return any(c.callee == "Tensor.__getitem__" and self.source_node(c) is parent for c in consumers)
+        if isinstance(parent, cst.Assign):
+            return any(c.index in self.unpackings and self._unpacked(c) is parent.value for c in consumers)
+        return False
+
+    @cached_property
+    def unpackings(self) -> set[int]:
+        """The nodes that unpack a tensor (`q, k, v = t`: Tensor.unbind, traced at the target).
+        No call is written there: the op is split as its input arrives, each result a target."""
+        return {node.index for node in self.nodes if not node.mapped and self._unpacked(node) is not None}
+
+    def _unpacked(self, node: Node):
+        """The value an op traced at the target of `a, b = value` reads, or None."""
+        if node.span is None or self.sources is None:
+            return None
+        span = node.span
+        return self.sources.get(span.path).unpacked_value(span.line, span.col, span.end_line, span.end_col)
 
     @property
     def nodes(self) -> list[Node]:

@@ -57,6 +57,14 @@ class CtorRule:
     type: str
     params: dict[str, list[list[str]]]   # attr -> per dim: argument aliases (["arg1", "out_features"])
     location: Location
+    # argument name -> other arguments divided with it where the layer holds them at the same
+    # size (a depthwise conv's in_channels and groups, split with its out_channels)
+    same_size: dict[str, list[list[str]]] = field(default_factory=dict)
+
+    def divided_with(self, aliases: list[str]) -> list[list[str]]:
+        """The aliases of the arguments divided with the argument of `aliases` when they hold the
+        same size."""
+        return [other for a in aliases for other in self.same_size.get(a, [])]
 
 
 @dataclass
@@ -97,7 +105,9 @@ class RuleSet:
             for param, per_dim in rule.params.items():
                 dims = names.setdefault(param, [set() for _ in per_dim])
                 for d, aliases in enumerate(per_dim[:len(dims)]):
-                    dims[d].update(a for a in aliases if a.isidentifier() and not (a.startswith("arg") and a[3:].isdigit()))
+                    for names_of in [aliases, *rule.divided_with(aliases)]:
+                        dims[d].update(a for a in names_of
+                                       if a.isidentifier() and not (a.startswith("arg") and a[3:].isdigit()))
         return names
 
 
@@ -139,8 +149,9 @@ def load_rules(rules_dir: Path | None = None) -> RuleSet:
                 ops[callee] = rule
         for entry in data.get("ctor", []):
             location = Location(shown, _line_of(text, entry["type"]))
-            params = {k: [a.split("|") for a in v] for k, v in entry.items() if k != "type"}
-            ctors[entry["type"]] = CtorRule(entry["type"], params, location)
+            params = {k: [a.split("|") for a in v] for k, v in entry.items() if k not in ("type", "same_size")}
+            same_size = {k: [a.split("|") for a in v] for k, v in entry.get("same_size", {}).items()}
+            ctors[entry["type"]] = CtorRule(entry["type"], params, location, same_size)
     return RuleSet(ops, ctors, tuple(library), tuple(traced))
 
 

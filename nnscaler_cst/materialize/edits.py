@@ -578,6 +578,10 @@ def _ctor_edits(graph: Graph, edits: Edits) -> None:
         ctor_list = edits.ctors.setdefault(info.ctor_span, [])
         if all(e.aliases != aliases for e in ctor_list):
             ctor_list.append(CtorEdit(aliases, edits.n, note, len(info.shape) if factory else None))
+        for other in [] if factory else rule.divided_with(aliases):
+            if _layer_holds(graph, name, other, info.shape[layout.dim]) and all(e.aliases != other for e in ctor_list):
+                named = "/".join(a for a in other if not a.startswith("arg"))
+                ctor_list.append(CtorEdit(other, edits.n, f"{named} / {edits.n} with it"))
     # a constructor used for both split and whole parameters cannot be rewritten in place
     for name, info in graph.trace.params.items():
         if info.ctor_span in edits.ctors and edits.param_layout.get(name, R).kind != "S":
@@ -588,6 +592,17 @@ def _ctor_edits(graph: Graph, edits: Edits) -> None:
             if factory or any(set(d) & touched for d in dims):
                 raise _shared_ctor(graph, f"{name} stays whole but shares its constructor with split parameters",
                                    info.ctor_span)
+
+
+def _layer_holds(graph: Graph, param: str, aliases: list[str], size: int) -> bool:
+    """Whether the layer holding `param` keeps the argument of `aliases` at `size` (`self.groups`
+    of a depthwise conv equals its channels), as the traced call of that layer shows."""
+    path = param.rpartition(".")[0]
+    for node in graph.nodes:
+        replay = graph.trace.replays.get(node.index) if node.callee_path == path else None
+        if replay is not None and replay.module is not None:
+            return any(getattr(replay.module, a, None) == size for a in aliases if a.isidentifier())
+    return False
 
 
 def _shared_ctor(graph: Graph, message: str, span: Span) -> UserError:

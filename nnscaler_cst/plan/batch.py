@@ -4,7 +4,8 @@ slice of the batch, which is right only if no op mixes samples.
 The batch dim is followed from the model's inputs through each op's split annotation: an op
 whose batch label is fixed (BatchNorm's statistics), or that has no annotation at all, cannot
 run on a slice. Reducing over the batch is what a loss does (DP averages the gradients), but a
-batch-reduced value that meets the batch again (`x - x.mean(0)`) would mix samples. Checks;
+batch-reduced value that meets the batch again (`x - x.mean(0)`), or another such value in a
+product (a load-balancing loss's `p.mean() * f.mean()`), would mix samples. Checks;
 decides nothing, except how the loss combines the samples (`loss_reduction`).
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ def batch_split_problem(graph: Graph, what: str, across_ranks: bool = True) -> U
     `across_ranks`: the slices run at once on data-parallel ranks, which can sum an op's
     statistics over the batch (BatchNorm: `dp_batch_norm`); micro-batches, run one after
     another, cannot."""
-    found = _first_mixing_op(graph, across_ranks=across_ranks)
+    found = _first_mixing_op(graph, across_ranks=across_ranks, locate=True)
     if found is None:
         return None
     node, why = found
@@ -108,8 +109,13 @@ def data_parallel_impl(dims, label: str) -> str | None:
     return template if template is not None and "DP)" in template else None
 
 
-def _first_mixing_op(graph: Graph, labels: dict[int, str] | None = None,
-                     kinds: dict[int, str] | None = None, across_ranks: bool = True) -> tuple[Node, str] | None:
+def _first_mixing_op(graph: Graph, labels: dict[int, str] | None = None, kinds: dict[int, str] | None = None,
+                     across_ranks: bool = True, locate: bool = False) -> tuple[Node, str] | None:
+    """The op that mixes the samples, and why. `locate`: an op whose rule cannot say how it
+    treats the batch (a MoE's `torch.where` dispatch) may well keep the samples apart, so the
+    scan goes on past it for an op that surely mixes them (two batch means multiplied in a
+    load-balancing loss), named in its place; failing one, the first such op is named."""
+    unsure = None
     trace = graph.trace
     batch = trace.batch_size
     if not batch:
@@ -126,14 +132,17 @@ def _first_mixing_op(graph: Graph, labels: dict[int, str] | None = None,
             continue
         claim = _enclosing_module_kept_apart(graph, node)
         if claim is None:
-            return node, problem
+            if not locate or problem.startswith(_SURELY_MIXES):
+                return node, problem
+            unsure = unsure or (node, problem)   # its results are followed no further
+            continue
         outputs, resume = claim
         batched.update(outputs)
         for tid in outputs:
             reduced.pop(tid, None)
     if kinds is not None:
         kinds.update(reduced)
-    return None
+    return unsure
 
 
 def _mixing(graph: Graph, node: Node, batched: dict[int, int], reduced: dict[int, str],
@@ -145,13 +154,15 @@ def _mixing(graph: Graph, node: Node, batched: dict[int, int], reduced: dict[int
     inputs = list(_batched_operands(node, batched))
     mixes = any(t in reduced for t in node.inputs)
     if not inputs:
+        if mixes and _multiplies_reduced(node, reduced, trace):
+            return _PRODUCT_OF_REDUCED
         if mixes:
             reduced.update(dict.fromkeys(node.produced, _combined_kind(node, reduced, trace.batch_size, trace)))
         return None
     if _dead(node):
         return None
     if mixes:
-        return "combines a value reduced over the batch with the batch itself"
+        return _REDUCED_MEETS_BATCH
     if all(not tensors[t].shape for t in node.outputs or node.produced):   # a loss or metric: DP averages it
         reduced.update(dict.fromkeys(node.produced, _reducer_kind(node, trace)))
         return None
@@ -184,7 +195,7 @@ def _mixing(graph: Graph, node: Node, batched: dict[int, int], reduced: dict[int
         if labels is not None:
             labels[node.index] = label
         if label in dims.fixed and not (across_ranks and data_parallel_impl(dims, label)):
-            return f"needs the whole batch: dim {dim} of {operand} is fixed in its rule"
+            return f"{_NEEDS_WHOLE_BATCH}: dim {dim} of {operand} is fixed in its rule"
         if label in dims.reduced:
             reduced.update(dict.fromkeys(node.produced, _reducer_kind(node, trace)))
             continue
@@ -251,6 +262,21 @@ def _leaked_inside_value(graph: Graph, node: Node, dims, batched_inputs: list[in
             return f"computes a value inside the call that the code after it reads ({later.callee}{where}), " \
                 "and no rule says how it depends on the batch"
     return None
+
+
+_REDUCED_MEETS_BATCH = "combines a value reduced over the batch with the batch itself"
+_PRODUCT_OF_REDUCED = "multiplies values each reduced over the whole batch (the product of the batch's means " \
+    "is not the mean of each slice's product)"
+_NEEDS_WHOLE_BATCH = "needs the whole batch"
+_SURELY_MIXES = (_REDUCED_MEETS_BATCH, _PRODUCT_OF_REDUCED, _NEEDS_WHOLE_BATCH)
+
+
+def _multiplies_reduced(node: Node, reduced: dict[int, str], trace) -> bool:
+    """`probs.mean(0) * counts.mean(0)` (a MoE's load-balancing loss): a product of two values
+    reduced over the batch is no sum over the samples, so no sum over the ranks gives it. A
+    reduced value divided by another (a loss sum by its token count) is taken for a mean."""
+    names = {trace.ops[i].func.rsplit(".", 1)[-1] for i in node.ops}
+    return bool(names & _MULTIPLIES) and len({t for t in node.inputs if t in reduced}) > 1
 
 
 _SUMS = {"sum", "nansum"}

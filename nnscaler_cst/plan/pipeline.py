@@ -716,8 +716,10 @@ def trunk_location(graph: Graph, plan: StagePlan):
 def _read_owners(graph: Graph, node) -> list[str]:
     """Modules whose parameters the op reads without calling them (ProphetNet's decoder indexes
     `self.ngram_embeddings.weight`): the stage running it must hold them. Of a tied parameter's
-    names, those under the module whose code reads it (all, when none is); none when the op is
-    the call of a module holding it (the embedding's call does not need the tied LM head)."""
+    names, those under the module whose code reads it (all, when none is); when the op is the
+    call of a module holding it, the names under that module alone (the embedding's call does
+    not need the tied LM head; a weight-normed conv's call needs the parametrization module
+    inside it that holds its `original0` and `original1`)."""
     trace = graph.trace
     owners = []
     read = [o.tid for o in node.operands if o.tid is not None] + [   # `torch.cat([w.t(), self.dense.weight])`
@@ -726,7 +728,9 @@ def _read_owners(graph: Graph, node) -> list[str]:
         if trace.tensors[tid].param is None:
             continue
         aliases = trace.params[trace.tensors[tid].param].aliases
-        if node.callee_path and any(a.startswith(node.callee_path + ".") for a in aliases):
+        called = [a for a in aliases if node.callee_path and a.startswith(node.callee_path + ".")]
+        if called:
+            owners += [a.rpartition(".")[0] for a in called]
             continue
         inside = [a for a in aliases if not node.module_path or a.startswith(node.module_path + ".")]
         owners += [a.rpartition(".")[0] for a in inside or aliases]

@@ -100,7 +100,8 @@ class AxisPlan:
 
 def site_id(graph: Graph, index: int) -> SiteId:
     node = graph.nodes[index]
-    return (node.span, node.callee) if node.span is not None and node.mapped else ("node", index)
+    return (node.span, node.callee) if node.span is not None and (node.mapped or index in graph.unpackings) \
+        else ("node", index)
 
 
 def option_valid(graph: Graph, index: int, label: str, n: int, local_batch: dict[int, tuple[str, int]],
@@ -143,6 +144,12 @@ def _split_problem(graph: Graph, index: int, label: str, read_whole: dict[int, s
             problem = parameter_size_problem(graph, graph.trace.tensors[tid].param, layout.dim)
             if problem:
                 return problem
+    bias = graph.partial_bias(index) if label in dims.reduced else None
+    if bias is not None and node.operand(bias) is not None and node.operand(bias).tid is not None and \
+            not graph.result_wrappable(node):
+        # the rewrite adds the bias to the reduced result (materialize/edits.py _check_biases_added)
+        return "its bias is added once after its partial sums are reduced, and its result is stored or unpacked " \
+               "where it is made, so the reduction cannot be written on it"
     rule = graph.node_rule.get(index)
     # a derived partial sum was probed with every other operand whole: none is added twice
     if label in dims.reduced and label not in dims.impl and not (rule is not None and rule.name == "derived"):

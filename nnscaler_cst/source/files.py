@@ -138,6 +138,22 @@ class SourceFile:
                 index.setdefault(key, []).append(node)
         return index
 
+    @cached_property
+    def _unpacked(self) -> dict[tuple[int, int, int, int], cst.BaseExpression]:
+        """The value of each `a, b, c = value`, by the range of its target."""
+        out = {}
+        for node, rng in self.positions.items():
+            if isinstance(node, (cst.Tuple, cst.List)) and isinstance(self.parents.get(node), cst.AssignTarget):
+                assign = self.parents.get(self.parents[node])
+                if isinstance(assign, cst.Assign) and len(assign.targets) == 1:
+                    out[(rng.start.line, rng.start.column, rng.end.line, rng.end.column)] = assign.value
+        return out
+
+    def unpacked_value(self, line: int, col: int, end_line: int, end_col: int) -> cst.BaseExpression | None:
+        """`value` when the range is the target of `a, b, c = value`: a traced op there (the
+        Tensor.unbind that unpacking a tensor runs) reads what `value` gives."""
+        return self._unpacked.get((line, col, end_line, end_col))
+
     def span_of(self, node: cst.CSTNode) -> Span:
         rng = self.positions[node]
         return Span(str(self.path), rng.start.line, rng.start.column, rng.end.line, rng.end.column)
