@@ -91,6 +91,25 @@ LIBRARY_FILES = {
 
             def forward(self, x):
                 return self.head(self.block(x)).pow(2).mean()
+
+
+        MODEL_FNS = {{}}
+
+
+        def register_model(fn):
+            if fn.__name__ in MODEL_FNS:
+                raise RuntimeError(f"{{fn.__name__}} is registered already")
+            MODEL_FNS[fn.__name__] = fn
+            return fn
+
+
+        def _tiny_mlp(config):
+            return TinyMLP(config)
+
+
+        @register_model
+        def tiny_mlp(config=None):
+            return _tiny_mlp(config or TinyConfig())
     """,
     "registry.py": """
         from . import modeling
@@ -163,6 +182,11 @@ TINY_STYLES = {
     """), False),
     "registry-function": (tiny_entry(f"import {LIBRARY}\n", f"""
         return {LIBRARY}.create("mlp", {LIBRARY}.TinyConfig())
+    """), False),
+    # a decorated registry function (torchvision's resnet18) stays the installed one, and so
+    # calls the installed helper constructing the class, although the helper is written anew
+    "decorated-registry": (tiny_entry(f"from {LIBRARY}.modeling import tiny_mlp\n", """
+        return tiny_mlp()
     """), False),
 }
 
@@ -274,7 +298,7 @@ def test_an_alias_and_a_module_attribute_name_the_rewritten_class_and_lose_their
 
 # the entry file's call on the way to the class's construction, named in the wrapper's comment
 FACTORY_CALLS = {"own-registry": "REGISTRY[kind](config)", "from-config": "AutoTiny.from_config(",
-                 "registry-function": f"{LIBRARY}.create("}
+                 "registry-function": f"{LIBRARY}.create(", "decorated-registry": "tiny_mlp()"}
 
 
 @pytest.mark.parametrize("style", [s for s, (_, named) in TINY_STYLES.items() if not named])
@@ -284,7 +308,18 @@ def test_a_factory_build_is_wrapped_with_the_library_class_mapped_to_the_rewritt
     comment = " ".join(line.removeprefix("# ") for line in section.splitlines() if line.startswith("# "))
     assert f"by a call that does not name the class ({stem(style)}.py:{line}:{col}: a factory" in comment, comment
     assert f"from {LIBRARY}.modeling import TinyMLP as _library_TinyMLP\n" in section
-    assert section.endswith("build = _constructing_rewritten(build, {_library_TinyMLP: TinyMLP})\n")
+    last = section.rstrip("\n").rpartition("\n")[2]
+    assert last.startswith("build = _constructing_rewritten(build, {") and "_library_TinyMLP: TinyMLP" in last, last
+
+
+def test_a_decorated_registry_function_builds_the_rewritten_classes(tiny_outputs):
+    """The output imports the decorated function rather than registering it again; what it calls is
+    the installed code, so build() must turn the installed class into the rewritten one."""
+    package = tiny_outputs("decorated-registry")
+    assert "from styles_tinylib.modeling import tiny_mlp  # decorated" in Path(package.rank_module(0).__file__).read_text()
+    model = package.build(0)
+    assert type(model) is package.rank_module(0).TinyMLP
+    assert model.block.up.weight.shape == (HIDDEN // 2, WIDTH)
 
 
 @pytest.mark.slow
