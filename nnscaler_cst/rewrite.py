@@ -461,13 +461,17 @@ def _mirrored(analysis: Analysis, entry_module: cst.Module,
     sources = {resolved(p): (analysis.sources.get(p), module) for p, (module, _) in rewritten.items()}
     contexts = {resolved(p): ctx for p, (_, ctx) in rewritten.items()}
     model_classes = {construction.cls for construction in analysis.entry.constructions.values()}
-    traced: dict[str, set[int]] = {}      # lines that ran: traced ops, and the calls that built the modules
+    # lines that ran: traced ops, the calls that built the modules and the calls on the way to them
+    # (a helper that calls a rewritten constructor helper must be the mirror's too)
+    traced: dict[str, set[int]] = {}
     for node in analysis.trace.nodes:
         if node.span is not None:
             traced.setdefault(resolved(node.span.path), set()).add(node.span.line)
     for construction in analysis.entry.constructions.values():
         if construction.file is not None:
             traced.setdefault(resolved(construction.file), set()).add(construction.line)
+        for file, line in construction.route:
+            traced.setdefault(file, set()).add(line)
     mirrors = plan_mirrors(sources, model_classes, traced)
     files: dict[str, str] = {}
     bases: dict[str, tuple[str, str]] = {}
