@@ -341,6 +341,81 @@ def test_no_generated_file_imports_the_tool(tiny_outputs):
             assert not [m for m in modules if m.split(".")[0] == "nnscaler_cst"], path
 
 
+# ---- a conv net with BatchNorm behind a decorated registry function (torchvision's resnet18) --------
+CONV_LIBRARY = {
+    "__init__.py": "",
+    "models.py": """
+        import torch
+        import torch.nn as nn
+
+        MODELS = {}
+
+
+        def register_model(fn):
+            if fn.__name__ in MODELS:
+                raise RuntimeError(f"{fn.__name__} is registered already")
+            MODELS[fn.__name__] = fn
+            return fn
+
+
+        class ConvNet(nn.Module):
+            def __init__(self, width=8, num_classes=4):
+                super().__init__()
+                self.conv1 = nn.Conv2d(3, width, 3, padding=1, bias=False)
+                self.bn1 = nn.BatchNorm2d(width)
+                self.conv2 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+                self.bn2 = nn.BatchNorm2d(width)
+                self.fc = nn.Linear(width, num_classes)
+
+            def forward(self, x):
+                x = torch.relu(self.bn1(self.conv1(x)))
+                x = torch.relu(self.bn2(self.conv2(x)))
+                return self.fc(torch.flatten(x.mean((2, 3)), 1))
+
+
+        def _convnet(**kwargs):
+            return ConvNet(**kwargs)
+
+
+        @register_model
+        def convnet(**kwargs):
+            return _convnet(**kwargs)
+    """,
+}
+
+CONV_ENTRY = """
+    import torch
+    from styles_convlib.models import convnet
+
+
+    def build():
+        torch.manual_seed(0)
+        return convnet()
+
+
+    def example_inputs():
+        return (torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1)),)
+
+
+    def loss(output):
+        return output.pow(2).mean()
+"""
+
+
+@pytest.mark.slow
+def test_a_conv_net_built_by_a_decorated_registry_function_verifies_split(tmp_path):
+    """Before, every rank ran the installed, whole ConvNet: the split plan failed its dry run and
+    the channels stayed whole (a batch-split conv's summed partial gradient doubled resnet18's)."""
+    (tmp_path / "styles_convlib").mkdir()
+    for name, text in CONV_LIBRARY.items():
+        (tmp_path / "styles_convlib" / name).write_text(dedent(text))
+    (tmp_path / "entry.py").write_text(dedent(CONV_ENTRY))
+    result = cli("verify", "entry.py", "--tp", "2", "-o", "out", cwd=tmp_path)
+    assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr
+    assert "stays whole" not in result.stdout + result.stderr
+    assert "self.conv1 = nn.Conv2d(3, width // 2" in (tmp_path / "out" / "model.py").read_text()
+
+
 # ---- entry files the rewrite must refuse ---------------------------------------------------------
 # id -> (entry text, the text the error points at, words the message must hold)
 BAD_ENTRIES = {
