@@ -29,6 +29,7 @@ import pytest
 
 from nnscaler_cst.analysis import analyze
 from nnscaler_cst.emit.output import write_output
+from nnscaler_cst.errors import UserError
 from nnscaler_cst.rewrite import PlanRequest, rewrite
 
 REPO = Path(__file__).resolve().parents[1]
@@ -320,6 +321,15 @@ def test_a_decorated_registry_function_builds_the_rewritten_classes(tiny_outputs
     model = package.build(0)
     assert type(model) is package.rank_module(0).TinyMLP
     assert model.block.up.weight.shape == (HIDDEN // 2, WIDTH)
+
+
+def test_the_dry_run_refuses_a_build_of_the_installed_classes(tiny_root, monkeypatch):
+    """Were build() left constructing the installed class (the decorated function's route taken for
+    the rewritten code), the dry run says so: every rank would run the single-device layers."""
+    import nnscaler_cst.rewrite as rewriting
+    monkeypatch.setattr(rewriting, "built_by_code_kept", lambda kept, own: lambda construction: True)
+    with pytest.raises(UserError, match="build\\(\\) made the model of the installed styles_tinylib.modeling.TinyMLP"):
+        rewrite(analyze(tiny_root / f"{stem('decorated-registry')}.py"), PlanRequest(tp=2))
 
 
 @pytest.mark.slow
