@@ -378,7 +378,7 @@ class _Checker:
             if not (isinstance(anew, type) and anew is not cls and anew.__module__ == home.__name__
                     and file is not None and str(Path(file).resolve()) in own):
                 continue
-            built = self.analysis.entry.constructions.get(_single_device_path(path, self.package, program))
+            built = self.analysis.entry.constructions.get(_single_device_name(path, self.package, program))
             location = Location(display_path(built.file), built.line, built.col) \
                 if built is not None and built.file is not None else None
             raise self._internal(rank, f"build() made {path or 'the model'} of the installed "
@@ -386,12 +386,7 @@ class _Checker:
 
     def _param(self, rank: int, key: str) -> str | None:
         """The parameter (its canonical name) a rank's state-dict key names."""
-        name = key
-        if self.package.PP_SIZE > 1:
-            module = self.package.rank_module(rank)
-            local, _, rest = key.partition(".")
-            with contextlib.suppress(ValueError, IndexError, KeyError):
-                name = self.package.global_key(rest, module.PIPELINE_STAGES[int(local)], module)
+        name = _single_device_name(key, self.package, self.package.rank_module(rank))
         return next((canonical for canonical, info in self.analysis.trace.params.items() if name in info.aliases),
                     None)
 
@@ -493,15 +488,15 @@ class _Checker:
         return location, (name, frame.lineno or 1, text)
 
 
-def _single_device_path(path: str, package, module) -> str:
-    """A module's path in a rank's model as the single-device model names it (pipeline stages:
-    `0.blocks.1` -> `blocks.<first block of stage 0 + 1>`)."""
-    if package.PP_SIZE == 1 or not path:
-        return path
-    local, _, rest = path.partition(".")
+def _single_device_name(name: str, package, module) -> str:
+    """A state-dict key or module path of a rank's model as the single-device model names it
+    (pipeline stages: `0.blocks.1.mlp` -> `blocks.<first block of stage 0 + 1>.mlp`)."""
+    if package.PP_SIZE == 1:
+        return name
+    local, _, rest = name.partition(".")
     with contextlib.suppress(ValueError, IndexError, KeyError):
         return package.global_key(rest, module.PIPELINE_STAGES[int(local)], module)
-    return rest
+    return name
 
 
 def _state_shapes(models: dict) -> dict[tuple[int, str], tuple]:
