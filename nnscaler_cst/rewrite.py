@@ -15,8 +15,8 @@ import libcst as cst
 from . import __version__
 from .analysis import Analysis
 from .emit import templates
-from .emit.assemble import (add_comm_import, content_hash, merge_entry, merge_entry_mirrored, model_files,
-                            module_name_of, with_header)
+from .emit.assemble import (add_comm_import, built_by_code_kept, content_hash, merge_entry, merge_entry_mirrored,
+                            model_files, module_name_of, with_header)
 from .emit.mirrors import library_decorated, plan_mirrors, render_mirror
 from .emit.output import generated_json
 from .emit.programs import programs
@@ -386,13 +386,17 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
         module, ctx = rewritten(model_paths[0] if model_paths else entry_path)
         if model_paths:     # the entry's own classes (a model around imported blocks) are rewritten too;
             # the block loop may be theirs
-            name = module_name_of(model_paths[0])
+            name, source = module_name_of(model_paths[0]), analysis.sources.get(model_paths[0])
+            imported = []
             if name is not None:
-                module = library_decorated(analysis.sources.get(model_paths[0]).module, module, name)
+                module, imported = library_decorated(source.module, module, name)
+            kept = {resolved(str(source.path)): [_lines(source, stmt) for index, stmt in enumerate(source.module.body)
+                                                 if index not in imported]}
             entry_module, entry_ctx = rewritten(entry_path)
             ctx.used |= entry_ctx.used
             ctx.needs_torch |= entry_ctx.needs_torch
-            module = merge_entry(module, model_paths[0], entry_module, entry_path, analysis.entry)
+            module = merge_entry(module, model_paths[0], entry_module, entry_path, analysis.entry,
+                                 built_by_code_kept(kept, set(kept)))
     module = add_comm_import(module, ctx.used, ctx.needs_torch)
     body = module.code
     files: dict[str, str] = {}
@@ -457,13 +461,17 @@ def _mirrored(analysis: Analysis, entry_module: cst.Module,
     sources = {resolved(p): (analysis.sources.get(p), module) for p, (module, _) in rewritten.items()}
     contexts = {resolved(p): ctx for p, (_, ctx) in rewritten.items()}
     model_classes = {construction.cls for construction in analysis.entry.constructions.values()}
-    traced: dict[str, set[int]] = {}      # lines that ran: traced ops, and the calls that built the modules
+    # lines that ran: traced ops, the calls that built the modules and the calls on the way to them
+    # (a helper that calls a rewritten constructor helper must be the mirror's too)
+    traced: dict[str, set[int]] = {}
     for node in analysis.trace.nodes:
         if node.span is not None:
             traced.setdefault(resolved(node.span.path), set()).add(node.span.line)
     for construction in analysis.entry.constructions.values():
         if construction.file is not None:
             traced.setdefault(resolved(construction.file), set()).add(construction.line)
+        for file, line in construction.route:
+            traced.setdefault(file, set()).add(line)
     mirrors = plan_mirrors(sources, model_classes, traced)
     files: dict[str, str] = {}
     bases: dict[str, tuple[str, str]] = {}
@@ -478,8 +486,7 @@ def _mirrored(analysis: Analysis, entry_module: cst.Module,
         library = sys.modules[mirror.module_name]
         for index in mirror.members:
             stmt = mirror.source.module.body[index]
-            where = mirror.source.positions[stmt]
-            kept_lines.setdefault(path, []).append((where.start.line, where.end.line))
+            kept_lines.setdefault(path, []).append(_lines(mirror.source, stmt))
             if isinstance(stmt, (cst.ClassDef, cst.FunctionDef)) and stmt.name.value not in defined:
                 obj = getattr(library, stmt.name.value, None)
                 if obj is not None:
@@ -490,12 +497,15 @@ def _mirrored(analysis: Analysis, entry_module: cst.Module,
                              f'"""The package of the mirrored files below {folder.as_posix()}/ (see model.py)."""\n')
             folder = folder.parent
 
-    def rewritten_code(construction) -> bool:
-        return construction.file is not None and any(
-            first <= construction.line <= last for first, last in kept_lines.get(resolved(construction.file), ()))
-
-    program = merge_entry_mirrored(entry_module, analysis.entry.path, analysis.entry, defined, rewritten_code)
+    program = merge_entry_mirrored(entry_module, analysis.entry.path, analysis.entry, defined,
+                                   built_by_code_kept(kept_lines, set(sources)))
     return program, files, bases
+
+
+def _lines(source, stmt: cst.CSTNode) -> tuple[int, int]:
+    """The first and last line of a statement of a source file."""
+    where = source.positions[stmt]
+    return where.start.line, where.end.line
 
 
 def _micro_batches(request: PlanRequest) -> int:

@@ -227,3 +227,59 @@ def test_unsupported_under_fake_tensors_is_a_warning(at_repo, monkeypatch):
     assert len(warnings) == 1 and warnings[0].startswith("fixtures/gpt.py: warning: ")
     assert "DataDependentOutputException" in warnings[0]
     no_dry_run_left()
+
+
+# ---- (3) what a stage holds of another stage's modules -------------------------------------------
+
+BATCH_NORM_AFTER_THE_LOOP = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x):
+        return x + torch.relu(self.conv(x))
+
+
+class Net(nn.Module):
+    def __init__(self, c=4, n=4):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(n))
+        self.norm = nn.BatchNorm2d(c)
+        self.head = nn.Linear(c, 2)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x).mean((2, 3)))
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 3, 8, 8),)
+
+
+def loss(output):
+    return output.pow(2).mean()
+'''
+
+
+def test_a_batch_norm_another_stage_holds_loads_nothing(tmp_path):
+    """Stage 0 keeps the last stage's BatchNorm hollow; loading its share (a plain dict, no
+    versions) must not make BatchNorm add a num_batches_tracked key the stage does not hold."""
+    (tmp_path / "net.py").write_text(BATCH_NORM_AFTER_THE_LOOP.lstrip())
+    analysis = analyze(tmp_path / "net.py")
+    result = rewrite(analysis, PlanRequest(pp=2, micro_batches=1))      # runs the dry run itself
+    assert "'norm'" in next(line for line in result.files["model_stage0.py"].splitlines()
+                            if line.startswith("STAGE_DROPS"))
+    assert (0, "stage 0 forward") in dry.dry_run(analysis, result.files).checked
+    no_dry_run_left()

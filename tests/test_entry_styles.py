@@ -29,6 +29,7 @@ import pytest
 
 from nnscaler_cst.analysis import analyze
 from nnscaler_cst.emit.output import write_output
+from nnscaler_cst.errors import UserError
 from nnscaler_cst.rewrite import PlanRequest, rewrite
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,6 +92,25 @@ LIBRARY_FILES = {
 
             def forward(self, x):
                 return self.head(self.block(x)).pow(2).mean()
+
+
+        MODEL_FNS = {{}}
+
+
+        def register_model(fn):
+            if fn.__name__ in MODEL_FNS:
+                raise RuntimeError(f"{{fn.__name__}} is registered already")
+            MODEL_FNS[fn.__name__] = fn
+            return fn
+
+
+        def _tiny_mlp(config):
+            return TinyMLP(config)
+
+
+        @register_model
+        def tiny_mlp(config=None):
+            return _tiny_mlp(config or TinyConfig())
     """,
     "registry.py": """
         from . import modeling
@@ -163,6 +183,11 @@ TINY_STYLES = {
     """), False),
     "registry-function": (tiny_entry(f"import {LIBRARY}\n", f"""
         return {LIBRARY}.create("mlp", {LIBRARY}.TinyConfig())
+    """), False),
+    # a decorated registry function (torchvision's resnet18) stays the installed one, and so
+    # calls the installed helper constructing the class, although the helper is written anew
+    "decorated-registry": (tiny_entry(f"from {LIBRARY}.modeling import tiny_mlp\n", """
+        return tiny_mlp()
     """), False),
 }
 
@@ -274,7 +299,7 @@ def test_an_alias_and_a_module_attribute_name_the_rewritten_class_and_lose_their
 
 # the entry file's call on the way to the class's construction, named in the wrapper's comment
 FACTORY_CALLS = {"own-registry": "REGISTRY[kind](config)", "from-config": "AutoTiny.from_config(",
-                 "registry-function": f"{LIBRARY}.create("}
+                 "registry-function": f"{LIBRARY}.create(", "decorated-registry": "tiny_mlp()"}
 
 
 @pytest.mark.parametrize("style", [s for s, (_, named) in TINY_STYLES.items() if not named])
@@ -284,7 +309,27 @@ def test_a_factory_build_is_wrapped_with_the_library_class_mapped_to_the_rewritt
     comment = " ".join(line.removeprefix("# ") for line in section.splitlines() if line.startswith("# "))
     assert f"by a call that does not name the class ({stem(style)}.py:{line}:{col}: a factory" in comment, comment
     assert f"from {LIBRARY}.modeling import TinyMLP as _library_TinyMLP\n" in section
-    assert section.endswith("build = _constructing_rewritten(build, {_library_TinyMLP: TinyMLP})\n")
+    last = section.rstrip("\n").rpartition("\n")[2]
+    assert last.startswith("build = _constructing_rewritten(build, {") and "_library_TinyMLP: TinyMLP" in last, last
+
+
+def test_a_decorated_registry_function_builds_the_rewritten_classes(tiny_outputs):
+    """The output imports the decorated function rather than registering it again; what it calls is
+    the installed code, so build() must turn the installed class into the rewritten one."""
+    package = tiny_outputs("decorated-registry")
+    assert "from styles_tinylib.modeling import tiny_mlp  # decorated" in Path(package.rank_module(0).__file__).read_text()
+    model = package.build(0)
+    assert type(model) is package.rank_module(0).TinyMLP
+    assert model.block.up.weight.shape == (HIDDEN // 2, WIDTH)
+
+
+def test_the_dry_run_refuses_a_build_of_the_installed_classes(tiny_root, monkeypatch):
+    """Were build() left constructing the installed class (the decorated function's route taken for
+    the rewritten code), the dry run says so: every rank would run the single-device layers."""
+    import nnscaler_cst.rewrite as rewriting
+    monkeypatch.setattr(rewriting, "built_by_code_kept", lambda kept, own: lambda construction: True)
+    with pytest.raises(UserError, match="build\\(\\) made the model of the installed styles_tinylib.modeling.TinyMLP"):
+        rewrite(analyze(tiny_root / f"{stem('decorated-registry')}.py"), PlanRequest(tp=2))
 
 
 @pytest.mark.slow
@@ -304,6 +349,81 @@ def test_no_generated_file_imports_the_tool(tiny_outputs):
             modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
             modules |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
             assert not [m for m in modules if m.split(".")[0] == "nnscaler_cst"], path
+
+
+# ---- a conv net with BatchNorm behind a decorated registry function (torchvision's resnet18) --------
+CONV_LIBRARY = {
+    "__init__.py": "",
+    "models.py": """
+        import torch
+        import torch.nn as nn
+
+        MODELS = {}
+
+
+        def register_model(fn):
+            if fn.__name__ in MODELS:
+                raise RuntimeError(f"{fn.__name__} is registered already")
+            MODELS[fn.__name__] = fn
+            return fn
+
+
+        class ConvNet(nn.Module):
+            def __init__(self, width=8, num_classes=4):
+                super().__init__()
+                self.conv1 = nn.Conv2d(3, width, 3, padding=1, bias=False)
+                self.bn1 = nn.BatchNorm2d(width)
+                self.conv2 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+                self.bn2 = nn.BatchNorm2d(width)
+                self.fc = nn.Linear(width, num_classes)
+
+            def forward(self, x):
+                x = torch.relu(self.bn1(self.conv1(x)))
+                x = torch.relu(self.bn2(self.conv2(x)))
+                return self.fc(torch.flatten(x.mean((2, 3)), 1))
+
+
+        def _convnet(**kwargs):
+            return ConvNet(**kwargs)
+
+
+        @register_model
+        def convnet(**kwargs):
+            return _convnet(**kwargs)
+    """,
+}
+
+CONV_ENTRY = """
+    import torch
+    from styles_convlib.models import convnet
+
+
+    def build():
+        torch.manual_seed(0)
+        return convnet()
+
+
+    def example_inputs():
+        return (torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1)),)
+
+
+    def loss(output):
+        return output.pow(2).mean()
+"""
+
+
+@pytest.mark.slow
+def test_a_conv_net_built_by_a_decorated_registry_function_verifies_split(tmp_path):
+    """Before, every rank ran the installed, whole ConvNet: the split plan failed its dry run and
+    the channels stayed whole (a batch-split conv's summed partial gradient doubled resnet18's)."""
+    (tmp_path / "styles_convlib").mkdir()
+    for name, text in CONV_LIBRARY.items():
+        (tmp_path / "styles_convlib" / name).write_text(dedent(text))
+    (tmp_path / "entry.py").write_text(dedent(CONV_ENTRY))
+    result = cli("verify", "entry.py", "--tp", "2", "-o", "out", cwd=tmp_path)
+    assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr
+    assert "stays whole" not in result.stdout + result.stderr
+    assert "self.conv1 = nn.Conv2d(3, width // 2" in (tmp_path / "out" / "model.py").read_text()
 
 
 # ---- entry files the rewrite must refuse ---------------------------------------------------------

@@ -231,3 +231,75 @@ def test_the_mirrored_output_verifies(project, mode):
     result = cli("verify", "entry.py", *mode, "-o", "out", cwd=project)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "PASSED" in result.stdout
+
+
+# A layer built through two helpers, as timm's ClassifierHead builds its fc (create_classifier ->
+# _create_fc): only the inner one constructs the layer and changes, but the outer one, which
+# neither constructs a module nor ran in the step, calls it and must come from the mirror too,
+# or the mirrored class builds the installed, whole-size layer.
+HELPER_PACKAGE = {
+    "__init__.py": "",
+    "layers.py": """
+        import torch
+        import torch.nn as nn
+
+
+        def _create_fc(dim, hidden):
+            return nn.Linear(dim, hidden)
+
+
+        def create_fc(dim, hidden):
+            return _create_fc(dim, hidden)
+
+
+        class Mlp(nn.Module):
+            def __init__(self, dim, hidden):
+                super().__init__()
+                self.fc1 = create_fc(dim, hidden)
+                self.fc2 = nn.Linear(hidden, dim)
+
+            def forward(self, x):
+                return self.fc2(torch.relu(self.fc1(x)))
+    """,
+    "net.py": """
+        import torch.nn as nn
+
+        from .layers import Mlp
+
+
+        class Net(nn.Module):
+            def __init__(self, dim=16, hidden=64):
+                super().__init__()
+                self.mlp = Mlp(dim, hidden)
+                self.out = nn.Linear(dim, 4)
+
+            def forward(self, x):
+                return self.out(x + self.mlp(x)).pow(2).mean()
+    """,
+}
+
+HELPER_ENTRY = """
+    import torch
+    from helperpkg.net import Net
+
+
+    def build():
+        torch.manual_seed(0)
+        return Net()
+
+
+    def example_inputs():
+        return (torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1)),)
+"""
+
+
+def test_a_helper_calling_a_rewritten_constructor_helper_is_mirrored(tmp_path):
+    (tmp_path / "helperpkg").mkdir()
+    for name, text in HELPER_PACKAGE.items():
+        (tmp_path / "helperpkg" / name).write_text(textwrap.dedent(text).lstrip("\n"))
+    (tmp_path / "entry.py").write_text(textwrap.dedent(HELPER_ENTRY).lstrip("\n"))
+    result = cli("entry.py", "--tp", "2", "-o", "out", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    layers = (tmp_path / "out" / "helperpkg" / "layers.py").read_text()
+    assert "return nn.Linear(dim, hidden // 2)" in layers
+    assert "def create_fc(dim, hidden):" in layers and "import create_fc" not in layers

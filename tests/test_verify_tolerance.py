@@ -1,5 +1,9 @@
-"""verify's gradient check: relative to each tensor's scale and to the gradients' overall scale."""
+"""verify's gradient check: relative to each tensor's scale and to the gradients' overall scale;
+and what both runs switch off so that they can agree at all (randomness a batch split redraws)."""
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -176,3 +180,34 @@ def test_float64_decides_only_where_float32_failed():
     assert result(0.0).passed and not result(1e-2).passed
     assert result(1e-2, float64=result(0.0)).passed
     assert not result(1e-2, float64=result(1e-2)).passed
+
+
+# Stochastic depth as timm's DropPath and torchvision's StochasticDepth write it: a per-sample keep
+# mask drawn with bernoulli_, the kept samples scaled up.
+DROP_PATH = """
+import torch
+from nnscaler_cst.verify.worker import switch_off_dropout
+
+
+def drop_path(x, p=0.25):
+    mask = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(1 - p)
+    return x * mask.div_(1 - p)
+
+
+switch_off_dropout()
+x = torch.randn(8, 5, generator=torch.Generator().manual_seed(0))
+torch.manual_seed(0)
+whole = drop_path(x)
+shares = []
+for share in x.chunk(2):      # each data-parallel rank draws from the same seed
+    torch.manual_seed(0)
+    shares.append(drop_path(share))
+halves = torch.cat(shares)
+assert torch.equal(whole, halves), (whole - halves).abs().max()
+assert torch.allclose(whole, x / 0.75) and torch.equal(torch.bernoulli(torch.full((3,), 0.5)), torch.ones(3))
+"""
+
+
+def test_stochastic_depth_is_switched_off_so_a_batch_split_draws_the_same(tmp_path):
+    result = subprocess.run([sys.executable, "-c", DROP_PATH], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

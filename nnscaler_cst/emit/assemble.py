@@ -249,6 +249,23 @@ def _check_bindings(entry: cst.Module, defined: set[str], namespace: dict,
                 hint=f"rename `{name}` in the entry file (`import ... as Other{name}` for an import)")
 
 
+def built_by_code_kept(kept: dict[str, list[tuple[int, int]]], own: set[str]):
+    """Whether the output's own code constructs a module of the model, as a predicate on its
+    construction: the constructing call, and every frame of the model's files (`own`, resolved
+    paths) on the way to it from the entry file, lie in the definitions the output holds anew
+    (`kept`: resolved path -> line spans). A frame of the model's files outside them runs the
+    installed code (a decorated registry function the output imports), and what it calls builds the
+    installed classes. Frames of other files (torch calling a generator, a decorator's wrapper)
+    only call what they were handed."""
+    def inside(file: str, line: int) -> bool:
+        return any(first <= line <= last for first, last in kept.get(file, ()))
+
+    def built(construction) -> bool:
+        return construction.file is not None and inside(construction.file, construction.line) and all(
+            inside(file, line) for file, line in construction.route if file in own)
+    return built
+
+
 def _constructed_elsewhere(entry: Entry | None, library: dict[int, tuple[object, str]], rewritten_code,
                            resolved_calls: dict[tuple[int, int], object]) -> list[tuple[type, str]]:
     """(library class, rewritten name) of each module of the model that build() constructs not by
@@ -337,12 +354,14 @@ def _factory_section(classes: list[tuple[type, str]], entry: Entry, entry_path: 
 
 
 def merge_entry(model: cst.Module, model_path: Path, entry: cst.Module, entry_path: Path,
-                loaded: Entry | None = None) -> cst.Module:
+                loaded: Entry | None = None, rewritten_code=None) -> cst.Module:
     """The model file followed by the entry file's own code (build(), example_inputs(), ...),
     whose uses of the library's classes name the rewritten ones.
 
     `loaded` is the entry as it ran (its module, what build() constructed); without it the
-    entry's code is taken as it is written.
+    entry's code is taken as it is written. `rewritten_code(construction)`: whether a module of
+    the model was constructed by code the merged file defines anew (by default, any code of the
+    model file).
     """
     package = (module_name_of(model_path) or "").rpartition(".")[0]
     if package:
@@ -357,7 +376,8 @@ def merge_entry(model: cst.Module, model_path: Path, entry: cst.Module, entry_pa
         entry = MetadataWrapper(entry).visit(naming)
         entry = entry.visit(DropImportedNames(defined, naming.unused))
         model_file = str(Path(model_path).resolve())
-        factory = _constructed_elsewhere(loaded, library, lambda c: c.file == model_file, naming.resolved_calls)
+        factory = _constructed_elsewhere(loaded, library, rewritten_code or (lambda c: c.file == model_file),
+                                         naming.resolved_calls)
     else:
         entry = entry.visit(DropImportedNames(defined))
     present = {cst.Module([]).code_for_node(stmt).strip() for stmt in model.body

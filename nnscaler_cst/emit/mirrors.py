@@ -138,17 +138,19 @@ def _decorated_function(stmt: cst.CSTNode) -> bool:
     return isinstance(stmt, cst.FunctionDef) and bool(stmt.decorators)
 
 
-def library_decorated(original: cst.Module, rewritten: cst.Module, module_name: str) -> cst.Module:
+def library_decorated(original: cst.Module, rewritten: cst.Module, module_name: str) -> tuple[cst.Module, list[int]]:
     """A library file copied whole into a rank file: each decorated top-level function the rewrite
-    did not change is imported from the installed module instead of defined again."""
-    body = []
-    for old, new in zip(original.body, rewritten.body):
+    did not change is imported from the installed module instead of defined again. Returns the
+    file, and the indices of the top-level statements so imported."""
+    body, imported = [], []
+    for index, (old, new) in enumerate(zip(original.body, rewritten.body)):
         if _decorated_function(old) and old.deep_equals(new):
             name = old.name.value
             new = cst.parse_statement(f"from {module_name} import {name}  # decorated: the installed one, its "
                                       "decorators not run again\n").with_changes(leading_lines=new.leading_lines)
+            imported.append(index)
         body.append(new)
-    return rewritten.with_changes(body=body)
+    return rewritten.with_changes(body=body), imported
 
 
 def _definition_key(value) -> tuple[str, str] | None:

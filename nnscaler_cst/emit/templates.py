@@ -135,6 +135,9 @@ def hollow(dropped, path):
                 del store[name]
                 if value is not None:
                     object.__setattr__(sub, name, Hollow(value, f"{{prefix}}.{{name}}"))
+        # nor does it read the state dict: BatchNorm's loading adds num_batches_tracked to a state
+        # dict saved without versions (a shard), which would be an unexpected key here
+        object.__setattr__(sub, "_load_from_state_dict", lambda *args, **kwargs: None)
 
 
 def stage_blocks(module, stage):

@@ -31,6 +31,9 @@ class Construction:
     `file` is the resolved path, None when no Python frame made the call. `entry_line` and
     `entry_col` give the innermost call of the entry file on the way to it (a factory call such
     as `AutoModelForCausalLM.from_config(config)`), 0 when the entry file was not on the way.
+    `route` gives (resolved file, line) of each frame between the two, innermost first: the code
+    on the way, which decides whose class the call names (a library function the output imports
+    rather than defines anew calls the installed class).
     """
 
     cls: type
@@ -41,6 +44,7 @@ class Construction:
     end_col: int = 0
     entry_line: int = 0
     entry_col: int = 0
+    route: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass
@@ -118,12 +122,14 @@ def _constructing_call(module: torch.nn.Module, frame, entry_file: str) -> Const
     if frame is None:
         return Construction(type(module))
     line, col, end_line, end_col = _position(frame)
-    via = frame
+    via, route = frame, []
     while via is not None and via.f_code.co_filename != entry_file:
+        if via is not frame:
+            route.append((_resolved(via.f_code.co_filename), via.f_lineno or 0))
         via = via.f_back
     entry_line, entry_col = _position(via)[:2] if via is not None else (0, 0)
     return Construction(type(module), _resolved(frame.f_code.co_filename), line, col, end_line, end_col,
-                        entry_line, entry_col)
+                        entry_line, entry_col, tuple(route) if via is not None else ())
 
 
 def _position(frame) -> tuple[int, int, int, int]:

@@ -242,6 +242,7 @@ class _Checker:
         package = self.package
         self._place(rank)
         model = self._guard(lambda: package.build(rank), rank, "build()")
+        self._rewritten_classes(rank, model)
         shard = self._guard(lambda: package.shard_state_dict(full, rank), rank, "shard_state_dict()")
         self._compare(rank, model, shard)
         self._guard(lambda: model.load_state_dict(shard, strict=True), rank, "load_state_dict()")
@@ -361,14 +362,31 @@ class _Checker:
             error.misshapen_params = sorted(name for name in shaped if name is not None)
             raise error
 
+    def _rewritten_classes(self, rank: int, model) -> None:
+        """Every module of the rank's model whose class the output writes anew is of the rewritten
+        class: a build() that reaches the installed one (library code calling it) runs the single-
+        device layer on every rank, whatever the plan says."""
+        package = self.package.__name__
+        program = self.package.rank_module(rank)
+        mirrored = any("/" in name for name in self.files)    # else the model's file is in the program
+        own = {str(Path(p).resolve()) for p in self.analysis.trace.own_files}
+        for path, module in model.named_modules():
+            cls = type(module)
+            home = sys.modules.get(f"{package}.{cls.__module__}") if mirrored else program
+            anew = getattr(home, cls.__name__, None) if home is not None else None
+            file = getattr(sys.modules.get(cls.__module__), "__file__", None)
+            if not (isinstance(anew, type) and anew is not cls and anew.__module__ == home.__name__
+                    and file is not None and str(Path(file).resolve()) in own):
+                continue
+            built = self.analysis.entry.constructions.get(_single_device_name(path, self.package, program))
+            location = Location(display_path(built.file), built.line, built.col) \
+                if built is not None and built.file is not None else None
+            raise self._internal(rank, f"build() made {path or 'the model'} of the installed "
+                                       f"{cls.__module__}.{cls.__qualname__}, not of the rewritten class", location)
+
     def _param(self, rank: int, key: str) -> str | None:
         """The parameter (its canonical name) a rank's state-dict key names."""
-        name = key
-        if self.package.PP_SIZE > 1:
-            module = self.package.rank_module(rank)
-            local, _, rest = key.partition(".")
-            with contextlib.suppress(ValueError, IndexError, KeyError):
-                name = self.package.global_key(rest, module.PIPELINE_STAGES[int(local)], module)
+        name = _single_device_name(key, self.package, self.package.rank_module(rank))
         return next((canonical for canonical, info in self.analysis.trace.params.items() if name in info.aliases),
                     None)
 
@@ -468,6 +486,17 @@ class _Checker:
         if name not in ("__init__.py", "train.py") and text:
             location = _user_location(self.analysis, lines, frame.lineno - 1, getattr(frame, "colno", None))
         return location, (name, frame.lineno or 1, text)
+
+
+def _single_device_name(name: str, package, module) -> str:
+    """A state-dict key or module path of a rank's model as the single-device model names it
+    (pipeline stages: `0.blocks.1.mlp` -> `blocks.<first block of stage 0 + 1>.mlp`)."""
+    if package.PP_SIZE == 1:
+        return name
+    local, _, rest = name.partition(".")
+    with contextlib.suppress(ValueError, IndexError, KeyError):
+        return package.global_key(rest, module.PIPELINE_STAGES[int(local)], module)
+    return name
 
 
 def _state_shapes(models: dict) -> dict[tuple[int, str], tuple]:

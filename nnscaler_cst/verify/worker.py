@@ -89,7 +89,16 @@ def inject_fault(rank):
 
 def switch_off_dropout():
     """Dropout draws one mask for a whole tensor on one device and other masks for its shards, so
-    no two runs could agree step for step; both runs of a verify train with it switched off."""
+    no two runs could agree step for step; both runs of a verify train with it switched off.
+    So does stochastic depth (timm's DropPath, torchvision's StochasticDepth): its per-sample keep
+    mask is a Bernoulli draw, and a data-parallel share draws the first samples' masks for its
+    own; every sample is kept (the kept branch scaled as the layer scales it) in both runs."""
+    def keep_all(input, *args, **kwargs):
+        return torch.ones_like(input)
+
+    torch.bernoulli = keep_all
+    torch.Tensor.bernoulli = keep_all
+    torch.Tensor.bernoulli_ = lambda self, *args, **kwargs: self.fill_(1)
     functional = torch.nn.functional
 
     def identity(input, *args, **kwargs):
