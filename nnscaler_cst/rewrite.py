@@ -340,7 +340,8 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
         split = StageSplit(trunk.function_span, trunk.loop_index, trunk.handoff, trunk.container, trunk.owner is not None,
                            trunk.recycle.loop if trunk.recycle else None,
                            tuple(trunk.recycle.carried) if trunk.recycle else (), tuple(trunk.unset),
-                           tuple(trunk.replays))
+                           tuple(trunk.replays),
+                           recycle_after=trunk.recycle is not None and trunk.recycle.after is not None)
         if trunk.function_span.path not in (str(main_source.path), str(analysis.sources.get(entry_path).path)):
             raise UserError("the loop over the blocks is in neither the model's file nor the entry",
                             trunk.function_span.start, hint="pipelines cut the file that holds the block loop")
