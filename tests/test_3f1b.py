@@ -401,6 +401,18 @@ def test_the_rewrite_runs_the_loops_passes_then_the_last_one_after_it(loop_then_
     assert "PIPELINE_PASSES = 3" in stage0
 
 
+def test_a_pass_written_before_the_recycling_loop_is_refused_at_its_call(tmp_path):
+    from nnscaler_cst.plan.pipeline import plan_stages
+    text = LOOP_THEN_LAST.replace("""        prev = torch.zeros_like(self.embed(tokens)[:, 0])
+""", """        prev = self.trunk(self.embed(tokens))[:, 0]
+""")
+    lines = text.splitlines()
+    loop = lines.index("            for _ in range(RECYCLES - 1):") + 1
+    with pytest.raises(UserError, match=f"run 4 times in one forward: in the loop at line {loop} and here") as refused:
+        plan_stages(_analyze(tmp_path, text).graph, 2, recycling=True)
+    assert refused.value.location.line == lines.index("        prev = self.trunk(self.embed(tokens))[:, 0]") + 1
+
+
 def test_pp_passes_gives_the_loop_its_passes_and_none_to_the_pass_after_it():
     from nnscaler_cst.runtime import _comm
     state = (_comm.PIPE.cycle, _comm.PIPE.passes)

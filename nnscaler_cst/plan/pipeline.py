@@ -529,6 +529,8 @@ def find_recycle(graph: Graph, trunk: Trunk) -> Recycle:
     loop_span = source.span_of(loop)
     after = None
     for other, around in straight:
+        if _class_of(source, other) is not _class_of(source, loop):     # another class's `self.NAME`
+            continue
         span = source.span_of(other)
         # a pass outside the loop is the last one: written once after the loop, in the same function,
         # run on every forward (no `if`, no other loop around it)
@@ -544,6 +546,12 @@ def find_recycle(graph: Graph, trunk: Trunk) -> Recycle:
     body = loop.body.body if isinstance(loop.body, cst.IndentedBlock) else [cst.SimpleStatementLine(loop.body.body)]
     carried = sorted((exposed_reads(body) & names_in(body, True)) - names_in([loop.target], False))
     return Recycle(loop_span, source.span_of(function), carried, runs, source.span_of(call), after)
+
+
+def _class_of(source, node: cst.CSTNode) -> cst.ClassDef | None:
+    while node is not None and not isinstance(node, cst.ClassDef):
+        node = source.parents.get(node)
+    return node
 
 
 def _between_passes(graph: Graph, node, recycle: Recycle, current: int, last: int, callers: dict) -> int:
