@@ -362,7 +362,8 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
         split = StageSplit(trunk.function_span, trunk.loop_index, trunk.handoff, trunk.container, trunk.owner is not None,
                            trunk.recycle.loop if trunk.recycle else None,
                            tuple(trunk.recycle.carried) if trunk.recycle else (), tuple(trunk.unset),
-                           tuple(trunk.replays))
+                           tuple(trunk.replays),
+                           recycle_after=trunk.recycle is not None and trunk.recycle.after is not None)
     loops = [c.function for c in chain] + ([split.function] if split is not None else [])
     files_read = {str(analysis.sources.get(p).path) for p in [*model_paths, entry_path]}
     outside = next((span for span in loops if span.path not in files_read), None)

@@ -310,6 +310,148 @@ def test_3f1b_on_a_submodule_trunk_carrying_one_value_passes_verify_on_gloo(tmp_
     assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr
 
 
+# The recycling loop written the other common way (issue 26): the no-gradient passes in a loop of
+# RECYCLES - 1 under `torch.no_grad()`, the last pass, with gradient, written again after the loop;
+# each pass writes the recycled row into a slice of its input (`m[:, 0] = m[:, 0] + ...`).
+LOOP_THEN_LAST = """import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+RECYCLES = 3
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, h):
+        return h + self.down(F.gelu(self.up(self.norm(h))))
+
+
+class Recycled(nn.Module):
+    def __init__(self, vocab=12, width=16, depth=2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.recycle_m = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, vocab)
+
+    def trunk(self, m):
+        for block in self.blocks:
+            m = block(m)
+        return m
+
+    def forward(self, tokens, targets):
+        prev = torch.zeros_like(self.embed(tokens)[:, 0])
+        with torch.no_grad():
+            for _ in range(RECYCLES - 1):
+                m = self.embed(tokens)
+                m[:, 0] = m[:, 0] + self.recycle_m(prev)
+                m = self.trunk(m)
+                prev = m[:, 0]
+        m = self.embed(tokens)
+        m[:, 0] = m[:, 0] + self.recycle_m(prev)
+        m = self.trunk(m)
+        return F.cross_entropy(self.head(m).flatten(0, 2), targets.flatten())
+
+
+def build():
+    torch.manual_seed(0)
+    return Recycled()
+
+
+def example_inputs():
+    return {"tokens": torch.randint(0, 12, (2, 4, 8)), "targets": torch.randint(0, 12, (2, 4, 8))}
+"""
+
+
+@pytest.fixture(scope="module")
+def loop_then_last(tmp_path_factory):
+    return _analyze(tmp_path_factory.mktemp("loop_then_last"), LOOP_THEN_LAST)
+
+
+def test_a_last_pass_written_after_a_no_grad_loop_is_counted_with_the_loops(loop_then_last):
+    """3 passes: 2 in the loop, 1 after it; the code between the loop and that pass (the embedding
+    and the recycled row's sum, through `self.embed`) runs on the first stage, as in the loop."""
+    from nnscaler_cst.plan.pipeline import plan_stages
+    lines = LOOP_THEN_LAST.splitlines()
+    plan = plan_stages(loop_then_last.graph, 2, recycling=True)
+    recycle = plan.trunk.recycle
+    assert recycle.passes == 3 and recycle.carried == ["prev"]
+    assert recycle.loop.line == lines.index("            for _ in range(RECYCLES - 1):") + 1
+    assert recycle.after.line == len(lines) - lines[::-1].index("        m = self.trunk(m)")
+    assert plan.shadow[1] == ["embed", "recycle_m"] and not plan.tied      # not held by the last stage
+
+
+def test_the_rewrite_runs_the_loops_passes_then_the_last_one_after_it(loop_then_last):
+    """The loop's actions run one pass each; the action of the last pass runs none of the loop's
+    and starts the pass after it from what the last stage handed back."""
+    from nnscaler_cst.rewrite import PlanRequest, rewrite
+    stage0 = rewrite(loop_then_last, PlanRequest(pp=2, schedule="3f1b", micro_batches=2)).files["model_stage0.py"]
+    assert ("            for _ in pp_passes(range(RECYCLES - 1), after=1):  # pipeline (3F1B): the pass this step "
+            "runs, one per pipeline action\n"
+            "                prev = pp_recycled(prev)  # pipeline: the first stage starts a later pass") in stage0
+    assert ("                pp_recycle(prev)  # pipeline: the last stage hands these to the first stage and ends "
+            "here, on every pass but the last\n"
+            "            prev = pp_recycled(prev)  # pipeline: so does the last pass, after the loop\n"
+            "        m = self.embed(tokens)\n") in stage0
+    assert "PIPELINE_PASSES = 3" in stage0
+
+
+def test_a_pass_written_before_the_recycling_loop_is_refused_at_its_call(tmp_path):
+    from nnscaler_cst.plan.pipeline import plan_stages
+    text = LOOP_THEN_LAST.replace("""        prev = torch.zeros_like(self.embed(tokens)[:, 0])
+""", """        prev = self.trunk(self.embed(tokens))[:, 0]
+""")
+    lines = text.splitlines()
+    loop = lines.index("            for _ in range(RECYCLES - 1):") + 1
+    with pytest.raises(UserError, match=f"run 4 times in one forward: in the loop at line {loop} and here") as refused:
+        plan_stages(_analyze(tmp_path, text).graph, 2, recycling=True)
+    assert refused.value.location.line == lines.index("        prev = self.trunk(self.embed(tokens))[:, 0]") + 1
+
+
+def test_pp_passes_gives_the_loop_its_passes_and_none_to_the_pass_after_it():
+    from nnscaler_cst.runtime import _comm
+    state = (_comm.PIPE.cycle, _comm.PIPE.passes)
+    try:
+        _comm.PIPE.passes = 3
+        runs = {}
+        for cycle in range(3):
+            _comm.PIPE.cycle = cycle
+            runs[cycle] = _comm.pp_passes(range(2), after=1)
+        assert runs == {0: [0], 1: [1], 2: []}
+        with pytest.raises(RuntimeError, match="the recycling loop runs 2 passes; the schedule was made for 3"):
+            _comm.pp_passes(range(2))
+        _comm.PIPE.cycle = None                    # the dry run: the last pass only
+        assert _comm.pp_passes(range(2), after=1) == [] and _comm.pp_passes(range(3)) == [2]
+    finally:
+        _comm.PIPE.cycle, _comm.PIPE.passes = state
+
+
+def test_tp_writes_a_split_value_into_a_slice_of_a_tensor_converted_for_the_write(loop_then_last):
+    """`m[:, 0] = m[:, 0] + self.recycle_m(prev)` with m gathered for the write: the value reads m
+    as the plan has it (split), so it is computed before m is rebound (as Python computes it before
+    the write), then written. Before: the value read the gathered m, and the dry run failed."""
+    from nnscaler_cst.rewrite import PlanRequest, rewrite
+    model = rewrite(loop_then_last, PlanRequest(tp=2)).files["model.py"]
+    assert ("        m = self.embed(tokens)\n"
+            "        m_written2 = tp_gather(m[:, 0] + self.recycle_m(prev), TP, dim=2)  # tp_gather: fwd: all-gather, "
+            "bwd: keep own slice\n"
+            "        m = tp_gather(m, TP, dim=3)  # tp_gather: fwd: all-gather, bwd: keep own slice\n"
+            "        m[:, 0] = m_written2\n") in model
+
+
+@pytest.mark.slow
+def test_3f1b_and_tp_on_a_loop_then_last_recycling_pass_verify_on_gloo(tmp_path):
+    (tmp_path / "recycled.py").write_text(LOOP_THEN_LAST)
+    result = _cli("verify", tmp_path / "recycled.py", "--pp", "2", "--tp", "2", "--schedule", "3f1b",
+                  "--micro-batches", "2")
+    assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr
+
+
 def test_verify_simulates_the_schedule_written_in_the_rank_files_with_its_passes():
     """check_schedules reads SCHEDULE (hand edits included) with its `r` passes and refuses a
     hand-edited order that would hang before any process starts."""

@@ -200,3 +200,123 @@ def test_coshard_on_one_device_keeps_less_than_the_plain_model_measured(tmp_path
     assert abs(c4["kept"] - c2["kept"]) <= 0.01 * c2["kept"]
     assert recompute["kept"] < c2["kept"]                 # recompute keeps less still: the blocks' inputs
     assert c2["peak"] < plain["peak"] and c4["peak"] <= c2["peak"]
+
+
+# ---- grouped-query attention: C among the factors that fit (issue 26, item 6) -------------------
+# 6 query heads, 2 kv heads widened to 6 by `repeat_interleave`: at --tp 2 each device holds 3
+# query heads and 1 kv head. C = 3 pieces fit the query heads; the region starts after the kv heads
+# are widened, as the 1 kv head before cannot be cut in 3 (before: refused, "cannot co-shard into
+# 2x64 pieces: `k` has 1 along dim 1", C = 64 being the last C tried).
+GQA = """import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Attention(nn.Module):
+    def __init__(self, width=48, heads=6, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, width // heads
+        self.q = nn.Linear(width, heads * self.head_dim, bias=False)
+        self.k = nn.Linear(width, kv_heads * self.head_dim, bias=False)
+        self.v = nn.Linear(width, kv_heads * self.head_dim, bias=False)
+        self.o = nn.Linear(heads * self.head_dim, width, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        scores = (q @ k.transpose(-2, -1)) / self.head_dim ** 0.5
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        att = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, -1)
+        return self.o(y)
+
+
+class Block(nn.Module):
+    def __init__(self, width=48):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = Attention(width)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class Decoder(nn.Module):
+    def __init__(self, vocab=32, width=48, depth=2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, idx, targets):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def build():
+    torch.manual_seed(0)
+    return Decoder()
+
+
+def example_inputs():
+    return torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
+"""
+
+# The same attention through torch's own grouped-query SDPA: it reads the 3 query heads and the
+# 1 kv head of a device together, and no C cuts both.
+GQA_SDPA = GQA.replace("""        k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        scores = (q @ k.transpose(-2, -1)) / self.head_dim ** 0.5
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        att = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, -1)
+""", """        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        y = y.transpose(1, 2).reshape(b, t, -1)
+""")
+
+
+def _analyzed(tmp_path: Path, text: str):
+    from nnscaler_cst.analysis import analyze
+    (tmp_path / "gqa.py").write_text(text)
+    return analyze(tmp_path / "gqa.py")
+
+
+def test_gqa_co_shards_the_query_heads_in_3_after_the_kv_heads_are_widened(tmp_path):
+    from nnscaler_cst.rewrite import PlanRequest, rewrite
+    model = rewrite(_analyzed(tmp_path, GQA), PlanRequest(plan="coshard", tp=2)).files["model.py"]
+    assert ("        v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)\n"
+            "        def _y_in_pieces(k, q, v):  # coshard: 3 pieces per device, one after another, recomputed in "
+            "backward\n"
+            "            scores = (q @ k.transpose(-2, -1)) / self.head_dim ** 0.5\n") in model
+    assert "        y = coshard(_y_in_pieces, 3, in_dims=(1, 1, 1), out_dims=2)(k, q, v)\n" in model
+
+
+def test_when_no_c_cuts_the_pieces_the_smallest_cs_reason_is_the_error_and_the_others_notes(tmp_path):
+    from nnscaler_cst.errors import UserError
+    from nnscaler_cst.rewrite import PlanRequest, build_plan
+    analysis = _analyzed(tmp_path, GQA_SDPA)
+    with pytest.raises(UserError) as refused:
+        build_plan(analysis, PlanRequest(plan="coshard", tp=2))
+    line = GQA_SDPA.splitlines().index("        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, "
+                                       "enable_gqa=True)") + 1
+    assert refused.value.message == "cannot co-shard into 2x2 pieces: `q` has 3 along dim 1 on each device"
+    assert refused.value.location.line == line
+    assert [text for _, text in refused.value.related] == [
+        "C=3: cannot co-shard into 2x3 pieces: `k` has 1 along dim 1 on each device"]
+
+
+@pytest.mark.slow
+def test_gqa_co_shard_at_tp_2_trains_like_the_single_device_run(tmp_path):
+    (tmp_path / "gqa.py").write_text(GQA)
+    out = tmp_path / "out"
+    result = cli("verify", tmp_path / "gqa.py", "--plan", "coshard", "--tp", 2, "-o", out, cwd=tmp_path)
+    assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr[-2000:]
+    assert "y = coshard(_y_in_pieces, 3, in_dims=(1, 1, 1), out_dims=2)(k, q, v)" in (out / "model.py").read_text()

@@ -38,6 +38,7 @@ class StageSplit:
     unset: tuple[str, ...] = ()     # hand-off names the first stage may not have bound: None first
     replays: tuple[Span, ...] = ()  # prologue calls that change state later stages hold: run there too
     chained: bool = False           # one trunk of a chain: its `self` says the stage's part (runtime pp_trunk)
+    recycle_after: bool = False     # the last pass is written after the recycling loop, which runs the others
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Context:
     assigned: dict[Span, list] = field(default_factory=dict)     # `x[i] = v` target span -> steps for v
     recompute: tuple[Span, ...] = ()                              # the block calls --recompute checkpoints
     in_program: bool = True         # the file becomes a rank's program (False: a mirror the stages share)
+    value_first: bool = False       # the current statement's value was moved to a line of its own before it
 
     def note(self, span: Span, text: str) -> None:
         fragments = self.notes.setdefault(span, [])
@@ -555,8 +557,13 @@ class SplitStages:
             return loop
         self.ctx.used.update({"pp_passes", "pp_recycled", "pp_recycle"})
         names = ", ".join(split.carried)
+        passes = [cst.Arg(loop.iter)]
+        if split.recycle_after:
+            passes = [passes[0].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
+                      cst.Arg(cst.Integer("1"), keyword=cst.Name("after"), equal=cst.AssignEqual(
+                          cst.SimpleWhitespace(""), cst.SimpleWhitespace("")))]
         loop = loop.with_changes(
-            iter=cst.Call(cst.Name("pp_passes"), [cst.Arg(loop.iter)]),
+            iter=cst.Call(cst.Name("pp_passes"), passes),
             body=loop.body.with_changes(header=cst.TrailingWhitespace(
                 whitespace=cst.SimpleWhitespace("  "),
                 comment=cst.Comment("# pipeline (3F1B): the pass this step runs, one per pipeline action"))))
@@ -566,7 +573,12 @@ class SplitStages:
                                    "from what the last stage handed back\n")
         give = cst.parse_statement(f"pp_recycle({names})  # pipeline: the last stage hands these to the first "
                                    "stage and ends here, on every pass but the last\n")
-        return loop.with_changes(body=loop.body.with_changes(body=[take, *loop.body.body, give]))
+        loop = loop.with_changes(body=loop.body.with_changes(body=[take, *loop.body.body, give]))
+        if not split.recycle_after:
+            return loop
+        last = cst.parse_statement(f"{names} = pp_recycled({names})  # pipeline: so does the last pass, after "
+                                   "the loop\n")
+        return cst.FlattenSentinel([loop, last])
 
 
 class _NoteReturns(cst.CSTTransformer):
@@ -627,6 +639,8 @@ class FileRewriter(cst.CSTTransformer):
         self.concerns = [ShardConstructors(ctx), LocalSizes(ctx), InsertCollectives(ctx), RecomputeBlocks(ctx)]
         self.stages = SplitStages(ctx)
         self.regions = CoshardRegions(ctx)
+        self.module = source.module
+        self.taken: set[str] | None = None      # every name the file spells, once a new one is needed
 
     def _span(self, node) -> Span:
         rng = self.get_metadata(PositionProvider, node)
@@ -745,7 +759,7 @@ class FileRewriter(cst.CSTTransformer):
         targets = [self._span(t.target) for t in original.targets]
         steps = next((self.ctx.assigned.pop(t) for t in targets if t in self.ctx.assigned), None)
         if steps is None:
-            return updated
+            return self._value_first(updated)
         if len(targets) > 1:
             raise UserError("cannot convert the value of a chained assignment for one of its targets",
                             targets[0].start, hint="assign each target on its own line")
@@ -753,12 +767,36 @@ class FileRewriter(cst.CSTTransformer):
         for step in steps:
             value = collective(step, value, AXIS)
             self.ctx.use(targets[0], step)
-        return updated.with_changes(value=value)
+        return self._value_first(updated.with_changes(value=value))
+
+    def _value_first(self, assign: cst.Assign) -> cst.Assign:
+        """`x[i] = f(x[i])` whose x is converted and rebound on a line before, for the write: f reads
+        x as the plan has it, before that conversion, so the value is computed first (as Python
+        computes it before the write) into a name of its own, and that name is written."""
+        rebound = {line.body[0].targets[0].target.value for line in self.ctx.before
+                   if isinstance(line.body[0], cst.Assign)}
+        read = _names_in(assign.value)
+        if not rebound & read:
+            return assign
+        if self.taken is None:
+            self.taken = _names_in(self.module)
+        stem = "_".join(sorted(rebound & read)) + "_written"
+        name = next(n for n in (stem, *(f"{stem}{k}" for k in range(2, 100))) if n not in self.taken)
+        self.taken.add(name)
+        self.ctx.before.insert(0, cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(cst.Name(name))],
+                                                                      assign.value)]))
+        self.ctx.value_first = True
+        return assign.with_changes(value=cst.Name(name))
 
     def leave_SimpleStatementLine(self, original, updated):
         before, self.ctx.before = self.ctx.before, []
         after, self.ctx.after = self.ctx.after, []
-        updated = self._comment(original, updated)
+        if self.ctx.value_first:        # the statement's conversions went to its value's own line
+            self.ctx.value_first = False
+            before[0] = self._comment(original, before[0].with_changes(leading_lines=updated.leading_lines))
+            updated = updated.with_changes(leading_lines=[])
+        else:
+            updated = self._comment(original, updated)
         return cst.FlattenSentinel([*before, updated, *after]) if before or after else updated
 
     def _comment(self, original, updated):

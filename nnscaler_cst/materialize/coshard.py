@@ -110,10 +110,17 @@ def _region(graph: Graph, plan: AxisChoices, sites: dict, lay, have, anchor: Nod
     if not fits(at):
         raise UserError(f"cannot co-shard {anchor.callee}: its statement needs communication, local sizes or a "
                         "split implementation, or is not an assignment", where)
+
+    def cut_evenly(a: int, b: int) -> bool:
+        """Every split tensor statements a..b read from before them divides into the pieces: the
+        region stops before a statement reading one that does not (grouped-query attention's kv
+        heads, fewer than the query heads: the region starts where they are widened)."""
+        return _undivided(graph, lay, executed(a, b), devices, chunks) is None
+
     first = last = at
-    while first > 0 and fits(first - 1):
+    while first > 0 and fits(first - 1) and cut_evenly(first - 1, last):
         first -= 1
-    while last + 1 < len(body) and fits(last + 1):
+    while last + 1 < len(body) and fits(last + 1) and cut_evenly(first, last + 1):
         last += 1
     inside = executed(first, last)
     if not all(works_slice_by_slice(graph.nodes[i]) for i in inside):
@@ -151,6 +158,21 @@ def _inputs(graph: Graph, source: SourceFile, lay, inside: set[int], n: int, chu
                                 f"{layout.dim} on each device", where,
                                 hint="choose a number of pieces per device that divides it")
     return tuple(found.items())
+
+
+def _undivided(graph: Graph, lay, inside: set[int], n: int, chunks: int) -> tuple[Node, int, int] | None:
+    """The first split tensor the nodes `inside` read from outside them whose size on each of the
+    `n` devices, along its split dim, the `chunks` pieces do not divide: (reader, size, dim)."""
+    tensors = graph.trace.tensors
+    for index in sorted(inside):
+        node = graph.nodes[index]
+        for operand in node.operands:
+            if operand.tid is None or tensors[operand.tid].producer in inside:
+                continue
+            layout = lay(node).inputs.get(operand.name)
+            if layout is not None and layout.kind != "R" and (tensors[operand.tid].shape[layout.dim] // n) % chunks:
+                return node, tensors[operand.tid].shape[layout.dim] // n, layout.dim
+    return None
 
 
 def _operand_expr(call, path):

@@ -56,25 +56,28 @@ def region_bytes(graph: Graph, regions: list, n: int) -> tuple[float, float]:
 def choose_chunks(graph: Graph, n: int, base_memory: float, budget: float | None,
                   regions_for: Callable[[int], list], fixed: int | None = None) -> CoshardChoice:
     """The smallest C whose memory fits `budget` (C = `fixed` when the table or an annotation
-    names it). `regions_for(C)`: the co-shard regions with C pieces per device, or a UserError
-    when C does not divide what they cut."""
+    names it), among those the regions can be cut into. `regions_for(C)`: the co-shard regions
+    with C pieces per device, or a UserError when C does not divide what they cut; when no C
+    can be cut, the smallest one's reason is the error."""
     tried: list[str] = []
-    last_error: UserError | None = None
+    refused: dict[str, tuple[int, UserError]] = {}      # each distinct reason, at the smallest C giving it
     for chunks in ([fixed] if fixed else range(2, MAX_PIECES + 1)):
         try:
             regions = regions_for(chunks)
         except UserError as exc:
             if fixed:
                 raise
-            last_error = exc
+            refused.setdefault(exc.message.partition(": ")[2] or exc.message, (chunks, exc))
             continue
         saved, peak = region_bytes(graph, regions, n)
         memory = base_memory - saved + peak / chunks
         if budget is None or memory <= budget:
             return CoshardChoice(chunks, memory, saved, peak, regions)
         tried.append(f"C={chunks}: {format_bytes(memory)}")
-    if not tried and last_error is not None:
-        raise last_error
+    if not tried and refused:       # no C can be cut: the smallest one's reason, the others' as notes
+        (_, first), *others = refused.values()
+        notes = [(exc.location or first.location, f"C={chunks}: {exc.message}") for chunks, exc in others[:3]]
+        raise UserError(first.message, first.location, first.hint, [*first.related, *notes])
     raise UserError(f"no co-shard factor fits the memory budget of {format_bytes(budget)} per device "
                     f"({'; '.join(tried)})", hint="raise --memory-budget, or use more devices")
 

@@ -55,6 +55,9 @@ class Recycle:
     carried: list[str]             # names the body reads before setting them and sets again
     passes: int                    # N: how often the trunk runs in one forward
     call: Span | None = None       # the call of the cut function in it
+    # the last pass written after the loop (`for _ in range(n - 1): ...` under no_grad, then the
+    # pass with gradient): its call of the cut function; the loop runs the N - 1 before it
+    after: Span | None = None
 
 
 @dataclass(frozen=True)
@@ -494,6 +497,7 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
         last_pass = min(n for n in starts if n > before)
     node_stage = {}
     current = 0
+    callers: dict = {}
     for node in graph.nodes:
         if node.index in block_of:
             current = stage_of_block[block_of[node.index]]
@@ -501,7 +505,7 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
             current = stages - 1
         elif trunk.recycle is not None and node.index < last_pass:   # between two passes: before the
             # trunk's call or after it
-            current = _between_passes(node, trunk.recycle, current, stages - 1)
+            current = _between_passes(graph, node, trunk.recycle, current, stages - 1, callers)
         node_stage[node.index] = current if node.index >= first else 0
     seconds = [0.0] * stages
     for node in graph.nodes:
@@ -517,62 +521,128 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
 def find_recycle(graph: Graph, trunk: Trunk) -> Recycle:
     """The `for` loop that calls the function holding the block loop (recycling: AlphaFold2 runs
     its trunk N times). The call is `self.NAME(...)` of the cut method, or, when the cut function
-    is a module's forward, that module's call; the nearest `for` around it is the loop."""
+    is a module's forward, that module's call; the nearest `for` around it is the loop. One more
+    call, after the loop in the same function, may run the last pass (the one with gradient)."""
     runs = graph.trace.module_runs.get(trunk.blocks[0], 1)
     span = trunk.function_span
     source = graph.sources.get(span.path)
     name = trunk.function.name.value
-    calls = []
+    func, scope = cst.Attribute(cst.Name("self"), cst.Name(name)), source.module
     if name == "forward":
         owner = trunk.owner if trunk.owner is not None else trunk.container.rpartition(".")[0]
         site = graph.trace.module_calls.get(owner)
-        if site is not None and site[0].path == span.path:
-            node = source.node_at(site[0].line, site[0].col, site[0].end_line, site[0].end_col)
-            if node is not None:
-                calls.append(node)
-    else:
-        class Calls(cst.CSTVisitor):
-            def visit_Call(self, call: cst.Call) -> None:
-                func = call.func
-                if isinstance(func, cst.Attribute) and func.attr.value == name and isinstance(func.value, cst.Name) \
-                        and func.value.value == "self":
-                    calls.append(call)
-        source.module.visit(Calls())
+        node = source.node_at(site[0].line, site[0].col, site[0].end_line, site[0].end_col) if (
+            site is not None and site[0].path == span.path) else None
+        func, scope = (node.func, source.parents.get(node)) if isinstance(node, cst.Call) else (None, None)
+        while scope is not None and not isinstance(scope, cst.FunctionDef):    # the module's other calls
+            scope = source.parents.get(scope)                                   # there: `self.stack(...)`
+    calls = []
+
+    class Calls(cst.CSTVisitor):
+        def visit_Call(self, call: cst.Call) -> None:
+            if call.func.deep_equals(func):
+                calls.append(call)
+    if scope is not None:
+        scope.visit(Calls())
     hint = ("3F1B pipelines a trunk run in a `for` loop (recycling): `for cycle in range(n): ... x = "
-            f"self.{name}(x) ...` in the model's main file")
-    loops = []
+            f"self.{name}(x) ...` in the model's main file, the last pass in the loop or after it")
+    looped, straight = [], []
     for call in calls:
-        loop = source.parents.get(call)
-        while loop is not None and not isinstance(loop, (cst.For, cst.While, cst.FunctionDef)):
-            loop = source.parents.get(loop)
-        if isinstance(loop, cst.For):
-            loops.append(loop)
+        around = source.parents.get(call)
+        while around is not None and not isinstance(around, (cst.For, cst.While, cst.If, cst.Try, cst.FunctionDef)):
+            around = source.parents.get(around)
+        (looped if isinstance(around, cst.For) else straight).append((call, around))
+    loops = [loop for _, loop in looped]
     if len(loops) != 1:
         what = "no `for` loop calls it" if not loops else f"{len(loops)} loops call it"
         raise UserError(f"the blocks of {trunk.container} run {runs} times in one forward, and {what}, so the "
                         "3F1B schedule cannot tell which loop recycles them",
                         graph.trace.module_calls[trunk.blocks[0]][0].start, hint=hint)
-    loop = loops[0]
+    call, loop = looped[0]
+    loop_span = source.span_of(loop)
+    after = None
+    for other, around in straight:
+        if _class_of(source, other) is not _class_of(source, loop):     # another class's `self.NAME`
+            continue
+        span = source.span_of(other)
+        # a pass outside the loop is the last one: written once after the loop, in the same function,
+        # run on every forward (no `if`, no other loop around it)
+        if after is not None or not isinstance(around, cst.FunctionDef) or (span.line, span.col) < (
+                loop_span.end_line, loop_span.end_col) or not source.span_of(around).contains(loop_span):
+            raise UserError(f"the blocks of {trunk.container} run {runs} times in one forward: in the loop at "
+                            f"line {loop_span.line} and here, which 3F1B cannot run as one pass per pipeline "
+                            "action", span.start, hint=hint)
+        after = span
     function = source.parents.get(loop)
     while function is not None and not isinstance(function, cst.FunctionDef):
         function = source.parents.get(function)
     body = loop.body.body if isinstance(loop.body, cst.IndentedBlock) else [cst.SimpleStatementLine(loop.body.body)]
     carried = sorted((exposed_reads(body) & names_in(body, True)) - names_in([loop.target], False))
-    return Recycle(source.span_of(loop), source.span_of(function), carried, runs, source.span_of(calls[0]) if len(
-        calls) == 1 else None)
+    return Recycle(loop_span, source.span_of(function), carried, runs, source.span_of(call), after)
 
 
-def _between_passes(node, recycle: Recycle, current: int, last: int) -> int:
+def _class_of(source, node: cst.CSTNode) -> cst.ClassDef | None:
+    while node is not None and not isinstance(node, cst.ClassDef):
+        node = source.parents.get(node)
+    return node
+
+
+def _between_passes(graph: Graph, node, recycle: Recycle, current: int, last: int, callers: dict) -> int:
     """The stage of an op run between two passes of the recycling loop: the loop's code after the
     trunk's call runs on the last stage (which ends the pass), the code before it (the next pass's
-    inputs) on the first; an op inside a function the loop calls stays with the code around it."""
+    inputs) on the first, and so does the code between the loop and a last pass written after it.
+    An op inside a function that code calls (`m, z = self.embed(msa)`) goes where the calls of that
+    function are; one whose function is called in both places, or elsewhere, stays with the op before."""
     span = node.span
-    if span is None or not recycle.loop.contains(span):
+    if span is None:
         return current
-    call = recycle.call
-    if call is not None and (span.line, span.col) >= (call.end_line, call.end_col):
+    if not recycle.function.contains(span):
+        if span not in callers:
+            callers[span] = {_recycling_stage(call, recycle, last) for call in _calls_of_function(graph, span, recycle)}
+        stages = callers[span] - {None}
+        return stages.pop() if len(stages) == 1 and None not in callers[span] else current
+    past_loop = recycle.after is not None and (span.line, span.col) >= (recycle.loop.end_line, recycle.loop.end_col)
+    if not recycle.loop.contains(span) and not past_loop:
+        return current
+    return _recycling_stage(span, recycle, last)
+
+
+def _recycling_stage(span: Span, recycle: Recycle, last: int) -> int | None:
+    """First or last stage for code of the function holding the recycling loop, by where it lies:
+    before the loop or a pass's trunk call on the first, after one on the last."""
+    if not recycle.function.contains(span):
+        return None
+    start, end = (span.line, span.col), (span.end_line, span.end_col)
+    if start < (recycle.loop.line, recycle.loop.col):
+        return 0
+    if recycle.after is not None and (recycle.loop.end_line, recycle.loop.end_col) <= start:
+        return 0 if end <= (recycle.after.line, recycle.after.col) else last
+    if not recycle.loop.contains(span):
         return last
-    return 0
+    call = recycle.call
+    return last if call is not None and (span.line, span.col) >= (call.end_line, call.end_col) else 0
+
+
+def _calls_of_function(graph: Graph, span: Span, recycle: Recycle) -> list[Span]:
+    """The calls, in the function holding the recycling loop, of the function whose code `span` is
+    (`self.embed(...)` or `embed(...)`)."""
+    source = graph.sources.get(span.path)
+    inner = source.node_at(span.line, span.col, span.end_line, span.end_col)
+    while inner is not None and not isinstance(inner, cst.FunctionDef):
+        inner = source.parents.get(inner)
+    if inner is None:
+        return []
+    holder = graph.sources.get(recycle.function.path)
+    name, calls = inner.name.value, []
+
+    class Calls(cst.CSTVisitor):
+        def visit_Call(self, call: cst.Call) -> None:
+            func = call.func
+            if (isinstance(func, cst.Name) and func.value == name) or (
+                    isinstance(func, cst.Attribute) and func.attr.value == name):
+                calls.append(holder.span_of(call))
+    holder.module.visit(Calls())
+    return [call for call in calls if recycle.function.contains(call)]
 
 
 def _check_blocks_run_once(graph: Graph, trunk: Trunk) -> None:

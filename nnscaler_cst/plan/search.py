@@ -8,6 +8,8 @@ naming each constraint's file and line.
 """
 from __future__ import annotations
 
+import functools
+
 import math
 import re
 from collections import defaultdict
@@ -27,7 +29,7 @@ from .eliminate import Combination, GaveUp, TooWide, minimize_avoiding
 from .layouts import REPLICATE, R, Layout, layouts_for
 from .memory import saved_bytes
 from .refine import refine_factors
-from .tables import Constraint, leaves_partial_param_grad
+from .tables import Constraint, _matrices, leaves_partial_param_grad, residual_labels, splits_every_matrix
 from .whole_sizes import dims_read_whole, splits_read_size
 
 SiteId = tuple
@@ -336,7 +338,30 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
     """The cheapest per-site split satisfying `constraints`; `data_parallel` divides the batch,
     and each data-parallel slice runs in `micro_batches` pieces. `explain`: when no split satisfies
     the constraints, name the ones in conflict (z3's unsat core; --plan auto, trying every size,
-    only needs to know)."""
+    only needs to know). Megatron's layout of the blocks (splitting-the-residual) is kept where
+    it fits: when no plan has it together with the other constraints, the plan is solved without
+    it, with a warning saying why."""
+    solve = functools.partial(_search_axis, graph, axis, n, device=device, memory_budget=memory_budget,
+                              data_parallel=data_parallel, micro_batches=micro_batches,
+                              every_size_read=every_size_read, explain=explain)
+    layout = [c for c in constraints if c.forbid == "splitting-the-residual"]
+    if not layout:
+        return solve(constraints)
+    try:
+        return solve(constraints)
+    except UserError as exc:
+        if not exc.message.startswith(f"no {axis} plan on {n} devices satisfies"):
+            raise
+        plan = solve([c for c in constraints if c not in layout])
+        plan.left_whole.append(f"{layout[0].location}: warning: {layout[0].id}: no plan splits every block by heads "
+                               f"and hidden together with the other constraints ({exc.message}); the blocks are split "
+                               "as the cost model prefers")
+        return plan
+
+
+def _search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint], *, device: DeviceSpec,
+                 memory_budget: float | None, data_parallel: int, micro_batches: int, every_size_read: bool,
+                 explain: bool) -> AxisPlan:
     _refined(graph)
     tensors = graph.trace.tensors
     options = site_options(graph, n, data_parallel * micro_batches, every_size_read)
@@ -344,6 +369,7 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
     var = {sid: z3.Int(f"site{k}") for k, sid in enumerate(sids)}
     restricted: dict[str, list[SiteId]] = defaultdict(list)
     left_whole: list[str] = []           # warnings: weight matrices no valid split of this instance splits
+    kept_whole: set[SiteId] = set()      # ... their sites
     narrowed_to: list[tuple[SiteId, list[int], Constraint]] = []     # what each tracked constraint leaves a site
     for sid in sids:
         if not options[sid].options:        # never expected: replicating fits every instance
@@ -367,6 +393,14 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
             opts = options[sid]
             if sid in cannot:
                 left_whole.append(_left_whole_warning(graph, options, sid, n))
+                kept_whole.add(sid)
+                continue
+            if not allowed and constraint.forbid == "splitting-the-residual":
+                # Megatron's layout does not fit this layer here: another split of its weights
+                # instead, said where its dim exists (a layer kept whole has its own warning)
+                warning = _not_megatron_warning(graph, options, sid, n) if sid not in kept_whole else None
+                if warning:
+                    left_whole.append(warning)
                 continue
             if len(allowed) < len(opts.options):
                 restricted[constraint.id].append(sid)
@@ -609,6 +643,32 @@ def _left_whole_warning(graph: Graph, options, sid: SiteId, n: int) -> str:
     others = f" (so do its {len(opts.nodes) - 1} more calls from this line)" if len(opts.nodes) > 1 else ""
     return (f"{where}: warning: {sid[1]} keeps its weights whole on every tensor-parallel rank, "
             f"no split of them works {n} ways: " + ", ".join(named or sorted(set(opts.why.values()))) + others)
+
+
+def _weights_named(graph: Graph, index: int) -> str:
+    """`h.0.mlp.fc_1.weight (63, 32)`: the weight matrices an op holds, with their sizes."""
+    tensors = graph.trace.tensors
+    return ", ".join(f"{tensors[tid].param} {tuple(tensors[tid].shape)}" for name, tid in graph.param_operands(index)
+                     if name in _matrices(graph, index))
+
+
+def _not_megatron_warning(graph: Graph, options, sid: SiteId, n: int) -> str | None:
+    """Why a block's layer is not split by heads or hidden (Megatron's layout) though its weights
+    have such a dim: the split's problem at this size. None for a layer whose weights have no
+    other dim than the block's width (a single matrix from the residual stream back to it)."""
+    index = options[sid].nodes[0]
+    dims = graph.dims.get(index)
+    residual = residual_labels(graph, index)
+    megatron = [label for label in (dims.splittable() if dims is not None else [])
+                if label not in residual and splits_every_matrix(graph, index, label)]
+    if not megatron:
+        return None
+    sizes = dims.sizes()
+    reasons = "; ".join(f"{label} = {sizes.get(label)}: {options[sid].why.get(label, 'its calls agree on no layout')}"
+                        for label in megatron)
+    where = _site_location(graph, options, sid) or "?"
+    return (f"{where}: warning: {sid[1]} is not split by heads or hidden as Megatron splits a block "
+            f"({_weights_named(graph, index)}): {reasons}; its weights are split along the blocks' width instead")
 
 
 Weighted = list[tuple[z3.BoolRef, int]]     # a sum: each weight counts when its condition holds

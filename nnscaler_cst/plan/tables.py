@@ -84,6 +84,9 @@ class Constraint:
             return label == REPLICATE or dims is None or all(
                 name not in dims.inputs or dims.inputs[name].where(label) is None
                 for name, tid in graph.param_operands(index) if graph.trace.tensors[tid].param in self.select["params"])
+        if self.forbid == "splitting-the-residual":      # Megatron's layout: by heads / hidden
+            return label != REPLICATE and label not in residual_labels(graph, index) and splits_every_matrix(
+                graph, index, label)
         if self.algo in (None, "batch"):
             return True
         if self.algo == "replicate":
@@ -175,6 +178,73 @@ def weights_left_whole(graph: Graph) -> list[str]:
                 site.problem or "no split rule")
             out.append(f"{site.span.start}: warning: {site.callee} is replicated on every tensor-parallel rank "
                        f"({why}); add a rule to rules/ops/*.toml to split it")
+    return out
+
+
+def splits_every_matrix(graph: Graph, index: int, label: str) -> bool:
+    """`label` runs through every weight matrix the op holds."""
+    dims = graph.dims.get(index)
+    return dims is not None and all(name in dims.inputs and dims.inputs[name].where(label) is not None
+                                    for name in _matrices(graph, index))
+
+
+def residual_labels(graph: Graph, index: int) -> frozenset[str]:
+    """For an op holding a weight matrix inside a repeated block: the labels of its weights that its
+    activation on the block's residual side carries too (the width of the stream the blocks add to).
+    Megatron splits a block's matrices by the other dim of each (heads, hidden): the first matrix
+    of a path through the block by its output (column), the last by its input (row), so the block
+    needs one collective each way, whatever the shapes. Empty outside blocks."""
+    cache = graph.__dict__.get("_residual_labels")
+    if cache is None:
+        cache = graph.__dict__["_residual_labels"] = _residual_labels(graph)
+    return cache.get(index, frozenset())
+
+
+def _residual_labels(graph: Graph) -> dict[int, frozenset[str]]:
+    """The residual side of each block instance: its inputs from outside (not parameters), and
+    what ops holding no weight matrix make of them at the same shape (norms, residual sums); and
+    backwards from what leaves the block, through such ops, to the operands of that shape."""
+    tensors = graph.trace.tensors
+    paths = sorted({p for ps in graph.blocks.values() for p in ps}, key=len)
+    members: dict[str, list[int]] = {}
+    for node in graph.nodes:
+        where = node.module_path or ""
+        block = next((p for p in paths if where == p or where.startswith(p + ".")), None)
+        if block is not None:
+            members.setdefault(block, []).append(node.index)
+    out: dict[int, frozenset[str]] = {}
+    for indices in members.values():
+        inside = set(indices)
+        matrix = {i for i in inside if _matrices(graph, i)}
+        if not matrix:
+            continue
+        made = {tid for i in inside for tid in graph.nodes[i].outputs}
+
+        def activations(i):
+            return [op.tid for op in graph.nodes[i].operands if op.tid is not None and tensors[op.tid].param is None]
+
+        side = {tid for i in inside for tid in activations(i) if tid not in made}      # the block's inputs
+        for i in sorted(inside - matrix):
+            for tid in activations(i):
+                if tid in side:
+                    side.update(t for t in graph.nodes[i].outputs if tensors[t].shape == tensors[tid].shape)
+        leaving = {tid for tid in made if any(c not in inside for c, _ in graph.consumers.get(tid, ()))}
+        for i in sorted(inside - matrix, reverse=True):
+            for tid in graph.nodes[i].outputs:
+                if tid in leaving:
+                    leaving.update(t for t in activations(i) if tensors[t].shape == tensors[tid].shape)
+        side |= leaving
+        for i in matrix:
+            dims = graph.dims.get(i)
+            if dims is None:
+                continue
+            weights = set().union(*(dims.inputs[name].labels() for name in _matrices(graph, i) if name in dims.inputs))
+            node = graph.nodes[i]
+            carried = [dims.inputs[op.name].labels() for op in node.operands
+                       if op.tid in side and tensors[op.tid].param is None and op.name in dims.inputs]
+            carried += [dims.outputs[k].labels() for k, tid in enumerate(node.outputs)
+                        if tid in side and k < len(dims.outputs)]
+            out[i] = frozenset(weights & set().union(*carried)) if carried else frozenset()
     return out
 
 

@@ -950,13 +950,15 @@ class RecycleBoundary(Exception):
         self.values = values
 
 
-def pp_passes(passes):
-    """Recycling (3F1B): of the loop's passes, the one this pipeline action runs."""
+def pp_passes(passes, after: int = 0):
+    """Recycling (3F1B): of the loop's passes, the one this pipeline action runs. `after`: passes
+    the forward runs after the loop (the last one, with gradient); their actions run no pass of it."""
     passes = list(passes)
-    if PIPE.cycle is None:
-        return passes[-1:]
-    if len(passes) != PIPE.passes:
-        raise RuntimeError(f"the recycling loop runs {len(passes)} passes; the schedule was made for {PIPE.passes}")
+    if PIPE.cycle is None:          # the last pass only
+        return [] if after else passes[-1:]
+    if len(passes) + after != PIPE.passes:
+        runs = f"the recycling loop runs {len(passes)} passes" + (f" and {after} follows it" if after else "")
+        raise RuntimeError(f"{runs}; the schedule was made for {PIPE.passes}")
     return passes[PIPE.cycle:PIPE.cycle + 1]
 
 
