@@ -710,8 +710,8 @@ def test_a_tensor_inside_a_tuple_argument_carries_a_gradient_if_any_instance_doe
     assert grad[(einsum[0].span, (*path, 0))] and grad[(einsum[0].span, (*path, 1))]
 
 
-# diffusers' ResnetBlock2D: the time embedding's projection, indexed where it is made. With the
-# embedding's MLP split by columns, the projection is split by rows; its bias is added once.
+# diffusers' ResnetBlock2D: the time embedding's projection, indexed where it is made. Behind a
+# column-split layer of the block, the projection is split by rows; its bias is added once.
 TIME_EMBEDDING = '''
 import torch
 import torch.nn as nn
@@ -724,12 +724,13 @@ class ResBlock(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv1 = nn.Conv2d(C, C, 3, padding=1)
+        self.time_in = nn.Linear(E, E)
         self.time_emb_proj = nn.Linear(E, C)
         self.conv2 = nn.Conv2d(C, C, 3, padding=1)
 
     def forward(self, x, temb):
         h = self.conv1(F.silu(x))
-        temb = self.time_emb_proj(F.silu(temb))[:, :, None, None]
+        temb = self.time_emb_proj(F.silu(self.time_in(temb)))[:, :, None, None]
         h = h + temb
         return x + self.conv2(F.silu(h))
 
@@ -768,7 +769,7 @@ def test_a_row_split_linear_indexed_where_it_is_made_adds_its_bias_after_the_red
     path = tmp_path / "time_embedding.py"
     path.write_text(TIME_EMBEDDING.lstrip())
     files = rewrite(analyze(path), PlanRequest(tp=2)).files
-    assert "temb = (tp_reduce(torch.nn.functional.linear(F.silu(temb), self.time_emb_proj.weight), TP) " \
+    assert "temb = (tp_reduce(torch.nn.functional.linear(F.silu(self.time_in(temb)), self.time_emb_proj.weight), TP) " \
            "+ self.time_emb_proj.bias)[:, :, None, None]" in files["model.py"]
 
 
@@ -784,11 +785,13 @@ def test_a_row_split_linear_whose_result_is_stored_is_not_offered(tmp_path):
 
     path = tmp_path / "stored_embedding.py"
     path.write_text(TIME_EMBEDDING.lstrip().replace(
-        "        temb = self.time_emb_proj(F.silu(temb))[:, :, None, None]\n",
-        "        self.temb = self.time_emb_proj(F.silu(temb))\n        temb = self.temb[:, :, None, None]\n"))
+        "        temb = self.time_emb_proj(F.silu(self.time_in(temb)))[:, :, None, None]\n",
+        "        self.temb = self.time_emb_proj(F.silu(self.time_in(temb)))\n        temb = self.temb[:, :, None, None]\n"))
     analysis = analyze(path)
     plan = search_axis(analysis.graph, "tp", 2, load_table("megatron").for_axis("tp"))
-    site = next(o for sid, o in plan.options.items() if sid[0].line == 17 and sid[1] == "torch.nn.Linear")
+    line = path.read_text().splitlines().index("        self.temb = self.time_emb_proj(F.silu(self.time_in(temb)))") + 1
+    site = next(o for sid, o in plan.options.items() if sid[0].line == line and sid[0].col == 20
+                and sid[1] == "torch.nn.Linear")
     reduced = [label for label in analysis.graph.dims[site.nodes[0]].reduced]
     assert reduced and not set(reduced) & set(site.options)
     assert "stored or unpacked where it is made" in site.why[reduced[0]]

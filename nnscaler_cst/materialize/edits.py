@@ -578,8 +578,13 @@ def _ctor_edits(graph: Graph, edits: Edits) -> None:
         ctor_list = edits.ctors.setdefault(info.ctor_span, [])
         if all(e.aliases != aliases for e in ctor_list):
             ctor_list.append(CtorEdit(aliases, edits.n, note, len(info.shape) if factory else None))
-        for other in [] if factory else rule.divided_with(aliases):
-            if _layer_holds(graph, name, other, info.shape[layout.dim]) and all(e.aliases != other for e in ctor_list):
+        companions = [] if factory else rule.divided_with(aliases)
+        # all of them at that size, or none divided: a depthwise conv holds in_channels and groups at
+        # its out_channels; a conv whose in_channels only happens to equal out_channels is no such layer
+        if not all(_layer_holds(graph, name, other, info.shape[layout.dim]) for other in companions):
+            companions = []
+        for other in companions:
+            if all(e.aliases != other for e in ctor_list):
                 named = "/".join(a for a in other if not a.startswith("arg"))
                 ctor_list.append(CtorEdit(other, edits.n, f"{named} / {edits.n} with it"))
     # a constructor used for both split and whole parameters cannot be rewritten in place
