@@ -93,7 +93,7 @@ def rank_main(argv: list[str]) -> None:
                     _, saved[name] = saved_bytes(lambda: model(*batch))
                 dist.barrier()
                 start = time.perf_counter()
-                loss = train.train_step(model, opt, batch, module)
+                loss = package.train_step(model, opt, batch)
                 if step:                                     # the first step of a round warms up
                     times[name].append(time.perf_counter() - start)
                 if r == 0:

@@ -7,10 +7,22 @@ INIT = '''"""{title}
 build(rank)                 this rank's model (its source: the program program(rank) names)
 shard_state_dict(sd, rank)  a single-device state dict -> this rank's share of it
 merge_state_dicts(sds)      every rank's state dict -> one single-device state dict
+
+Training in your own loop (train.py is one such loop; docs: docs/training.md of nnscaler-rewrite):
+setup()                                 process groups of this mesh (torchrun's RANK, WORLD_SIZE)
+optimizer_params(model)                 what the optimizer steps (ZeRO: this rank's shard)
+forward_backward(model, batch)          this rank's share of the full batch, forward and backward
+                                        (a pipeline: its whole schedule); the full batch's loss
+finish_backward(model)                  every gradient sync the plan needs
+optimizer_step(model, optimizer)        the step, gradients cleared
 """
 import importlib
+import os
 
 import torch
+import torch.distributed as dist
+
+from . import _comm
 
 WORLD_SIZE = {world}
 TP_SIZE = {tp}  # rank = (pp_rank * DP_SIZE + dp_rank) * TP_SIZE + tp_rank: tp varies fastest
@@ -218,15 +230,15 @@ def merge_state_dicts(state_dicts):
         for alias in PARAMETER_ALIASES.get(name, []):
             merged.setdefault(alias, merged[name])
     return merged
-'''
+{training}'''
 
-TRAIN = '''"""torchrun entry for {source} ({plan}).
+TRAIN = '''"""torchrun entry for {source} ({plan}): a loop of the training API in __init__.py.
 
     torchrun --nproc-per-node {world} {folder}/train.py --steps 10
 
 Initialises torch.distributed (NCCL and the local GPU when CUDA is there, gloo on CPU
-otherwise), builds this rank's model, optionally loads its share of a single-device
-checkpoint (--init), and trains on the entry file's example_inputs().
+otherwise), builds this rank's model, optionally loads its share of a single-device state dict
+(--init), and trains on the entry file's example_inputs().
 """
 import argparse
 import importlib
@@ -234,7 +246,6 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 if __package__ in (None, ""):  # run as a script: import the output folder as a package
     _here = os.path.dirname(os.path.abspath(__file__))
@@ -242,55 +253,30 @@ if __package__ in (None, ""):  # run as a script: import the output folder as a 
     __package__ = os.path.basename(_here)
     importlib.import_module(__package__)
 
+from . import PRECISIONS, build, finish_backward, forward_backward
+from . import optimizer_params, optimizer_step, rank_module, setup, shard_state_dict, use_precision
 from . import _comm
-from . import DP_SIZE, PP_SIZE, TP_SIZE, WORLD_SIZE, build, rank_module, shard_state_dict
-from . import PARAMETER_ALIASES, global_key
-
-# Whole parameters whose gradient each tensor-parallel rank holds only in part.
-TP_PARTIAL_GRADS = [{partial}]
-{loss_shares}
-
-def split_batch(batch):
-    """This data-parallel rank's share of a batch: its slice of dim 0 of every tensor."""
-    def share(x):
-        if isinstance(x, torch.Tensor) and x.dim() > 0 and _comm.DP.size > 1:
-            return x.chunk(_comm.DP.size, dim=0)[_comm.DP.rank]
-        return x
-    if isinstance(batch, dict):
-        return {{k: share(v) for k, v in batch.items()}}
-    return tuple(share(v) for v in batch)
-
-
-def loss_of(module, output):
-    if hasattr(module, "loss"):
-        return module.loss(output)
-    return output if isinstance(output, torch.Tensor) else output.loss
-
-
-{pipeline_step}
-{optimizer_params}
-
-def train_step(model, optimizer, batch, module):
-    """One optimizer step on the full batch; returns the full batch's loss."""
-    inputs = split_batch(batch)
-{gather_before_forward}    output = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
-    loss = loss_of(module, output)
-    loss.backward()
-    named = dict(model.named_parameters())
-    _comm.sync_grads([named[n] for n in TP_PARTIAL_GRADS if n in named], _comm.TP, average=False)
-{dp_update}    full = loss.detach().clone()
-    if _comm.DP.size > 1:  # the full batch's loss from the data-parallel shares
-        dist.all_reduce(full, group=_comm.DP.group)
-        if AVERAGE_SHARES:
-            full /= _comm.DP.size
-    return full.item()
 
 
 def batch_for(module, step, seed, device):
     torch.manual_seed(seed + step)  # every rank draws the same full batch
     batch = module.example_inputs()
+    return moved(batch, device)
+
+
+def moved(batch, device):
     move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x
     return {{k: move(v) for k, v in batch.items()}} if isinstance(batch, dict) else tuple(map(move, batch))
+
+
+def user_batches(spec, start, device):
+    """--data MODULE:FN: FN() yields full batches (the same on every rank), as example_inputs()
+    returns one; a resumed run skips the batches of the steps already taken."""
+    module_name, _, function = spec.partition(":")
+    batches = getattr(importlib.import_module(module_name), function)()
+    for step, batch in enumerate(batches):
+        if step >= start:
+            yield moved(batch, device)
 
 
 def main():
@@ -299,16 +285,16 @@ def main():
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--init", help="single-device state dict (torch.save) to start from")
+    parser.add_argument("--precision", choices=sorted(PRECISIONS), help="forward's compute dtype (autocast); "
+                        "default the one rewritten in")
     args = parser.parse_args()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    assert world == WORLD_SIZE, f"this output was generated for {{WORLD_SIZE}} processes"
-    _comm.setup(rank, world, tp=TP_SIZE, dp=DP_SIZE, pp=PP_SIZE,
-                pp_replicas=rank_module(rank).PIPELINE_REPLICAS if PP_SIZE > 1 else None,
-                pp_tied=getattr(rank_module(rank), "TIED_RANKS", None))
+    rank = setup()
     device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
+    if args.precision:
+        use_precision(args.precision)
     module = rank_module(rank)
     torch.manual_seed(args.seed)
     model = build(rank)
@@ -316,9 +302,10 @@ def main():
         model.load_state_dict(shard_state_dict(torch.load(args.init), rank))
     model.to(device).train()
     optimizer = torch.optim.AdamW(optimizer_params(model), lr=args.lr)
-    step_fn = pipeline_train_step if PP_SIZE > 1 else train_step
     for step in range(args.steps):
-        loss = step_fn(model, optimizer, batch_for(module, step, args.seed, device), module)
+        loss = forward_backward(model, batch_for(module, step, args.seed, device))
+        finish_backward(model)
+        optimizer_step(model, optimizer)
         if rank == 0:
             print(f"step {{step}} loss {{loss:.6f}}", flush=True)
     _comm.teardown()
@@ -409,12 +396,12 @@ def parse_action(action, passes=1):
     return kind, stage, m, int(cycle) if cycle else passes - 1
 
 
-def pipeline_train_step(stages, optimizer, batch, module):
-    """One optimizer step: this rank's schedule (module.SCHEDULE, e.g. "0F0 0F1 0B0 ..."), then
-    the gradient all-reduces. Activations go forward and gradients back. After each action, its
+def pipeline_forward_backward(stages, batch, module):
+    """This rank's schedule (module.SCHEDULE, e.g. "0F0 0F1 0B0 ...") on its share of the batch;
+    the full batch's loss. Activations go forward and gradients back. After each action, its
     sends and the next action's receives are posted together (one batch_isend_irecv); an action
-    waits only for its own receives, the sends are waited for at the end of the step."""
-{gather_before_forward}    micro = micro_batches(split_batch(batch))
+    waits only for its own receives, the sends are waited for at the end of the schedule."""
+    micro = micro_batches(batch_share(batch))
     shapes = [_comm.shape_key(m) for m in micro]  # hand-off headers are sent once per input shapes
     pipeline = _comm.axis_ranks(_comm.PP)        # global ranks of this pipeline, by pipeline index
     # stage s runs model stage s % length: one pipeline of all stages, or several (Chimera)
@@ -431,6 +418,7 @@ def pipeline_train_step(stages, optimizer, batch, module):
     key = lambda m, cycle: shapes[m] if cycle == passes - 1 else (shapes[m], cycle)
     actions = [parse_action(action, passes) for action in module.SCHEDULE.split()]
     held, requests, loss_sum = {{}}, [], torch.zeros(())
+    device_type = device_type_of(stages)
 
     vocab = set(getattr(module, "VOCAB_STAGES", ()))    # stages calling vocabulary-split modules
 
@@ -468,8 +456,10 @@ def pipeline_train_step(stages, optimizer, batch, module):
                 _comm.PIPE.recycled, _ = _comm.wait_activations(incoming)
             inputs = micro[m]
             try:
-                output = stages[local[stage]](**inputs) if isinstance(inputs, dict) else stages[local[stage]](*inputs)
-                loss = loss_of(module, output) / (MICRO_BATCHES if AVERAGE_SHARES else 1)
+                with autocast(device_type):
+                    output = stages[local[stage]](**inputs) if isinstance(inputs, dict) \
+                        else stages[local[stage]](*inputs)
+                    loss = loss_of(module, output) / (MICRO_BATCHES if AVERAGE_SHARES else 1)
                 loss_sum += loss.detach()
                 sent = [loss]
             except _comm.StageBoundary as boundary:
@@ -501,28 +491,144 @@ def pipeline_train_step(stages, optimizer, batch, module):
         requests += _comm.post_p2p(sends, incoming)  # this action's isends, the next one's irecvs
     for request in requests:
         request.wait()
-    named = dict(stages.named_parameters())
-    if length < module.PIPELINE_STAGE_COUNT:    # replicated pipelines: every copy of a parameter summed
+    return full_loss(loss_sum)
+
+
+def pipeline_grads(stages, module):
+    """After the schedule: every copy of one single-device parameter that several stages hold
+    ends with the sum of their gradients (replicated pipelines, tied and shared parameters)."""
+    if module.PIPELINE_LENGTH < module.PIPELINE_STAGE_COUNT:    # replicated pipelines: every copy summed
         replica_grads(stages, module)
     else:
-        tied = [p for key, p in named.items() if key.partition(".")[2] in module.TIED_PARAMETERS]
+        tied = [p for key, p in stages.named_parameters() if key.partition(".")[2] in module.TIED_PARAMETERS]
         _comm.sync_grads(tied, _comm.PP_ENDS, average=False)    # the embedding and the head tied across stages
     shared_grads(stages, module)    # modules every stage runs and computes with: summed over the pipeline
-    _comm.sync_grads([p for k, p in named.items() if k.partition(".")[2] in TP_PARTIAL_GRADS], _comm.TP,
-                     average=False)
-{dp_update}    dist.all_reduce(loss_sum, group=_comm.PP.group)         # only the last stage holds the loss
-    if _comm.DP.size > 1:
-        dist.all_reduce(loss_sum, group=_comm.DP.group)
-        if AVERAGE_SHARES:
-            loss_sum /= _comm.DP.size
-    return loss_sum.item()
 '''
 
 
-# The data-parallel part of train_step: after the backward, until the optimizer has stepped.
-DP_UPDATE = """    _comm.sync_grads(list({holder}.parameters()), _comm.DP, average=AVERAGE_SHARES)  # data parallel
+# The training API (__init__.py): the pieces of a step a user's own loop calls, for this plan.
+TRAINING = """
+
+# --- training: the API a training loop calls (train.py is one such loop) -------------------
+
+# Whole parameters whose gradient each tensor-parallel rank holds only in part.
+TP_PARTIAL_GRADS = [{partial}]
+{loss_shares}
+# Mixed precision: the forward and the loss run under torch.autocast in PRECISION (None: the
+# parameters' own dtype); parameters, gradients, their reductions and the optimizer's state
+# stay float32 (master weights).
+PRECISIONS = {{"fp32": None, "tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}}
+PRECISION = {precision}
+
+
+def use_precision(name):
+    \"\"\"Run the forward in another of PRECISIONS than the one this output was rewritten for.\"\"\"
+    global PRECISION
+    PRECISION = PRECISIONS[name]
+
+
+def autocast(device_type):
+    return torch.autocast(device_type, dtype=PRECISION, enabled=PRECISION is not None)
+
+
+def device_type_of(model):
+    return next(model.parameters()).device.type
+
+
+def setup(backend=None):
+    \"\"\"The process groups of this mesh (torchrun's RANK and WORLD_SIZE); returns this rank.\"\"\"
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    assert world == WORLD_SIZE, f"this output was generated for {{WORLD_SIZE}} processes, not {{world}}"
+    module = rank_module(rank)
+    _comm.setup(rank, world, tp=TP_SIZE, dp=DP_SIZE, pp=PP_SIZE, backend=backend,
+                pp_replicas=module.PIPELINE_REPLICAS if PP_SIZE > 1 else None,
+                pp_tied=getattr(module, "TIED_RANKS", None))
+    return rank
+
+
+def batch_share(batch):
+    \"\"\"This data-parallel rank's share of a full batch: its slice of dim 0 of every tensor.\"\"\"
+    def share(x):
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and _comm.DP.size > 1:
+            return x.chunk(_comm.DP.size, dim=0)[_comm.DP.rank]
+        return x
+    if isinstance(batch, dict):
+        return {{k: share(v) for k, v in batch.items()}}
+    return tuple(share(v) for v in batch)
+
+
+def loss_of(module, output):
+    if hasattr(module, "loss"):
+        return module.loss(output)
+    return output if isinstance(output, torch.Tensor) else output.loss
+{optimizer_params}
+
+def forward_backward(model, batch):
+    \"\"\"Forward, loss and backward of this rank's share of `batch` (the full batch, the same on
+    every rank; a pipeline runs its whole schedule); returns the full batch's loss.\"\"\"
+    module = rank_module(_comm.GLOBAL_RANK)
+{gather_before_forward}{forward_backward}
+
+def full_loss(loss):
+    \"\"\"The full batch's loss from this rank's share: the pipeline's last stage holds it, and the
+    data-parallel shares combine as the loss combines its samples (AVERAGE_SHARES).\"\"\"
+    full = loss.detach().float().clone()
+    if _comm.PP.size > 1:
+        dist.all_reduce(full, group=_comm.PP.group)
+    if _comm.DP.size > 1:
+        dist.all_reduce(full, group=_comm.DP.group)
+        if AVERAGE_SHARES:
+            full /= _comm.DP.size
+    return full.item()
+{pipeline_step}
+
+def single_device_names(model):
+    \"\"\"{{this rank's parameter or buffer key: the single-device model's name of it}}.\"\"\"
+    keys = list(model.state_dict(keep_vars=True)) + [k for k, _ in model.named_parameters()]
+    if PP_SIZE == 1:
+        return {{key: key for key in keys}}
+    module = rank_module(_comm.GLOBAL_RANK)
+    names = {{}}
+    for key in keys:
+        local, _, rest = key.partition(".")
+        names[key] = global_key(rest, module.PIPELINE_STAGES[int(local)], module)
+    return names
+
+
+def finish_backward(model, reduce_dtype=None):
+    \"\"\"Every gradient sync the plan needs after forward_backward: copies of a parameter on several
+    pipeline stages summed, tensor-parallel partial gradients summed, data-parallel gradients
+    combined. `reduce_dtype` (torch.bfloat16): the data-parallel reduction's dtype, float32 when None.\"\"\"
+    if PP_SIZE > 1:
+        pipeline_grads(model, rank_module(_comm.GLOBAL_RANK))
+    names = single_device_names(model)
+    partial = [param for key, param in model.named_parameters() if names[key] in TP_PARTIAL_GRADS]
+    _comm.sync_grads(partial, _comm.TP, average=False)  # tensor parallel: partial gradients summed
+{dp_finish}
+
+def optimizer_step(model, optimizer):
+    \"\"\"The optimizer's step on what finish_backward left, then the gradients cleared.\"\"\"
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+{dp_after_step}
+
+def train_step(model, optimizer, batch):
+    \"\"\"One optimizer step on the full batch; returns its loss.\"\"\"
+    loss = forward_backward(model, batch)
+    finish_backward(model)
+    optimizer_step(model, optimizer)
+    return loss
+"""
+
+FORWARD_BACKWARD = """    inputs = batch_share(batch)
+    with autocast(device_type_of(model)):
+        output = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+        loss = loss_of(module, output)
+    loss.backward()
+    return full_loss(loss)
+"""
+
+PIPELINE_FORWARD_BACKWARD = """    return pipeline_forward_backward(model, batch, module)
 """
 
 OPTIMIZER_PARAMS = '''
@@ -550,30 +656,36 @@ ZERO_WHAT = {
     3: "ZeRO-3: optimizer state, gradients and parameters sharded over the data-parallel ranks",
 }
 
-ZERO_GATHER = """    _comm.all_gather_params({holder}.zero_shards, _comm.DP)  # ZeRO-3: whole parameters for forward and backward
+ZERO_GATHER = """    _comm.all_gather_params(model.zero_shards, _comm.DP)  # ZeRO-3: whole parameters for forward and backward
 """
 
-ZERO_DP_UPDATE = {
+# finish_backward's data-parallel part, and what optimizer_step does after the step
+DP_FINISH = """    _comm.sync_grads(list(model.parameters()), _comm.DP, average=AVERAGE_SHARES,
+                     reduce_dtype=reduce_dtype)  # data parallel
+"""
+
+ZERO_FINISH = {
     1: """    # this rank's shard of the data-parallel gradient, to the optimizer
-    _comm.reduce_scatter_grads({holder}.zero_shards, _comm.DP, average=AVERAGE_SHARES)
-    optimizer.step()                                          # steps this rank's shard of the parameters
-    optimizer.zero_grad(set_to_none=True)
-    {holder}.zero_grad(set_to_none=False)                        # ZeRO-1 keeps its full gradient buffer: zeroed
-    _comm.all_gather_params({holder}.zero_shards, _comm.DP)     # every rank's updated shard, to every rank
+    _comm.reduce_scatter_grads(model.zero_shards, _comm.DP, average=AVERAGE_SHARES, reduce_dtype=reduce_dtype)
 """,
     2: """    # only this rank's shard of the data-parallel gradient is kept
-    _comm.reduce_scatter_grads({holder}.zero_shards, _comm.DP, average=AVERAGE_SHARES)
-    optimizer.step()                                          # steps this rank's shard of the parameters
-    optimizer.zero_grad(set_to_none=True)
-    _comm.all_gather_params({holder}.zero_shards, _comm.DP)     # every rank's updated shard, to every rank
+    _comm.reduce_scatter_grads(model.zero_shards, _comm.DP, average=AVERAGE_SHARES, reduce_dtype=reduce_dtype)
 """,
     3: """    # only this rank's shard of the data-parallel gradient is kept
-    _comm.reduce_scatter_grads({holder}.zero_shards, _comm.DP, average=AVERAGE_SHARES)
-    _comm.free_params({holder}.zero_shards)                      # whole parameters dropped: the shard stays
-    optimizer.step()                                          # steps this rank's shard of the parameters
-    optimizer.zero_grad(set_to_none=True)
+    _comm.reduce_scatter_grads(model.zero_shards, _comm.DP, average=AVERAGE_SHARES, reduce_dtype=reduce_dtype)
+    _comm.free_params(model.zero_shards)                      # whole parameters dropped: the shard stays
 """,
 }
+
+ZERO_AFTER_STEP = {
+    1: """    model.zero_grad(set_to_none=False)                        # ZeRO-1 keeps its full gradient buffer: zeroed
+    _comm.all_gather_params(model.zero_shards, _comm.DP)     # every rank's updated shard, to every rank
+""",
+    2: """    _comm.all_gather_params(model.zero_shards, _comm.DP)     # every rank's updated shard, to every rank
+""",
+    3: "",
+}
+
 
 
 # How the loss combines its samples decides how the shares of the batch (data-parallel ranks,
@@ -585,13 +697,22 @@ LOSS_SHARES = {
            "AVERAGE_SHARES = False\n",
 }
 
+PRECISION_CODE = {None: "None", "fp32": "None", "tf32": "None  # tf32: float32 parameters and activations",
+                  "bf16": "torch.bfloat16", "fp16": "torch.float16"}
 
-def data_parallel_step(zero: int, holder: str = "model") -> dict[str, str]:
-    """The data-parallel pieces of a step: replicated state (zero 0) or ZeRO stage `zero`, on the
-    module `holder` (train_step's model, or the pipeline step's stages)."""
-    if not zero:
-        return {"optimizer_params": OPTIMIZER_PARAMS, "gather_before_forward": "",
-                "dp_update": DP_UPDATE.format(holder=holder)}
-    return {"optimizer_params": ZERO_OPTIMIZER_PARAMS.format(stage=zero, what=ZERO_WHAT[zero]),
-            "gather_before_forward": ZERO_GATHER.format(holder=holder) if zero == 3 else "",
-            "dp_update": ZERO_DP_UPDATE[zero].format(holder=holder)}
+
+def training_api(*, partial: str, loss: str, zero: int, micro: int | None, precision: str | None) -> str:
+    """The training section of __init__.py for a plan: `partial` the TP_PARTIAL_GRADS entries,
+    `loss` the loss's reduction ("mean" or "sum"), `zero` the ZeRO stage (0: replicated state),
+    `micro` the micro-batches of a pipeline (None: no pipeline), `precision` the forward's dtype."""
+    pieces = {"optimizer_params": OPTIMIZER_PARAMS, "gather_before_forward": "", "dp_finish": DP_FINISH,
+              "dp_after_step": ""}
+    if zero:
+        pieces = {"optimizer_params": ZERO_OPTIMIZER_PARAMS.format(stage=zero, what=ZERO_WHAT[zero]),
+                  "gather_before_forward": ZERO_GATHER if zero == 3 else "", "dp_finish": ZERO_FINISH[zero],
+                  "dp_after_step": ZERO_AFTER_STEP[zero]}
+    pipeline = micro is not None
+    return TRAINING.format(partial=partial, loss_shares=LOSS_SHARES[loss], precision=PRECISION_CODE[precision],
+                           forward_backward=PIPELINE_FORWARD_BACKWARD if pipeline else FORWARD_BACKWARD,
+                           pipeline_step="\n\n" + PIPELINE_STEP.format(micro=micro).rstrip("\n") if pipeline else "",
+                           **pieces)

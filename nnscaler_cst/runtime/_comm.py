@@ -588,14 +588,15 @@ def _joined(results: list, dim: int):
 # --------------------------------------------------------------------------
 
 def sync_grads(params: Iterable[torch.nn.Parameter], axis: Axis, *, average: bool,
-               bucket_bytes: int = 25 * 2**20) -> None:
+               bucket_bytes: int = 25 * 2**20, reduce_dtype: torch.dtype | None = None) -> None:
     """All-reduce ``.grad`` of every parameter over ``axis``, in buckets.
 
     Grads of the same dtype and device are flattened into buckets of at most
     ``bucket_bytes`` (a single larger grad gets a bucket of its own), one
     all-reduce per bucket, in the order the params are given.  Params whose
     grad is None are skipped.  With ``average`` the result is divided by
-    ``axis.size``.
+    ``axis.size``.  ``reduce_dtype`` (e.g. bfloat16): the buckets go over the
+    wire in it, half the bytes, and come back into the gradients' own dtype.
     """
     if axis.size == 1:
         return
@@ -605,7 +606,8 @@ def sync_grads(params: Iterable[torch.nn.Parameter], axis: Axis, *, average: boo
     def flush(key):
         grads = open_buckets.pop(key)
         open_bytes.pop(key)
-        flat = _all_reduce(torch.cat([g.reshape(-1) for g in grads]), axis)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = _all_reduce(flat.to(reduce_dtype) if reduce_dtype is not None else flat, axis)
         if average:
             flat.div_(axis.size)
         offset = 0
@@ -700,10 +702,12 @@ def zero_shards(params: Iterable[torch.nn.Parameter], axis: Axis, *, stage: int)
     return ZeroShards(params, axis, stage)
 
 
-def reduce_scatter_grads(shards: ZeroShards, axis: Axis, *, average: bool = True) -> None:
+def reduce_scatter_grads(shards: ZeroShards, axis: Axis, *, average: bool = True,
+                         reduce_dtype: torch.dtype | None = None) -> None:
     """Reduce-scatter of the gradients over ``axis`` (their mean with ``average``, else their sum):
     this rank's shard of the result becomes ``shards.shard.grad``.  From stage 2 on the full
-    gradients are dropped (``.grad = None``)."""
+    gradients are dropped (``.grad = None``).  ``reduce_dtype``: the dtype on the wire, as for
+    sync_grads."""
     if shards.grads is not None:                   # stage 1: the gradients already lie in one buffer
         flat = shards.grads
     else:
@@ -716,9 +720,11 @@ def reduce_scatter_grads(shards: ZeroShards, axis: Axis, *, average: bool = True
     if axis.size == 1:
         local = flat[start:start + shards.shard_numel]
     else:
-        local = torch.empty(shards.shard_numel, dtype=shards.dtype, device=shards.device)
-        _record("reduce_scatter", flat)
-        dist.reduce_scatter(local, list(flat.chunk(axis.size)), group=axis.group)
+        wire = flat.to(reduce_dtype) if reduce_dtype is not None else flat
+        local = torch.empty(shards.shard_numel, dtype=wire.dtype, device=shards.device)
+        _record("reduce_scatter", wire)
+        dist.reduce_scatter(local, list(wire.chunk(axis.size)), group=axis.group)
+        local = local.to(shards.dtype)
         if average:
             local.div_(axis.size)
     if shards.grads is not None:

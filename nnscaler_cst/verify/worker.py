@@ -3,8 +3,11 @@
 It imports only torch and the files under test, and makes `import nnscaler_cst` fail, so a
 passing run also proves the generated code is self-contained.
 
-    worker.py reference ENTRY_FILE WORKDIR --steps K --lr LR --seed S [--float64]
+    worker.py reference ENTRY_FILE WORKDIR --steps K --lr LR --seed S [--float64] [--precision P]
     worker.py rank OUTPUT_DIR WORKDIR --steps K --lr LR --seed S [--float64]   (RANK, WORLD_SIZE, MASTER_* set)
+
+The reference runs its forward and loss under torch.autocast in --precision (bf16, fp16) as the
+output's training API does in the precision it was rewritten for.
 
 Fault injection, to see what verify does when a rank fails (tests/test_faults.py):
 NNSCALER_VERIFY_FAULT=die:R:K kills rank R (SIGKILL) just before its first collective of step K;
@@ -223,7 +226,7 @@ def exact_first_step(entry, model, seed):
                          for name, param in exact.named_parameters(remove_duplicate=False) if param.grad is not None}
 
 
-def reordered_first_gradients(entry, model, seed):
+def reordered_first_gradients(entry, model, seed, precision=None):
     """The first step's float32 gradients again, summed in another order (twice the intra-op
     threads: the kernels split their reductions differently): the same arithmetic, so how far
     they land from the reference's is rounding too. A reference whose one order happens to land
@@ -236,14 +239,24 @@ def reordered_first_gradients(entry, model, seed):
         again = copy.deepcopy(model)
         again.train()
         batch = batch_for(entry, 0, seed)
-        output = again(**batch) if isinstance(batch, dict) else again(*batch)
-        loss_of(entry, output).backward()
+        with autocast(precision):
+            output = again(**batch) if isinstance(batch, dict) else again(*batch)
+            loss = loss_of(entry, output)
+        loss.backward()
     except Exception:       # noqa: BLE001 -- no second order; verify judges by float64 alone
         return None
     finally:
         torch.set_num_threads(threads)
     return {name: param.grad.detach().clone()
             for name, param in again.named_parameters(remove_duplicate=False) if param.grad is not None}
+
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(precision):
+    """The forward's and the loss's compute dtype, as the output's training API sets it."""
+    return torch.autocast("cpu", dtype=AUTOCAST.get(precision), enabled=precision in AUTOCAST)
 
 
 def reference(args):
@@ -258,7 +271,8 @@ def reference(args):
     yardsticks = not args.nudge and not args.float64
     exact_loss, exact = exact_first_step(entry, model, args.seed) if yardsticks else (None, None)
     # float64's own rounding: the yardstick for gradients that are rounding there too
-    reordered = reordered_first_gradients(entry, model, args.seed) if exact is not None or args.float64 else None
+    reordered = reordered_first_gradients(entry, model, args.seed, args.precision) \
+        if exact is not None or args.float64 else None
     model.train()
     optimizer = adamw(model.parameters(), args.lr)
     grads = capture_first_gradients(model, optimizer, args.nudge)
@@ -266,8 +280,9 @@ def reference(args):
     for step in range(args.steps):
         enter("step", step)
         batch = batch_for(entry, step, args.seed)
-        output = model(**batch) if isinstance(batch, dict) else model(*batch)
-        loss = loss_of(entry, output)
+        with autocast(args.precision):
+            output = model(**batch) if isinstance(batch, dict) else model(*batch)
+            loss = loss_of(entry, output)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -282,7 +297,6 @@ def rank(args):
     folder = os.path.abspath(args.target)
     sys.path.insert(0, os.path.dirname(folder))
     package = importlib.import_module(os.path.basename(folder))
-    train = importlib.import_module(f"{package.__name__}.train")
     comm = importlib.import_module(f"{package.__name__}._comm")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     inject_fault(rank)
@@ -294,12 +308,11 @@ def rank(args):
     model = package.build(rank)
     if args.float64:
         require_float64(model)
-    step = train.pipeline_train_step if package.PP_SIZE > 1 else train.train_step
     init = torch.load(os.path.join(args.workdir, "init.pt"))
     model.load_state_dict(package.shard_state_dict(init, rank))
     model.train()
     # the output says what its optimizer steps: every parameter, or (ZeRO) this rank's shard
-    params = train.optimizer_params(model) if hasattr(train, "optimizer_params") else model.parameters()
+    params = package.optimizer_params(model)
     optimizer = adamw(params, args.lr)
     shards = getattr(model, "zero_shards", None)
     grads = capture_zero_gradients(model, shards, optimizer, comm) if shards is not None \
@@ -308,7 +321,7 @@ def rank(args):
     losses = []
     for k in range(args.steps):
         enter("step", k)
-        losses.append(step(model, optimizer, batch_for(module, k, args.seed), module))
+        losses.append(package.train_step(model, optimizer, batch_for(module, k, args.seed)))
     if shards is not None and shards.flat is None:   # ZeRO-3 holds shards between steps: whole for the check
         comm.all_gather_params(shards, comm.DP)
     enter("saving")
@@ -333,6 +346,7 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--nudge", type=float, default=0.0)
     parser.add_argument("--float64", action="store_true", help="build, batches and steps in float64")
+    parser.add_argument("--precision", help="the reference's forward under autocast in bf16 or fp16")
     args = parser.parse_args()
     if args.float64:
         torch.set_default_dtype(torch.float64)

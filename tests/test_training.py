@@ -1,0 +1,133 @@
+"""Spec of training with the output: mixed precision written into the program, and the training
+API (__init__.py) a user's own loop calls, of which train.py is one user.
+
+Quick: the emitted autocast and API (golden strings). Slow (gloo processes): verify --precision
+bf16.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    from nnscaler_cst.analysis import analyze
+    return analyze(REPO / "fixtures" / "gpt.py")     # fused q|k|v, a tied embedding, blocks to cut
+
+
+def api_source(analysis, **request) -> str:
+    from nnscaler_cst.rewrite import PlanRequest, rewrite
+    return rewrite(analysis, PlanRequest(**request)).files["__init__.py"]
+
+
+def function(source: str, name: str) -> str:
+    """The text of one top-level function of `source`."""
+    start = source.index(f"\ndef {name}(")
+    end = source.find("\ndef ", start + 1)
+    return source[start:end if end > 0 else None]
+
+
+# --------------------------------------------------------------------------------------------
+# Mixed precision in the program
+# --------------------------------------------------------------------------------------------
+
+def test_bf16_runs_the_forward_and_the_loss_under_autocast_and_the_backward_outside(gpt):
+    source = api_source(gpt, tp=2, precision="bf16")
+    assert "\nPRECISION = torch.bfloat16\n" in source
+    assert "return torch.autocast(device_type, dtype=PRECISION, enabled=PRECISION is not None)" in source
+    step = function(source, "forward_backward")
+    assert ("    with autocast(device_type_of(model)):\n"
+            "        output = model(**inputs) if isinstance(inputs, dict) else model(*inputs)\n"
+            "        loss = loss_of(module, output)\n"
+            "    loss.backward()\n") in step
+
+
+def test_a_pipeline_runs_each_stage_forward_under_autocast(gpt):
+    source = api_source(gpt, pp=2, precision="bf16")
+    schedule = function(source, "pipeline_forward_backward")
+    assert ("                with autocast(device_type):\n"
+            "                    output = stages[local[stage]](**inputs)") in schedule
+
+
+@pytest.mark.parametrize("precision", [None, "fp32", "tf32"])
+def test_float32_precisions_write_no_autocast(gpt, precision):
+    assert re.search(r"\nPRECISION = None\b", api_source(gpt, tp=2, precision=precision))
+
+
+def test_the_gradients_are_reduced_in_float32_unless_the_loop_asks_for_another_dtype(gpt):
+    finish = function(api_source(gpt, tp=2, dp=2, precision="bf16"), "finish_backward")
+    assert "def finish_backward(model, reduce_dtype=None):" in finish
+    assert "_comm.sync_grads(list(model.parameters()), _comm.DP, average=AVERAGE_SHARES,\n" \
+           "                     reduce_dtype=reduce_dtype)" in finish
+
+
+def test_a_bfloat16_reduction_sends_half_the_bytes_and_returns_float32_gradients():
+    """sync_grads on an axis of one rank reduces nothing; on a world of one over gloo it runs
+    the all-reduce: the bytes counted are bfloat16's, the gradient stays float32."""
+    from nnscaler_cst.runtime import _comm
+    from nnscaler_cst.verify.launch import free_port
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        axis = _comm.Axis("dp", size=1, rank=0, group=dist.group.WORLD)
+        axis.size = 2           # counted as two ranks: the all-reduce runs (on one) and averages by 2
+        param = torch.nn.Parameter(torch.zeros(4))
+        param.grad = torch.tensor([1.0, 2.0, 3.0, 1 + 2 ** -10])
+        _comm.reset_counters()
+        _comm.sync_grads([param], axis, average=True, reduce_dtype=torch.bfloat16)
+        assert param.grad.dtype == torch.float32 and _comm.COUNTERS["bytes"] == 4 * 2
+        assert param.grad.tolist() == [0.5, 1.0, 1.5, 0.5]    # 1 + 2**-10 is 1 in bfloat16
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
+# The training API and train.py
+# --------------------------------------------------------------------------------------------
+
+def test_the_api_holds_every_step_of_a_loop_and_train_py_calls_it(gpt):
+    from nnscaler_cst.rewrite import PlanRequest, rewrite
+    files = rewrite(gpt, PlanRequest(tp=2, dp=2)).files
+    for name in ("setup", "build", "optimizer_params", "batch_share", "forward_backward", "finish_backward",
+                 "optimizer_step"):
+        assert f"\ndef {name}(" in files["__init__.py"], name
+    loop = function(files["train.py"], "main")
+    calls = ["forward_backward(model, batch_for(", "finish_backward(model)", "optimizer_step(model, optimizer)"]
+    assert [loop.index(c) for c in calls] == sorted(loop.index(c) for c in calls)
+    assert 'parser.add_argument("--precision"' in loop
+
+
+# --------------------------------------------------------------------------------------------
+# Slow: gloo runs
+# --------------------------------------------------------------------------------------------
+
+def verify(*args) -> tuple[subprocess.CompletedProcess, dict]:
+    env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "verify", *map(str, args), "--json"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    start = result.stdout.find("{")
+    assert start >= 0, f"no JSON report; exit {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
+    return result, json.loads(result.stdout[start:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry, args", [("gpt.py", "--tp 2 --dp 2"), ("hf_llama.py", "--pp 2")],
+                         ids=["gpt-dp2xtp2", "llama-pp2"])
+def test_bf16_trains_like_the_single_device_autocast_run(entry, args, tmp_path):
+    result, outcome = verify(f"fixtures/{entry}", *args.split(), "--precision", "bf16", "-o", tmp_path / "out")
+    assert result.returncode == 0 and outcome["passed"] is True, outcome
+    assert outcome["tolerance"]["grad_rtol"] == 8 * 2 ** -8        # verify's bf16 tolerances were applied
+    assert "\nPRECISION = torch.bfloat16\n" in (tmp_path / "out" / "__init__.py").read_text()
+
