@@ -1,8 +1,9 @@
-"""Spec of training with the output: mixed precision written into the program, and the training
-API (__init__.py) a user's own loop calls, of which train.py is one user.
+"""Spec of training with the output: mixed precision written into the program, gradient clipping
+by the single-device model's norm, and the training API (__init__.py) a user's own loop calls,
+of which train.py is one user.
 
-Quick: the emitted autocast and API (golden strings). Slow (gloo processes): verify --precision
-bf16.
+Quick: the emitted autocast and API (golden strings), bad input. Slow (gloo processes): verify
+--precision bf16, verify --max-grad-norm with a negative control.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from nnscaler_cst import cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -101,12 +103,23 @@ def test_the_api_holds_every_step_of_a_loop_and_train_py_calls_it(gpt):
     from nnscaler_cst.rewrite import PlanRequest, rewrite
     files = rewrite(gpt, PlanRequest(tp=2, dp=2)).files
     for name in ("setup", "build", "optimizer_params", "batch_share", "forward_backward", "finish_backward",
-                 "optimizer_step"):
+                 "clip_grad_norm", "optimizer_step"):
         assert f"\ndef {name}(" in files["__init__.py"], name
     loop = function(files["train.py"], "main")
-    calls = ["forward_backward(model, batch_for(", "finish_backward(model)", "optimizer_step(model, optimizer)"]
+    calls = ["forward_backward(model, batch_for(", "finish_backward(model)",
+             "clip_grad_norm(model, args.max_grad_norm)", "optimizer_step(model, optimizer)"]
     assert [loop.index(c) for c in calls] == sorted(loop.index(c) for c in calls)
-    assert 'parser.add_argument("--precision"' in loop
+    for flag in ("--precision", "--max-grad-norm"):
+        assert f'parser.add_argument("{flag}"' in loop, flag
+
+
+def test_a_max_grad_norm_that_is_not_positive_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["verify", str(REPO / "fixtures" / "gpt.py"), "--tp", "2", "--max-grad-norm", "0", "-o", "out"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "error: --max-grad-norm 0: must be positive" in err and "hint: " in err
+    assert not (tmp_path / "out").exists()
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,4 +143,26 @@ def test_bf16_trains_like_the_single_device_autocast_run(entry, args, tmp_path):
     assert result.returncode == 0 and outcome["passed"] is True, outcome
     assert outcome["tolerance"]["grad_rtol"] == 8 * 2 ** -8        # verify's bf16 tolerances were applied
     assert "\nPRECISION = torch.bfloat16\n" in (tmp_path / "out" / "__init__.py").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", ["--tp 2 --dp 2", "--pp 2"], ids=["dp2xtp2", "pp2"])
+def test_clipped_gradients_equal_the_single_device_clipped_gradients(args, tmp_path):
+    """At --max-grad-norm 0.05 every step clips (the GPT fixture's gradient norm is above 1).
+    TP=2xDP=2: the norm counts a replicated parameter on one tensor-parallel rank; the negative
+    control counts it on both, and the clipped gradients then differ from the single device's."""
+    out = tmp_path / "out"
+    result, outcome = verify("fixtures/gpt.py", *args.split(), "--max-grad-norm", "0.05", "-o", out)
+    assert result.returncode == 0 and outcome["passed"] is True, outcome
+    assert outcome["max_grad_error"] <= outcome["tolerance"]["grad_rtol"]
+    if "--tp" not in args:
+        return
+    api = out / "__init__.py"
+    text = api.read_text()
+    counted_once = "(names[key] in TP_SPLITS or _comm.TP.rank == 0)"
+    assert counted_once in text
+    api.write_text(text.replace(counted_once, "True"))
+    result, outcome = verify("fixtures/gpt.py", "--max-grad-norm", "0.05", "-o", out)   # as it is: no rewrite
+    assert result.returncode == 1 and outcome["passed"] is False, outcome
+    assert outcome["max_grad_error"] > outcome["tolerance"]["grad_rtol"]
 

@@ -14,6 +14,7 @@ optimizer_params(model)                 what the optimizer steps (ZeRO: this ran
 forward_backward(model, batch)          this rank's share of the full batch, forward and backward
                                         (a pipeline: its whole schedule); the full batch's loss
 finish_backward(model)                  every gradient sync the plan needs
+clip_grad_norm(model, max_norm)         the single-device model's gradient norm, clipped
 optimizer_step(model, optimizer)        the step, gradients cleared
 """
 import importlib
@@ -253,7 +254,7 @@ if __package__ in (None, ""):  # run as a script: import the output folder as a 
     __package__ = os.path.basename(_here)
     importlib.import_module(__package__)
 
-from . import PRECISIONS, build, finish_backward, forward_backward
+from . import PRECISIONS, build, clip_grad_norm, finish_backward, forward_backward
 from . import optimizer_params, optimizer_step, rank_module, setup, shard_state_dict, use_precision
 from . import _comm
 
@@ -287,6 +288,7 @@ def main():
     parser.add_argument("--init", help="single-device state dict (torch.save) to start from")
     parser.add_argument("--precision", choices=sorted(PRECISIONS), help="forward's compute dtype (autocast); "
                         "default the one rewritten in")
+    parser.add_argument("--max-grad-norm", type=float, help="clip the gradients' global norm to this")
     args = parser.parse_args()
     rank = setup()
     device = torch.device("cpu")
@@ -305,6 +307,8 @@ def main():
     for step in range(args.steps):
         loss = forward_backward(model, batch_for(module, step, args.seed, device))
         finish_backward(model)
+        if args.max_grad_norm is not None:
+            clip_grad_norm(model, args.max_grad_norm)
         optimizer_step(model, optimizer)
         if rank == 0:
             print(f"step {{step}} loss {{loss:.6f}}", flush=True)
@@ -606,16 +610,63 @@ def finish_backward(model, reduce_dtype=None):
     _comm.sync_grads(partial, _comm.TP, average=False)  # tensor parallel: partial gradients summed
 {dp_finish}
 
+def clip_grad_norm(model, max_norm):
+    \"\"\"Scale the gradients so that the single-device model's gradient norm is at most `max_norm`
+    (torch.nn.utils.clip_grad_norm_'s rule); returns that norm before clipping. Each single-device
+    element counts once: a split parameter's shards on each tensor-parallel rank, a replicated one
+    on one rank, a parameter held by several pipeline stages on one of them, the data-parallel
+    ranks' gradients (equal after finish_backward; ZeRO: their shards) once.\"\"\"
+    counted = norm_counted(model)
+{clip_pieces}    squares = torch.zeros((), dtype=torch.float32, device=pieces[0].device if pieces else None)
+    for piece, count in zip(pieces, counts):
+        if count:
+            squares += piece.float().pow(2).sum()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(squares)
+    norm = squares.sqrt()
+    coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for piece in pieces:
+        piece.mul_(coefficient.to(piece.dtype))
+    return norm.item()
+
+
+def norm_counted(model):
+    \"\"\"{{key of each trained parameter: whether this rank counts its gradient in the global norm}};
+    computed once. A parameter several of this rank's stages hold is counted at its first key.\"\"\"
+    if getattr(model, "norm_counted", None) is None:
+        names = single_device_names(model)
+        counted, held = {{}}, set()
+        for key, param in model.named_parameters():
+            if param.requires_grad:
+                name = min(PARAMETER_ALIASES.get(names[key], [names[key]]))
+                counted[key] = name not in held
+                held.add(name)
+        holders = [held]
+        if _comm.PP.size > 1:       # the first pipeline rank holding a parameter counts it
+            holders = [None] * _comm.PP.size
+            dist.all_gather_object(holders, sorted(held), group=_comm.PP.group)
+        for key in counted:
+            name = min(PARAMETER_ALIASES.get(names[key], [names[key]]))
+            first = next(rank for rank, there in enumerate(holders) if name in there)
+            split_pp = names[key] in PP_VOCAB_SPLITS    # every pipeline rank holds rows of it
+            counted[key] = counted[key] and (split_pp or first == _comm.PP.rank) and \\
+                (names[key] in TP_SPLITS or _comm.TP.rank == 0)
+        model.norm_counted = counted
+    return model.norm_counted
+
+
 def optimizer_step(model, optimizer):
     \"\"\"The optimizer's step on what finish_backward left, then the gradients cleared.\"\"\"
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 {dp_after_step}
 
-def train_step(model, optimizer, batch):
+def train_step(model, optimizer, batch, max_grad_norm=None):
     \"\"\"One optimizer step on the full batch; returns its loss.\"\"\"
     loss = forward_backward(model, batch)
     finish_backward(model)
+    if max_grad_norm is not None:
+        clip_grad_norm(model, max_norm=max_grad_norm)
     optimizer_step(model, optimizer)
     return loss
 """
@@ -686,6 +737,25 @@ ZERO_AFTER_STEP = {
     3: "",
 }
 
+# clip_grad_norm's gradients: each parameter's, or (ZeRO) the pieces of this rank's shard
+CLIP_PIECES = """    pieces, counts = [], []
+    for key, param in model.named_parameters():
+        if param.grad is not None:
+            pieces.append(param.grad)
+            counts.append(counted.get(key, False) and _comm.DP.rank == 0)
+"""
+
+ZERO_CLIP_PIECES = """    shards = model.zero_shards
+    keys = {{id(param): key for key, param in model.named_parameters()}}
+    start = _comm.DP.rank * shards.shard_numel     # this rank's range of the flat buffer
+    pieces, counts, offset = [], [], 0
+    for param, numel in zip(shards.params, shards.numels):
+        low, high = max(offset, start), min(offset + numel, start + shards.shard_numel)
+        if low < high:
+            pieces.append(shards.shard.grad[low - start:high - start])
+            counts.append(counted.get(keys[id(param)], False))
+        offset += numel
+"""
 
 
 # How the loss combines its samples decides how the shares of the batch (data-parallel ranks,
@@ -706,11 +776,11 @@ def training_api(*, partial: str, loss: str, zero: int, micro: int | None, preci
     `loss` the loss's reduction ("mean" or "sum"), `zero` the ZeRO stage (0: replicated state),
     `micro` the micro-batches of a pipeline (None: no pipeline), `precision` the forward's dtype."""
     pieces = {"optimizer_params": OPTIMIZER_PARAMS, "gather_before_forward": "", "dp_finish": DP_FINISH,
-              "dp_after_step": ""}
+              "dp_after_step": "", "clip_pieces": CLIP_PIECES}
     if zero:
         pieces = {"optimizer_params": ZERO_OPTIMIZER_PARAMS.format(stage=zero, what=ZERO_WHAT[zero]),
                   "gather_before_forward": ZERO_GATHER if zero == 3 else "", "dp_finish": ZERO_FINISH[zero],
-                  "dp_after_step": ZERO_AFTER_STEP[zero]}
+                  "dp_after_step": ZERO_AFTER_STEP[zero], "clip_pieces": ZERO_CLIP_PIECES.format()}
     pipeline = micro is not None
     return TRAINING.format(partial=partial, loss_shares=LOSS_SHARES[loss], precision=PRECISION_CODE[precision],
                            forward_backward=PIPELINE_FORWARD_BACKWARD if pipeline else FORWARD_BACKWARD,

@@ -4,7 +4,8 @@ Same initial weights (the single-device state dict, sharded by the output's own
 shard_state_dict), same batches, K AdamW steps; per-step losses and the merged parameters
 after the last step are compared. An output rewritten with --precision bf16 or fp16 runs its
 forward under autocast, and so does the reference; half_precision_tolerance says what
-tolerances that takes and why.
+tolerances that takes and why. With --max-grad-norm both runs clip the gradients' global
+norm before each step, and the first gradients are compared after clipping.
 
 Every process runs under a deadline: a rank that dies or hangs ends the run with an error,
 never a hang. verify writes only into a temporary folder,
@@ -161,10 +162,12 @@ FLOAT64_TIGHTENING = 1e-3  # float64's tolerances against float32's (its roundin
 
 def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1e-3, seed: int = 0,
                timeout: float = 300.0, param_atol: float = 5e-4, loss_atol: float = 1e-4,
-               rtol: float = 1e-4, grad_rtol: float = 1e-3, forks=None) -> VerifyResult:
+               rtol: float = 1e-4, grad_rtol: float = 1e-3, forks=None,
+               max_grad_norm: float | None = None) -> VerifyResult:
     """`forks`: a fork server (forkserver.started()) that a caller started early, so that its
-    torch import overlaps the caller's own work; else run_verify starts one. An output
-    rewritten with --precision bf16 or fp16 is compared with the reference under the same autocast, within the
+    torch import overlaps the caller's own work; else run_verify starts one. `max_grad_norm`:
+    both runs clip their gradients' global norm to it. An output rewritten with --precision
+    bf16 or fp16 is compared with the reference under the same autocast, within the
     tolerances half_precision_tolerance derives (they replace the float32 ones given)."""
     out_dir = Path(out_dir).resolve()
     started = time.monotonic()
@@ -183,6 +186,7 @@ def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1
     if precision is not None:
         tolerance = half_precision_tolerance(precision, steps, lr)
     common = ["--steps", str(steps), "--lr", str(lr), "--seed", str(seed)]
+    common += ["--max-grad-norm", repr(max_grad_norm)] if max_grad_norm is not None else []
     common += ["--precision", precision] if precision is not None else []
     with terminated_as_exit(), tempfile.TemporaryDirectory(prefix="nnscaler-verify-") as workdir, \
             (nullcontext(forks) if forks is not None else forkserver.started()) as forks:

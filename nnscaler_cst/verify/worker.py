@@ -4,10 +4,14 @@ It imports only torch and the files under test, and makes `import nnscaler_cst` 
 passing run also proves the generated code is self-contained.
 
     worker.py reference ENTRY_FILE WORKDIR --steps K --lr LR --seed S [--float64] [--precision P]
-    worker.py rank OUTPUT_DIR WORKDIR --steps K --lr LR --seed S [--float64]   (RANK, WORLD_SIZE, MASTER_* set)
+              [--max-grad-norm N]
+    worker.py rank OUTPUT_DIR WORKDIR --steps K --lr LR --seed S [--float64] [--max-grad-norm N]
+              (RANK, WORLD_SIZE, MASTER_* set)
 
 The reference runs its forward and loss under torch.autocast in --precision (bf16, fp16) as the
-output's training API does in the precision it was rewritten for.
+output's training API does in the precision it was rewritten for, and clips the gradients'
+norm (torch.nn.utils.clip_grad_norm_) with --max-grad-norm, as the ranks do with the API's
+clip_grad_norm.
 
 Fault injection, to see what verify does when a rank fails (tests/test_faults.py):
 NNSCALER_VERIFY_FAULT=die:R:K kills rank R (SIGKILL) just before its first collective of step K;
@@ -206,7 +210,7 @@ def capture_zero_gradients(model, shards, optimizer, comm):
     return captured
 
 
-def exact_first_step(entry, model, seed):
+def exact_first_step(entry, model, seed, max_grad_norm=None):
     """The first step's loss and gradients in float64, from the same weights and batch: how far
     the float32 reference itself lands from the exact values (a gradient that is zero in exact
     arithmetic, a bias before a norm over its own dim, is pure rounding in float32; a loss through
@@ -220,13 +224,15 @@ def exact_first_step(entry, model, seed):
         output = exact(**batch) if isinstance(batch, dict) else exact(*batch)
         loss = loss_of(entry, output)
         loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(exact.parameters(), max_grad_norm)
     except Exception:       # noqa: BLE001 -- no yardstick; verify judges as before
         return None, None
     return loss.item(), {name: param.grad.detach().clone()
                          for name, param in exact.named_parameters(remove_duplicate=False) if param.grad is not None}
 
 
-def reordered_first_gradients(entry, model, seed, precision=None):
+def reordered_first_gradients(entry, model, seed, precision=None, max_grad_norm=None):
     """The first step's float32 gradients again, summed in another order (twice the intra-op
     threads: the kernels split their reductions differently): the same arithmetic, so how far
     they land from the reference's is rounding too. A reference whose one order happens to land
@@ -243,6 +249,8 @@ def reordered_first_gradients(entry, model, seed, precision=None):
             output = again(**batch) if isinstance(batch, dict) else again(*batch)
             loss = loss_of(entry, output)
         loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(again.parameters(), max_grad_norm)
     except Exception:       # noqa: BLE001 -- no second order; verify judges by float64 alone
         return None
     finally:
@@ -269,9 +277,9 @@ def reference(args):
         require_float64(model)
     torch.save(model.state_dict(), os.path.join(args.workdir, "init.pt"))
     yardsticks = not args.nudge and not args.float64
-    exact_loss, exact = exact_first_step(entry, model, args.seed) if yardsticks else (None, None)
+    exact_loss, exact = exact_first_step(entry, model, args.seed, args.max_grad_norm) if yardsticks else (None, None)
     # float64's own rounding: the yardstick for gradients that are rounding there too
-    reordered = reordered_first_gradients(entry, model, args.seed, args.precision) \
+    reordered = reordered_first_gradients(entry, model, args.seed, args.precision, args.max_grad_norm) \
         if exact is not None or args.float64 else None
     model.train()
     optimizer = adamw(model.parameters(), args.lr)
@@ -284,6 +292,8 @@ def reference(args):
             output = model(**batch) if isinstance(batch, dict) else model(*batch)
             loss = loss_of(entry, output)
         loss.backward()
+        if args.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -321,7 +331,7 @@ def rank(args):
     losses = []
     for k in range(args.steps):
         enter("step", k)
-        losses.append(package.train_step(model, optimizer, batch_for(module, k, args.seed)))
+        losses.append(package.train_step(model, optimizer, batch_for(module, k, args.seed), args.max_grad_norm))
     if shards is not None and shards.flat is None:   # ZeRO-3 holds shards between steps: whole for the check
         comm.all_gather_params(shards, comm.DP)
     enter("saving")
@@ -347,6 +357,7 @@ def main():
     parser.add_argument("--nudge", type=float, default=0.0)
     parser.add_argument("--float64", action="store_true", help="build, batches and steps in float64")
     parser.add_argument("--precision", help="the reference's forward under autocast in bf16 or fp16")
+    parser.add_argument("--max-grad-norm", type=float, help="clip the gradients' global norm to this")
     args = parser.parse_args()
     if args.float64:
         torch.set_default_dtype(torch.float64)
