@@ -1,12 +1,15 @@
 """Spec of training with the output: mixed precision written into the program, gradient clipping
-by the single-device model's norm, and the training API (__init__.py) a user's own loop calls,
-of which train.py is one user.
+by the single-device model's norm, sharded checkpoints that load under another plan, and the
+training API (__init__.py) a user's own loop calls, of which train.py is one user.
 
-Quick: the emitted autocast and API (golden strings), bad input. Slow (gloo processes): verify
---precision bf16, verify --max-grad-norm with a negative control.
+Quick: the emitted autocast and API (golden strings), torch.distributed.checkpoint's view of a
+rank's pieces (one process), bad input. Slow (gloo processes): verify --precision bf16, verify
+--max-grad-norm with a negative control, and a run saved under one plan and resumed under
+another against the uninterrupted single-device run.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -103,14 +106,37 @@ def test_the_api_holds_every_step_of_a_loop_and_train_py_calls_it(gpt):
     from nnscaler_cst.rewrite import PlanRequest, rewrite
     files = rewrite(gpt, PlanRequest(tp=2, dp=2)).files
     for name in ("setup", "build", "optimizer_params", "batch_share", "forward_backward", "finish_backward",
-                 "clip_grad_norm", "optimizer_step"):
+                 "clip_grad_norm", "optimizer_step", "save_checkpoint", "load_checkpoint", "merged_state_dict"):
         assert f"\ndef {name}(" in files["__init__.py"], name
     loop = function(files["train.py"], "main")
-    calls = ["forward_backward(model, batch_for(", "finish_backward(model)",
-             "clip_grad_norm(model, args.max_grad_norm)", "optimizer_step(model, optimizer)"]
+    calls = ["forward_backward(model, batch)", "finish_backward(model)", "clip_grad_norm(model, args.max_grad_norm)",
+             "optimizer_step(model, optimizer)"]
     assert [loop.index(c) for c in calls] == sorted(loop.index(c) for c in calls)
-    for flag in ("--precision", "--max-grad-norm"):
+    for flag in ("--precision", "--max-grad-norm", "--save", "--resume", "--data"):
         assert f'parser.add_argument("{flag}"' in loop, flag
+
+
+def test_checkpoint_pieces_load_into_other_pieces_by_their_offsets(tmp_path):
+    """A (6, 4) tensor written as three row blocks (as the q|k|v blocks of a split fused weight
+    lie) loads into a piece of columns and a piece of rows, whatever blocks wrote them."""
+    from nnscaler_cst.runtime._comm import CheckpointChunks
+    from nnscaler_cst.verify.launch import free_port
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        whole = torch.arange(24.0).view(6, 4)
+        written = CheckpointChunks(whole.shape, [((0, 0), whole[0:1].clone()), ((1, 0), whole[1:3].clone()),
+                                                 ((3, 0), whole[3:6].clone())])
+        dcp.save({"w": written, "extra": {"step": 4}}, checkpoint_id=str(tmp_path / "ckpt"))
+        columns, row = torch.zeros(2, 2), torch.zeros(1, 4)
+        extra = {"step": 0}
+        dcp.load({"w": CheckpointChunks(whole.shape, [((2, 2), columns), ((5, 0), row)]), "extra": extra},
+                 checkpoint_id=str(tmp_path / "ckpt"))
+        assert torch.equal(columns, whole[2:4, 2:4]) and torch.equal(row, whole[5:6]) and extra == {"step": 4}
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_max_grad_norm_that_is_not_positive_is_refused(tmp_path, monkeypatch, capsys):
@@ -166,3 +192,64 @@ def test_clipped_gradients_equal_the_single_device_clipped_gradients(args, tmp_p
     assert result.returncode == 1 and outcome["passed"] is False, outcome
     assert outcome["max_grad_error"] > outcome["tolerance"]["grad_rtol"]
 
+
+def single_device_losses(entry_file: Path, steps: int, init: Path) -> list[float]:
+    """The uninterrupted run: train.py's optimizer (AdamW, lr 1e-3) and batches (example_inputs()
+    drawn after manual_seed(seed + step)), on one device; its initial weights saved to `init`."""
+    spec = importlib.util.spec_from_file_location("resume_entry", entry_file)
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    torch.manual_seed(0)
+    model = entry.build()
+    torch.save(model.state_dict(), init)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(steps):
+        torch.manual_seed(step)
+        output = model(*entry.example_inputs())
+        loss = output if isinstance(output, torch.Tensor) else output.loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def train(out: Path, *args) -> list[float]:
+    """train.py of the output on its world of gloo processes; the losses rank 0 prints."""
+    from nnscaler_cst.verify.launch import free_port
+    world = int(re.search(r"\nWORLD_SIZE = (\d+)", (out / "__init__.py").read_text()).group(1))
+    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    procs = [subprocess.Popen([sys.executable, str(out / "train.py"), *map(str, args)],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=out.parent,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    logs = [proc.communicate(timeout=600)[0] for proc in procs]
+    for proc, log in zip(procs, logs):
+        assert proc.returncode == 0, log[-3000:]
+    return [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", logs[0], re.M)]
+
+
+@pytest.fixture(scope="module")
+def resumable(tmp_path_factory):
+    """The GPT fixture rewritten at TP=2xDP=2 and at PP=2, and 8 single-device steps' losses."""
+    folder = tmp_path_factory.mktemp("resume")
+    entry = REPO / "fixtures" / "gpt.py"
+    for name, args in (("tp2dp2", ["--tp", "2", "--dp", "2"]), ("pp2", ["--pp", "2"])):
+        subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", str(entry), *args, "-o", folder / name],
+                       cwd=REPO, check=True, capture_output=True, timeout=600)
+    return folder, single_device_losses(entry, 8, folder / "init.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first, then", [("tp2dp2", "pp2"), ("pp2", "tp2dp2")])
+def test_a_checkpoint_saved_under_one_plan_resumes_under_another_as_if_uninterrupted(resumable, first, then):
+    from nnscaler_cst.verify.equivalence import run_verify
+    folder, expected = resumable
+    checkpoint = folder / f"from-{first}"
+    losses = train(folder / first, "--init", folder / "init.pt", "--steps", 4, "--save", checkpoint)
+    losses += train(folder / then, "--resume", checkpoint, "--steps", 8)
+    tolerance = run_verify.__kwdefaults__     # verify's own float32 tolerances
+    assert len(losses) == 8
+    for got, want in zip(losses, expected):
+        assert abs(got - want) <= tolerance["loss_atol"] + tolerance["rtol"] * abs(want), (losses, expected)

@@ -16,6 +16,8 @@ forward_backward(model, batch)          this rank's share of the full batch, for
 finish_backward(model)                  every gradient sync the plan needs
 clip_grad_norm(model, max_norm)         the single-device model's gradient norm, clipped
 optimizer_step(model, optimizer)        the step, gradients cleared
+save_checkpoint / load_checkpoint       torch.distributed.checkpoint, keyed by single-device names
+merged_state_dict(model)                the single-device state dict, on every rank
 """
 import importlib
 import os
@@ -239,7 +241,8 @@ TRAIN = '''"""torchrun entry for {source} ({plan}): a loop of the training API i
 
 Initialises torch.distributed (NCCL and the local GPU when CUDA is there, gloo on CPU
 otherwise), builds this rank's model, optionally loads its share of a single-device state dict
-(--init), and trains on the entry file's example_inputs().
+(--init) or resumes a sharded checkpoint (--resume), and trains on the entry file's
+example_inputs() or on the batches a generator of yours yields (--data MODULE:FN).
 """
 import argparse
 import importlib
@@ -254,8 +257,8 @@ if __package__ in (None, ""):  # run as a script: import the output folder as a 
     __package__ = os.path.basename(_here)
     importlib.import_module(__package__)
 
-from . import PRECISIONS, build, clip_grad_norm, finish_backward, forward_backward
-from . import optimizer_params, optimizer_step, rank_module, setup, shard_state_dict, use_precision
+from . import PRECISIONS, build, clip_grad_norm, finish_backward, forward_backward, load_checkpoint
+from . import optimizer_params, optimizer_step, rank_module, save_checkpoint, setup, shard_state_dict, use_precision
 from . import _comm
 
 
@@ -282,13 +285,16 @@ def user_batches(spec, start, device):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="the step to stop before (a resumed run goes on)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--init", help="single-device state dict (torch.save) to start from")
     parser.add_argument("--precision", choices=sorted(PRECISIONS), help="forward's compute dtype (autocast); "
                         "default the one rewritten in")
     parser.add_argument("--max-grad-norm", type=float, help="clip the gradients' global norm to this")
+    parser.add_argument("--save", help="write a sharded checkpoint (torch.distributed.checkpoint) here at the end")
+    parser.add_argument("--resume", help="a checkpoint folder (--save) to go on from, under any plan")
+    parser.add_argument("--data", help="MODULE:FN, a generator of full batches (default: example_inputs())")
     args = parser.parse_args()
     rank = setup()
     device = torch.device("cpu")
@@ -304,14 +310,24 @@ def main():
         model.load_state_dict(shard_state_dict(torch.load(args.init), rank))
     model.to(device).train()
     optimizer = torch.optim.AdamW(optimizer_params(model), lr=args.lr)
-    for step in range(args.steps):
-        loss = forward_backward(model, batch_for(module, step, args.seed, device))
+    progress = {{"step": 0}}
+    if args.resume:
+        load_checkpoint(args.resume, model, optimizer, progress)
+    batches = user_batches(args.data, progress["step"], device) if args.data else None
+    for step in range(progress["step"], args.steps):
+        batch = next(batches, None) if batches else batch_for(module, step, args.seed, device)
+        if batch is None:
+            break
+        loss = forward_backward(model, batch)
         finish_backward(model)
         if args.max_grad_norm is not None:
             clip_grad_norm(model, args.max_grad_norm)
         optimizer_step(model, optimizer)
+        progress["step"] = step + 1
         if rank == 0:
             print(f"step {{step}} loss {{loss:.6f}}", flush=True)
+    if args.save:
+        save_checkpoint(args.save, model, optimizer, progress)
     _comm.teardown()
 
 
@@ -669,6 +685,155 @@ def train_step(model, optimizer, batch, max_grad_norm=None):
         clip_grad_norm(model, max_norm=max_grad_norm)
     optimizer_step(model, optimizer)
     return loss
+
+
+def merged_state_dict(model):
+    \"\"\"The single-device state dict, on every rank: every rank's state dict gathered and merged
+    (merge_state_dicts). For exports and checks; a large model is better saved with save_checkpoint.\"\"\"
+    with whole_parameters(model):
+        state = {{key: t.detach().cpu().clone() for key, t in model.state_dict().items()}}
+    everyone = [state]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, state)
+    return merge_state_dicts(everyone)
+
+
+class whole_parameters:
+    \"\"\"ZeRO-3 holds only its shard between steps: inside this, every parameter is whole (gathered),
+    and what is written into them is kept in the shard on the way out.\"\"\"
+
+    def __init__(self, model):
+        shards = getattr(model, "zero_shards", None)
+        self.shards = shards if shards is not None and shards.flat is None else None
+
+    def __enter__(self):
+        if self.shards is not None:
+            _comm.all_gather_params(self.shards, _comm.DP)
+
+    def __exit__(self, *exc):
+        if self.shards is not None:
+            start = _comm.DP.rank * self.shards.shard_numel
+            self.shards.shard.data.copy_(self.shards.flat[start:start + self.shards.shard_numel])
+            _comm.free_params(self.shards)
+
+
+def tensor_chunks(name, local):
+    \"\"\"(the single-device shape of `name`, this rank's pieces of it as [(offsets, view of local)]).\"\"\"
+    if name in PP_VOCAB_SPLITS:
+        raise NotImplementedError(f"{{name}} is split over the pipeline (interlaced): not checkpointed yet")
+    if name not in TP_SPLITS:
+        return local.shape, [((0,) * local.dim(), local)]
+    dim, groups = TP_SPLITS[name]
+    block = local.shape[dim] // groups          # this rank's part of each fused block
+    shape = list(local.shape)
+    shape[dim] *= TP_SIZE
+    pieces = []
+    for group in range(groups):
+        offsets = [0] * local.dim()
+        offsets[dim] = group * block * TP_SIZE + _comm.TP.rank * block
+        pieces.append((tuple(offsets), local.narrow(dim, group * block, block)))
+    return torch.Size(shape), pieces
+
+
+def checkpoint_state(model, optimizer, template=None):
+    \"\"\"What a checkpoint holds of this rank, keyed by single-device names: "model/NAME" (each
+    parameter and buffer) and "optim/NAME/KEY" (its optimizer state: AdamW's step, exp_avg,
+    exp_avg_sq), each a _comm.CheckpointChunks of views into this rank's tensors. `template`: a
+    checkpoint's metadata, to allocate optimizer state not made yet (loading before any step).\"\"\"
+    names = single_device_names(model)
+    state = {{}}
+    for key, tensor in model.state_dict().items():
+        name = min(PARAMETER_ALIASES.get(names[key], [names[key]]))
+        state.setdefault(f"model/{{name}}", _comm.CheckpointChunks(*tensor_chunks(name, tensor)))
+    if optimizer is None:
+        return state
+    shards = getattr(model, "zero_shards", None)
+    if shards is not None:      # ZeRO: the shard's state, whole on every rank for the moment
+        states = zero_optimizer_state(shards, optimizer, template, names, model)
+    else:
+        states = {{}}
+        for key, param in model.named_parameters():
+            name = min(PARAMETER_ALIASES.get(names[key], [names[key]]))
+            if param.requires_grad and name not in states:
+                if not optimizer.state[param] and template is not None:
+                    optimizer.state[param] = new_state(template, name, param.shape, param.device)
+                states[name] = (param, optimizer.state[param])
+    for name, (param, values) in states.items():
+        for what, value in values.items():
+            chunks = tensor_chunks(name, value) if isinstance(value, torch.Tensor) and value.shape == param.shape \\
+                else (value.shape, [((0,) * value.dim(), value)])
+            state[f"optim/{{name}}/{{what}}"] = _comm.CheckpointChunks(*chunks)
+    return state
+
+
+def new_state(template, name, shape, device):
+    \"\"\"Zeroed optimizer state for `name` shaped as the checkpoint's (`template`) holds it.\"\"\"
+    prefix = f"optim/{{name}}/"
+    values = {{}}
+    for key, meta in template.state_dict_metadata.items():
+        if key.startswith(prefix):
+            shaped = len(meta.size) > 0     # a moment, shaped as the parameter; else a count (step)
+            values[key[len(prefix):]] = torch.zeros(shape if shaped else meta.size, dtype=meta.properties.dtype,
+                                                    device=device if shaped else "cpu")
+    return values
+
+
+def zero_optimizer_state(shards, optimizer, template, names, model):
+    \"\"\"ZeRO: {{name: (parameter, its whole optimizer state)}}, from this rank's shard of the state:
+    each state tensor laid out as the flat buffer, gathered over the data-parallel ranks.\"\"\"
+    keys = {{id(param): key for key, param in model.named_parameters()}}
+    mine = optimizer.state[shards.shard]
+    if not mine and template is not None:
+        name = names[keys[id(shards.params[0])]]
+        mine.update(new_state(template, min(PARAMETER_ALIASES.get(name, [name])), (shards.shard_numel,),
+                              shards.device))
+    whole = {{}}
+    for what, value in mine.items():
+        if value.shape == shards.shard.shape:
+            whole[what] = torch.empty(shards.shard_numel * _comm.DP.size, dtype=value.dtype, device=value.device)
+            _comm.gather_shards(whole[what], value, _comm.DP)
+    shards.gathered_state = whole   # load_checkpoint hands this rank's shard back from it
+    views = {{what: shards.views(flat) for what, flat in whole.items()}}
+    states = {{}}
+    for index, param in enumerate(shards.params):
+        name = min(PARAMETER_ALIASES.get(names[keys[id(param)]], [names[keys[id(param)]]]))
+        values = {{what: v for what, v in mine.items() if what not in whole}}
+        values.update({{what: pieces[index] for what, pieces in views.items()}})
+        states.setdefault(name, (param, values))
+    return states
+
+
+def save_checkpoint(path, model, optimizer=None, extra=None):
+    \"\"\"Write this rank's share of the model and the optimizer state into the folder `path` with
+    torch.distributed.checkpoint: every tensor under its single-device name, each piece at its
+    offsets, so that a checkpoint written under one plan loads under another. `extra`: a dict of
+    plain values (the step). Every rank calls it.\"\"\"
+    import torch.distributed.checkpoint as dcp
+    with whole_parameters(model):
+        state = checkpoint_state(model, optimizer)
+        if extra:
+            state["extra"] = dict(extra)
+        dcp.save(state, checkpoint_id=path)
+
+
+def load_checkpoint(path, model, optimizer=None, extra=None):
+    \"\"\"Read a checkpoint save_checkpoint wrote, under this plan or another, into this rank's model
+    and optimizer (in place); `extra`, a dict, gets the values saved with it. Every rank calls it.\"\"\"
+    import torch.distributed.checkpoint as dcp
+    template = dcp.FileSystemReader(path).read_metadata()
+    with whole_parameters(model):
+        state = checkpoint_state(model, optimizer, template)
+        if extra is not None:
+            state["extra"] = extra
+        dcp.load(state, checkpoint_id=path)
+    shards = getattr(model, "zero_shards", None)
+    if shards is not None and optimizer is not None:     # this rank's shard of the whole state read
+        start = _comm.DP.rank * shards.shard_numel
+        for what, flat in shards.gathered_state.items():
+            optimizer.state[shards.shard][what].copy_(flat[start:start + shards.shard_numel])
+        if shards.flat is not None:
+            shards.shard.data.copy_(shards.flat[start:start + shards.shard_numel])
 """
 
 FORWARD_BACKWARD = """    inputs = batch_share(batch)

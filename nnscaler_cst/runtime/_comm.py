@@ -26,6 +26,8 @@ What it does
   synchronisation for data parallelism, ZeRO's sharded data-parallel state
   (``reduce_scatter_grads``, ``all_gather_params``), and p2p for pipeline stages (hand-offs:
   metadata once, then one message per tensor, batched with ``batch_isend_irecv``).
+* ``CheckpointChunks``: the pieces of a single-device tensor one rank holds, as
+  torch.distributed.checkpoint saves and loads them (by offsets in the whole tensor).
 * On an axis of size 1 every collective is the identity and no
   torch.distributed function is called, so generated code also runs in one
   plain process without ``setup``.
@@ -55,7 +57,8 @@ __all__ = [
     "tp_copy", "tp_reduce", "tp_scatter", "tp_gather",
     "vocab_parallel_embedding", "vocab_parallel_cross_entropy", "dp_batch_norm",
     "sync_grads",
-    "ZeroShards", "zero_shards", "reduce_scatter_grads", "all_gather_params", "free_params",
+    "ZeroShards", "zero_shards", "reduce_scatter_grads", "all_gather_params", "free_params", "gather_shards",
+    "CheckpointChunks",
     "send_forward", "recv_forward", "send_backward", "recv_backward",
     "activation_sends", "activation_recvs", "grad_sends", "grad_recvs", "post_p2p",
     "wait_activations", "wait_grads", "shape_key", "HandoffMismatch",
@@ -753,6 +756,58 @@ def free_params(shards: ZeroShards) -> None:
     shards.flat = None
     for p in shards.params:
         p.data = torch.empty(0, dtype=shards.dtype, device=shards.device)
+
+
+def gather_shards(flat: torch.Tensor, shard: torch.Tensor, axis: Axis) -> None:
+    """Every rank's ``shard`` (the same size on each) into ``flat``, in axis order: ZeRO's sharded
+    optimizer state made whole, for a checkpoint."""
+    pieces = list(flat.chunk(axis.size))
+    if axis.size == 1:
+        pieces[0].copy_(shard)
+        return
+    _record("all_gather", shard)
+    dist.all_gather(pieces, shard.contiguous(), group=axis.group)
+
+
+# --------------------------------------------------------------------------
+# Checkpoints: torch.distributed.checkpoint's view of a rank's pieces
+# --------------------------------------------------------------------------
+
+class CheckpointChunks(torch.Tensor):
+    """A single-device tensor of ``shape`` of which this rank holds ``pieces``, [(offsets, tensor)]:
+    rectangular blocks at those offsets (a tensor-parallel shard of fused q|k|v is one block per
+    q, k and v).  torch.distributed.checkpoint saves each piece under the tensor's name and its
+    offsets, and loads into the pieces in place whatever blocks the checkpoint was written in.
+    Holds no storage of its own: computing with it raises."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, shape, pieces):
+        first = pieces[0][1]
+        chunks = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=first.dtype, device=first.device)
+        chunks.pieces = [(torch.Size(offsets), piece) for offsets, piece in pieces]
+        return chunks
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(f"{func} on a checkpoint's pieces: use the tensors they are views of")
+
+    def __create_chunk_list__(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        return [ChunkStorageMetadata(offsets, piece.shape) for offsets, piece in self.pieces]
+
+    def __create_write_items__(self, fqn, obj):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, piece.shape),
+                                                      properties=TensorProperties.create_from_tensor(piece),
+                                                      size=self.shape))
+                for offsets, piece in self.pieces]
+
+    def __get_tensor_shard__(self, index):
+        return next(piece for offsets, piece in self.pieces if offsets == index.offset)
 
 # --------------------------------------------------------------------------
 # Pipeline point-to-point (blocking, global ranks, no autograd)
