@@ -275,7 +275,9 @@ def moved(batch, device):
 
 def user_batches(spec, start, device):
     """--data MODULE:FN: FN() yields full batches (the same on every rank), as example_inputs()
-    returns one; a resumed run skips the batches of the steps already taken."""
+    returns one; a resumed run skips the batches of the steps already taken. MODULE is found from
+    the working directory, as `python -m` finds it."""
+    sys.path.insert(0, os.getcwd())
     module_name, _, function = spec.partition(":")
     batches = getattr(importlib.import_module(module_name), function)()
     for step, batch in enumerate(batches):
