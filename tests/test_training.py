@@ -9,6 +9,7 @@ another against the uninterrupted single-device run.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -55,7 +56,7 @@ def test_bf16_runs_the_forward_and_the_loss_under_autocast_and_the_backward_outs
     assert ("    with autocast(device_type_of(model)):\n"
             "        output = model(**inputs) if isinstance(inputs, dict) else model(*inputs)\n"
             "        loss = loss_of(module, output)\n"
-            "    loss.backward()\n") in step
+            "    scaled(loss).backward()\n") in step       # fp16 scales the loss; others leave it
 
 
 def test_a_pipeline_runs_each_stage_forward_under_autocast(gpt):
@@ -68,6 +69,34 @@ def test_a_pipeline_runs_each_stage_forward_under_autocast(gpt):
 @pytest.mark.parametrize("precision", [None, "fp32", "tf32"])
 def test_float32_precisions_write_no_autocast(gpt, precision):
     assert re.search(r"\nPRECISION = None\b", api_source(gpt, tp=2, precision=precision))
+
+
+def test_fp16_skips_a_step_whose_gradients_overflowed_and_halves_the_loss_scale(gpt, tmp_path, monkeypatch):
+    """The output in one plain process (every axis of size 1): a loss scale past float32's range
+    makes every gradient infinite; the step leaves the parameters as they were and halves the
+    scale; the next step, at a scale that fits, trains."""
+    from nnscaler_cst.rewrite import PlanRequest, rewrite
+    out = tmp_path / "fp16_output"
+    out.mkdir()
+    for name, text in rewrite(gpt, PlanRequest(dp=2, precision="fp16")).files.items():
+        (out / name).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    package = importlib.import_module("fp16_output")
+    model = package.build(0)
+    optimizer = torch.optim.AdamW(package.optimizer_params(model), lr=1e-3)
+    batch = package.rank_module(0).example_inputs()
+    before = {key: t.clone() for key, t in model.state_dict().items()}
+    package.LOSS_SCALE["scale"] = 2.0 ** 127           # the scaled loss (about 5 x 2**127) is inf
+    for _ in range(2):
+        package.forward_backward(model, batch)
+        package.finish_backward(model)
+        package.optimizer_step(model, optimizer)
+        if _ == 0:
+            assert all(torch.equal(t, before[key]) for key, t in model.state_dict().items())
+            assert package.LOSS_SCALE["scale"] == 2.0 ** 126
+            package.LOSS_SCALE["scale"] = 2.0 ** 8
+    assert not torch.equal(model.state_dict()["lm_head.weight"], before["lm_head.weight"])
+    assert package.LOSS_SCALE == {"scale": 2.0 ** 8, "good_steps": 1, "skip": False}
 
 
 def test_the_gradients_are_reduced_in_float32_unless_the_loop_asks_for_another_dtype(gpt):

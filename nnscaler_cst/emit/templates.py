@@ -500,7 +500,7 @@ def pipeline_forward_backward(stages, batch, module):
         elif kind == "B":
             received, sent = held.pop((stage, m))
             if last(stage):
-                sent[0].backward()
+                scaled(sent[0]).backward()
             else:
                 outputs = [t for t in sent if t.requires_grad]
                 torch.autograd.backward(outputs, _comm.wait_grads(incoming))
@@ -551,6 +551,39 @@ def use_precision(name):
 
 def autocast(device_type):
     return torch.autocast(device_type, dtype=PRECISION, enabled=PRECISION is not None)
+
+
+# fp16 has 5 exponent bits: small gradients underflow. With PRECISION float16 the loss is scaled
+# up before the backward and the gradients down after it (dynamic loss scaling, as
+# torch.amp.GradScaler does): a step whose gradients overflowed on any rank is skipped and the
+# scale halved; after GROWTH_INTERVAL steps without overflow it is doubled.
+LOSS_SCALE = {{"scale": 2.0 ** 16, "good_steps": 0, "skip": False}}
+GROWTH_INTERVAL = 2000
+
+
+def scaled(loss):
+    return loss * LOSS_SCALE["scale"] if PRECISION is torch.float16 else loss
+
+
+def unscale(grads):
+    \"\"\"fp16: the gradients divided by the loss scale; whether any rank's overflowed.\"\"\"
+    overflow = torch.zeros((), device=grads[0].device if grads else None)
+    for grad in grads:
+        grad.div_(LOSS_SCALE["scale"])
+        overflow = torch.maximum(overflow, (~torch.isfinite(grad)).any().float())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(overflow, op=dist.ReduceOp.MAX)
+    LOSS_SCALE["skip"] = bool(overflow.item())
+
+
+def update_loss_scale():
+    if LOSS_SCALE["skip"]:
+        LOSS_SCALE["scale"], LOSS_SCALE["good_steps"] = LOSS_SCALE["scale"] / 2, 0
+    else:
+        LOSS_SCALE["good_steps"] += 1
+        if LOSS_SCALE["good_steps"] == GROWTH_INTERVAL:
+            LOSS_SCALE["scale"], LOSS_SCALE["good_steps"] = LOSS_SCALE["scale"] * 2, 0
+    LOSS_SCALE["skip"] = False
 
 
 def device_type_of(model):
@@ -620,13 +653,16 @@ def single_device_names(model):
 def finish_backward(model, reduce_dtype=None):
     \"\"\"Every gradient sync the plan needs after forward_backward: copies of a parameter on several
     pipeline stages summed, tensor-parallel partial gradients summed, data-parallel gradients
-    combined. `reduce_dtype` (torch.bfloat16): the data-parallel reduction's dtype, float32 when None.\"\"\"
+    combined; fp16: the loss scale taken out. `reduce_dtype` (torch.bfloat16): the data-parallel
+    reduction's dtype, float32 when None.\"\"\"
     if PP_SIZE > 1:
         pipeline_grads(model, rank_module(_comm.GLOBAL_RANK))
     names = single_device_names(model)
     partial = [param for key, param in model.named_parameters() if names[key] in TP_PARTIAL_GRADS]
     _comm.sync_grads(partial, _comm.TP, average=False)  # tensor parallel: partial gradients summed
-{dp_finish}
+{dp_finish}    if PRECISION is torch.float16:
+        unscale(stepped_grads(model))
+{stepped_grads}
 
 def clip_grad_norm(model, max_norm):
     \"\"\"Scale the gradients so that the single-device model's gradient norm is at most `max_norm`
@@ -674,10 +710,14 @@ def norm_counted(model):
 
 
 def optimizer_step(model, optimizer):
-    \"\"\"The optimizer's step on what finish_backward left, then the gradients cleared.\"\"\"
-    optimizer.step()
+    \"\"\"The optimizer's step on what finish_backward left, then the gradients cleared (fp16: no
+    step where the gradients overflowed, and the loss scale adapted).\"\"\"
+    if not LOSS_SCALE["skip"]:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-{dp_after_step}
+{dp_after_step}    if PRECISION is torch.float16:
+        update_loss_scale()
+
 
 def train_step(model, optimizer, batch, max_grad_norm=None):
     \"\"\"One optimizer step on the full batch; returns its loss.\"\"\"
@@ -842,7 +882,7 @@ FORWARD_BACKWARD = """    inputs = batch_share(batch)
     with autocast(device_type_of(model)):
         output = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
         loss = loss_of(module, output)
-    loss.backward()
+    scaled(loss).backward()
     return full_loss(loss)
 """
 
@@ -904,6 +944,19 @@ ZERO_AFTER_STEP = {
     3: "",
 }
 
+# The gradients the optimizer steps: each parameter's, or (ZeRO) this rank's shard's
+STEPPED_GRADS = """
+
+def stepped_grads(model):
+    return [param.grad for param in model.parameters() if param.grad is not None]
+"""
+
+ZERO_STEPPED_GRADS = """
+
+def stepped_grads(model):
+    return [model.zero_shards.shard.grad]
+"""
+
 # clip_grad_norm's gradients: each parameter's, or (ZeRO) the pieces of this rank's shard
 CLIP_PIECES = """    pieces, counts = [], []
     for key, param in model.named_parameters():
@@ -943,11 +996,12 @@ def training_api(*, partial: str, loss: str, zero: int, micro: int | None, preci
     `loss` the loss's reduction ("mean" or "sum"), `zero` the ZeRO stage (0: replicated state),
     `micro` the micro-batches of a pipeline (None: no pipeline), `precision` the forward's dtype."""
     pieces = {"optimizer_params": OPTIMIZER_PARAMS, "gather_before_forward": "", "dp_finish": DP_FINISH,
-              "dp_after_step": "", "clip_pieces": CLIP_PIECES}
+              "dp_after_step": "", "clip_pieces": CLIP_PIECES, "stepped_grads": STEPPED_GRADS}
     if zero:
         pieces = {"optimizer_params": ZERO_OPTIMIZER_PARAMS.format(stage=zero, what=ZERO_WHAT[zero]),
                   "gather_before_forward": ZERO_GATHER if zero == 3 else "", "dp_finish": ZERO_FINISH[zero],
-                  "dp_after_step": ZERO_AFTER_STEP[zero], "clip_pieces": ZERO_CLIP_PIECES.format()}
+                  "dp_after_step": ZERO_AFTER_STEP[zero], "clip_pieces": ZERO_CLIP_PIECES.format(),
+                  "stepped_grads": ZERO_STEPPED_GRADS}
     pipeline = micro is not None
     return TRAINING.format(partial=partial, loss_shares=LOSS_SHARES[loss], precision=PRECISION_CODE[precision],
                            forward_backward=PIPELINE_FORWARD_BACKWARD if pipeline else FORWARD_BACKWARD,

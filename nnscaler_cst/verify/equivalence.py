@@ -148,7 +148,9 @@ def half_precision_tolerance(precision: str, steps: int, lr: float) -> dict[str,
       catches a run that diverges; the losses and the first gradients carry the proof.
 
     Where the reference's own rounding (its distance from float64, rounding_of) is larger,
-    gradients and the first loss are judged against ten times that, as in float32."""
+    gradients and the first loss are judged against ten times that, as in float32. fp16 scales
+    its loss dynamically; both runs start from worker.py's VERIFY_LOSS_SCALE, so that both take
+    (or skip) the same steps."""
     u = UNIT_ROUNDOFF[precision]
     return {"param_atol": 2 * lr * steps, "loss_atol": 1e-4, "rtol": 2 * u, "grad_rtol": 8 * u}
 

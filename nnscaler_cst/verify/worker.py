@@ -9,7 +9,8 @@ passing run also proves the generated code is self-contained.
               (RANK, WORLD_SIZE, MASTER_* set)
 
 The reference runs its forward and loss under torch.autocast in --precision (bf16, fp16) as the
-output's training API does in the precision it was rewritten for, and clips the gradients'
+output's training API does in the precision it was rewritten for (fp16: with torch.amp.GradScaler,
+whose dynamic loss scaling the API's follows), and clips the gradients'
 norm (torch.nn.utils.clip_grad_norm_) with --max-grad-norm, as the ranks do with the API's
 clip_grad_norm.
 
@@ -248,7 +249,11 @@ def reordered_first_gradients(entry, model, seed, precision=None, max_grad_norm=
         with autocast(precision):
             output = again(**batch) if isinstance(batch, dict) else again(*batch)
             loss = loss_of(entry, output)
-        loss.backward()
+        scaler = loss_scaler(precision)
+        scaler.scale(loss).backward()
+        for param in again.parameters():
+            if param.grad is not None:
+                param.grad.div_(scaler.get_scale() if scaler.is_enabled() else 1.0)
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(again.parameters(), max_grad_norm)
     except Exception:       # noqa: BLE001 -- no second order; verify judges by float64 alone
@@ -265,6 +270,19 @@ AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def autocast(precision):
     """The forward's and the loss's compute dtype, as the output's training API sets it."""
     return torch.autocast("cpu", dtype=AUTOCAST.get(precision), enabled=precision in AUTOCAST)
+
+
+# fp16's first loss scale in both runs. The output starts at GradScaler's 2**16, where the first
+# backward may overflow fp16 on one plan and not on another (a sum over ranks rounds where one
+# device's does not): a step skipped on one side only would leave nothing to compare.
+VERIFY_LOSS_SCALE = 2.0 ** 8
+
+
+def loss_scaler(precision):
+    """fp16's dynamic loss scaling as the output's (its GROWTH_INTERVAL, VERIFY_LOSS_SCALE to
+    begin with); disabled for other precisions."""
+    return torch.amp.GradScaler("cpu", init_scale=VERIFY_LOSS_SCALE, growth_interval=2000,
+                                enabled=precision == "fp16")
 
 
 def reference(args):
@@ -284,6 +302,7 @@ def reference(args):
     model.train()
     optimizer = adamw(model.parameters(), args.lr)
     grads = capture_first_gradients(model, optimizer, args.nudge)
+    scaler = loss_scaler(args.precision)
     losses = []
     for step in range(args.steps):
         enter("step", step)
@@ -291,10 +310,12 @@ def reference(args):
         with autocast(args.precision):
             output = model(**batch) if isinstance(batch, dict) else model(*batch)
             loss = loss_of(entry, output)
-        loss.backward()
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
         if args.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        optimizer.step()
+        scaler.step(optimizer)          # optimizer.step(), unless fp16's gradients overflowed
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     enter("saving")
@@ -314,6 +335,7 @@ def rank(args):
                pp_replicas=package.rank_module(rank).PIPELINE_REPLICAS if package.PP_SIZE > 1 else None,
                pp_tied=getattr(package.rank_module(rank), "TIED_RANKS", None))
     module = package.rank_module(rank)
+    package.LOSS_SCALE["scale"] = VERIFY_LOSS_SCALE     # used under fp16 only
     torch.manual_seed(args.seed)
     model = package.build(rank)
     if args.float64:
