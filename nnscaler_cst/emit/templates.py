@@ -687,7 +687,7 @@ def clip_grad_norm(model, max_norm):
 def norm_counted(model):
     \"\"\"{{key of each trained parameter: whether this rank counts its gradient in the global norm}};
     computed once. A parameter several of this rank's stages hold is counted at its first key.\"\"\"
-    if getattr(model, "norm_counted", None) is None:
+    if getattr(model, "grad_norm_counted", None) is None:
         names = single_device_names(model)
         counted, held = {{}}, set()
         for key, param in model.named_parameters():
@@ -705,8 +705,8 @@ def norm_counted(model):
             split_pp = names[key] in PP_VOCAB_SPLITS    # every pipeline rank holds rows of it
             counted[key] = counted[key] and (split_pp or first == _comm.PP.rank) and \\
                 (names[key] in TP_SPLITS or _comm.TP.rank == 0)
-        model.norm_counted = counted
-    return model.norm_counted
+        model.grad_norm_counted = counted
+    return model.grad_norm_counted
 
 
 def optimizer_step(model, optimizer):
@@ -987,7 +987,7 @@ LOSS_SHARES = {
            "AVERAGE_SHARES = False\n",
 }
 
-PRECISION_CODE = {None: "None", "fp32": "None", "tf32": "None  # tf32: float32 parameters and activations",
+PRECISION_CODE = {None: "None", "fp32": "None", "tf32": "None  # tf32 prices matmuls on tensor cores; the program runs in float32",
                   "bf16": "torch.bfloat16", "fp16": "torch.float16"}
 
 
