@@ -762,18 +762,20 @@ class whole_parameters:
 
 def tensor_chunks(name, local):
     \"\"\"(the single-device shape of `name`, this rank's pieces of it as [(offsets, view of local)]).\"\"\"
-    if name in PP_VOCAB_SPLITS:
-        raise NotImplementedError(f"{{name}} is split over the pipeline (interlaced): not checkpointed yet")
-    if name not in TP_SPLITS:
-        return local.shape, [((0,) * local.dim(), local)]
-    dim, groups = TP_SPLITS[name]
+    dim, groups = TP_SPLITS.get(name, (None, 1))
+    shape, base = list(local.shape), [0] * local.dim()
+    if dim is not None:
+        shape[dim] *= TP_SIZE
+    if name in PP_VOCAB_SPLITS:     # interlaced: this pipeline rank's rows of the vocabulary
+        base[0] = _comm.PP.rank * shape[0]
+        shape[0] *= PP_SIZE
+    if dim is None:
+        return torch.Size(shape), [(tuple(base), local)]
     block = local.shape[dim] // groups          # this rank's part of each fused block
-    shape = list(local.shape)
-    shape[dim] *= TP_SIZE
     pieces = []
     for group in range(groups):
-        offsets = [0] * local.dim()
-        offsets[dim] = group * block * TP_SIZE + _comm.TP.rank * block
+        offsets = list(base)
+        offsets[dim] += group * block * TP_SIZE + _comm.TP.rank * block
         pieces.append((tuple(offsets), local.narrow(dim, group * block, block)))
     return torch.Size(shape), pieces
 
@@ -781,15 +783,21 @@ def tensor_chunks(name, local):
 def checkpoint_state(model, optimizer, template=None):
     \"\"\"What a checkpoint holds of this rank, keyed by single-device names: "model/NAME" (each
     parameter and buffer) and "optim/NAME/KEY" (its optimizer state: AdamW's step, exp_avg,
-    exp_avg_sq), each a _comm.CheckpointChunks of views into this rank's tensors. `template`: a
-    checkpoint's metadata, to allocate optimizer state not made yet (loading before any step).\"\"\"
+    exp_avg_sq), each a _comm.CheckpointChunks of views into this rank's tensors; and the copies
+    of one of them that this rank holds too (a parameter of two stages it runs, Chimera), as
+    (tensor, copy) pairs. `template`: a checkpoint's metadata, to allocate optimizer state not
+    made yet (loading before any step).\"\"\"
     names = single_device_names(model)
-    state = {{}}
+    state, first, copies = {{}}, {{}}, []
     for key, tensor in model.state_dict().items():
         name = min(PARAMETER_ALIASES.get(names[key], [names[key]]))
-        state.setdefault(f"model/{{name}}", _comm.CheckpointChunks(*tensor_chunks(name, tensor)))
+        if name in first:
+            copies.append((first[name], tensor))
+            continue
+        first[name] = tensor
+        state[f"model/{{name}}"] = _comm.CheckpointChunks(*tensor_chunks(name, tensor))
     if optimizer is None:
-        return state
+        return state, copies
     shards = getattr(model, "zero_shards", None)
     if shards is not None:      # ZeRO: the shard's state, whole on every rank for the moment
         states = zero_optimizer_state(shards, optimizer, template, names, model)
@@ -797,16 +805,20 @@ def checkpoint_state(model, optimizer, template=None):
         states = {{}}
         for key, param in model.named_parameters():
             name = min(PARAMETER_ALIASES.get(names[key], [names[key]]))
-            if param.requires_grad and name not in states:
-                if not optimizer.state[param] and template is not None:
-                    optimizer.state[param] = new_state(template, name, param.shape, param.device)
+            if not param.requires_grad:
+                continue
+            if not optimizer.state[param] and template is not None:
+                optimizer.state[param] = new_state(template, name, param.shape, param.device)
+            if name in states:
+                copies += [(states[name][1][what], value) for what, value in optimizer.state[param].items()]
+            else:
                 states[name] = (param, optimizer.state[param])
     for name, (param, values) in states.items():
         for what, value in values.items():
             chunks = tensor_chunks(name, value) if isinstance(value, torch.Tensor) and value.shape == param.shape \\
                 else (value.shape, [((0,) * value.dim(), value)])
             state[f"optim/{{name}}/{{what}}"] = _comm.CheckpointChunks(*chunks)
-    return state
+    return state, copies
 
 
 def new_state(template, name, shape, device):
@@ -853,7 +865,7 @@ def save_checkpoint(path, model, optimizer=None, extra=None):
     plain values (the step). Every rank calls it.\"\"\"
     import torch.distributed.checkpoint as dcp
     with whole_parameters(model):
-        state = checkpoint_state(model, optimizer)
+        state, _ = checkpoint_state(model, optimizer)
         if extra:
             state["extra"] = dict(extra)
         dcp.save(state, checkpoint_id=path)
@@ -865,10 +877,12 @@ def load_checkpoint(path, model, optimizer=None, extra=None):
     import torch.distributed.checkpoint as dcp
     template = dcp.FileSystemReader(path).read_metadata()
     with whole_parameters(model):
-        state = checkpoint_state(model, optimizer, template)
+        state, copies = checkpoint_state(model, optimizer, template)
         if extra is not None:
             state["extra"] = extra
         dcp.load(state, checkpoint_id=path)
+        for tensor, copy in copies:
+            copy.copy_(tensor)
     shards = getattr(model, "zero_shards", None)
     if shards is not None and optimizer is not None:     # this rank's shard of the whole state read
         start = _comm.DP.rank * shards.shard_numel
