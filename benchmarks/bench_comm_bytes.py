@@ -7,7 +7,7 @@ analytic minimum of the Megatron plan.
 For two configs -- fixtures/gpt.py as it is, and the bigger copy bench_tp_step.py times --
 it rewrites the model with ``nnscaler-rewrite MODEL --tp 2 -o DIR``, starts 2 gloo processes,
 loads the generated package the way nnscaler_cst/verify/worker.py does, and on each rank:
-``_comm.reset_counters()``, one ``train.train_step``, read ``_comm.COUNTERS``; twice (steps 0
+``_comm.reset_counters()``, one ``train_step`` (the package's API), read ``_comm.COUNTERS``; twice (steps 0
 and 1), to show the count is the same every step.
 
 Three independent views of the same traffic:
@@ -152,7 +152,7 @@ def rank_main(argv: list[str]) -> None:
         log.clear()
         w0 = _wchar()
         recording[0] = True
-        loss = train.train_step(model, opt, batch, module)
+        loss = package.train_step(model, opt, batch)
         recording[0] = False
         w1 = _wchar()
         steps.append({"counters": dict(comm.COUNTERS), "log": list(log), "wchar": w1 - w0,

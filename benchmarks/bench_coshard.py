@@ -74,18 +74,18 @@ def rank_main(argv: list[str]) -> None:
     init = torch.load(work / "init.pt")
     runs = {}
     for name in VARIANTS:
-        rank, world, package, train, comm = join_ranks(work / name)     # each output has its own _comm
+        rank, world, package, _, comm = join_ranks(work / name)     # each output has its own _comm
         module = package.rank_module(rank)
         model = module.build()
         model.load_state_dict(package.shard_state_dict(init, rank))
         model.train()
-        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3), module, train)
+        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3), package)
     times = {name: [] for name in VARIANTS}
     losses = {name: [] for name in VARIANTS}
     saved = {}
     for r in range(a.rounds):
         for name in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
-            model, opt, module, train = runs[name]
+            model, opt, package = runs[name]
             for step in range(a.steps + 1):
                 torch.manual_seed(step)
                 batch = entry.example_inputs()
@@ -93,7 +93,7 @@ def rank_main(argv: list[str]) -> None:
                     _, saved[name] = saved_bytes(lambda: model(*batch))
                 dist.barrier()
                 start = time.perf_counter()
-                loss = train.train_step(model, opt, batch, module)
+                loss = package.train_step(model, opt, batch)
                 if step:                                     # the first step of a round warms up
                     times[name].append(time.perf_counter() - start)
                 if r == 0:

@@ -28,7 +28,7 @@ D = 2 each rank has one of the 2 cores, D = 4 runs 4 processes on 2 cores.
    M variants take turns, in rounds with a rotating order, so a drift in machine load hits
    them alike). Each rank imports the generated package as nnscaler_cst/verify/worker.py
    does (``import nnscaler_cst`` made to fail), builds its stages, loads its share of one
-   single-device init and runs train.pipeline_train_step (module.SCHEDULE with isend/recv,
+   single-device init and runs the package's train_step (module.SCHEDULE with isend/recv,
    tied-gradient all-reduce, AdamW, loss all-reduce). Nothing of the tool is patched; the
    driver times, in its own process:
 
@@ -224,7 +224,7 @@ def rank_bubble(argv: list[str]) -> None:
     # goes with the first ping only, as with the first micro-batch), rank 0 <-> rank 1 ping-pong
     B, T, C = (int(x) for x in a.act_shape.split(","))
     for v in variants:
-        comm, M = v["comm"], v["train"].MICRO_BATCHES
+        comm, M = v["comm"], v["package"].MICRO_BATCHES
         x = torch.randn(B // M, T, C)
         rtts, raw = [], []
         dist.barrier()
@@ -264,7 +264,7 @@ def rank_bubble(argv: list[str]) -> None:
                 dist.barrier()
                 intervals.clear()
                 t0, c0 = clock(), time.process_time()
-                loss = v["train"].pipeline_train_step(v["stages"], v["optimizer"], batch, v["module"])
+                loss = v["package"].train_step(v["stages"], v["optimizer"], batch)
                 t1, c1 = clock(), time.process_time()
                 acts = v["actions"]
                 if len(intervals) != len(acts) or any(kind not in act for (kind, *_), act in zip(intervals, acts)):
@@ -275,7 +275,7 @@ def rank_bubble(argv: list[str]) -> None:
     for v in variants:
         module = v["module"]
         record = {"rank": rank, "stages": list(module.PIPELINE_STAGES),
-                  "micro_batches": v["train"].MICRO_BATCHES, "one_way_s": v["one_way_s"],
+                  "micro_batches": v["package"].MICRO_BATCHES, "one_way_s": v["one_way_s"],
                   "vocab_stages": sorted(getattr(module, "VOCAB_CALLS", None) or {}),
                   "one_way_raw_s": v["one_way_raw_s"],
                   "stage_blocks": {str(s): list(module.STAGE_BLOCKS[s]) for s in module.PIPELINE_STAGES},
@@ -356,7 +356,7 @@ def rank_compare(argv: list[str]) -> None:
         raise SystemExit("compare: expects a pure pipeline output (tp = dp = 1)")
     module = package.rank_module(rank)
     init = torch.load(Path(a.workdir) / "init.pt")
-    M = train.MICRO_BATCHES
+    M = package.MICRO_BATCHES
     (stage,) = module.PIPELINE_STAGES
     n_stages = module.PIPELINE_STAGE_COUNT
     blocks = tuple(module.STAGE_BLOCKS[stage])
@@ -386,7 +386,7 @@ def rank_compare(argv: list[str]) -> None:
     ends = comm.PP_ENDS
 
     def generated_step(batch):
-        return train.pipeline_train_step(gen_stages, gen_opt, batch, module)
+        return package.train_step(gen_stages, gen_opt, batch)
 
     def pipelining_step(batch):
         idx, targets = batch

@@ -12,7 +12,7 @@ What it does (all in one run, so the figures are ratios of things measured side 
    every variant at once and the variants take turns, in rounds with a rotating order, so
    a drift in machine load (other jobs share these 2 cores) hits them all alike:
 
-   * ``generated``      the tool's model.py + train.train_step (Megatron TP: column/
+   * ``generated``      the tool's model.py + the package's train_step (Megatron TP: column/
                         row-parallel linears, vocab-parallel embedding, LM head and loss).
    * ``dtensor_blocks`` the original GPT, parallelize_module on a DeviceMesh("cpu", [0, 1]):
                         ColwiseParallel c_attn, c_fc; RowwiseParallel attn.c_proj, mlp.c_proj.
@@ -270,7 +270,7 @@ def rank_main(argv: list[str]) -> None:
             m.load_state_dict(package.shard_state_dict(init, rank))
             m.train()
             opt = torch.optim.AdamW(m.parameters(), lr=a.lr)
-            steppers[name] = (lambda m, opt, module: lambda b: train.train_step(m, opt, b, module))(m, opt, module)
+            steppers[name] = (lambda m, opt: lambda b: package.train_step(m, opt, b))(m, opt)
             continue
         if name.startswith("single"):
             if rank != 0:

@@ -355,6 +355,8 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
            steps: int = typer.Option(3, "--steps", help="AdamW steps"),
            lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate"),
            timeout: float = typer.Option(300.0, "--timeout", help="seconds before a hung run is ended"),
+           max_grad_norm: Optional[float] = typer.Option(None, "--max-grad-norm", help="clip the gradients' "
+                                                         "global norm to this in both runs"),
            json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
            force: bool = typer.Option(False, "--force", help="as the rewrite's --force, when verify rewrites "
                                       "first"),
@@ -370,6 +372,8 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
                                                         ("--timeout", timeout, timeout <= 0)) if bad)
             raise UserError(f"{flag} {value:g}: must be {'at least 1' if flag == '--steps' else 'positive'}",
                             hint="e.g. --steps 3 --lr 1e-3 --timeout 300 (the defaults)")
+        if max_grad_norm is not None and max_grad_norm <= 0:
+            raise UserError(f"--max-grad-norm {max_grad_norm:g}: must be positive", hint="e.g. --max-grad-norm 1.0")
         opts = _options(model_file, **options)
         out_dir = Path(opts["out"])
         rewriting = any(options[o.key] is not None for o in OPTIONS if o.scope in ("plan", "pipeline")
@@ -389,7 +393,8 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
             try:
                 with _step(f"verifying {display_path(out_dir)}/: the single-device run and the ranks' "
                            f"gloo run, {steps} steps each"):
-                    outcome = run_verify(model_file, out_dir, steps=steps, lr=lr, timeout=timeout, forks=forks)
+                    outcome = run_verify(model_file, out_dir, steps=steps, lr=lr, timeout=timeout, forks=forks,
+                                         max_grad_norm=max_grad_norm)
             except VerifyError as exc:
                 err_console.print(f"verify failed: {exc}", markup=False)
                 if json_out:

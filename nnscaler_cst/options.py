@@ -34,8 +34,9 @@ OPTIONS = (
     Option("devices", ("--devices",), int, "size", None, "devices for --plan auto", "plan"),
     Option("cluster", ("--cluster",), str, "name", "cpu-gloo",
            "device/cluster spec in rules/devices (default cpu-gloo)", "plan", cost_only=True),
-    Option("precision", ("--precision",), str, "name", None, "compute dtype the cost model prices matmuls "
-           "in: fp32 | tf32 | bf16 | fp16 (autocast); default the traced tensors' dtype", "plan", cost_only=True),
+    Option("precision", ("--precision",), str, "name", None, "compute dtype: fp32 | tf32 | bf16 | fp16; bf16 and "
+           "fp16 write torch.autocast into the output (float32 master weights) and the cost model prices "
+           "matmuls in it; default the traced tensors' dtype", "plan"),
     Option("memory_budget", ("--memory-budget",), str, "bytes", None, "memory per device the plan may use: "
            "bytes, or 24GiB, 80GB, 512MiB", "plan", cost_only=True),
     Option("pp", ("--pp",), int, "size", 1, "pipeline stages (ranks)", "pipeline"),

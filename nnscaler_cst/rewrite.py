@@ -427,22 +427,19 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
     aliases = "".join(f"    {alias!r}: {sorted(info.aliases)!r},\n" for info in analysis.trace.params.values()
                       if len(info.aliases) > 1 for alias in sorted(info.aliases))
     title = f"Parallel version of {source_label}: plan {plan.describe()}."
+    partial = ", ".join(repr(a) for p in (edits.partial_grad_params if edits else [])
+                        for a in analysis.trace.params[p].aliases)
+    training = templates.training_api(partial=partial, loss=loss_reduction(analysis.graph),
+                                      zero=request.zero if request else 0, micro=micro if stages is not None else None,
+                                      precision=request.precision if request else None)
     files["__init__.py"] = with_header(templates.INIT.format(title=title, world=plan.world_size, tp=tp, dp=dp,
                                                              pp=pp, splits=splits, aliases=aliases,
                                                              vocab_splits=stages.vocab_params if stages else [],
-                                                             programs=[p.name for p in programs(plan, stages)]),
+                                                             programs=[p.name for p in programs(plan, stages)],
+                                                             training=training),
                                        f"from {source_label}")
-    partial = ", ".join(repr(a) for p in (edits.partial_grad_params if edits else [])
-                        for a in analysis.trace.params[p].aliases)
-    zero = request.zero if request else 0
-    pipeline_step = templates.PIPELINE_STEP.format(micro=micro, **templates.data_parallel_step(zero, "stages")) \
-        if stages is not None else ""
     files["train.py"] = with_header(templates.TRAIN.format(source=source_label, plan=plan.describe(),
-                                                           world=plan.world_size, folder="<this folder>",
-                                                           partial=partial, pipeline_step=pipeline_step,
-                                                           loss_shares=templates.LOSS_SHARES[
-                                                               loss_reduction(analysis.graph)],
-                                                           **templates.data_parallel_step(zero)),
+                                                           world=plan.world_size, folder="<this folder>"),
                                     f"from {source_label}")
     plan_json = {"generated_by": f"nnscaler-rewrite {__version__}", "source": source_label, **plan.to_json(),
                  "file_hashes": {n: content_hash(t) for n, t in files.items() if not n.endswith(".py")}}

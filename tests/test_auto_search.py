@@ -309,7 +309,7 @@ def test_options_the_user_gives_are_kept_and_the_rest_searched(no_blocks):
     request = PlanRequest(plan="auto", devices=2, zero=3)
     result = rewrite(no_blocks, request)
     assert result.plan.mesh["dp"] == 2 and result.plan.auto.config.zero == 3
-    assert "ZERO_STAGE = 3" in result.files["train.py"]
+    assert "ZERO_STAGE = 3" in result.files["__init__.py"]
 
 
 def test_the_estimate_of_a_configuration_is_the_one_the_search_ranks(blocks):

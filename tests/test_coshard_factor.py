@@ -129,7 +129,6 @@ def _saved_bytes(folder: Path) -> dict:
     """Bytes autograd keeps from the forward to the backward of one step of the generated
     package's model, and the peak over forward and backward (recompute included)."""
     package = import_output(folder)
-    train = importlib.import_module(folder.name + ".train")
     torch.manual_seed(0)
     model = package.build(0)
     model.train()
@@ -155,7 +154,7 @@ def _saved_bytes(folder: Path) -> dict:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = train.loss_of(module, model(*batch))
+        loss = package.loss_of(module, model(*batch))
         kept = meter["alive"]
         loss.backward()
     return {"kept": kept, "peak": meter["peak"], "loss": loss.item()}

@@ -97,12 +97,12 @@ def test_the_kind_read_from_the_trace_is_the_losss_own(loss, tmp_path):
     assert loss_reduction(analyze(path).graph) == kind_by_halves(path)
 
 
-def test_train_py_adds_up_the_shares_of_a_sum_and_averages_those_of_a_mean(tmp_path):
+def test_the_step_adds_up_the_shares_of_a_sum_and_averages_those_of_a_mean(tmp_path):
     from nnscaler_cst.rewrite import PlanRequest, rewrite
     for loss, average in (("F.mse_loss(out, y)", True), ("(out - y).pow(2).sum()", False)):
-        train = rewrite(analyze(write_model(tmp_path, loss)), PlanRequest(dp=2)).files["train.py"]
+        train = rewrite(analyze(write_model(tmp_path, loss)), PlanRequest(dp=2)).files["__init__.py"]
         assert f"\nAVERAGE_SHARES = {average}\n" in train
-        assert "_comm.sync_grads(list(model.parameters()), _comm.DP, average=AVERAGE_SHARES)" in train
+        assert "_comm.sync_grads(list(model.parameters()), _comm.DP, average=AVERAGE_SHARES," in train
 
 
 def verify(folder, *args) -> dict:

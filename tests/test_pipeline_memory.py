@@ -8,7 +8,7 @@ backward, so it never holds more than min(D - i, M) micro-batches: D on the firs
 the last.
 
 The driver below (a plain script, one process per rank, gloo) imports the generated package as
-a user would, builds its stage, and runs ONE pipeline_train_step under a
+a user would, builds its stage, and runs ONE train_step under a
 torch.autograd.graph.saved_tensors_hooks pair that counts the bytes of every storage autograd
 saves (parameters excluded) while it is alive: a weakref finalizer on the storage subtracts it
 when it is freed. It reports the peak per rank, and how many bytes each forward left alive
@@ -44,7 +44,6 @@ import torch
 folder, out_path = sys.argv[1:3]
 sys.path.insert(0, os.path.dirname(folder))
 package = importlib.import_module(os.path.basename(folder))
-train = importlib.import_module(package.__name__ + ".train")
 comm = importlib.import_module(package.__name__ + "._comm")
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 comm.setup(rank, world, tp=package.TP_SIZE, dp=package.DP_SIZE, pp=package.PP_SIZE, backend="gloo")
@@ -101,7 +100,7 @@ for local, stage in enumerate(module.PIPELINE_STAGES):
     stages[local].forward = measured
 
 with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-    loss = train.pipeline_train_step(stages, optimizer, batch, module)
+    loss = package.train_step(stages, optimizer, batch)
 comm.teardown()
 json.dump({"rank": rank, "stages": module.PIPELINE_STAGES, "schedule": module.SCHEDULE, "peak": Meter.peak,
            "alive_after_step": Meter.alive, "saved": Meter.saved, "per_forward": per_forward, "loss": loss},

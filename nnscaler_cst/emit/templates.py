@@ -7,10 +7,25 @@ INIT = '''"""{title}
 build(rank)                 this rank's model (its source: the program program(rank) names)
 shard_state_dict(sd, rank)  a single-device state dict -> this rank's share of it
 merge_state_dicts(sds)      every rank's state dict -> one single-device state dict
+
+Training in your own loop (train.py is one such loop; docs: docs/training.md of nnscaler-rewrite):
+setup()                                 process groups of this mesh (torchrun's RANK, WORLD_SIZE)
+optimizer_params(model)                 what the optimizer steps (ZeRO: this rank's shard)
+forward_backward(model, batch)          this rank's share of the full batch, forward and backward
+                                        (a pipeline: its whole schedule); the full batch's loss
+finish_backward(model)                  every gradient sync the plan needs
+clip_grad_norm(model, max_norm)         the single-device model's gradient norm, clipped
+optimizer_step(model, optimizer)        the step, gradients cleared
+save_checkpoint / load_checkpoint       torch.distributed.checkpoint, keyed by single-device names
+merged_state_dict(model)                the single-device state dict, on every rank
 """
 import importlib
+import os
 
 import torch
+import torch.distributed as dist
+
+from . import _comm
 
 WORLD_SIZE = {world}
 TP_SIZE = {tp}  # rank = (pp_rank * DP_SIZE + dp_rank) * TP_SIZE + tp_rank: tp varies fastest
@@ -224,15 +239,16 @@ def merge_state_dicts(state_dicts):
         for alias in PARAMETER_ALIASES.get(name, []):
             merged.setdefault(alias, merged[name])
     return merged
-'''
+{training}'''
 
-TRAIN = '''"""torchrun entry for {source} ({plan}).
+TRAIN = '''"""torchrun entry for {source} ({plan}): a loop of the training API in __init__.py.
 
     torchrun --nproc-per-node {world} {folder}/train.py --steps 10
 
 Initialises torch.distributed (NCCL and the local GPU when CUDA is there, gloo on CPU
-otherwise), builds this rank's model, optionally loads its share of a single-device
-checkpoint (--init), and trains on the entry file's example_inputs().
+otherwise), builds this rank's model, optionally loads its share of a single-device state dict
+(--init) or resumes a sharded checkpoint (--resume), and trains on the entry file's
+example_inputs() or on the batches a generator of yours yields (--data MODULE:FN).
 """
 import argparse
 import importlib
@@ -240,7 +256,6 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 if __package__ in (None, ""):  # run as a script: import the output folder as a package
     _here = os.path.dirname(os.path.abspath(__file__))
@@ -248,73 +263,54 @@ if __package__ in (None, ""):  # run as a script: import the output folder as a 
     __package__ = os.path.basename(_here)
     importlib.import_module(__package__)
 
+from . import PRECISIONS, build, clip_grad_norm, finish_backward, forward_backward, load_checkpoint
+from . import optimizer_params, optimizer_step, rank_module, save_checkpoint, setup, shard_state_dict, use_precision
 from . import _comm
-from . import DP_SIZE, PP_SIZE, TP_SIZE, WORLD_SIZE, build, rank_module, shard_state_dict
-from . import PARAMETER_ALIASES, global_key
-
-# Whole parameters whose gradient each tensor-parallel rank holds only in part.
-TP_PARTIAL_GRADS = [{partial}]
-{loss_shares}
-
-def split_batch(batch):
-    """This data-parallel rank's share of a batch: its slice of dim 0 of every tensor."""
-    def share(x):
-        if isinstance(x, torch.Tensor) and x.dim() > 0 and _comm.DP.size > 1:
-            return x.chunk(_comm.DP.size, dim=0)[_comm.DP.rank]
-        return x
-    if isinstance(batch, dict):
-        return {{k: share(v) for k, v in batch.items()}}
-    return tuple(share(v) for v in batch)
-
-
-def loss_of(module, output):
-    if hasattr(module, "loss"):
-        return module.loss(output)
-    return output if isinstance(output, torch.Tensor) else output.loss
-
-
-{pipeline_step}
-{optimizer_params}
-
-def train_step(model, optimizer, batch, module):
-    """One optimizer step on the full batch; returns the full batch's loss."""
-    inputs = split_batch(batch)
-{gather_before_forward}    output = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
-    loss = loss_of(module, output)
-    loss.backward()
-    named = dict(model.named_parameters())
-    _comm.sync_grads([named[n] for n in TP_PARTIAL_GRADS if n in named], _comm.TP, average=False)
-{dp_update}    full = loss.detach().clone()
-    if _comm.DP.size > 1:  # the full batch's loss from the data-parallel shares
-        dist.all_reduce(full, group=_comm.DP.group)
-        if AVERAGE_SHARES:
-            full /= _comm.DP.size
-    return full.item()
 
 
 def batch_for(module, step, seed, device):
     torch.manual_seed(seed + step)  # every rank draws the same full batch
     batch = module.example_inputs()
+    return moved(batch, device)
+
+
+def moved(batch, device):
     move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x
     return {{k: move(v) for k, v in batch.items()}} if isinstance(batch, dict) else tuple(map(move, batch))
 
 
+def user_batches(spec, start, device):
+    """--data MODULE:FN: FN() yields full batches (the same on every rank), as example_inputs()
+    returns one; a resumed run skips the batches of the steps already taken. MODULE is found from
+    the working directory, as `python -m` finds it."""
+    sys.path.insert(0, os.getcwd())
+    module_name, _, function = spec.partition(":")
+    batches = getattr(importlib.import_module(module_name), function)()
+    for step, batch in enumerate(batches):
+        if step >= start:
+            yield moved(batch, device)
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="the step to stop before (a resumed run goes on)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--init", help="single-device state dict (torch.save) to start from")
+    parser.add_argument("--precision", choices=sorted(PRECISIONS), help="forward's compute dtype (autocast); "
+                        "default the one rewritten in")
+    parser.add_argument("--max-grad-norm", type=float, help="clip the gradients' global norm to this")
+    parser.add_argument("--save", help="write a sharded checkpoint (torch.distributed.checkpoint) here at the end")
+    parser.add_argument("--resume", help="a checkpoint folder (--save) to go on from, under any plan")
+    parser.add_argument("--data", help="MODULE:FN, a generator of full batches (default: example_inputs())")
     args = parser.parse_args()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    assert world == WORLD_SIZE, f"this output was generated for {{WORLD_SIZE}} processes"
-    _comm.setup(rank, world, tp=TP_SIZE, dp=DP_SIZE, pp=PP_SIZE,
-                pp_replicas=rank_module(rank).PIPELINE_REPLICAS if PP_SIZE > 1 else None,
-                pp_tied=getattr(rank_module(rank), "TIED_RANKS", None))
+    rank = setup()
     device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
+    if args.precision:
+        use_precision(args.precision)
     module = rank_module(rank)
     torch.manual_seed(args.seed)
     model = build(rank)
@@ -322,11 +318,24 @@ def main():
         model.load_state_dict(shard_state_dict(torch.load(args.init), rank))
     model.to(device).train()
     optimizer = torch.optim.AdamW(optimizer_params(model), lr=args.lr)
-    step_fn = pipeline_train_step if PP_SIZE > 1 else train_step
-    for step in range(args.steps):
-        loss = step_fn(model, optimizer, batch_for(module, step, args.seed, device), module)
+    progress = {{"step": 0}}
+    if args.resume:
+        load_checkpoint(args.resume, model, optimizer, progress)
+    batches = user_batches(args.data, progress["step"], device) if args.data else None
+    for step in range(progress["step"], args.steps):
+        batch = next(batches, None) if batches else batch_for(module, step, args.seed, device)
+        if batch is None:
+            break
+        loss = forward_backward(model, batch)
+        finish_backward(model)
+        if args.max_grad_norm is not None:
+            clip_grad_norm(model, args.max_grad_norm)
+        optimizer_step(model, optimizer)
+        progress["step"] = step + 1
         if rank == 0:
             print(f"step {{step}} loss {{loss:.6f}}", flush=True)
+    if args.save:
+        save_checkpoint(args.save, model, optimizer, progress)
     _comm.teardown()
 
 
@@ -415,12 +424,12 @@ def parse_action(action, passes=1):
     return kind, stage, m, int(cycle) if cycle else passes - 1
 
 
-def pipeline_train_step(stages, optimizer, batch, module):
-    """One optimizer step: this rank's schedule (module.SCHEDULE, e.g. "0F0 0F1 0B0 ..."), then
-    the gradient all-reduces. Activations go forward and gradients back. After each action, its
+def pipeline_forward_backward(stages, batch, module):
+    """This rank's schedule (module.SCHEDULE, e.g. "0F0 0F1 0B0 ...") on its share of the batch;
+    the full batch's loss. Activations go forward and gradients back. After each action, its
     sends and the next action's receives are posted together (one batch_isend_irecv); an action
-    waits only for its own receives, the sends are waited for at the end of the step."""
-{gather_before_forward}    micro = micro_batches(split_batch(batch))
+    waits only for its own receives, the sends are waited for at the end of the schedule."""
+    micro = micro_batches(batch_share(batch))
     shapes = [_comm.shape_key(m) for m in micro]  # hand-off headers are sent once per input shapes
     pipeline = _comm.axis_ranks(_comm.PP)        # global ranks of this pipeline, by pipeline index
     # stage s runs model stage s % length: one pipeline of all stages, or several (Chimera)
@@ -437,6 +446,7 @@ def pipeline_train_step(stages, optimizer, batch, module):
     key = lambda m, cycle: shapes[m] if cycle == passes - 1 else (shapes[m], cycle)
     actions = [parse_action(action, passes) for action in module.SCHEDULE.split()]
     held, requests, loss_sum = {{}}, [], torch.zeros(())
+    device_type = device_type_of(stages)
 
     vocab = set(getattr(module, "VOCAB_STAGES", ()))    # stages calling vocabulary-split modules
 
@@ -474,8 +484,10 @@ def pipeline_train_step(stages, optimizer, batch, module):
                 _comm.PIPE.recycled, _ = _comm.wait_activations(incoming)
             inputs = micro[m]
             try:
-                output = stages[local[stage]](**inputs) if isinstance(inputs, dict) else stages[local[stage]](*inputs)
-                loss = loss_of(module, output) / (MICRO_BATCHES if AVERAGE_SHARES else 1)
+                with autocast(device_type):
+                    output = stages[local[stage]](**inputs) if isinstance(inputs, dict) \
+                        else stages[local[stage]](*inputs)
+                    loss = loss_of(module, output) / (MICRO_BATCHES if AVERAGE_SHARES else 1)
                 loss_sum += loss.detach()
                 sent = [loss]
             except _comm.StageBoundary as boundary:
@@ -494,7 +506,7 @@ def pipeline_train_step(stages, optimizer, batch, module):
         elif kind == "B":
             received, sent = held.pop((stage, m))
             if last(stage):
-                sent[0].backward()
+                scaled(sent[0]).backward()
             else:
                 outputs = [t for t in sent if t.requires_grad]
                 torch.autograd.backward(outputs, _comm.wait_grads(incoming))
@@ -507,28 +519,394 @@ def pipeline_train_step(stages, optimizer, batch, module):
         requests += _comm.post_p2p(sends, incoming)  # this action's isends, the next one's irecvs
     for request in requests:
         request.wait()
-    named = dict(stages.named_parameters())
-    if length < module.PIPELINE_STAGE_COUNT:    # replicated pipelines: every copy of a parameter summed
+    return full_loss(loss_sum)
+
+
+def pipeline_grads(stages, module):
+    """After the schedule: every copy of one single-device parameter that several stages hold
+    ends with the sum of their gradients (replicated pipelines, tied and shared parameters)."""
+    if module.PIPELINE_LENGTH < module.PIPELINE_STAGE_COUNT:    # replicated pipelines: every copy summed
         replica_grads(stages, module)
     else:
-        tied = [p for key, p in named.items() if key.partition(".")[2] in module.TIED_PARAMETERS]
+        tied = [p for key, p in stages.named_parameters() if key.partition(".")[2] in module.TIED_PARAMETERS]
         _comm.sync_grads(tied, _comm.PP_ENDS, average=False)    # the embedding and the head tied across stages
     shared_grads(stages, module)    # modules every stage runs and computes with: summed over the pipeline
-    _comm.sync_grads([p for k, p in named.items() if k.partition(".")[2] in TP_PARTIAL_GRADS], _comm.TP,
-                     average=False)
-{dp_update}    dist.all_reduce(loss_sum, group=_comm.PP.group)         # only the last stage holds the loss
-    if _comm.DP.size > 1:
-        dist.all_reduce(loss_sum, group=_comm.DP.group)
-        if AVERAGE_SHARES:
-            loss_sum /= _comm.DP.size
-    return loss_sum.item()
 '''
 
 
-# The data-parallel part of train_step: after the backward, until the optimizer has stepped.
-DP_UPDATE = """    _comm.sync_grads(list({holder}.parameters()), _comm.DP, average=AVERAGE_SHARES)  # data parallel
-    optimizer.step()
+# The training API (__init__.py): the pieces of a step a user's own loop calls, for this plan.
+TRAINING = """
+
+# --- training: the API a training loop calls (train.py is one such loop) -------------------
+
+# Whole parameters whose gradient each tensor-parallel rank holds only in part.
+TP_PARTIAL_GRADS = [{partial}]
+{loss_shares}
+# Mixed precision: the forward and the loss run under torch.autocast in PRECISION (None: the
+# parameters' own dtype); parameters, gradients, their reductions and the optimizer's state
+# stay float32 (master weights).
+PRECISIONS = {{"fp32": None, "tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}}
+PRECISION = {precision}
+
+
+def use_precision(name):
+    \"\"\"Run the forward in another of PRECISIONS than the one this output was rewritten for.\"\"\"
+    global PRECISION
+    PRECISION = PRECISIONS[name]
+
+
+def autocast(device_type):
+    return torch.autocast(device_type, dtype=PRECISION, enabled=PRECISION is not None)
+
+
+# fp16 has 5 exponent bits: small gradients underflow. With PRECISION float16 the loss is scaled
+# up before the backward and the gradients down after it (dynamic loss scaling, as
+# torch.amp.GradScaler does): a step whose gradients overflowed on any rank is skipped and the
+# scale halved; after GROWTH_INTERVAL steps without overflow it is doubled.
+LOSS_SCALE = {{"scale": 2.0 ** 16, "good_steps": 0, "skip": False}}
+GROWTH_INTERVAL = 2000
+
+
+def scaled(loss):
+    return loss * LOSS_SCALE["scale"] if PRECISION is torch.float16 else loss
+
+
+def unscale(grads):
+    \"\"\"fp16: the gradients divided by the loss scale; whether any rank's overflowed.\"\"\"
+    overflow = torch.zeros((), device=grads[0].device if grads else None)
+    for grad in grads:
+        grad.div_(LOSS_SCALE["scale"])
+        overflow = torch.maximum(overflow, (~torch.isfinite(grad)).any().float())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(overflow, op=dist.ReduceOp.MAX)
+    LOSS_SCALE["skip"] = bool(overflow.item())
+
+
+def update_loss_scale():
+    if LOSS_SCALE["skip"]:
+        LOSS_SCALE["scale"], LOSS_SCALE["good_steps"] = LOSS_SCALE["scale"] / 2, 0
+    else:
+        LOSS_SCALE["good_steps"] += 1
+        if LOSS_SCALE["good_steps"] == GROWTH_INTERVAL:
+            LOSS_SCALE["scale"], LOSS_SCALE["good_steps"] = LOSS_SCALE["scale"] * 2, 0
+    LOSS_SCALE["skip"] = False
+
+
+def device_type_of(model):
+    return next(model.parameters()).device.type
+
+
+def setup(backend=None):
+    \"\"\"The process groups of this mesh (torchrun's RANK and WORLD_SIZE); returns this rank.\"\"\"
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    assert world == WORLD_SIZE, f"this output was generated for {{WORLD_SIZE}} processes, not {{world}}"
+    module = rank_module(rank)
+    _comm.setup(rank, world, tp=TP_SIZE, dp=DP_SIZE, pp=PP_SIZE, backend=backend,
+                pp_replicas=module.PIPELINE_REPLICAS if PP_SIZE > 1 else None,
+                pp_tied=getattr(module, "TIED_RANKS", None))
+    return rank
+
+
+def batch_share(batch):
+    \"\"\"This data-parallel rank's share of a full batch: its slice of dim 0 of every tensor.\"\"\"
+    def share(x):
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and _comm.DP.size > 1:
+            return x.chunk(_comm.DP.size, dim=0)[_comm.DP.rank]
+        return x
+    if isinstance(batch, dict):
+        return {{k: share(v) for k, v in batch.items()}}
+    return tuple(share(v) for v in batch)
+
+
+def loss_of(module, output):
+    if hasattr(module, "loss"):
+        return module.loss(output)
+    return output if isinstance(output, torch.Tensor) else output.loss
+{optimizer_params}
+
+def forward_backward(model, batch):
+    \"\"\"Forward, loss and backward of this rank's share of `batch` (the full batch, the same on
+    every rank; a pipeline runs its whole schedule); returns the full batch's loss.\"\"\"
+    module = rank_module(_comm.GLOBAL_RANK)
+{gather_before_forward}{forward_backward}
+
+def full_loss(loss):
+    \"\"\"The full batch's loss from this rank's share: the pipeline's last stage holds it, and the
+    data-parallel shares combine as the loss combines its samples (AVERAGE_SHARES).\"\"\"
+    full = loss.detach().float().clone()
+    if _comm.PP.size > 1:
+        dist.all_reduce(full, group=_comm.PP.group)
+    if _comm.DP.size > 1:
+        dist.all_reduce(full, group=_comm.DP.group)
+        if AVERAGE_SHARES:
+            full /= _comm.DP.size
+    return full.item()
+{pipeline_step}
+
+def single_device_names(model):
+    \"\"\"{{this rank's parameter or buffer key: the single-device model's name of it}}.\"\"\"
+    keys = list(model.state_dict(keep_vars=True)) + [k for k, _ in model.named_parameters()]
+    if PP_SIZE == 1:
+        return {{key: key for key in keys}}
+    module = rank_module(_comm.GLOBAL_RANK)
+    names = {{}}
+    for key in keys:
+        local, _, rest = key.partition(".")
+        names[key] = global_key(rest, module.PIPELINE_STAGES[int(local)], module)
+    return names
+
+
+def finish_backward(model, reduce_dtype=None):
+    \"\"\"Every gradient sync the plan needs after forward_backward: copies of a parameter on several
+    pipeline stages summed, tensor-parallel partial gradients summed, data-parallel gradients
+    combined; fp16: the loss scale taken out. `reduce_dtype` (torch.bfloat16): the data-parallel
+    reduction's dtype, float32 when None.\"\"\"
+    if PP_SIZE > 1:
+        pipeline_grads(model, rank_module(_comm.GLOBAL_RANK))
+    names = single_device_names(model)
+    partial = [param for key, param in model.named_parameters() if names[key] in TP_PARTIAL_GRADS]
+    _comm.sync_grads(partial, _comm.TP, average=False)  # tensor parallel: partial gradients summed
+{dp_finish}    if PRECISION is torch.float16:
+        unscale(stepped_grads(model))
+{stepped_grads}
+
+def clip_grad_norm(model, max_norm):
+    \"\"\"Scale the gradients so that the single-device model's gradient norm is at most `max_norm`
+    (torch.nn.utils.clip_grad_norm_'s rule); returns that norm before clipping. Each single-device
+    element counts once: a split parameter's shards on each tensor-parallel rank, a replicated one
+    on one rank, a parameter held by several pipeline stages on one of them, the data-parallel
+    ranks' gradients (equal after finish_backward; ZeRO: their shards) once.\"\"\"
+    counted = norm_counted(model)
+{clip_pieces}    squares = torch.zeros((), dtype=torch.float32, device=pieces[0].device if pieces else None)
+    for piece, count in zip(pieces, counts):
+        if count:
+            squares += piece.float().pow(2).sum()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(squares)
+    norm = squares.sqrt()
+    coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for piece in pieces:
+        piece.mul_(coefficient.to(piece.dtype))
+    return norm.item()
+
+
+def norm_counted(model):
+    \"\"\"{{key of each trained parameter: whether this rank counts its gradient in the global norm}};
+    computed once. A parameter several of this rank's stages hold is counted at its first key.\"\"\"
+    if getattr(model, "grad_norm_counted", None) is None:
+        names = single_device_names(model)
+        counted, held = {{}}, set()
+        for key, param in model.named_parameters():
+            if param.requires_grad:
+                name = min(PARAMETER_ALIASES.get(names[key], [names[key]]))
+                counted[key] = name not in held
+                held.add(name)
+        holders = [held]
+        if _comm.PP.size > 1:       # the first pipeline rank holding a parameter counts it
+            holders = [None] * _comm.PP.size
+            dist.all_gather_object(holders, sorted(held), group=_comm.PP.group)
+        for key in counted:
+            name = min(PARAMETER_ALIASES.get(names[key], [names[key]]))
+            first = next(rank for rank, there in enumerate(holders) if name in there)
+            split_pp = names[key] in PP_VOCAB_SPLITS    # every pipeline rank holds rows of it
+            counted[key] = counted[key] and (split_pp or first == _comm.PP.rank) and \\
+                (names[key] in TP_SPLITS or _comm.TP.rank == 0)
+        model.grad_norm_counted = counted
+    return model.grad_norm_counted
+
+
+def optimizer_step(model, optimizer):
+    \"\"\"The optimizer's step on what finish_backward left, then the gradients cleared (fp16: no
+    step where the gradients overflowed, and the loss scale adapted).\"\"\"
+    if not LOSS_SCALE["skip"]:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+{dp_after_step}    if PRECISION is torch.float16:
+        update_loss_scale()
+
+
+def train_step(model, optimizer, batch, max_grad_norm=None):
+    \"\"\"One optimizer step on the full batch; returns its loss.\"\"\"
+    loss = forward_backward(model, batch)
+    finish_backward(model)
+    if max_grad_norm is not None:
+        clip_grad_norm(model, max_norm=max_grad_norm)
+    optimizer_step(model, optimizer)
+    return loss
+
+
+def merged_state_dict(model):
+    \"\"\"The single-device state dict, on every rank: every rank's state dict gathered and merged
+    (merge_state_dicts). For exports and checks; a large model is better saved with save_checkpoint.\"\"\"
+    with whole_parameters(model):
+        state = {{key: t.detach().cpu().clone() for key, t in model.state_dict().items()}}
+    everyone = [state]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, state)
+    return merge_state_dicts(everyone)
+
+
+class whole_parameters:
+    \"\"\"ZeRO-3 holds only its shard between steps: inside this, every parameter is whole (gathered),
+    and what is written into them is kept in the shard on the way out.\"\"\"
+
+    def __init__(self, model):
+        shards = getattr(model, "zero_shards", None)
+        self.shards = shards if shards is not None and shards.flat is None else None
+
+    def __enter__(self):
+        if self.shards is not None:
+            _comm.all_gather_params(self.shards, _comm.DP)
+
+    def __exit__(self, *exc):
+        if self.shards is not None:
+            start = _comm.DP.rank * self.shards.shard_numel
+            self.shards.shard.data.copy_(self.shards.flat[start:start + self.shards.shard_numel])
+            _comm.free_params(self.shards)
+
+
+def tensor_chunks(name, local):
+    \"\"\"(the single-device shape of `name`, this rank's pieces of it as [(offsets, view of local)]).\"\"\"
+    dim, groups = TP_SPLITS.get(name, (None, 1))
+    shape, base = list(local.shape), [0] * local.dim()
+    if dim is not None:
+        shape[dim] *= TP_SIZE
+    if name in PP_VOCAB_SPLITS:     # interlaced: this pipeline rank's rows of the vocabulary
+        base[0] = _comm.PP.rank * shape[0]
+        shape[0] *= PP_SIZE
+    if dim is None:
+        return torch.Size(shape), [(tuple(base), local)]
+    block = local.shape[dim] // groups          # this rank's part of each fused block
+    pieces = []
+    for group in range(groups):
+        offsets = list(base)
+        offsets[dim] += group * block * TP_SIZE + _comm.TP.rank * block
+        pieces.append((tuple(offsets), local.narrow(dim, group * block, block)))
+    return torch.Size(shape), pieces
+
+
+def checkpoint_state(model, optimizer, template=None):
+    \"\"\"What a checkpoint holds of this rank, keyed by single-device names: "model/NAME" (each
+    parameter and buffer) and "optim/NAME/KEY" (its optimizer state: AdamW's step, exp_avg,
+    exp_avg_sq), each a _comm.CheckpointChunks of views into this rank's tensors; and the copies
+    of one of them that this rank holds too (a parameter of two stages it runs, Chimera), as
+    (tensor, copy) pairs. `template`: a checkpoint's metadata, to allocate optimizer state not
+    made yet (loading before any step).\"\"\"
+    names = single_device_names(model)
+    state, first, copies = {{}}, {{}}, []
+    for key, tensor in model.state_dict().items():
+        name = min(PARAMETER_ALIASES.get(names[key], [names[key]]))
+        if name in first:
+            copies.append((first[name], tensor))
+            continue
+        first[name] = tensor
+        state[f"model/{{name}}"] = _comm.CheckpointChunks(*tensor_chunks(name, tensor))
+    if optimizer is None:
+        return state, copies
+    shards = getattr(model, "zero_shards", None)
+    if shards is not None:      # ZeRO: the shard's state, whole on every rank for the moment
+        states = zero_optimizer_state(shards, optimizer, template, names, model)
+    else:
+        states = {{}}
+        for key, param in model.named_parameters():
+            name = min(PARAMETER_ALIASES.get(names[key], [names[key]]))
+            if not param.requires_grad:
+                continue
+            if not optimizer.state[param] and template is not None:
+                optimizer.state[param] = new_state(template, name, param.shape, param.device)
+            if name in states:
+                copies += [(states[name][1][what], value) for what, value in optimizer.state[param].items()]
+            else:
+                states[name] = (param, optimizer.state[param])
+    for name, (param, values) in states.items():
+        for what, value in values.items():
+            chunks = tensor_chunks(name, value) if isinstance(value, torch.Tensor) and value.shape == param.shape \\
+                else (value.shape, [((0,) * value.dim(), value)])
+            state[f"optim/{{name}}/{{what}}"] = _comm.CheckpointChunks(*chunks)
+    return state, copies
+
+
+def new_state(template, name, shape, device):
+    \"\"\"Zeroed optimizer state for `name` shaped as the checkpoint's (`template`) holds it.\"\"\"
+    prefix = f"optim/{{name}}/"
+    values = {{}}
+    for key, meta in template.state_dict_metadata.items():
+        if key.startswith(prefix):
+            shaped = len(meta.size) > 0     # a moment, shaped as the parameter; else a count (step)
+            values[key[len(prefix):]] = torch.zeros(shape if shaped else meta.size, dtype=meta.properties.dtype,
+                                                    device=device if shaped else "cpu")
+    return values
+
+
+def zero_optimizer_state(shards, optimizer, template, names, model):
+    \"\"\"ZeRO: {{name: (parameter, its whole optimizer state)}}, from this rank's shard of the state:
+    each state tensor laid out as the flat buffer, gathered over the data-parallel ranks.\"\"\"
+    keys = {{id(param): key for key, param in model.named_parameters()}}
+    mine = optimizer.state[shards.shard]
+    if not mine and template is not None:
+        name = names[keys[id(shards.params[0])]]
+        mine.update(new_state(template, min(PARAMETER_ALIASES.get(name, [name])), (shards.shard_numel,),
+                              shards.device))
+    whole = {{}}
+    for what, value in mine.items():
+        if value.shape == shards.shard.shape:
+            whole[what] = torch.empty(shards.shard_numel * _comm.DP.size, dtype=value.dtype, device=value.device)
+            _comm.gather_shards(whole[what], value, _comm.DP)
+    shards.gathered_state = whole   # load_checkpoint hands this rank's shard back from it
+    views = {{what: shards.views(flat) for what, flat in whole.items()}}
+    states = {{}}
+    for index, param in enumerate(shards.params):
+        name = min(PARAMETER_ALIASES.get(names[keys[id(param)]], [names[keys[id(param)]]]))
+        values = {{what: v for what, v in mine.items() if what not in whole}}
+        values.update({{what: pieces[index] for what, pieces in views.items()}})
+        states.setdefault(name, (param, values))
+    return states
+
+
+def save_checkpoint(path, model, optimizer=None, extra=None):
+    \"\"\"Write this rank's share of the model and the optimizer state into the folder `path` with
+    torch.distributed.checkpoint: every tensor under its single-device name, each piece at its
+    offsets, so that a checkpoint written under one plan loads under another. `extra`: a dict of
+    plain values (the step). Every rank calls it.\"\"\"
+    import torch.distributed.checkpoint as dcp
+    with whole_parameters(model):
+        state, _ = checkpoint_state(model, optimizer)
+        if extra:
+            state["extra"] = dict(extra)
+        dcp.save(state, checkpoint_id=path)
+
+
+def load_checkpoint(path, model, optimizer=None, extra=None):
+    \"\"\"Read a checkpoint save_checkpoint wrote, under this plan or another, into this rank's model
+    and optimizer (in place); `extra`, a dict, gets the values saved with it. Every rank calls it.\"\"\"
+    import torch.distributed.checkpoint as dcp
+    template = dcp.FileSystemReader(path).read_metadata()
+    with whole_parameters(model):
+        state, copies = checkpoint_state(model, optimizer, template)
+        if extra is not None:
+            state["extra"] = extra
+        dcp.load(state, checkpoint_id=path)
+        for tensor, copy in copies:
+            copy.copy_(tensor)
+    shards = getattr(model, "zero_shards", None)
+    if shards is not None and optimizer is not None:     # this rank's shard of the whole state read
+        start = _comm.DP.rank * shards.shard_numel
+        for what, flat in shards.gathered_state.items():
+            optimizer.state[shards.shard][what].copy_(flat[start:start + shards.shard_numel])
+        if shards.flat is not None:
+            shards.shard.data.copy_(shards.flat[start:start + shards.shard_numel])
+"""
+
+FORWARD_BACKWARD = """    inputs = batch_share(batch)
+    with autocast(device_type_of(model)):
+        output = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+        loss = loss_of(module, output)
+    scaled(loss).backward()
+    return full_loss(loss)
+"""
+
+PIPELINE_FORWARD_BACKWARD = """    return pipeline_forward_backward(model, batch, module)
 """
 
 OPTIMIZER_PARAMS = '''
@@ -556,30 +934,68 @@ ZERO_WHAT = {
     3: "ZeRO-3: optimizer state, gradients and parameters sharded over the data-parallel ranks",
 }
 
-ZERO_GATHER = """    _comm.all_gather_params({holder}.zero_shards, _comm.DP)  # ZeRO-3: whole parameters for forward and backward
+ZERO_GATHER = """    _comm.all_gather_params(model.zero_shards, _comm.DP)  # ZeRO-3: whole parameters for forward and backward
 """
 
-ZERO_DP_UPDATE = {
+# finish_backward's data-parallel part, and what optimizer_step does after the step
+DP_FINISH = """    _comm.sync_grads(list(model.parameters()), _comm.DP, average=AVERAGE_SHARES,
+                     reduce_dtype=reduce_dtype)  # data parallel
+"""
+
+ZERO_FINISH = {
     1: """    # this rank's shard of the data-parallel gradient, to the optimizer
-    _comm.reduce_scatter_grads({holder}.zero_shards, _comm.DP, average=AVERAGE_SHARES)
-    optimizer.step()                                          # steps this rank's shard of the parameters
-    optimizer.zero_grad(set_to_none=True)
-    {holder}.zero_grad(set_to_none=False)                        # ZeRO-1 keeps its full gradient buffer: zeroed
-    _comm.all_gather_params({holder}.zero_shards, _comm.DP)     # every rank's updated shard, to every rank
+    _comm.reduce_scatter_grads(model.zero_shards, _comm.DP, average=AVERAGE_SHARES, reduce_dtype=reduce_dtype)
 """,
     2: """    # only this rank's shard of the data-parallel gradient is kept
-    _comm.reduce_scatter_grads({holder}.zero_shards, _comm.DP, average=AVERAGE_SHARES)
-    optimizer.step()                                          # steps this rank's shard of the parameters
-    optimizer.zero_grad(set_to_none=True)
-    _comm.all_gather_params({holder}.zero_shards, _comm.DP)     # every rank's updated shard, to every rank
+    _comm.reduce_scatter_grads(model.zero_shards, _comm.DP, average=AVERAGE_SHARES, reduce_dtype=reduce_dtype)
 """,
     3: """    # only this rank's shard of the data-parallel gradient is kept
-    _comm.reduce_scatter_grads({holder}.zero_shards, _comm.DP, average=AVERAGE_SHARES)
-    _comm.free_params({holder}.zero_shards)                      # whole parameters dropped: the shard stays
-    optimizer.step()                                          # steps this rank's shard of the parameters
-    optimizer.zero_grad(set_to_none=True)
+    _comm.reduce_scatter_grads(model.zero_shards, _comm.DP, average=AVERAGE_SHARES, reduce_dtype=reduce_dtype)
+    _comm.free_params(model.zero_shards)                      # whole parameters dropped: the shard stays
 """,
 }
+
+ZERO_AFTER_STEP = {
+    1: """    model.zero_grad(set_to_none=False)                        # ZeRO-1 keeps its full gradient buffer: zeroed
+    _comm.all_gather_params(model.zero_shards, _comm.DP)     # every rank's updated shard, to every rank
+""",
+    2: """    _comm.all_gather_params(model.zero_shards, _comm.DP)     # every rank's updated shard, to every rank
+""",
+    3: "",
+}
+
+# The gradients the optimizer steps: each parameter's, or (ZeRO) this rank's shard's
+STEPPED_GRADS = """
+
+def stepped_grads(model):
+    return [param.grad for param in model.parameters() if param.grad is not None]
+"""
+
+ZERO_STEPPED_GRADS = """
+
+def stepped_grads(model):
+    return [model.zero_shards.shard.grad]
+"""
+
+# clip_grad_norm's gradients: each parameter's, or (ZeRO) the pieces of this rank's shard
+CLIP_PIECES = """    pieces, counts = [], []
+    for key, param in model.named_parameters():
+        if param.grad is not None:
+            pieces.append(param.grad)
+            counts.append(counted.get(key, False) and _comm.DP.rank == 0)
+"""
+
+ZERO_CLIP_PIECES = """    shards = model.zero_shards
+    keys = {{id(param): key for key, param in model.named_parameters()}}
+    start = _comm.DP.rank * shards.shard_numel     # this rank's range of the flat buffer
+    pieces, counts, offset = [], [], 0
+    for param, numel in zip(shards.params, shards.numels):
+        low, high = max(offset, start), min(offset + numel, start + shards.shard_numel)
+        if low < high:
+            pieces.append(shards.shard.grad[low - start:high - start])
+            counts.append(counted.get(keys[id(param)], False))
+        offset += numel
+"""
 
 
 # How the loss combines its samples decides how the shares of the batch (data-parallel ranks,
@@ -591,13 +1007,23 @@ LOSS_SHARES = {
            "AVERAGE_SHARES = False\n",
 }
 
+PRECISION_CODE = {None: "None", "fp32": "None", "tf32": "None  # tf32 prices matmuls on tensor cores; the program runs in float32",
+                  "bf16": "torch.bfloat16", "fp16": "torch.float16"}
 
-def data_parallel_step(zero: int, holder: str = "model") -> dict[str, str]:
-    """The data-parallel pieces of a step: replicated state (zero 0) or ZeRO stage `zero`, on the
-    module `holder` (train_step's model, or the pipeline step's stages)."""
-    if not zero:
-        return {"optimizer_params": OPTIMIZER_PARAMS, "gather_before_forward": "",
-                "dp_update": DP_UPDATE.format(holder=holder)}
-    return {"optimizer_params": ZERO_OPTIMIZER_PARAMS.format(stage=zero, what=ZERO_WHAT[zero]),
-            "gather_before_forward": ZERO_GATHER.format(holder=holder) if zero == 3 else "",
-            "dp_update": ZERO_DP_UPDATE[zero].format(holder=holder)}
+
+def training_api(*, partial: str, loss: str, zero: int, micro: int | None, precision: str | None) -> str:
+    """The training section of __init__.py for a plan: `partial` the TP_PARTIAL_GRADS entries,
+    `loss` the loss's reduction ("mean" or "sum"), `zero` the ZeRO stage (0: replicated state),
+    `micro` the micro-batches of a pipeline (None: no pipeline), `precision` the forward's dtype."""
+    pieces = {"optimizer_params": OPTIMIZER_PARAMS, "gather_before_forward": "", "dp_finish": DP_FINISH,
+              "dp_after_step": "", "clip_pieces": CLIP_PIECES, "stepped_grads": STEPPED_GRADS}
+    if zero:
+        pieces = {"optimizer_params": ZERO_OPTIMIZER_PARAMS.format(stage=zero, what=ZERO_WHAT[zero]),
+                  "gather_before_forward": ZERO_GATHER if zero == 3 else "", "dp_finish": ZERO_FINISH[zero],
+                  "dp_after_step": ZERO_AFTER_STEP[zero], "clip_pieces": ZERO_CLIP_PIECES.format(),
+                  "stepped_grads": ZERO_STEPPED_GRADS}
+    pipeline = micro is not None
+    return TRAINING.format(partial=partial, loss_shares=LOSS_SHARES[loss], precision=PRECISION_CODE[precision],
+                           forward_backward=PIPELINE_FORWARD_BACKWARD if pipeline else FORWARD_BACKWARD,
+                           pipeline_step="\n\n" + PIPELINE_STEP.format(micro=micro).rstrip("\n") if pipeline else "",
+                           **pieces)

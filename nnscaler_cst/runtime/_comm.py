@@ -26,6 +26,8 @@ What it does
   synchronisation for data parallelism, ZeRO's sharded data-parallel state
   (``reduce_scatter_grads``, ``all_gather_params``), and p2p for pipeline stages (hand-offs:
   metadata once, then one message per tensor, batched with ``batch_isend_irecv``).
+* ``CheckpointChunks``: the pieces of a single-device tensor one rank holds, as
+  torch.distributed.checkpoint saves and loads them (by offsets in the whole tensor).
 * On an axis of size 1 every collective is the identity and no
   torch.distributed function is called, so generated code also runs in one
   plain process without ``setup``.
@@ -55,7 +57,8 @@ __all__ = [
     "tp_copy", "tp_reduce", "tp_scatter", "tp_gather",
     "vocab_parallel_embedding", "vocab_parallel_cross_entropy", "dp_batch_norm",
     "sync_grads",
-    "ZeroShards", "zero_shards", "reduce_scatter_grads", "all_gather_params", "free_params",
+    "ZeroShards", "zero_shards", "reduce_scatter_grads", "all_gather_params", "free_params", "gather_shards",
+    "CheckpointChunks",
     "send_forward", "recv_forward", "send_backward", "recv_backward",
     "activation_sends", "activation_recvs", "grad_sends", "grad_recvs", "post_p2p",
     "wait_activations", "wait_grads", "shape_key", "HandoffMismatch",
@@ -588,14 +591,15 @@ def _joined(results: list, dim: int):
 # --------------------------------------------------------------------------
 
 def sync_grads(params: Iterable[torch.nn.Parameter], axis: Axis, *, average: bool,
-               bucket_bytes: int = 25 * 2**20) -> None:
+               bucket_bytes: int = 25 * 2**20, reduce_dtype: torch.dtype | None = None) -> None:
     """All-reduce ``.grad`` of every parameter over ``axis``, in buckets.
 
     Grads of the same dtype and device are flattened into buckets of at most
     ``bucket_bytes`` (a single larger grad gets a bucket of its own), one
     all-reduce per bucket, in the order the params are given.  Params whose
     grad is None are skipped.  With ``average`` the result is divided by
-    ``axis.size``.
+    ``axis.size``.  ``reduce_dtype`` (e.g. bfloat16): the buckets go over the
+    wire in it, half the bytes, and come back into the gradients' own dtype.
     """
     if axis.size == 1:
         return
@@ -605,7 +609,8 @@ def sync_grads(params: Iterable[torch.nn.Parameter], axis: Axis, *, average: boo
     def flush(key):
         grads = open_buckets.pop(key)
         open_bytes.pop(key)
-        flat = _all_reduce(torch.cat([g.reshape(-1) for g in grads]), axis)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = _all_reduce(flat.to(reduce_dtype) if reduce_dtype is not None else flat, axis)
         if average:
             flat.div_(axis.size)
         offset = 0
@@ -700,10 +705,12 @@ def zero_shards(params: Iterable[torch.nn.Parameter], axis: Axis, *, stage: int)
     return ZeroShards(params, axis, stage)
 
 
-def reduce_scatter_grads(shards: ZeroShards, axis: Axis, *, average: bool = True) -> None:
+def reduce_scatter_grads(shards: ZeroShards, axis: Axis, *, average: bool = True,
+                         reduce_dtype: torch.dtype | None = None) -> None:
     """Reduce-scatter of the gradients over ``axis`` (their mean with ``average``, else their sum):
     this rank's shard of the result becomes ``shards.shard.grad``.  From stage 2 on the full
-    gradients are dropped (``.grad = None``)."""
+    gradients are dropped (``.grad = None``).  ``reduce_dtype``: the dtype on the wire, as for
+    sync_grads."""
     if shards.grads is not None:                   # stage 1: the gradients already lie in one buffer
         flat = shards.grads
     else:
@@ -716,9 +723,11 @@ def reduce_scatter_grads(shards: ZeroShards, axis: Axis, *, average: bool = True
     if axis.size == 1:
         local = flat[start:start + shards.shard_numel]
     else:
-        local = torch.empty(shards.shard_numel, dtype=shards.dtype, device=shards.device)
-        _record("reduce_scatter", flat)
-        dist.reduce_scatter(local, list(flat.chunk(axis.size)), group=axis.group)
+        wire = flat.to(reduce_dtype) if reduce_dtype is not None else flat
+        local = torch.empty(shards.shard_numel, dtype=wire.dtype, device=shards.device)
+        _record("reduce_scatter", wire)
+        dist.reduce_scatter(local, list(wire.chunk(axis.size)), group=axis.group)
+        local = local.to(shards.dtype)
         if average:
             local.div_(axis.size)
     if shards.grads is not None:
@@ -747,6 +756,58 @@ def free_params(shards: ZeroShards) -> None:
     shards.flat = None
     for p in shards.params:
         p.data = torch.empty(0, dtype=shards.dtype, device=shards.device)
+
+
+def gather_shards(flat: torch.Tensor, shard: torch.Tensor, axis: Axis) -> None:
+    """Every rank's ``shard`` (the same size on each) into ``flat``, in axis order: ZeRO's sharded
+    optimizer state made whole, for a checkpoint."""
+    pieces = list(flat.chunk(axis.size))
+    if axis.size == 1:
+        pieces[0].copy_(shard)
+        return
+    _record("all_gather", shard)
+    dist.all_gather(pieces, shard.contiguous(), group=axis.group)
+
+
+# --------------------------------------------------------------------------
+# Checkpoints: torch.distributed.checkpoint's view of a rank's pieces
+# --------------------------------------------------------------------------
+
+class CheckpointChunks(torch.Tensor):
+    """A single-device tensor of ``shape`` of which this rank holds ``pieces``, [(offsets, tensor)]:
+    rectangular blocks at those offsets (a tensor-parallel shard of fused q|k|v is one block per
+    q, k and v).  torch.distributed.checkpoint saves each piece under the tensor's name and its
+    offsets, and loads into the pieces in place whatever blocks the checkpoint was written in.
+    Holds no storage of its own: computing with it raises."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, shape, pieces):
+        first = pieces[0][1]
+        chunks = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=first.dtype, device=first.device)
+        chunks.pieces = [(torch.Size(offsets), piece) for offsets, piece in pieces]
+        return chunks
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(f"{func} on a checkpoint's pieces: use the tensors they are views of")
+
+    def __create_chunk_list__(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        return [ChunkStorageMetadata(offsets, piece.shape) for offsets, piece in self.pieces]
+
+    def __create_write_items__(self, fqn, obj):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, piece.shape),
+                                                      properties=TensorProperties.create_from_tensor(piece),
+                                                      size=self.shape))
+                for offsets, piece in self.pieces]
+
+    def __get_tensor_shard__(self, index):
+        return next(piece for offsets, piece in self.pieces if offsets == index.offset)
 
 # --------------------------------------------------------------------------
 # Pipeline point-to-point (blocking, global ranks, no autograd)

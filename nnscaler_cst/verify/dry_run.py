@@ -4,7 +4,7 @@ run under fake tensors (DESIGN.md).
 The rendered files go to a temporary package (never the output folder), which is imported in
 this process. For one rank of every pipeline stage (tp 0, dp 0) the check builds the rank's
 model, loads its share of the single-device state dict (`shard_state_dict`, strict: every key
-and every shape), and runs the forward on the entry's example inputs as train.py slices them
+and every shape), and runs the forward on the entry's example inputs as the training API slices them
 (data-parallel share, first micro-batch), then the backward; pipeline stages run one after
 another, each fed what the previous one hands over. The last tensor-parallel rank of each
 stage is built and loaded as well (a split that does not come out even differs there).
@@ -140,7 +140,6 @@ class _Checker:
         self.folder = folder
         self.package = importlib.import_module(name)
         self.comm = importlib.import_module(f"{name}._comm")
-        self.train = importlib.import_module(f"{name}.train")
         _shape_only_collectives(self.comm)
         self.unsupported = _unsupported_types()
         self.result = DryRun()
@@ -253,14 +252,14 @@ class _Checker:
         module = self.package.rank_module(rank)
         torch.manual_seed(0)
         batch = self._guard(module.example_inputs, rank, "example_inputs()", own=False)
-        return module, self._guard(lambda: self.train.split_batch(batch), rank, "the data-parallel split")
+        return module, self._guard(lambda: self.package.batch_share(batch), rank, "the data-parallel split")
 
     def _forward_backward(self, rank: int, model) -> None:
         self._place(rank)
         module, inputs = self._batch(rank)
         model.train()
         output = self._guard(lambda: _call(model, inputs), rank, "the forward")
-        loss = self._guard(lambda: self.train.loss_of(module, output), rank, "loss()")
+        loss = self._guard(lambda: self.package.loss_of(module, output), rank, "loss()")
         self._check_loss(rank, loss)
         if loss.requires_grad:
             self._guard(loss.backward, rank, "the backward")
@@ -268,7 +267,7 @@ class _Checker:
 
     def _pipeline(self, firsts: list[int], models: dict) -> None:
         """Every stage in order on the rank that runs it: stage s gets what stage s - 1 handed over."""
-        comm, train = self.comm, self.train
+        comm, package = self.comm, self.package
         modules = {rank: self.package.rank_module(rank) for rank in firsts}
         count = modules[firsts[0]].PIPELINE_LENGTH     # one pipeline: replicas (Chimera) run the same code
         owner = {stage: rank for rank in firsts for stage in modules[rank].PIPELINE_STAGES}
@@ -283,7 +282,7 @@ class _Checker:
             module = modules[rank]
             self._place(rank)
             _, inputs = self._batch(rank)
-            micro = self._guard(lambda: train.micro_batches(inputs)[0], rank, "the micro-batch split")
+            micro = self._guard(lambda: package.micro_batches(inputs)[0], rank, "the micro-batch split")
             comm.PIPE.stages, comm.PIPE.stage = count, stage
             comm.PIPE.inbox = inbox
             model = models[rank][module.PIPELINE_STAGES.index(stage)]
@@ -302,7 +301,7 @@ class _Checker:
                 if stage < count - 1:
                     raise self._internal(rank, f"stage {stage}'s forward ran to the end without handing "
                                                "anything to the next stage")
-                loss = self._guard(lambda: train.loss_of(module, output) / train.MICRO_BATCHES, rank, "loss()")
+                loss = self._guard(lambda: package.loss_of(module, output) / package.MICRO_BATCHES, rank, "loss()")
                 self._check_loss(rank, loss)
                 if loss.requires_grad:
                     self._guard(loss.backward, rank, f"stage {stage}'s backward")

@@ -2,8 +2,13 @@
 
 Same initial weights (the single-device state dict, sharded by the output's own
 shard_state_dict), same batches, K AdamW steps; per-step losses and the merged parameters
-after the last step are compared. Every process runs under a deadline: a rank that dies or
-hangs ends the run with an error, never a hang. verify writes only into a temporary folder,
+after the last step are compared. An output rewritten with --precision bf16 or fp16 runs its
+forward under autocast, and so does the reference; half_precision_tolerance says what
+tolerances that takes and why. With --max-grad-norm both runs clip the gradients' global
+norm before each step, and the first gradients are compared after clipping.
+
+Every process runs under a deadline: a rank that dies or hangs ends the run with an error,
+never a hang. verify writes only into a temporary folder,
 removed however the run ends; the output folder is read, never written (no bytecode caches).
 """
 from __future__ import annotations
@@ -118,6 +123,39 @@ def check_schedules(package) -> None:
              passes=getattr(modules[0], "PIPELINE_PASSES", 1), shared=getattr(modules[0], "VOCAB_STAGES", ()))
 
 
+HALF_PRECISIONS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}   # half a unit in the last place: 8 and 11 significant bits
+
+
+def half_precision_tolerance(precision: str, steps: int, lr: float) -> dict[str, float]:
+    """Tolerances for an output rewritten with --precision bf16 or fp16, against the reference
+    under the same autocast. Both runs round every matmul's output to `precision` (relative
+    error up to u: 2**-8 for bf16's 8 significant bits, 2**-11 for fp16's 11), but at other
+    points: a contraction split over tensor-parallel ranks rounds each rank's partial sum, then
+    their sum, where one device rounds the whole sum once. So:
+
+    - losses (every step): rtol 2u. One forward's roundings differ by about u relative; the
+      loss, a mean over the batch, averages them. Measured: 0.6u at the first step of the GPT
+      fixture at TP=2, less later (where the losses move together).
+    - first gradients: grad_rtol 8u of each parameter's largest gradient. The backward adds
+      its own roundings to the forward's, a chain of some tens per gradient whose independent
+      errors add up as their square root.
+    - parameters after K steps: 2·lr·K. AdamW moves an element by about lr per step whatever
+      the gradient's size (its update m/sqrt(v) is near ±1); an element whose gradient is
+      below the precision's resolution of the terms summed into it moves by lr either way
+      in either run, so two correct runs end up to 2·lr apart per step. This check only
+      catches a run that diverges; the losses and the first gradients carry the proof.
+
+    Where the reference's own rounding (its distance from float64, rounding_of) is larger,
+    gradients and the first loss are judged against ten times that, as in float32. fp16 scales
+    its loss dynamically; both runs start from worker.py's VERIFY_LOSS_SCALE, so that both take
+    (or skip) the same steps."""
+    u = UNIT_ROUNDOFF[precision]
+    return {"param_atol": 2 * lr * steps, "loss_atol": 1e-4, "rtol": 2 * u, "grad_rtol": 8 * u}
+
+
 GRAD_SCALE_FLOOR = 1e-3   # share of the largest gradient below which a gradient's own scale is noise
 TWIN_MARGIN = 10.0        # how far past the twin's own drift the parallel run may land
 TWIN_LEAST_NUDGE = 1e-6   # the twin's first gradients differ by at least this share
@@ -127,9 +165,13 @@ FLOAT64_TIGHTENING = 1e-3  # float64's tolerances against float32's (its roundin
 
 def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1e-3, seed: int = 0,
                timeout: float = 300.0, param_atol: float = 5e-4, loss_atol: float = 1e-4,
-               rtol: float = 1e-4, grad_rtol: float = 1e-3, forks=None) -> VerifyResult:
+               rtol: float = 1e-4, grad_rtol: float = 1e-3, forks=None,
+               max_grad_norm: float | None = None) -> VerifyResult:
     """`forks`: a fork server (forkserver.started()) that a caller started early, so that its
-    torch import overlaps the caller's own work; else run_verify starts one."""
+    torch import overlaps the caller's own work; else run_verify starts one. `max_grad_norm`:
+    both runs clip their gradients' global norm to it. An output rewritten with --precision
+    bf16 or fp16 is compared with the reference under the same autocast, within the
+    tolerances half_precision_tolerance derives (they replace the float32 ones given)."""
     out_dir = Path(out_dir).resolve()
     started = time.monotonic()
     sys.path.insert(0, str(out_dir.parent))
@@ -143,7 +185,12 @@ def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1
     check_schedules(package)
     fixed_port()                    # a bad $NNSCALER_VERIFY_PORT is refused before any process starts
     tolerance = {"param_atol": param_atol, "loss_atol": loss_atol, "rtol": rtol, "grad_rtol": grad_rtol}
+    precision = HALF_PRECISIONS.get(getattr(package, "PRECISION", None))
+    if precision is not None:
+        tolerance = half_precision_tolerance(precision, steps, lr)
     common = ["--steps", str(steps), "--lr", str(lr), "--seed", str(seed)]
+    common += ["--max-grad-norm", repr(max_grad_norm)] if max_grad_norm is not None else []
+    common += ["--precision", precision] if precision is not None else []
     with terminated_as_exit(), tempfile.TemporaryDirectory(prefix="nnscaler-verify-") as workdir, \
             (nullcontext(forks) if forks is not None else forkserver.started()) as forks:
         run = _Run(entry_file, out_dir, package, workdir, common, timeout, forks)

@@ -3,8 +3,16 @@
 It imports only torch and the files under test, and makes `import nnscaler_cst` fail, so a
 passing run also proves the generated code is self-contained.
 
-    worker.py reference ENTRY_FILE WORKDIR --steps K --lr LR --seed S [--float64]
-    worker.py rank OUTPUT_DIR WORKDIR --steps K --lr LR --seed S [--float64]   (RANK, WORLD_SIZE, MASTER_* set)
+    worker.py reference ENTRY_FILE WORKDIR --steps K --lr LR --seed S [--float64] [--precision P]
+              [--max-grad-norm N]
+    worker.py rank OUTPUT_DIR WORKDIR --steps K --lr LR --seed S [--float64] [--max-grad-norm N]
+              (RANK, WORLD_SIZE, MASTER_* set)
+
+The reference runs its forward and loss under torch.autocast in --precision (bf16, fp16) as the
+output's training API does in the precision it was rewritten for (fp16: with torch.amp.GradScaler,
+whose dynamic loss scaling the API's follows), and clips the gradients'
+norm (torch.nn.utils.clip_grad_norm_) with --max-grad-norm, as the ranks do with the API's
+clip_grad_norm.
 
 Fault injection, to see what verify does when a rank fails (tests/test_faults.py):
 NNSCALER_VERIFY_FAULT=die:R:K kills rank R (SIGKILL) just before its first collective of step K;
@@ -212,7 +220,7 @@ def capture_zero_gradients(model, shards, optimizer, comm):
     return captured
 
 
-def exact_first_step(entry, model, seed):
+def exact_first_step(entry, model, seed, max_grad_norm=None):
     """The first step's loss and gradients in float64, from the same weights and batch: how far
     the float32 reference itself lands from the exact values (a gradient that is zero in exact
     arithmetic, a bias before a norm over its own dim, is pure rounding in float32; a loss through
@@ -226,13 +234,15 @@ def exact_first_step(entry, model, seed):
         output = exact(**batch) if isinstance(batch, dict) else exact(*batch)
         loss = loss_of(entry, output)
         loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(exact.parameters(), max_grad_norm)
     except Exception:       # noqa: BLE001 -- no yardstick; verify judges as before
         return None, None
     return loss.item(), {name: param.grad.detach().clone()
                          for name, param in exact.named_parameters(remove_duplicate=False) if param.grad is not None}
 
 
-def reordered_first_gradients(entry, model, seed):
+def reordered_first_gradients(entry, model, seed, precision=None, max_grad_norm=None):
     """The first step's float32 gradients again, summed in another order (twice the intra-op
     threads: the kernels split their reductions differently): the same arithmetic, so how far
     they land from the reference's is rounding too. A reference whose one order happens to land
@@ -245,14 +255,43 @@ def reordered_first_gradients(entry, model, seed):
         again = copy.deepcopy(model)
         again.train()
         batch = batch_for(entry, 0, seed)
-        output = again(**batch) if isinstance(batch, dict) else again(*batch)
-        loss_of(entry, output).backward()
+        with autocast(precision):
+            output = again(**batch) if isinstance(batch, dict) else again(*batch)
+            loss = loss_of(entry, output)
+        scaler = loss_scaler(precision)
+        scaler.scale(loss).backward()
+        for param in again.parameters():
+            if param.grad is not None:
+                param.grad.div_(scaler.get_scale() if scaler.is_enabled() else 1.0)
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(again.parameters(), max_grad_norm)
     except Exception:       # noqa: BLE001 -- no second order; verify judges by float64 alone
         return None
     finally:
         torch.set_num_threads(threads)
     return {name: param.grad.detach().clone()
             for name, param in again.named_parameters(remove_duplicate=False) if param.grad is not None}
+
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(precision):
+    """The forward's and the loss's compute dtype, as the output's training API sets it."""
+    return torch.autocast("cpu", dtype=AUTOCAST.get(precision), enabled=precision in AUTOCAST)
+
+
+# fp16's first loss scale in both runs. The output starts at GradScaler's 2**16, where the first
+# backward may overflow fp16 on one plan and not on another (a sum over ranks rounds where one
+# device's does not): a step skipped on one side only would leave nothing to compare.
+VERIFY_LOSS_SCALE = 2.0 ** 8
+
+
+def loss_scaler(precision):
+    """fp16's dynamic loss scaling as the output's (its GROWTH_INTERVAL, VERIFY_LOSS_SCALE to
+    begin with); disabled for other precisions."""
+    return torch.amp.GradScaler("cpu", init_scale=VERIFY_LOSS_SCALE, growth_interval=2000,
+                                enabled=precision == "fp16")
 
 
 def reference(args):
@@ -265,20 +304,27 @@ def reference(args):
         require_float64(model)
     torch.save(model.state_dict(), os.path.join(args.workdir, "init.pt"))
     yardsticks = not args.nudge and not args.float64
-    exact_loss, exact = exact_first_step(entry, model, args.seed) if yardsticks else (None, None)
+    exact_loss, exact = exact_first_step(entry, model, args.seed, args.max_grad_norm) if yardsticks else (None, None)
     # float64's own rounding: the yardstick for gradients that are rounding there too
-    reordered = reordered_first_gradients(entry, model, args.seed) if exact is not None or args.float64 else None
+    reordered = reordered_first_gradients(entry, model, args.seed, args.precision, args.max_grad_norm) \
+        if exact is not None or args.float64 else None
     model.train()
     optimizer = adamw(model.parameters(), args.lr)
     grads = capture_first_gradients(model, optimizer, args.nudge)
+    scaler = loss_scaler(args.precision)
     losses = []
     for step in range(args.steps):
         enter("step", step)
         batch = batch_for(entry, step, args.seed)
-        output = model(**batch) if isinstance(batch, dict) else model(*batch)
-        loss = loss_of(entry, output)
-        loss.backward()
-        optimizer.step()
+        with autocast(args.precision):
+            output = model(**batch) if isinstance(batch, dict) else model(*batch)
+            loss = loss_of(entry, output)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        if args.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        scaler.step(optimizer)          # optimizer.step(), unless fp16's gradients overflowed
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     enter("saving")
@@ -291,7 +337,6 @@ def rank(args):
     folder = os.path.abspath(args.target)
     sys.path.insert(0, os.path.dirname(folder))
     package = importlib.import_module(os.path.basename(folder))
-    train = importlib.import_module(f"{package.__name__}.train")
     comm = importlib.import_module(f"{package.__name__}._comm")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     inject_fault(rank)
@@ -299,16 +344,16 @@ def rank(args):
                pp_replicas=package.rank_module(rank).PIPELINE_REPLICAS if package.PP_SIZE > 1 else None,
                pp_tied=getattr(package.rank_module(rank), "TIED_RANKS", None))
     module = package.rank_module(rank)
+    package.LOSS_SCALE["scale"] = VERIFY_LOSS_SCALE     # used under fp16 only
     torch.manual_seed(args.seed)
     model = package.build(rank)
     if args.float64:
         require_float64(model)
-    step = train.pipeline_train_step if package.PP_SIZE > 1 else train.train_step
     init = torch.load(os.path.join(args.workdir, "init.pt"))
     model.load_state_dict(package.shard_state_dict(init, rank))
     model.train()
     # the output says what its optimizer steps: every parameter, or (ZeRO) this rank's shard
-    params = train.optimizer_params(model) if hasattr(train, "optimizer_params") else model.parameters()
+    params = package.optimizer_params(model)
     optimizer = adamw(params, args.lr)
     shards = getattr(model, "zero_shards", None)
     grads = capture_zero_gradients(model, shards, optimizer, comm) if shards is not None \
@@ -317,7 +362,7 @@ def rank(args):
     losses = []
     for k in range(args.steps):
         enter("step", k)
-        losses.append(step(model, optimizer, batch_for(module, k, args.seed), module))
+        losses.append(package.train_step(model, optimizer, batch_for(module, k, args.seed), args.max_grad_norm))
     if shards is not None and shards.flat is None:   # ZeRO-3 holds shards between steps: whole for the check
         comm.all_gather_params(shards, comm.DP)
     enter("saving")
@@ -342,6 +387,8 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--nudge", type=float, default=0.0)
     parser.add_argument("--float64", action="store_true", help="build, batches and steps in float64")
+    parser.add_argument("--precision", help="the reference's forward under autocast in bf16 or fp16")
+    parser.add_argument("--max-grad-norm", type=float, help="clip the gradients' global norm to this")
     args = parser.parse_args()
     if args.float64:
         torch.set_default_dtype(torch.float64)
