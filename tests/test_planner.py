@@ -957,22 +957,22 @@ LLAMA_STYLE = textwrap.dedent("""\
     """)
 
 
-def _linear_splits(tmp_path: Path, text: str):
-    """(plan, {line text of each Linear call in a block: its split label})."""
+def _linear_splits(tmp_path: Path, text: str, plan: str = "megatron"):
+    """(plan, {line text of each Linear call in a block: its split label}, the tp axis's plan)."""
     from nnscaler_cst.rewrite import PlanRequest, build_plan
     (tmp_path / "llama_style.py").write_text(text)
     analysis = analyze(tmp_path / "llama_style.py")
-    plan, tp_plan = build_plan(analysis, PlanRequest(tp=2))
+    plan, tp_plan = build_plan(analysis, PlanRequest(tp=2, plan=plan))
     lines = text.splitlines()
     splits = {}
     for node in analysis.graph.nodes:
         if node.callee == "torch.nn.Linear" and node.module_path.startswith("h."):
             splits[lines[node.span.line - 1].strip()] = tp_plan.node_choice[node.index]
-    return plan, splits
+    return plan, splits, tp_plan
 
 
 def test_megatron_splits_a_tiny_blocks_attention_by_heads_and_its_mlp_by_hidden(tmp_path):
-    _, splits = _linear_splits(tmp_path, LLAMA_STYLE)
+    _, splits, _ = _linear_splits(tmp_path, LLAMA_STYLE)
     assert splits == {
         "q, k, v = self.qkv(x).split(C, dim=2)": "n.1",                          # column, q|k|v by heads
         "return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))": "k.0",  # row, by heads
@@ -981,7 +981,7 @@ def test_megatron_splits_a_tiny_blocks_attention_by_heads_and_its_mlp_by_hidden(
 
 
 def test_a_block_layer_whose_hidden_does_not_divide_is_named_with_its_weights_sizes_and_reason(tmp_path):
-    plan, splits = _linear_splits(tmp_path, LLAMA_STYLE.replace("intermediate_size=64, n_layer=2",
+    plan, splits, _ = _linear_splits(tmp_path, LLAMA_STYLE.replace("intermediate_size=64, n_layer=2",
                                                                 "intermediate_size=63, n_layer=2"))
     assert splits["return self.proj(x)"] == "n"          # split along the blocks' width instead
     warned = [w for w in plan.warnings if "is not split by heads or hidden" in w]
@@ -997,3 +997,24 @@ def test_megatron_layout_of_a_tiny_llama_style_decoder_verifies_on_gloo(tmp_path
     (tmp_path / "llama_style.py").write_text(LLAMA_STYLE)
     result = cli("verify", tmp_path / "llama_style.py", "--tp", 2, cwd=tmp_path)
     assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr[-2000:]
+
+
+def test_a_constraint_pinning_a_block_layer_another_way_wins_over_the_megatron_layout_with_a_warning(tmp_path):
+    """A user's table extending megatron splits fc_1 by its input (row): the layout is dropped for
+    that plan, with a warning, rather than making the plan unsatisfiable."""
+    table = tmp_path / "rows.toml"
+    table.write_text(textwrap.dedent("""\
+        [plan]
+        name = "rows"
+        axes = ["tp"]
+        extends = "megatron"
+
+        [[constraint]]
+        id = "fc-1-by-rows"
+        select = { params = ["h.0.mlp.fc_1.weight", "h.1.mlp.fc_1.weight"] }
+        op_trans = { axis = "tp", algo = "k", n = "|tp|" }
+        """))
+    plan, _, tp_plan = _linear_splits(tmp_path, LLAMA_STYLE, plan=str(table))
+    assert tp_plan.param_layout["h.0.mlp.fc_1.weight"].dim == 1          # by its input: rows
+    assert any(re.match(r".*megatron\.toml:\d+:\d+: warning: split-blocks-by-heads-and-hidden: no plan splits every "
+                        r"block by heads and hidden together with the other constraints", w) for w in plan.warnings)

@@ -774,7 +774,7 @@ class FileRewriter(cst.CSTTransformer):
         x as the plan has it, before that conversion, so the value is computed first (as Python
         computes it before the write) into a name of its own, and that name is written."""
         rebound = {line.body[0].targets[0].target.value for line in self.ctx.before
-                   if isinstance(line.body[0], cst.Assign)}
+                   if isinstance(line.body[0], cst.Assign) and isinstance(line.body[0].targets[0].target, cst.Name)}
         read = _names_in(assign.value)
         if not rebound & read:
             return assign
