@@ -1158,7 +1158,7 @@ def main() -> None:
                 written[library] = results_path(args, library)
         if args.list:
             return
-    if args.out == str(DEFAULT_OUT):     # the report of record: every library that has results
+    if args.out == str(DEFAULT_OUT) or args.render == []:    # every library that has results
         defaults = {lib: ROOT / "benchmarks" / results_name(lib) for lib in LIBRARIES}
         written = {lib: written.get(lib, path) for lib, path in defaults.items()
                    if lib in written or path.is_file()}
