@@ -1,16 +1,35 @@
 #!/usr/bin/env python
-"""Coverage of transformers' architectures: does nnscaler-rewrite inspect, plan and verify them?
+"""Coverage of each library's architectures: does nnscaler-rewrite inspect, plan and verify them?
 
-    python benchmarks/bench_coverage.py [--limit 64] [--only llama,bert] [--family vision,moe]
-                                        [--jobs 1] [--timeout 300] [--work DIR]
-                                        [--results benchmarks/coverage_results.json]
-                                        [--out benchmarks/COVERAGE.md] [--dry-run]
-    python benchmarks/bench_coverage.py --render benchmarks/coverage_results.json [--reclassify]
-    python benchmarks/bench_coverage.py --merge /tmp/a.json [/tmp/b.json ...] [--results benchmarks/coverage_results.json]
+    python benchmarks/bench_coverage.py [--library transformers,timm,...|all] [--limit 64] [--only llama,bert]
+                                        [--family vision,moe] [--jobs 1] [--timeout 300] [--work DIR]
+                                        [--results FILE] [--out benchmarks/COVERAGE.md] [--dry-run]
+    python benchmarks/bench_coverage.py --render [RESULTS_JSON ...] [--reclassify]
+    python benchmarks/bench_coverage.py --merge /tmp/a.json [/tmp/b.json ...] [--library L] [--results FILE]
     python benchmarks/bench_coverage.py --entry path/to/model.py [--timeout 300] [--work DIR]
-    python benchmarks/bench_coverage.py --list [--family moe]
+    python benchmarks/bench_coverage.py --list [--library timm] [--family moe]
 
-Architectures come from transformers' own registries, not from a list typed here: every model
+Libraries (--library, default transformers): transformers, timm, torchvision, torchtitan, litgpt,
+x-transformers, diffusers, torch.nn. Each is swept in turn into its own results file,
+benchmarks/coverage_results.json for transformers (its historic name and format) and
+benchmarks/coverage_results_<library>.json for the others; COVERAGE.md holds a section per
+library that has one. How the other libraries' candidates are enumerated from their own
+registries, and at which tiny settings: coverage_libraries.py. Installing them (not part of
+the project's test install; the packages that depend on torch go in with --no-deps, so that pip
+never replaces the CPU torch with a CUDA one, and the extra `bench` brings what they import):
+
+    pip install -e ".[bench]" && pip install --no-deps timm torchvision x-transformers \
+        torch-einops-utils torchtitan torch-checkpointing litgpt lightning torchmetrics
+
+On a CPU machine whose torchvision wheel is a CUDA build (its _C extension does not load, and
+`import torchvision`, reached also through timm, lightning and diffusers, fails on
+"operator torchvision::nms does not exist"), this process and the processes it starts for those
+libraries first define the two op schemas torchvision's import needs (coverage_libraries.py,
+TORCHVISION_SHIM), as a sitecustomize module in the work folder put first on the PYTHONPATH of
+every process the bench starts: a rank process of verify imports the library in model.py before
+any of the entry's code, so the entry file cannot carry it. The entries stay plain.
+
+transformers' architectures come from transformers' own registries, not from a list typed here: every model
 type of MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES,
 MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES and MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
 with its config class from CONFIG_MAPPING_NAMES. The family is decoder-only (causal LM),
@@ -59,8 +78,8 @@ architecture, and COVERAGE.md rendered from it (--render re-renders without reru
 --merge folds the results of other sweeps (each run with its own --results file) into
 --results: an architecture's records from a later file replace earlier ones, and COVERAGE.md
 names each sweep's command and revision and the architectures whose records it holds.
---limit N stops after N architectures that pass the plain check, taken round-robin over the
-families in a fixed order; --limit 0 takes all. Not part of CI.
+--limit N stops after N architectures that pass the plain check (per library), taken
+round-robin over the families in a fixed order; --limit 0 takes all. Not part of CI.
 """
 from __future__ import annotations
 
@@ -86,6 +105,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, load_file, revision  # noqa: E402
+from coverage_libraries import LIBRARIES, LibraryArch, library_archs, library_version, results_name  # noqa: E402
 
 FAMILIES = ("decoder", "encoder", "encoder-decoder", "vision", "moe")
 KIND_FAMILY = {"causal": "decoder", "masked": "encoder", "seq2seq": "encoder-decoder", "image": "vision"}
@@ -126,6 +146,7 @@ VERIFY_RUNS = ("tp2", "dp2", "pp2", "dp2xtp2")
 MODE_TITLES = {"inspect": "inspect", "plan": "plan TP=2", "tp2": "TP=2", "dp2": "DP=2", "pp2": "PP=2",
                "dp2xtp2": "DP×TP 2×2"}
 SPLIT_TARGET = 0.75
+DEFAULT_OUT = ROOT / "benchmarks" / "COVERAGE.md"
 
 
 # --------------------------------------------------------------------------- architectures
@@ -293,7 +314,8 @@ def entry_source(arch: Arch, with_loss: bool = False) -> str:
 def check_entry(path: Path) -> dict:
     """In this process: build the entry's model and run one forward + backward in plain
     PyTorch. Returns {"ok", "reason", "params", "has_loss", "experts", "seconds"}."""
-    _quiet_transformers()
+    if "transformers" in path.read_text():
+        _quiet_transformers()
     import torch
     started = time.perf_counter()
     entry = load_file(path, "coverage_entry")
@@ -342,6 +364,7 @@ def cli() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "nnscaler_cst.cli"]
 
 
+PYTHONPATH_FIRST: list[str] = []   # folders put first on the started processes' PYTHONPATH (coverage_libraries.shim_site)
 LIVE: set[int] = set()   # process groups started and not yet finished: killed if the bench is stopped
 STOPPING = threading.Event()
 
@@ -362,6 +385,8 @@ def run_process(argv: list[str], cwd: Path, timeout: float, log: Path) -> tuple[
     if STOPPING.is_set():
         raise RuntimeError("the bench is stopping")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", COLUMNS="100000")
+    if PYTHONPATH_FIRST:
+        env["PYTHONPATH"] = os.pathsep.join(PYTHONPATH_FIRST + [p for p in [env.get("PYTHONPATH")] if p])
     started = time.perf_counter()
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -553,7 +578,9 @@ def prepare(arch: Arch, work: Path, timeout: float) -> tuple[Path, dict]:
     """Write the entry file and run the plain check. The entry gets a loss() when the output
     carries none; a model that fails with 2 kv heads (multi-head latent attention ties them to
     the heads) is tried again with as many kv heads as heads (arch.overrides says which ran).
-    Returns (entry path, check result)."""
+    Returns (entry path, check result). Another library's candidate: its variants in turn."""
+    if isinstance(arch, LibraryArch):
+        return prepare_library(arch, work, timeout)
     folder = work / arch.name.replace("-", "_")
     folder.mkdir(parents=True, exist_ok=True)
     entry = folder / f"hf_{arch.name.replace('-', '_')}.py"
@@ -570,8 +597,33 @@ def prepare(arch: Arch, work: Path, timeout: float) -> tuple[Path, dict]:
     return entry, first
 
 
-def check_variant(arch: Arch, entry: Path, timeout: float) -> dict:
-    entry.write_text(entry_source(arch))
+def prepare_library(arch: LibraryArch, work: Path, timeout: float) -> tuple[Path, dict]:
+    """The candidate's entry variants, in order, until one runs in plain PyTorch; the check
+    result notes which variant ran when it is not the first."""
+    slug = re.sub(r"\W+", "_", f"{arch.library}_{arch.name}")
+    folder = work / slug
+    folder.mkdir(parents=True, exist_ok=True)
+    entry = folder / f"{slug}.py"
+    try:
+        variants = arch.variants()
+    except Exception as exc:  # noqa: BLE001 - a registry entry that cannot even be configured
+        return entry, {"ok": False, "reason": one_line(f"entry not written: {type(exc).__name__}: {exc}")}
+    first = None
+    for k, (note, text) in enumerate(variants):
+        arch.overrides = {"variant": note}
+        result = check_variant(arch, entry, timeout, text)
+        if result["ok"]:
+            if k:
+                result["note"] = f"{note} (the tiny variant fails in plain PyTorch: {first['reason']})"
+            return entry, result
+        first = first or result
+        if k:
+            first["reason"] += f"; {note}: {result['reason']}"
+    return entry, first
+
+
+def check_variant(arch, entry: Path, timeout: float, text: str | None = None) -> dict:
+    entry.write_text(text if text is not None else entry_source(arch))
     argv = [sys.executable, str(Path(__file__).resolve()), "--check-entry", str(entry)]
     while True:
         code, out, err, seconds = run_process(argv, entry.parent, timeout, entry.parent / "check")
@@ -626,13 +678,23 @@ def save(results_path: Path, meta: dict, archs: list[dict], left_out: list[dict]
     tmp.replace(results_path)
 
 
-def sweep(args) -> dict:
-    archs, left_out = enumerate_archs()
+def sweep(args, library: str = "transformers") -> dict:
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="nnscaler-coverage-"))
+    if library != "transformers" and len(args.libraries) > 1:
+        work = work / library
+    work.mkdir(parents=True, exist_ok=True)
+    if library == "transformers":
+        archs, left_out = enumerate_archs()
+    else:
+        archs, left_out, site = library_archs(library, work)
+        if site:        # the torchvision workaround, for every process started from here on
+            PYTHONPATH_FIRST[:] = [str(site)]
     if args.family:
         families = set(args.family.split(","))
-        unknown = families - set(FAMILIES)
+        known_families = FAMILIES if library == "transformers" else sorted({a.family for a in archs})
+        unknown = families - set(known_families)
         if unknown:
-            raise SystemExit(f"unknown family {', '.join(sorted(unknown))}; families: {', '.join(FAMILIES)}")
+            raise SystemExit(f"unknown family {', '.join(sorted(unknown))}; families: {', '.join(known_families)}")
         archs = [a for a in archs if a.family in families]
     if args.only:
         names = args.only.split(",")
@@ -644,23 +706,33 @@ def sweep(args) -> dict:
     if args.list:
         for i, a in enumerate(archs):
             print(f"{i:4d} {a.name:28s} {a.family:16s} {a.model_class:44s} {a.style:6s} use_cache={a.use_cache}")
-        print(f"{len(archs)} candidates; left out: " + "; ".join(f"{d['name']} ({d['reason']})" for d in left_out))
-        raise SystemExit(0)
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="nnscaler-coverage-"))
-    work.mkdir(parents=True, exist_ok=True)
+        print(f"{len(archs)} candidates of {library}; left out: "
+              + "; ".join(f"{d['name']} ({d['reason']})" for d in left_out))
+        return {}
     import torch
-    import transformers
-    meta = {"command": shlex.join(["python", "benchmarks/bench_coverage.py", *sys.argv[1:]]),
+    meta = {"library": library, "command": shlex.join(["python", "benchmarks/bench_coverage.py", *sys.argv[1:]]),
             "revision": revision(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "versions": f"Python {platform.python_version()}, torch {torch.__version__}, transformers "
-                        f"{transformers.__version__}, {os.cpu_count()} CPU cores",
+            "versions": f"Python {platform.python_version()}, torch {torch.__version__}, "
+                        f"{library_version(library)}, "
+                        f"{os.cpu_count()} CPU cores",
             "timeout": args.timeout, "jobs": args.jobs, "limit": args.limit, "work": str(work),
             "dry_run": args.dry_run}
+    if library == "transformers":       # the format of the records kept in coverage_results.json
+        meta.pop("library")
     print(f"work folder: {work}", flush=True)
-    results_path = Path(args.results)
+    results = results_path(args, library)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    run_sweep(archs, args, work, lambda done: save(results_path, meta, done, left_out))
-    return json.loads(results_path.read_text())
+    run_sweep(archs, args, work, lambda done: save(results, meta, done, left_out))
+    return json.loads(results.read_text())
+
+
+def results_path(args, library: str) -> Path:
+    """--results, else the library's file in benchmarks/ (in the work folder for a dry run)."""
+    if args.results:
+        return Path(args.results)
+    if args.dry_run:
+        return Path(args.work) / results_name(library)
+    return ROOT / "benchmarks" / results_name(library)
 
 
 def run_sweep(archs: list[Arch], args, work: Path, save_done) -> None:
@@ -739,12 +811,15 @@ def render(data: dict) -> str:
     skipped = [a for a in archs if not a["check"]["ok"]]
     by_run = {a["arch"]: {r["run"]: r for r in a["records"]} for a in ran}
     n = len(ran)
-    lines = ["# Coverage of transformers' architectures",
+    library = data.get("library", "transformers")
+    hf = library == "transformers"
+    intro = ("Architectures come from transformers' auto-model registries, each at a tiny config (hidden 64, 2 "
+             "layers, 4 heads, 2 kv heads, intermediate 128, vocab 128, 32×32 images, no dropout; the config's "
+             "defaults otherwise)" if hf else LIBRARY_INTROS[library])
+    lines = [f"# {title_of(library)}",
              "",
              "Written by `benchmarks/bench_coverage.py` (its docstring says how architectures are chosen and runs "
-             "classified). Architectures come from transformers' auto-model registries, each at a tiny config "
-             "(hidden 64, 2 layers, 4 heads, 2 kv heads, intermediate 128, vocab 128, 32×32 images, no dropout; "
-             "the config's defaults otherwise); per architecture `nnscaler-rewrite inspect`, `plan --tp 2` and "
+             f"classified). {intro}; per architecture `nnscaler-rewrite inspect`, `plan --tp 2` and "
              "`verify` at TP=2, DP=2, PP=2 (2 micro-batches) and DP×TP 2×2.",
              "",
              *run_lines(data),
@@ -782,10 +857,12 @@ def render(data: dict) -> str:
                  + ", ".join(sorted({a["plan_time"]["revision"] for a in ran if "plan_time" in a})) + "): "
                  + plan_time_line([a["plan_time"] for a in ran if "plan_time" in a])]
                 if any("plan_time" in a for a in ran) else []),
-              "- families run: " + ", ".join(f"{f} {sum(a['family'] == f for a in ran)}" for f in FAMILIES),
-              "- entry styles run: " + ", ".join(f"`{s}` {sum(a['style'] == s for a in ran)}" for s in ("from", "module"))
-              + " (`from`: `from transformers import X`; `module`: `import transformers` + `transformers.X(config)`); "
-              "use_cache: " + ", ".join(f"{u} {sum(a['use_cache'] == u for a in ran)}" for u in ("default", "off", "-")),
+              "- families run: " + ", ".join(f"{f} {sum(a['family'] == f for a in ran)}"
+                                             for f in (FAMILIES if hf else dict.fromkeys(a["family"] for a in ran))),
+              *(["- entry styles run: " + ", ".join(f"`{s}` {sum(a['style'] == s for a in ran)}" for s in ("from", "module"))
+                 + " (`from`: `from transformers import X`; `module`: `import transformers` + `transformers.X(config)`); "
+                 "use_cache: " + ", ".join(f"{u} {sum(a['use_cache'] == u for a in ran)}" for u in ("default", "off", "-"))]
+                if hf else []),
               ""]
     # Per architecture.
     lines += ["## Per architecture", "",
@@ -793,9 +870,9 @@ def render(data: dict) -> str:
               "the TP=2 plan; plan s = wall seconds of `plan --tp 2` in the sweep; quiet plan s = the same, one "
               "process at a time (bench_plan_time.py), and in brackets the tool's own share (less the entry's "
               "import and build); total s = the whole architecture, checks included.", "",
-              "| architecture | family | model class | style | use_cache | params | annotated | plan s | quiet plan s "
-              "| split | TP=2 | DP=2 | PP=2 | DP×TP | total s | notes |",
-              "|---|---|---|---|---|---:|---:|---:|---:|---:|---|---|---|---|---:|---|"]
+              "| architecture | family | model class | " + ("style | use_cache | " if hf else "") + "params | annotated "
+              "| plan s | quiet plan s | split | TP=2 | DP=2 | PP=2 | DP×TP | total s | notes |",
+              "|---|---|---|" + ("---|---|" if hf else "") + "---:|---:|---:|---:|---:|---|---|---|---|---:|---|"]
     for a in ran:
         runs = by_run[a["arch"]]
         annotated = runs.get("inspect", {}).get("details", {}).get("annotated_sites")
@@ -803,13 +880,14 @@ def render(data: dict) -> str:
         plan = runs.get("plan", {})
         plan_s = f"{plan['seconds']:.1f}" if plan.get("status") == "ok" else plan.get("status", "-")
         params = a["check"].get("params")
-        cells = [a["arch"], a["family"], f"`{a['model_class']}`", a["style"], a["use_cache"],
+        cells = [a["arch"], a["family"], f"`{a['model_class']}`", *([a["style"], a["use_cache"]] if hf else []),
                  f"{params / 1e6:.2f}M" if params else "-", pct(annotated), plan_s, quiet_plan(a), pct(split)]
         cells += [runs.get(r, {}).get("status", "-") + (" (float64)" if runs.get(r, {}).get("details", {}).get("float64")
                                                         else "") for r in VERIFY_RUNS]
         cells.append(f"{a['seconds']:.0f}")
-        notes = (["entry defines loss()"] if a.get("with_loss") else []) + \
-            (["kv heads = heads (fails with 2 in plain PyTorch)"] if a["check"].get("note") else [])
+        notes = (["entry defines loss()"] if a.get("with_loss") and hf else []) + \
+            (["kv heads = heads (fails with 2 in plain PyTorch)"] if a["check"].get("note") and hf else []) + \
+            ([a["check"]["note"].replace("|", "\\|")] if a["check"].get("note") and not hf else [])
         cells.append("; ".join(notes))
         lines.append("| " + " | ".join(cells) + " |")
     # Failures grouped by cause.
@@ -848,6 +926,69 @@ def render(data: dict) -> str:
                   "(not counted in the summary):", ""]
         lines += [f"- {r['arch']} [{r['run']}] at `{r['revision']}`: {r['result']} (`{r['command']}`)"
                   for r in data["rechecks"]]
+    return "\n".join(lines) + "\n"
+
+
+LIBRARY_INTROS = {
+    "timm": "Architectures come from `timm.list_models()`, one per module (architecture family), the one whose "
+            "name says it is smallest; num_classes 10, 32×32 images, depth 2, width 64, 4 heads and no dropout "
+            "where the model class's `__init__` takes them, else its own image size (the note says which)",
+    "torchvision": "Architectures come from `torchvision.models.list_models()` per task (classification, "
+                   "segmentation, video, optical flow; detection and quantized models left out), one per builder "
+                   "module, the one with the fewest parameters; num_classes 10, 32×32 images (64 for segmentation, "
+                   "128 for optical flow), no dropout where the model class takes them",
+    "torchtitan": "Architectures come from torchtitan's model zoo (`torchtitan.models`), every `debugmodel*` flavor "
+                  "built through the model's own `model_registry`, its inner attention replaced by causal SDPA "
+                  "(FlexAttention has no backward on CPU)",
+    "litgpt": "Architectures come from `litgpt.config.configs`, round-robin over organisations, each at 2 layers, "
+              "width 64, 4 heads of 16 (kv heads: as many, 1 or 2, as the config's kind), intermediate 128, vocab "
+              "128, at most 4 experts",
+    "x-transformers": "x-transformers' decoder and encoder `TransformerWrapper`, `XTransformer` and "
+                      "`ViTransformerWrapper` at width 64, 2 layers, 4 heads",
+    "diffusers": "diffusers' `UNet2DModel`, `UNet2DConditionModel`, `DiTTransformer2DModel` and `AutoencoderKL` at "
+                 "tiny configs (2 stages of 32 and 64 channels, 8 groups)",
+    "torch.nn": "Models written in the entry around torch's own `nn.TransformerEncoder` and `nn.Transformer` "
+                "(embedding, 2 layers of width 64 and 4 heads, head)",
+}
+
+
+def title_of(library: str) -> str:
+    return f"Coverage of {library}{chr(39) if library.endswith('s') else chr(39) + 's'} architectures"
+
+
+def render_all(files: dict[str, Path]) -> str:
+    """COVERAGE.md from the results of one or more libraries: one library's report as it is;
+    several under a table across libraries, each its own section."""
+    reports = []
+    for library, path in files.items():
+        data = json.loads(path.read_text())
+        path = path.resolve()
+        data["results"] = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+        reports.append((library, data))
+    if len(reports) == 1:
+        return render(reports[0][1])
+    lines = ["# Coverage across libraries", "",
+             "Written by `benchmarks/bench_coverage.py` from each library's results file (its docstring says how "
+             "architectures are chosen and runs classified); one section per library below, each with its failures "
+             "grouped by cause. Pass rates are of the architectures that run in plain PyTorch at their config; "
+             f"split = TP=2 plans splitting ≥ {SPLIT_TARGET:.0%} of block parameters.", "",
+             "| library | tried | run | TP=2 | DP=2 | PP=2 | DP×TP | split ≥ 75% | plan s median | results |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for library, data in reports:
+        ran = [a for a in data["architectures"] if a["check"]["ok"]]
+        by_run = {a["arch"]: {r["run"]: r for r in a["records"]} for a in ran}
+        rates = []
+        for run in VERIFY_RUNS:
+            good = sum(by_run[a["arch"]].get(run, {}).get("status") == "pass" for a in ran)
+            rates.append(f"{good} ({pct(good / len(ran) if ran else None)})")
+        split = sum((split_of(by_run[a["arch"]]) or 0) >= SPLIT_TARGET for a in ran)
+        plans = [by_run[a["arch"]]["plan"]["seconds"] for a in ran if by_run[a["arch"]].get("plan", {}).get("status") == "ok"]
+        anchor = re.sub(r"[^\w\- ]", "", title_of(library).lower()).replace(" ", "-")    # GitHub's heading anchor
+        lines.append(f"| [{library}](#{anchor}) | {len(data['architectures'])} | {len(ran)} | " + " | ".join(rates)
+                     + f" | {split} | {f'{statistics.median(plans):.1f}' if plans else '-'} | `{data['results']}` |")
+    lines.append("")
+    for _, data in reports:
+        lines += ["#" + line if line.startswith("#") else line for line in render(data).splitlines()]
     return "\n".join(lines) + "\n"
 
 
@@ -946,18 +1087,25 @@ def a_family(archs: list[dict], name: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--limit", type=int, default=64, help="stop after N architectures that run in plain PyTorch "
-                   "(0: all)")
-    p.add_argument("--only", help="comma-separated model types (transformers' names: llama,bert,t5,vit)")
-    p.add_argument("--family", help=f"comma-separated families: {', '.join(FAMILIES)}")
+    p.add_argument("--library", default="transformers", help=f"comma-separated libraries: {', '.join(LIBRARIES)} "
+                   "(or all); each is swept in turn into its own results file")
+    p.add_argument("--limit", type=int, default=64, help="stop after N architectures that run in plain PyTorch, "
+                   "per library (0: all)")
+    p.add_argument("--only", help="comma-separated architecture names (transformers' model types: llama,bert,t5,vit; "
+                   "another library's names as --list prints them)")
+    p.add_argument("--family", help=f"comma-separated families (transformers: {', '.join(FAMILIES)}; another "
+                   "library's as --list prints them)")
     p.add_argument("--jobs", type=int, default=1, help="architectures run in parallel")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per tool run")
     p.add_argument("--check-timeout", type=float, default=180.0, help="seconds for the plain PyTorch check")
     p.add_argument("--work", help="work folder for entries and outputs (default: a new temporary folder, kept)")
-    p.add_argument("--results", default=str(ROOT / "benchmarks" / "coverage_results.json"),
-                   help="JSON results, one record per architecture x run (written after each architecture)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "COVERAGE.md"), help="the markdown report")
-    p.add_argument("--render", metavar="RESULTS_JSON", help="only re-render --out from a results file")
+    p.add_argument("--results", help="JSON results, one record per architecture x run (written after each "
+                   "architecture); default benchmarks/coverage_results.json for transformers, "
+                   "benchmarks/coverage_results_<library>.json for another library")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="the markdown report (the default one holds every "
+                   "library with a results file in benchmarks/)")
+    p.add_argument("--render", nargs="*", metavar="RESULTS_JSON", help="only re-render --out (from these results "
+                   "files, or from every library's default one)")
     p.add_argument("--merge", nargs="+", metavar="RESULTS_JSON", help="merge these sweeps' results into --results "
                    "(later files replace an architecture's records), then render --out")
     p.add_argument("--reclassify", action="store_true", help="with --render: classify the runs again from "
@@ -971,12 +1119,17 @@ def main() -> None:
     if args.check_entry:
         print(json.dumps(check_entry(Path(args.check_entry))))
         return
+    args.libraries = list(LIBRARIES) if args.library == "all" else args.library.split(",")
+    unknown = [lib for lib in args.libraries if lib not in LIBRARIES]
+    if unknown:
+        raise SystemExit(f"unknown library {', '.join(unknown)}; libraries: {', '.join(LIBRARIES)}")
+    if args.results and len(args.libraries) > 1 and not args.render:
+        raise SystemExit("--results names one library's file: give one --library with it")
     if args.dry_run:
         # a dry run writes entries to look at; it must not replace the recorded results
         args.work = args.work or tempfile.mkdtemp(prefix="nnscaler-coverage-")
-        for name, default in (("results", "coverage_results.json"), ("out", "COVERAGE.md")):
-            if getattr(args, name) == str(ROOT / "benchmarks" / default):
-                setattr(args, name, str(Path(args.work) / default))
+        if args.out == str(DEFAULT_OUT):
+            args.out = str(Path(args.work) / "COVERAGE.md")
     if args.entry:
         entry = Path(args.entry).resolve()
         work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="nnscaler-coverage-"))
@@ -986,20 +1139,30 @@ def main() -> None:
             if record["details"]:
                 print(f"{'':26s}{json.dumps(record['details'])}")
         return
+    written: dict[str, Path] = {}        # library -> the results file this command wrote or read
     if args.merge:
-        data = merge(json.loads(Path(args.results).read_text()), [json.loads(Path(f).read_text()) for f in args.merge])
-        Path(args.results).write_text(json.dumps(data, indent=1))
-        args.render = args.results
-    elif args.render:
-        data = json.loads(Path(args.render).read_text())
-        if args.reclassify:
-            reclassify(data)
-            Path(args.render).write_text(json.dumps(data, indent=1))
+        target = results_path(args, args.libraries[0])
+        data = merge(json.loads(target.read_text()), [json.loads(Path(f).read_text()) for f in args.merge])
+        target.write_text(json.dumps(data, indent=1))
+        written[data.get("library", "transformers")] = target
+    elif args.render is not None:
+        for name in args.render:
+            data = json.loads(Path(name).read_text())
+            if args.reclassify:
+                reclassify(data)
+                Path(name).write_text(json.dumps(data, indent=1))
+            written[data.get("library", "transformers")] = Path(name)
     else:
-        data = sweep(args)
-    results = Path(args.render or args.results).resolve()
-    data["results"] = str(results.relative_to(ROOT)) if results.is_relative_to(ROOT) else str(results)
-    Path(args.out).write_text(render(data))
+        for library in args.libraries:
+            if sweep(args, library):
+                written[library] = results_path(args, library)
+        if args.list:
+            return
+    if args.out == str(DEFAULT_OUT) or args.render == []:    # every library that has results
+        defaults = {lib: ROOT / "benchmarks" / results_name(lib) for lib in LIBRARIES}
+        written = {lib: written.get(lib, path) for lib, path in defaults.items()
+                   if lib in written or path.is_file()}
+    Path(args.out).write_text(render_all(written))
     print(f"wrote {args.out}")
 
 

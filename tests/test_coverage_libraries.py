@@ -1,0 +1,56 @@
+"""The coverage benchmark's enumerators of other libraries (benchmarks/coverage_libraries.py), on
+what needs no library beyond torch: the entries they write run, the order spreads over families,
+and tiny settings go only to the arguments a class takes."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+libraries = load(BENCHMARKS / "coverage_libraries.py", "coverage_libraries_under_test")
+
+
+def test_torch_nn_entries_build_run_and_train(tmp_path):
+    archs = libraries.torch_nn_archs()
+    assert [a.model_class for a in archs] == ["nn.TransformerEncoder", "nn.Transformer"]
+    for arch in archs:
+        [(note, text)] = arch.variants()
+        path = tmp_path / f"{arch.name}.py"
+        path.write_text(text)
+        entry = load(path, f"entry_{arch.name}")
+        model = entry.build()
+        output = model(*entry.example_inputs())
+        assert output.shape == (libraries.BATCH, libraries.SEQ, libraries.VOCAB)
+        value = entry.loss(output)
+        value.backward()
+        assert value.dim() == 0 and torch.isfinite(value)
+        assert all(p.grad is not None for p in model.parameters())
+
+
+def test_round_robin_takes_one_from_each_family_before_a_second():
+    ordered = libraries.round_robin({"a": ["a1", "a2", "a3"], "b": ["b1"], "c": ["c1", "c2"]}, "lib")
+    assert sorted(ordered) == ["a1", "a2", "a3", "b1", "c1", "c2"]
+    assert {x[0] for x in ordered[:3]} == {"a", "b", "c"}
+    assert {x[0] for x in ordered[3:5]} == {"a", "c"}
+    assert ordered == libraries.round_robin({"c": ["c1", "c2"], "a": ["a1", "a2", "a3"], "b": ["b1"]}, "lib")
+
+
+def test_tiny_settings_go_only_to_scalar_arguments_the_class_takes():
+    class Model:
+        def __init__(self, num_classes=1000, depth=12, depths=(2, 2, 6, 2), embed_dim=768, **kwargs):
+            pass
+
+    assert libraries.tiny_kwargs(Model, libraries.IMAGE_TINY) == {"num_classes": 10, "depth": 2, "embed_dim": 64}
