@@ -18,8 +18,10 @@ registries, and at which tiny settings: coverage_libraries.py. Installing them (
 the project's test install; the packages that depend on torch go in with --no-deps, so that pip
 never replaces the CPU torch with a CUDA one, and the extra `bench` brings what they import):
 
-    pip install -e ".[bench]" && pip install --no-deps timm torchvision x-transformers \
-        torch-einops-utils torchtitan torch-checkpointing litgpt lightning torchmetrics
+    pip install -e ".[bench]" && pip install --no-deps timm x-transformers \
+        torch-einops-utils torchtitan torch-checkpointing litgpt lightning torchmetrics && \
+        pip install --no-deps --target /opt/bench-torchvision torchvision
+    PYTHONPATH=/opt/bench-torchvision python benchmarks/bench_coverage.py --library all ...
 
 On a CPU machine whose torchvision wheel is a CUDA build (its _C extension does not load, and
 `import torchvision`, reached also through timm, lightning and diffusers, fails on
