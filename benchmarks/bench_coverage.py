@@ -18,10 +18,14 @@ registries, and at which tiny settings: coverage_libraries.py. Installing them (
 the project's test install; the packages that depend on torch go in with --no-deps, so that pip
 never replaces the CPU torch with a CUDA one, and the extra `bench` brings what they import):
 
-    pip install -e ".[bench]" && pip install --no-deps timm x-transformers \
-        torch-einops-utils torchtitan torch-checkpointing litgpt lightning torchmetrics && \
+    pip install -e ".[bench]" && pip install --no-deps timm x-transformers torch-einops-utils \
+        torchtitan torch-checkpointing litgpt lightning torchmetrics && \
         pip install --no-deps --target /opt/bench-torchvision torchvision
-    PYTHONPATH=/opt/bench-torchvision python benchmarks/bench_coverage.py --library all ...
+
+torchvision goes into a folder of its own, never site-packages: where its wheel cannot load
+(below), an installed torchvision breaks `from transformers import ...` for every user of the
+environment. The bench puts that folder ($BENCH_TORCHVISION, default /opt/bench-torchvision)
+on the path of timm's and torchvision's sweeps only.
 
 On a CPU machine whose torchvision wheel is a CUDA build (its _C extension does not load, and
 `import torchvision`, reached also through timm, lightning and diffusers, fails on
@@ -688,9 +692,9 @@ def sweep(args, library: str = "transformers") -> dict:
     if library == "transformers":
         archs, left_out = enumerate_archs()
     else:
-        archs, left_out, site = library_archs(library, work)
-        if site:        # the torchvision workaround, for every process started from here on
-            PYTHONPATH_FIRST[:] = [str(site)]
+        archs, left_out, first = library_archs(library, work)
+        # the torchvision workaround and folder, for every process started from here on
+        PYTHONPATH_FIRST[:] = [str(folder) for folder in first]
     if args.family:
         families = set(args.family.split(","))
         known_families = FAMILIES if library == "transformers" else sorted({a.family for a in archs})

@@ -29,7 +29,9 @@ import dataclasses
 import importlib
 import importlib.util
 import inspect
+import os
 import random
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -513,11 +515,23 @@ IMPORT_TORCHVISION = ("timm", "torchvision", "litgpt", "diffusers")   # import i
                                                                      # transformers' image utilities) when installed
 
 
-def library_archs(library: str, work: Path) -> tuple[list[LibraryArch], list[dict], Path | None]:
+# torchvision lives outside site-packages here (an installed but unloadable torchvision breaks
+# `from transformers import ...` for everyone): `pip install --no-deps --target DIR torchvision`,
+# DIR from $BENCH_TORCHVISION, else /opt/bench-torchvision. Only the libraries that need it get
+# DIR on their path.
+TORCHVISION_TARGET = Path(os.environ.get("BENCH_TORCHVISION", "/opt/bench-torchvision"))
+NEED_TORCHVISION = ("timm", "torchvision")
+
+
+def library_archs(library: str, work: Path) -> tuple[list[LibraryArch], list[dict], list[Path]]:
     """The candidates of one library (not transformers), in sweep order, those left out, and
-    the folder to put first on the PYTHONPATH of the processes the bench starts (None: none)."""
+    the folders to put first on the PYTHONPATH of the processes the bench starts."""
+    first = []
+    if library in NEED_TORCHVISION and TORCHVISION_TARGET.is_dir():
+        sys.path.insert(0, str(TORCHVISION_TARGET))
+        first.append(TORCHVISION_TARGET)
     site = shim_site(work) if library in IMPORT_TORCHVISION else None
-    return ENUMERATORS[library](), [], site
+    return ENUMERATORS[library](), [], ([site] if site else []) + first
 
 
 def library_version(library: str) -> str:
