@@ -17,7 +17,7 @@ from .analysis import Analysis
 from .emit import templates
 from .emit.assemble import (add_comm_import, built_by_code_kept, content_hash, merge_entry, merge_entry_mirrored,
                             model_files, module_name_of, with_header)
-from .emit.mirrors import library_decorated, plan_mirrors, render_mirror
+from .emit.mirrors import library_decorated, plan_mirrors, render_mirror, statement_lines
 from .emit.output import generated_json
 from .emit.programs import programs
 from .emit.rewrite import StageSplit, rewrite_module
@@ -391,7 +391,7 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
             imported = []
             if name is not None:
                 module, imported = library_decorated(source.module, module, name)
-            kept = {resolved(str(source.path)): [_lines(source, stmt) for index, stmt in enumerate(source.module.body)
+            kept = {resolved(str(source.path)): [statement_lines(source, stmt) for index, stmt in enumerate(source.module.body)
                                                  if index not in imported]}
             entry_module, entry_ctx = rewritten(entry_path)
             ctx.used |= entry_ctx.used
@@ -484,7 +484,7 @@ def _mirrored(analysis: Analysis, entry_module: cst.Module,
         library = sys.modules[mirror.module_name]
         for index in mirror.members:
             stmt = mirror.source.module.body[index]
-            kept_lines.setdefault(path, []).append(_lines(mirror.source, stmt))
+            kept_lines.setdefault(path, []).append(statement_lines(mirror.source, stmt))
             if isinstance(stmt, (cst.ClassDef, cst.FunctionDef)) and stmt.name.value not in defined:
                 obj = getattr(library, stmt.name.value, None)
                 if obj is not None:
@@ -498,12 +498,6 @@ def _mirrored(analysis: Analysis, entry_module: cst.Module,
     program = merge_entry_mirrored(entry_module, analysis.entry.path, analysis.entry, defined,
                                    built_by_code_kept(kept_lines, set(sources)))
     return program, files, bases
-
-
-def _lines(source, stmt: cst.CSTNode) -> tuple[int, int]:
-    """The first and last line of a statement of a source file."""
-    where = source.positions[stmt]
-    return where.start.line, where.end.line
 
 
 def _micro_batches(request: PlanRequest) -> int:

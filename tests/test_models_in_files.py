@@ -46,12 +46,19 @@ PACKAGE = {
 
         def create(name, **kwargs):
             return _BUILDERS[name](**kwargs)
+
+
+        def traceable(cls):
+            return cls
     """,
     "attention.py": """
         import torch.nn as nn
         import torch.nn.functional as F
 
+        from .registry import traceable
 
+
+        @traceable
         class Attention(nn.Module):
             def __init__(self, dim, heads):
                 super().__init__()
@@ -177,7 +184,7 @@ def test_tensor_parallel_writes_a_mirror_per_changed_file(project):
     attention = (out / "tinypkg/attention.py").read_text()
     assert "self.qkv = nn.Linear(dim, 3 * dim // 2)" in attention
     assert "unused_helper" not in attention                       # unchanged: the installed one serves
-    assert "from tinypkg.attention import F, nn" in attention
+    assert "from tinypkg.attention import F, nn, traceable" in attention   # its class decorator too
     blocks = (out / "tinypkg/blocks.py").read_text()
     assert "from .attention import Attention" in blocks          # the default argument names the mirror's
     model = (out / "tinypkg/model.py").read_text()

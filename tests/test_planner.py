@@ -1018,3 +1018,49 @@ def test_a_constraint_pinning_a_block_layer_another_way_wins_over_the_megatron_l
     assert tp_plan.param_layout["h.0.mlp.fc_1.weight"].dim == 1          # by its input: rows
     assert any(re.match(r".*megatron\.toml:\d+:\d+: warning: split-blocks-by-heads-and-hidden: no plan splits every "
                         r"block by heads and hidden together with the other constraints", w) for w in plan.warnings)
+
+
+# One call line builds convs with and without a bias (timm's ConvLayer through a helper): the
+# site's first instance has no bias operand, a later one has.
+CONVS_WITH_AND_WITHOUT_BIAS = '''
+import torch
+import torch.nn as nn
+
+
+def conv(c_in, c_out, bias):
+    return nn.Conv2d(c_in, c_out, 3, padding=1, bias=bias)
+
+
+class Layer(nn.Module):
+    def __init__(self, c_in, c_out, bias):
+        super().__init__()
+        self.conv = conv(c_in, c_out, bias)
+
+    def forward(self, x):
+        return torch.relu(self.conv(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(Layer(4, 8, False), Layer(8, 8, True), Layer(8, 4, True))
+
+    def forward(self, x):
+        return self.layers(x).pow(2).mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0)),)
+'''
+
+
+def test_a_call_line_building_layers_with_and_without_a_bias_plans(tmp_path):
+    """The planner read the first instance's operands for every instance (KeyError: 'self.bias')."""
+    path = tmp_path / "convs.py"
+    path.write_text(CONVS_WITH_AND_WITHOUT_BIAS.lstrip())
+    plan = search_axis(analyze(path).graph, "tp", 2, load_table("megatron").for_axis("tp"))
+    assert plan.param_layout

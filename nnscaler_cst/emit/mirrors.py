@@ -101,14 +101,24 @@ def _statement_name(stmt: cst.CSTNode) -> list[str]:
     return []
 
 
+def statement_lines(source: SourceFile, stmt: cst.CSTNode) -> tuple[int, int]:
+    """The first and last line of a top-level statement, its decorators included (LibCST's
+    position of a def starts at `def`)."""
+    where = source.positions[stmt]
+    decorators = getattr(stmt, "decorators", ())
+    first = source.positions[decorators[0]].start.line if decorators else where.start.line
+    return first, where.end.line
+
+
 def _global_reads(source: SourceFile) -> dict[int, set[str]]:
     """Per top-level statement (by index), the module-level or builtin names its code reads."""
     scopes = source.wrapper.resolve(ScopeProvider)
     positions = source.positions
     ranges = []
     for index, stmt in enumerate(source.module.body):
+        first, _ = statement_lines(source, stmt)
         where = positions[stmt]
-        ranges.append(((where.start.line, where.start.column), (where.end.line, where.end.column), index))
+        ranges.append(((first, 0), (where.end.line, where.end.column), index))
     reads: dict[int, set[str]] = {index: set() for index in range(len(source.module.body))}
     seen = set()
     for scope in set(scopes.values()):
@@ -188,7 +198,6 @@ def plan_mirrors(rewritten: dict[str, tuple[SourceFile, cst.Module]], model_clas
     model_keys = {_definition_key(cls) for cls in model_classes}
     for path, mirror in mirrors.items():
         source, namespace = mirror.source, vars(library[path])
-        positions = source.positions
         file_reads = _global_reads(source)
         for index, (old, new) in enumerate(zip(source.module.body, mirror.rewritten.body)):
             names = _statement_name(old)
@@ -199,8 +208,8 @@ def plan_mirrors(rewritten: dict[str, tuple[SourceFile, cst.Module]], model_clas
             key = (path, index)
             if not old.deep_equals(new):
                 changed.add(key)
-            where = positions[old]
-            ran = any(where.start.line <= line <= where.end.line for line in traced_lines.get(path, ()))
+            first, last = statement_lines(source, old)
+            ran = any(first <= line <= last for line in traced_lines.get(path, ()))
             if isinstance(old, cst.ClassDef) and (path, names[0]) in model_keys or ran and not _decorated_function(old) \
                     or not isinstance(old, _DEFS):
                 candidate.add(key)

@@ -805,6 +805,11 @@ def _param_operands(graph: Graph, index: int) -> list[tuple[str, int]]:
     return cache[index]
 
 
+def _layout_inputs(graph: Graph, index: int) -> set[str]:
+    dims = graph.dims.get(index)
+    return set(dims.inputs) if dims is not None else set()
+
+
 def _param_uses(graph: Graph, options) -> dict[str, list[tuple[SiteId, list[Layout]]]]:
     """Per parameter, the sites using it and the layout each of their options gives it."""
     cache = _search_cache(graph)
@@ -817,13 +822,15 @@ def _param_uses(graph: Graph, options) -> dict[str, list[tuple[SiteId, list[Layo
                     param = graph.trace.tensors[tid].param
                     if sid not in seen[param]:
                         seen[param].append(sid)
-                        order.append((sid, name, param))
+                        order.append((sid, name, param, node))
         cache["param_sites"] = order
     uses: dict[str, list[tuple[SiteId, list[Layout]]]] = defaultdict(list)
     known = cache.setdefault("param_layouts", {})     # (node, operand, its options' labels) -> layouts
-    for sid, name, param in cache["param_sites"]:
+    for sid, name, param, node in cache["param_sites"]:
         opts = options[sid]
-        i = opts.nodes[0]   # option k gives the same layouts in every instance of a site
+        # option k gives the same layouts in every instance of a site that has the operand; the
+        # first instance may lack it (one call line building convs with and without a bias)
+        i = opts.nodes[0] if name in _layout_inputs(graph, opts.nodes[0]) else node
         key = (i, name, tuple(opts.labels[i]))
         layouts = known.get(key)
         if layouts is None:
