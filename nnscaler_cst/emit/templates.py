@@ -633,7 +633,7 @@ def forward_backward(model, batch):
 def full_loss(loss):
     \"\"\"The full batch's loss from this rank's share: the pipeline's last stage holds it, and the
     data-parallel shares combine as the loss combines its samples (AVERAGE_SHARES).\"\"\"
-    full = loss.detach().float().clone()
+    full = loss.detach().to(torch.promote_types(loss.dtype, torch.float32)).clone()  # float64 stays float64
     if _comm.PP.size > 1:
         dist.all_reduce(full, group=_comm.PP.group)
     if _comm.DP.size > 1:
