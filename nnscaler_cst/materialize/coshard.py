@@ -137,26 +137,19 @@ def _inputs(graph: Graph, source: SourceFile, lay, inside: set[int], n: int, chu
     """Split tensors the region reads from before it, each by the name it is read through."""
     tensors = graph.trace.tensors
     found: dict[str, int] = {}
-    for index in sorted(inside):
-        node = graph.nodes[index]
-        for operand in node.operands:
-            if operand.tid is None or tensors[operand.tid].producer in inside:
-                continue
-            layout = lay(node).inputs.get(operand.name)
-            if layout is None or layout.kind == "R":
-                continue                     # whole on every piece: read from the enclosing scope
-            expr = _operand_expr(graph.source_node(node), operand.path)
-            if not isinstance(expr, cst.Name):
-                shown = cst.Module([]).code_for_node(expr) if expr is not None else "an expression"
-                raise UserError(f"the co-shard region reads a split tensor through `{shown}`; assign it to a "
-                                "name before the region", node.span.start if node.span else where)
-            if found.setdefault(expr.value, layout.dim) != layout.dim:
-                raise UserError(f"`{expr.value}` is read split along two dims in the co-shard region", where)
-            local = tensors[operand.tid].shape[layout.dim] // n
-            if local % chunks:
-                raise UserError(f"cannot co-shard into {n}x{chunks} pieces: `{expr.value}` has {local} along dim "
-                                f"{layout.dim} on each device", where,
-                                hint="choose a number of pieces per device that divides it")
+    for node, operand, layout in _split_reads(graph, lay, inside):
+        expr = _operand_expr(graph.source_node(node), operand.path)
+        if not isinstance(expr, cst.Name):
+            shown = cst.Module([]).code_for_node(expr) if expr is not None else "an expression"
+            raise UserError(f"the co-shard region reads a split tensor through `{shown}`; assign it to a "
+                            "name before the region", node.span.start if node.span else where)
+        if found.setdefault(expr.value, layout.dim) != layout.dim:
+            raise UserError(f"`{expr.value}` is read split along two dims in the co-shard region", where)
+        local = tensors[operand.tid].shape[layout.dim] // n
+        if local % chunks:
+            raise UserError(f"cannot co-shard into {n}x{chunks} pieces: `{expr.value}` has {local} along dim "
+                            f"{layout.dim} on each device", where,
+                            hint="choose a number of pieces per device that divides it")
     return tuple(found.items())
 
 
@@ -164,15 +157,25 @@ def _undivided(graph: Graph, lay, inside: set[int], n: int, chunks: int) -> tupl
     """The first split tensor the nodes `inside` read from outside them whose size on each of the
     `n` devices, along its split dim, the `chunks` pieces do not divide: (reader, size, dim)."""
     tensors = graph.trace.tensors
+    for node, operand, layout in _split_reads(graph, lay, inside):
+        local = tensors[operand.tid].shape[layout.dim] // n
+        if local % chunks:
+            return node, local, layout.dim
+    return None
+
+
+def _split_reads(graph: Graph, lay, inside: set[int]):
+    """(reader, operand, its layout) of each split tensor the nodes `inside` read from outside
+    them; tensors whole on every piece are read from the enclosing scope and left out."""
+    tensors = graph.trace.tensors
     for index in sorted(inside):
         node = graph.nodes[index]
         for operand in node.operands:
             if operand.tid is None or tensors[operand.tid].producer in inside:
                 continue
             layout = lay(node).inputs.get(operand.name)
-            if layout is not None and layout.kind != "R" and (tensors[operand.tid].shape[layout.dim] // n) % chunks:
-                return node, tensors[operand.tid].shape[layout.dim] // n, layout.dim
-    return None
+            if layout is not None and layout.kind != "R":
+                yield node, operand, layout
 
 
 def _operand_expr(call, path):
