@@ -15,8 +15,11 @@ so the repeated blocks of a deep model probe once.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import itertools
+import math
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -156,6 +159,76 @@ def too_large_to_probe(trace: Trace, tids) -> bool:
                                                  else MAX_PROBE_PARAM_ELEMENTS) for t in tids)
 
 
+class AtSmallShape:
+    """The trace as one call reads it at a small shape of itself: the call's tensors with their
+    large dims divided by one factor (same ranks, dtypes, and ratios between sizes), its integer
+    arguments that named such a size divided alike. A split label is a fact about which operand
+    dims the call keeps apart, found by slicing them in two: the same at any size of the call."""
+
+    def __init__(self, trace: Trace, replay: Replay, shapes: dict[int, tuple[int, ...]]):
+        self.traced, self.ops = trace, trace.ops
+        self.tensors = collections.ChainMap(
+            {tid: dataclasses.replace(trace.tensors[tid], shape=shape, stride=None) for tid, shape in shapes.items()},
+            trace.tensors)
+        self.replay = replay
+
+
+# A large dim is divided down to this many or more (a fused q|k|v dim stays 3 blocks of an even size).
+SMALL_PROBE_SIZE = 4
+
+
+def at_small_shape(trace: Trace, replay: Replay, tids: list[int], size_attributes=None) -> AtSmallShape | None:
+    """A small shape of this call small enough to probe, where it runs (on fake tensors) with
+    results of the traced ranks and dtypes; None when none is found. Sizes only the activations
+    have (batch, sequence, heads) are divided first; a layer's weights only when that is not enough."""
+    shapes = {tid: trace.tensors[tid].shape for tid in tids}
+    in_weights = {s for tid in tids if trace.tensors[tid].param is not None for s in shapes[tid]}
+    large = sorted({s for shape in shapes.values() for s in shape if s >= 2 * SMALL_PROBE_SIZE and s % 2 == 0})
+    traced_results = [(tuple(trace.tensors[t].shape), trace.tensors[t].dtype) for t in replay.outputs]
+    for chosen in ([s for s in large if s not in in_weights], large):
+        factor = _common_factor(chosen)
+        if factor == 1:
+            continue
+        small = {tid: tuple(s // factor if s in chosen else s for s in shape) for tid, shape in shapes.items()}
+        if any(_numel(shape) > (MAX_PROBE_ELEMENTS if trace.tensors[tid].param is None else MAX_PROBE_PARAM_ELEMENTS)
+               for tid, shape in small.items()):
+            continue
+        renamed = {s: s // factor for s in chosen}
+        for call_replay in (replay, _with_sizes(replay, renamed)):
+            view = AtSmallShape(trace, call_replay, small)
+            results = _Caller(view, call_replay, tids, size_attributes=size_attributes).fake_results()
+            if not isinstance(results, str) and len(results) == len(traced_results) and all(
+                    len(shape) == len(want) and str(dtype) == want_dtype and all(
+                        n == w or n == renamed.get(w) or (0 < n < w) for n, w in zip(shape, want))
+                    for (shape, dtype), (want, want_dtype) in zip(results, traced_results)):
+                return view
+    return None
+
+
+def _common_factor(sizes: list[int]) -> int:
+    """The largest factor dividing every size to an even quotient of at least SMALL_PROBE_SIZE."""
+    if not sizes:
+        return 1
+    g = math.gcd(*sizes) // 2          # a factor of it leaves every quotient even
+    divisors = {k for d in range(1, math.isqrt(g) + 1) if g % d == 0 for k in (d, g // d)}
+    smallest = min(sizes)
+    return max((d for d in divisors if smallest // d >= SMALL_PROBE_SIZE), default=1)
+
+
+def _with_sizes(replay: Replay, renamed: dict[int, int]) -> Replay:
+    """The replay with integer arguments that equal a divided size divided alike
+    (`self._shape(tensor, seq_len, bsz)`)."""
+    def walk(value):
+        if type(value) is int and value in renamed:
+            return renamed[value]
+        if type(value) in (tuple, list):
+            return type(value)(walk(v) for v in value)
+        if type(value) is dict:
+            return {k: walk(v) for k, v in value.items()}
+        return value
+    return dataclasses.replace(replay, args=walk(replay.args), kwargs=walk(replay.kwargs))
+
+
 def _numel(shape) -> int:
     n = 1
     for s in shape:
@@ -234,7 +307,9 @@ class _Caller:
             if module is None:
                 return self.replay.fn(*args, **kwargs)
             state = {name: tensors[tid] for name, tid in self.replay.state.items()}
-            with _local_sizes(module, self.size_attributes, state, self.trace, self.replay.state):
+            # the layer's attributes hold the traced sizes, also while it runs at a small shape
+            traced = self.trace.traced if isinstance(self.trace, AtSmallShape) else self.trace
+            with _local_sizes(module, self.size_attributes, state, traced, self.replay.state):
                 return torch.func.functional_call(module, state, args, kwargs, strict=False)
 
     def _check_shapes(self, tensors: dict[int, torch.Tensor]) -> None:
@@ -251,21 +326,28 @@ class _Caller:
             raise _CannotReplay(f"the sliced shapes do not fit together ({problem})")
 
     def _fake_run(self, tensors: dict[int, torch.Tensor]) -> str | None:
-        """The failure of the call on fake tensors of these shapes; None when it runs. Attributes
-        the call sets on its module (a cache) are put back: they would hold fake tensors."""
+        """The failure of the call on fake tensors of these shapes; None when it runs."""
+        found = self.fake_results(tensors)
+        return found if isinstance(found, str) else None
+
+    def fake_results(self, tensors: dict[int, torch.Tensor] | None = None) -> list[tuple[torch.Size, torch.dtype]] | str:
+        """(shape, dtype) of each tensor result of the call on fake tensors of these shapes (the
+        base values' by default), or why it failed. Attributes the call sets on its module (a
+        cache) are put back: they would hold fake tensors."""
         modules = list(self.replay.module.modules()) if self.replay.module is not None else []
         saved = [dict(vars(m)) for m in modules]
         try:
             with quiet_fake_mode():
                 # made in the mode, not converted (FakeTensorMode.from_tensor imports the compiler)
-                self._run({tid: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for tid, t in tensors.items()})
+                result = self._run({tid: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+                                    for tid, t in (self.base if tensors is None else tensors).items()})
+                return [(t.shape, t.dtype) for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}".split("\n")[0]
         finally:
             for module, attributes in zip(modules, saved):
                 vars(module).clear()
                 vars(module).update(attributes)
-        return None
 
 
 @contextlib.contextmanager
@@ -336,7 +418,11 @@ def _probe(node: Node, trace: Trace, replay: Replay, size_attributes=None) -> _P
                        if not replay.outputs else {})
     tids = sorted({*_refs(replay.args), *_refs(replay.kwargs), *replay.state.values()})
     if too_large_to_probe(trace, tids):
-        return unprobed if shape_only else "no rule, and its tensors are too large to probe"
+        small = at_small_shape(trace, replay, tids, size_attributes)
+        if small is None:
+            return unprobed if shape_only else "no rule, and its tensors are too large to probe, also at a small shape"
+        # the same call with its dims shrunk: what it finds there (by operand, dim and result) holds here
+        trace, replay = small, small.replay
     call = _Caller(trace, replay, tids, size_attributes=size_attributes)
     try:
         whole = call()
@@ -547,7 +633,8 @@ def _to_dims(probed: _Probed, node: Node, trace: Trace, replay: Replay) -> OpDim
         return out
 
     inputs = {}
-    for tid, names in _operand_names(node).items():
+    operand_names = _operand_names(node)
+    for tid, names in operand_names.items():
         shape = trace.tensors[tid].shape
         for name in names:
             if name not in probed.shape_only:
@@ -555,8 +642,26 @@ def _to_dims(probed: _Probed, node: Node, trace: Trace, replay: Replay) -> OpDim
     outputs = []
     for tid in node.outputs:
         if tid not in replay.outputs:
-            return None
+            operand = _handed_back(tid, node, trace, operand_names)
+            if operand is None:
+                return None
+            name = operand_names[operand][0]
+            outputs.append(TensorDims(tid, dims_of(trace.tensors[tid].shape, lambda d: at.get((name, d)))))
+            continue
         position = replay.outputs.index(tid)
         outputs.append(TensorDims(tid, dims_of(trace.tensors[tid].shape, lambda d: out_at.get((position, d)))))
     return OpDims(inputs, outputs, reduced=reduced, shape_only=set(probed.shape_only),
                   free={name: set(dims) for name, dims in probed.free.items()})
+
+
+def _handed_back(tid: int, node: Node, trace: Trace, operand_names: dict[int, list[str]]) -> int | None:
+    """The operand a result of the call that it does not return is: ops inside handed that
+    operand back unmodified (`position_bias.contiguous()` of a contiguous tensor, which the next
+    layer reads), so the result is split as the operand is. None for any other result."""
+    produced_by = {out: trace.ops[i] for i in node.ops for out in trace.ops[i].outputs}
+    while tid not in operand_names:
+        op = produced_by.get(tid)
+        if op is None or not op.returns_input or len(op.inputs) != 1:
+            return None
+        tid = op.inputs[0]
+    return tid
