@@ -173,36 +173,55 @@ class AtSmallShape:
         self.replay = replay
 
 
-# A large dim is divided down to this many or more (a fused q|k|v dim stays 3 blocks of an even size).
+# A large dim is divided down to this many or more (a fused q|k|v dim stays 3 blocks of an even size);
+# the largest sizes are divided until every tensor of the call is this small.
 SMALL_PROBE_SIZE = 4
+SMALL_PROBE_ELEMENTS = 1 << 16
 
 
 def at_small_shape(trace: Trace, replay: Replay, tids: list[int], size_attributes=None) -> AtSmallShape | None:
     """A small shape of this call small enough to probe, where it runs (on fake tensors) with
     results of the traced ranks and dtypes; None when none is found. Sizes only the activations
-    have (batch, sequence, heads) are divided first; a layer's weights only when that is not enough."""
+    have (batch, sequence, heads) are divided first, the largest first; a layer's weights only
+    when that is not enough."""
     shapes = {tid: trace.tensors[tid].shape for tid in tids}
     in_weights = {s for tid in tids if trace.tensors[tid].param is not None for s in shapes[tid]}
-    large = sorted({s for shape in shapes.values() for s in shape if s >= 2 * SMALL_PROBE_SIZE and s % 2 == 0})
+    large = sorted({s for shape in shapes.values() for s in shape if s >= 2 * SMALL_PROBE_SIZE and s % 2 == 0},
+                   reverse=True)
     traced_results = [(tuple(trace.tensors[t].shape), trace.tensors[t].dtype) for t in replay.outputs]
-    for chosen in ([s for s in large if s not in in_weights], large):
+    for divisible in ([s for s in large if s not in in_weights], large):
+        for shapes_small, renamed in _divided(shapes, divisible, trace):
+            for call_replay in (replay, _with_sizes(replay, renamed)):
+                view = AtSmallShape(trace, call_replay, shapes_small)
+                results = _Caller(view, call_replay, tids, size_attributes=size_attributes).fake_results()
+                if not isinstance(results, str) and len(results) == len(traced_results) and all(
+                        len(shape) == len(want) and str(dtype) == want_dtype and all(
+                            n == w or n == renamed.get(w) or (0 < n < w) for n, w in zip(shape, want))
+                        for (shape, dtype), (want, want_dtype) in zip(results, traced_results)):
+                    return view
+    return None
+
+
+def _divided(shapes: dict[int, tuple[int, ...]], divisible: list[int], trace: Trace):
+    """(shapes, {size: divided size}) with the fewest of the largest sizes divided (by one
+    factor) that brings every tensor to SMALL_PROBE_ELEMENTS; failing that, the smallest
+    shapes within the probe's limits."""
+    fallback = None
+    for k in range(1, len(divisible) + 1):
+        chosen = divisible[:k]
         factor = _common_factor(chosen)
         if factor == 1:
             continue
         small = {tid: tuple(s // factor if s in chosen else s for s in shape) for tid, shape in shapes.items()}
-        if any(_numel(shape) > (MAX_PROBE_ELEMENTS if trace.tensors[tid].param is None else MAX_PROBE_PARAM_ELEMENTS)
-               for tid, shape in small.items()):
-            continue
         renamed = {s: s // factor for s in chosen}
-        for call_replay in (replay, _with_sizes(replay, renamed)):
-            view = AtSmallShape(trace, call_replay, small)
-            results = _Caller(view, call_replay, tids, size_attributes=size_attributes).fake_results()
-            if not isinstance(results, str) and len(results) == len(traced_results) and all(
-                    len(shape) == len(want) and str(dtype) == want_dtype and all(
-                        n == w or n == renamed.get(w) or (0 < n < w) for n, w in zip(shape, want))
-                    for (shape, dtype), (want, want_dtype) in zip(results, traced_results)):
-                return view
-    return None
+        if all(_numel(shape) <= SMALL_PROBE_ELEMENTS for shape in small.values()):
+            yield small, renamed
+            return
+        if not any(_numel(shape) > (MAX_PROBE_ELEMENTS if trace.tensors[tid].param is None else MAX_PROBE_PARAM_ELEMENTS)
+                   for tid, shape in small.items()):
+            fallback = small, renamed
+    if fallback is not None:
+        yield fallback
 
 
 def _common_factor(sizes: list[int]) -> int:
