@@ -44,14 +44,11 @@ def load() -> str:
     return "{:.2f}".format(os.getloadavg()[0])
 
 
-def traced(name: str, batch: int | None = None):
+def traced(name: str):
+    """The entry at its global batch, on fake tensors (calls too large to probe are probed at a
+    small shape of themselves: graph/derive.py `at_small_shape`)."""
     start = time.perf_counter()
-    if batch is not None:
-        os.environ["DGX2_TRACE_BATCH"] = str(batch)
-    try:
-        analysis = analyze(ROOT / "benchmarks" / name, trace_mode="fake")
-    finally:
-        os.environ.pop("DGX2_TRACE_BATCH", None)
+    analysis = analyze(ROOT / "benchmarks" / name, trace_mode="fake")
     seconds = time.perf_counter() - start
     print(f"traced {name}: {len(analysis.graph.nodes)} ops in {seconds:.0f} s (load {load()})", flush=True)
     return analysis.graph, seconds
@@ -148,21 +145,15 @@ def swin(lines: list[str]) -> dict:
 # Shared: blocks of both stacks (encoder-decoder), pass-corrected stage costs, the simulator
 # ---------------------------------------------------------------------------------------------
 
-def priced_with(graph, config: Config, blocks, constraints, scale: float = 1.0):
-    """`scale`: the global batch over the traced one. The split is solved at the traced batch; the
-    regions' batch-proportional terms (bw, forward_bw, saved: auto._Regions) are then scaled, which is
-    what tracing at the global batch would give in this cost model (its other terms do not depend on it)."""
+def priced_with(graph, config: Config, blocks, constraints):
+    """estimate_config under these tp constraints, keeping the split and the per-region costs."""
     plan = None
-    traced_batch = graph.trace.batch_size or 1
-    blocks = replace(blocks, input_bytes=blocks.input_bytes * scale)    # a block's input: hand-offs, recompute
     if config.tp > 1:
         with fused_collectives(True):
             plan = search_axis(graph, "tp", config.tp, constraints, CLUSTER.axis(1, config.tp),
-                               data_parallel=min(config.dp * config.micro_batches, traced_batch))
+                               data_parallel=config.dp * config.micro_batches)
     cost = auto._regions(graph, blocks, plan, config.tp, CLUSTER.axis(1, config.tp))
-    for name in ("bw", "forward_bw", "saved"):
-        setattr(cost, name, [v * scale for v in getattr(cost, name)])
-    return auto._estimate(config, cost, blocks, int(traced_batch * scale), CLUSTER, BUDGET), plan, cost
+    return auto._estimate(config, cost, blocks, graph.trace.batch_size or 1, CLUSTER, BUDGET), plan, cost
 
 
 def simulated(orders, stages: int, forward: list[float], passes: int = 1, shared=(), placement=None):
@@ -196,8 +187,6 @@ def schedule_picture(entry: str, pp: int, micro: int, schedule: str, svg: str) -
 # T5-3B and mBART: interlaced pipeline against 1F1B + Megatron TP
 # ---------------------------------------------------------------------------------------------
 
-GLOBAL_BATCH = 256      # the artifact's GBS
-TRACE_BATCH = 2         # see the entry files: the batch split probe allocates real tensors of the traced shapes
 
 
 def encoder_decoder(lines: list[str], entry: str, title: str, tp: int = 8, pp: int = 4) -> dict:
@@ -206,9 +195,8 @@ def encoder_decoder(lines: list[str], entry: str, title: str, tp: int = 8, pp: i
     from nnscaler_cst.plan.pipeline import cut_blocks
     from nnscaler_cst.plan.schedules import load_schedule, schedule
     from nnscaler_cst.plan.zero import ADAMW_STATE_BYTES, GRAD_BYTES, PARAM_BYTES
-    graph, trace_seconds = traced(entry, TRACE_BATCH)
-    batch = GLOBAL_BATCH
-    scale = batch / graph.trace.batch_size
+    graph, trace_seconds = traced(entry)
+    batch = graph.trace.batch_size                   # the artifact's GBS, 256
     dp = DEVICES // (tp * pp)
     micro = batch // dp                              # micro-batch 1 (the artifact's --mbs 1)
     fraction = 1.0 / (dp * micro)
@@ -219,7 +207,7 @@ def encoder_decoder(lines: list[str], entry: str, title: str, tp: int = 8, pp: i
     base_ranges = auto._stage_ranges(blocks, pp)
     for recompute in (False, True):
         config = Config(tp=tp, dp=dp, pp=pp, micro_batches=micro, recompute=recompute)
-        estimate, plan, cost = priced_with(graph, config, blocks, megatron, scale)
+        estimate, plan, cost = priced_with(graph, config, blocks, megatron)
         base[recompute] = estimate
         rows.append(("1F1B + Megatron TP" + (" + recompute" if recompute else ""), estimate,
                      "stages over encoder and decoder layers"))
@@ -241,7 +229,7 @@ def encoder_decoder(lines: list[str], entry: str, title: str, tp: int = 8, pp: i
     results = {}
     for recompute in (False, True):
         config = Config(tp=tp, dp=dp, pp=pp, micro_batches=micro, recompute=recompute)
-        estimate, plan, cost = priced_with(graph, config, blocks, constraints, scale)
+        estimate, plan, cost = priced_with(graph, config, blocks, constraints)
         ranges = auto._stage_ranges(blocks, pp)
         stage_of_region = {0: 0, blocks.count + 1: pp - 1}
         for s, (a, b) in enumerate(ranges):
@@ -250,12 +238,12 @@ def encoder_decoder(lines: list[str], entry: str, title: str, tp: int = 8, pp: i
         vocab = [0.0] * pp
         comm = 0.0
         for node in vocab_nodes:
-            vocab[stage_of_region[blocks.region[node.index]]] += scale * fraction * node_time(
+            vocab[stage_of_region[blocks.region[node.index]]] += fraction * node_time(
                 node, graph.dims.get(node.index), graph.trace, device, 1, dims_of=graph.dims.get)
             # the vocabulary split's partial sums: the embedding's output, the head's input gradient
             hidden = min(graph.trace.tensors[t].nbytes for t in (*node.inputs, *node.outputs)
                          if graph.trace.tensors[t].param is None and len(graph.trace.tensors[t].shape) == 3)
-            comm += all_reduce_time(scale * fraction * hidden, pp, pp_link)
+            comm += all_reduce_time(fraction * hidden, pp, pp_link)
         share = sum(vocab) / pp + comm
         seconds = [t - v + share for t, v in zip(estimate.stage_seconds, vocab)]
         step = sum(seconds) + (micro - 1) * max(seconds) + estimate.sync_seconds
@@ -322,9 +310,8 @@ PASSES = 3
 
 def alphafold2(lines: list[str]) -> dict:
     from nnscaler_cst.plan.schedules import load_schedule, schedule
-    graph, trace_seconds = traced("dgx2_alphafold2.py", TRACE_BATCH)
-    batch = 128                                  # AlphaFold2's global batch
-    scale = batch / graph.trace.batch_size
+    graph, trace_seconds = traced("dgx2_alphafold2.py")
+    batch = graph.trace.batch_size               # AlphaFold2's global batch, 128
     blocks = auto._blocks(graph)
     rows = []
     for tp in (1, 2, 4, 8):
@@ -333,7 +320,7 @@ def alphafold2(lines: list[str]) -> dict:
         for recompute in (False, True):
             config = Config(tp=tp, dp=dp, micro_batches=micro, recompute=recompute)
             start = time.perf_counter()
-            estimate = priced_with(graph, config, blocks, [], scale)[0]
+            estimate = priced_with(graph, config, blocks, [])[0]
             label = "DP" if tp == 1 else "TP (the search's own split: pair and MSA dims) + DP"
             rows.append((label + (" + recompute" if recompute else ""), estimate,
                          f"{time.perf_counter() - start:.0f} s to plan"))
@@ -345,7 +332,7 @@ def alphafold2(lines: list[str]) -> dict:
         for recompute in (False, True):
             config = Config(tp=1, dp=dp, pp=pp, micro_batches=micro, recompute=recompute)
             start = time.perf_counter()
-            estimate = priced_with(graph, config, blocks, [], scale)[0]
+            estimate = priced_with(graph, config, blocks, [])[0]
             # the tool's 3f1b order, simulated: a pass takes a fifth of the stage's time per micro-batch
             # (1 gradient forward + its backward at 2 forwards + 2 no-grad forwards)
             orders = schedule(table, pp, micro, PASSES)
@@ -380,17 +367,17 @@ PAPER = ("nnScaler (OSDI '24) abstract: \"up to 3.5x speedup compared to solutio
 
 FINDINGS = """## Findings: what crashed, what was refused, what the cost model lacks
 
-1. **Planning T5-3B at its full batch is killed for memory.** `nnscaler-rewrite plan benchmarks/dgx2_t5_3b.py --tp 8
-   --dp 4 --cluster dgx2-v100x32 --precision fp16 --json` was OOM-killed after 4 min 22 s on this 23 GB machine
-   (the fake-tensor trace itself takes 30 s and 0.9 GB). The same `search_axis` called from this script reached 20 GB
-   RSS before the kernel killed it; at batch 16 a stack dump shows it in plan/batch.py `_first_mixing_op` ->
-   graph/batch_probe.py `batch_kept_apart`, which replays a call on real tensors of the traced shapes
-   (graph/derive.py `_real`). AlphaFold2 at batch 128 grew to 14 GB in its TP 2 search before being stopped here (where, not confirmed).
-   Work-around: T5, mBART and AlphaFold2 are planned at a traced batch of 2 (`DGX2_TRACE_BATCH`) and the regions'
-   batch-proportional terms scaled to the global batch (`priced_with`); Swin is planned at its full batch of 256.
-2. **Strided Conv2d is priced at 2 million times its FLOPs.** Swin's patch embedding `Conv2d(3, 512, 4, stride=4)`
-   on (256, 3, 1536, 1536): plan/cost.py `node_flops` returns 2 x the product of every dim size of the op's annotation (the cause is
-   presumably that a strided conv's annotation holds input and output pixels both; not checked): 4.4e18 FLOPs (true 1.9e12), 131,325 s on one V100, the whole step. The entry uses reshape + Linear.
+1. **Planning T5-3B at its full batch was killed for memory** (fixed). `nnscaler-rewrite plan benchmarks/dgx2_t5_3b.py
+   --tp 8 --dp 4 --cluster dgx2-v100x32 --precision fp16` was OOM-killed after 4 min 22 s: calls too large to probe
+   at their traced shape had no derived split rule (transformers' cross-attention `sdpa_attention_forward`: "rule
+   attention does not fit: expected 1 outputs, traced 2"), so the batch check fell back to replaying calls on real
+   tensors of the traced shapes. Now such a call is probed at a small shape of itself (graph/derive.py
+   `at_small_shape`: its large dims divided by one factor, same ranks and dtypes) and keeps those labels, and a
+   result a call hands back unmodified (T5's `position_bias.contiguous()`) is split as the operand it is. All four
+   entries are traced and planned at their global batch; no reduced trace batch.
+2. **Strided Conv2d was priced at 2 million times its FLOPs** (fixed in 211686f, before this run): plan/cost.py
+   `node_flops` counts a conv's c·kh·kw from its weight; `Conv2d(3, 512, 4, stride=4)` on (256, 3, 1536, 1536)
+   is 1.86e12 FLOPs. The Swin entry still embeds its patches with reshape + Linear (same FLOPs).
 3. **Encoder-decoder pipelines cut the encoder only** (fixed): the encoder's and the decoder's layers are now
    cut as one chain (plan/pipeline.py `find_chain`), in the generated code and in `auto._blocks`, which these
    tables use. Before, the decoder's layers and the head were the epilogue, on the last stage, and T5-3B at

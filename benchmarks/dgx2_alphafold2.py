@@ -7,7 +7,6 @@ hidden 32 (the fixture uses one c_hidden for it and the triangle multiplications
 module. Traced on fake tensors only:
     nnscaler-rewrite schedule benchmarks/dgx2_alphafold2.py --pp 4 --micro-batches 16 --schedule 3f1b
 """
-import os
 import sys
 from pathlib import Path
 
@@ -17,9 +16,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 from evoformer import AMINO_ACIDS, DISTANCE_BINS, Evoformer  # noqa: E402
 
 BLOCKS, C_M, C_Z, HEADS, C_HEAD, C_HIDDEN, SEQUENCES, RESIDUES, BATCH, RECYCLES = 48, 256, 128, 8, 32, 32, 128, 256, 128, 3
-# bench_dgx2.py plans at a smaller traced batch and scales (see there): the batch split probe replays
-# calls on real tensors of the traced shapes
-BATCH = int(os.environ.get("DGX2_TRACE_BATCH", BATCH))
 
 
 def build():

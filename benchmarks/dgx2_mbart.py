@@ -5,15 +5,10 @@ and 12 decoder layers, 16 heads, FFN 4096, 1024 positions, vocabulary 250027 pad
 embedding shared by the encoder, the decoder and the LM head. Sequence 1024, global batch 256 (the nnScaler
 artifact's T5 setting; the paper's mBART batch was not found). Traced on fake tensors only.
 """
-import os
-
 import torch
 from transformers import MBartConfig, MBartForConditionalGeneration
 
 VOCAB, SEQUENCE, BATCH = 250112, 1024, 256
-# bench_dgx2.py plans at a smaller traced batch and scales (see there): the batch split probe replays
-# calls on real tensors of the traced shapes
-BATCH = int(os.environ.get("DGX2_TRACE_BATCH", BATCH))
 
 
 def build():

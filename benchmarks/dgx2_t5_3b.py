@@ -6,15 +6,10 @@ artifact's T5 runs (microsoft/nnscaler cupilot/evaluation/t5_32gpus.sh: --seqlen
 Traced on fake tensors only:
     nnscaler-rewrite schedule benchmarks/dgx2_t5_3b.py --pp 4 --micro-batches 16 --schedule interlaced
 """
-import os
-
 import torch
 from transformers import T5Config, T5ForConditionalGeneration
 
 VOCAB, SEQUENCE, BATCH = 32128, 1024, 256
-# bench_dgx2.py plans at a smaller traced batch and scales (see there): the batch split probe replays
-# calls on real tensors of the traced shapes
-BATCH = int(os.environ.get("DGX2_TRACE_BATCH", BATCH))
 
 
 def build():
