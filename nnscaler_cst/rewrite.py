@@ -38,7 +38,7 @@ from .plan.auto import AutoChoice, dp_only, search_auto
 from .plan.auto import _Fixed as Fixed
 from .plan.batch import check_batch_split, loss_reduction
 from .plan.choices import choices_from_plan, site_keys
-from .plan.coshard import CoshardChoice, plan_coshard
+from .plan.coshard import CoshardChoice, plan_coshard, repeated_forward as coshard_repeated_forward
 from .plan.cost import check_precision, load_cluster, node_time, optimizer_time
 from .plan.search import AxisPlan, params_kept_whole, search_axis
 from .plan.whole_sizes import splits_a_read_size
@@ -247,6 +247,7 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
         plan.estimated_step_seconds += recompute_seconds(graph, tp * dp, cluster.axis(1, tp))
     if coshard is not None:
         plan.name += f"(C={coshard.chunks})"
+        plan.estimated_step_seconds += coshard_repeated_forward(graph, coshard, tp, cluster.axis(1, tp))
         plan.coshard_stand_in = coshard.stand_in if tp_plan is None else None
     if auto is not None:                # the search's estimate: pipeline, recompute and ZeRO priced together
         plan.estimated_step_seconds = auto.best.seconds
@@ -260,11 +261,6 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
         # on one device (--tp 1) only the co-sharded ops are split: into C pieces, all on it
         if tp_plan is not None or chunks > 1:
             plan.trans.append(OpTrans(where, site.callee, "tp", choice, tp * chunks if choice != REPLICATE else 1))
-            if chunks > 1:              # co-shard recomputes the op's forward in backward
-                device = cluster.axis(1, tp)
-                plan.estimated_step_seconds += sum(
-                    node_time(n, graph.dims.get(n.index), graph.trace, device, tp, dims_of=graph.dims.get,
-                              forward_only=True) for n in site.nodes)
             if choice != REPLICATE:     # co-shard: C consecutive pieces per device, one after another
                 plan.assign += [OpAssign(where, "tp", i, plan.devices_of("tp", i // chunks))
                                 for i in range(tp * chunks)]

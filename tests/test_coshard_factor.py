@@ -319,3 +319,25 @@ def test_gqa_co_shard_at_tp_2_trains_like_the_single_device_run(tmp_path):
     result = cli("verify", tmp_path / "gqa.py", "--plan", "coshard", "--tp", 2, "-o", out, cwd=tmp_path)
     assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr[-2000:]
     assert "y = coshard(_y_in_pieces, 3, in_dims=(1, 1, 1), out_dims=2)(k, q, v)" in (out / "model.py").read_text()
+
+
+def test_co_shard_prices_the_forward_of_every_statement_its_backward_recomputes(gpt_analysis):
+    # backward reruns the whole region piece by piece (scores' matmul, mask, softmax, att @ v),
+    # not only the co-sharded softmax
+    from nnscaler_cst.plan.cost import load_cluster, node_time
+    from nnscaler_cst.rewrite import PlanRequest, build_plan
+
+    coshard = build_plan(gpt_analysis, PlanRequest(plan="coshard", tp=2))[0]
+    megatron = build_plan(gpt_analysis, PlanRequest(plan="megatron", tp=2))[0]
+    graph = gpt_analysis.graph
+    device = load_cluster("cpu-gloo").axis(1, 2)
+
+    def forward(callee_part: str) -> float:
+        return sum(node_time(n, graph.dims.get(n.index), graph.trace, device, 2, dims_of=graph.dims.get,
+                             forward_only=True) for n in graph.nodes if callee_part in n.callee
+                   and ".attn" in n.module_path)
+
+    matmuls, softmax = forward("matmul"), forward("softmax")
+    assert matmuls > 0 and softmax > 0
+    extra = coshard.estimated_step_seconds - megatron.estimated_step_seconds
+    assert extra >= 0.99 * (matmuls + softmax), (extra, matmuls, softmax)

@@ -41,6 +41,15 @@ class CoshardChoice:
     stand_in: AxisChoices | None = None  # ... its choices, the co-sharded ops marked C pieces
 
 
+def repeated_forward(graph: Graph, choice: CoshardChoice, tp: int, device) -> float:
+    """Seconds of one device's repeated forward: backward recomputes every statement of every
+    co-shard region (the scores' matmul, mask, softmax, `att @ v`), not only the co-sharded op."""
+    from .cost import node_time
+    nodes = sorted({index for region in choice.regions for index in region.nodes})
+    return sum(node_time(graph.nodes[i], graph.dims.get(i), graph.trace, device, tp, dims_of=graph.dims.get,
+                         forward_only=True) for i in nodes)
+
+
 def region_bytes(graph: Graph, regions: list, n: int) -> tuple[float, float]:
     """What the regions' statements keep for backward on one device without co-shard: in all,
     and in the largest single instance (one block's region)."""
