@@ -60,6 +60,7 @@ class Graph:
     retrace: Callable[[int], Trace] | None = None
     _half: list = field(default_factory=list)                   # [the half-batch trace or None], once made
     _kept: dict[int | str, dict[int, int] | None] = field(default_factory=dict)
+    _param_operands: dict[int, list[tuple[str, int]]] = field(default_factory=dict)
 
     def batch_kept_apart(self, node: Node) -> dict[int, int] | None:
         """For a call whose split rule has no batch dim: {output tensor: batch dim} when the call,
@@ -138,9 +139,13 @@ class Graph:
         return rule.partial.get("bias") if rule and rule.partial else None
 
     def param_operands(self, index: int) -> list[tuple[str, int]]:
-        tensors = self.trace.tensors
-        return [(op.name, op.tid) for op in self.nodes[index].operands
-                if op.tid is not None and tensors[op.tid].param is not None]
+        # asked per node and candidate split by the search (AlphaFold2's 14,592 nodes: 190k times)
+        known = self._param_operands.get(index)
+        if known is None:
+            tensors = self.trace.tensors
+            known = self._param_operands[index] = [(op.name, op.tid) for op in self.nodes[index].operands
+                                                   if op.tid is not None and tensors[op.tid].param is not None]
+        return known
 
     def summary(self) -> dict[str, int]:
         ops = self.trace.ops

@@ -325,9 +325,12 @@ def site_options(graph: Graph, n: int, batch_slices: int = 1, every_size_read: b
             for i in members:
                 per_node[i] = allowed
         first = per_node[nodes[0]]
-        common = [sig for sig in first if all(sig in per_node[i] for i in nodes)]
+        # a block's repeats share one `allowed` (AlphaFold2: 144 instances a site): ask each once
+        distinct = list({id(allowed): allowed for allowed in per_node.values()}.values())
+        common = [sig for sig in first if all(sig in allowed for allowed in distinct)]
+        labels = {id(allowed): [allowed[s] for s in common] for allowed in distinct}
         result[sid] = SiteOptions(sid, nodes, [first[s] for s in common],
-                                  {i: [per_node[i][s] for s in common] for i in nodes}, why)
+                                  {i: labels[id(per_node[i])] for i in nodes}, why)
     return result
 
 
