@@ -374,7 +374,12 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
    tensors of the traced shapes. Now such a call is probed at a small shape of itself (graph/derive.py
    `at_small_shape`: its large dims divided by one factor, same ranks and dtypes) and keeps those labels, and a
    result a call hands back unmodified (T5's `position_bias.contiguous()`) is split as the operand it is. All four
-   entries are traced and planned at their global batch; no reduced trace batch.
+   entries are traced and planned at their global batch; no reduced trace batch. `/usr/bin/time nnscaler-rewrite
+   plan benchmarks/dgx2_X.py --tp T --dp D --cluster dgx2-v100x32 --precision fp16` at 362bf09+this branch, load
+   14-18 on 2 cores (CPU seconds, as wall clock was 4-10x that): Swin (tp 4, dp 8) 4.7 s, 0.35 GB; mBART (8, 4)
+   7.7 s, 0.58 GB; T5-3B (8, 4) 13.4 s, 0.73 GB; AlphaFold2 (2, 16) 27.5 s, 0.52 GB, of which its fake-tensor trace
+   of 14,592 ops is about 18 s and the split search 6 s. Under 4 GB everywhere; over 10 s for T5-3B and AlphaFold2,
+   where the trace itself is most of it.
 2. **Strided Conv2d was priced at 2 million times its FLOPs** (fixed in 211686f, before this run): plan/cost.py
    `node_flops` counts a conv's c·kh·kw from its weight; `Conv2d(3, 512, 4, stride=4)` on (256, 3, 1536, 1536)
    is 1.86e12 FLOPs. The Swin entry still embeds its patches with reshape + Linear (same FLOPs).
