@@ -394,9 +394,9 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
    saved activations by 3).
 5. **Co-shard refuses TP 16 on Swin**: "cannot co-shard into 16x64 pieces: `qkv` has 1 along dim 2 on each
    device": the first stage's 16 heads leave one per device and co-shard cuts heads only.
-6. **What `plan` and `schedule` do not price**: `plan` has no --pp/--schedule, and its co-shard estimate adds the
-   forward of the anchor op (the softmax) only, not the region's matmuls that backward recomputes (priced here);
-   `schedule` times stages by FLOPs, without tensor parallelism or communication; nothing prices the interlaced
+6. **What `plan` and `schedule` do not price**: `plan` has no --pp/--schedule (its co-shard estimate now adds
+   the forward of every statement of the co-shard regions, the matmuls too, as this script does: plan/coshard.py
+   `repeated_forward`); `schedule` times stages by FLOPs, without tensor parallelism or communication; nothing prices the interlaced
    shares or the no-grad passes as step seconds. The tool's simulator lets an interlaced share occupy its owner's
    whole step (the second table of each encoder-decoder section): it prices interlaced at 2.2-2.3x 1F1B.
 
