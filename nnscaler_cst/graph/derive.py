@@ -11,7 +11,9 @@ Sliced operands run on fake tensors before real ones, so that no CPU kernel that
 operands' shapes (weight norm's) is fed halves that do not fit together: such a slicing is no
 split. What the probe cannot see it does not claim: a dim no slicing test passes on stays whole.
 The probe derives; it decides no plan. Results are cached per (callee, shapes, arguments),
-so the repeated blocks of a deep model probe once.
+so the repeated blocks of a deep model probe once. A call too large to probe at its traced
+shape is probed at a small shape of itself (same ranks and dtypes, its large dims divided by one
+factor): a label names operand dims and result positions, not sizes, so it holds at every size.
 """
 from __future__ import annotations
 
@@ -33,8 +35,8 @@ from ..trace.replay import Replay, TensorRef, substitute
 from ..trace.tracer import quiet_fake_mode
 from .dims import Factor, OpDims, TensorDims
 
-# Calls on tensors larger than these are not probed (production shapes): their dims stay whole.
-# The probe's time and memory grow with the activations (a call's intermediates and results are
+# Calls on tensors larger than these are not probed at their traced shape (production shapes) but
+# at a small shape of themselves (at_small_shape), whose labels they keep. The probe's time and memory grow with the activations (a call's intermediates and results are
 # sized by them: AlphaFold's pair tensors at 8M elements make GBs inside one call), less with the
 # weights it reads: a weight may be 16M elements (64 MiB of fp32), so that a tiny model's bank of
 # hundreds of experts (BailingHybrid's 512 x 256 x 64 = 8.4M) is probed and split, while
