@@ -47,25 +47,39 @@ def test_the_step_reduce_scatters_gradients_and_gathers_parameters_by_name(mlp_a
     train = train_source(mlp_analysis, dp=2, zero=stage)
     step = step_body(train)
     assert f"ZERO_STAGE = {stage}  # ZeRO-{stage}:" in train
-    assert "_comm.zero_shards(model.parameters(), _comm.DP, stage=ZERO_STAGE)" in train
+    assert "_comm.zero_shards(model, _comm.DP, stage=ZERO_STAGE, average=AVERAGE_SHARES,\n" \
+           "                                          overlap=True, partial=tp_partial_params(model)" in train
     assert "return [model.zero_shards.shard]" in train          # the optimizer steps the shard only
     assert "_comm.sync_grads(list(model.parameters()), _comm.DP" not in step   # no all-reduce of gradients
+    assert "grad_buckets(model)" not in step
     reduce_at = step.index("_comm.reduce_scatter_grads(model.zero_shards, _comm.DP, average=AVERAGE_SHARES")
     step_at = step.index("optimizer.step()")
     assert reduce_at < step_at
-    gather_at = step.index("_comm.all_gather_params(model.zero_shards, _comm.DP)")
-    if stage == 3:     # gathered before the forward, dropped after the backward
+    gather_at = step.index("_comm.all_gather_params(model.zero_shards, _comm.DP")
+    if stage == 3:     # the root unit gathered before the forward (the blocks by their hooks), all dropped after
         assert gather_at < step.index("output = model(") and step.count("all_gather_params") == 1
+        assert '_comm.all_gather_params(model.zero_shards, _comm.DP, units="root")' in step
         assert reduce_at < step.index("_comm.free_params(model.zero_shards)") < step_at
     else:              # the updated shards gathered after the step
         assert step_at < gather_at and "free_params" not in step
-    assert ("model.zero_grad(set_to_none=False)" in step) == (stage == 1)   # ZeRO-1 keeps its buffer
+    assert ("model.zero_grad(set_to_none=True)" in step) == (stage == 1)   # ZeRO-1's full gradients
 
 
-def test_without_zero_the_gradients_are_all_reduced_and_every_parameter_stepped(mlp_analysis):
+def test_without_zero_the_gradient_buckets_are_all_reduced_from_the_backward_and_waited_for(mlp_analysis):
     train = train_source(mlp_analysis, dp=2)
-    assert "_comm.sync_grads(list(model.parameters()), _comm.DP, average=AVERAGE_SHARES," in step_body(train)
-    assert "ZERO_STAGE" not in train and "zero_shards" not in step_body(train)
+    step = step_body(train)
+    hooked_at = step.index("    grad_buckets(model)  # data parallel: each gradient bucket all-reduced")
+    assert hooked_at < step.index("output = model(")
+    assert step.index("_comm.wait_grad_buckets(grad_buckets(model), reduce_dtype=reduce_dtype)") < step.index("optimizer.step()")
+    assert "_comm.overlap_grads(model, _comm.DP, average=AVERAGE_SHARES, partial=tp_partial_params(model)" in train
+    assert "ZERO_STAGE" not in train and "zero_shards" not in step
+
+
+def test_a_pipeline_reduces_the_gradients_after_its_schedule(gpt_analysis):
+    """Several backwards a step (micro-batches): the reduction waits for all of them."""
+    step = step_body(train_source(gpt_analysis, dp=2, pp=2, micro_batches=2))
+    assert "_comm.sync_grads(list(model.parameters()), _comm.DP, average=AVERAGE_SHARES," in step
+    assert "grad_buckets" not in step
 
 
 def test_zero_composes_with_tensor_parallel_over_the_data_parallel_axis(mlp_analysis):
@@ -104,6 +118,7 @@ def gpt_analysis():
 def test_with_pipeline_stages_the_schedule_is_followed_by_the_same_zero_calls_on_the_stages(gpt_analysis, stage):
     train = train_source(gpt_analysis, dp=2, pp=2, micro_batches=2, zero=stage)
     step = step_body(train)
+    assert "overlap=False" in train        # several backwards a step: the reduce-scatters wait for them
     schedule_at = step.index("for i, (kind, stage, m, cycle) in enumerate(actions):")
     tied_at = step.index("_comm.sync_grads(tied, _comm.PP_ENDS, average=False)")
     reduce_at = step.index("_comm.reduce_scatter_grads(model.zero_shards, _comm.DP, average=AVERAGE_SHARES")
