@@ -9,8 +9,10 @@ parameters), a short batch (2 x 64 tokens) so that a step takes seconds on this 
 training state (parameters, gradients, AdamW) dominates, as it does in the runs ZeRO is for.
 
 Memory, one pair of processes per mode (peak RSS is a per-process high-water mark): each rank
-imports torch and sets up its process groups, then measures its baseline (VmRSS) and resets
-the kernel's high-water mark (/proc/self/clear_refs, 5), then builds its model from a seed,
+imports torch and sets up its process groups, then measures its baseline (VmRSS) after two steps of the
+fixture at its own tiny size (the first use of torch's kernels maps ~170 MB of code and
+workspaces, whatever the mode), resets the kernel's high-water mark (/proc/self/clear_refs, 5),
+then builds its model from a seed,
 its optimizer (AdamW) and runs `--steps` training steps; its peak is VmHWM minus the baseline.
 The figure is the largest rank's (per stage for the pipeline). Every process runs with
 MALLOC_MMAP_THRESHOLD_=65536, so that a freed tensor goes back to the kernel at once (glibc's
@@ -45,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 from _common import launch_ranks, load_file, load_package, revision  # noqa: E402
-from bench_tp_step import cli, machine, write_model_file  # noqa: E402
+from bench_tp_step import cli, fixture_config, machine, write_model_file  # noqa: E402
 
 MODEL = dict(block_size=64, vocab_size=16384, n_layer=48, n_head=6, n_embd=384, batch=2)
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -127,11 +129,27 @@ def setup_ranks(out_dirs: list[Path]):
     return rank, world
 
 
+def warm_up(tiny_file: Path) -> None:
+    """Two training steps of the fixture at its own tiny size, in this process alone: the first
+    use of torch's kernels maps ~170 MB of library code and workspaces into the process, a cost
+    of any first step, not of the mode measured after it."""
+    import torch
+    tiny = load_file(tiny_file, "entry_tiny")
+    torch.manual_seed(0)
+    model = tiny.build()
+    optimizer = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        model(*tiny.example_inputs()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
 def rank_memory(mode: str, model_file: Path, out_dir: Path | None, steps: int, result: Path) -> None:
     import gc
     import torch
     import torch.distributed as dist
     rank, world = setup_ranks([out_dir] if out_dir else [])
+    warm_up(model_file.parent / "gpt_tiny.py")
     gc.collect()
     baseline = status_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")       # VmHWM := VmRSS from here on
@@ -224,6 +242,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
         tmp = Path(tmp)
         model_file = write_model_file(tmp / "gpt_mem.py", MODEL)
+        write_model_file(tmp / "gpt_tiny.py", fixture_config())
         entry = load_file(model_file, "entry_driver")
         params = sum(p.numel() for p in entry.build().parameters())
         outs = {}

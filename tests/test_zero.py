@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from nnscaler_cst import cli
-from nnscaler_cst.plan.zero import state_bytes_per_device
+from nnscaler_cst.plan.zero import state_bytes_per_device, units_in_flight
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,7 +49,7 @@ def test_the_step_reduce_scatters_gradients_and_gathers_parameters_by_name(mlp_a
     assert f"ZERO_STAGE = {stage}  # ZeRO-{stage}:" in train
     assert "_comm.zero_shards(model, _comm.DP, stage=ZERO_STAGE, average=AVERAGE_SHARES,\n" \
            "                                          overlap=True, partial=tp_partial_params(model)" in train
-    assert "return [model.zero_shards.shard]" in train          # the optimizer steps the shard only
+    assert "return model.zero_shards.chunks" in train          # the optimizer steps the shard only
     assert "_comm.sync_grads(list(model.parameters()), _comm.DP" not in step   # no all-reduce of gradients
     assert "grad_buckets(model)" not in step
     reduce_at = step.index("_comm.reduce_scatter_grads(model.zero_shards, _comm.DP, average=AVERAGE_SHARES")
@@ -91,13 +91,14 @@ def test_zero_composes_with_tensor_parallel_over_the_data_parallel_axis(mlp_anal
 # Bytes per device
 # --------------------------------------------------------------------------------------------
 
-def test_state_bytes_follow_the_zero_paper():
+def test_state_bytes_follow_the_zero_paper_plus_the_shard_the_optimizer_steps():
     """Ψ = 1000 fp32 parameters over 4 ranks: 4Ψ weights, 4Ψ gradients, 8Ψ AdamW state, the
-    optimizer state sharded from stage 1, the gradients from 2, the weights from 3."""
+    optimizer state sharded from stage 1, the gradients from 2, the weights from 3. The optimizer
+    steps a shard of its own (the units' chunks end to end), Ψ/4 more weights at stages 1 and 2."""
     per = {stage: state_bytes_per_device(1000, stage, 4) for stage in range(4)}
     assert (per[0].params, per[0].grads, per[0].optimizer) == (4000, 4000, 8000)
-    assert (per[1].params, per[1].grads, per[1].optimizer) == (4000, 4000, 2000)
-    assert (per[2].params, per[2].grads, per[2].optimizer) == (4000, 1000, 2000)
+    assert (per[1].params, per[1].grads, per[1].optimizer) == (5000, 4000, 2000)
+    assert (per[2].params, per[2].grads, per[2].optimizer) == (5000, 1000, 2000)
     assert (per[3].params, per[3].grads, per[3].optimizer) == (1000, 1000, 2000)
     assert per[3].total == 4000
 
@@ -105,7 +106,15 @@ def test_state_bytes_follow_the_zero_paper():
 def test_a_count_that_does_not_divide_is_padded_to_the_flat_buffer():
     held = state_bytes_per_device(10, 3, 4)          # 10 parameters -> 12 in the buffer, 3 per rank
     assert (held.params, held.grads, held.optimizer) == (12, 12, 24)
-    assert state_bytes_per_device(10, 1, 4).params == 48
+    assert state_bytes_per_device(10, 1, 4).params == 48 + 12
+
+
+def test_what_is_whole_for_a_moment_is_the_root_unit_and_two_blocks():
+    """ZeRO-2: the gradients of the root unit (whole until the backward ends) and two blocks; ZeRO-3
+    their parameters too; ZeRO-1 reduces after the backward, whole gradients counted already."""
+    assert units_in_flight(1, 100, 10) == (0, 0)
+    assert units_in_flight(2, 100, 10) == (0, 120 * 4)
+    assert units_in_flight(3, 100, 10) == (120 * 4, 120 * 4)
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +215,8 @@ def test_zero_with_pipeline_stages_trains_like_the_single_device_run(entry, args
 
 MEASURE = textwrap.dedent('''
     """One rank: build the output's model, take one train_step, and count the bytes of parameters,
-    gradients and optimizer state it holds right after the optimizer steps (storages counted once)."""
+    gradients and optimizer state it holds right after the optimizer steps (storages counted once;
+    the gradients: the more of then and the end of the backward)."""
     import importlib, json, os, sys
     import torch
     folder = sys.argv[1]
@@ -241,9 +251,15 @@ MEASURE = textwrap.dedent('''
     original = optimizer.step
     def step_and_measure(*a, **k):
         result = original(*a, **k)
-        measured.update(held())
+        at_step = held()
+        measured.update(at_step, grads=max(at_step["grads"], measured["grads"]))
         return result
     optimizer.step = step_and_measure
+    finish = package.finish_backward
+    def measure_and_finish(*a, **k):       # the backward's end: ZeRO-1's whole gradients
+        measured["grads"] = held()["grads"]
+        return finish(*a, **k)
+    package.finish_backward = measure_and_finish
     torch.manual_seed(1)
     package.train_step(model, optimizer, module.example_inputs())
     print(json.dumps({"rank": rank, "count": count, **measured}), flush=True)

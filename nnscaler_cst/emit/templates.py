@@ -846,11 +846,14 @@ def zero_optimizer_state(shards, optimizer, template, names, model):
     \"\"\"ZeRO: {{name: (parameter, its whole optimizer state)}}, from this rank's shard of the state:
     each state tensor laid out as the flat buffer, gathered over the data-parallel ranks.\"\"\"
     keys = {{id(param): key for key, param in model.named_parameters()}}
-    mine = optimizer.state[shards.shard]
-    if not mine and template is not None:
+    if not optimizer.state[shards.chunks[0]] and template is not None:
         name = names[keys[id(shards.params[0])]]
-        mine.update(new_state(template, min(PARAMETER_ALIASES.get(name, [name])), (shards.shard_numel,),
-                              shards.device))
+        for chunk in shards.chunks:
+            optimizer.state[chunk].update(new_state(template, min(PARAMETER_ALIASES.get(name, [name])),
+                                                    chunk.shape, shards.device))
+    states = [optimizer.state[chunk] for chunk in shards.chunks]
+    mine = {{what: torch.cat([state[what] for state in states]) if value.shape == shards.chunks[0].shape else value
+            for what, value in states[0].items()}}
     whole = {{what: _comm.gather_whole(shards, value) for what, value in mine.items()
              if value.shape == shards.shard.shape}}
     shards.gathered_state = whole   # load_checkpoint hands this rank's shard back from it
@@ -892,7 +895,12 @@ def load_checkpoint(path, model, optimizer=None, extra=None):
     shards = getattr(model, "zero_shards", None)
     if shards is not None and optimizer is not None:     # this rank's shard of the whole state read
         for what, flat in shards.gathered_state.items():
-            optimizer.state[shards.shard][what].copy_(_comm.shard_of(shards, flat))
+            for chunk, piece in zip(shards.chunks, _comm.shard_of(shards, flat).split([c.numel() for c in shards.chunks])):
+                optimizer.state[chunk][what].copy_(piece)
+        for chunk in shards.chunks[1:]:      # the rest (AdamW's step count) as the first chunk's
+            for what, value in optimizer.state[shards.chunks[0]].items():
+                if what not in shards.gathered_state:
+                    optimizer.state[chunk][what].copy_(value)
     if shards is not None and shards.stage != 3:         # the parameters read whole: the shard from them
         _comm.keep_params(shards)
 """
@@ -921,13 +929,13 @@ ZERO_STAGE = {stage}  # {what}
 
 
 def optimizer_params(model):
-    """What the optimizer steps: this data-parallel rank's shard of the parameters, cut into units
-    (each block of a ModuleList, and the root unit: the rest), each unit sharded over the ranks
-    (_comm.ZeroShards), so its state is 1/DP_SIZE of the whole. Kept as model.zero_shards. Its
+    """What the optimizer steps: this data-parallel rank's chunk of every unit (each block of a
+    ModuleList, and the root unit: the rest), each unit sharded over the ranks (_comm.ZeroShards),
+    so its state is 1/DP_SIZE of the whole. Kept as model.zero_shards. Its
     hooks {hooks}."""
     model.zero_shards = _comm.zero_shards(model, _comm.DP, stage=ZERO_STAGE, average=AVERAGE_SHARES,
                                           overlap={overlap}, partial=tp_partial_params(model), partial_axis=_comm.TP)
-    return [model.zero_shards.shard]
+    return model.zero_shards.chunks
 '''
 
 ZERO_HOOKS = {
@@ -1005,7 +1013,7 @@ def stepped_grads(model):
 ZERO_STEPPED_GRADS = """
 
 def stepped_grads(model):
-    return [model.zero_shards.shard.grad]
+    return [chunk.grad for chunk in model.zero_shards.chunks]
 """
 
 # clip_grad_norm's gradients: each parameter's, or (ZeRO) the pieces of this rank's shard
@@ -1018,7 +1026,7 @@ CLIP_PIECES = """    pieces, counts = [], []
 
 ZERO_CLIP_PIECES = """    keys = {{id(param): key for key, param in model.named_parameters()}}
     pieces, counts = [], []
-    for param, piece in model.zero_shards.pieces(model.zero_shards.shard.grad):   # this rank's elements
+    for param, piece in model.zero_shards.pieces(stepped_grads(model)):   # this rank's elements
         pieces.append(piece)
         counts.append(counted.get(keys[id(param)], False))
 """

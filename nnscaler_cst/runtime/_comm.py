@@ -760,11 +760,11 @@ def wait_grad_buckets(buckets: GradBuckets, *, reduce_dtype: torch.dtype | None 
 # repeated layers) is one, and the root unit holds the rest (embeddings, head, final norm; and a
 # parameter that several units use). A unit's parameters lie end to end in one flat buffer,
 # padded to a multiple of the data-parallel size; data-parallel rank r owns the r-th 1/dp of each
-# unit ("its chunk"), and this rank's chunks laid end to end are its shard (``ZeroShards.shard``),
-# the one tensor its optimizer steps, so its state (AdamW: exp_avg, exp_avg_sq) is 1/dp of the
-# whole. AdamW is elementwise, so stepping each shard is stepping the whole. Per stage:
+# unit ("its chunk"), and this rank's chunks laid end to end are its shard (``ZeroShards.shard``);
+# the optimizer steps the chunks (``ZeroShards.chunks``, one parameter per unit, views of the
+# shard), so its state (AdamW: exp_avg, exp_avg_sq) is 1/dp of the whole. AdamW is elementwise, so stepping each shard is stepping the whole. Per stage:
 #   1: the parameters stay whole; after the backward each unit's gradient is reduce-scattered
-#      into the shard's gradient; after the step every unit is all-gathered.
+#      into its chunk's gradient and dropped; after the step every unit is all-gathered.
 #   2: as 1, but each unit's gradient is reduce-scattered as soon as the backward has produced it
 #      (a hook on its last gradient), and freed: a rank never holds more than a unit of full
 #      gradients at once beyond what plain data parallelism holds.
@@ -845,9 +845,12 @@ class ZeroShards:
         self.params = [p for u in self.units for p in u.params]
         self.shard_numel = offset
         self.dtype, self.device = self.units[0].dtype, self.units[0].device
-        self.shard = torch.nn.Parameter(torch.empty(offset, dtype=self.dtype, device=self.device))
+        self.shard = torch.empty(offset, dtype=self.dtype, device=self.device)
         for u in self.units:
-            self.chunk_of(u, self.shard.data).copy_(u.mine(u.flat))
+            self.chunk_of(u, self.shard).copy_(u.mine(u.flat))
+        # what the optimizer steps: a parameter per unit, each a view of the shard (one tensor for
+        # all would make the optimizer's temporaries as large as the shard)
+        self.chunks = [torch.nn.Parameter(self.chunk_of(u, self.shard)) for u in self.units]
         self.root = self.units[0] if self.units[0].name == "(root)" else None
         self.unit_of = {id(p): u for u in self.units for p in u.params}
         self.forward_order: list[ZeroUnit] = []
@@ -880,18 +883,23 @@ class ZeroShards:
             start += u.chunk * self.axis.size
         return out
 
-    def pieces(self, shard: torch.Tensor) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-        """(parameter, the part of ``shard`` that holds this rank's elements of it), for every
-        parameter with elements in this rank's chunks."""
+    def pieces(self, per_unit: list[torch.Tensor]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """(parameter, the part of ``per_unit`` (a tensor shaped as each unit's chunk, e.g. the
+        chunks' gradients) that holds this rank's elements of it), for every parameter with
+        elements in this rank's chunks."""
         out = []
-        for u in self.units:
-            chunk, start, offset = self.chunk_of(u, shard), self.axis.rank * u.chunk, 0
+        for u, chunk in zip(self.units, per_unit):
+            start, offset = self.axis.rank * u.chunk, 0
             for p, n in zip(u.params, u.numels):
                 low, high = max(offset, start), min(offset + n, start + u.chunk)
                 if low < high:
                     out.append((p, chunk[low - start:high - start]))
                 offset += n
         return out
+
+    def grad(self) -> torch.Tensor:
+        """This rank's shard of the gradients, one tensor (zeros where a unit has none)."""
+        return torch.cat([c.grad if c.grad is not None else torch.zeros_like(c) for c in self.chunks])
 
     # -- gathering and freeing the parameters (stage 3) -----------------------------------------
 
@@ -905,7 +913,7 @@ class ZeroShards:
         if u.whole or u.gathering is not None:
             return
         u.flat.untyped_storage().resize_(u.flat.numel() * u.flat.element_size())
-        sent = self.chunk_of(u, self.shard.detach()).clone()
+        sent = self.chunk_of(u, self.shard).clone()
         if self.axis.size == 1:
             u.flat.copy_(sent)
             u.whole = True
@@ -999,9 +1007,10 @@ class ZeroShards:
                 handle.wait()
             else:
                 received = u.mine(received)
-            if self.shard.grad is None:
-                self.shard.grad = torch.zeros_like(self.shard)
-            chunk = self.chunk_of(u, self.shard.grad)
+            stepped = self.chunks[self.units.index(u)]
+            if stepped.grad is None:
+                stepped.grad = torch.zeros_like(stepped)
+            chunk = stepped.grad
             chunk.add_(received.to(self.dtype).div_(self.axis.size) if self.average else received.to(self.dtype))
         self.reducing = []
 
@@ -1038,7 +1047,7 @@ def zero_shards(model: torch.nn.Module, axis: Axis, *, stage: int, average: bool
 def reduce_scatter_grads(shards: ZeroShards, axis: Axis, *, average: bool = True,
                          reduce_dtype: torch.dtype | None = None) -> None:
     """This rank's shard of the data-parallel gradients (their mean with ``average``, else their
-    sum) as ``shards.shard.grad``: the units the backward has not reduce-scattered yet are now
+    sum) as the gradients of ``shards.chunks``: the units the backward has not reduce-scattered yet are now
     (all of them at stage 1 and with pipelines), and every reduce-scatter in flight is waited for.
     From stage 2 on the full gradients are dropped. ``reduce_dtype``: the dtype on the wire (for
     the reduce-scatters issued in the backward: from the next one on)."""
@@ -1046,15 +1055,12 @@ def reduce_scatter_grads(shards: ZeroShards, axis: Axis, *, average: bool = True
     shards.reduce_dtype = reduce_dtype
     for u in shards.units:
         if any(p.grad is not None for p in u.params):
-            grads = [p.grad for p in u.params] if shards.stage == 1 else None
             shards.reduce(u)
-            if grads is not None:        # ZeRO-1 keeps the full gradients (zeroed after the step)
-                for p, g in zip(u.params, grads):
-                    p.grad = g
         u.ready = 0
     shards._wait_reduced()
-    if shards.shard.grad is None:
-        shards.shard.grad = torch.zeros_like(shards.shard)
+    for stepped in shards.chunks:
+        if stepped.grad is None:
+            stepped.grad = torch.zeros_like(stepped)
 
 
 def all_gather_params(shards: ZeroShards, axis: Axis, units: str = "all") -> None:
@@ -1079,7 +1085,7 @@ def free_params(shards: ZeroShards) -> None:
 def keep_params(shards: ZeroShards) -> None:
     """The whole parameters (written into, a checkpoint loaded) back into this rank's shard."""
     for u in shards.units:
-        shards.chunk_of(u, shards.shard.data).copy_(u.mine(u.flat))
+        shards.chunk_of(u, shards.shard).copy_(u.mine(u.flat))
 
 
 def gather_whole(shards: ZeroShards, shard: torch.Tensor, *, record: bool = True) -> torch.Tensor:

@@ -204,7 +204,7 @@ def capture_zero_gradients(model, shards, optimizer, comm):
 
     def step_and_capture(*a, **k):
         if not captured:
-            flat = comm.gather_whole(shards, shards.shard.grad.detach(), record=False)
+            flat = comm.gather_whole(shards, shards.grad(), record=False)
             by_param = {id(p): g for p, g in zip(shards.params, shards.views(flat))}
             for name, param in model.named_parameters(remove_duplicate=False):
                 if id(param) in by_param:
