@@ -348,3 +348,59 @@ def test_zero_with_a_searched_plan_on_a_batch_that_cannot_be_sliced_is_refused(t
         cli.main(["plan", str(model), "--plan", "auto", "--devices", "2", "--zero", "1"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "no plan on 2 devices" in err and "--zero 1" in err, err
+
+
+UNITS = textwrap.dedent('''
+    """One rank of --dp 2 --zero 3 on the GPT fixture: while each block runs forward, how many
+    blocks are whole (their flat buffer's storage allocated); after the step, how many units."""
+    import importlib, json, os, sys
+    import torch
+    folder = sys.argv[1]
+    sys.path.insert(0, os.path.dirname(folder))
+    package = importlib.import_module(os.path.basename(folder))
+    comm = importlib.import_module(package.__name__ + "._comm")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    comm.setup(rank, world, tp=package.TP_SIZE, dp=package.DP_SIZE, pp=package.PP_SIZE, backend="gloo")
+    module = package.rank_module(rank)
+    torch.manual_seed(0)
+    model = package.build(rank).train()
+    optimizer = torch.optim.AdamW(package.optimizer_params(model), lr=1e-3)
+    shards = model.zero_shards
+    blocks = [u for u in shards.units if u is not shards.root]
+    whole = lambda units: sum(u.flat.untyped_storage().nbytes() > 0 for u in units)
+    during = []
+    for u in blocks:            # after the unit's own pre-hook (registered first): it is gathered
+        dict(model.named_modules())[u.name].register_forward_pre_hook(lambda m, a: during.append(whole(blocks)))
+    for step in range(2):
+        torch.manual_seed(step)
+        package.train_step(model, optimizer, module.example_inputs())
+    print(json.dumps({"units": [u.name for u in shards.units], "during": during, "after": whole(shards.units),
+                      "gathers": comm.COUNTERS["all_gather"]}), flush=True)
+    comm.teardown()
+''')
+
+
+@pytest.mark.slow
+def test_zero_3_gathers_one_block_at_a_time_and_frees_it(tmp_path):
+    """Each block of the GPT fixture is a unit: while a block runs, at most it and the next one
+    (prefetched) are whole; after the step every unit is freed; every block is gathered twice a
+    step (forward, backward), the root unit once."""
+    out = tmp_path / "zero3"
+    subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", str(REPO / "fixtures" / "gpt.py"), "--dp", "2",
+                    "--zero", "3", "-o", out], cwd=tmp_path, check=True, capture_output=True, timeout=600)
+    script = tmp_path / "units.py"
+    script.write_text(UNITS)
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29611",
+           "PYTHONWARNINGS": "ignore"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(out)], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+        seen = json.loads(stdout.strip().splitlines()[-1])
+        blocks = len(seen["units"]) - 1
+        assert seen["units"][0] == "(root)" and seen["units"][1:] == [f"transformer.h.{i}" for i in range(blocks)]
+        assert blocks >= 3 and len(seen["during"]) == 2 * blocks
+        assert max(seen["during"]) <= 2 and min(seen["during"]) >= 1, seen
+        assert seen["after"] == 0
+        assert seen["gathers"] == 2 * (2 * blocks + 1), seen
