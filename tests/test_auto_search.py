@@ -170,13 +170,14 @@ def test_1f1b_keeps_stages_minus_stage_micro_batches_gpipe_all():
     assert [micro_batches_in_flight(s, 4, 8, "gpipe") for s in range(4)] == [8] * 4
 
 
-@pytest.mark.parametrize("zero, held", [(0, (4000, 4000, 8000)), (1, (4000, 4000, 2000)),
-                                        (2, (4000, 1000, 2000)), (3, (1000, 1000, 2000))])
-def test_device_memory_adds_zero_state_activations_in_flight_and_what_recompute_rebuilds(zero, held):
-    memory = device_memory(1000, zero, 4, 300.0, 3, rebuilt=50.0, block_params=10)
+@pytest.mark.parametrize("zero, held, gathered", [(0, (4000, 4000, 8000), 0), (1, (5000, 4000, 2000), 0),
+                                                  (2, (5000, 1000, 2000), 25 * FLOAT),
+                                                  (3, (1000, 1000, 2000), 2 * 25 * FLOAT)])
+def test_device_memory_adds_zero_state_activations_in_flight_and_what_recompute_rebuilds(zero, held, gathered):
+    memory = device_memory(1000, zero, 4, 300.0, 3, rebuilt=50.0, block_params=10, root_params=5)
     assert (memory.params, memory.grads, memory.optimizer) == held
     assert memory.activations == 900.0 and memory.rebuilt == 50.0
-    assert memory.gathered == (10 * FLOAT if zero == 3 else 0)
+    assert memory.gathered == gathered      # the root unit and two blocks: gradients, ZeRO-3 parameters too
     assert memory.total == sum(held) + 900 + 50 + memory.gathered
 
 
@@ -264,22 +265,25 @@ def blocks(tmp_path_factory):
     return analyze(path)
 
 
-def test_a_budget_only_zero_2_meets_makes_the_search_shard_gradients_and_optimizer_state(no_blocks):
+def test_a_budget_only_zero_1_meets_makes_the_search_shard_the_optimizer_state(no_blocks):
+    """A model without blocks is one ZeRO unit: its gradients are whole until the backward ends
+    and ZeRO-3 gathers all of it, so ZeRO-2 and 3 hold as much as plain data parallelism (16
+    bytes a parameter); ZeRO-1 holds less (whole weights and gradients, the shard the optimizer
+    steps and its AdamW state)."""
     graph = no_blocks.graph
     params = 3 * LAYER_PARAMS
     assert sum(math.prod(p.shape) for p in graph.trace.params.values()) == params
     activations = sum(saved_bytes(n, graph.trace) for n in graph.nodes) / 2      # half the batch per rank
     shard = math.ceil(params / 2)
-    zero2 = params * FLOAT + shard * FLOAT + shard * 8      # whole weights, sharded gradients and AdamW state
-    zero1 = params * FLOAT + params * FLOAT + shard * 8
-    budget = (zero2 + zero1) / 2 + activations
+    zero1 = (params + shard) * FLOAT + params * FLOAT + shard * 8
+    budget = (zero1 + 16 * params) / 2 + activations
     choice = search_auto(graph, 2, CPU, [], budget)
-    assert (choice.config.dp, choice.config.zero, choice.config.pp) == (2, 2, 1), choice.config
-    assert choice.best.memory == zero2 + activations
+    assert (choice.config.dp, choice.config.zero, choice.config.pp) == (2, 1, 1), choice.config
+    assert choice.best.memory == zero1 + activations
     refused = {(e.config.tp, e.config.dp, e.config.pp): e.why_not for e in choice.candidates if e.why_not}
     assert "blocks" in refused[(1, 1, 2)] or "loop" in refused[(1, 1, 2)]     # no blocks to cut into stages
-    with pytest.raises(UserError, match="no plan on 2 devices fits"):      # below ZeRO-3's 8 bytes a parameter
-        search_auto(graph, 2, CPU, [], 8 * params + activations - 1)
+    with pytest.raises(UserError, match="no plan on 2 devices fits"):
+        search_auto(graph, 2, CPU, [], zero1 + activations - 1)
 
 
 def test_a_budget_below_the_whole_model_makes_the_search_cut_pipeline_stages(blocks):

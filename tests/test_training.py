@@ -102,8 +102,7 @@ def test_fp16_skips_a_step_whose_gradients_overflowed_and_halves_the_loss_scale(
 def test_the_gradients_are_reduced_in_float32_unless_the_loop_asks_for_another_dtype(gpt):
     finish = function(api_source(gpt, tp=2, dp=2, precision="bf16"), "finish_backward")
     assert "def finish_backward(model, reduce_dtype=None):" in finish
-    assert "_comm.sync_grads(list(model.parameters()), _comm.DP, average=AVERAGE_SHARES,\n" \
-           "                     reduce_dtype=reduce_dtype)" in finish
+    assert "_comm.wait_grad_buckets(grad_buckets(model), reduce_dtype=reduce_dtype)" in finish
 
 
 def test_a_bfloat16_reduction_sends_half_the_bytes_and_returns_float32_gradients():

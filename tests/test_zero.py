@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from nnscaler_cst import cli
-from nnscaler_cst.plan.zero import state_bytes_per_device
+from nnscaler_cst.plan.zero import state_bytes_per_device, units_in_flight
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,25 +47,39 @@ def test_the_step_reduce_scatters_gradients_and_gathers_parameters_by_name(mlp_a
     train = train_source(mlp_analysis, dp=2, zero=stage)
     step = step_body(train)
     assert f"ZERO_STAGE = {stage}  # ZeRO-{stage}:" in train
-    assert "_comm.zero_shards(model.parameters(), _comm.DP, stage=ZERO_STAGE)" in train
-    assert "return [model.zero_shards.shard]" in train          # the optimizer steps the shard only
+    assert "_comm.zero_shards(model, _comm.DP, stage=ZERO_STAGE, average=AVERAGE_SHARES,\n" \
+           "                                          overlap=True, partial=tp_partial_params(model)" in train
+    assert "return model.zero_shards.chunks" in train          # the optimizer steps the shard only
     assert "_comm.sync_grads(list(model.parameters()), _comm.DP" not in step   # no all-reduce of gradients
+    assert "grad_buckets(model)" not in step
     reduce_at = step.index("_comm.reduce_scatter_grads(model.zero_shards, _comm.DP, average=AVERAGE_SHARES")
     step_at = step.index("optimizer.step()")
     assert reduce_at < step_at
-    gather_at = step.index("_comm.all_gather_params(model.zero_shards, _comm.DP)")
-    if stage == 3:     # gathered before the forward, dropped after the backward
+    gather_at = step.index("_comm.all_gather_params(model.zero_shards, _comm.DP")
+    if stage == 3:     # the root unit gathered before the forward (the blocks by their hooks), all dropped after
         assert gather_at < step.index("output = model(") and step.count("all_gather_params") == 1
+        assert '_comm.all_gather_params(model.zero_shards, _comm.DP, units="root")' in step
         assert reduce_at < step.index("_comm.free_params(model.zero_shards)") < step_at
     else:              # the updated shards gathered after the step
         assert step_at < gather_at and "free_params" not in step
-    assert ("model.zero_grad(set_to_none=False)" in step) == (stage == 1)   # ZeRO-1 keeps its buffer
+    assert ("model.zero_grad(set_to_none=True)" in step) == (stage == 1)   # ZeRO-1's full gradients
 
 
-def test_without_zero_the_gradients_are_all_reduced_and_every_parameter_stepped(mlp_analysis):
+def test_without_zero_the_gradient_buckets_are_all_reduced_from_the_backward_and_waited_for(mlp_analysis):
     train = train_source(mlp_analysis, dp=2)
-    assert "_comm.sync_grads(list(model.parameters()), _comm.DP, average=AVERAGE_SHARES," in step_body(train)
-    assert "ZERO_STAGE" not in train and "zero_shards" not in step_body(train)
+    step = step_body(train)
+    hooked_at = step.index("    grad_buckets(model)  # data parallel: each gradient bucket all-reduced")
+    assert hooked_at < step.index("output = model(")
+    assert step.index("_comm.wait_grad_buckets(grad_buckets(model), reduce_dtype=reduce_dtype)") < step.index("optimizer.step()")
+    assert "_comm.overlap_grads(model, _comm.DP, average=AVERAGE_SHARES, partial=tp_partial_params(model)" in train
+    assert "ZERO_STAGE" not in train and "zero_shards" not in step
+
+
+def test_a_pipeline_reduces_the_gradients_after_its_schedule(gpt_analysis):
+    """Several backwards a step (micro-batches): the reduction waits for all of them."""
+    step = step_body(train_source(gpt_analysis, dp=2, pp=2, micro_batches=2))
+    assert "_comm.sync_grads(list(model.parameters()), _comm.DP, average=AVERAGE_SHARES," in step
+    assert "grad_buckets" not in step
 
 
 def test_zero_composes_with_tensor_parallel_over_the_data_parallel_axis(mlp_analysis):
@@ -77,13 +91,14 @@ def test_zero_composes_with_tensor_parallel_over_the_data_parallel_axis(mlp_anal
 # Bytes per device
 # --------------------------------------------------------------------------------------------
 
-def test_state_bytes_follow_the_zero_paper():
+def test_state_bytes_follow_the_zero_paper_plus_the_shard_the_optimizer_steps():
     """Ψ = 1000 fp32 parameters over 4 ranks: 4Ψ weights, 4Ψ gradients, 8Ψ AdamW state, the
-    optimizer state sharded from stage 1, the gradients from 2, the weights from 3."""
+    optimizer state sharded from stage 1, the gradients from 2, the weights from 3. The optimizer
+    steps a shard of its own (the units' chunks end to end), Ψ/4 more weights at stages 1 and 2."""
     per = {stage: state_bytes_per_device(1000, stage, 4) for stage in range(4)}
     assert (per[0].params, per[0].grads, per[0].optimizer) == (4000, 4000, 8000)
-    assert (per[1].params, per[1].grads, per[1].optimizer) == (4000, 4000, 2000)
-    assert (per[2].params, per[2].grads, per[2].optimizer) == (4000, 1000, 2000)
+    assert (per[1].params, per[1].grads, per[1].optimizer) == (5000, 4000, 2000)
+    assert (per[2].params, per[2].grads, per[2].optimizer) == (5000, 1000, 2000)
     assert (per[3].params, per[3].grads, per[3].optimizer) == (1000, 1000, 2000)
     assert per[3].total == 4000
 
@@ -91,7 +106,15 @@ def test_state_bytes_follow_the_zero_paper():
 def test_a_count_that_does_not_divide_is_padded_to_the_flat_buffer():
     held = state_bytes_per_device(10, 3, 4)          # 10 parameters -> 12 in the buffer, 3 per rank
     assert (held.params, held.grads, held.optimizer) == (12, 12, 24)
-    assert state_bytes_per_device(10, 1, 4).params == 48
+    assert state_bytes_per_device(10, 1, 4).params == 48 + 12
+
+
+def test_what_is_whole_for_a_moment_is_the_root_unit_and_two_blocks():
+    """ZeRO-2: the gradients of the root unit (whole until the backward ends) and two blocks; ZeRO-3
+    their parameters too; ZeRO-1 reduces after the backward, whole gradients counted already."""
+    assert units_in_flight(1, 100, 10) == (0, 0)
+    assert units_in_flight(2, 100, 10) == (0, 120 * 4)
+    assert units_in_flight(3, 100, 10) == (120 * 4, 120 * 4)
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +127,7 @@ def gpt_analysis():
 def test_with_pipeline_stages_the_schedule_is_followed_by_the_same_zero_calls_on_the_stages(gpt_analysis, stage):
     train = train_source(gpt_analysis, dp=2, pp=2, micro_batches=2, zero=stage)
     step = step_body(train)
+    assert "overlap=False" in train        # several backwards a step: the reduce-scatters wait for them
     schedule_at = step.index("for i, (kind, stage, m, cycle) in enumerate(actions):")
     tied_at = step.index("_comm.sync_grads(tied, _comm.PP_ENDS, average=False)")
     reduce_at = step.index("_comm.reduce_scatter_grads(model.zero_shards, _comm.DP, average=AVERAGE_SHARES")
@@ -191,7 +215,8 @@ def test_zero_with_pipeline_stages_trains_like_the_single_device_run(entry, args
 
 MEASURE = textwrap.dedent('''
     """One rank: build the output's model, take one train_step, and count the bytes of parameters,
-    gradients and optimizer state it holds right after the optimizer steps (storages counted once)."""
+    gradients and optimizer state it holds right after the optimizer steps (storages counted once;
+    the gradients: the more of then and the end of the backward)."""
     import importlib, json, os, sys
     import torch
     folder = sys.argv[1]
@@ -226,9 +251,15 @@ MEASURE = textwrap.dedent('''
     original = optimizer.step
     def step_and_measure(*a, **k):
         result = original(*a, **k)
-        measured.update(held())
+        at_step = held()
+        measured.update(at_step, grads=max(at_step["grads"], measured["grads"]))
         return result
     optimizer.step = step_and_measure
+    finish = package.finish_backward
+    def measure_and_finish(*a, **k):       # the backward's end: ZeRO-1's whole gradients
+        measured["grads"] = held()["grads"]
+        return finish(*a, **k)
+    package.finish_backward = measure_and_finish
     torch.manual_seed(1)
     package.train_step(model, optimizer, module.example_inputs())
     print(json.dumps({"rank": rank, "count": count, **measured}), flush=True)
@@ -317,3 +348,59 @@ def test_zero_with_a_searched_plan_on_a_batch_that_cannot_be_sliced_is_refused(t
         cli.main(["plan", str(model), "--plan", "auto", "--devices", "2", "--zero", "1"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "no plan on 2 devices" in err and "--zero 1" in err, err
+
+
+UNITS = textwrap.dedent('''
+    """One rank of --dp 2 --zero 3 on the GPT fixture: while each block runs forward, how many
+    blocks are whole (their flat buffer's storage allocated); after the step, how many units."""
+    import importlib, json, os, sys
+    import torch
+    folder = sys.argv[1]
+    sys.path.insert(0, os.path.dirname(folder))
+    package = importlib.import_module(os.path.basename(folder))
+    comm = importlib.import_module(package.__name__ + "._comm")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    comm.setup(rank, world, tp=package.TP_SIZE, dp=package.DP_SIZE, pp=package.PP_SIZE, backend="gloo")
+    module = package.rank_module(rank)
+    torch.manual_seed(0)
+    model = package.build(rank).train()
+    optimizer = torch.optim.AdamW(package.optimizer_params(model), lr=1e-3)
+    shards = model.zero_shards
+    blocks = [u for u in shards.units if u is not shards.root]
+    whole = lambda units: sum(u.flat.untyped_storage().nbytes() > 0 for u in units)
+    during = []
+    for u in blocks:            # after the unit's own pre-hook (registered first): it is gathered
+        dict(model.named_modules())[u.name].register_forward_pre_hook(lambda m, a: during.append(whole(blocks)))
+    for step in range(2):
+        torch.manual_seed(step)
+        package.train_step(model, optimizer, module.example_inputs())
+    print(json.dumps({"units": [u.name for u in shards.units], "during": during, "after": whole(shards.units),
+                      "gathers": comm.COUNTERS["all_gather"]}), flush=True)
+    comm.teardown()
+''')
+
+
+@pytest.mark.slow
+def test_zero_3_gathers_one_block_at_a_time_and_frees_it(tmp_path):
+    """Each block of the GPT fixture is a unit: while a block runs, at most it and the next one
+    (prefetched) are whole; after the step every unit is freed; every block is gathered twice a
+    step (forward, backward), the root unit once."""
+    out = tmp_path / "zero3"
+    subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", str(REPO / "fixtures" / "gpt.py"), "--dp", "2",
+                    "--zero", "3", "-o", out], cwd=tmp_path, check=True, capture_output=True, timeout=600)
+    script = tmp_path / "units.py"
+    script.write_text(UNITS)
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29611",
+           "PYTHONWARNINGS": "ignore"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(out)], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+        seen = json.loads(stdout.strip().splitlines()[-1])
+        blocks = len(seen["units"]) - 1
+        assert seen["units"][0] == "(root)" and seen["units"][1:] == [f"transformer.h.{i}" for i in range(blocks)]
+        assert blocks >= 3 and len(seen["during"]) == 2 * blocks
+        assert max(seen["during"]) <= 2 and min(seen["during"]) >= 1, seen
+        assert seen["after"] == 0
+        assert seen["gathers"] == 2 * (2 * blocks + 1), seen

@@ -656,16 +656,20 @@ def single_device_names(model):
     return names
 
 
+def tp_partial_params(model):
+    \"\"\"This rank's parameters whose gradient each tensor-parallel rank holds only in part.\"\"\"
+    names = single_device_names(model)
+    return [param for key, param in model.named_parameters() if names[key] in TP_PARTIAL_GRADS]
+
+
 def finish_backward(model, reduce_dtype=None):
     \"\"\"Every gradient sync the plan needs after forward_backward: copies of a parameter on several
     pipeline stages summed, tensor-parallel partial gradients summed, data-parallel gradients
-    combined; fp16: the loss scale taken out. `reduce_dtype` (torch.bfloat16): the data-parallel
-    reduction's dtype, float32 when None.\"\"\"
+    combined (where the backward already issued them: waited for); fp16: the loss scale taken
+    out. `reduce_dtype` (torch.bfloat16): the data-parallel reduction's dtype, float32 when None;
+    where the reduction overlaps the backward it applies from the next backward on.\"\"\"
     if PP_SIZE > 1:
         pipeline_grads(model, rank_module(_comm.GLOBAL_RANK))
-    names = single_device_names(model)
-    partial = [param for key, param in model.named_parameters() if names[key] in TP_PARTIAL_GRADS]
-    _comm.sync_grads(partial, _comm.TP, average=False)  # tensor parallel: partial gradients summed
 {dp_finish}    if PRECISION is torch.float16:
         unscale(stepped_grads(model))
 {stepped_grads}
@@ -753,7 +757,7 @@ class whole_parameters:
 
     def __init__(self, model):
         shards = getattr(model, "zero_shards", None)
-        self.shards = shards if shards is not None and shards.flat is None else None
+        self.shards = shards if shards is not None and shards.stage == 3 else None
 
     def __enter__(self):
         if self.shards is not None:
@@ -761,8 +765,7 @@ class whole_parameters:
 
     def __exit__(self, *exc):
         if self.shards is not None:
-            start = _comm.DP.rank * self.shards.shard_numel
-            self.shards.shard.data.copy_(self.shards.flat[start:start + self.shards.shard_numel])
+            _comm.keep_params(self.shards)
             _comm.free_params(self.shards)
 
 
@@ -843,16 +846,16 @@ def zero_optimizer_state(shards, optimizer, template, names, model):
     \"\"\"ZeRO: {{name: (parameter, its whole optimizer state)}}, from this rank's shard of the state:
     each state tensor laid out as the flat buffer, gathered over the data-parallel ranks.\"\"\"
     keys = {{id(param): key for key, param in model.named_parameters()}}
-    mine = optimizer.state[shards.shard]
-    if not mine and template is not None:
+    if not optimizer.state[shards.chunks[0]] and template is not None:
         name = names[keys[id(shards.params[0])]]
-        mine.update(new_state(template, min(PARAMETER_ALIASES.get(name, [name])), (shards.shard_numel,),
-                              shards.device))
-    whole = {{}}
-    for what, value in mine.items():
-        if value.shape == shards.shard.shape:
-            whole[what] = torch.empty(shards.shard_numel * _comm.DP.size, dtype=value.dtype, device=value.device)
-            _comm.gather_shards(whole[what], value, _comm.DP)
+        for chunk in shards.chunks:
+            optimizer.state[chunk].update(new_state(template, min(PARAMETER_ALIASES.get(name, [name])),
+                                                    chunk.shape, shards.device))
+    states = [optimizer.state[chunk] for chunk in shards.chunks]
+    mine = {{what: torch.cat([state[what] for state in states]) if value.shape == shards.chunks[0].shape else value
+            for what, value in states[0].items()}}
+    whole = {{what: _comm.gather_whole(shards, value) for what, value in mine.items()
+             if value.shape == shards.shard.shape}}
     shards.gathered_state = whole   # load_checkpoint hands this rank's shard back from it
     views = {{what: shards.views(flat) for what, flat in whole.items()}}
     states = {{}}
@@ -891,11 +894,15 @@ def load_checkpoint(path, model, optimizer=None, extra=None):
             copy.copy_(tensor)
     shards = getattr(model, "zero_shards", None)
     if shards is not None and optimizer is not None:     # this rank's shard of the whole state read
-        start = _comm.DP.rank * shards.shard_numel
         for what, flat in shards.gathered_state.items():
-            optimizer.state[shards.shard][what].copy_(flat[start:start + shards.shard_numel])
-        if shards.flat is not None:
-            shards.shard.data.copy_(shards.flat[start:start + shards.shard_numel])
+            for chunk, piece in zip(shards.chunks, _comm.shard_of(shards, flat).split([c.numel() for c in shards.chunks])):
+                optimizer.state[chunk][what].copy_(piece)
+        for chunk in shards.chunks[1:]:      # the rest (AdamW's step count) as the first chunk's
+            for what, value in optimizer.state[shards.chunks[0]].items():
+                if what not in shards.gathered_state:
+                    optimizer.state[chunk][what].copy_(value)
+    if shards is not None and shards.stage != 3:         # the parameters read whole: the shard from them
+        _comm.keep_params(shards)
 """
 
 FORWARD_BACKWARD = """    inputs = batch_share(batch)
@@ -916,17 +923,28 @@ def optimizer_params(model):
     return model.parameters()
 '''
 
-# ZeRO (--zero 1|2|3): the optimizer steps this rank's shard of the flattened parameters only.
+# ZeRO (--zero 1|2|3): the optimizer steps this rank's shard of the parameters only.
 ZERO_OPTIMIZER_PARAMS = '''
 ZERO_STAGE = {stage}  # {what}
 
 
 def optimizer_params(model):
-    """What the optimizer steps: this data-parallel rank's shard of the parameters laid end to
-    end (_comm.ZeroShards), so its state is 1/DP_SIZE of the whole. Kept as model.zero_shards."""
-    model.zero_shards = _comm.zero_shards(model.parameters(), _comm.DP, stage=ZERO_STAGE)
-    return [model.zero_shards.shard]
+    """What the optimizer steps: this data-parallel rank's chunk of every unit (each block of a
+    ModuleList, and the root unit: the rest), each unit sharded over the ranks (_comm.ZeroShards),
+    so its state is 1/DP_SIZE of the whole. Kept as model.zero_shards. Its
+    hooks {hooks}."""
+    model.zero_shards = _comm.zero_shards(model, _comm.DP, stage=ZERO_STAGE, average=AVERAGE_SHARES,
+                                          overlap={overlap}, partial=tp_partial_params(model), partial_axis=_comm.TP)
+    return model.zero_shards.chunks
 '''
+
+ZERO_HOOKS = {
+    1: "reduce nothing in the backward: finish_backward reduce-scatters every unit",
+    2: "reduce-scatter each unit's gradients as soon as the backward has produced\n    them, and drop them",
+    3: "all-gather each block just before its forward and its backward (the next block's\n"
+       "    gather issued ahead) and free it after, and reduce-scatter its gradients as the backward\n"
+       "    leaves it",
+}
 
 ZERO_WHAT = {
     1: "ZeRO-1: optimizer state sharded over the data-parallel ranks",
@@ -934,29 +952,50 @@ ZERO_WHAT = {
     3: "ZeRO-3: optimizer state, gradients and parameters sharded over the data-parallel ranks",
 }
 
-ZERO_GATHER = """    _comm.all_gather_params(model.zero_shards, _comm.DP)  # ZeRO-3: whole parameters for forward and backward
+ZERO_GATHER = """    # ZeRO-3: the root unit (embedding, head) whole for the step; each block's hooks gather that block
+    _comm.all_gather_params(model.zero_shards, _comm.DP, units="root")
 """
 
+# Plain data parallelism: gradient buckets all-reduced from the backward's hooks (DDP)
+DP_OVERLAP = """    grad_buckets(model)  # data parallel: each gradient bucket all-reduced as soon as the backward fills it
+"""
+
+GRAD_BUCKETS = '''
+
+def grad_buckets(model):
+    """The model's data-parallel gradient buckets, hooked on first use: each bucket is all-reduced
+    over DP asynchronously as soon as the backward has filled it, in the backward's order;
+    tensor-parallel partial gradients are summed as they come."""
+    return _comm.overlap_grads(model, _comm.DP, average=AVERAGE_SHARES, partial=tp_partial_params(model),
+                               partial_axis=_comm.TP)
+'''
+
 # finish_backward's data-parallel part, and what optimizer_step does after the step
-DP_FINISH = """    _comm.sync_grads(list(model.parameters()), _comm.DP, average=AVERAGE_SHARES,
+TP_FINISH = """    _comm.sync_grads(tp_partial_params(model), _comm.TP, average=False)  # tensor parallel: partial gradients summed
+"""
+
+DP_FINISH = TP_FINISH + """    _comm.sync_grads(list(model.parameters()), _comm.DP, average=AVERAGE_SHARES,
                      reduce_dtype=reduce_dtype)  # data parallel
 """
 
+DP_FINISH_OVERLAPPED = """    _comm.wait_grad_buckets(grad_buckets(model), reduce_dtype=reduce_dtype)  # data parallel: the backward's bucket all-reduces, waited for
+"""
+
 ZERO_FINISH = {
-    1: """    # this rank's shard of the data-parallel gradient, to the optimizer
+    1: TP_FINISH + """    # this rank's shard of the data-parallel gradient, to the optimizer
     _comm.reduce_scatter_grads(model.zero_shards, _comm.DP, average=AVERAGE_SHARES, reduce_dtype=reduce_dtype)
 """,
-    2: """    # only this rank's shard of the data-parallel gradient is kept
+    2: TP_FINISH + """    # only this rank's shard of the data-parallel gradient is kept (the backward's reduce-scatters waited for)
     _comm.reduce_scatter_grads(model.zero_shards, _comm.DP, average=AVERAGE_SHARES, reduce_dtype=reduce_dtype)
 """,
-    3: """    # only this rank's shard of the data-parallel gradient is kept
+    3: TP_FINISH + """    # only this rank's shard of the data-parallel gradient is kept (the backward's reduce-scatters waited for)
     _comm.reduce_scatter_grads(model.zero_shards, _comm.DP, average=AVERAGE_SHARES, reduce_dtype=reduce_dtype)
     _comm.free_params(model.zero_shards)                      # whole parameters dropped: the shard stays
 """,
 }
 
 ZERO_AFTER_STEP = {
-    1: """    model.zero_grad(set_to_none=False)                        # ZeRO-1 keeps its full gradient buffer: zeroed
+    1: """    model.zero_grad(set_to_none=True)                         # ZeRO-1's full gradients, dropped
     _comm.all_gather_params(model.zero_shards, _comm.DP)     # every rank's updated shard, to every rank
 """,
     2: """    _comm.all_gather_params(model.zero_shards, _comm.DP)     # every rank's updated shard, to every rank
@@ -974,7 +1013,7 @@ def stepped_grads(model):
 ZERO_STEPPED_GRADS = """
 
 def stepped_grads(model):
-    return [model.zero_shards.shard.grad]
+    return [chunk.grad for chunk in model.zero_shards.chunks]
 """
 
 # clip_grad_norm's gradients: each parameter's, or (ZeRO) the pieces of this rank's shard
@@ -985,16 +1024,11 @@ CLIP_PIECES = """    pieces, counts = [], []
             counts.append(counted.get(key, False) and _comm.DP.rank == 0)
 """
 
-ZERO_CLIP_PIECES = """    shards = model.zero_shards
-    keys = {{id(param): key for key, param in model.named_parameters()}}
-    start = _comm.DP.rank * shards.shard_numel     # this rank's range of the flat buffer
-    pieces, counts, offset = [], [], 0
-    for param, numel in zip(shards.params, shards.numels):
-        low, high = max(offset, start), min(offset + numel, start + shards.shard_numel)
-        if low < high:
-            pieces.append(shards.shard.grad[low - start:high - start])
-            counts.append(counted.get(keys[id(param)], False))
-        offset += numel
+ZERO_CLIP_PIECES = """    keys = {{id(param): key for key, param in model.named_parameters()}}
+    pieces, counts = [], []
+    for param, piece in model.zero_shards.pieces(stepped_grads(model)):   # this rank's elements
+        pieces.append(piece)
+        counts.append(counted.get(keys[id(param)], False))
 """
 
 
@@ -1015,14 +1049,18 @@ def training_api(*, partial: str, loss: str, zero: int, micro: int | None, preci
     """The training section of __init__.py for a plan: `partial` the TP_PARTIAL_GRADS entries,
     `loss` the loss's reduction ("mean" or "sum"), `zero` the ZeRO stage (0: replicated state),
     `micro` the micro-batches of a pipeline (None: no pipeline), `precision` the forward's dtype."""
+    pipeline = micro is not None
     pieces = {"optimizer_params": OPTIMIZER_PARAMS, "gather_before_forward": "", "dp_finish": DP_FINISH,
               "dp_after_step": "", "clip_pieces": CLIP_PIECES, "stepped_grads": STEPPED_GRADS}
+    if not pipeline:     # one backward a step: the data-parallel reduction overlaps it
+        pieces.update(optimizer_params=OPTIMIZER_PARAMS + GRAD_BUCKETS, gather_before_forward=DP_OVERLAP,
+                      dp_finish=DP_FINISH_OVERLAPPED)
     if zero:
-        pieces = {"optimizer_params": ZERO_OPTIMIZER_PARAMS.format(stage=zero, what=ZERO_WHAT[zero]),
+        pieces = {"optimizer_params": ZERO_OPTIMIZER_PARAMS.format(stage=zero, what=ZERO_WHAT[zero],
+                                                                   hooks=ZERO_HOOKS[zero], overlap=not pipeline),
                   "gather_before_forward": ZERO_GATHER if zero == 3 else "", "dp_finish": ZERO_FINISH[zero],
                   "dp_after_step": ZERO_AFTER_STEP[zero], "clip_pieces": ZERO_CLIP_PIECES.format(),
                   "stepped_grads": ZERO_STEPPED_GRADS}
-    pipeline = micro is not None
     return TRAINING.format(partial=partial, loss_shares=LOSS_SHARES[loss], precision=PRECISION_CODE[precision],
                            forward_backward=PIPELINE_FORWARD_BACKWARD if pipeline else FORWARD_BACKWARD,
                            pipeline_step="\n\n" + PIPELINE_STEP.format(micro=micro).rstrip("\n") if pipeline else "",

@@ -37,7 +37,7 @@ from .batch import batch_labels, batch_split_problem
 from .cost import ClusterSpec, DeviceSpec, all_gather_time, all_reduce_time, node_time, node_flops, optimizer_time
 from .layouts import REPLICATE, R
 from .memory import saved_bytes
-from .zero import ADAMW_STATE_BYTES, GRAD_BYTES, PARAM_BYTES
+from .zero import state_bytes_per_device, units_in_flight
 from .search import BYTES_PER_PARAM_STATE, AxisPlan, _layout, _search_cache, from_end, search_axis, site_id
 from .tables import Constraint, load_table
 
@@ -619,7 +619,7 @@ def _estimate(config: Config, cost: _Regions, blocks: _Blocks, batch: int, clust
     synced = parts.get(("sync", pp, dp, zero))
     if synced is None:
         synced = parts[("sync", pp, dp, zero)] = _stage_state(config, cost, blocks, cluster)
-    state, sync_most = synced
+    state, sync_most, hidden = synced
     if config.recompute:
         block_saved = _block_maxima(cost, blocks)[0]
         fraction = 1.0 / (dp * micro)
@@ -628,15 +628,31 @@ def _estimate(config: Config, cost: _Regions, blocks: _Blocks, batch: int, clust
                   for s, a, n in zip(state, activations, _stages(cost, blocks, pp).blocks)]
     else:
         memory = [s + a for s, a in zip(state, activations)]
-    if zero == 3:
-        gathered = int(_block_maxima(cost, blocks)[1]) * PARAM_BYTES
-        memory = [m + gathered for m in memory]
+    if zero >= 2:
+        block = int(_block_maxima(cost, blocks)[1])
+        memory = [m + sum(units_in_flight(zero, root, block))
+                  for m, root in zip(memory, _outside_blocks(cost, blocks, pp))]
     stage_memory = [float(m) for m in memory]
+    if pp == 1 and cluster.overlap:     # one backward a step: the output issues these from its hooks
+        sync_most -= min(hidden, pipeline)
     estimate = Estimate(config, pipeline + sync_most, max(stage_memory), list(stage_seconds), stage_memory, pipeline,
                         sync_most)
     if estimate.memory > budget:
         estimate.why_not = f"needs {format_bytes(estimate.memory)} per device, budget {format_bytes(budget)}"
     return estimate
+
+
+def _outside_blocks(cost: _Regions, blocks: _Blocks, pp: int) -> list[float]:
+    """Per pipeline stage, the parameter elements one device holds outside the blocks (the
+    prologue on the first stage, the epilogue on the last): ZeRO's root unit."""
+    last = blocks.count + 1
+    out = []
+    for s in range(pp):
+        params: dict[str, float] = {}
+        for r in ([0] if s == 0 else []) + ([last] if s == pp - 1 else []):
+            params.update(cost.params[r])
+        out.append(sum(params.values()))
+    return out
 
 
 def _block_maxima(cost: _Regions, blocks: _Blocks) -> tuple[float, float]:
@@ -679,7 +695,7 @@ def _stage_state(config: Config, cost: _Regions, blocks: _Blocks, cluster: Clust
     tp, dp, pp, zero = config.tp, config.dp, config.pp, config.zero
     device, dp_link = _link(cluster, 1, tp), _link(cluster, tp, dp)
     st = _stages(cost, blocks, pp)
-    states, sync_most = [], 0.0
+    states, sync_most, hidden = [], 0.0, 0.0
     for s in range(pp):
         params = st.params[s]
         grads = params * 4.0
@@ -692,17 +708,15 @@ def _stage_state(config: Config, cost: _Regions, blocks: _Blocks, cluster: Clust
                 sync += dp_link.latency + 2 * spread
             if zero == 3:                         # parameters gathered for backward too
                 sync += dp_link.latency + spread
+            # issued from the forward's and the backward's hooks (runtime/_comm.py): DP's bucket
+            # all-reduces, ZeRO-2's reduce-scatters, ZeRO-3's too and its gathers; ZeRO-1 and 2
+            # gather the updated shards after the step, ZeRO-1 reduce-scatters after the backward
+            hidden = max(hidden, {0: dp_link.latency + 2 * spread, 1: 0.0, 2: dp_link.latency + spread,
+                                  3: 3 * (dp_link.latency + spread)}[zero])
         sync += params / (dp if zero else 1) * device.seconds_per_param
-        if zero:                                  # plan/zero.py's state_bytes_per_device, per stage
-            shard = -(-params // dp)
-            whole = shard * dp
-            held = {1: (whole, whole, shard), 2: (whole, shard, shard), 3: (shard, shard, shard)}[zero]
-            state = held[0] * PARAM_BYTES + held[1] * GRAD_BYTES + held[2] * ADAMW_STATE_BYTES
-        else:
-            state = params * (PARAM_BYTES + GRAD_BYTES + ADAMW_STATE_BYTES)
-        states.append(state)
+        states.append(state_bytes_per_device(params, zero, dp).total)
         sync_most = max(sync_most, sync)
-    return states, sync_most
+    return states, sync_most, hidden
 
 
 _links: dict = {}

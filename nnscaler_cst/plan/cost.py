@@ -98,6 +98,9 @@ class ClusterSpec:
     precision: str | None = None
     op_overhead: float = 0.0
     matmul_half_rows: float = 0.0
+    # whether communication runs beside compute (GPUs: NCCL on its own stream): the data-parallel
+    # collectives the output issues from the backward's hooks then cost max(compute, them), not the sum
+    overlap: bool = False
 
     def axis(self, stride: int, size: int) -> DeviceSpec:
         """The link an axis of `size` ranks, `stride` apart, talks over: inside a node or not."""
@@ -179,7 +182,17 @@ def load_cluster(name: str) -> ClusterSpec:
                        number(device, "device", "memory_bandwidth", required=False),
                        number(device, "device", "optimizer_seconds_per_param", required=False, zero=True),
                        op_overhead=number(device, "device", "op_overhead", required=False, zero=True) or 0.0,
-                       matmul_half_rows=number(device, "device", "matmul_half_rows", required=False, zero=True) or 0.0)
+                       matmul_half_rows=number(device, "device", "matmul_half_rows", required=False, zero=True) or 0.0,
+                       overlap=_flag(cluster, "overlap", path, line_of("overlap", "cluster")))
+
+
+def _flag(table: dict, key: str, path, line: int) -> bool:
+    value = table.get(key, False)
+    if not isinstance(value, bool):
+        from ..errors import Location, UserError, display_path
+        raise UserError(f"`{key} = {value!r}` in [cluster]: expected true or false", Location(display_path(path), line),
+                        hint="overlap = true where communication runs beside compute (GPUs), false where not")
+    return value
 
 
 def _short(func: str) -> str:

@@ -10,8 +10,8 @@ their output (a relu keeps a mask in its place in fused kernels).
 A device's peak (`device_memory`): its parameters, gradients and AdamW state (plan/zero.py,
 per ZeRO stage), plus one micro-batch's activations times the micro-batches its stage holds at
 once under the schedule (1F1B: stage s of D holds min(D - s, M); GPipe: all M), plus what
-recompute rebuilds at once in backward (one block's activations) and, under ZeRO-3, the one
-block's parameters gathered whole while it runs.
+recompute rebuilds at once in backward (one block's activations) and, under ZeRO-2 and 3, the
+units whole for a moment (plan/zero.py's units_in_flight).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..trace.records import Node, Trace
 from .cost import moves_no_bytes
-from .zero import PARAM_BYTES, state_bytes_per_device
+from .zero import state_bytes_per_device, units_in_flight
 
 
 def saved_bytes(node: Node, trace: Trace) -> float:
@@ -46,7 +46,7 @@ class DeviceMemory:
     optimizer: float
     activations: float       # micro-batches in flight x one micro-batch's saved activations
     rebuilt: float = 0.0     # recompute: one block's activations, rebuilt in backward
-    gathered: float = 0.0    # ZeRO-3: one block's parameters gathered whole while it runs
+    gathered: float = 0.0    # ZeRO-2, 3: units whole for a moment (gradients; ZeRO-3 parameters too)
 
     @property
     def total(self) -> float:
@@ -54,12 +54,12 @@ class DeviceMemory:
 
 
 def device_memory(param_count: int, zero: int, dp: int, activations_per_micro_batch: float, in_flight: int, *,
-                  rebuilt: float = 0.0, block_params: int = 0) -> DeviceMemory:
+                  rebuilt: float = 0.0, block_params: int = 0, root_params: int = 0) -> DeviceMemory:
     """The peak of one device holding `param_count` trainable fp32 parameters (its stage's, after
     any tensor-parallel split) under ZeRO `zero` over `dp` ranks, `in_flight` micro-batches of
     `activations_per_micro_batch` bytes each; `rebuilt`: what recompute holds at once;
-    `block_params`: parameters of the largest block (ZeRO-3 gathers one block at a time)."""
+    `block_params`: parameters of the largest block, `root_params`: of the rest (ZeRO's units)."""
     state = state_bytes_per_device(param_count, zero, dp)
-    gathered = block_params * PARAM_BYTES if zero == 3 else 0.0
+    gathered = sum(units_in_flight(zero, root_params, block_params)) if zero >= 2 else 0.0
     return DeviceMemory(state.params, state.grads, state.optimizer, activations_per_micro_batch * in_flight,
                         rebuilt, gathered)

@@ -54,14 +54,28 @@ class StateBytes:
 
 
 def state_bytes_per_device(param_count: int, stage: int, dp: int) -> StateBytes:
-    """Parameters, gradients and AdamW state on one device, for `param_count` trainable fp32
-    parameters on that device's data-parallel group (after any tensor-parallel split) under ZeRO
-    `stage` (0: none) over `dp` ranks. Under ZeRO the whole buffers are padded up to a multiple of
-    dp, and a sharded part is one dp-th of that."""
+    """Parameters, gradients and AdamW state on one device at its peak, for `param_count`
+    trainable fp32 parameters on that device's data-parallel group (after any tensor-parallel
+    split) under ZeRO `stage` (0: none) over `dp` ranks, as runtime/_comm.py's ZeroShards holds
+    them. The optimizer steps this rank's shard, a tensor of its own: from stage 1 on the state
+    is a shard's. Stages 1 and 2 keep the whole parameters besides the shard; stage 1 holds the
+    whole gradients until finish_backward reduce-scatters them, stage 2 reduce-scatters each unit
+    as the backward leaves it and keeps the shard's gradient only, stage 3 holds shards only.
+    What is whole for a moment (units gathered, a unit's gradients on their way) is
+    `units_in_flight`. Each unit is padded to a multiple of dp; counted here as one buffer."""
     if stage == 0:
         held = (param_count, param_count, param_count)
     else:
         shard = -(-param_count // dp)
         whole = shard * dp
-        held = {1: (whole, whole, shard), 2: (whole, shard, shard), 3: (shard, shard, shard)}[stage]
+        held = {1: (whole + shard, whole, shard), 2: (whole + shard, shard, shard), 3: (shard, shard, shard)}[stage]
     return StateBytes(held[0] * PARAM_BYTES, held[1] * GRAD_BYTES, held[2] * ADAMW_STATE_BYTES)
+
+
+def units_in_flight(stage: int, root_params: float, block_params: float) -> tuple[float, float]:
+    """(parameter bytes, gradient bytes) whole for a moment beyond the shards, at the peak: from
+    stage 2 on the gradients of the root unit (embedding, head: whole until the backward's end)
+    and of two blocks (one being reduce-scattered, the next produced); at stage 3 the parameters
+    of the same (the root unit, gathered for the step; a block running and the next prefetched)."""
+    units = root_params + 2 * block_params
+    return (units * PARAM_BYTES if stage == 3 else 0.0), (units * GRAD_BYTES if stage >= 2 else 0.0)

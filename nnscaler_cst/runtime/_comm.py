@@ -38,7 +38,10 @@ What it must not do
 * Import anything but the standard library and torch (never ``nnscaler_cst``).
 * Hide communication: every byte this module moves goes through one of the
   named functions below, is visible at the call site in the generated source,
-  and is counted by ``_record``.  No hooks, no implicit global syncs.
+  and is counted by ``_record``.  The only hooks are the ones a named call
+  installs and says so (``overlap_grads``: gradient buckets all-reduced as the
+  backward fills them; ``zero_shards``: ZeRO's per-unit gathers, frees and
+  reduce-scatters); no implicit global syncs.
 """
 
 from __future__ import annotations
@@ -56,8 +59,9 @@ __all__ = [
     "setup", "teardown", "axis_ranks",
     "tp_copy", "tp_reduce", "tp_scatter", "tp_gather",
     "vocab_parallel_embedding", "vocab_parallel_cross_entropy", "dp_batch_norm",
-    "sync_grads",
-    "ZeroShards", "zero_shards", "reduce_scatter_grads", "all_gather_params", "free_params", "gather_shards",
+    "sync_grads", "GradBuckets", "overlap_grads", "wait_grad_buckets",
+    "ZeroShards", "ZeroUnit", "zero_shards", "reduce_scatter_grads", "all_gather_params", "free_params",
+    "keep_params", "gather_whole", "shard_of",
     "CheckpointChunks",
     "send_forward", "recv_forward", "send_backward", "recv_backward",
     "activation_sends", "activation_recvs", "grad_sends", "grad_recvs", "post_p2p",
@@ -635,138 +639,483 @@ def sync_grads(params: Iterable[torch.nn.Parameter], axis: Axis, *, average: boo
 
 
 # --------------------------------------------------------------------------
-# ZeRO: data-parallel state in shards (Rajbhandari et al., SC'20)
+# Data parallelism overlapped with the backward (DDP's reducer)
 # --------------------------------------------------------------------------
 #
-# The trainable parameters are laid end to end in one flat buffer, padded to a multiple of the
-# data-parallel size; data-parallel rank r owns the r-th contiguous 1/dp of it ("its shard").
-# The optimizer holds only the shard (``ZeroShards.shard``, a view into the flat buffer while the
-# parameters are whole), so its state (AdamW: exp_avg, exp_avg_sq) is 1/dp of the whole.  AdamW
-# is elementwise, so stepping each shard is stepping the whole.  Per stage:
-#   1: every rank keeps the full gradient buffer (the parameters' .grad are views into one flat
-#      buffer, reused every step); reduce_scatter_grads averages it and hands the shard its piece.
-#   2: as 1, but the full gradients are dropped once reduced: a rank holds its gradient shard only.
-#   3: as 2, and the parameters themselves are dropped outside the step: all_gather_params before
-#      the forward, free_params after the backward.
+# ``overlap_grads`` puts the parameters into buckets in reverse order (the order the backward
+# produces their gradients) and hooks each parameter's gradient accumulation: when the last
+# gradient of a bucket is in, the bucket is flattened, its all-reduce is issued asynchronously and
+# the parameters' .grad become views of the flat bucket (the separate gradients are freed), while
+# the backward goes on. ``wait_grad_buckets`` (finish_backward) issues what never filled (unused
+# parameters), waits for every bucket in issue order and averages. Every rank runs the same
+# backward, so the buckets are issued in the same order on every rank.
 
-class ZeroShards:
-    """Where every trainable parameter lies in the flat buffer, and this rank's shard of it.
-    Bookkeeping only: it moves no bytes between ranks."""
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], axis: Axis, stage: int):
+
+class GradBuckets:
+    """Buckets of one axis's gradients, all-reduced as the backward fills them."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], axis: Axis, *, average: bool,
+                 bucket_bytes: int = 25 * 2**20, partial=(), partial_axis: Axis | None = None):
         seen: set[int] = set()
-        self.params = [p for p in params if p.requires_grad and id(p) not in seen and not seen.add(id(p))]
-        if not self.params:
-            raise ValueError("ZeRO: the model has no trainable parameters")
-        kinds = {(p.dtype, p.device) for p in self.params}
-        if len(kinds) > 1:
-            raise ValueError(f"ZeRO: one flat buffer needs one dtype and device, the parameters have {sorted(map(str, kinds))}")
-        self.axis, self.stage = axis, stage
-        self.shapes = [p.shape for p in self.params]   # kept: stage 3 empties the parameters themselves
-        self.numels = [p.numel() for p in self.params]
-        self.shard_numel = -(-sum(self.numels) // axis.size)     # ceil: the last shard is padded
-        self.dtype, self.device = self.params[0].dtype, self.params[0].device
-        flat = torch.zeros(self.shard_numel * axis.size, dtype=self.dtype, device=self.device)
-        for p, piece in zip(self.params, self.views(flat)):
+        params = [p for p in params if p.requires_grad and id(p) not in seen and not seen.add(id(p))]
+        self.axis, self.average, self.reduce_dtype = axis, average, None
+        self.buckets: list[list[torch.nn.Parameter]] = []
+        size, kind = 0, None
+        for p in reversed(params):
+            nbytes = p.numel() * p.element_size()
+            if not self.buckets or kind != (p.dtype, p.device) or size + nbytes > bucket_bytes:
+                self.buckets.append([])
+                size, kind = 0, (p.dtype, p.device)
+            self.buckets[-1].append(p)
+            size += nbytes
+        self.bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
+        self.partial = {id(p) for p in partial}    # tensor parallel: summed over partial_axis first
+        self.partial_axis = partial_axis
+        self.ready = [0] * len(self.buckets)
+        self.in_flight: list[tuple] = []           # (bucket, handle, flat, wire dtype), issue order
+        self.issued: set[int] = set()
+        self.summed: set[int] = set()              # partial gradients summed in this backward
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._accumulated)
+
+    def _accumulated(self, p: torch.nn.Parameter) -> None:
+        if self.axis.size == 1 and not self.partial:
+            return
+        if id(p) in self.partial and self.partial_axis is not None and self.partial_axis.size > 1:
+            _all_reduce(p.grad, self.partial_axis)
+            self.summed.add(id(p))
+        b = self.bucket_of[id(p)]
+        if b in self.issued:
+            raise RuntimeError("a second backward before finish_backward: the data-parallel reduction of "
+                               "the first is in flight (call finish_backward after each backward)")
+        self.ready[b] += 1
+        if self.ready[b] == len(self.buckets[b]):
+            self._issue(b)
+
+    def _issue(self, b: int) -> None:
+        self.issued.add(b)
+        if self.axis.size == 1:
+            return
+        params = [p for p in self.buckets[b] if p.grad is not None]
+        if not params:
+            return
+        wire = self.reduce_dtype or params[0].grad.dtype
+        flat = torch.cat([p.grad.reshape(-1).to(wire) for p in params])
+        if wire == params[0].grad.dtype:           # the gradients live on in the bucket
+            offset = 0
+            for p in params:
+                p.grad = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+        _record("all_reduce", flat)
+        self.in_flight.append((params, dist.all_reduce(flat, group=self.axis.group, async_op=True), flat))
+
+    def wait(self) -> None:
+        for b in range(len(self.buckets)):         # buckets that never filled: unused parameters
+            if b in self.issued:
+                continue
+            if self.partial_axis is not None and self.partial_axis.size > 1:
+                for p in self.buckets[b]:
+                    if id(p) in self.partial and id(p) not in self.summed and p.grad is not None:
+                        _all_reduce(p.grad, self.partial_axis)
+            self._issue(b)
+        for params, handle, flat in self.in_flight:
+            handle.wait()
+            if self.average:
+                flat.div_(self.axis.size)
+            if flat.dtype != params[0].grad.dtype:
+                offset = 0
+                for p in params:
+                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+        self.in_flight, self.issued, self.summed, self.ready = [], set(), set(), [0] * len(self.buckets)
+
+
+def overlap_grads(model: torch.nn.Module, axis: Axis, *, average: bool, partial=(),
+                  partial_axis: Axis | None = None) -> GradBuckets:
+    """Hook ``model``'s gradients so that each bucket is all-reduced over ``axis`` as soon as the
+    backward has filled it (``partial``: parameters whose gradient is summed over ``partial_axis``
+    first, when it is ready). Once per model; ``wait_grad_buckets`` after each backward."""
+    if getattr(model, "grad_buckets", None) is None:
+        model.grad_buckets = GradBuckets(model.parameters(), axis, average=average, partial=partial,
+                                         partial_axis=partial_axis)
+    return model.grad_buckets
+
+
+def wait_grad_buckets(buckets: GradBuckets, *, reduce_dtype: torch.dtype | None = None) -> None:
+    """The end of the data-parallel reduction ``overlap_grads`` started in the backward: every
+    gradient averaged (or summed) over the axis. ``reduce_dtype``: the wire dtype from the next
+    backward on (this one's buckets are on the wire already)."""
+    buckets.wait()
+    buckets.reduce_dtype = reduce_dtype
+
+
+# --------------------------------------------------------------------------
+# ZeRO: data-parallel state in shards (Rajbhandari et al., SC'20), per unit as FSDP does it
+# --------------------------------------------------------------------------
+#
+# The trainable parameters are cut into units: each block of a ``nn.ModuleList`` (a model's
+# repeated layers) is one, and the root unit holds the rest (embeddings, head, final norm; and a
+# parameter that several units use). A unit's parameters lie end to end in one flat buffer,
+# padded to a multiple of the data-parallel size; data-parallel rank r owns the r-th 1/dp of each
+# unit ("its chunk"), and this rank's chunks laid end to end are its shard (``ZeroShards.shard``);
+# the optimizer steps the chunks (``ZeroShards.chunks``, one parameter per unit, views of the
+# shard), so its state (AdamW: exp_avg, exp_avg_sq) is 1/dp of the whole. AdamW is elementwise, so stepping each shard is stepping the whole. Per stage:
+#   1: the parameters stay whole; after the backward each unit's gradient is reduce-scattered
+#      into its chunk's gradient and dropped; after the step every unit is all-gathered.
+#   2: as 1, but each unit's gradient is reduce-scattered as soon as the backward has produced it
+#      (a hook on its last gradient), and freed: a rank never holds more than a unit of full
+#      gradients at once beyond what plain data parallelism holds.
+#   3: as 2, and the parameters are whole only while they are used: a block is all-gathered just
+#      before its forward (the next block's gather issued ahead, asynchronously), freed after it,
+#      gathered again when the backward reaches it (the block before it prefetched), and freed
+#      once its gradients are reduce-scattered; the root unit is gathered for the whole step.
+#      Freeing empties the flat buffer's storage, so the parameters (views of it) and what autograd
+#      saved of them come back when the storage is refilled.
+# With a pipeline (several backwards a step), the reduce-scatters wait for finish_backward.
+
+class ZeroUnit:
+    """One unit's parameters in one flat buffer, and where this rank's chunk of it lies."""
+
+    def __init__(self, name: str, params: list, axis: Axis, offset: int):
+        self.name, self.params, self.axis = name, params, axis
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        self.chunk = -(-sum(self.numels) // axis.size)     # ceil: the last chunk is padded
+        self.offset = offset                               # of this unit's chunk in the shard
+        self.dtype, self.device = params[0].dtype, params[0].device
+        self.flat = torch.zeros(self.chunk * axis.size, dtype=self.dtype, device=self.device)
+        for p, piece in zip(params, self.views(self.flat)):
             piece.copy_(p.detach())
-        self.flat: torch.Tensor | None = None      # the whole parameters; None while freed (stage 3)
-        self._bind_params(flat)
-        start = axis.rank * self.shard_numel
-        self.shard = torch.nn.Parameter(flat[start:start + self.shard_numel])   # what the optimizer steps
-        self.grads = None
-        if stage == 1:       # one full gradient buffer for the whole run; backward accumulates into it
-            self.grads = torch.zeros_like(flat)
-            for p, piece in zip(self.params, self.views(self.grads)):
-                p.grad = piece
-        if stage == 3:
-            self.shard = torch.nn.Parameter(self.shard.detach().clone())
-            free_params(self)
+            p.data = piece
+        self.whole = True
+        self.gathering = None           # (handle, this rank's chunk sent) while an all-gather is in flight
+        self.ready = 0                  # gradients accumulated in this backward
+        self.trained = sum(1 for p in params if p.requires_grad)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """One view of ``flat`` per parameter, shaped like it, in buffer order."""
         out, offset = [], 0
         for shape, n in zip(self.shapes, self.numels):
             out.append(flat[offset:offset + n].view(shape))
             offset += n
         return out
 
-    def _bind_params(self, flat: torch.Tensor) -> None:
-        """Make every parameter a view into ``flat``."""
-        self.flat = flat
-        for p, piece in zip(self.params, self.views(flat)):
-            p.data = piece
+    def mine(self, flat: torch.Tensor) -> torch.Tensor:
+        start = self.axis.rank * self.chunk
+        return flat[start:start + self.chunk]
 
 
-def zero_shards(params: Iterable[torch.nn.Parameter], axis: Axis, *, stage: int) -> ZeroShards:
-    """Lay out the parameters for ZeRO ``stage`` over ``axis``; the optimizer then steps
-    ``.shard`` only.  No communication: every rank starts from the same parameters."""
+class ZeroShards:
+    """The units of a model, this rank's shard of them, and the hooks that gather, free and reduce
+    them. ``stage`` 1, 2 or 3; ``overlap``: reduce-scatter in the backward (one backward a step)."""
+
+    def __init__(self, model: torch.nn.Module, axis: Axis, stage: int, *, average: bool, overlap: bool = True,
+                 partial=(), partial_axis: Axis | None = None):
+        self.axis, self.stage, self.overlap = axis, stage, overlap and stage >= 2
+        self.reduce_dtype, self.average = None, average
+        self.partial, self.partial_axis = {id(p) for p in partial}, partial_axis
+        owners: dict[int, set] = {}
+        params: dict[int, torch.nn.Parameter] = {}
+        blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)]
+        block_names = [f"{name}.{child}" if name else child for name, ml in blocks for child, _ in ml.named_children()]
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if not p.requires_grad:
+                continue
+            unit = max((b for b in block_names if name.startswith(b + ".")), key=len, default="")
+            owners.setdefault(id(p), set()).add(unit)
+            params.setdefault(id(p), p)
+        by_unit: dict[str, list] = {}
+        for key, p in params.items():       # a parameter several units use stays in the root unit
+            unit = next(iter(owners[key])) if len(owners[key]) == 1 else ""
+            by_unit.setdefault(unit, []).append(p)
+        if not by_unit:
+            raise ValueError("ZeRO: the model has no trainable parameters")
+        kinds = {(p.dtype, p.device) for p in params.values()}
+        if len(kinds) > 1:
+            raise ValueError(f"ZeRO: the shard needs one dtype and device, the parameters have {sorted(map(str, kinds))}")
+        order = [""] + [b for b in block_names if b in by_unit]
+        self.units: list[ZeroUnit] = []
+        offset = 0
+        for name in order:
+            if name in by_unit:
+                self.units.append(ZeroUnit(name or "(root)", by_unit[name], axis, offset))
+                offset += self.units[-1].chunk
+        self.params = [p for u in self.units for p in u.params]
+        self.shard_numel = offset
+        self.dtype, self.device = self.units[0].dtype, self.units[0].device
+        self.shard = torch.empty(offset, dtype=self.dtype, device=self.device)
+        for u in self.units:
+            self.chunk_of(u, self.shard).copy_(u.mine(u.flat))
+        # what the optimizer steps: a parameter per unit, each a view of the shard (one tensor for
+        # all would make the optimizer's temporaries as large as the shard)
+        self.chunks = [torch.nn.Parameter(self.chunk_of(u, self.shard)) for u in self.units]
+        self.root = self.units[0] if self.units[0].name == "(root)" else None
+        self.unit_of = {id(p): u for u in self.units for p in u.params}
+        self.forward_order: list[ZeroUnit] = []
+        self.reducing: list[tuple] = []     # (unit, handle, chunk received, flat sent), issue order
+        modules = dict(model.named_modules())
+        for u in self.units:
+            if u is not self.root and stage == 3:
+                module = modules[u.name]
+                module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u))
+                module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
+            for p in u.params:
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(lambda p: self._accumulated(p))
+        if stage == 3:
+            for u in self.units:
+                if u is not self.root:
+                    self.free(u)
+
+    # -- layout --------------------------------------------------------------------------------
+
+    def chunk_of(self, u: ZeroUnit, shard: torch.Tensor) -> torch.Tensor:
+        return shard[u.offset:u.offset + u.chunk]
+
+    def views(self, whole: torch.Tensor) -> list[torch.Tensor]:
+        """One view per parameter (``self.params`` order) of ``whole``, a tensor laid out as the
+        units' flat buffers end to end (``gather_whole``'s result)."""
+        out, start = [], 0
+        for u in self.units:
+            out += u.views(whole[start:start + u.chunk * self.axis.size])
+            start += u.chunk * self.axis.size
+        return out
+
+    def pieces(self, per_unit: list[torch.Tensor]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """(parameter, the part of ``per_unit`` (a tensor shaped as each unit's chunk, e.g. the
+        chunks' gradients) that holds this rank's elements of it), for every parameter with
+        elements in this rank's chunks."""
+        out = []
+        for u, chunk in zip(self.units, per_unit):
+            start, offset = self.axis.rank * u.chunk, 0
+            for p, n in zip(u.params, u.numels):
+                low, high = max(offset, start), min(offset + n, start + u.chunk)
+                if low < high:
+                    out.append((p, chunk[low - start:high - start]))
+                offset += n
+        return out
+
+    def grad(self) -> torch.Tensor:
+        """This rank's shard of the gradients, one tensor (zeros where a unit has none)."""
+        return torch.cat([c.grad if c.grad is not None else torch.zeros_like(c) for c in self.chunks])
+
+    # -- gathering and freeing the parameters (stage 3) -----------------------------------------
+
+    def free(self, u: ZeroUnit) -> None:
+        self._settle(u)
+        u.flat.untyped_storage().resize_(0)
+        u.whole = False
+
+    def prefetch(self, u: ZeroUnit) -> None:
+        """Issue ``u``'s all-gather without waiting for it."""
+        if u.whole or u.gathering is not None:
+            return
+        u.flat.untyped_storage().resize_(u.flat.numel() * u.flat.element_size())
+        sent = self.chunk_of(u, self.shard).clone()
+        if self.axis.size == 1:
+            u.flat.copy_(sent)
+            u.whole = True
+            return
+        _record("all_gather", sent)
+        u.gathering = (dist.all_gather(list(u.flat.chunk(self.axis.size)), sent, group=self.axis.group,
+                                       async_op=True), sent)
+
+    def gather(self, u: ZeroUnit) -> None:
+        """``u`` whole: its prefetched all-gather waited for, or one issued and waited for now."""
+        self.prefetch(u)
+        self._settle(u)
+
+    def _settle(self, u: ZeroUnit) -> None:
+        if u.gathering is not None:
+            u.gathering[0].wait()
+            u.gathering, u.whole = None, True
+
+    def _pre_forward(self, u: ZeroUnit) -> None:
+        self.gather(u)
+        if _in_backward():              # recompute: the backward gathered it already
+            return
+        if u not in self.forward_order:
+            self.forward_order.append(u)
+        else:
+            at = self.forward_order.index(u)
+            if at + 1 < len(self.forward_order):
+                self.prefetch(self.forward_order[at + 1])
+
+    def _post_forward(self, u: ZeroUnit, output):
+        if _in_backward():
+            return output
+        self.free(u)
+        flat, spec = torch.utils._pytree.tree_flatten(output)
+        at = [k for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not at:
+            return output
+        entered = _BeforeUnitBackward.apply(self, u, *(flat[k] for k in at))
+        for k, t in zip(at, entered):
+            flat[k] = t
+        return torch.utils._pytree.tree_unflatten(flat, spec)
+
+    def _pre_backward(self, u: ZeroUnit) -> None:
+        self.gather(u)
+        if u in self.forward_order:
+            at = self.forward_order.index(u)
+            if at > 0:
+                self.prefetch(self.forward_order[at - 1])
+
+    # -- reducing the gradients ----------------------------------------------------------------
+
+    def _accumulated(self, p: torch.nn.Parameter) -> None:
+        if self.overlap and id(p) in self.partial and self.partial_axis is not None and self.partial_axis.size > 1:
+            _all_reduce(p.grad, self.partial_axis)      # tensor parallel: the partial gradient summed first
+        u = self.unit_of[id(p)]
+        u.ready += 1
+        if u.ready < u.trained:
+            return
+        u.ready = 0
+        if self.overlap:
+            self.reduce(u)
+        if self.stage == 3 and u is not self.root:
+            self.free(u)
+
+    def reduce(self, u: ZeroUnit) -> None:
+        """Issue the reduce-scatter of ``u``'s gradients (their full copies dropped); the previous
+        one is waited for first, so one unit's full gradients are in flight at a time."""
+        self._wait_reduced()
+        grads = [p.grad for p in u.params]
+        if all(g is None for g in grads):
+            return
+        wire = self.reduce_dtype or self.dtype
+        flat = torch.zeros(u.chunk * self.axis.size, dtype=wire, device=self.device)
+        for g, piece in zip(grads, u.views(flat)):
+            if g is not None:
+                piece.copy_(g)
+        for p in u.params:
+            p.grad = None
+        if self.axis.size == 1:
+            self.reducing.append((u, None, flat, flat))
+            return
+        received = torch.empty(u.chunk, dtype=wire, device=self.device)
+        _record("reduce_scatter", flat)
+        handle = dist.reduce_scatter(received, list(flat.chunk(self.axis.size)), group=self.axis.group,
+                                     async_op=True)
+        self.reducing.append((u, handle, received, flat))
+
+    def _wait_reduced(self) -> None:
+        for u, handle, received, _ in self.reducing:
+            if handle is not None:
+                handle.wait()
+            else:
+                received = u.mine(received)
+            stepped = self.chunks[self.units.index(u)]
+            if stepped.grad is None:
+                stepped.grad = torch.zeros_like(stepped)
+            chunk = stepped.grad
+            chunk.add_(received.to(self.dtype).div_(self.axis.size) if self.average else received.to(self.dtype))
+        self.reducing = []
+
+
+class _BeforeUnitBackward(torch.autograd.Function):
+    """Identity on a unit's outputs; in backward, before the unit's own backward runs, the unit is
+    gathered again (and the unit before it prefetched)."""
+
+    @staticmethod
+    def forward(ctx, shards, unit, *outputs):
+        ctx.shards, ctx.unit = shards, unit
+        return tuple(t.view_as(t) for t in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.shards._pre_backward(ctx.unit)
+        return (None, None, *grads)
+
+
+def zero_shards(model: torch.nn.Module, axis: Axis, *, stage: int, average: bool, overlap: bool = True,
+                partial=(), partial_axis: Axis | None = None) -> ZeroShards:
+    """Cut ``model``'s parameters into units for ZeRO ``stage`` over ``axis`` and hook them; the
+    optimizer then steps ``.shard`` only. No communication: every rank starts from the same
+    parameters. ``average``: the gradients' mean over the axis, else their sum. ``overlap``:
+    reduce-scatter each unit in the backward (False with pipelines, whose several backwards a
+    step accumulate first); then ``partial`` parameters' gradients are summed over
+    ``partial_axis`` (tensor parallel) in the backward too."""
     if stage not in (1, 2, 3):
         raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
-    return ZeroShards(params, axis, stage)
+    return ZeroShards(model, axis, stage, average=average, overlap=overlap, partial=partial,
+                      partial_axis=partial_axis)
 
 
 def reduce_scatter_grads(shards: ZeroShards, axis: Axis, *, average: bool = True,
                          reduce_dtype: torch.dtype | None = None) -> None:
-    """Reduce-scatter of the gradients over ``axis`` (their mean with ``average``, else their sum):
-    this rank's shard of the result becomes ``shards.shard.grad``.  From stage 2 on the full
-    gradients are dropped (``.grad = None``).  ``reduce_dtype``: the dtype on the wire, as for
-    sync_grads."""
-    if shards.grads is not None:                   # stage 1: the gradients already lie in one buffer
-        flat = shards.grads
-    else:
-        flat = torch.zeros(shards.shard_numel * axis.size, dtype=shards.dtype, device=shards.device)
-        for p, piece in zip(shards.params, shards.views(flat)):
-            if p.grad is not None:
-                piece.copy_(p.grad)
-            p.grad = None                          # stages 2 and 3 keep no full gradient
-    start = axis.rank * shards.shard_numel
-    if axis.size == 1:
-        local = flat[start:start + shards.shard_numel]
-    else:
-        wire = flat.to(reduce_dtype) if reduce_dtype is not None else flat
-        local = torch.empty(shards.shard_numel, dtype=wire.dtype, device=shards.device)
-        _record("reduce_scatter", wire)
-        dist.reduce_scatter(local, list(wire.chunk(axis.size)), group=axis.group)
-        local = local.to(shards.dtype)
-        if average:
-            local.div_(axis.size)
-    if shards.grads is not None:
-        shards.grads[start:start + shards.shard_numel].copy_(local)
-        local = shards.grads[start:start + shards.shard_numel]
-    shards.shard.grad = local
+    """This rank's shard of the data-parallel gradients (their mean with ``average``, else their
+    sum) as the gradients of ``shards.chunks``: the units the backward has not reduce-scattered yet are now
+    (all of them at stage 1 and with pipelines), and every reduce-scatter in flight is waited for.
+    From stage 2 on the full gradients are dropped. ``reduce_dtype``: the dtype on the wire (for
+    the reduce-scatters issued in the backward: from the next one on)."""
+    shards.average = average
+    shards.reduce_dtype = reduce_dtype
+    for u in shards.units:
+        if any(p.grad is not None for p in u.params):
+            shards.reduce(u)
+        u.ready = 0
+    shards._wait_reduced()
+    for stepped in shards.chunks:
+        if stepped.grad is None:
+            stepped.grad = torch.zeros_like(stepped)
 
 
-def all_gather_params(shards: ZeroShards, axis: Axis) -> None:
-    """All-gather every rank's shard into the flat buffer the parameters view: after it every
-    parameter is whole and current (stages 1 and 2: after the step; stage 3: before the forward)."""
-    if shards.flat is None:          # stage 3: the flat buffer was freed; a fresh one
-        shards._bind_params(torch.empty(shards.shard_numel * axis.size, dtype=shards.dtype,
-                                        device=shards.device))
-    pieces = list(shards.flat.chunk(axis.size))
-    if axis.size == 1:
-        pieces[0].copy_(shards.shard.detach())
-    else:
-        mine = shards.shard.detach().clone()       # the input may not alias the output
-        _record("all_gather", mine)
-        dist.all_gather(pieces, mine, group=axis.group)
+def all_gather_params(shards: ZeroShards, axis: Axis, units: str = "all") -> None:
+    """All-gather this rank's chunks into the units' flat buffers, which the parameters view:
+    ``units`` "all" (stages 1 and 2 after the step; a checkpoint), or "root" (stage 3, before the
+    forward: the unit outside the blocks, whole for the step; each block's hooks gather it)."""
+    chosen = shards.units if units == "all" else [u for u in shards.units if u is shards.root]
+    for u in chosen:
+        shards._settle(u)
+        u.whole = False             # the shard is what is current: gathered anew even where whole
+        shards.prefetch(u)
+    for u in chosen:
+        shards._settle(u)
 
 
 def free_params(shards: ZeroShards) -> None:
-    """Stage 3: drop the whole parameters, keeping only this rank's shard (``shards.shard``)."""
-    shards.flat = None
-    for p in shards.params:
-        p.data = torch.empty(0, dtype=shards.dtype, device=shards.device)
+    """Stage 3: drop every unit's whole parameters, keeping only this rank's shard."""
+    for u in shards.units:
+        shards.free(u)
 
 
-def gather_shards(flat: torch.Tensor, shard: torch.Tensor, axis: Axis) -> None:
-    """Every rank's ``shard`` (the same size on each) into ``flat``, in axis order: ZeRO's sharded
-    optimizer state made whole, for a checkpoint."""
-    pieces = list(flat.chunk(axis.size))
-    if axis.size == 1:
+def keep_params(shards: ZeroShards) -> None:
+    """The whole parameters (written into, a checkpoint loaded) back into this rank's shard."""
+    for u in shards.units:
+        shards.chunk_of(u, shards.shard).copy_(u.mine(u.flat))
+
+
+def gather_whole(shards: ZeroShards, shard: torch.Tensor, *, record: bool = True) -> torch.Tensor:
+    """Every rank's ``shard``-shaped tensor (optimizer state, gradient) made whole, laid out as
+    the units' flat buffers end to end (``shards.views`` cuts it into parameters)."""
+    dp = shards.axis.size
+    gathered = torch.empty(shards.shard_numel * dp, dtype=shard.dtype, device=shard.device)
+    pieces = list(gathered.chunk(dp))
+    if dp == 1:
         pieces[0].copy_(shard)
-        return
-    _record("all_gather", shard)
-    dist.all_gather(pieces, shard.contiguous(), group=axis.group)
+    else:
+        if record:
+            _record("all_gather", shard)
+        dist.all_gather(pieces, shard.contiguous(), group=shards.axis.group)
+    whole = torch.empty_like(gathered)
+    start = 0
+    for u in shards.units:
+        for r in range(dp):
+            whole[start + r * u.chunk:start + (r + 1) * u.chunk] = pieces[r][u.offset:u.offset + u.chunk]
+        start += u.chunk * dp
+    return whole
+
+
+def shard_of(shards: ZeroShards, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``whole`` (laid out as gather_whole's result)."""
+    out, start = [], 0
+    for u in shards.units:
+        out.append(u.mine(whole[start:start + u.chunk * shards.axis.size]))
+        start += u.chunk * shards.axis.size
+    return torch.cat(out)
 
 
 # --------------------------------------------------------------------------

@@ -204,12 +204,7 @@ def capture_zero_gradients(model, shards, optimizer, comm):
 
     def step_and_capture(*a, **k):
         if not captured:
-            flat = torch.empty(shards.shard_numel * comm.DP.size, dtype=shards.dtype)
-            mine = shards.shard.grad.detach().clone()
-            if comm.DP.size > 1:
-                torch.distributed.all_gather(list(flat.chunk(comm.DP.size)), mine, group=comm.DP.group)
-            else:
-                flat.copy_(mine)
+            flat = comm.gather_whole(shards, shards.grad(), record=False)
             by_param = {id(p): g for p, g in zip(shards.params, shards.views(flat))}
             for name, param in model.named_parameters(remove_duplicate=False):
                 if id(param) in by_param:
@@ -363,7 +358,7 @@ def rank(args):
     for k in range(args.steps):
         enter("step", k)
         losses.append(package.train_step(model, optimizer, batch_for(module, k, args.seed), args.max_grad_norm))
-    if shards is not None and shards.flat is None:   # ZeRO-3 holds shards between steps: whole for the check
+    if shards is not None and shards.stage == 3:   # ZeRO-3 holds shards between steps: whole for the check
         comm.all_gather_params(shards, comm.DP)
     enter("saving")
     torch.save({"losses": losses, "state": model.state_dict(), "grads": grads, "counters": dict(comm.COUNTERS)},
