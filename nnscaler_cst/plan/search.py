@@ -47,6 +47,7 @@ class SiteOptions:
     options: list[str]                        # option names, from the first instance
     labels: dict[int, list[str]] = field(default_factory=dict)
     why: dict[str, str] = field(default_factory=dict)   # option -> why it is not possible
+    mixed: bool = False         # its instances run layers that split differently (options dropped)
 
 
 @dataclass
@@ -326,8 +327,12 @@ def site_options(graph: Graph, n: int, batch_slices: int = 1, every_size_read: b
                 per_node[i] = allowed
         first = per_node[nodes[0]]
         common = [sig for sig in first if all(sig in per_node[i] for i in nodes)]
+        for sig in first.keys() - set(common):     # one line calling layers that split differently
+            why.setdefault(first[sig], f"the {len(nodes)} calls from this line do not all split this way "
+                                       "(they run different layers)")
         result[sid] = SiteOptions(sid, nodes, [first[s] for s in common],
-                                  {i: [per_node[i][s] for s in common] for i in nodes}, why)
+                                  {i: [per_node[i][s] for s in common] for i in nodes}, why,
+                                  mixed=len(common) < len(first))
     return result
 
 
@@ -385,9 +390,10 @@ def _search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
                 narrowed.append((sid, [k for k in range(len(opts.options))
                                        if all(allows(i, opts.labels[i][k]) for i in selected)]))
         # a blanket split that fits some weights leaves the others whole; one that fits none
-        # stays hard, so that the unsat core says which sizes do not divide
+        # stays hard, so that the unsat core says which sizes do not divide (unless a line's
+        # calls split differently: no size would help there)
         cannot = {sid for sid, allowed in narrowed if not allowed and _weights_cannot_split_here(constraint, options[sid])}
-        if len(cannot) == len(narrowed):
+        if len(cannot) == len(narrowed) and not any(options[sid].mixed for sid in cannot):
             cannot = set()
         for sid, allowed in narrowed:
             opts = options[sid]
