@@ -6,6 +6,10 @@
 - timm's ViT style: the blocks run in one branch of an `if` whose other branches run them
   another way (`checkpoint_seq(self.blocks, x)`, a loop with a mask), and the model holds
   parameters of its own (`cls_token`, `pos_embed`) that only the first stage reads.
+- torchvision's MobileNet style: one line (`self.block(x)`) calls an nn.Sequential whose layers
+  differ from block to block (with and without an expansion layer). Its layers cannot be cut
+  apart in that line: under TP they run whole, with a warning saying why; under DP its
+  BatchNorm layers sum their statistics over the ranks as the container runs.
 Quick tests read the plan and the written code; the gloo runs are slow.
 """
 from __future__ import annotations
@@ -111,6 +115,51 @@ BRANCHED_VIT = """
 """
 
 
+MIXED_BLOCKS = """
+    import torch
+    from torch import nn
+
+
+    def conv_bn(cin, cout, k=1, groups=1, act=True):
+        layers = [nn.Conv2d(cin, cout, k, padding=k // 2, groups=groups, bias=False), nn.BatchNorm2d(cout)]
+        if act:
+            layers.append(nn.ReLU())
+        return nn.Sequential(*layers)
+
+
+    class InvertedResidual(nn.Module):
+        def __init__(self, c, expand):
+            super().__init__()
+            hidden = c * expand
+            layers = [conv_bn(c, hidden)] if expand != 1 else []
+            layers += [conv_bn(hidden, hidden, 3, groups=hidden), conv_bn(hidden, c, act=False)]
+            self.block = nn.Sequential(*layers)
+
+        def forward(self, x):
+            return x + self.block(x)
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Conv2d(3, 8, 3, padding=1)
+            self.blocks = nn.Sequential(InvertedResidual(8, 1), InvertedResidual(8, 2))
+            self.head = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.head(self.blocks(self.stem(x)).mean((2, 3))).square().mean()
+
+
+    def build():
+        torch.manual_seed(0)
+        return Model()
+
+
+    def example_inputs():
+        return (torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(1)),)
+"""
+
+
 def cli(*args, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", *map(str, args)], cwd=cwd, env=env,
@@ -163,11 +212,25 @@ def test_a_branch_that_counts_the_blocks_is_refused(tmp_path):
     assert not (root / "out").exists()
 
 
+def test_a_line_calling_blocks_built_differently_runs_their_layers_whole(tmp_path):
+    root = written(tmp_path, MIXED_BLOCKS)
+    result = cli("model.py", "--dp", "2", "-o", "dp", cwd=root)
+    assert result.returncode == 0, result.stderr
+    assert "return x + dp_batch_norm_layers(self.block, x, DP)  # self.block (nn.Sequential, different layers " \
+           "per call)" in (root / "dp" / "model.py").read_text()
+    result = cli("model.py", "--tp", "2", "-o", "tp", cwd=root)
+    assert result.returncode == 0, result.stderr
+    assert "model.py:21:20: warning: torch.nn.Conv2d keeps its weights whole on every tensor-parallel rank: it runs " \
+           "in an nn.Sequential called at model.py:21:20 whose calls run different layers" in result.stderr
+    assert "self.block[" not in (root / "tp" / "model.py").read_text()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model,mode", [(TORCH_ENCODER, ("--tp", "2")),
                                         (TORCH_ENCODER, ("--pp", "2", "--micro-batches", "2")),
-                                        (BRANCHED_VIT, ("--pp", "2", "--micro-batches", "2"))],
-                         ids=["torch-encoder-tp2", "torch-encoder-pp2", "branched-vit-pp2"])
+                                        (BRANCHED_VIT, ("--pp", "2", "--micro-batches", "2")),
+                                        (MIXED_BLOCKS, ("--dp", "2", "--tp", "2"))],
+                         ids=["torch-encoder-tp2", "torch-encoder-pp2", "branched-vit-pp2", "mixed-blocks-dp2xtp2"])
 def test_verifies(tmp_path, model, mode):
     root = written(tmp_path, model)
     result = cli("verify", "model.py", *mode, "-o", "out", cwd=root)

@@ -55,7 +55,7 @@ __all__ = [
     "Axis", "TP", "DP", "PP",
     "setup", "teardown", "axis_ranks",
     "tp_copy", "tp_reduce", "tp_scatter", "tp_gather",
-    "vocab_parallel_embedding", "vocab_parallel_cross_entropy", "dp_batch_norm",
+    "vocab_parallel_embedding", "vocab_parallel_cross_entropy", "dp_batch_norm", "dp_batch_norm_layers",
     "sync_grads",
     "ZeroShards", "zero_shards", "reduce_scatter_grads", "all_gather_params", "free_params", "gather_shards",
     "CheckpointChunks",
@@ -402,6 +402,20 @@ class _AllReduceBothWays(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _all_reduce(grad.contiguous().clone(), ctx.axis), None
+
+
+def dp_batch_norm_layers(layers: torch.nn.Sequential, x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """An nn.Sequential run layer by layer (nested ones flattened), each BatchNorm layer through
+    dp_batch_norm, every other layer as it is: for a line that calls containers holding
+    different layers, where the layers cannot be written out one by one."""
+    for layer in layers:
+        if isinstance(layer, torch.nn.Sequential):
+            x = dp_batch_norm_layers(layer, x, axis)
+        elif isinstance(layer, torch.nn.modules.batchnorm._BatchNorm):
+            x = dp_batch_norm(x, layer, axis)
+        else:
+            x = layer(x)
+    return x
 
 
 def dp_batch_norm(x: torch.Tensor, bn: torch.nn.Module, axis: Axis) -> torch.Tensor:

@@ -190,6 +190,8 @@ class Tracer(TorchFunctionMode):
         self.module_calls: dict[str, tuple[Span, int]] = {}   # module path -> (call site, first node index)
         self.module_runs: dict[str, int] = {}
         self.containers: dict[Span, list[tuple[str, ...]]] = {}   # container call -> its leaves, in order
+        self._container_kinds: dict[Span, list[tuple[tuple[str, ...], type]]] = {}   # ... and their classes
+        self.mixed_containers: set[Span] = set()    # container calls whose calls run different layers
         self.replays: dict[int, Replay] = {}   # node index -> how to call it again
         self._entry_args: dict[int, tuple] = {}    # id(frame) -> (code, parameter values) as the call began
         self._awaiting: dict[int, Replay] = {}     # id(frame or module) -> replay whose results are not yet seen
@@ -361,7 +363,10 @@ class Tracer(TorchFunctionMode):
             if span is not None:
                 self.module_calls[path] = (span, len(self.nodes))
                 if isinstance(module, _CONTAINERS):
-                    self.containers.setdefault(span, self._leaves(module))
+                    kinds = self._leaf_kinds(module)
+                    if self._container_kinds.setdefault(span, kinds) != kinds:
+                        self.mixed_containers.add(span)
+                    self.containers.setdefault(span, [via for via, _ in kinds])
 
     def _record_module_call(self, module, path: str) -> None:
         """The module's first call as a whole, from the frame of nn.Module's call that holds its
@@ -380,12 +385,14 @@ class Tracer(TorchFunctionMode):
         self.module_replays[path] = replay
         self._awaiting_modules[id(module)] = replay
 
-    def _leaves(self, container) -> list[tuple[str, ...]]:
-        """The modules a container call runs, in order, nested containers flattened."""
+    def _leaf_kinds(self, container) -> list[tuple[tuple[str, ...], type]]:
+        """The modules a container call runs, in order, nested containers flattened, with their
+        classes: one line calling blocks built differently (MobileNet's inverted residuals, with
+        and without an expansion layer) runs different lists."""
         def leaves(module):
             return [m for child in module.children()
                     for m in (leaves(child) if isinstance(child, _CONTAINERS) else [child])]
-        return [self._via(container, m) for m in leaves(container)]
+        return [(self._via(container, m), type(m)) for m in leaves(container)]
 
     def _record_size_query(self, args, kwargs):
         """`x.size(-1)` / `x.shape`: where a size came from, so a rewrite never divides it twice."""
@@ -613,7 +620,7 @@ class Tracer(TorchFunctionMode):
         return Trace(mode, sorted(self.own_files), self.nodes, self.ops, self.tensors, params, input_tids,
                      loss_tid, {name: qualified_type(type(m)) for name, m in model.named_modules()}, batch,
                      self.size_queries, self.module_calls, self.containers, self.replays, self.state_writes,
-                     self.module_runs, self.module_replays, self._module_aliases(model))
+                     self.module_runs, self.module_replays, self._module_aliases(model), self.mixed_containers)
 
     def _module_aliases(self, model: torch.nn.Module) -> dict[str, list[str]]:
         aliases: dict[str, list[str]] = {}
