@@ -10,6 +10,9 @@
   differ from block to block (with and without an expansion layer). Its layers cannot be cut
   apart in that line: under TP they run whole, with a warning saying why; under DP its
   BatchNorm layers sum their statistics over the ranks as the container runs.
+- torchvision's ResNet style: both convs of a block are built by one helper (`conv3x3(in_planes,
+  out_planes)`), the first split by its output channels, the second by its input: the helper's
+  one `nn.Conv2d(...)` cannot be divided for both, so its calls are (`conv3x3(c, c // 2)`).
 Quick tests read the plan and the written code; the gloo runs are slow.
 """
 from __future__ import annotations
@@ -160,6 +163,49 @@ MIXED_BLOCKS = """
 """
 
 
+HELPER_BUILT_CONVS = """
+    import torch
+    from torch import nn
+
+
+    def conv3x3(in_planes, out_planes, stride=1):
+        return nn.Conv2d(in_planes, out_planes, kernel_size=3, stride=stride, padding=1, bias=False)
+
+
+    class BasicBlock(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.conv1 = conv3x3(c, c)
+            self.bn1 = nn.BatchNorm2d(c)
+            self.conv2 = conv3x3(c, c)
+            self.bn2 = nn.BatchNorm2d(c)
+
+        def forward(self, x):
+            out = torch.relu(self.bn1(self.conv1(x)))
+            return torch.relu(self.bn2(self.conv2(out)) + x)
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Conv2d(3, 8, 3, padding=1)
+            self.layer = nn.Sequential(BasicBlock(8), BasicBlock(8))
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.fc(self.layer(self.stem(x)).mean((2, 3))).square().mean()
+
+
+    def build():
+        torch.manual_seed(0)
+        return Model()
+
+
+    def example_inputs():
+        return (torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(1)),)
+"""
+
+
 def cli(*args, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", *map(str, args)], cwd=cwd, env=env,
@@ -225,12 +271,27 @@ def test_a_line_calling_blocks_built_differently_runs_their_layers_whole(tmp_pat
     assert "self.block[" not in (root / "tp" / "model.py").read_text()
 
 
+def test_convs_a_helper_builds_split_unalike_are_divided_at_the_helper_calls(tmp_path):
+    root = written(tmp_path, HELPER_BUILT_CONVS)
+    result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    assert "stays whole" not in result.stderr
+    code = (root / "out" / "model.py").read_text()
+    assert "self.conv1 = conv3x3(c, c // 2)  # out_planes / 2" in code
+    assert "self.conv2 = conv3x3(c // 2, c)  # in_planes / 2" in code
+    assert "return nn.Conv2d(in_planes, out_planes, kernel_size=3" in code      # the helper as it was
+    params = json.loads((root / "out" / "plan.json").read_text())["params"]
+    assert params["layer.0.conv1.weight"]["tp"] == "S(0)" and params["layer.0.conv2.weight"]["tp"] == "S(1)"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model,mode", [(TORCH_ENCODER, ("--tp", "2")),
                                         (TORCH_ENCODER, ("--pp", "2", "--micro-batches", "2")),
                                         (BRANCHED_VIT, ("--pp", "2", "--micro-batches", "2")),
-                                        (MIXED_BLOCKS, ("--dp", "2", "--tp", "2"))],
-                         ids=["torch-encoder-tp2", "torch-encoder-pp2", "branched-vit-pp2", "mixed-blocks-dp2xtp2"])
+                                        (MIXED_BLOCKS, ("--dp", "2", "--tp", "2")),
+                                        (HELPER_BUILT_CONVS, ("--tp", "2"))],
+                         ids=["torch-encoder-tp2", "torch-encoder-pp2", "branched-vit-pp2", "mixed-blocks-dp2xtp2",
+                              "helper-built-convs-tp2"])
 def test_verifies(tmp_path, model, mode):
     root = written(tmp_path, model)
     result = cli("verify", "model.py", *mode, "-o", "out", cwd=root)

@@ -112,6 +112,7 @@ class ParamInfo:
     attr: str                        # attribute name on the owner (weight, bias)
     ctor_span: Span | None           # constructor call that created it, in the model's files
     tid: int | None = None
+    ctor_caller: Span | None = None  # the own-file call one frame above ctor_span (a layer-building helper's call)
 
 
 @dataclass

@@ -581,10 +581,11 @@ class Tracer(TorchFunctionMode):
             self._add_model_files(model)
             self._leaf_ids = {id(m) for m in model.modules() if type(m) in self.leaf_types}
             ctor_sites = {key: self._ctor_site(stack) for key, stack in ctors.stacks.items()}
+            ctor_callers = {key: self._ctor_caller(stack) for key, stack in ctors.stacks.items()}
             inputs = self._call_user(entry.example_inputs, "example_inputs()")
             if batch_slices > 1:
                 inputs = _batch_slice(inputs, batch_slices)
-            params = self._params(model, ctor_sites)
+            params = self._params(model, ctor_sites, ctor_callers)
             for name, buf in model.named_buffers():
                 self._tid(buf, buffer=name)
             input_tids = self._inputs(inputs)
@@ -730,7 +731,7 @@ class Tracer(TorchFunctionMode):
                 if (inode is None or inode in inodes) and resolved(file) in wanted:
                     self.own_files.add(file)
 
-    def _params(self, model, ctor_sites) -> dict[str, ParamInfo]:
+    def _params(self, model, ctor_sites, ctor_callers) -> dict[str, ParamInfo]:
         params: dict[str, ParamInfo] = {}
         by_id: dict[int, ParamInfo] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
@@ -741,7 +742,7 @@ class Tracer(TorchFunctionMode):
             owner = model.get_submodule(owner_path)
             span, ctor_type = ctor_sites.get(id(param), (None, None))
             info = ParamInfo(name, [name], tuple(param.shape), ctor_type or short_type(qualified_type(type(owner))),
-                             attr, span, tid=self._tid(param, param=name))
+                             attr, span, tid=self._tid(param, param=name), ctor_caller=ctor_callers.get(id(param)))
             params[name] = by_id[id(param)] = info
         return params
 
@@ -754,14 +755,22 @@ class Tracer(TorchFunctionMode):
         ctor_type = "torch.nn.Parameter"
         for file, pos, constructing in stack:
             if file in self.own_files:
-                if not pos or pos[0] is None:
-                    return None, ctor_type
-                source = self.sources.get(file)
-                return Span(str(source.path), pos[0], source.char_col(pos[0], pos[2]), pos[1],
-                            source.char_col(pos[1], pos[3])), ctor_type
+                return self._stack_span(file, pos), ctor_type
             if constructing is not None:
                 ctor_type = short_type(qualified_type(constructing))
         return None, None
+
+    def _ctor_caller(self, stack) -> Span | None:
+        """The own-file call one frame above a parameter's constructor call: where a helper that
+        builds the layer (`conv3x3(inplanes, planes)`) was called."""
+        own = [(file, pos) for file, pos, _ in stack if file in self.own_files]
+        return self._stack_span(*own[1]) if len(own) > 1 else None
+
+    def _stack_span(self, file, pos) -> Span | None:
+        if not pos or pos[0] is None:
+            return None
+        source = self.sources.get(file)
+        return Span(str(source.path), pos[0], source.char_col(pos[0], pos[2]), pos[1], source.char_col(pos[1], pos[3]))
 
     def _inputs(self, inputs) -> dict[str, int]:
         items = inputs.items() if isinstance(inputs, dict) else (
