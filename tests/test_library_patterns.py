@@ -13,6 +13,9 @@
 - torchvision's ResNet style: both convs of a block are built by one helper (`conv3x3(in_planes,
   out_planes)`), the first split by its output channels, the second by its input: the helper's
   one `nn.Conv2d(...)` cannot be divided for both, so its calls are (`conv3x3(c, c // 2)`).
+- diffusers' ResnetBlock2D style: two convs with biases in a block, split as Megatron splits an
+  MLP: the first by its output channels, the second by its input channels, its partial sums
+  reduced and its bias added once after, broadcast over the spatial dims (`bias[:, None, None]`).
 Quick tests read the plan and the written code; the gloo runs are slow.
 """
 from __future__ import annotations
@@ -206,6 +209,46 @@ HELPER_BUILT_CONVS = """
 """
 
 
+CONV_BLOCKS_WITH_BIASES = """
+    import torch
+    from torch import nn
+
+
+    class ResnetBlock(nn.Module):
+        def __init__(self, c, hidden):
+            super().__init__()
+            self.norm = nn.GroupNorm(4, c)
+            self.conv1 = nn.Conv2d(c, hidden, 3, padding=1)
+            self.conv2 = nn.Conv2d(hidden, c, 3, padding=1)
+
+        def forward(self, x):
+            h = self.conv1(torch.nn.functional.silu(self.norm(x)))
+            return x + self.conv2(torch.nn.functional.silu(h))
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Conv2d(3, 8, 3, padding=1)
+            self.blocks = nn.ModuleList([ResnetBlock(8, 16), ResnetBlock(8, 16)])
+
+        def forward(self, x):
+            h = self.stem(x)
+            for block in self.blocks:
+                h = block(h)
+            return h.square().mean()
+
+
+    def build():
+        torch.manual_seed(0)
+        return Model()
+
+
+    def example_inputs():
+        return (torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(1)),)
+"""
+
+
 def cli(*args, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", *map(str, args)], cwd=cwd, env=env,
@@ -284,14 +327,27 @@ def test_convs_a_helper_builds_split_unalike_are_divided_at_the_helper_calls(tmp
     assert params["layer.0.conv1.weight"]["tp"] == "S(0)" and params["layer.0.conv2.weight"]["tp"] == "S(1)"
 
 
+def test_a_conv_with_a_bias_splits_by_input_channels_and_adds_its_bias_once(tmp_path):
+    root = written(tmp_path, CONV_BLOCKS_WITH_BIASES)
+    result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    assert "Conv2d is not split by heads or hidden" not in result.stderr
+    code = (root / "out" / "model.py").read_text()
+    assert "self.conv2 = nn.Conv2d(hidden // 2, c, 3, padding=1)  # in_channels / 2" in code
+    assert "return x + (tp_reduce(torch.nn.functional.conv2d(torch.nn.functional.silu(h), self.conv2.weight, None, " \
+           "self.conv2.stride, self.conv2.padding, self.conv2.dilation, self.conv2.groups), TP) + " \
+           "self.conv2.bias[:, None, None])" in code
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model,mode", [(TORCH_ENCODER, ("--tp", "2")),
                                         (TORCH_ENCODER, ("--pp", "2", "--micro-batches", "2")),
                                         (BRANCHED_VIT, ("--pp", "2", "--micro-batches", "2")),
                                         (MIXED_BLOCKS, ("--dp", "2", "--tp", "2")),
-                                        (HELPER_BUILT_CONVS, ("--tp", "2"))],
+                                        (HELPER_BUILT_CONVS, ("--tp", "2")),
+                                        (CONV_BLOCKS_WITH_BIASES, ("--tp", "2"))],
                          ids=["torch-encoder-tp2", "torch-encoder-pp2", "branched-vit-pp2", "mixed-blocks-dp2xtp2",
-                              "helper-built-convs-tp2"])
+                              "helper-built-convs-tp2", "conv-blocks-with-biases-tp2"])
 def test_verifies(tmp_path, model, mode):
     root = written(tmp_path, model)
     result = cli("verify", "model.py", *mode, "-o", "out", cwd=root)

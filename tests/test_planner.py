@@ -823,8 +823,8 @@ def test_a_row_split_linear_indexed_where_it_is_made_adds_its_bias_after_the_red
     path = tmp_path / "time_embedding.py"
     path.write_text(TIME_EMBEDDING.lstrip())
     files = rewrite(analyze(path), PlanRequest(tp=2)).files
-    assert "temb = (tp_reduce(torch.nn.functional.linear(F.silu(self.time_in(temb)), self.time_emb_proj.weight), TP) " \
-           "+ self.time_emb_proj.bias)[:, :, None, None]" in files["model.py"]
+    assert "temb = tp_scatter(tp_reduce(torch.nn.functional.linear(F.silu(self.time_in(temb)), " \
+           "self.time_emb_proj.weight), TP) + self.time_emb_proj.bias, TP, dim=1)[:, :, None, None]" in files["model.py"]
 
 
 @pytest.mark.slow

@@ -327,9 +327,11 @@ class InsertCollectives:
         """The bias of a row-parallel call, read before the call is replaced."""
         if not isinstance(call, cst.Call):
             raise UserError("a row-parallel bias needs a call", span.start)
-        if site.bias.startswith("self."):
-            return cst.parse_expression(f"{code(call.func)}.{site.bias[5:]}")
-        return cst.parse_expression(self._template_values(span, call)[site.bias])
+        text = f"{code(call.func)}.{site.bias[5:]}" if site.bias.startswith("self.") else \
+            self._template_values(span, call)[site.bias]
+        if site.bias_trailing:         # a conv's channels: broadcast over the spatial dims after them
+            text = f"{text}[:{', None' * site.bias_trailing}]"
+        return cst.parse_expression(text)
 
 
 class RecomputeBlocks:

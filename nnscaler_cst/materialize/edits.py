@@ -57,6 +57,7 @@ class SiteEdit:
     # subclass's `super().forward(ids)` reaches `F.embedding(ids, self.weight, padding_idx=0)`
     traced: dict[str, str] = field(default_factory=dict)
     bias: str | None = None         # added after the reduction of a row-parallel call
+    bias_trailing: int | None = None    # dims of the result after the bias's: `bias[:, None, None]` for a conv
     notes: list[str] = field(default_factory=list)
     # `x[i] = v`: the site is the assignment's target, so a conversion of x rebinds it on a line
     # of its own before the statement (`x = tp_gather(x, ...)`), and one of v wraps the value.
@@ -445,8 +446,18 @@ def _split_site_edits(graph: Graph, node: Node, choice: str, n: int, edits: Edit
         if present:
             _same(site, "replace", rule.partial["expr"], node)
             _same(site, "bias", bias, node)
+            _same(site, "bias_trailing", _bias_trailing(graph, node, bias), node)
             _note(site, "partial sums reduced, bias added once")
     _size_edits(graph, node, choice, n, site, layouts, have)
+
+
+def _bias_trailing(graph: Graph, node: Node, bias: str) -> int:
+    """How many dims of the result follow the bias's (a conv's channels come before its
+    spatial dims: its bias is added as `bias[:, None, None]`)."""
+    dims = graph.dims[node.index]
+    out = dims.outputs[0]
+    where = out.where(dims.inputs[bias].dims[0][0].label) if bias in dims.inputs and dims.inputs[bias].dims else None
+    return len(out.dims) - where[0] - 1 if where is not None else 0
 
 
 def _traced_arguments(graph: Graph, node: Node) -> dict[str, str]:
