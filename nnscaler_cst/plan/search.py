@@ -338,13 +338,25 @@ def site_options(graph: Graph, n: int, batch_slices: int = 1, every_size_read: b
         for sig in first.keys() - set(common):     # one line calling layers that split differently
             why.setdefault(first[sig], f"the {len(nodes)} calls from this line do not all split this way "
                                        "(they run different layers)")
-        contained = sid[0] != "node" and in_mixed_container(graph, sid[0])
+        whole_because = _unwritable(graph, sid)
         result[sid] = SiteOptions(sid, nodes, [first[s] for s in common],
                                   {i: [per_node[i][s] for s in common] for i in nodes}, why,
-                                  mixed=contained or len(common) < len(first),
-                                  whole_because=f"it runs in an nn.Sequential called at {sid[0].start} whose calls "
-                                  "run different layers, which one line cannot split apart" if contained else None)
+                                  mixed=whole_because is not None or len(common) < len(first),
+                                  whole_because=whole_because)
     return result
+
+
+def _unwritable(graph: Graph, sid: SiteId) -> str | None:
+    """Why no split of a site could be written in the source, whatever its sizes: the site runs
+    whole (its weights too, with a warning) rather than making a blanket split unsatisfiable."""
+    if sid[0] == "node":
+        node = graph.nodes[sid[1]]
+        return (f"its call (in {node.module_path or 'the model'}) is at no place in the model's source that the "
+                "rewrite can edit")
+    if in_mixed_container(graph, sid[0]):
+        return (f"it runs in an nn.Sequential called at {sid[0].start} whose calls run different layers, which "
+                "one line cannot split apart")
+    return None
 
 
 def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
@@ -660,8 +672,9 @@ def _left_whole_warning(graph: Graph, options, sid: SiteId, n: int) -> str:
         named.append(f"{tensor.param} ({sizes})" + (f": {'; '.join(reasons)}" if reasons else ""))
     others = f" (so do its {len(opts.nodes) - 1} more calls from this line)" if len(opts.nodes) > 1 else ""
     if opts.whole_because:
-        return (f"{where}: warning: {sid[1]} keeps its weights whole on every tensor-parallel rank: "
-                f"{opts.whole_because}: " + ", ".join(named) + others)
+        callee = graph.nodes[index].callee
+        return (f"{'' if where == '?' else f'{where}: '}warning: {callee} keeps its weights whole on every "
+                f"tensor-parallel rank: {opts.whole_because}: " + ", ".join(named) + others)
     return (f"{where}: warning: {sid[1]} keeps its weights whole on every tensor-parallel rank, "
             f"no split of them works {n} ways: " + ", ".join(named or sorted(set(opts.why.values()))) + others)
 
