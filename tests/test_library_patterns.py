@@ -249,6 +249,46 @@ CONV_BLOCKS_WITH_BIASES = """
 """
 
 
+# torchvision's IntermediateLayerGetter: one line in a loop over the children calls an
+# nn.Sequential one time and a block with its own forward the next
+LOOP_OVER_CHILDREN = """
+    import torch
+    from torch import nn
+
+
+    class Block(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.conv = nn.Conv2d(c, c, 3, padding=1, bias=False)
+            self.bn = nn.BatchNorm2d(c)
+
+        def forward(self, x):
+            return x + torch.relu(self.bn(self.conv(x)))
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stages = nn.ModuleDict({"stem": nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)),
+                                         "block": Block(8)})
+            self.head = nn.Linear(8, 4)
+
+        def forward(self, x):
+            for name, module in self.stages.items():
+                x = module(x)
+            return self.head(x.mean((2, 3))).square().mean()
+
+
+    def build():
+        torch.manual_seed(0)
+        return Model()
+
+
+    def example_inputs():
+        return (torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(1)),)
+"""
+
+
 def cli(*args, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", *map(str, args)], cwd=cwd, env=env,
@@ -312,6 +352,14 @@ def test_a_line_calling_blocks_built_differently_runs_their_layers_whole(tmp_pat
     assert "model.py:21:20: warning: torch.nn.Conv2d keeps its weights whole on every tensor-parallel rank: it runs " \
            "in an nn.Sequential called at model.py:21:20 whose calls run different layers" in result.stderr
     assert "self.block[" not in (root / "tp" / "model.py").read_text()
+
+
+def test_a_line_calling_a_sequential_and_another_module_in_a_loop_is_not_cut_by_the_first(tmp_path):
+    root = written(tmp_path, LOOP_OVER_CHILDREN)
+    result = cli("model.py", "--dp", "2", "-o", "dp", cwd=root)      # its dry run runs both calls
+    assert result.returncode == 0, result.stderr
+    code = (root / "dp" / "model.py").read_text()
+    assert "x = dp_batch_norm_layers(module, x, DP)" in code and "module[1]" not in code
 
 
 def test_convs_a_helper_builds_split_unalike_are_divided_at_the_helper_calls(tmp_path):

@@ -404,18 +404,18 @@ class _AllReduceBothWays(torch.autograd.Function):
         return _all_reduce(grad.contiguous().clone(), ctx.axis), None
 
 
-def dp_batch_norm_layers(layers: torch.nn.Sequential, x: torch.Tensor, axis: Axis) -> torch.Tensor:
-    """An nn.Sequential run layer by layer (nested ones flattened), each BatchNorm layer through
-    dp_batch_norm, every other layer as it is: for a line that calls containers holding
-    different layers, where the layers cannot be written out one by one."""
-    for layer in layers:
-        if isinstance(layer, torch.nn.Sequential):
+def dp_batch_norm_layers(module: torch.nn.Module, x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """A module run as it is, except that an nn.Sequential runs layer by layer (nested ones too)
+    and each BatchNorm layer through dp_batch_norm: for a line that calls containers holding
+    different layers (or a container one time, another module the next), where the layers
+    cannot be written out one by one."""
+    if isinstance(module, torch.nn.Sequential):
+        for layer in module:
             x = dp_batch_norm_layers(layer, x, axis)
-        elif isinstance(layer, torch.nn.modules.batchnorm._BatchNorm):
-            x = dp_batch_norm(x, layer, axis)
-        else:
-            x = layer(x)
-    return x
+        return x
+    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+        return dp_batch_norm(x, module, axis)
+    return module(x)
 
 
 def dp_batch_norm(x: torch.Tensor, bn: torch.nn.Module, axis: Axis) -> torch.Tensor:

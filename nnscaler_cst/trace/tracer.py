@@ -362,10 +362,12 @@ class Tracer(TorchFunctionMode):
             span = self._span(own)
             if span is not None:
                 self.module_calls[path] = (span, len(self.nodes))
+                # one line may call containers of different layers, or a container and another
+                # module (a loop over a model's children: IntermediateLayerGetter)
+                kinds = self._leaf_kinds(module) if isinstance(module, _CONTAINERS) else [((), type(module))]
+                if self._container_kinds.setdefault(span, kinds) != kinds:
+                    self.mixed_containers.add(span)
                 if isinstance(module, _CONTAINERS):
-                    kinds = self._leaf_kinds(module)
-                    if self._container_kinds.setdefault(span, kinds) != kinds:
-                        self.mixed_containers.add(span)
                     self.containers.setdefault(span, [via for via, _ in kinds])
 
     def _record_module_call(self, module, path: str) -> None:
