@@ -6,6 +6,16 @@
 - timm's ViT style: the blocks run in one branch of an `if` whose other branches run them
   another way (`checkpoint_seq(self.blocks, x)`, a loop with a mask), and the model holds
   parameters of its own (`cls_token`, `pos_embed`) that only the first stage reads.
+- torchvision's MobileNet style: one line (`self.block(x)`) calls an nn.Sequential whose layers
+  differ from block to block (with and without an expansion layer). Its layers cannot be cut
+  apart in that line: under TP they run whole, with a warning saying why; under DP its
+  BatchNorm layers sum their statistics over the ranks as the container runs.
+- torchvision's ResNet style: both convs of a block are built by one helper (`conv3x3(in_planes,
+  out_planes)`), the first split by its output channels, the second by its input: the helper's
+  one `nn.Conv2d(...)` cannot be divided for both, so its calls are (`conv3x3(c, c // 2)`).
+- diffusers' ResnetBlock2D style: two convs with biases in a block, split as Megatron splits an
+  MLP: the first by its output channels, the second by its input channels, its partial sums
+  reduced and its bias added once after, broadcast over the spatial dims (`bias[:, None, None]`).
 Quick tests read the plan and the written code; the gloo runs are slow.
 """
 from __future__ import annotations
@@ -111,6 +121,174 @@ BRANCHED_VIT = """
 """
 
 
+MIXED_BLOCKS = """
+    import torch
+    from torch import nn
+
+
+    def conv_bn(cin, cout, k=1, groups=1, act=True):
+        layers = [nn.Conv2d(cin, cout, k, padding=k // 2, groups=groups, bias=False), nn.BatchNorm2d(cout)]
+        if act:
+            layers.append(nn.ReLU())
+        return nn.Sequential(*layers)
+
+
+    class InvertedResidual(nn.Module):
+        def __init__(self, c, expand):
+            super().__init__()
+            hidden = c * expand
+            layers = [conv_bn(c, hidden)] if expand != 1 else []
+            layers += [conv_bn(hidden, hidden, 3, groups=hidden), conv_bn(hidden, c, act=False)]
+            self.block = nn.Sequential(*layers)
+
+        def forward(self, x):
+            return x + self.block(x)
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Conv2d(3, 8, 3, padding=1)
+            self.blocks = nn.Sequential(InvertedResidual(8, 1), InvertedResidual(8, 2))
+            self.head = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.head(self.blocks(self.stem(x)).mean((2, 3))).square().mean()
+
+
+    def build():
+        torch.manual_seed(0)
+        return Model()
+
+
+    def example_inputs():
+        return (torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(1)),)
+"""
+
+
+HELPER_BUILT_CONVS = """
+    import torch
+    from torch import nn
+
+
+    def conv3x3(in_planes, out_planes, stride=1):
+        return nn.Conv2d(in_planes, out_planes, kernel_size=3, stride=stride, padding=1, bias=False)
+
+
+    class BasicBlock(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.conv1 = conv3x3(c, c)
+            self.bn1 = nn.BatchNorm2d(c)
+            self.conv2 = conv3x3(c, c)
+            self.bn2 = nn.BatchNorm2d(c)
+
+        def forward(self, x):
+            out = torch.relu(self.bn1(self.conv1(x)))
+            return torch.relu(self.bn2(self.conv2(out)) + x)
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Conv2d(3, 8, 3, padding=1)
+            self.layer = nn.Sequential(BasicBlock(8), BasicBlock(8))
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.fc(self.layer(self.stem(x)).mean((2, 3))).square().mean()
+
+
+    def build():
+        torch.manual_seed(0)
+        return Model()
+
+
+    def example_inputs():
+        return (torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(1)),)
+"""
+
+
+CONV_BLOCKS_WITH_BIASES = """
+    import torch
+    from torch import nn
+
+
+    class ResnetBlock(nn.Module):
+        def __init__(self, c, hidden):
+            super().__init__()
+            self.norm = nn.GroupNorm(4, c)
+            self.conv1 = nn.Conv2d(c, hidden, 3, padding=1)
+            self.conv2 = nn.Conv2d(hidden, c, 3, padding=1)
+
+        def forward(self, x):
+            h = self.conv1(torch.nn.functional.silu(self.norm(x)))
+            return x + self.conv2(torch.nn.functional.silu(h))
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Conv2d(3, 8, 3, padding=1)
+            self.blocks = nn.ModuleList([ResnetBlock(8, 16), ResnetBlock(8, 16)])
+
+        def forward(self, x):
+            h = self.stem(x)
+            for block in self.blocks:
+                h = block(h)
+            return h.square().mean()
+
+
+    def build():
+        torch.manual_seed(0)
+        return Model()
+
+
+    def example_inputs():
+        return (torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(1)),)
+"""
+
+
+# torchvision's IntermediateLayerGetter: one line in a loop over the children calls an
+# nn.Sequential one time and a block with its own forward the next
+LOOP_OVER_CHILDREN = """
+    import torch
+    from torch import nn
+
+
+    class Block(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.conv = nn.Conv2d(c, c, 3, padding=1, bias=False)
+            self.bn = nn.BatchNorm2d(c)
+
+        def forward(self, x):
+            return x + torch.relu(self.bn(self.conv(x)))
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stages = nn.ModuleDict({"stem": nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)),
+                                         "block": Block(8)})
+            self.head = nn.Linear(8, 4)
+
+        def forward(self, x):
+            for name, module in self.stages.items():
+                x = module(x)
+            return self.head(x.mean((2, 3))).square().mean()
+
+
+    def build():
+        torch.manual_seed(0)
+        return Model()
+
+
+    def example_inputs():
+        return (torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(1)),)
+"""
+
+
 def cli(*args, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", *map(str, args)], cwd=cwd, env=env,
@@ -163,11 +341,61 @@ def test_a_branch_that_counts_the_blocks_is_refused(tmp_path):
     assert not (root / "out").exists()
 
 
+def test_a_line_calling_blocks_built_differently_runs_their_layers_whole(tmp_path):
+    root = written(tmp_path, MIXED_BLOCKS)
+    result = cli("model.py", "--dp", "2", "-o", "dp", cwd=root)
+    assert result.returncode == 0, result.stderr
+    assert "return x + dp_batch_norm_layers(self.block, x, DP)  # self.block (nn.Sequential, different layers " \
+           "per call)" in (root / "dp" / "model.py").read_text()
+    result = cli("model.py", "--tp", "2", "-o", "tp", cwd=root)
+    assert result.returncode == 0, result.stderr
+    assert "model.py:21:20: warning: torch.nn.Conv2d keeps its weights whole on every tensor-parallel rank: it runs " \
+           "in an nn.Sequential called at model.py:21:20 whose calls run different layers" in result.stderr
+    assert "self.block[" not in (root / "tp" / "model.py").read_text()
+
+
+def test_a_line_calling_a_sequential_and_another_module_in_a_loop_is_not_cut_by_the_first(tmp_path):
+    root = written(tmp_path, LOOP_OVER_CHILDREN)
+    result = cli("model.py", "--dp", "2", "-o", "dp", cwd=root)      # its dry run runs both calls
+    assert result.returncode == 0, result.stderr
+    code = (root / "dp" / "model.py").read_text()
+    assert "x = dp_batch_norm_layers(module, x, DP)" in code and "module[1]" not in code
+
+
+def test_convs_a_helper_builds_split_unalike_are_divided_at_the_helper_calls(tmp_path):
+    root = written(tmp_path, HELPER_BUILT_CONVS)
+    result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    assert "stays whole" not in result.stderr
+    code = (root / "out" / "model.py").read_text()
+    assert "self.conv1 = conv3x3(c, c // 2)  # out_planes / 2" in code
+    assert "self.conv2 = conv3x3(c // 2, c)  # in_planes / 2" in code
+    assert "return nn.Conv2d(in_planes, out_planes, kernel_size=3" in code      # the helper as it was
+    params = json.loads((root / "out" / "plan.json").read_text())["params"]
+    assert params["layer.0.conv1.weight"]["tp"] == "S(0)" and params["layer.0.conv2.weight"]["tp"] == "S(1)"
+
+
+def test_a_conv_with_a_bias_splits_by_input_channels_and_adds_its_bias_once(tmp_path):
+    root = written(tmp_path, CONV_BLOCKS_WITH_BIASES)
+    result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    assert "Conv2d is not split by heads or hidden" not in result.stderr
+    code = (root / "out" / "model.py").read_text()
+    assert "self.conv2 = nn.Conv2d(hidden // 2, c, 3, padding=1)  # in_channels / 2" in code
+    assert "return x + (tp_reduce(torch.nn.functional.conv2d(torch.nn.functional.silu(h), self.conv2.weight, None, " \
+           "self.conv2.stride, self.conv2.padding, self.conv2.dilation, self.conv2.groups), TP) + " \
+           "self.conv2.bias[:, None, None])" in code
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model,mode", [(TORCH_ENCODER, ("--tp", "2")),
                                         (TORCH_ENCODER, ("--pp", "2", "--micro-batches", "2")),
-                                        (BRANCHED_VIT, ("--pp", "2", "--micro-batches", "2"))],
-                         ids=["torch-encoder-tp2", "torch-encoder-pp2", "branched-vit-pp2"])
+                                        (BRANCHED_VIT, ("--pp", "2", "--micro-batches", "2")),
+                                        (MIXED_BLOCKS, ("--dp", "2", "--tp", "2")),
+                                        (HELPER_BUILT_CONVS, ("--tp", "2")),
+                                        (CONV_BLOCKS_WITH_BIASES, ("--tp", "2"))],
+                         ids=["torch-encoder-tp2", "torch-encoder-pp2", "branched-vit-pp2", "mixed-blocks-dp2xtp2",
+                              "helper-built-convs-tp2", "conv-blocks-with-biases-tp2"])
 def test_verifies(tmp_path, model, mode):
     root = written(tmp_path, model)
     result = cli("verify", "model.py", *mode, "-o", "out", cwd=root)

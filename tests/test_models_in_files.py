@@ -310,3 +310,81 @@ def test_a_helper_calling_a_rewritten_constructor_helper_is_mirrored(tmp_path):
     layers = (tmp_path / "out" / "helperpkg" / "layers.py").read_text()
     assert "return nn.Linear(dim, hidden // 2)" in layers
     assert "def create_fc(dim, hidden):" in layers and "import create_fc" not in layers
+
+
+# Layers in one subpackage importing a sibling subpackage's module inside a constructor (to
+# avoid a circular import, as diffusers' Attention imports `.normalization`): the mirror of
+# the layers' file sits in the output's package, where the source's relative import names a
+# module the output does not hold; a norm the rewrite changes too must come from its mirror.
+LOCAL_IMPORT_PACKAGE = {
+    "__init__.py": "",
+    "norms/__init__.py": "",
+    "norms/act.py": """
+        import torch
+        import torch.nn as nn
+
+
+        class SquaredReLU(nn.Module):
+            def forward(self, x):
+                return torch.relu(x).pow(2)
+    """,
+    "norms/gate.py": """
+        import torch.nn as nn
+
+
+        class Gate(nn.Module):
+            def __init__(self, dim):
+                super().__init__()
+                self.proj = nn.Linear(dim, dim)
+
+            def forward(self, x):
+                return x * self.proj(x).sigmoid()
+    """,
+    "layers/__init__.py": "",
+    "layers/mlp.py": """
+        import torch.nn as nn
+
+
+        class Mlp(nn.Module):
+            def __init__(self, dim, hidden):
+                super().__init__()
+                from ..norms.act import SquaredReLU
+                from ..norms.gate import Gate
+                self.fc1 = nn.Linear(dim, hidden)
+                self.act = SquaredReLU()
+                self.gate = Gate(hidden)
+                self.fc2 = nn.Linear(hidden, dim)
+
+            def forward(self, x):
+                return x + self.fc2(self.gate(self.act(self.fc1(x))))
+    """,
+    "net.py": """
+        import torch.nn as nn
+
+        from .layers.mlp import Mlp
+
+
+        class Net(nn.Module):
+            def __init__(self, dim=16, hidden=32):
+                super().__init__()
+                self.mlp = Mlp(dim, hidden)
+
+            def forward(self, x):
+                return self.mlp(x).pow(2).mean()
+    """,
+}
+
+
+def test_a_relative_import_inside_a_mirrored_definition_names_the_installed_module_or_the_mirror(tmp_path):
+    for name, text in LOCAL_IMPORT_PACKAGE.items():
+        (tmp_path / "localpkg" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "localpkg" / name).write_text(textwrap.dedent(text).lstrip("\n"))
+    (tmp_path / "entry.py").write_text(textwrap.dedent(HELPER_ENTRY).replace("helperpkg.net", "localpkg.net")
+                                       .lstrip("\n"))
+    result = cli("entry.py", "--tp", "2", "-o", "out", cwd=tmp_path)     # its dry run builds the mirrors
+    assert result.returncode == 0, result.stderr
+    mlp = (tmp_path / "out" / "localpkg" / "layers" / "mlp.py").read_text()
+    assert "from localpkg.norms.act import SquaredReLU" in mlp      # unchanged: the installed one
+    assert "from ..norms.gate import Gate" in mlp                    # rewritten: its mirror
+    assert not (tmp_path / "out" / "localpkg" / "norms" / "act.py").exists()
+    assert "self.proj = nn.Linear(dim // 2, dim)" in (tmp_path / "out" / "localpkg" / "norms" / "gate.py").read_text()

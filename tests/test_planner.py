@@ -611,6 +611,60 @@ def test_a_weight_matrix_no_valid_split_divides_runs_whole_with_a_warning(tmp_pa
         plan.left_whole[0]), plan.left_whole
 
 
+ONE_LINE_CALLS_DIFFERENT_CONVS = '''
+import torch
+from torch import nn
+
+
+def run(layer, x):
+    return layer(x)             # the pointwise and the depthwise convs of every block run here
+
+
+class InvertedResidual(nn.Module):
+    def __init__(self, c, hidden):
+        super().__init__()
+        self.expand = nn.Conv2d(c, hidden, 1)
+        self.depthwise = nn.Conv2d(hidden, hidden, 3, padding=1, groups=hidden)
+        self.project = nn.Conv2d(hidden, c, 1)
+
+    def forward(self, x):
+        h = torch.relu(run(self.expand, x))
+        h = torch.relu(run(self.depthwise, h))
+        return x + run(self.project, h)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(InvertedResidual(4, 8), InvertedResidual(4, 8))
+
+    def forward(self, x):
+        return self.blocks(x).square().mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(2, 4, 6, 6),)
+'''
+
+
+def test_a_line_calling_layers_that_agree_on_no_split_runs_them_whole_with_a_warning(tmp_path):
+    """One line (a helper's `layer(x)`, a block's nn.Sequential) runs a pointwise conv and a
+    depthwise one: each alone splits by its channels, but no split fits both, so the line's
+    weights stay whole, with a warning saying why, rather than the whole megatron plan being
+    unsatisfiable (torchvision's MobileNetV3 blocks)."""
+    (tmp_path / "inverted.py").write_text(ONE_LINE_CALLS_DIFFERENT_CONVS)
+    graph = analyze(tmp_path / "inverted.py").graph
+    plan = search_axis(graph, "tp", 2, load_table("megatron").for_axis("tp"))
+    assert plan.param_layout["blocks.0.expand.weight"].kind == "R"
+    assert any(re.match(r".*inverted\.py:7:\d+: warning: torch\.nn\.Conv2d keeps its weights whole .*"
+                        r"do not all split this way \(they run different layers\)", w) for w in plan.left_whole), \
+        plan.left_whole
+
+
 def test_a_constraint_naming_the_layer_still_refuses_a_split_that_cannot_be_made(tmp_path):
     table = tmp_path / "mine.toml"
     table.write_text(textwrap.dedent("""\
@@ -769,8 +823,8 @@ def test_a_row_split_linear_indexed_where_it_is_made_adds_its_bias_after_the_red
     path = tmp_path / "time_embedding.py"
     path.write_text(TIME_EMBEDDING.lstrip())
     files = rewrite(analyze(path), PlanRequest(tp=2)).files
-    assert "temb = (tp_reduce(torch.nn.functional.linear(F.silu(self.time_in(temb)), self.time_emb_proj.weight), TP) " \
-           "+ self.time_emb_proj.bias)[:, :, None, None]" in files["model.py"]
+    assert "temb = tp_scatter(tp_reduce(torch.nn.functional.linear(F.silu(self.time_in(temb)), " \
+           "self.time_emb_proj.weight), TP) + self.time_emb_proj.bias, TP, dim=1)[:, :, None, None]" in files["model.py"]
 
 
 @pytest.mark.slow

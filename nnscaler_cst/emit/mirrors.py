@@ -16,12 +16,16 @@ What must change, per file:
 A name a mirrored definition reads is imported from the mirror that defines it anew, or else
 from the installed module where the original file bound it (modules, helpers, constants,
 whatever the original's own imports and try/except fallbacks bound). Mirrors import each other
-and `_comm` by relative imports, so the output folder stays one package.
+and `_comm` by relative imports, so the output folder stays one package. A relative import
+inside a kept definition (diffusers' `from .normalization import RMSNorm` in a constructor, to
+avoid a circular import) is resolved against the source's package: it names the mirror when
+that mirror defines every name it imports, else the installed module.
 
 Decides and renders text; rewrites no model logic (emit/rewrite.py does) and writes no file.
 """
 from __future__ import annotations
 
+import importlib.util
 import sys
 import textwrap
 import types
@@ -272,8 +276,36 @@ def render_mirror(mirror: Mirror, mirrors: list[Mirror], comm_names: set[str], n
         lines.append(_import_line(f"{'.' * mirror.depth}_comm", sorted(comm_names)))
     module = mirror.source.module if original else mirror.rewritten
     body = [module.body[i] for i in mirror.members]
+    if not original:
+        body = [stmt.visit(_InnerImports(mirror, mirrors)) for stmt in body]
     body[0] = body[0].with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()])
     return "\n".join(lines) + "\n" + module.with_changes(body=body, header=[], footer=[]).code
+
+
+class _InnerImports(cst.CSTTransformer):
+    DESCRIPTION = "Resolve a kept definition's relative imports: the mirror's package is not the source's."
+
+    def __init__(self, mirror: Mirror, mirrors: list[Mirror]):
+        super().__init__()
+        self.mirror = mirror
+        self.by_module = {m.module_name: m for m in mirrors}
+
+    def leave_ImportFrom(self, original, updated):
+        if not updated.relative:
+            return updated
+        name = self.mirror.module_name
+        package = name if Path(self.mirror.source.path).name == "__init__.py" else name.rpartition(".")[0]
+        tail = cst.Module([]).code_for_node(updated.module) if updated.module else ""
+        target = importlib.util.resolve_name("." * len(updated.relative) + tail, package)
+        other = self.by_module.get(target)
+        if other is not None and not isinstance(updated.names, cst.ImportStar):
+            own = {bound for i in other.members for bound in _statement_name(other.source.module.body[i])}
+            if all(alias.evaluated_name in own for alias in updated.names):
+                relative = self.mirror.relative(other)
+                tail = relative.lstrip(".")
+                return updated.with_changes(relative=[cst.Dot()] * (len(relative) - len(tail)),
+                                            module=cst.parse_expression(tail) if tail else None)
+        return updated.with_changes(relative=[], module=cst.parse_expression(target))
 
 
 def _import_line(module: str, names: list[str]) -> str:

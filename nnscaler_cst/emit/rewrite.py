@@ -53,6 +53,7 @@ class Context:
     needs_torch: bool = False
     visited: set[Span] = field(default_factory=set)               # expression spans the concerns saw
     containers: dict[Span, list[tuple[str, ...]]] = field(default_factory=dict)  # nn.Sequential call -> leaves
+    mixed: frozenset = frozenset()      # nn.Sequential calls whose calls run different layers
     before: list[cst.SimpleStatementLine] = field(default_factory=list)  # go before the current statement
     after: list[cst.SimpleStatementLine] = field(default_factory=list)   # go after the current statement
     assigned: dict[Span, list] = field(default_factory=dict)     # `x[i] = v` target span -> steps for v
@@ -326,9 +327,11 @@ class InsertCollectives:
         """The bias of a row-parallel call, read before the call is replaced."""
         if not isinstance(call, cst.Call):
             raise UserError("a row-parallel bias needs a call", span.start)
-        if site.bias.startswith("self."):
-            return cst.parse_expression(f"{code(call.func)}.{site.bias[5:]}")
-        return cst.parse_expression(self._template_values(span, call)[site.bias])
+        text = f"{code(call.func)}.{site.bias[5:]}" if site.bias.startswith("self.") else \
+            self._template_values(span, call)[site.bias]
+        if site.bias_trailing:         # a conv's channels: broadcast over the spatial dims after them
+            text = f"{text}[:{', None' * site.bias_trailing}]"
+        return cst.parse_expression(text)
 
 
 class RecomputeBlocks:
@@ -650,7 +653,7 @@ class FileRewriter(cst.CSTTransformer):
         span = self._span(original)
         self.ctx.visited.add(span)
         if isinstance(updated, cst.Call) and self._layers_edited(span):
-            return self._unroll(span, updated)
+            return self._run_mixed(span, updated) if span in self.ctx.mixed else self._unroll(span, updated)
         for concern in self.concerns:
             updated = concern.leave(span, updated)
         return self.stages.leave_call(span, updated) if isinstance(updated, cst.Call) else updated
@@ -660,7 +663,33 @@ class FileRewriter(cst.CSTTransformer):
         return site if site is not None and (site.result or site.args or site.sizes or site.replace) else None
 
     def _layers_edited(self, span: Span) -> bool:
+        if span in self.ctx.mixed:
+            return bool(self._mixed_edits(span))
         return any(self._layer_edit(span, via) for via in self.ctx.containers.get(span, ()))
+
+    def _mixed_edits(self, span: Span) -> dict[Span, SiteEdit]:
+        """The edits of the layers of an nn.Sequential whose calls run different layers, whichever
+        call ran them."""
+        return {s: e for s, e in self.ctx.edits.sites.items() if s.via and dataclasses.replace(s, via=()) == span
+                and (e.result or e.args or e.sizes or e.replace)}
+
+    def _run_mixed(self, span: Span, call: cst.Call) -> cst.BaseExpression:
+        """An nn.Sequential whose calls from this line run different layers (blocks built with and
+        without a layer) cannot be cut apart in this one line: its layers run whole (the planner
+        splits none), and its BatchNorm layers, under data parallelism, sum their statistics over
+        the ranks as they run: `dp_batch_norm_layers(self.block, x, DP)`."""
+        edits = self._mixed_edits(span)
+        if len(call.args) != 1 or call.args[0].keyword is not None or call.args[0].star or any(
+                e.result or e.args or e.sizes or not e.replace.startswith("dp_batch_norm(") for e in edits.values()):
+            raise UserError(f"`{code(call.func)}` is an nn.Sequential whose calls from this line run different "
+                            "layers, and the plan needs edits between its layers: one line cannot hold them",
+                            span.start, hint="call the layers one by one in the model's forward, or keep them whole")
+        self.ctx.visited.update(edits)
+        self.ctx.used.update({"dp_batch_norm_layers", "DP"})
+        self.ctx.note(span, f"{code(call.func)} (nn.Sequential, different layers per call): its BatchNorm layers' "
+                            "batch statistics summed over the data-parallel ranks")
+        return cst.Call(cst.Name("dp_batch_norm_layers"), [cst.Arg(call.func), call.args[0].with_changes(
+            comma=cst.MaybeSentinel.DEFAULT), cst.Arg(cst.Name("DP"))])
 
     def _runs(self, span: Span) -> list[list[tuple[str, ...]]]:
         """The container's layers cut where an edit must go between them: a layer whose input is
@@ -815,10 +844,10 @@ class FileRewriter(cst.CSTTransformer):
 def rewrite_module(source: SourceFile, edits: Edits, split: StageSplit | None = None,
                    containers: dict[Span, list[tuple[str, ...]]] | None = None,
                    recompute: tuple[Span, ...] = (), chain: tuple[StageSplit, ...] = (),
-                   in_program: bool = True) -> tuple[cst.Module, Context]:
+                   in_program: bool = True, mixed: frozenset = frozenset()) -> tuple[cst.Module, Context]:
     ctx = Context(edits, split if split is not None and split.function.path == str(source.path) else None,
                   chain=tuple(c for c in chain if c.function.path == str(source.path)),
-                  containers=containers or {}, recompute=recompute, in_program=in_program)
+                  containers=containers or {}, mixed=frozenset(mixed), recompute=recompute, in_program=in_program)
     wrapper = MetadataWrapper(source.module)
     module = wrapper.visit(FileRewriter(source, ctx))
     path = str(source.path)

@@ -12,8 +12,11 @@ would need different edits are refused. Decides nothing about the plan; writes n
 from __future__ import annotations
 
 import inspect
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
+
+import libcst as cst
 
 from ..errors import UserError
 from ..graph.graph import Graph
@@ -54,6 +57,7 @@ class SiteEdit:
     # subclass's `super().forward(ids)` reaches `F.embedding(ids, self.weight, padding_idx=0)`
     traced: dict[str, str] = field(default_factory=dict)
     bias: str | None = None         # added after the reduction of a row-parallel call
+    bias_trailing: int | None = None    # dims of the result after the bias's: `bias[:, None, None]` for a conv
     notes: list[str] = field(default_factory=list)
     # `x[i] = v`: the site is the assignment's target, so a conversion of x rebinds it on a line
     # of its own before the statement (`x = tp_gather(x, ...)`), and one of v wraps the value.
@@ -442,8 +446,18 @@ def _split_site_edits(graph: Graph, node: Node, choice: str, n: int, edits: Edit
         if present:
             _same(site, "replace", rule.partial["expr"], node)
             _same(site, "bias", bias, node)
+            _same(site, "bias_trailing", _bias_trailing(graph, node, bias), node)
             _note(site, "partial sums reduced, bias added once")
     _size_edits(graph, node, choice, n, site, layouts, have)
+
+
+def _bias_trailing(graph: Graph, node: Node, bias: str) -> int:
+    """How many dims of the result follow the bias's (a conv's channels come before its
+    spatial dims: its bias is added as `bias[:, None, None]`)."""
+    dims = graph.dims[node.index]
+    out = dims.outputs[0]
+    where = out.where(dims.inputs[bias].dims[0][0].label) if bias in dims.inputs and dims.inputs[bias].dims else None
+    return len(out.dims) - where[0] - 1 if where is not None else 0
 
 
 def _traced_arguments(graph: Graph, node: Node) -> dict[str, str]:
@@ -545,10 +559,70 @@ def _reads_local_size(graph: Graph, node: Node, have: dict[int, Layout]) -> bool
     return False
 
 
+def _ctor_dims(graph: Graph, edits: Edits) -> dict[tuple[Span, str], set[tuple]]:
+    """Per constructor call and parameter attribute, the constructor arguments its split
+    instances divide (more than one: the instances split unalike)."""
+    found: dict[tuple[Span, str], set[tuple]] = defaultdict(set)
+    for name, info in graph.trace.params.items():
+        layout = edits.param_layout.get(name, R)
+        rule = graph.rules.ctor_for(info.module_type)
+        per_dim = (rule.params.get(info.attr) or rule.params.get("*")) if rule else None
+        if layout.kind == "S" and info.ctor_span is not None and per_dim and per_dim != [["*"]] \
+                and layout.dim < len(per_dim):
+            found[(info.ctor_span, info.attr)].add((tuple(per_dim[layout.dim]), layout.groups))
+    return found
+
+
+def _helper_argument(graph: Graph, info, aliases: list[str]) -> list[str] | None:
+    """A layer built in a helper from the helper's own parameter (`def conv3x3(in_planes,
+    out_planes): return nn.Conv2d(in_planes, out_planes, 3)`): the helper's parameter, as the
+    call one frame up (`conv3x3(inplanes, planes)`) passes it; None when the size is not such a
+    parameter passed straight through."""
+    if graph.sources is None or info.ctor_caller is None:
+        return None
+    source = graph.sources.get(info.ctor_span.path)
+    span = info.ctor_span
+    call = source.node_at(span.line, span.col, span.end_line, span.end_col)
+    if not isinstance(call, cst.Call):
+        return None
+    value = None
+    for alias in aliases:
+        positional = [a for a in call.args if a.keyword is None and not a.star]
+        if re.fullmatch(r"arg\d+", alias):
+            value = positional[int(alias[3:])].value if int(alias[3:]) < len(positional) else None
+        else:
+            value = next((a.value for a in call.args if a.keyword and a.keyword.value == alias), None)
+        if value is not None:
+            break
+    if not isinstance(value, cst.Name):
+        return None
+    helper = None
+    for node in source.functions():       # the innermost function around the constructor call
+        where = source.positions[node]
+        if (where.start.line, where.start.column) <= (span.line, span.col) and \
+                (span.end_line, span.end_col) <= (where.end.line, where.end.column):
+            helper = node
+    if helper is None or helper.name.value == "__init__":
+        return None
+    params = [*helper.params.posonly_params, *helper.params.params]
+    names = [p.name.value for p in params]
+    if value.value in names:
+        index = names.index(value.value) - (1 if names and names[0] in ("self", "cls") else 0)
+        return [f"arg{index}", value.value] if index >= 0 else None
+    if value.value in [p.name.value for p in helper.params.kwonly_params]:
+        return [value.value]
+    return None
+
+
 def _ctor_edits(graph: Graph, edits: Edits) -> None:
-    """Divide the constructor argument behind each split dim of a parameter."""
+    """Divide the constructor argument behind each split dim of a parameter. Where the instances
+    of one constructor call split unalike and the call sits in a helper that passes its own
+    parameter through (torchvision's conv3x3 builds both convs of a block, one split by its
+    output, the other by its input), the helper's calls are divided instead."""
     rules = graph.rules
     by_span: dict[tuple[Span, str], dict[tuple, int]] = defaultdict(dict)   # (site, attr) -> {size: groups}
+    unalike = {key for key, found in _ctor_dims(graph, edits).items() if len(found) > 1}
+    lifted: set[Span] = set()       # helper calls divided in place of the constructor call inside
     for name, info in graph.trace.params.items():
         layout = edits.param_layout.get(name, R)
         if layout.kind != "S":
@@ -570,25 +644,36 @@ def _ctor_edits(graph: Graph, edits: Edits) -> None:
             f"{'/'.join(a for a in aliases if not a.startswith('arg'))} / {edits.n}"
         if layout.groups > 1:
             note += f", {layout.groups} fused blocks split alike"
-        key = tuple(aliases)
-        alike = by_span[(info.ctor_span, info.attr)]         # one divided size serves every instance
-        if alike and alike != {key: layout.groups}:
-            raise _shared_ctor(graph, f"instances of this constructor split {info.attr} differently", info.ctor_span)
-        alike[key] = layout.groups
-        ctor_list = edits.ctors.setdefault(info.ctor_span, [])
-        if all(e.aliases != aliases for e in ctor_list):
-            ctor_list.append(CtorEdit(aliases, edits.n, note, len(info.shape) if factory else None))
         companions = [] if factory else rule.divided_with(aliases)
         # all of them at that size, or none divided: a depthwise conv holds in_channels and groups at
         # its out_channels; a conv whose in_channels only happens to equal out_channels is no such layer
         if not all(_layer_holds(graph, name, other, info.shape[layout.dim]) for other in companions):
             companions = []
+        span = info.ctor_span
+        if (span, info.attr) in unalike:
+            helper = [_helper_argument(graph, info, a) for a in [aliases, *companions]]
+            if any(h is None for h in helper):
+                raise _shared_ctor(graph, f"instances of this constructor split {info.attr} differently", span)
+            span, aliases, companions = info.ctor_caller, helper[0], helper[1:]
+            note = f"{aliases[-1]} / {edits.n}"
+            lifted.add(span)
+        key = tuple(aliases)
+        alike = by_span[(span, info.attr)]         # one divided size serves every instance
+        if alike and alike != {key: layout.groups}:
+            raise _shared_ctor(graph, f"instances of this constructor split {info.attr} differently", span)
+        alike[key] = layout.groups
+        ctor_list = edits.ctors.setdefault(span, [])
+        if all(e.aliases != aliases for e in ctor_list):
+            ctor_list.append(CtorEdit(aliases, edits.n, note, len(info.shape) if factory else None))
         for other in companions:
             if all(e.aliases != other for e in ctor_list):
                 named = "/".join(a for a in other if not a.startswith("arg"))
                 ctor_list.append(CtorEdit(other, edits.n, f"{named} / {edits.n} with it"))
     # a constructor used for both split and whole parameters cannot be rewritten in place
     for name, info in graph.trace.params.items():
+        if info.ctor_caller in lifted and edits.param_layout.get(name, R).kind != "S":
+            raise _shared_ctor(graph, f"{name} stays whole but is built by a helper call divided for split "
+                               "parameters", info.ctor_caller)
         if info.ctor_span in edits.ctors and edits.param_layout.get(name, R).kind != "S":
             rule = rules.ctor_for(info.module_type)
             dims = (rule.params.get(info.attr) or rule.params.get("*", [])) if rule else []
@@ -615,5 +700,6 @@ def _shared_ctor(graph: Graph, message: str, span: Span) -> UserError:
     rewrite divides a size in that one call for every instance. rewrite.py plans again with
     them whole (`misshapen_params`)."""
     error = UserError(message, span.start)
-    error.misshapen_params = sorted(name for name, info in graph.trace.params.items() if info.ctor_span == span)
+    error.misshapen_params = sorted(name for name, info in graph.trace.params.items()
+                                    if span in (info.ctor_span, info.ctor_caller))
     return error

@@ -8,6 +8,7 @@ naming each constraint's file and line.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import math
@@ -47,6 +48,8 @@ class SiteOptions:
     options: list[str]                        # option names, from the first instance
     labels: dict[int, list[str]] = field(default_factory=dict)
     why: dict[str, str] = field(default_factory=dict)   # option -> why it is not possible
+    mixed: bool = False         # its instances run layers that split differently (options dropped)
+    whole_because: str | None = None    # why the site cannot split at all, whatever its sizes
 
 
 @dataclass
@@ -104,6 +107,12 @@ def site_id(graph: Graph, index: int) -> SiteId:
     node = graph.nodes[index]
     return (node.span, node.callee) if node.span is not None and (node.mapped or index in graph.unpackings) \
         else ("node", index)
+
+
+def in_mixed_container(graph: Graph, span) -> bool:
+    """A layer of an nn.Sequential whose calls from this line run different layers: no edit can
+    be written between its layers (there is one source line for all), so it runs whole."""
+    return bool(span.via) and dataclasses.replace(span, via=()) in graph.trace.mixed_containers
 
 
 def option_valid(graph: Graph, index: int, label: str, n: int, local_batch: dict[int, tuple[str, int]],
@@ -285,7 +294,7 @@ def _site_candidates(graph: Graph, every_size_read: bool) -> dict[SiteId, tuple[
         grouped[site_id(graph, node.index)].append(node.index)
     result = {}
     for sid, nodes in grouped.items():
-        splittable = sid[0] != "node" and all(i in graph.dims for i in nodes)
+        splittable = sid[0] != "node" and all(i in graph.dims for i in nodes) and not in_mixed_container(graph, sid[0])
         operands = set.intersection(*(set(_operand_names(graph, i)) for i in nodes))
         outputs = min(len(graph.nodes[i].outputs) for i in nodes)
         groups: dict[tuple, list[int]] = {}      # instances with the same candidates (a block's repeats)
@@ -328,10 +337,29 @@ def site_options(graph: Graph, n: int, batch_slices: int = 1, every_size_read: b
         # a block's repeats share one `allowed` (AlphaFold2: 144 instances a site): ask each once
         distinct = list({id(allowed): allowed for allowed in per_node.values()}.values())
         common = [sig for sig in first if all(sig in allowed for allowed in distinct)]
+        for sig in first.keys() - set(common):     # one line calling layers that split differently
+            why.setdefault(first[sig], f"the {len(nodes)} calls from this line do not all split this way "
+                                       "(they run different layers)")
         labels = {id(allowed): [allowed[s] for s in common] for allowed in distinct}
+        whole_because = _unwritable(graph, sid)
         result[sid] = SiteOptions(sid, nodes, [first[s] for s in common],
-                                  {i: labels[id(per_node[i])] for i in nodes}, why)
+                                  {i: labels[id(per_node[i])] for i in nodes}, why,
+                                  mixed=whole_because is not None or len(common) < len(first),
+                                  whole_because=whole_because)
     return result
+
+
+def _unwritable(graph: Graph, sid: SiteId) -> str | None:
+    """Why no split of a site could be written in the source, whatever its sizes: the site runs
+    whole (its weights too, with a warning) rather than making a blanket split unsatisfiable."""
+    if sid[0] == "node":
+        node = graph.nodes[sid[1]]
+        return (f"its call (in {node.module_path or 'the model'}) is at no place in the model's source that the "
+                "rewrite can edit")
+    if in_mixed_container(graph, sid[0]):
+        return (f"it runs in an nn.Sequential called at {sid[0].start} whose calls run different layers, which "
+                "one line cannot split apart")
+    return None
 
 
 def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
@@ -388,9 +416,10 @@ def _search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
                 narrowed.append((sid, [k for k in range(len(opts.options))
                                        if all(allows(i, opts.labels[i][k]) for i in selected)]))
         # a blanket split that fits some weights leaves the others whole; one that fits none
-        # stays hard, so that the unsat core says which sizes do not divide
+        # stays hard, so that the unsat core says which sizes do not divide (unless a line's
+        # calls split differently: no size would help there)
         cannot = {sid for sid, allowed in narrowed if not allowed and _weights_cannot_split_here(constraint, options[sid])}
-        if len(cannot) == len(narrowed):
+        if len(cannot) == len(narrowed) and not any(options[sid].mixed for sid in cannot):
             cannot = set()
         for sid, allowed in narrowed:
             opts = options[sid]
@@ -626,7 +655,8 @@ def _weights_cannot_split_here(constraint: Constraint, opts: SiteOptions) -> boo
     splits its weights (its sizes do not divide, or the source reads their full size): the
     site runs whole, with a warning, rather than making the plan unsatisfiable. A constraint
     naming the site (by callee, module or line) stays hard."""
-    return constraint.algo == "split" and constraint.select == {"params": "matrix"} and bool(opts.why)
+    return constraint.algo == "split" and constraint.select == {"params": "matrix"} and bool(
+        opts.why or opts.whole_because)
 
 
 def _left_whole_warning(graph: Graph, options, sid: SiteId, n: int) -> str:
@@ -644,6 +674,10 @@ def _left_whole_warning(graph: Graph, options, sid: SiteId, n: int) -> str:
         sizes = " x ".join(map(str, tensor.shape))
         named.append(f"{tensor.param} ({sizes})" + (f": {'; '.join(reasons)}" if reasons else ""))
     others = f" (so do its {len(opts.nodes) - 1} more calls from this line)" if len(opts.nodes) > 1 else ""
+    if opts.whole_because:
+        callee = graph.nodes[index].callee
+        return (f"{'' if where == '?' else f'{where}: '}warning: {callee} keeps its weights whole on every "
+                f"tensor-parallel rank: {opts.whole_because}: " + ", ".join(named) + others)
     return (f"{where}: warning: {sid[1]} keeps its weights whole on every tensor-parallel rank, "
             f"no split of them works {n} ways: " + ", ".join(named or sorted(set(opts.why.values()))) + others)
 

@@ -58,7 +58,7 @@ __all__ = [
     "Axis", "TP", "DP", "PP",
     "setup", "teardown", "axis_ranks",
     "tp_copy", "tp_reduce", "tp_scatter", "tp_gather",
-    "vocab_parallel_embedding", "vocab_parallel_cross_entropy", "dp_batch_norm",
+    "vocab_parallel_embedding", "vocab_parallel_cross_entropy", "dp_batch_norm", "dp_batch_norm_layers",
     "sync_grads", "GradBuckets", "overlap_grads", "wait_grad_buckets",
     "ZeroShards", "ZeroUnit", "zero_shards", "reduce_scatter_grads", "all_gather_params", "free_params",
     "keep_params", "gather_whole", "shard_of",
@@ -406,6 +406,20 @@ class _AllReduceBothWays(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _all_reduce(grad.contiguous().clone(), ctx.axis), None
+
+
+def dp_batch_norm_layers(module: torch.nn.Module, x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """A module run as it is, except that an nn.Sequential runs layer by layer (nested ones too)
+    and each BatchNorm layer through dp_batch_norm: for a line that calls containers holding
+    different layers (or a container one time, another module the next), where the layers
+    cannot be written out one by one."""
+    if isinstance(module, torch.nn.Sequential):
+        for layer in module:
+            x = dp_batch_norm_layers(layer, x, axis)
+        return x
+    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+        return dp_batch_norm(x, module, axis)
+    return module(x)
 
 
 def dp_batch_norm(x: torch.Tensor, bn: torch.nn.Module, axis: Axis) -> torch.Tensor:

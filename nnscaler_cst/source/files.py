@@ -138,6 +138,12 @@ class SourceFile:
                 index.setdefault(key, []).append(node)
         return index
 
+    def functions(self) -> list[cst.FunctionDef]:
+        """Every function definition of the file, outer ones before those nested in them."""
+        found = [(rng.start.line, rng.start.column, node) for node, rng in self.positions.items()
+                 if isinstance(node, cst.FunctionDef)]
+        return [node for _, _, node in sorted(found, key=lambda f: f[:2])]
+
     @cached_property
     def _unpacked(self) -> dict[tuple[int, int, int, int], cst.BaseExpression]:
         """The value of each `a, b, c = value`, by the range of its target."""

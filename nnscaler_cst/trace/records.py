@@ -112,6 +112,7 @@ class ParamInfo:
     attr: str                        # attribute name on the owner (weight, bias)
     ctor_span: Span | None           # constructor call that created it, in the model's files
     tid: int | None = None
+    ctor_caller: Span | None = None  # the own-file call one frame above ctor_span (a layer-building helper's call)
 
 
 @dataclass
@@ -147,6 +148,9 @@ class Trace:
     # a module object registered under several names (one embedding as `shared` and `encoder.embed`):
     # the name the trace calls it by -> its other names
     module_aliases: dict[str, list[str]] = field(default_factory=dict)
+    # nn.Sequential calls whose calls run different lists of layers: their layers cannot be cut
+    # apart in the one source line (containers holds the first call's leaves)
+    mixed_containers: set[Span] = field(default_factory=set)
 
     def module_type(self, path: str) -> str:
         """The class of the module at `path`, under any of its names ("" if none)."""

@@ -190,6 +190,8 @@ class Tracer(TorchFunctionMode):
         self.module_calls: dict[str, tuple[Span, int]] = {}   # module path -> (call site, first node index)
         self.module_runs: dict[str, int] = {}
         self.containers: dict[Span, list[tuple[str, ...]]] = {}   # container call -> its leaves, in order
+        self._container_kinds: dict[Span, list[tuple[tuple[str, ...], type]]] = {}   # ... and their classes
+        self.mixed_containers: set[Span] = set()    # container calls whose calls run different layers
         self.replays: dict[int, Replay] = {}   # node index -> how to call it again
         self._entry_args: dict[int, tuple] = {}    # id(frame) -> (code, parameter values) as the call began
         self._awaiting: dict[int, Replay] = {}     # id(frame or module) -> replay whose results are not yet seen
@@ -360,8 +362,13 @@ class Tracer(TorchFunctionMode):
             span = self._span(own)
             if span is not None:
                 self.module_calls[path] = (span, len(self.nodes))
+                # one line may call containers of different layers, or a container and another
+                # module (a loop over a model's children: IntermediateLayerGetter)
+                kinds = self._leaf_kinds(module) if isinstance(module, _CONTAINERS) else [((), type(module))]
+                if self._container_kinds.setdefault(span, kinds) != kinds:
+                    self.mixed_containers.add(span)
                 if isinstance(module, _CONTAINERS):
-                    self.containers.setdefault(span, self._leaves(module))
+                    self.containers.setdefault(span, [via for via, _ in kinds])
 
     def _record_module_call(self, module, path: str) -> None:
         """The module's first call as a whole, from the frame of nn.Module's call that holds its
@@ -380,12 +387,14 @@ class Tracer(TorchFunctionMode):
         self.module_replays[path] = replay
         self._awaiting_modules[id(module)] = replay
 
-    def _leaves(self, container) -> list[tuple[str, ...]]:
-        """The modules a container call runs, in order, nested containers flattened."""
+    def _leaf_kinds(self, container) -> list[tuple[tuple[str, ...], type]]:
+        """The modules a container call runs, in order, nested containers flattened, with their
+        classes: one line calling blocks built differently (MobileNet's inverted residuals, with
+        and without an expansion layer) runs different lists."""
         def leaves(module):
             return [m for child in module.children()
                     for m in (leaves(child) if isinstance(child, _CONTAINERS) else [child])]
-        return [self._via(container, m) for m in leaves(container)]
+        return [(self._via(container, m), type(m)) for m in leaves(container)]
 
     def _record_size_query(self, args, kwargs):
         """`x.size(-1)` / `x.shape`: where a size came from, so a rewrite never divides it twice."""
@@ -574,10 +583,11 @@ class Tracer(TorchFunctionMode):
             self._add_model_files(model)
             self._leaf_ids = {id(m) for m in model.modules() if type(m) in self.leaf_types}
             ctor_sites = {key: self._ctor_site(stack) for key, stack in ctors.stacks.items()}
+            ctor_callers = {key: self._ctor_caller(stack) for key, stack in ctors.stacks.items()}
             inputs = self._call_user(entry.example_inputs, "example_inputs()")
             if batch_slices > 1:
                 inputs = _batch_slice(inputs, batch_slices)
-            params = self._params(model, ctor_sites)
+            params = self._params(model, ctor_sites, ctor_callers)
             for name, buf in model.named_buffers():
                 self._tid(buf, buffer=name)
             input_tids = self._inputs(inputs)
@@ -613,7 +623,7 @@ class Tracer(TorchFunctionMode):
         return Trace(mode, sorted(self.own_files), self.nodes, self.ops, self.tensors, params, input_tids,
                      loss_tid, {name: qualified_type(type(m)) for name, m in model.named_modules()}, batch,
                      self.size_queries, self.module_calls, self.containers, self.replays, self.state_writes,
-                     self.module_runs, self.module_replays, self._module_aliases(model))
+                     self.module_runs, self.module_replays, self._module_aliases(model), self.mixed_containers)
 
     def _module_aliases(self, model: torch.nn.Module) -> dict[str, list[str]]:
         aliases: dict[str, list[str]] = {}
@@ -723,7 +733,7 @@ class Tracer(TorchFunctionMode):
                 if (inode is None or inode in inodes) and resolved(file) in wanted:
                     self.own_files.add(file)
 
-    def _params(self, model, ctor_sites) -> dict[str, ParamInfo]:
+    def _params(self, model, ctor_sites, ctor_callers) -> dict[str, ParamInfo]:
         params: dict[str, ParamInfo] = {}
         by_id: dict[int, ParamInfo] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
@@ -734,7 +744,7 @@ class Tracer(TorchFunctionMode):
             owner = model.get_submodule(owner_path)
             span, ctor_type = ctor_sites.get(id(param), (None, None))
             info = ParamInfo(name, [name], tuple(param.shape), ctor_type or short_type(qualified_type(type(owner))),
-                             attr, span, tid=self._tid(param, param=name))
+                             attr, span, tid=self._tid(param, param=name), ctor_caller=ctor_callers.get(id(param)))
             params[name] = by_id[id(param)] = info
         return params
 
@@ -747,14 +757,22 @@ class Tracer(TorchFunctionMode):
         ctor_type = "torch.nn.Parameter"
         for file, pos, constructing in stack:
             if file in self.own_files:
-                if not pos or pos[0] is None:
-                    return None, ctor_type
-                source = self.sources.get(file)
-                return Span(str(source.path), pos[0], source.char_col(pos[0], pos[2]), pos[1],
-                            source.char_col(pos[1], pos[3])), ctor_type
+                return self._stack_span(file, pos), ctor_type
             if constructing is not None:
                 ctor_type = short_type(qualified_type(constructing))
         return None, None
+
+    def _ctor_caller(self, stack) -> Span | None:
+        """The own-file call one frame above a parameter's constructor call: where a helper that
+        builds the layer (`conv3x3(inplanes, planes)`) was called."""
+        own = [(file, pos) for file, pos, _ in stack if file in self.own_files]
+        return self._stack_span(*own[1]) if len(own) > 1 else None
+
+    def _stack_span(self, file, pos) -> Span | None:
+        if not pos or pos[0] is None:
+            return None
+        source = self.sources.get(file)
+        return Span(str(source.path), pos[0], source.char_col(pos[0], pos[2]), pos[1], source.char_col(pos[1], pos[3]))
 
     def _inputs(self, inputs) -> dict[str, int]:
         items = inputs.items() if isinstance(inputs, dict) else (
