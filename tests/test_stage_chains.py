@@ -6,7 +6,12 @@
   (`dp_functional_batch_norm`), instead of refusing the data-parallel plan;
 - an nn.Sequential of stages of different classes (a block, then two stages of another class):
   pipeline stages cut it between its children, balanced by the cost model (was: "stages is an
-  nn.Sequential holding more than its 2 blocks"), also when no class repeats at all.
+  nn.Sequential holding more than its 2 blocks"), also when no class repeats at all;
+- BatchNorm under a pipeline's micro-batches: each micro-batch is normalised by its own statistics
+  (GPipe's and torch.distributed.pipelining's semantics), with a warning at the BatchNorm line;
+  the output says so (BATCH_STATISTICS_PER_MICRO_BATCH) and verify compares it with one device
+  accumulating gradients over the same micro-batches, running statistics included (was: refused,
+  "2 micro-batches would not match the single-device run").
 
 Quick tests check the plans and the rewritten text; the slow one runs verify on gloo.
 """
@@ -118,3 +123,24 @@ def test_a_sequential_of_unlike_stages_is_cut_between_its_children(tmp_path, sou
     assert plan.trunk.container == "stages" and plan.blocks == ["stages.0", "stages.1", "stages.2"]
     assert plan.block_ranges == ranges
     assert plan.drop[0] == ["head"] and plan.drop[1] == ["stem.bn", "stem.conv"]
+
+
+def test_batch_norm_under_micro_batches_normalises_each_by_its_own_statistics(tmp_path):
+    out = rewrite(analyze(_write(tmp_path, MIXED)), PlanRequest(pp=2, micro_batches=2))
+    line = next(i for i, text in enumerate(MIXED.lstrip().splitlines(), 1) if "F.batch_norm(" in text)
+    warning = next(w for w in out.plan.warnings if "micro-batches by its own batch statistics" in w)
+    assert warning.startswith(f"{tmp_path / 'model.py'}:{line}:13: warning: torch.nn.functional.batch_norm ")
+    assert "accumulating gradients over 2 micro-batches" in warning
+    assert "\nBATCH_STATISTICS_PER_MICRO_BATCH = True" in out.files["__init__.py"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", [("--dp", "2"), ("--pp", "2", "--micro-batches", "2")], ids=["dp2", "pp2"])
+def test_a_cnn_of_unlike_stages_with_functional_batch_norm_trains_like_one_device(tmp_path, plan):
+    model = _write(tmp_path, MIXED)
+    result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "verify", str(model), *plan,
+                             "-o", str(tmp_path / "out"), "--json"], capture_output=True, text=True, timeout=900)
+    start = result.stdout.find("{")
+    outcome = json.loads(result.stdout[start:]) if start >= 0 else None
+    # the state compared holds the running statistics (pipelined: moved once per micro-batch)
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr

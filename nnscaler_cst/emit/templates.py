@@ -1011,10 +1011,20 @@ PRECISION_CODE = {None: "None", "fp32": "None", "tf32": "None  # tf32 prices mat
                   "bf16": "torch.bfloat16", "fp16": "torch.float16"}
 
 
-def training_api(*, partial: str, loss: str, zero: int, micro: int | None, precision: str | None) -> str:
+# BatchNorm under a pipeline: each micro-batch normalised by its own statistics
+MICRO_BATCH_STATISTICS = """
+# BatchNorm normalises each micro-batch by its own statistics, as GPipe and torch.distributed.pipelining
+# do: a step computes what one device computes accumulating gradients over MICRO_BATCHES micro-batches
+# (verify compares with that), not one pass over the whole batch.
+BATCH_STATISTICS_PER_MICRO_BATCH = True"""
+
+
+def training_api(*, partial: str, loss: str, zero: int, micro: int | None, precision: str | None,
+                 micro_statistics: bool = False) -> str:
     """The training section of __init__.py for a plan: `partial` the TP_PARTIAL_GRADS entries,
     `loss` the loss's reduction ("mean" or "sum"), `zero` the ZeRO stage (0: replicated state),
-    `micro` the micro-batches of a pipeline (None: no pipeline), `precision` the forward's dtype."""
+    `micro` the micro-batches of a pipeline (None: no pipeline), `precision` the forward's dtype,
+    `micro_statistics` whether BatchNorm normalises each micro-batch by its own statistics."""
     pieces = {"optimizer_params": OPTIMIZER_PARAMS, "gather_before_forward": "", "dp_finish": DP_FINISH,
               "dp_after_step": "", "clip_pieces": CLIP_PIECES, "stepped_grads": STEPPED_GRADS}
     if zero:
@@ -1025,5 +1035,6 @@ def training_api(*, partial: str, loss: str, zero: int, micro: int | None, preci
     pipeline = micro is not None
     return TRAINING.format(partial=partial, loss_shares=LOSS_SHARES[loss], precision=PRECISION_CODE[precision],
                            forward_backward=PIPELINE_FORWARD_BACKWARD if pipeline else FORWARD_BACKWARD,
-                           pipeline_step="\n\n" + PIPELINE_STEP.format(micro=micro).rstrip("\n") if pipeline else "",
+                           pipeline_step="\n\n" + PIPELINE_STEP.format(micro=micro).rstrip("\n")
+                           + (MICRO_BATCH_STATISTICS if micro_statistics else "") if pipeline else "",
                            **pieces)

@@ -108,6 +108,8 @@ class StagePlan:
     # counted over all of them; per stage, the part each trunk plays there (ChainRole)
     chain: list[Trunk] = field(default_factory=list)
     roles: dict[int, dict[str, "ChainRole"]] = field(default_factory=dict)
+    # BatchNorm normalises each micro-batch by its own statistics (plan/batch.py micro_batch_statistics)
+    micro_statistics: bool = False
 
     @property
     def trunks(self) -> list[Trunk]:
