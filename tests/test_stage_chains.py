@@ -7,6 +7,9 @@
 - an nn.Sequential of stages of different classes (a block, then two stages of another class):
   pipeline stages cut it between its children, balanced by the cost model (was: "stages is an
   nn.Sequential holding more than its 2 blocks"), also when no class repeats at all;
+- one line calling a layer that is a BatchNorm in some instances of its class and nn.Identity in
+  others (timm's LowFormer ConvLayer, `norm=None`): dp_batch_norm runs the other layer as it is
+  (was: the dry run raised "'Identity' object has no attribute 'momentum'");
 - BatchNorm under a pipeline's micro-batches: each micro-batch is normalised by its own statistics
   (GPipe's and torch.distributed.pipelining's semantics), with a warning at the BatchNorm line;
   the output says so (BATCH_STATISTICS_PER_MICRO_BATCH) and verify compares it with one device
@@ -144,3 +147,44 @@ def test_a_cnn_of_unlike_stages_with_functional_batch_norm_trains_like_one_devic
     outcome = json.loads(result.stdout[start:]) if start >= 0 else None
     # the state compared holds the running statistics (pipelined: moved once per micro-batch)
     assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+
+
+NORM_OR_IDENTITY = '''
+import torch
+import torch.nn as nn
+
+
+class ConvLayer(nn.Module):
+    def __init__(self, cin, cout, norm=True):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, 3, padding=1)
+        self.norm = nn.BatchNorm2d(cout) if norm else nn.Identity()
+
+    def forward(self, x):
+        x = self.conv(x)
+        x = self.norm(x)
+        return torch.relu(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = ConvLayer(3, 8)
+        self.second = ConvLayer(8, 8, norm=False)
+
+    def forward(self, x):
+        return self.second(self.first(x)).pow(2).mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 3, 8, 8),)
+'''
+
+
+def test_a_line_calling_batch_norm_in_one_instance_and_identity_in_another_runs_each(tmp_path):
+    text = rewrite(analyze(_write(tmp_path, NORM_OR_IDENTITY)), PlanRequest(dp=2)).files["model.py"]
+    assert "x = dp_batch_norm(x, self.norm, DP)" in text        # the dry run ran both instances

@@ -407,9 +407,11 @@ class _AllReduceBothWays(torch.autograd.Function):
 def dp_batch_norm(x: torch.Tensor, bn: torch.nn.Module, axis: Axis) -> torch.Tensor:
     """A BatchNorm layer run on this rank's slice of the batch, normalised with the statistics of
     the whole batch (as torch's SyncBatchNorm, which needs a GPU): the layer's own forward, its
-    running statistics' momentum and count included, around dp_functional_batch_norm."""
-    use_batch = bn.training or bn.running_mean is None
-    if axis.size == 1 or not use_batch:
+    running statistics' momentum and count included, around dp_functional_batch_norm. A line that
+    calls a BatchNorm in one instance of its class and another layer (nn.Identity) in another runs
+    that layer as it is."""
+    if axis.size == 1 or not isinstance(bn, torch.nn.modules.batchnorm._BatchNorm) \
+            or not (bn.training or bn.running_mean is None):
         return bn(x)
     momentum = 0.0 if bn.momentum is None else bn.momentum
     if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
