@@ -10,6 +10,11 @@
 - one line calling a layer that is a BatchNorm in some instances of its class and nn.Identity in
   others (timm's LowFormer ConvLayer, `norm=None`): dp_batch_norm runs the other layer as it is
   (was: the dry run raised "'Identity' object has no attribute 'momentum'");
+- one call line running an nn.Sequential in some instances of its class and another module in
+  others (LowFormer's ResidualBlock: `self.main(x)` over an MLP Sequential, an attention, an
+  MBConv), where the plan needs collectives between the Sequential's layers: no one unrolling of
+  the line serves every instance, so the plan is solved again with those layers whole (was: the
+  internal error "the rewrite found no node for a planned edit here");
 - BatchNorm under a pipeline's micro-batches: each micro-batch is normalised by its own statistics
   (GPipe's and torch.distributed.pipelining's semantics), with a warning at the BatchNorm line;
   the output says so (BATCH_STATISTICS_PER_MICRO_BATCH) and verify compares it with one device
@@ -104,6 +109,10 @@ MIXED = CNN.replace("STAGES", "Block(8), Stage(8, 16, 1), Stage(16, 32, 2)")
 UNIQUE = CNN.replace("STAGES", "Block(8), Stage(8, 16, 1), ConvNormAct(16, 32, stride=2)")
 
 
+def _line(text: str, needle: str) -> int:
+    return next(i for i, line in enumerate(text.lstrip().splitlines(), 1) if needle in line)
+
+
 def _write(tmp_path, text: str):
     model = tmp_path / "model.py"
     model.write_text(text.lstrip())
@@ -188,3 +197,53 @@ def example_inputs():
 def test_a_line_calling_batch_norm_in_one_instance_and_identity_in_another_runs_each(tmp_path):
     text = rewrite(analyze(_write(tmp_path, NORM_OR_IDENTITY)), PlanRequest(dp=2)).files["model.py"]
     assert "x = dp_batch_norm(x, self.norm, DP)" in text        # the dry run ran both instances
+
+
+MIXED_RESIDUALS = '''
+import torch
+import torch.nn as nn
+
+
+class Residual(nn.Module):
+    def __init__(self, main):
+        super().__init__()
+        self.main = main
+
+    def forward(self, x):
+        return x + self.main(x)
+
+
+class Mixer(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return torch.tanh(self.proj(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mix = Residual(Mixer(16))
+        self.mlp = Residual(nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)))
+
+    def forward(self, x):
+        return self.mlp(self.mix(x)).pow(2).mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 8, 16),)
+'''
+
+
+def test_a_call_line_running_a_sequential_in_one_instance_and_another_module_in_another(tmp_path):
+    out = rewrite(analyze(_write(tmp_path, MIXED_RESIDUALS)), PlanRequest(plan="megatron", tp=2))
+    line = _line(MIXED_RESIDUALS, "return x + self.main(x)")
+    assert any(w.startswith(f"{tmp_path / 'model.py'}:{line}:20: warning: mlp.main.0.bias (and 5 more) stays whole")
+               for w in out.plan.warnings), out.plan.warnings
+    assert "return x + self.main(x)" in out.files["model.py"]      # one line, as written, for both

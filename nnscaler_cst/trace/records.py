@@ -147,6 +147,9 @@ class Trace:
     # a module object registered under several names (one embedding as `shared` and `encoder.embed`):
     # the name the trace calls it by -> its other names
     module_aliases: dict[str, list[str]] = field(default_factory=dict)
+    # container call sites that run unlike modules in different instances (an nn.Sequential of other
+    # layers, or no nn.Sequential at all): the line cannot be unrolled into one set of layers
+    mixed_containers: set[Span] = field(default_factory=set)
 
     def module_type(self, path: str) -> str:
         """The class of the module at `path`, under any of its names ("" if none)."""

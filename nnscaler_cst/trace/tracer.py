@@ -190,6 +190,9 @@ class Tracer(TorchFunctionMode):
         self.module_calls: dict[str, tuple[Span, int]] = {}   # module path -> (call site, first node index)
         self.module_runs: dict[str, int] = {}
         self.containers: dict[Span, list[tuple[str, ...]]] = {}   # container call -> its leaves, in order
+        self._container_paths: dict[Span, list[str]] = {}   # container call -> the containers it called
+        self._plain_calls: set[Span] = set()                # sites calling a module that is no container
+        self._mixed_containers: set[Span] = set()
         self.replays: dict[int, Replay] = {}   # node index -> how to call it again
         self._entry_args: dict[int, tuple] = {}    # id(frame) -> (code, parameter values) as the call began
         self._awaiting: dict[int, Replay] = {}     # id(frame or module) -> replay whose results are not yet seen
@@ -361,7 +364,12 @@ class Tracer(TorchFunctionMode):
             if span is not None:
                 self.module_calls[path] = (span, len(self.nodes))
                 if isinstance(module, _CONTAINERS):
-                    self.containers.setdefault(span, self._leaves(module))
+                    leaves = self._leaves(module)
+                    if self.containers.setdefault(span, leaves) != leaves:
+                        self._mixed_containers.add(span)
+                    self._container_paths.setdefault(span, []).append(path)
+                elif not any(path.startswith(c + ".") for c in self._container_paths.get(span, ())):
+                    self._plain_calls.add(span)       # (not a layer that a container called here runs)
 
     def _record_module_call(self, module, path: str) -> None:
         """The module's first call as a whole, from the frame of nn.Module's call that holds its
@@ -613,7 +621,8 @@ class Tracer(TorchFunctionMode):
         return Trace(mode, sorted(self.own_files), self.nodes, self.ops, self.tensors, params, input_tids,
                      loss_tid, {name: qualified_type(type(m)) for name, m in model.named_modules()}, batch,
                      self.size_queries, self.module_calls, self.containers, self.replays, self.state_writes,
-                     self.module_runs, self.module_replays, self._module_aliases(model))
+                     self.module_runs, self.module_replays, self._module_aliases(model),
+                     self._mixed_containers | (self._plain_calls & set(self.containers)))
 
     def _module_aliases(self, model: torch.nn.Module) -> dict[str, list[str]]:
         aliases: dict[str, list[str]] = {}
