@@ -15,6 +15,10 @@
   MBConv), where the plan needs collectives between the Sequential's layers: no one unrolling of
   the line serves every instance, so the plan is solved again with those layers whole (was: the
   internal error "the rewrite found no node for a planned edit here");
+- a plan solved again with some parameters kept whole (timm's FastViT: one LayerScale2d
+  constructor builds the token mixer's gamma, left whole, and the MLP's, split) kept "split every
+  weight matrix" blanket: a conv whose sizes do not divide (a stem over 3 channels) runs whole
+  with a warning, as in the first plan (was: unsatisfiable, and the first error reported);
 - BatchNorm under a pipeline's micro-batches: each micro-batch is normalised by its own statistics
   (GPipe's and torch.distributed.pipelining's semantics), with a warning at the BatchNorm line;
   the output says so (BATCH_STATISTICS_PER_MICRO_BATCH) and verify compares it with one device
@@ -247,3 +251,60 @@ def test_a_call_line_running_a_sequential_in_one_instance_and_another_module_in_
     assert any(w.startswith(f"{tmp_path / 'model.py'}:{line}:20: warning: mlp.main.0.bias (and 5 more) stays whole")
                for w in out.plan.warnings), out.plan.warnings
     assert "return x + self.main(x)" in out.files["model.py"]      # one line, as written, for both
+
+
+LAYER_SCALE = '''
+import torch
+import torch.nn as nn
+
+
+class LayerScale(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.gamma = nn.Parameter(1e-1 * torch.ones(dim, 1, 1))
+
+    def forward(self, x):
+        return x * self.gamma
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.fc1 = nn.Conv2d(dim, 4 * dim, 1)
+        self.fc2 = nn.Conv2d(4 * dim, dim, 1)
+        self.layer_scale = LayerScale(dim)
+
+    def forward(self, x):
+        return x + self.layer_scale(self.fc2(torch.relu(self.fc1(x))))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mix = nn.Conv2d(3, 3, 1)
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.blocks = nn.ModuleList([Block(16) for _ in range(2)])
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = self.stem(self.mix(x))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(dim=(2, 3))).pow(2).mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 3, 8, 8),)
+'''
+
+
+def test_a_plan_solved_again_with_parameters_kept_whole_leaves_unsplittable_convs_whole(tmp_path):
+    gammas = ("blocks.0.layer_scale.gamma", "blocks.1.layer_scale.gamma")
+    out = rewrite(analyze(_write(tmp_path, LAYER_SCALE)), PlanRequest(plan="megatron", tp=2), whole_params=gammas)
+    assert any("mix.weight" in w and "keeps its weights whole" in w for w in out.plan.warnings), out.plan.warnings
+    assert "self.mix = nn.Conv2d(3, 3, 1)\n" in out.files["model.py"]
+    assert "self.gamma = nn.Parameter(1e-1 * torch.ones(dim, 1, 1))\n" in out.files["model.py"]
