@@ -19,6 +19,10 @@
   constructor builds the token mixer's gamma, left whole, and the MLP's, split) kept "split every
   weight matrix" blanket: a conv whose sizes do not divide (a stem over 3 channels) runs whole
   with a warning, as in the first plan (was: unsatisfiable, and the first error reported);
+- the same with a BatchNorm inside the nn.Sequential under data parallelism (DLA's `self.project`:
+  conv and BatchNorm, or nn.Identity): the statistics must be summed at the BatchNorm's own call,
+  which no one rewrite of the line can show, so it is refused at the line (was: internal error,
+  "'Identity' object is not subscriptable" in the dry run);
 - BatchNorm under a pipeline's micro-batches: each micro-batch is normalised by its own statistics
   (GPipe's and torch.distributed.pipelining's semantics), with a warning at the BatchNorm line;
   the output says so (BATCH_STATISTICS_PER_MICRO_BATCH) and verify compares it with one device
@@ -308,3 +312,46 @@ def test_a_plan_solved_again_with_parameters_kept_whole_leaves_unsplittable_conv
     assert any("mix.weight" in w and "keeps its weights whole" in w for w in out.plan.warnings), out.plan.warnings
     assert "self.mix = nn.Conv2d(3, 3, 1)\n" in out.files["model.py"]
     assert "self.gamma = nn.Parameter(1e-1 * torch.ones(dim, 1, 1))\n" in out.files["model.py"]
+
+
+PROJECTED = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, cin, cout):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, 3, padding=1)
+        self.project = nn.Sequential(nn.Conv2d(cin, cout, 1), nn.BatchNorm2d(cout)) if cin != cout else nn.Identity()
+
+    def forward(self, x):
+        shortcut = self.project(x)
+        return torch.relu(self.conv(x)) + shortcut
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = Block(3, 8)
+        self.second = Block(8, 8)
+
+    def forward(self, x):
+        return self.second(self.first(x)).pow(2).mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 3, 8, 8),)
+'''
+
+
+def test_batch_norm_in_a_sequential_some_instances_replace_is_refused_at_the_line_under_dp(tmp_path):
+    from nnscaler_cst.errors import UserError
+    with pytest.raises(UserError) as caught:
+        rewrite(analyze(_write(tmp_path, PROJECTED)), PlanRequest(dp=2))
+    assert str(caught.value.location) == f"{tmp_path / 'model.py'}:{_line(PROJECTED, 'shortcut = self.project(x)')}:20"
+    assert "torch.nn.BatchNorm2d sums its statistics over the data-parallel ranks" in caught.value.message

@@ -253,6 +253,13 @@ def data_parallel_edits(graph: Graph, edits: Edits | None) -> Edits:
         template = data_parallel_impl(graph.dims.get(index), label)
         if template is None or node.span is None:
             continue
+        line = dataclasses.replace(node.span, via=())
+        if node.span.via and line in graph.trace.mixed_containers:
+            raise UserError(f"{node.callee} sums its statistics over the data-parallel ranks at its own call, inside "
+                            "the nn.Sequential this line calls; other instances of the class call other modules "
+                            "here, so no one rewrite of the line serves them all", line.start,
+                            hint="call the nn.Sequential's layers on lines of their own, or give every instance "
+                                 "an nn.Sequential of the same layers")
         site = edits.site(node.span)
         _same(site, "replace", template, node)
         _note(site, "batch statistics summed over the data-parallel ranks")

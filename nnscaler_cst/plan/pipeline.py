@@ -188,12 +188,13 @@ def find_trunk(graph: Graph) -> Trunk:
 
 def _sequential_stages(graph: Graph) -> list[str]:
     """The children of the nn.Sequential, called once as a statement of the model's own code, whose
-    children run the most of the model's work (the stages a CNN runs one after the other): the
-    module paths of its children, numbered 0, 1, ... as nn.Sequential numbers them. [] if none."""
+    children run the most of the model's work, at least half of it (the stages a CNN runs one after
+    the other, not a stem of conv, norm and activation): the module paths of its children, numbered
+    0, 1, ... as nn.Sequential numbers them. [] if none."""
     trace = graph.trace
     calls, runs = trace.module_calls, trace.module_runs
     work = [(n.callee_path or n.module_path or "", node_flops(n, graph.dims.get(n.index), trace)) for n in graph.nodes]
-    best, best_flops = [], 0.0
+    best, best_flops, half = [], 0.0, sum(f for _, f in work) / 2
     for path, (span, _) in calls.items():
         if span not in trace.containers or runs.get(path, 1) != 1:
             continue
@@ -201,7 +202,7 @@ def _sequential_stages(graph: Graph) -> list[str]:
         if len(children) < 2 or any(c not in calls or runs.get(c, 1) != 1 for c in children):
             continue
         flops = sum(f for m, f in work if m == path or m.startswith(path + "."))
-        if flops > best_flops:
+        if flops >= half and flops > best_flops:
             best, best_flops = children, flops
     return best
 
