@@ -355,3 +355,47 @@ def test_batch_norm_in_a_sequential_some_instances_replace_is_refused_at_the_lin
         rewrite(analyze(_write(tmp_path, PROJECTED)), PlanRequest(dp=2))
     assert str(caught.value.location) == f"{tmp_path / 'model.py'}:{_line(PROJECTED, 'shortcut = self.project(x)')}:20"
     assert "torch.nn.BatchNorm2d sums its statistics over the data-parallel ranks" in caught.value.message
+
+
+STATEMENTS = '''
+import torch
+import torch.nn as nn
+
+
+class Wide(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x):
+        return torch.relu(self.conv(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 1), nn.ReLU())
+        self.layer1 = Wide(8)
+        self.layer2 = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        x = self.stem(x)
+        x = self.layer1(x)
+        x = self.layer2(x)
+        return x.pow(2).mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 3, 8, 8),)
+'''
+
+
+def test_a_small_sequential_before_a_chain_of_statements_is_not_cut(tmp_path):
+    from nnscaler_cst.errors import UserError
+    graph = analyze(_write(tmp_path, STATEMENTS)).graph
+    with pytest.raises(UserError, match="pipeline stages need a model built from repeated blocks"):
+        plan_stages(graph, 2)      # the stem's conv and activation are not the model's stages
