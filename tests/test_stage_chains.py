@@ -20,9 +20,9 @@
   weight matrix" blanket: a conv whose sizes do not divide (a stem over 3 channels) runs whole
   with a warning, as in the first plan (was: unsatisfiable, and the first error reported);
 - the same with a BatchNorm inside the nn.Sequential under data parallelism (DLA's `self.project`:
-  conv and BatchNorm, or nn.Identity): the statistics must be summed at the BatchNorm's own call,
-  which no one rewrite of the line can show, so it is refused at the line (was: internal error,
-  "'Identity' object is not subscriptable" in the dry run);
+  conv and BatchNorm, or nn.Identity): no one unrolling shows the BatchNorm's call, so the line
+  calls `dp_layers(self.project, x, DP)`, which runs each BatchNorm it meets synced (was: internal
+  error, "'Identity' object is not subscriptable" in the dry run);
 - BatchNorm under a pipeline's micro-batches: each micro-batch is normalised by its own statistics
   (GPipe's and torch.distributed.pipelining's semantics), with a warning at the BatchNorm line;
   the output says so (BATCH_STATISTICS_PER_MICRO_BATCH) and verify compares it with one device
@@ -155,9 +155,10 @@ def test_batch_norm_under_micro_batches_normalises_each_by_its_own_statistics(tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan", [("--dp", "2"), ("--pp", "2", "--micro-batches", "2")], ids=["dp2", "pp2"])
-def test_a_cnn_of_unlike_stages_with_functional_batch_norm_trains_like_one_device(tmp_path, plan):
-    model = _write(tmp_path, MIXED)
+@pytest.mark.parametrize("name, plan", [("MIXED", ("--dp", "2")), ("MIXED", ("--pp", "2", "--micro-batches", "2")),
+                                        ("PROJECTED", ("--dp", "2"))], ids=["dp2", "pp2", "dp2-sequential-or-identity"])
+def test_cnns_with_batch_norm_train_like_one_device(tmp_path, name, plan):
+    model = _write(tmp_path, globals()[name])
     result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "verify", str(model), *plan,
                              "-o", str(tmp_path / "out"), "--json"], capture_output=True, text=True, timeout=900)
     start = result.stdout.find("{")
@@ -349,12 +350,10 @@ def example_inputs():
 '''
 
 
-def test_batch_norm_in_a_sequential_some_instances_replace_is_refused_at_the_line_under_dp(tmp_path):
-    from nnscaler_cst.errors import UserError
-    with pytest.raises(UserError) as caught:
-        rewrite(analyze(_write(tmp_path, PROJECTED)), PlanRequest(dp=2))
-    assert str(caught.value.location) == f"{tmp_path / 'model.py'}:{_line(PROJECTED, 'shortcut = self.project(x)')}:20"
-    assert "torch.nn.BatchNorm2d sums its statistics over the data-parallel ranks" in caught.value.message
+def test_batch_norm_in_a_sequential_other_instances_replace_runs_synced_through_the_whole_call(tmp_path):
+    text = rewrite(analyze(_write(tmp_path, PROJECTED)), PlanRequest(dp=2)).files["model.py"]
+    assert "shortcut = dp_layers(self.project, x, DP)  # each BatchNorm it runs sums its statistics over the " \
+           "data-parallel ranks" in text
 
 
 STATEMENTS = '''

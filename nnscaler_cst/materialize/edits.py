@@ -246,7 +246,9 @@ def one_device_edits(graph: Graph, stand_in: AxisChoices) -> Edits:
 
 def data_parallel_edits(graph: Graph, edits: Edits | None) -> Edits:
     """Ops that need the whole batch and have a data-parallel implementation (BatchNorm: the
-    statistics summed over the ranks, `dp_batch_norm`) call it at their site."""
+    statistics summed over the ranks, `dp_batch_norm`) call it at their site; one inside an
+    nn.Sequential whose line runs other modules in other instances, through the whole call
+    (`dp_layers`)."""
     edits = edits if edits is not None else Edits("tp", 1, {}, {}, {}, [])
     for index, label in batch_labels(graph).items():
         node = graph.nodes[index]
@@ -255,11 +257,12 @@ def data_parallel_edits(graph: Graph, edits: Edits | None) -> Edits:
             continue
         line = dataclasses.replace(node.span, via=())
         if node.span.via and line in graph.trace.mixed_containers:
-            raise UserError(f"{node.callee} sums its statistics over the data-parallel ranks at its own call, inside "
-                            "the nn.Sequential this line calls; other instances of the class call other modules "
-                            "here, so no one rewrite of the line serves them all", line.start,
-                            hint="call the nn.Sequential's layers on lines of their own, or give every instance "
-                                 "an nn.Sequential of the same layers")
+            # the line calls an nn.Sequential holding it in some instances, other modules in others: no
+            # one unrolling serves them all, so the whole call runs each BatchNorm it meets synced
+            site = edits.site(line)
+            _same(site, "replace", "dp_layers({self}, {arg0}, DP)", node)
+            _note(site, "each BatchNorm it runs sums its statistics over the data-parallel ranks")
+            continue
         site = edits.site(node.span)
         _same(site, "replace", template, node)
         _note(site, "batch statistics summed over the data-parallel ranks")

@@ -55,7 +55,7 @@ __all__ = [
     "Axis", "TP", "DP", "PP",
     "setup", "teardown", "axis_ranks",
     "tp_copy", "tp_reduce", "tp_scatter", "tp_gather",
-    "vocab_parallel_embedding", "vocab_parallel_cross_entropy", "dp_batch_norm", "dp_functional_batch_norm",
+    "vocab_parallel_embedding", "vocab_parallel_cross_entropy", "dp_batch_norm", "dp_functional_batch_norm", "dp_layers",
     "sync_grads",
     "ZeroShards", "zero_shards", "reduce_scatter_grads", "all_gather_params", "free_params", "gather_shards",
     "CheckpointChunks",
@@ -420,6 +420,18 @@ def dp_batch_norm(x: torch.Tensor, bn: torch.nn.Module, axis: Axis) -> torch.Ten
     keep = not bn.training or bn.track_running_stats
     return dp_functional_batch_norm(x, axis, bn.running_mean if keep else None, bn.running_var if keep else None,
                                     bn.weight, bn.bias, True, momentum, bn.eps)
+
+
+def dp_layers(module: torch.nn.Module, x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """A module run on this rank's slice of the batch with every BatchNorm of it that an
+    nn.Sequential calls (nested ones too) normalised by the whole batch's statistics
+    (dp_batch_norm); any other layer runs as it is. For a line that calls an nn.Sequential holding
+    a BatchNorm in some instances of its class and other modules (nn.Identity) in others."""
+    if isinstance(module, torch.nn.Sequential):
+        for layer in module:
+            x = dp_layers(layer, x, axis)
+        return x
+    return dp_batch_norm(x, module, axis)
 
 
 def dp_functional_batch_norm(input: torch.Tensor, axis: Axis, running_mean: torch.Tensor | None,
