@@ -23,6 +23,10 @@
   conv and BatchNorm, or nn.Identity): no one unrolling shows the BatchNorm's call, so the line
   calls `dp_layers(self.project, x, DP)`, which runs each BatchNorm it meets synced (was: internal
   error, "'Identity' object is not subscriptable" in the dry run);
+- a parameter of the model itself read after the blocks (XCiT's cls_token, concatenated before its
+  class-attention blocks): the last stage holds it and the first drops it; a stage dropping the
+  model's own parameters hollows those only (was: every stage dropped them and none hollowed them,
+  so the first stage's stale copy was merged back: a WRONG result that only verify caught);
 - BatchNorm under a pipeline's micro-batches: each micro-batch is normalised by its own statistics
   (GPipe's and torch.distributed.pipelining's semantics), with a warning at the BatchNorm line;
   the output says so (BATCH_STATISTICS_PER_MICRO_BATCH) and verify compares it with one device
@@ -156,7 +160,8 @@ def test_batch_norm_under_micro_batches_normalises_each_by_its_own_statistics(tm
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, plan", [("MIXED", ("--dp", "2")), ("MIXED", ("--pp", "2", "--micro-batches", "2")),
-                                        ("PROJECTED", ("--dp", "2"))], ids=["dp2", "pp2", "dp2-sequential-or-identity"])
+                                        ("PROJECTED", ("--dp", "2")), ("CLS_AFTER_BLOCKS", ("--pp", "2"))],
+                         ids=["dp2", "pp2", "dp2-sequential-or-identity", "pp2-cls-token-after-the-blocks"])
 def test_cnns_with_batch_norm_train_like_one_device(tmp_path, name, plan):
     model = _write(tmp_path, globals()[name])
     result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "verify", str(model), *plan,
@@ -398,3 +403,47 @@ def test_a_small_sequential_before_a_chain_of_statements_is_not_cut(tmp_path):
     graph = analyze(_write(tmp_path, STATEMENTS)).graph
     with pytest.raises(UserError, match="pipeline stages need a model built from repeated blocks"):
         plan_stages(graph, 2)      # the stem's conv and activation are not the model's stages
+
+
+CLS_AFTER_BLOCKS = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList([Block(16) for _ in range(2)])
+        self.cls_token = nn.Parameter(torch.randn(1, 1, 16))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        return self.head(x[:, 0]).pow(2).mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 6, 8),)
+'''
+
+
+def test_the_models_own_parameter_read_after_the_blocks_is_held_by_the_last_stage(tmp_path):
+    plan = plan_stages(analyze(_write(tmp_path, CLS_AFTER_BLOCKS)).graph, 2)
+    assert plan.drop == {0: ["", "head"], 1: ["embed"]}

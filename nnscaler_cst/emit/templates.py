@@ -96,6 +96,9 @@ def keep_stage(model, stage, module):
         trunk = model.get_submodule(owner)
         trunk.pp_owner, trunk.pp_trunk, trunk.pp_returned = owner, part, returned
     for path in module.STAGE_DROPS[stage]:
+        if not path:      # the model's own parameters (a cls_token), not its submodules
+            hollow(model, path, own_only=True)
+            continue
         owner_name, _, attr = path.rpartition(".")
         owner = model.get_submodule(owner_name)
         if isinstance(owner, torch.nn.ModuleDict):
@@ -141,15 +144,16 @@ def shared_outside(model, path):
                if name != path and not name.startswith(path + "."))
 
 
-def hollow(dropped, path):
+def hollow(dropped, path, own_only=False):
     """A module this stage does not run: its parameters and buffers become Hollow attributes,
-    outside the state dict and the optimizer; calling it raises."""
-    for prefix, sub in dropped.named_modules(prefix=path):
+    outside the state dict and the optimizer; calling it raises. `own_only`: only the module's
+    own parameters and buffers, not its submodules' (the model's cls_token)."""
+    for prefix, sub in [(path, dropped)] if own_only else dropped.named_modules(prefix=path):
         for store in (sub._parameters, sub._buffers):
             for name, value in list(store.items()):
                 del store[name]
                 if value is not None:
-                    object.__setattr__(sub, name, Hollow(value, f"{{prefix}}.{{name}}"))
+                    object.__setattr__(sub, name, Hollow(value, f"{{prefix}}.{{name}}" if prefix else name))
         # nor does it read the state dict: BatchNorm's loading adds num_batches_tracked to a state
         # dict saved without versions (a shard), which would be an unexpected key here
         object.__setattr__(sub, "_load_from_state_dict", lambda *args, **kwargs: None)
@@ -169,7 +173,7 @@ def stage_key(name, stage, module):
         if name.startswith(prefix):
             index, _, rest = name[len(prefix):].partition(".")
             return f"{{prefix}}{{int(index) - start}}.{{rest}}" if start <= int(index) < stop else None
-    if any(name == d or name.startswith(d + ".") for d in module.STAGE_DROPS[stage]):
+    if any(name == d or name.startswith(d + ".") or (not d and "." not in name) for d in module.STAGE_DROPS[stage]):
         return None
     return name
 

@@ -778,6 +778,8 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
         for path in filter(None, (node.module_path, node.callee_path, *_read_owners(graph, node))):
             for module in (path, *_ancestors(path)):
                 used.setdefault(module, set()).add(plan.node_stage[node.index])
+        if "" in _read_owners(graph, node):     # the model's own parameter (a cls_token) read here
+            used.setdefault("", set()).add(plan.node_stage[node.index])
     for name, others in trace.module_aliases.items():    # one object: a stage running it holds every name
         for other in others:
             used.setdefault(other, set()).update(used.get(name, ()))
