@@ -36,7 +36,7 @@ from .verify.dry_run import dry_run
 from .plan.layouts import REPLICATE
 from .plan.auto import AutoChoice, dp_only, search_auto
 from .plan.auto import _Fixed as Fixed
-from .plan.batch import check_batch_split, loss_reduction
+from .plan.batch import check_batch_split, loss_reduction, micro_batch_statistics, statistics_warnings
 from .plan.choices import choices_from_plan, site_keys
 from .plan.coshard import CoshardChoice, plan_coshard, repeated_forward as coshard_repeated_forward
 from .plan.cost import check_precision, load_cluster, node_time, optimizer_time
@@ -427,7 +427,8 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
                         for a in analysis.trace.params[p].aliases)
     training = templates.training_api(partial=partial, loss=loss_reduction(analysis.graph),
                                       zero=request.zero if request else 0, micro=micro if stages is not None else None,
-                                      precision=request.precision if request else None)
+                                      precision=request.precision if request else None,
+                                      micro_statistics=bool(stages is not None and stages.micro_statistics))
     files["__init__.py"] = with_header(templates.INIT.format(title=title, world=plan.world_size, tp=tp, dp=dp,
                                                              pp=pp, splits=splits, aliases=aliases,
                                                              vocab_splits=stages.vocab_params if stages else [],
@@ -516,7 +517,9 @@ def plan_pipeline(analysis: Analysis, plan: Plan, request: PlanRequest) -> tuple
         raise UserError(f"a batch of {batch} per data-parallel rank does not split into {micro} micro-batches",
                         _inputs_location(analysis), hint="choose --micro-batches dividing the batch")
     if micro > 1:
-        check_batch_split(analysis.graph, f"{micro} micro-batches", across_ranks=False)
+        normalising = micro_batch_statistics(analysis.graph, f"{micro} micro-batches")
+        stages.micro_statistics = bool(normalising)
+        plan.warnings += statistics_warnings(normalising, micro)
     if table.vocab:       # interlaced: the embedding split over all pipeline ranks, shares placed in time
         interlaced.apply(analysis.graph, stages, table)
         orders = interlaced.orders(table, request.pp, micro, place, stages.vocab_stages)

@@ -345,8 +345,8 @@ def test_a_line_calling_blocks_built_differently_runs_their_layers_whole(tmp_pat
     root = written(tmp_path, MIXED_BLOCKS)
     result = cli("model.py", "--dp", "2", "-o", "dp", cwd=root)
     assert result.returncode == 0, result.stderr
-    assert "return x + dp_batch_norm_layers(self.block, x, DP)  # self.block (nn.Sequential, different layers " \
-           "per call)" in (root / "dp" / "model.py").read_text()
+    assert "return x + dp_layers(self.block, x, DP)  # each BatchNorm it runs sums its statistics over the " \
+           "data-parallel ranks" in (root / "dp" / "model.py").read_text()
     result = cli("model.py", "--tp", "2", "-o", "tp", cwd=root)
     assert result.returncode == 0, result.stderr
     assert "model.py:21:20: warning: torch.nn.Conv2d keeps its weights whole on every tensor-parallel rank: it runs " \
@@ -359,7 +359,7 @@ def test_a_line_calling_a_sequential_and_another_module_in_a_loop_is_not_cut_by_
     result = cli("model.py", "--dp", "2", "-o", "dp", cwd=root)      # its dry run runs both calls
     assert result.returncode == 0, result.stderr
     code = (root / "dp" / "model.py").read_text()
-    assert "x = dp_batch_norm_layers(module, x, DP)" in code and "module[1]" not in code
+    assert "x = dp_layers(module, x, DP)" in code and "module[1]" not in code
 
 
 def test_convs_a_helper_builds_split_unalike_are_divided_at_the_helper_calls(tmp_path):

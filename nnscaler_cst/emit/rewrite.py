@@ -675,21 +675,12 @@ class FileRewriter(cst.CSTTransformer):
 
     def _run_mixed(self, span: Span, call: cst.Call) -> cst.BaseExpression:
         """An nn.Sequential whose calls from this line run different layers (blocks built with and
-        without a layer) cannot be cut apart in this one line: its layers run whole (the planner
-        splits none), and its BatchNorm layers, under data parallelism, sum their statistics over
-        the ranks as they run: `dp_batch_norm_layers(self.block, x, DP)`."""
-        edits = self._mixed_edits(span)
-        if len(call.args) != 1 or call.args[0].keyword is not None or call.args[0].star or any(
-                e.result or e.args or e.sizes or not e.replace.startswith("dp_batch_norm(") for e in edits.values()):
-            raise UserError(f"`{code(call.func)}` is an nn.Sequential whose calls from this line run different "
-                            "layers, and the plan needs edits between its layers: one line cannot hold them",
-                            span.start, hint="call the layers one by one in the model's forward, or keep them whole")
-        self.ctx.visited.update(edits)
-        self.ctx.used.update({"dp_batch_norm_layers", "DP"})
-        self.ctx.note(span, f"{code(call.func)} (nn.Sequential, different layers per call): its BatchNorm layers' "
-                            "batch statistics summed over the data-parallel ranks")
-        return cst.Call(cst.Name("dp_batch_norm_layers"), [cst.Arg(call.func), call.args[0].with_changes(
-            comma=cst.MaybeSentinel.DEFAULT), cst.Arg(cst.Name("DP"))])
+        without a layer) cannot be cut apart in this one line: the planner splits none of its
+        layers, and data parallelism replaces the whole call (`dp_layers`, materialize/edits.py);
+        an edit between its layers has no place to go."""
+        raise UserError(f"`{code(call.func)}` is an nn.Sequential whose calls from this line run different "
+                        "layers, and the plan needs edits between its layers: one line cannot hold them",
+                        span.start, hint="call the layers one by one in the model's forward, or keep them whole")
 
     def _runs(self, span: Span) -> list[list[tuple[str, ...]]]:
         """The container's layers cut where an edit must go between them: a layer whose input is

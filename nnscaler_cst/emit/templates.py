@@ -96,6 +96,9 @@ def keep_stage(model, stage, module):
         trunk = model.get_submodule(owner)
         trunk.pp_owner, trunk.pp_trunk, trunk.pp_returned = owner, part, returned
     for path in module.STAGE_DROPS[stage]:
+        if not path:      # the model's own parameters (a cls_token), not its submodules
+            hollow(model, path, own_only=True)
+            continue
         owner_name, _, attr = path.rpartition(".")
         owner = model.get_submodule(owner_name)
         if isinstance(owner, torch.nn.ModuleDict):
@@ -141,15 +144,16 @@ def shared_outside(model, path):
                if name != path and not name.startswith(path + "."))
 
 
-def hollow(dropped, path):
+def hollow(dropped, path, own_only=False):
     """A module this stage does not run: its parameters and buffers become Hollow attributes,
-    outside the state dict and the optimizer; calling it raises."""
-    for prefix, sub in dropped.named_modules(prefix=path):
+    outside the state dict and the optimizer; calling it raises. `own_only`: only the module's
+    own parameters and buffers, not its submodules' (the model's cls_token)."""
+    for prefix, sub in [(path, dropped)] if own_only else dropped.named_modules(prefix=path):
         for store in (sub._parameters, sub._buffers):
             for name, value in list(store.items()):
                 del store[name]
                 if value is not None:
-                    object.__setattr__(sub, name, Hollow(value, f"{{prefix}}.{{name}}"))
+                    object.__setattr__(sub, name, Hollow(value, f"{{prefix}}.{{name}}" if prefix else name))
         # nor does it read the state dict: BatchNorm's loading adds num_batches_tracked to a state
         # dict saved without versions (a shard), which would be an unexpected key here
         object.__setattr__(sub, "_load_from_state_dict", lambda *args, **kwargs: None)
@@ -169,7 +173,7 @@ def stage_key(name, stage, module):
         if name.startswith(prefix):
             index, _, rest = name[len(prefix):].partition(".")
             return f"{{prefix}}{{int(index) - start}}.{{rest}}" if start <= int(index) < stop else None
-    if any(name == d or name.startswith(d + ".") for d in module.STAGE_DROPS[stage]):
+    if any(name == d or name.startswith(d + ".") or (not d and "." not in name) for d in module.STAGE_DROPS[stage]):
         return None
     return name
 
@@ -1045,10 +1049,20 @@ PRECISION_CODE = {None: "None", "fp32": "None", "tf32": "None  # tf32 prices mat
                   "bf16": "torch.bfloat16", "fp16": "torch.float16"}
 
 
-def training_api(*, partial: str, loss: str, zero: int, micro: int | None, precision: str | None) -> str:
+# BatchNorm under a pipeline: each micro-batch normalised by its own statistics
+MICRO_BATCH_STATISTICS = """
+# BatchNorm normalises each micro-batch by its own statistics, as GPipe and torch.distributed.pipelining
+# do: a step computes what one device computes accumulating gradients over MICRO_BATCHES micro-batches
+# (verify compares with that), not one pass over the whole batch.
+BATCH_STATISTICS_PER_MICRO_BATCH = True"""
+
+
+def training_api(*, partial: str, loss: str, zero: int, micro: int | None, precision: str | None,
+                 micro_statistics: bool = False) -> str:
     """The training section of __init__.py for a plan: `partial` the TP_PARTIAL_GRADS entries,
     `loss` the loss's reduction ("mean" or "sum"), `zero` the ZeRO stage (0: replicated state),
-    `micro` the micro-batches of a pipeline (None: no pipeline), `precision` the forward's dtype."""
+    `micro` the micro-batches of a pipeline (None: no pipeline), `precision` the forward's dtype,
+    `micro_statistics` whether BatchNorm normalises each micro-batch by its own statistics."""
     pipeline = micro is not None
     pieces = {"optimizer_params": OPTIMIZER_PARAMS, "gather_before_forward": "", "dp_finish": DP_FINISH,
               "dp_after_step": "", "clip_pieces": CLIP_PIECES, "stepped_grads": STEPPED_GRADS}
@@ -1063,5 +1077,6 @@ def training_api(*, partial: str, loss: str, zero: int, micro: int | None, preci
                   "stepped_grads": ZERO_STEPPED_GRADS}
     return TRAINING.format(partial=partial, loss_shares=LOSS_SHARES[loss], precision=PRECISION_CODE[precision],
                            forward_backward=PIPELINE_FORWARD_BACKWARD if pipeline else FORWARD_BACKWARD,
-                           pipeline_step="\n\n" + PIPELINE_STEP.format(micro=micro).rstrip("\n") if pipeline else "",
+                           pipeline_step="\n\n" + PIPELINE_STEP.format(micro=micro).rstrip("\n")
+                           + (MICRO_BATCH_STATISTICS if micro_statistics else "") if pipeline else "",
                            **pieces)

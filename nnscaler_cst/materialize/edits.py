@@ -11,6 +11,8 @@ would need different edits are refused. Decides nothing about the plan; writes n
 """
 from __future__ import annotations
 
+import dataclasses
+
 import inspect
 import re
 from collections import defaultdict
@@ -213,6 +215,7 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
             continue
         _split_site_edits(graph, node, choice, n, edits, lay(node), have)
     _check_biases_added(graph, edits)
+    _check_unrollable(graph, edits)
     _ctor_edits(graph, edits)
     edits.full_sizes = full_size_reads(graph, plan.param_layout, n)
     edits.regions = coshard_regions(graph, plan, edits.sites, lay, have, coshard_devices) if plan.chunks else []
@@ -247,12 +250,22 @@ def one_device_edits(graph: Graph, stand_in: AxisChoices) -> Edits:
 
 def data_parallel_edits(graph: Graph, edits: Edits | None) -> Edits:
     """Ops that need the whole batch and have a data-parallel implementation (BatchNorm: the
-    statistics summed over the ranks, `dp_batch_norm`) call it at their site."""
+    statistics summed over the ranks, `dp_batch_norm`) call it at their site; one inside an
+    nn.Sequential whose line runs other modules in other instances, through the whole call
+    (`dp_layers`)."""
     edits = edits if edits is not None else Edits("tp", 1, {}, {}, {}, [])
     for index, label in batch_labels(graph).items():
         node = graph.nodes[index]
         template = data_parallel_impl(graph.dims.get(index), label)
         if template is None or node.span is None:
+            continue
+        line = dataclasses.replace(node.span, via=())
+        if node.span.via and line in graph.trace.mixed_containers:
+            # the line calls an nn.Sequential holding it in some instances, other modules in others: no
+            # one unrolling serves them all, so the whole call runs each BatchNorm it meets synced
+            site = edits.site(line)
+            _same(site, "replace", "dp_layers({self}, {arg0}, DP)", node)
+            _note(site, "each BatchNorm it runs sums its statistics over the data-parallel ranks")
             continue
         site = edits.site(node.span)
         _same(site, "replace", template, node)
@@ -682,6 +695,29 @@ def _ctor_edits(graph: Graph, edits: Edits) -> None:
             if factory or any(set(d) & touched for d in dims):
                 raise _shared_ctor(graph, f"{name} stays whole but shares its constructor with split parameters",
                                    info.ctor_span)
+
+
+def _check_unrollable(graph: Graph, edits: Edits) -> None:
+    """An edit between the layers of an nn.Sequential is written by unrolling its call
+    (`self.main[1:](tp_copy(self.main[0](x)))`); a call line that runs unlike modules in different
+    instances of its class (an nn.Sequential of other layers, or no nn.Sequential: timm's LowFormer
+    ResidualBlock over an MLP, an attention or an MBConv) has no one unrolling. The parameters of
+    the layers it runs are named for the plan to be solved again with them whole (rewrite.py)."""
+    mixed = graph.trace.mixed_containers
+    spans = {dataclasses.replace(span, via=()) for span, site in edits.sites.items()
+             if span.via and dataclasses.replace(span, via=()) in mixed
+             and (site.result or site.args or site.sizes or site.replace)}
+    if not spans:
+        return
+    span = min(spans)
+    params = sorted({graph.trace.tensors[tid].param for n in graph.nodes
+                     if n.span is not None and n.span.via and dataclasses.replace(n.span, via=()) in spans
+                     for _, tid in graph.param_operands(n.index)})
+    error = UserError("this call runs an nn.Sequential whose layers need collectives between them, and other "
+                      "modules in other instances of its class, so no one rewrite of the line serves them all",
+                      span.start, hint="call the nn.Sequential's layers on lines of their own")
+    error.misshapen_params = params
+    raise error
 
 
 def _layer_holds(graph: Graph, param: str, aliases: list[str], size: int) -> bool:

@@ -10,6 +10,8 @@ decides nothing, except how the loss combines the samples (`loss_reduction`).
 """
 from __future__ import annotations
 
+import re
+
 from ..errors import UserError
 from ..graph.graph import Graph
 from ..trace.records import Node, TensorList
@@ -36,6 +38,31 @@ def batch_split_problem(graph: Graph, what: str, across_ranks: bool = True) -> U
         "--micro-batches 1" if synced else "run it on the whole batch (no --dp, --micro-batches 1), or change the model"
     return UserError(f"{node.callee} {why}, so {what} would not match the single-device run",
                      node.span.start if node.span is not None else None, hint=hint)
+
+
+def micro_batch_statistics(graph: Graph, what: str) -> list[Node]:
+    """Under micro-batches (a pipeline), the ops that normalise by statistics over the batch
+    (BatchNorm): each micro-batch is normalised by its own, as GPipe and torch.distributed.pipelining
+    do, which is what one device computes accumulating gradients over the same micro-batches (the
+    output says so, and verify compares with that). Any other op mixing the samples is refused at
+    its line; [] when none mixes them."""
+    check_batch_split(graph, what)      # an op mixing samples that is no batch statistic
+    return [graph.nodes[index] for index, label in batch_labels(graph).items()
+            if index in graph.dims and label in graph.dims[index].fixed
+            and data_parallel_impl(graph.dims[index], label) is not None]
+
+
+def statistics_warnings(nodes: list[Node], micro: int) -> list[str]:
+    """One warning per source line of the ops micro_batch_statistics found."""
+    lines: dict = {}
+    for node in nodes:
+        if node.span is not None:
+            lines.setdefault(node.span, []).append(node)
+    return [f"{span.start}: warning: {calls[0].callee} normalises each of the {micro} micro-batches by its own "
+            f"batch statistics (as GPipe and torch.distributed.pipelining do): a step computes what one device "
+            f"computes accumulating gradients over {micro} micro-batches, and verify compares with that"
+            + (f" (so do its {len(calls) - 1} more calls from this line)" if len(calls) > 1 else "")
+            for span, calls in lines.items()]
 
 
 def _batched_operands(node: Node, batched: dict[int, int]):
@@ -106,7 +133,7 @@ def batch_factors(graph: Graph) -> dict[int, set[str]]:
 def data_parallel_impl(dims, label: str) -> str | None:
     """The template that runs an op needing the whole batch on data-parallel slices of it."""
     template = dims.impl.get(label) if dims is not None else None
-    return template if template is not None and "DP)" in template else None
+    return template if template is not None and re.search(r"\bDP\b", template) else None
 
 
 def _first_mixing_op(graph: Graph, labels: dict[int, str] | None = None, kinds: dict[int, str] | None = None,

@@ -108,6 +108,8 @@ class StagePlan:
     # counted over all of them; per stage, the part each trunk plays there (ChainRole)
     chain: list[Trunk] = field(default_factory=list)
     roles: dict[int, dict[str, "ChainRole"]] = field(default_factory=dict)
+    # BatchNorm normalises each micro-batch by its own statistics (plan/batch.py micro_batch_statistics)
+    micro_statistics: bool = False
 
     @property
     def trunks(self) -> list[Trunk]:
@@ -165,14 +167,53 @@ def _once_per_graph(find):
 
 @_once_per_graph
 def find_trunk(graph: Graph) -> Trunk:
-    if not graph.blocks:
-        raise _no_blocks(graph)
+    """The blocks the stages cut: a group of repeated blocks called in a loop or through an
+    nn.Sequential of them; failing one, the stages of an nn.Sequential called once, whatever
+    their classes (a CNN's stages of different widths, a stem before them)."""
     calls = graph.trace.module_calls
-    # blocks called as modules first (Funnel's encoder holds ModuleLists of layers, never called
-    # themselves), then a loop that calls no other blocks, then the longest
-    paths = max(graph.blocks.values(), key=lambda group: (sum(p in calls for p in group) >= 2,
-                                                          _loop_runs_once(group, calls), len(group)))
-    return _trunk_of(graph, paths)
+    try:
+        if not graph.blocks:
+            raise _no_blocks(graph)
+        # blocks called as modules first (Funnel's encoder holds ModuleLists of layers, never called
+        # themselves), then a loop that calls no other blocks, then the longest
+        paths = max(graph.blocks.values(), key=lambda group: (sum(p in calls for p in group) >= 2,
+                                                              _loop_runs_once(group, calls), len(group)))
+        return _trunk_of(graph, paths)
+    except UserError as error:
+        stages = _sequential_stages(graph)
+        if not stages:
+            raise error
+        return _trunk_of(graph, stages)
+
+
+def _sequential_stages(graph: Graph) -> list[str]:
+    """The children of the nn.Sequential, called once as a statement of the model's own code, whose
+    children run the most of the model's work, at least half of it (the stages a CNN runs one after
+    the other, not a stem of conv, norm and activation): the module paths of its children, numbered
+    0, 1, ... as nn.Sequential numbers them. [] if none."""
+    trace = graph.trace
+    calls, runs = trace.module_calls, trace.module_runs
+    work = [(n.callee_path or n.module_path or "", node_flops(n, graph.dims.get(n.index), trace)) for n in graph.nodes]
+    best, best_flops, half = [], 0.0, sum(f for _, f in work) / 2
+    for path, (span, _) in calls.items():
+        if span not in trace.containers or runs.get(path, 1) != 1:
+            continue
+        children = _sequential_children(trace, path)
+        if len(children) < 2 or any(c not in calls or runs.get(c, 1) != 1 for c in children):
+            continue
+        flops = sum(f for m, f in work if m == path or m.startswith(path + "."))
+        if flops >= half and flops > best_flops:
+            best, best_flops = children, flops
+    return best
+
+
+def _sequential_children(trace, container: str) -> list[str]:
+    """The direct children of an nn.Sequential, in order, when it numbers them (0, 1, ...)."""
+    prefix = container + "."
+    children = [p for p in trace.module_types if p.startswith(prefix) and "." not in p[len(prefix):]]
+    if not children or not all(p[len(prefix):].isdigit() for p in children):
+        return []
+    return sorted(children, key=lambda p: int(p[len(prefix):]))
 
 
 def cut_blocks(graph: Graph) -> list[str]:
@@ -197,9 +238,14 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
     source = graph.sources.get(span.path)
     node = source.node_at(span.line, span.col, span.end_line, span.end_col)
     if span in graph.trace.containers:     # `x = self.blocks(x)` on an nn.Sequential of the blocks
-        if len(graph.trace.containers[span]) != len(paths):
+        children = _sequential_children(graph.trace, container)
+        if len(children) != len(paths) and len(children) >= 2 and all(c in calls for c in children):
+            # it holds other stages too (a stem, a stage of another class): the stages cut its children
+            blocks = sorted(children, key=lambda p: calls[p][1])
+        elif len(children) != len(paths):
             raise UserError(f"{container} is an nn.Sequential holding more than its {len(paths)} blocks", span.start,
-                            hint="pipelining cuts a container that holds only the repeated blocks")
+                            hint="pipelining cuts an nn.Sequential whose children are numbered and each called "
+                                 "once")
         loop = node
         while loop is not None and not isinstance(loop, cst.SimpleStatementLine):
             loop = source.parents.get(loop)
@@ -732,6 +778,8 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
         for path in filter(None, (node.module_path, node.callee_path, *_read_owners(graph, node))):
             for module in (path, *_ancestors(path)):
                 used.setdefault(module, set()).add(plan.node_stage[node.index])
+        if "" in _read_owners(graph, node):     # the model's own parameter (a cls_token) read here
+            used.setdefault("", set()).add(plan.node_stage[node.index])
     for name, others in trace.module_aliases.items():    # one object: a stage running it holds every name
         for other in others:
             used.setdefault(other, set()).update(used.get(name, ()))

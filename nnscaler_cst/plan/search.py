@@ -654,9 +654,10 @@ def _weights_cannot_split_here(constraint: Constraint, opts: SiteOptions) -> boo
     """A plan's blanket "split every weight matrix" meets a site none of whose valid options
     splits its weights (its sizes do not divide, or the source reads their full size): the
     site runs whole, with a warning, rather than making the plan unsatisfiable. A constraint
-    naming the site (by callee, module or line) stays hard."""
-    return constraint.algo == "split" and constraint.select == {"params": "matrix"} and bool(
-        opts.why or opts.whole_because)
+    naming the site (by callee, module or line) stays hard; one that only excepts parameters kept
+    whole (a plan solved again, rewrite.py) is as blanket as before."""
+    select = {k: v for k, v in constraint.select.items() if k != "except_params"}
+    return constraint.algo == "split" and select == {"params": "matrix"} and bool(opts.why or opts.whole_because)
 
 
 def _left_whole_warning(graph: Graph, options, sid: SiteId, n: int) -> str:

@@ -58,8 +58,8 @@ __all__ = [
     "Axis", "TP", "DP", "PP",
     "setup", "teardown", "axis_ranks",
     "tp_copy", "tp_reduce", "tp_scatter", "tp_gather",
-    "vocab_parallel_embedding", "vocab_parallel_cross_entropy", "dp_batch_norm", "dp_batch_norm_layers",
-    "sync_grads", "GradBuckets", "overlap_grads", "wait_grad_buckets",
+    "vocab_parallel_embedding", "vocab_parallel_cross_entropy", "dp_batch_norm", "dp_functional_batch_norm",
+    "dp_layers", "sync_grads", "GradBuckets", "overlap_grads", "wait_grad_buckets",
     "ZeroShards", "ZeroUnit", "zero_shards", "reduce_scatter_grads", "all_gather_params", "free_params",
     "keep_params", "gather_whole", "shard_of",
     "CheckpointChunks",
@@ -408,43 +408,61 @@ class _AllReduceBothWays(torch.autograd.Function):
         return _all_reduce(grad.contiguous().clone(), ctx.axis), None
 
 
-def dp_batch_norm_layers(module: torch.nn.Module, x: torch.Tensor, axis: Axis) -> torch.Tensor:
-    """A module run as it is, except that an nn.Sequential runs layer by layer (nested ones too)
-    and each BatchNorm layer through dp_batch_norm: for a line that calls containers holding
-    different layers (or a container one time, another module the next), where the layers
-    cannot be written out one by one."""
-    if isinstance(module, torch.nn.Sequential):
-        for layer in module:
-            x = dp_batch_norm_layers(layer, x, axis)
-        return x
-    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
-        return dp_batch_norm(x, module, axis)
-    return module(x)
-
-
 def dp_batch_norm(x: torch.Tensor, bn: torch.nn.Module, axis: Axis) -> torch.Tensor:
     """A BatchNorm layer run on this rank's slice of the batch, normalised with the statistics of
-    the whole batch (sums over every rank's slice, as torch's SyncBatchNorm, which needs a GPU),
-    so it computes what the single-device layer computes on the whole batch; the running
-    statistics are updated alike on every rank. Every rank holds an equal share of the batch."""
-    use_batch = bn.training or bn.running_mean is None
-    if axis.size == 1 or not use_batch:
+    the whole batch (as torch's SyncBatchNorm, which needs a GPU): the layer's own forward, its
+    running statistics' momentum and count included, around dp_functional_batch_norm. A line that
+    calls a BatchNorm in one instance of its class and another layer (nn.Identity) in another runs
+    that layer as it is."""
+    if axis.size == 1 or not isinstance(bn, torch.nn.modules.batchnorm._BatchNorm) \
+            or not (bn.training or bn.running_mean is None):
         return bn(x)
-    dims = [0, *range(2, x.dim())]
-    shape = [1, -1] + [1] * (x.dim() - 2)
-    count = x.numel() // x.shape[1] * axis.size
-    mean = _AllReduceBothWays.apply(x.sum(dims), axis) / count
-    centered = x - mean.reshape(shape)
+    momentum = 0.0 if bn.momentum is None else bn.momentum
+    if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
+        bn.num_batches_tracked.add_(1)
+        momentum = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+    keep = not bn.training or bn.track_running_stats
+    return dp_functional_batch_norm(x, axis, bn.running_mean if keep else None, bn.running_var if keep else None,
+                                    bn.weight, bn.bias, True, momentum, bn.eps)
+
+
+def dp_layers(module: torch.nn.Module, x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """A module run on this rank's slice of the batch with every BatchNorm of it that an
+    nn.Sequential calls (nested ones too) normalised by the whole batch's statistics
+    (dp_batch_norm); any other layer runs as it is. For a line that calls an nn.Sequential holding
+    a BatchNorm in some instances of its class and other modules (nn.Identity) in others."""
+    if isinstance(module, torch.nn.Sequential):
+        for layer in module:
+            x = dp_layers(layer, x, axis)
+        return x
+    return dp_batch_norm(x, module, axis)
+
+
+def dp_functional_batch_norm(input: torch.Tensor, axis: Axis, running_mean: torch.Tensor | None,
+                             running_var: torch.Tensor | None, weight: torch.Tensor | None = None,
+                             bias: torch.Tensor | None = None, training: bool = False, momentum: float = 0.1,
+                             eps: float = 1e-5) -> torch.Tensor:
+    """torch.nn.functional.batch_norm on this rank's slice of the batch, in training normalised
+    with the statistics of the whole batch (sums over every rank's slice), so it computes what the
+    single-device call computes on the whole batch; the running statistics given are updated alike
+    on every rank. Every rank holds an equal share of the batch."""
+    if axis.size == 1 or not training:
+        return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    dims = [0, *range(2, input.dim())]
+    shape = [1, -1] + [1] * (input.dim() - 2)
+    count = input.numel() // input.shape[1] * axis.size
+    mean = _AllReduceBothWays.apply(input.sum(dims), axis) / count
+    centered = input - mean.reshape(shape)
     var = _AllReduceBothWays.apply(centered.pow(2).sum(dims), axis) / count
-    y = centered * torch.rsqrt(var + bn.eps).reshape(shape)
-    if bn.affine:
-        y = y * bn.weight.reshape(shape) + bn.bias.reshape(shape)
-    if bn.training and bn.track_running_stats and bn.running_mean is not None:
+    y = centered * torch.rsqrt(var + eps).reshape(shape)
+    if weight is not None:
+        y = y * weight.reshape(shape)
+    if bias is not None:
+        y = y + bias.reshape(shape)
+    if running_mean is not None:
         with torch.no_grad():
-            bn.num_batches_tracked.add_(1)
-            momentum = bn.momentum if bn.momentum is not None else 1.0 / float(bn.num_batches_tracked)
-            bn.running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
-            bn.running_var.mul_(1 - momentum).add_(var.detach() * count / max(count - 1, 1), alpha=momentum)
+            running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
+            running_var.mul_(1 - momentum).add_(var.detach() * count / max(count - 1, 1), alpha=momentum)
     return y
 
 

@@ -191,6 +191,9 @@ def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1
     common = ["--steps", str(steps), "--lr", str(lr), "--seed", str(seed)]
     common += ["--max-grad-norm", repr(max_grad_norm)] if max_grad_norm is not None else []
     common += ["--precision", precision] if precision is not None else []
+    if getattr(package, "BATCH_STATISTICS_PER_MICRO_BATCH", False):    # the reference accumulates alike
+        common += ["--micro-batches", str(package.MICRO_BATCHES), "--dp-shares", str(package.DP_SIZE)]
+        common += [] if package.AVERAGE_SHARES else ["--summed-shares"]
     with terminated_as_exit(), tempfile.TemporaryDirectory(prefix="nnscaler-verify-") as workdir, \
             (nullcontext(forks) if forks is not None else forkserver.started()) as forks:
         run = _Run(entry_file, out_dir, package, workdir, common, timeout, forks)

@@ -4,7 +4,7 @@ It imports only torch and the files under test, and makes `import nnscaler_cst` 
 passing run also proves the generated code is self-contained.
 
     worker.py reference ENTRY_FILE WORKDIR --steps K --lr LR --seed S [--float64] [--precision P]
-              [--max-grad-norm N]
+              [--max-grad-norm N] [--micro-batches M --dp-shares D]
     worker.py rank OUTPUT_DIR WORKDIR --steps K --lr LR --seed S [--float64] [--max-grad-norm N]
               (RANK, WORLD_SIZE, MASTER_* set)
 
@@ -12,7 +12,10 @@ The reference runs its forward and loss under torch.autocast in --precision (bf1
 output's training API does in the precision it was rewritten for (fp16: with torch.amp.GradScaler,
 whose dynamic loss scaling the API's follows), and clips the gradients'
 norm (torch.nn.utils.clip_grad_norm_) with --max-grad-norm, as the ranks do with the API's
-clip_grad_norm.
+clip_grad_norm. With --micro-batches M it runs each step as gradient accumulation over the M
+micro-batches a pipeline runs (with --dp-shares D: micro-batch m joins the m-th slice of each of
+the D data-parallel shares), for an output whose BatchNorm normalises each micro-batch by its own
+statistics.
 
 Fault injection, to see what verify does when a rank fails (tests/test_faults.py):
 NNSCALER_VERIFY_FAULT=die:R:K kills rank R (SIGKILL) just before its first collective of step K;
@@ -225,10 +228,7 @@ def exact_first_step(entry, model, seed, max_grad_norm=None):
     try:
         exact = copy.deepcopy(model).double()
         exact.train()
-        batch = widened(batch_for(entry, 0, seed))
-        output = exact(**batch) if isinstance(batch, dict) else exact(*batch)
-        loss = loss_of(entry, output)
-        loss.backward()
+        loss = step_loss(entry, exact, widened(batch_for(entry, 0, seed)))
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(exact.parameters(), max_grad_norm)
     except Exception:       # noqa: BLE001 -- no yardstick; verify judges as before
@@ -249,12 +249,8 @@ def reordered_first_gradients(entry, model, seed, precision=None, max_grad_norm=
         torch.set_num_threads(2 * threads)
         again = copy.deepcopy(model)
         again.train()
-        batch = batch_for(entry, 0, seed)
-        with autocast(precision):
-            output = again(**batch) if isinstance(batch, dict) else again(*batch)
-            loss = loss_of(entry, output)
         scaler = loss_scaler(precision)
-        scaler.scale(loss).backward()
+        step_loss(entry, again, batch_for(entry, 0, seed), precision, scaler)
         for param in again.parameters():
             if param.grad is not None:
                 param.grad.div_(scaler.get_scale() if scaler.is_enabled() else 1.0)
@@ -269,6 +265,47 @@ def reordered_first_gradients(entry, model, seed, precision=None, max_grad_norm=
 
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# (M, D, average) with --micro-batches M --dp-shares D [--summed-shares]: each step accumulates
+# gradients over the micro-batches, the shares of a mean loss averaged (of a sum: added up)
+MICRO_BATCHES = None
+
+
+def micro_batches(batch):
+    """The batch as the pipeline's micro-batches: micro-batch m is the m-th of MICRO_BATCHES slices
+    of each data-parallel share, joined (the data-parallel ranks sum BatchNorm's statistics over
+    their m-th micro-batches); the whole batch without --micro-batches."""
+    if MICRO_BATCHES is None:
+        return [batch]
+    micro, shares, _ = MICRO_BATCHES
+
+    def piece(x, m):
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            return x
+        return torch.cat([share.chunk(micro)[m] for share in x.chunk(shares)])
+    if isinstance(batch, dict):
+        return [{k: piece(v, m) for k, v in batch.items()} for m in range(micro)]
+    return [tuple(piece(v, m) for v in batch) for m in range(micro)]
+
+
+def step_loss(entry, model, batch, precision=None, scaler=None):
+    """One step's forward, loss and backward on `batch` (micro-batch after micro-batch, gradients
+    accumulated, shares of a mean loss averaged as the output's training API averages them);
+    returns the step's loss."""
+    pieces = micro_batches(batch)
+    total = 0.0
+    for piece in pieces:
+        with autocast(precision):
+            output = model(**piece) if isinstance(piece, dict) else model(*piece)
+            loss = loss_of(entry, output)
+            if len(pieces) > 1 and MICRO_BATCHES[2]:
+                loss = loss / len(pieces)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        total = total + loss.detach()
+    return total
+
+
 
 
 def autocast(precision):
@@ -310,11 +347,7 @@ def reference(args):
     losses = []
     for step in range(args.steps):
         enter("step", step)
-        batch = batch_for(entry, step, args.seed)
-        with autocast(args.precision):
-            output = model(**batch) if isinstance(batch, dict) else model(*batch)
-            loss = loss_of(entry, output)
-        scaler.scale(loss).backward()
+        loss = step_loss(entry, model, batch_for(entry, step, args.seed), args.precision, scaler)
         scaler.unscale_(optimizer)
         if args.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -384,7 +417,12 @@ def main():
     parser.add_argument("--float64", action="store_true", help="build, batches and steps in float64")
     parser.add_argument("--precision", help="the reference's forward under autocast in bf16 or fp16")
     parser.add_argument("--max-grad-norm", type=float, help="clip the gradients' global norm to this")
+    parser.add_argument("--micro-batches", type=int, help="each step accumulates over this many micro-batches")
+    parser.add_argument("--dp-shares", type=int, default=1, help="data-parallel shares the micro-batches join")
+    parser.add_argument("--summed-shares", action="store_true", help="the loss sums its micro-batches' losses")
     args = parser.parse_args()
+    global MICRO_BATCHES
+    MICRO_BATCHES = (args.micro_batches, args.dp_shares, not args.summed_shares) if args.micro_batches else None
     if args.float64:
         torch.set_default_dtype(torch.float64)
     torch.use_deterministic_algorithms(True, warn_only=True)
