@@ -102,7 +102,7 @@ def test_the_step_adds_up_the_shares_of_a_sum_and_averages_those_of_a_mean(tmp_p
     for loss, average in (("F.mse_loss(out, y)", True), ("(out - y).pow(2).sum()", False)):
         train = rewrite(analyze(write_model(tmp_path, loss)), PlanRequest(dp=2)).files["__init__.py"]
         assert f"\nAVERAGE_SHARES = {average}\n" in train
-        assert "_comm.sync_grads(list(model.parameters()), _comm.DP, average=AVERAGE_SHARES," in train
+        assert "_comm.overlap_grads(model, _comm.DP, average=AVERAGE_SHARES," in train
 
 
 def verify(folder, *args) -> dict:
