@@ -3,6 +3,10 @@
 - torch.nn's own transformer layers: `nn.TransformerEncoderLayer`'s feed-forward is split like
   any block's (column then row), in a mirror of torch's file (`_torch/nn/modules/transformer.py`),
   and `nn.TransformerEncoder`'s loop over its cloned layers is cut into pipeline stages.
+- `nn.MultiheadAttention` called directly, sequence-first and batch-first, with a causal and a
+  padding mask, averaged attention weights (need_weights=True) and a cross-attention whose keys
+  have their own width (kdim): split by heads (the in-projection's rows of each of q, k, v, the
+  out-projection's columns), run by _comm's tp_multi_head_attention_forward.
 - timm's ViT style: the blocks run in one branch of an `if` whose other branches run them
   another way (`checkpoint_seq(self.blocks, x)`, a loop with a mask), and the model holds
   parameters of its own (`cls_token`, `pos_embed`) that only the first stage reads.
@@ -48,6 +52,53 @@ TORCH_ENCODER = """
     def example_inputs():
         g = torch.Generator().manual_seed(1)
         return torch.randint(0, 64, (4, 8), generator=g), torch.randint(0, 64, (4, 8), generator=g)
+"""
+
+MULTIHEAD = """
+    import torch
+    import torch.nn as nn
+
+
+    class Block(nn.Module):
+        def __init__(self, d=16, h=4, kd=12):
+            super().__init__()
+            self.self_attn = nn.MultiheadAttention(d, h)                                      # (L, N, E)
+            self.cross = nn.MultiheadAttention(d, h, kdim=kd, vdim=kd, batch_first=True)      # q, k, v apart
+            self.up = nn.Linear(d, 2 * d)
+            self.down = nn.Linear(2 * d, d)
+
+        def forward(self, x, memory, causal, padding):
+            t = x.transpose(0, 1)
+            a, weights = self.self_attn(t, t, t, attn_mask=causal, key_padding_mask=padding)   # averaged weights
+            x = x + a.transpose(0, 1) + weights.sum(-1, keepdim=True)
+            c, _ = self.cross(x, memory, memory, need_weights=False)
+            x = x + c
+            return x + self.down(torch.relu(self.up(x)))
+
+
+    class Model(nn.Module):
+        def __init__(self, n=2):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(n))
+            self.proj = nn.Linear(16, 4)
+
+        def forward(self, x, memory, y):
+            causal = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
+            padding = torch.zeros(x.shape[0], x.shape[1], dtype=torch.bool)
+            padding[:, -1] = True
+            for blk in self.blocks:
+                x = blk(x, memory, causal, padding)
+            return nn.functional.mse_loss(self.proj(x), y)
+
+
+    def build():
+        torch.manual_seed(0)
+        return Model()
+
+
+    def example_inputs():
+        torch.manual_seed(1)
+        return torch.randn(4, 8, 16), torch.randn(4, 6, 12), torch.randn(4, 8, 4)
 """
 
 BRANCHED_VIT = """
@@ -136,6 +187,23 @@ def test_torch_encoder_layers_split_their_feed_forward(tmp_path):
     assert "from ._torch.nn.modules.transformer import TransformerEncoderLayer" in (root / "out" / "model.py").read_text()
 
 
+def test_multihead_attention_is_split_by_heads(tmp_path):
+    root = written(tmp_path, MULTIHEAD)
+    result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    params = json.loads((root / "out" / "plan.json").read_text())["params"]
+    expected = {"self_attn.in_proj_weight": "S(0, groups=3)", "self_attn.in_proj_bias": "S(0, groups=3)",
+                "self_attn.out_proj.weight": "S(1)", "self_attn.out_proj.bias": "R",
+                "cross.q_proj_weight": "S(0)", "cross.k_proj_weight": "S(0)", "cross.v_proj_weight": "S(0)"}
+    for layer in (0, 1):
+        assert {k: params[f"blocks.{layer}.{k}"]["tp"] for k in expected} == expected
+    mirror = (root / "out" / "_torch" / "nn" / "modules" / "activation.py").read_text()
+    assert "torch.empty((3 * embed_dim // 2, embed_dim), **factory_kwargs)" in mirror
+    assert "embed_dim // 2, embed_dim, bias=bias, **factory_kwargs" in mirror      # out_proj: its input by heads
+    assert mirror.count("tp_multi_head_attention_forward(") == 2 and "axis=TP)" in mirror   # both calls of F
+    assert "F.multi_head_attention_forward(" not in mirror
+
+
 def test_torch_encoder_loop_is_cut_into_stages(tmp_path):
     root = written(tmp_path, TORCH_ENCODER)
     result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
@@ -165,9 +233,10 @@ def test_a_branch_that_counts_the_blocks_is_refused(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model,mode", [(TORCH_ENCODER, ("--tp", "2")),
+                                        (MULTIHEAD, ("--tp", "2", "--dp", "2")),
                                         (TORCH_ENCODER, ("--pp", "2", "--micro-batches", "2")),
                                         (BRANCHED_VIT, ("--pp", "2", "--micro-batches", "2"))],
-                         ids=["torch-encoder-tp2", "torch-encoder-pp2", "branched-vit-pp2"])
+                         ids=["torch-encoder-tp2", "multihead-attention-dp2xtp2", "torch-encoder-pp2", "branched-vit-pp2"])
 def test_verifies(tmp_path, model, mode):
     root = written(tmp_path, model)
     result = cli("verify", "model.py", *mode, "-o", "out", cwd=root)
