@@ -3,6 +3,9 @@
 - torch.nn's own transformer layers: `nn.TransformerEncoderLayer`'s feed-forward is split like
   any block's (column then row), in a mirror of torch's file (`_torch/nn/modules/transformer.py`),
   and `nn.TransformerEncoder`'s loop over its cloned layers is cut into pipeline stages.
+- `nn.Transformer`: the encoder's layers, then the decoder's, cut as one chain of blocks; the
+  decoder's code before its loop reads its first layer (`self.layers[0].self_attn.batch_first`),
+  so no stage boundary falls at the decoder's first block (`--stages` there is refused at that line).
 - `nn.MultiheadAttention` called directly, sequence-first and batch-first, with a causal and a
   padding mask, averaged attention weights (need_weights=True) and a cross-attention whose keys
   have their own width (kdim): split by heads (the in-projection's rows of each of q, k, v, the
@@ -14,6 +17,8 @@ Quick tests read the plan and the written code; the gloo runs are slow.
 """
 from __future__ import annotations
 
+import ast
+import inspect
 import json
 import os
 import subprocess
@@ -22,6 +27,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 TIMEOUT_S = 600
 
@@ -52,6 +58,38 @@ TORCH_ENCODER = """
     def example_inputs():
         g = torch.Generator().manual_seed(1)
         return torch.randint(0, 64, (4, 8), generator=g), torch.randint(0, 64, (4, 8), generator=g)
+"""
+
+TORCH_TRANSFORMER = """
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+
+    class TinySeq2Seq(nn.Module):
+        def __init__(self, vocab=64, d_model=32, nhead=4, layers=2):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, d_model)
+            self.transformer = nn.Transformer(d_model, nhead, layers, layers, dim_feedforward=64, dropout=0.0,
+                                              batch_first=True)
+            self.head = nn.Linear(d_model, vocab)
+
+        def forward(self, src, tgt, targets):
+            mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+            out = self.transformer(self.embed(src), self.embed(tgt), tgt_mask=mask, tgt_is_causal=True)
+            logits = self.head(out)
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+    def build():
+        torch.manual_seed(0)
+        return TinySeq2Seq()
+
+
+    def example_inputs():
+        g = torch.Generator().manual_seed(1)
+        return (torch.randint(0, 64, (4, 8), generator=g), torch.randint(0, 64, (4, 6), generator=g),
+                torch.randint(0, 64, (4, 6), generator=g))
 """
 
 MULTIHEAD = """
@@ -211,6 +249,23 @@ def test_torch_encoder_loop_is_cut_into_stages(tmp_path):
     mirror = (root / "out" / "_torch" / "nn" / "modules" / "transformer.py").read_text()
     assert "class TransformerEncoder(Module)" in mirror and "pp_handoff(" in mirror
     assert 'PIPELINE_BLOCKS = "encoder.layers"' in (root / "out" / "model_stage0.py").read_text()
+
+
+def test_torch_transformer_is_cut_as_a_chain_with_a_decoder_block_where_the_decoder_starts(tmp_path):
+    root = written(tmp_path, TORCH_TRANSFORMER)
+    result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    first = (root / "out" / "model_stage0.py").read_text()
+    assert "PIPELINE_BLOCKS = ['transformer.encoder.layers', 'transformer.decoder.layers']" in first
+    blocks = ast.literal_eval(first.split("STAGE_BLOCKS = ")[1].split("  #")[0])[0]
+    assert blocks["transformer.encoder.layers"] != (0, 2) or blocks["transformer.decoder.layers"][1] > 0
+
+    result = cli("model.py", "--pp", "2", "--micro-batches", "2", "--stages", "2", "-o", "out2", cwd=root)
+    assert result.returncode == 2 and not (root / "out2").exists()
+    lines, start = inspect.getsourcelines(torch.nn.TransformerDecoder.forward)
+    line = start + next(i for i, text in enumerate(lines) if "self.layers[0]" in text)
+    assert f"transformer.py:{line}:" in result.stderr and "--stages cuts at block 2, the first of " \
+        "transformer.decoder.layers, whose code before its loop reads its blocks here" in result.stderr, result.stderr
 
 
 def test_blocks_run_in_branches_and_model_parameters_stay_on_the_first_stage(tmp_path):
