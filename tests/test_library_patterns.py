@@ -10,6 +10,8 @@
   padding mask, averaged attention weights (need_weights=True) and a cross-attention whose keys
   have their own width (kdim): split by heads (the in-projection's rows of each of q, k, v, the
   out-projection's columns), run by _comm's tp_multi_head_attention_forward.
+- x-transformers' style: each layer a ModuleList of [norm, block, residual] whose modules the loop
+  calls (never the layer itself): pipelining is refused at that loop, with the reason.
 - timm's ViT style: the blocks run in one branch of an `if` whose other branches run them
   another way (`checkpoint_seq(self.blocks, x)`, a loop with a mask), and the model holds
   parameters of its own (`cls_token`, `pos_embed`) that only the first stage reads.
@@ -137,6 +139,39 @@ MULTIHEAD = """
     def example_inputs():
         torch.manual_seed(1)
         return torch.randn(4, 8, 16), torch.randn(4, 6, 12), torch.randn(4, 8, 4)
+"""
+
+NESTED_LAYER_LISTS = """
+    import torch
+    import torch.nn as nn
+
+
+    class Residual(nn.Module):
+        def forward(self, out, residual):
+            return out + residual
+
+
+    class Model(nn.Module):
+        def __init__(self, d=16, n=4):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.ModuleList([nn.LayerNorm(d), nn.Linear(d, d), Residual()])
+                                         for _ in range(n)])
+            self.head = nn.Linear(d, 4)
+
+        def forward(self, x, y):
+            for norm, block, residual in self.layers:
+                x = residual(block(norm(x)), x)
+            return nn.functional.mse_loss(self.head(x), y)
+
+
+    def build():
+        torch.manual_seed(0)
+        return Model()
+
+
+    def example_inputs():
+        torch.manual_seed(1)
+        return torch.randn(4, 8, 16), torch.randn(4, 8, 4)
 """
 
 BRANCHED_VIT = """
@@ -284,6 +319,15 @@ def test_a_branch_that_counts_the_blocks_is_refused(tmp_path):
     line = (root / "model.py").read_text().splitlines().index("            for i, blk in enumerate(self.blocks):") + 1
     assert f"model.py:{line}:13: error:" in result.stderr and "not nested" in result.stderr
     assert not (root / "out").exists()
+
+
+def test_layers_that_are_lists_of_modules_are_refused_for_pipelining_at_their_loop(tmp_path):
+    root = written(tmp_path, NESTED_LAYER_LISTS)
+    result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
+    assert result.returncode == 2 and not (root / "out").exists()
+    line = (root / "model.py").read_text().splitlines().index("        for norm, block, residual in self.layers:") + 1
+    assert f"model.py:{line}:9: error: the blocks of layers are lists of modules, never called themselves" \
+        in result.stderr, result.stderr
 
 
 @pytest.mark.slow

@@ -187,6 +187,9 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
     container = paths[0].rsplit(".", 1)[0]
     blocks = sorted((p for p in paths if p in calls), key=lambda p: calls[p][1])
     if len(blocks) < 2:
+        nested = _nested_blocks_loop(graph, paths)
+        if nested is not None:
+            raise nested
         trace = graph.trace
         reading = next((n.span.start for n in graph.nodes if n.span is not None and any(   # the first block's weights
             alias.startswith(paths[0] + ".") for _, tid in graph.param_operands(n.index)
@@ -226,6 +229,30 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
     return Trunk(container, blocks, function, function_span, index, handoff,
                  _shared_loop_owner(graph, blocks, function, function_span, span),
                  unset=maybe_unset(function, index, handoff))
+
+
+def _nested_blocks_loop(graph: Graph, paths: list[str]) -> UserError | None:
+    """Blocks that are lists of modules (x-transformers' `ModuleList([norms, block, residual])` per
+    layer), never called themselves, whose modules a loop calls: the refusal, at that loop. A
+    stage boundary is a call of a block, so such a loop cannot be cut; None when the blocks' modules
+    are not called in a loop."""
+    calls = graph.trace.module_calls
+    inner = [calls[p] for p in calls if p.startswith(paths[0] + ".")]
+    if not inner or any(p in calls for p in paths):
+        return None
+    span = min(inner, key=lambda call: call[1])[0]
+    source = graph.sources.get(span.path)
+    node = source.node_at(span.line, span.col, span.end_line, span.end_col)
+    while node is not None and not isinstance(node, cst.For):
+        node = source.parents.get(node)
+    if node is None:
+        return None
+    container = paths[0].rsplit(".", 1)[0]
+    return UserError(f"the blocks of {container} are lists of modules, never called themselves; this loop calls "
+                     "the modules inside them, and pipeline stages are cut at calls of whole blocks",
+                     source.span_of(node).start,
+                     hint="give each layer a module whose forward runs its parts and call it in the loop "
+                          "(`x = layer(x)`), or use --tp or --dp for this model")
 
 
 def _branches_over_blocks(source, loop: cst.CSTNode, body: list, container: str) -> cst.If:
