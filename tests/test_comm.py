@@ -382,10 +382,13 @@ def _check_tp_multi_head_attention(rank, world, axis=TP):
         assert_close(out[0], ref[0])
         assert (out[1] is None) == (ref[1] is None)
         upstream = _full(*ref[0].shape, seed=30)
+        per_head = ref[1] is not None and ref[1].dim() == 4
         loss_ref = (ref[0] * upstream).sum() + (ref[1].sum() if ref[1] is not None else 0)
-        loss = (out[0] * upstream).sum() + (out[1].sum() if out[1] is not None else 0)
-        if ref[1] is not None:
-            assert_close(out[1], ref[1])
+        # per-head weights: every rank's heads summed, as the whole sum
+        loss = (out[0] * upstream).sum() + (_comm.tp_reduce(out[1].sum(), axis) if per_head
+                                            else out[1].sum() if out[1] is not None else 0)
+        if ref[1] is not None:      # averaged: whole; per head: this rank's heads
+            assert_close(out[1], ref[1] if ref[1].dim() == 3 else _slice_of(ref[1].detach(), rank, world, 1))
         loss_ref.backward()
         loss.backward()
         for x, y in zip(x_local, x_full):

@@ -8,7 +8,7 @@
   so no stage boundary falls at the decoder's first block (`--stages` there is refused at that line).
 - `nn.MultiheadAttention` called directly, sequence-first and batch-first, with a causal and a
   padding mask, averaged attention weights (need_weights=True) and a cross-attention whose keys
-  have their own width (kdim): split by heads (the in-projection's rows of each of q, k, v, the
+  have their own width (kdim) returning its weights per head (split with the heads): split by heads (the in-projection's rows of each of q, k, v, the
   out-projection's columns), run by _comm's tp_multi_head_attention_forward.
 - x-transformers' style: each layer a ModuleList of [norm, block, residual] whose modules the loop
   calls (never the layer itself): pipelining is refused at that loop, with the reason.
@@ -111,8 +111,8 @@ MULTIHEAD = """
             t = x.transpose(0, 1)
             a, weights = self.self_attn(t, t, t, attn_mask=causal, key_padding_mask=padding)   # averaged weights
             x = x + a.transpose(0, 1) + weights.sum(-1, keepdim=True)
-            c, _ = self.cross(x, memory, memory, need_weights=False)
-            x = x + c
+            c, per_head = self.cross(x, memory, memory, average_attn_weights=False)   # (N, heads, L, S)
+            x = x + c + per_head[:, :, :, :2].sum((1, 3)).unsqueeze(-1)
             return x + self.down(torch.relu(self.up(x)))
 
 

@@ -412,16 +412,21 @@ _MHA = ("arg0|query: l^ b e^, arg1|key: s^ b k^, arg2|value: s^ b v^, arg5|in_pr
 
 
 def multi_head_attention(call: Call) -> OpDims:
-    """Heads and batch of F.multi_head_attention_forward. The averaged attention weights
-    (need_weights=True) are a second result, whole over the heads; per-head weights, a
-    per-head (3-d) attn_mask and static keys or values are not described (the op stays whole)."""
+    """Heads and batch of F.multi_head_attention_forward. The attention weights (need_weights=True)
+    are a second result: averaged, whole over the heads; per head (N, H, L, S), split with them.
+    A per-head (3-d) attn_mask and static keys or values are not described (the op stays whole)."""
     for name in ("static_k", "static_v"):
         if name in call.shapes:
             raise DimsError(f"{name} is not split by this rule")
     embed_dim, heads = call.arg("arg3", "embed_dim_to_check"), call.arg("arg4", "num_heads")
     if not isinstance(embed_dim, int) or not isinstance(heads, int) or heads <= 0 or embed_dim % heads:
         raise DimsError("embed_dim_to_check and num_heads are not known integers")
-    text = _MHA + (", b l^ t^" if len(call.out_shapes) == 2 else "")
+    text = _MHA
+    if len(call.out_shapes) == 2:
+        rank = len(call.out_shapes[1])
+        if rank not in (3, 4):
+            raise DimsError(f"attention weights of {rank} dims")
+        text += ", b l^ t^" if rank == 3 else ", b h l^ t^"
     return bind(Annotation.parse(text), call.shapes, call.tids, call.out_shapes, call.out_tids,
                 known={"d": embed_dim // heads})
 

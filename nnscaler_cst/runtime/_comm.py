@@ -474,7 +474,8 @@ def tp_multi_head_attention_forward(query, key, value, embed_dim_to_check, num_h
     heads' columns, ``out_proj_weight`` its columns of these heads. The inputs arrive whole
     (the caller's ``tp_copy`` sums their gradients); the output projection's partial sums are
     all-reduced here and the bias added once, so the result is whole on every rank. Averaged
-    attention weights are summed over the ranks' heads (all-reduce); per-head ones gathered.
+    attention weights are summed over the ranks' heads (all-reduce); per-head ones are this
+    rank's heads' (N, local heads, L, S).
     ``is_causal`` is a hint that ``attn_mask`` is causal; the mask itself is applied.
     """
     if static_k is not None or static_v is not None:
@@ -524,7 +525,7 @@ def tp_multi_head_attention_forward(query, key, value, embed_dim_to_check, num_h
     weights = weights.view(bsz, heads, tgt_len, src_len)
     if average_attn_weights:
         return out, tp_reduce(weights.sum(dim=1) / num_heads, axis)
-    return out, tp_gather(weights, axis, dim=1)
+    return out, weights                                         # this rank's heads
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
