@@ -277,6 +277,18 @@ def test_multihead_attention_is_split_by_heads(tmp_path):
     assert "F.multi_head_attention_forward(" not in mirror
 
 
+def test_cloned_layers_keep_their_constructor_sites_on_real_tensors(tmp_path):
+    """nn.TransformerEncoder deep-copies its layer; traced on real tensors (where the fake trace
+    fails) the copies' parameters are made where the original's were, so they split alike."""
+    from nnscaler_cst.analysis import analyze
+    trace = analyze(written(tmp_path, TORCH_ENCODER) / "model.py", trace_mode="real").trace
+    lines, start = inspect.getsourcelines(torch.nn.TransformerEncoderLayer.__init__)
+    line = start + next(i for i, text in enumerate(lines) if "self.linear1 = Linear(" in text)
+    for layer in (0, 1):
+        info = trace.params[f"encoder.layers.{layer}.linear1.weight"]
+        assert (info.ctor_span.line, info.module_type) == (line, "torch.nn.Linear")
+
+
 def test_torch_encoder_loop_is_cut_into_stages(tmp_path):
     root = written(tmp_path, TORCH_ENCODER)
     result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)

@@ -78,8 +78,9 @@ class _CtorRecorder:
             copied = deepcopy(value, memo, _nil)
             for original_id, copy_ in list(memo.items()):
                 # a copy of a recorded parameter (nn.TransformerEncoder clones its layer) was
-                # created where the original was, and is built at its size
-                if isinstance(copy_, torch.nn.Parameter) and original_id in stacks and id(copy_) not in stacks:
+                # created where the original was, and is built at its size (on real tensors the
+                # copy's own Parameter() inside deepcopy was recorded first: the original's wins)
+                if isinstance(copy_, torch.nn.Parameter) and original_id in stacks:
                     stacks[id(copy_)] = stacks[original_id]
             return copied
 
