@@ -373,7 +373,7 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
                               recompute, chain, in_program, analysis.trace.mixed_containers)
 
     mirrored: dict[str, str] = {}
-    traced_library = any(module_name_of(p) in analysis.rules.traced_modules for p in model_paths)
+    traced_library = any(module_name_of(p) in analysis.rules.traced_module_names for p in model_paths)
     if len(model_paths) > 1 or traced_library:  # a model in several files: mirrors, the entry as the program
         module, ctx = rewritten(entry_path)
         module, mirrored, bases = _mirrored(analysis, module, {str(p): rewritten(p, False) for p in model_paths})

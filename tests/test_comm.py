@@ -338,6 +338,71 @@ def test_vocab_parallel_embedding_plus_tp_reduce_equals_full_embedding(ranks):
     ranks.run(_check_vocab_parallel_embedding, 2)
 
 
+def _mha_cases():
+    """F.multi_head_attention_forward's argument sets, (L=5, N=2, E=8) with 4 heads: fused or
+    separate projections, boolean masks, bias_k / add_zero_attn, weights averaged or per head."""
+    e, heads, kdim = 8, 4, 6
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, -2:] = True
+    causal = torch.triu(torch.ones(5, 7, dtype=torch.bool), 3)
+    base = dict(embed_dim_to_check=e, num_heads=heads, in_proj_weight=_full(3 * e, e, seed=1),
+                in_proj_bias=_full(3 * e, seed=2), bias_k=None, bias_v=None, add_zero_attn=False, dropout_p=0.0,
+                out_proj_weight=_full(e, e, seed=3), out_proj_bias=_full(e, seed=4))
+    yield dict(base, need_weights=False), (e, e)
+    yield dict(base, key_padding_mask=pad, attn_mask=causal, need_weights=True), (e, e)
+    yield dict(base, bias_k=_full(1, 1, e, seed=5), bias_v=_full(1, 1, e, seed=6), add_zero_attn=True,
+               key_padding_mask=pad, need_weights=True, average_attn_weights=False), (e, e)
+    yield dict(base, in_proj_weight=None, use_separate_proj_weight=True, q_proj_weight=_full(e, e, seed=7),
+               k_proj_weight=_full(e, kdim, seed=8), v_proj_weight=_full(e, kdim, seed=9), attn_mask=causal,
+               need_weights=False), (kdim, kdim)
+
+
+def _local_heads(name, full, rank, world):
+    """This rank's share of one argument of F.multi_head_attention_forward, split by heads."""
+    if name in ("in_proj_weight", "in_proj_bias"):
+        return _slice_of(full, rank, world, 0, groups=3)
+    if name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+        return _slice_of(full, rank, world, 0)
+    if name in ("bias_k", "bias_v", "out_proj_weight"):
+        return _slice_of(full, rank, world, -1)
+    return full
+
+
+def _check_tp_multi_head_attention(rank, world, axis=TP):
+    for case, (kdim, vdim) in _mha_cases():
+        inputs = [_full(5, 2, 8, seed=20), _full(7, 2, kdim, seed=21), _full(7, 2, vdim, seed=22)]
+        full = {n: v.clone().requires_grad_() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                for n, v in case.items()}
+        local = {n: _local_heads(n, v.detach(), rank, world).requires_grad_() if isinstance(v, torch.Tensor)
+                 and v.is_floating_point() else v for n, v in full.items()}
+        x_full = [x.clone().requires_grad_() for x in inputs]
+        x_local = [x.clone().requires_grad_() for x in inputs]
+        ref = F.multi_head_attention_forward(*x_full, **full)
+        out = _comm.tp_multi_head_attention_forward(*(_comm.tp_copy(x, axis) for x in x_local), **local, axis=axis)
+        assert_close(out[0], ref[0])
+        assert (out[1] is None) == (ref[1] is None)
+        upstream = _full(*ref[0].shape, seed=30)
+        per_head = ref[1] is not None and ref[1].dim() == 4
+        loss_ref = (ref[0] * upstream).sum() + (ref[1].sum() if ref[1] is not None else 0)
+        # per-head weights: every rank's heads summed, as the whole sum
+        loss = (out[0] * upstream).sum() + (_comm.tp_reduce(out[1].sum(), axis) if per_head
+                                            else out[1].sum() if out[1] is not None else 0)
+        if ref[1] is not None:      # averaged: whole; per head: this rank's heads
+            assert_close(out[1], ref[1] if ref[1].dim() == 3 else _slice_of(ref[1].detach(), rank, world, 1))
+        loss_ref.backward()
+        loss.backward()
+        for x, y in zip(x_local, x_full):
+            assert_close(x.grad, y.grad)                 # inputs: whole gradients (tp_copy sums them)
+        for name, value in local.items():
+            if isinstance(value, torch.Tensor) and value.requires_grad:   # weights: this rank's heads'
+                assert_close(value.grad, _local_heads(name, full[name].grad, rank, world), msg=name)
+
+
+@pytest.mark.slow
+def test_multi_head_attention_on_local_heads_equals_the_whole_layer(ranks):
+    ranks.run(_check_tp_multi_head_attention, 2)
+
+
 def _check_vocab_parallel_cross_entropy(rank, world):
     vocab, ignore = 5 * world, -100
     v_local = vocab // world
@@ -705,6 +770,8 @@ def test_size_one_axes_are_identity_without_torch_distributed():
         ref = F.cross_entropy(logits.view(-1, 8), target.view(-1), reduction=reduction)
         out = _comm.vocab_parallel_cross_entropy(logits, target, axis, reduction=reduction)
         assert_close(out, ref.view(target.shape) if reduction == "none" else ref)
+
+    _check_tp_multi_head_attention(0, 1, axis)      # all heads on one rank: F's own results
 
     p = torch.nn.Parameter(torch.zeros(3))
     p.grad = torch.tensor([1.0, 2.0, 3.0])

@@ -3,6 +3,15 @@
 - torch.nn's own transformer layers: `nn.TransformerEncoderLayer`'s feed-forward is split like
   any block's (column then row), in a mirror of torch's file (`_torch/nn/modules/transformer.py`),
   and `nn.TransformerEncoder`'s loop over its cloned layers is cut into pipeline stages.
+- `nn.Transformer`: the encoder's layers, then the decoder's, cut as one chain of blocks; the
+  decoder's code before its loop reads its first layer (`self.layers[0].self_attn.batch_first`),
+  so no stage boundary falls at the decoder's first block (`--stages` there is refused at that line).
+- `nn.MultiheadAttention` called directly, sequence-first and batch-first, with a causal and a
+  padding mask, averaged attention weights (need_weights=True) and a cross-attention whose keys
+  have their own width (kdim) returning its weights per head (split with the heads): split by heads (the in-projection's rows of each of q, k, v, the
+  out-projection's columns), run by _comm's tp_multi_head_attention_forward.
+- x-transformers' style: each layer a ModuleList of [norm, block, residual] whose modules the loop
+  calls (never the layer itself): pipelining is refused at that loop, with the reason.
 - timm's ViT style: the blocks run in one branch of an `if` whose other branches run them
   another way (`checkpoint_seq(self.blocks, x)`, a loop with a mask), and the model holds
   parameters of its own (`cls_token`, `pos_embed`) that only the first stage reads.
@@ -20,6 +29,8 @@ Quick tests read the plan and the written code; the gloo runs are slow.
 """
 from __future__ import annotations
 
+import ast
+import inspect
 import json
 import os
 import subprocess
@@ -28,6 +39,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 TIMEOUT_S = 600
 
@@ -58,6 +70,118 @@ TORCH_ENCODER = """
     def example_inputs():
         g = torch.Generator().manual_seed(1)
         return torch.randint(0, 64, (4, 8), generator=g), torch.randint(0, 64, (4, 8), generator=g)
+"""
+
+TORCH_TRANSFORMER = """
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+
+    class TinySeq2Seq(nn.Module):
+        def __init__(self, vocab=64, d_model=32, nhead=4, layers=2):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, d_model)
+            self.transformer = nn.Transformer(d_model, nhead, layers, layers, dim_feedforward=64, dropout=0.0,
+                                              batch_first=True)
+            self.head = nn.Linear(d_model, vocab)
+
+        def forward(self, src, tgt, targets):
+            mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+            out = self.transformer(self.embed(src), self.embed(tgt), tgt_mask=mask, tgt_is_causal=True)
+            logits = self.head(out)
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+    def build():
+        torch.manual_seed(0)
+        return TinySeq2Seq()
+
+
+    def example_inputs():
+        g = torch.Generator().manual_seed(1)
+        return (torch.randint(0, 64, (4, 8), generator=g), torch.randint(0, 64, (4, 6), generator=g),
+                torch.randint(0, 64, (4, 6), generator=g))
+"""
+
+MULTIHEAD = """
+    import torch
+    import torch.nn as nn
+
+
+    class Block(nn.Module):
+        def __init__(self, d=16, h=4, kd=12):
+            super().__init__()
+            self.self_attn = nn.MultiheadAttention(d, h)                                      # (L, N, E)
+            self.cross = nn.MultiheadAttention(d, h, kdim=kd, vdim=kd, batch_first=True)      # q, k, v apart
+            self.up = nn.Linear(d, 2 * d)
+            self.down = nn.Linear(2 * d, d)
+
+        def forward(self, x, memory, causal, padding):
+            t = x.transpose(0, 1)
+            a, weights = self.self_attn(t, t, t, attn_mask=causal, key_padding_mask=padding)   # averaged weights
+            x = x + a.transpose(0, 1) + weights.sum(-1, keepdim=True)
+            c, per_head = self.cross(x, memory, memory, average_attn_weights=False)   # (N, heads, L, S)
+            x = x + c + per_head[:, :, :, :2].sum((1, 3)).unsqueeze(-1)
+            return x + self.down(torch.relu(self.up(x)))
+
+
+    class Model(nn.Module):
+        def __init__(self, n=2):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(n))
+            self.proj = nn.Linear(16, 4)
+
+        def forward(self, x, memory, y):
+            causal = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
+            padding = torch.zeros(x.shape[0], x.shape[1], dtype=torch.bool)
+            padding[:, -1] = True
+            for blk in self.blocks:
+                x = blk(x, memory, causal, padding)
+            return nn.functional.mse_loss(self.proj(x), y)
+
+
+    def build():
+        torch.manual_seed(0)
+        return Model()
+
+
+    def example_inputs():
+        torch.manual_seed(1)
+        return torch.randn(4, 8, 16), torch.randn(4, 6, 12), torch.randn(4, 8, 4)
+"""
+
+NESTED_LAYER_LISTS = """
+    import torch
+    import torch.nn as nn
+
+
+    class Residual(nn.Module):
+        def forward(self, out, residual):
+            return out + residual
+
+
+    class Model(nn.Module):
+        def __init__(self, d=16, n=4):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.ModuleList([nn.LayerNorm(d), nn.Linear(d, d), Residual()])
+                                         for _ in range(n)])
+            self.head = nn.Linear(d, 4)
+
+        def forward(self, x, y):
+            for norm, block, residual in self.layers:
+                x = residual(block(norm(x)), x)
+            return nn.functional.mse_loss(self.head(x), y)
+
+
+    def build():
+        torch.manual_seed(0)
+        return Model()
+
+
+    def example_inputs():
+        torch.manual_seed(1)
+        return torch.randn(4, 8, 16), torch.randn(4, 8, 4)
 """
 
 BRANCHED_VIT = """
@@ -314,6 +438,35 @@ def test_torch_encoder_layers_split_their_feed_forward(tmp_path):
     assert "from ._torch.nn.modules.transformer import TransformerEncoderLayer" in (root / "out" / "model.py").read_text()
 
 
+def test_multihead_attention_is_split_by_heads(tmp_path):
+    root = written(tmp_path, MULTIHEAD)
+    result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    params = json.loads((root / "out" / "plan.json").read_text())["params"]
+    expected = {"self_attn.in_proj_weight": "S(0, groups=3)", "self_attn.in_proj_bias": "S(0, groups=3)",
+                "self_attn.out_proj.weight": "S(1)", "self_attn.out_proj.bias": "R",
+                "cross.q_proj_weight": "S(0)", "cross.k_proj_weight": "S(0)", "cross.v_proj_weight": "S(0)"}
+    for layer in (0, 1):
+        assert {k: params[f"blocks.{layer}.{k}"]["tp"] for k in expected} == expected
+    mirror = (root / "out" / "_torch" / "nn" / "modules" / "activation.py").read_text()
+    assert "torch.empty((3 * embed_dim // 2, embed_dim), **factory_kwargs)" in mirror
+    assert "embed_dim // 2, embed_dim, bias=bias, **factory_kwargs" in mirror      # out_proj: its input by heads
+    assert mirror.count("tp_multi_head_attention_forward(") == 2 and "axis=TP)" in mirror   # both calls of F
+    assert "F.multi_head_attention_forward(" not in mirror
+
+
+def test_cloned_layers_keep_their_constructor_sites_on_real_tensors(tmp_path):
+    """nn.TransformerEncoder deep-copies its layer; traced on real tensors (where the fake trace
+    fails) the copies' parameters are made where the original's were, so they split alike."""
+    from nnscaler_cst.analysis import analyze
+    trace = analyze(written(tmp_path, TORCH_ENCODER) / "model.py", trace_mode="real").trace
+    lines, start = inspect.getsourcelines(torch.nn.TransformerEncoderLayer.__init__)
+    line = start + next(i for i, text in enumerate(lines) if "self.linear1 = Linear(" in text)
+    for layer in (0, 1):
+        info = trace.params[f"encoder.layers.{layer}.linear1.weight"]
+        assert (info.ctor_span.line, info.module_type) == (line, "torch.nn.Linear")
+
+
 def test_torch_encoder_loop_is_cut_into_stages(tmp_path):
     root = written(tmp_path, TORCH_ENCODER)
     result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
@@ -321,6 +474,23 @@ def test_torch_encoder_loop_is_cut_into_stages(tmp_path):
     mirror = (root / "out" / "_torch" / "nn" / "modules" / "transformer.py").read_text()
     assert "class TransformerEncoder(Module)" in mirror and "pp_handoff(" in mirror
     assert 'PIPELINE_BLOCKS = "encoder.layers"' in (root / "out" / "model_stage0.py").read_text()
+
+
+def test_torch_transformer_is_cut_as_a_chain_with_a_decoder_block_where_the_decoder_starts(tmp_path):
+    root = written(tmp_path, TORCH_TRANSFORMER)
+    result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    first = (root / "out" / "model_stage0.py").read_text()
+    assert "PIPELINE_BLOCKS = ['transformer.encoder.layers', 'transformer.decoder.layers']" in first
+    blocks = ast.literal_eval(first.split("STAGE_BLOCKS = ")[1].split("  #")[0])[0]
+    assert blocks["transformer.encoder.layers"] != (0, 2) or blocks["transformer.decoder.layers"][1] > 0
+
+    result = cli("model.py", "--pp", "2", "--micro-batches", "2", "--stages", "2", "-o", "out2", cwd=root)
+    assert result.returncode == 2 and not (root / "out2").exists()
+    lines, start = inspect.getsourcelines(torch.nn.TransformerDecoder.forward)
+    line = start + next(i for i, text in enumerate(lines) if "self.layers[0]" in text)
+    assert f"transformer.py:{line}:" in result.stderr and "--stages cuts at block 2, the first of " \
+        "transformer.decoder.layers, whose code before its loop reads its blocks here" in result.stderr, result.stderr
 
 
 def test_blocks_run_in_branches_and_model_parameters_stay_on_the_first_stage(tmp_path):
@@ -387,15 +557,26 @@ def test_a_conv_with_a_bias_splits_by_input_channels_and_adds_its_bias_once(tmp_
            "self.conv2.bias[:, None, None])" in code
 
 
+def test_layers_that_are_lists_of_modules_are_refused_for_pipelining_at_their_loop(tmp_path):
+    root = written(tmp_path, NESTED_LAYER_LISTS)
+    result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
+    assert result.returncode == 2 and not (root / "out").exists()
+    line = (root / "model.py").read_text().splitlines().index("        for norm, block, residual in self.layers:") + 1
+    assert f"model.py:{line}:9: error: the blocks of layers are lists of modules, never called themselves" \
+        in result.stderr, result.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model,mode", [(TORCH_ENCODER, ("--tp", "2")),
+                                        (MULTIHEAD, ("--tp", "2", "--dp", "2")),
                                         (TORCH_ENCODER, ("--pp", "2", "--micro-batches", "2")),
                                         (BRANCHED_VIT, ("--pp", "2", "--micro-batches", "2")),
                                         (MIXED_BLOCKS, ("--dp", "2", "--tp", "2")),
                                         (HELPER_BUILT_CONVS, ("--tp", "2")),
                                         (CONV_BLOCKS_WITH_BIASES, ("--tp", "2"))],
-                         ids=["torch-encoder-tp2", "torch-encoder-pp2", "branched-vit-pp2", "mixed-blocks-dp2xtp2",
-                              "helper-built-convs-tp2", "conv-blocks-with-biases-tp2"])
+                         ids=["torch-encoder-tp2", "multihead-attention-dp2xtp2", "torch-encoder-pp2",
+                              "branched-vit-pp2", "mixed-blocks-dp2xtp2", "helper-built-convs-tp2",
+                              "conv-blocks-with-biases-tp2"])
 def test_verifies(tmp_path, model, mode):
     root = written(tmp_path, model)
     result = cli("verify", "model.py", *mode, "-o", "out", cwd=root)

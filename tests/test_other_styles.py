@@ -10,7 +10,7 @@ rewrite cuts the call into runs of the container (`self.features[3:](tp_copy(...
 the state dict keys. Data parallelism and micro-batches slice the batch, which is refused at
 the op that would mix samples (a value reduced over the batch meeting the batch; BatchNorm under
 micro-batches: data-parallel ranks sum its statistics, see test_coverage_causes.py).
-A layer holding weights that no rule splits (nn.MultiheadAttention) stays whole on every
+A layer holding weights that no rule splits (a recurrent nn.GRU) stays whole on every
 tensor-parallel rank, with a warning at its call, instead of making the plan unsatisfiable.
 
 The gloo runs are marked slow.
@@ -295,25 +295,27 @@ def loss(out):
 
 
 @pytest.fixture
-def attention_model(tmp_path) -> Path:
+def recurrent_model(tmp_path) -> Path:
     model = tmp_path / "model.py"
-    model.write_text(ATTENTION.lstrip("\n"))
+    model.write_text(ATTENTION.lstrip("\n").replace(
+        "nn.MultiheadAttention(d, h, batch_first=True)", "nn.GRU(d, d, batch_first=True)").replace(
+        "self.attn(y, y, y, need_weights=False)", "self.attn(y)"))
     return model
 
 
 @pytest.mark.slow
-def test_a_layer_no_rule_splits_stays_whole_with_a_warning(attention_model, tmp_path):
+def test_a_layer_no_rule_splits_stays_whole_with_a_warning(recurrent_model, tmp_path):
     out = tmp_path / "out"
-    result = cli("rewrite", attention_model, "--tp", "2", "-o", out, cwd=tmp_path)
+    result = cli("rewrite", recurrent_model, "--tp", "2", "-o", out, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    lines = attention_model.read_text().splitlines()
+    lines = recurrent_model.read_text().splitlines()
     number = next(i for i, l in enumerate(lines, 1) if "self.attn(" in l)
     where = f"model.py:{number}:{lines[number - 1].index('self.attn(') + 1}"
-    assert f"{where}: warning: torch.nn.MultiheadAttention is replicated" in result.stderr, result.stderr
+    assert f"{where}: warning: torch.nn.GRU is replicated" in result.stderr, result.stderr
     plan = json.loads((out / "plan.json").read_text())
     assert any(w.startswith(where) for w in plan["warnings"])
     layouts = {name: info["tp"] for name, info in plan["params"].items()}
-    assert layouts["blocks.0.attn.in_proj_weight"] == "R"
+    assert layouts["blocks.0.attn.weight_ih_l0"] == "R"
     assert layouts["blocks.0.ff.up.weight"] != "R"          # the rest still follows Megatron
 
 

@@ -302,7 +302,7 @@ class InsertCollectives:
         for i, arg in enumerate(positional):
             values[f"arg{i}"] = code(arg.value)
         keywords = [a for a in call.args if a.keyword is not None or a.star]
-        values["kwargs"] = "".join(", " + code(a).rstrip(", ").strip() for a in keywords)
+        values["kwargs"] = "".join(", " + code(a).strip().rstrip(",").strip() for a in keywords)   # one per line too
         for i in range(len(positional) + 1):      # {restN}: the arguments from the Nth positional on
             values[f"rest{i}"] = "".join(", " + code(a.value) for a in positional[i:]) + values["kwargs"]
         return values

@@ -145,9 +145,10 @@ def _strip(token: str) -> tuple[str, str]:
 
 
 def bind(annotation: Annotation, shapes: dict[str, tuple[int, ...]], tids: dict[str, int],
-         out_shapes: list[tuple[int, ...]], out_tids: list[int]) -> OpDims:
-    """Instantiate an annotation on the shapes of one invocation."""
-    sizes: dict[str, int] = {}
+         out_shapes: list[tuple[int, ...]], out_tids: list[int], known: dict[str, int] | None = None) -> OpDims:
+    """Instantiate an annotation on the shapes of one invocation. `known`: sizes of labels that
+    no tensor dim has alone (a head's size inside a fused `(h d)` projection), from plain arguments."""
+    sizes: dict[str, int] = dict(known or {})
     result = OpDims({}, [])
     pending: list[tuple[str | None, DimSpec, tuple[int, ...], int]] = []
     for spec in annotation.operands:

@@ -134,7 +134,8 @@ class Graph:
         return self.trace.nodes
 
     def partial_bias(self, index: int) -> str | None:
-        """The operand a split on a summed label adds once after the reduction (a bias)."""
+        """The operand a split on a summed label adds once after the reduction (a bias); under a
+        split implementation (impl), the operand it adds once after its own reduction."""
         rule = self.node_rule.get(index)
         return rule.partial.get("bias") if rule and rule.partial else None
 

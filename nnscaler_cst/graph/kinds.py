@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..trace.records import UNKNOWN
-from .dims import DimsError, Factor, OpDims, TensorDims
+from .dims import Annotation, DimsError, Factor, OpDims, TensorDims, bind
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -402,9 +402,41 @@ def einsum(call: Call) -> OpDims:
     return OpDims(inputs, [out], reduced=set(lhs.replace(",", "")) - set(rhs))
 
 
+# F.multi_head_attention_forward (nn.MultiheadAttention's forward) on (L, N, E) inputs: `h` the
+# heads, `d` a head's size inside each projection's rows (q|k|v fused in in_proj_weight), so
+# that a split by heads keeps whole heads; the out-projection's columns are the heads too.
+_MHA = ("arg0|query: l^ b e^, arg1|key: s^ b k^, arg2|value: s^ b v^, arg5|in_proj_weight?: (3 h d^) e^, "
+        "arg6|in_proj_bias?: (3 h d^), arg7|bias_k?: o^ p^ (h d^), arg8|bias_v?: o^ p^ (h d^), "
+        "arg11|out_proj_weight: e^ (h d^), arg12|out_proj_bias?: e^, key_padding_mask?: b s^, attn_mask?: l^ s^, "
+        "q_proj_weight?: (h d^) e^, k_proj_weight?: (h d^) k^, v_proj_weight?: (h d^) v^ -> l^ b e^")
+
+
+def multi_head_attention(call: Call) -> OpDims:
+    """Heads and batch of F.multi_head_attention_forward. The attention weights (need_weights=True)
+    are a second result: averaged, whole over the heads; per head (N, H, L, S), split with them.
+    A per-head (3-d) attn_mask and static keys or values are not described (the op stays whole)."""
+    for name in ("static_k", "static_v"):
+        if name in call.shapes:
+            raise DimsError(f"{name} is not split by this rule")
+    embed_dim, heads = call.arg("arg3", "embed_dim_to_check"), call.arg("arg4", "num_heads")
+    if not isinstance(embed_dim, int) or not isinstance(heads, int) or heads <= 0 or embed_dim % heads:
+        raise DimsError("embed_dim_to_check and num_heads are not known integers")
+    text = _MHA
+    if len(call.out_shapes) == 2:
+        rank = len(call.out_shapes[1])
+        if rank not in (3, 4):
+            raise DimsError(f"attention weights of {rank} dims")
+        text += ", b l^ t^" if rank == 3 else ", b h l^ t^"
+    return bind(Annotation.parse(text), call.shapes, call.tids, call.out_shapes, call.out_tids,
+                known={"d": embed_dim // heads})
+
+
+# kinds that describe a layer holding weight matrices (not a structural op reading a table)
+LAYER_KINDS = frozenset({"multi_head_attention"})
+
 KINDS: dict[str, Callable[..., OpDims]] = {
     "elementwise": elementwise, "replicate": replicate, "reshape": reshape, "transpose": transpose,
     "permute": permute, "split": split, "unbind": unbind, "cat": cat, "stack": lambda c: cat(c, new_dim=True),
     "getitem": getitem, "setitem": setitem, "expand": expand, "complex_view": complex_view, "sum": lambda c: reduce(c, True), "reduce": lambda c: reduce(c, False),
-    "passthrough": passthrough, "einsum": einsum,
+    "passthrough": passthrough, "einsum": einsum, "multi_head_attention": multi_head_attention,
 }

@@ -19,7 +19,7 @@ from typing import Any
 from ..errors import Location, UserError, display_path, toml_error
 from ..rules_path import builtin_rules_dir, rules_dirs
 from ..trace.records import Node, TensorList, Trace
-from ..trace.naming import qualified_type, short_type
+from ..trace.naming import qualified_type, short_type, traced_split
 from .dims import Annotation, DimsError, OpDims, bind
 from .kinds import KINDS, Call
 
@@ -75,6 +75,11 @@ class RuleSet:
     # modules of torch or a library whose code is traced line by line and mirrored as the model's
     # own (torch.nn's transformer layers: split as the layers they are, their block loops pipelined)
     traced_modules: tuple[str, ...] = ()
+
+    @property
+    def traced_module_names(self) -> frozenset[str]:
+        """The modules holding what `traced` names (a module, or one class of a module)."""
+        return traced_split(self.traced_modules)[0]
 
     def rule_for(self, callee: str) -> OpRule | None:
         return self.ops.get(callee)

@@ -95,7 +95,7 @@ def factory_size(parameter: cst.Call, dim: int, rank: int | None,
         return f"`{_code(factory)}` holds values, not sizes"
     full = _last_name(factory.func).removeprefix("new_") == "full"
     keyword = next((a for a in factory.args if a.keyword is not None and a.keyword.value == "size"), None)
-    positional = [a for a in factory.args if a.keyword is None]
+    positional = [a for a in factory.args if a.keyword is None and a.star != "**"]   # **kwargs: dtype, device
     if full:
         positional = positional[:1]
     if keyword is not None:

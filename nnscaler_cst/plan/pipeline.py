@@ -228,6 +228,9 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
     container = paths[0].rsplit(".", 1)[0]
     blocks = sorted((p for p in paths if p in calls), key=lambda p: calls[p][1])
     if len(blocks) < 2:
+        nested = _nested_blocks_loop(graph, paths)
+        if nested is not None:
+            raise nested
         trace = graph.trace
         reading = next((n.span.start for n in graph.nodes if n.span is not None and any(   # the first block's weights
             alias.startswith(paths[0] + ".") for _, tid in graph.param_operands(n.index)
@@ -272,6 +275,30 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
     return Trunk(container, blocks, function, function_span, index, handoff,
                  _shared_loop_owner(graph, blocks, function, function_span, span),
                  unset=maybe_unset(function, index, handoff))
+
+
+def _nested_blocks_loop(graph: Graph, paths: list[str]) -> UserError | None:
+    """Blocks that are lists of modules (x-transformers' `ModuleList([norms, block, residual])` per
+    layer), never called themselves, whose modules a loop calls: the refusal, at that loop. A
+    stage boundary is a call of a block, so such a loop cannot be cut; None when the blocks' modules
+    are not called in a loop."""
+    calls = graph.trace.module_calls
+    inner = [calls[p] for p in calls if p.startswith(paths[0] + ".")]
+    if not inner or any(p in calls for p in paths):
+        return None
+    span = min(inner, key=lambda call: call[1])[0]
+    source = graph.sources.get(span.path)
+    node = source.node_at(span.line, span.col, span.end_line, span.end_col)
+    while node is not None and not isinstance(node, cst.For):
+        node = source.parents.get(node)
+    if node is None:
+        return None
+    container = paths[0].rsplit(".", 1)[0]
+    return UserError(f"the blocks of {container} are lists of modules, never called themselves; this loop calls "
+                     "the modules inside them, and pipeline stages are cut at calls of whole blocks",
+                     source.span_of(node).start,
+                     hint="give each layer a module whose forward runs its parts and call it in the loop "
+                          "(`x = layer(x)`), or use --tp or --dp for this model")
 
 
 def _branches_over_blocks(source, loop: cst.CSTNode, body: list, container: str) -> cst.If:
@@ -525,13 +552,27 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
             epi += flops
         elif chain:                # between two trunks: on the stage of the block before
             cost[previous] += flops
+    # a trunk whose code before its loop reads its own blocks (`self.layers[0].self_attn.batch_first`
+    # in nn.TransformerDecoder) runs that code on a stage holding its first block: no cut at its start
+    uncut = {sum(len(t.blocks) for t in chain[:i]): reads for i, t in enumerate(chain)
+             if i and (reads := _prologue_reads_blocks(graph, t)) is not None}
     if cuts:
         bounds = [0, *cuts, n_blocks]
         if len(bounds) != stages + 1 or bounds != sorted(set(bounds)):
             raise UserError(f"--stages needs {stages - 1} increasing block indices between 1 and {n_blocks - 1}")
+        for cut in cuts:
+            if cut in uncut:
+                raise UserError(f"--stages cuts at block {cut}, the first of {chain_container(chain, cut)}, whose "
+                                "code before its loop reads its blocks here: the stage running it must hold one",
+                                uncut[cut], hint=f"cut at block {cut - 1} or {cut + 1}")
         ranges = list(zip(bounds[:-1], bounds[1:]))
     else:
-        ranges = _balanced(cost, stages, pro, epi)
+        ranges = _balanced(cost, stages, pro, epi, set(uncut))
+        if len(ranges) != stages or any(a >= b for a, b in ranges):
+            cut, where = next(iter(uncut.items()))
+            raise UserError(f"{stages} pipeline stages cannot be cut without a cut at block {cut}, the first of "
+                            f"{chain_container(chain, cut)}, whose code before its loop reads its blocks here",
+                            where, hint="use fewer stages, or more blocks")
     stage_of_block = {b: s for s, (a, z) in enumerate(ranges) for b in range(a, z)}
     # recycling: the passes before the last run the same ops; what lies between the blocks of two
     # passes (the recycled values' norms and sums) runs, with gradient, before the last pass's
@@ -703,8 +744,38 @@ def _check_blocks_run_once(graph: Graph, trunk: Trunk) -> None:
                              "or use --tp or --dp for this model")
 
 
-def _balanced(cost: list[float], stages: int, pro: float, epi: float) -> list[tuple[int, int]]:
-    """Contiguous ranges minimising the most expensive stage (prologue on 0, epilogue on last).
+def chain_container(chain: list[Trunk], block: int) -> str:
+    """The container of the chained trunk that block `block` (counted over the chain) belongs to."""
+    for trunk in chain:
+        if block < len(trunk.blocks):
+            return trunk.container
+        block -= len(trunk.blocks)
+    return chain[-1].container
+
+
+def _prologue_reads_blocks(graph: Graph, trunk: Trunk):
+    """Where the code before the trunk's loop reads the trunk's own block list (`self.layers[0]`,
+    `len(self.layers)`), as a Location, or None."""
+    attr = trunk.container.rpartition(".")[2]
+    source = graph.sources.get(trunk.function_span.path)
+    for statement in trunk.function.body.body[:trunk.loop_index]:
+        for node in _attributes(statement):
+            if isinstance(node.value, cst.Name) and node.value.value == "self" and node.attr.value == attr:
+                return source.span_of(node).start
+    return None
+
+
+def _attributes(node: cst.CSTNode):
+    if isinstance(node, cst.Attribute):
+        yield node
+    for child in node.children:
+        yield from _attributes(child)
+
+
+def _balanced(cost: list[float], stages: int, pro: float, epi: float,
+              uncut: set[int] = frozenset()) -> list[tuple[int, int]]:
+    """Contiguous ranges minimising the most expensive stage (prologue on 0, epilogue on last),
+    never ending a range at a block index in `uncut` (an empty range where no cut fits).
 
     Dynamic programming from the last stage back: best[start] is the least bottleneck of blocks
     start.. on the remaining stages, and the first (smallest) end reaching it is kept; the same
@@ -725,6 +796,8 @@ def _balanced(cost: list[float], stages: int, pro: float, epi: float) -> list[tu
         for start in (range(1) if stage == 0 else range(stage, n - later)):
             least, chosen, base = inf, 0, prefix[start]
             for end in range(start + 1, n - later + 1):
+                if end in uncut:
+                    continue
                 here = prefix[end] - base + extra
                 rest = best[end]
                 worst = here if here > rest else rest

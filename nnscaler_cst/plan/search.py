@@ -829,7 +829,7 @@ def _partial_grads_of(graph: Graph, index: int, label: str) -> list[str]:
     out = []
     if index in graph.dims and leaves_partial_param_grad(graph, index, label):
         dims = graph.dims[index]
-        bias = graph.partial_bias(index) if label in dims.reduced else None
+        bias = graph.partial_bias(index) if label in dims.reduced or label in dims.impl else None
         for name, tid in _param_operands(graph, index):
             if name != bias and (name not in dims.inputs or dims.inputs[name].where(label) is None):
                 out.append(graph.trace.tensors[tid].param)

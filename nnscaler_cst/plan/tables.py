@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ..errors import Location, UserError, display_path, toml_error
 from ..graph.graph import Graph
+from ..graph.kinds import LAYER_KINDS
 from ..rules_path import find_rules_file, rules_dirs, rules_files
 from .layouts import REPLICATE
 
@@ -153,7 +154,7 @@ def _matrices(graph: Graph, index: int) -> list[str]:
     whose rule names them (a structural kind adding a position table is not a layer; a rule
     derived by the probe names every operand)."""
     rule = graph.node_rule.get(index)
-    if rule is not None and rule.kind is not None:
+    if rule is not None and rule.kind is not None and rule.kind not in LAYER_KINDS:
         return []
     return [name for name, tid in graph.param_operands(index)
             if sum(size > 1 for size in graph.trace.tensors[tid].shape) >= 2]
@@ -253,7 +254,7 @@ def leaves_partial_param_grad(graph: Graph, index: int, label: str) -> bool:
     if label == REPLICATE:
         return False
     dims = graph.dims[index]
-    bias = graph.partial_bias(index) if label in dims.reduced else None
+    bias = graph.partial_bias(index) if label in dims.reduced or label in dims.impl else None
     return any(name != bias and (name not in dims.inputs or dims.inputs[name].where(label) is None)
                for name, _ in graph.param_operands(index))
 

@@ -59,7 +59,7 @@ __all__ = [
     "setup", "teardown", "axis_ranks",
     "tp_copy", "tp_reduce", "tp_scatter", "tp_gather",
     "vocab_parallel_embedding", "vocab_parallel_cross_entropy", "dp_batch_norm", "dp_functional_batch_norm",
-    "dp_layers", "sync_grads", "GradBuckets", "overlap_grads", "wait_grad_buckets",
+    "dp_layers", "tp_multi_head_attention_forward", "sync_grads", "GradBuckets", "overlap_grads", "wait_grad_buckets",
     "ZeroShards", "ZeroUnit", "zero_shards", "reduce_scatter_grads", "all_gather_params", "free_params",
     "keep_params", "gather_whole", "shard_of",
     "CheckpointChunks",
@@ -486,6 +486,81 @@ def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, axis: Axis
         local_pad = padding_idx - start
     out = F.embedding(local_ids, weight, local_pad)
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def _additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean mask (True: masked out) as the float mask added to the scores."""
+    if mask is None or mask.dtype != torch.bool:
+        return None if mask is None else mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
+
+
+def tp_multi_head_attention_forward(query, key, value, embed_dim_to_check, num_heads, in_proj_weight,
+                                    in_proj_bias, bias_k, bias_v, add_zero_attn, dropout_p, out_proj_weight,
+                                    out_proj_bias, training=True, key_padding_mask=None, need_weights=True,
+                                    attn_mask=None, use_separate_proj_weight=False, q_proj_weight=None,
+                                    k_proj_weight=None, v_proj_weight=None, static_k=None, static_v=None,
+                                    average_attn_weights=True, is_causal=False, *, axis: Axis):
+    """``F.multi_head_attention_forward`` on this rank's heads (Megatron's attention layout).
+
+    Takes F's arguments, (L, N, E) inputs, with the projections' local rows: ``in_proj_weight``
+    holds this rank's rows of each of q, k and v ([q_r | k_r | v_r], as ``tp_scatter`` with
+    groups=3 keeps them; or the separate ``q/k/v_proj_weight``), ``bias_k`` / ``bias_v`` their
+    heads' columns, ``out_proj_weight`` its columns of these heads. The inputs arrive whole
+    (the caller's ``tp_copy`` sums their gradients); the output projection's partial sums are
+    all-reduced here and the bias added once, so the result is whole on every rank. Averaged
+    attention weights are summed over the ranks' heads (all-reduce); per-head ones are this
+    rank's heads' (N, local heads, L, S).
+    ``is_causal`` is a hint that ``attn_mask`` is causal; the mask itself is applied.
+    """
+    if static_k is not None or static_v is not None:
+        raise ValueError("tp_multi_head_attention_forward: static_k / static_v are not split by heads")
+    head_dim = embed_dim_to_check // num_heads
+    if use_separate_proj_weight:
+        w_q, w_k, w_v = q_proj_weight, k_proj_weight, v_proj_weight
+    else:
+        w_q, w_k, w_v = in_proj_weight.chunk(3)
+    b_q, b_k, b_v = in_proj_bias.chunk(3) if in_proj_bias is not None else (None, None, None)
+    tgt_len, bsz, embed_dim = query.shape
+    q, k, v = F.linear(query, w_q, b_q), F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)
+    heads = q.shape[-1] // head_dim                # this rank's heads
+    mask = _additive_mask(attn_mask, q.dtype)
+    padding = _additive_mask(key_padding_mask, q.dtype)
+    if bias_k is not None and bias_v is not None:
+        k = torch.cat([k, bias_k.repeat(1, bsz, 1)])
+        v = torch.cat([v, bias_v.repeat(1, bsz, 1)])
+        mask = F.pad(mask, (0, 1)) if mask is not None else None
+        padding = F.pad(padding, (0, 1)) if padding is not None else None
+    q = q.reshape(tgt_len, bsz * heads, head_dim).transpose(0, 1)
+    k = k.reshape(k.shape[0], bsz * heads, head_dim).transpose(0, 1)
+    v = v.reshape(v.shape[0], bsz * heads, head_dim).transpose(0, 1)
+    if add_zero_attn:
+        k = torch.cat([k, k.new_zeros(bsz * heads, 1, head_dim)], dim=1)
+        v = torch.cat([v, v.new_zeros(bsz * heads, 1, head_dim)], dim=1)
+        mask = F.pad(mask, (0, 1)) if mask is not None else None
+        padding = F.pad(padding, (0, 1)) if padding is not None else None
+    src_len = k.shape[1]
+    mask = mask.unsqueeze(0) if mask is not None else None                      # (1, L, S)
+    if padding is not None:
+        padding = padding.view(bsz, 1, 1, src_len).expand(-1, heads, -1, -1).reshape(bsz * heads, 1, src_len)
+        mask = padding if mask is None else mask + padding
+    dropout_p = dropout_p if training else 0.0
+    scores = torch.bmm(q * head_dim ** -0.5, k.transpose(-2, -1))
+    if mask is not None:
+        scores = scores + mask
+    weights = torch.softmax(scores, dim=-1)
+    attn = torch.bmm(F.dropout(weights, p=dropout_p) if dropout_p > 0.0 else weights, v)
+    attn = attn.transpose(0, 1).contiguous().view(tgt_len * bsz, heads * head_dim)
+    out = tp_reduce(F.linear(attn, out_proj_weight), axis)       # the heads' partial sums
+    if out_proj_bias is not None:
+        out = out + out_proj_bias
+    out = out.view(tgt_len, bsz, embed_dim)
+    if not need_weights:
+        return out, None
+    weights = weights.view(bsz, heads, tgt_len, src_len)
+    if average_attn_weights:
+        return out, tp_reduce(weights.sum(dim=1) / num_heads, axis)
+    return out, weights                                         # this rank's heads
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -38,3 +38,18 @@ def short_type(qualified: str) -> str:
     if qualified.startswith("torch.nn.modules."):
         return "torch.nn." + qualified.rsplit(".", 1)[1]
     return qualified
+
+
+def traced_split(entries) -> tuple[frozenset[str], dict[str, frozenset[str]]]:
+    """`[library] traced` entries as (every module named or holding a named class, per module of
+    which only some classes are traced: their names). A module's other classes stay one op each."""
+    modules, classes = set(), {}
+    for entry in entries:
+        module, _, name = entry.rpartition(".")
+        if name[:1].isupper():          # a class: module.Class
+            modules.add(module)
+            classes.setdefault(module, set()).add(name)
+        else:
+            modules.add(entry)
+    whole = {e for e in entries if not e.rpartition(".")[2][:1].isupper()}
+    return frozenset(modules), {m: frozenset(c) for m, c in classes.items() if m not in whole}

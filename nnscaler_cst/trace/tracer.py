@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from ..errors import Location, UserError, display_path
 from ..source.entry import Entry, user_frame_location
 from ..source.files import SourceSet, Span, resolved
-from .naming import qualified_type, short_type, torch_func_name
+from .naming import qualified_type, short_type, torch_func_name, traced_split
 from .records import UNKNOWN, Node, OpCall, Operand, ParamInfo, StateWrite, TensorInfo, TensorList, Trace
 from .replay import Replay, arguments_at_entry, call_arguments, function_of, with_refs
 
@@ -78,8 +78,9 @@ class _CtorRecorder:
             copied = deepcopy(value, memo, _nil)
             for original_id, copy_ in list(memo.items()):
                 # a copy of a recorded parameter (nn.TransformerEncoder clones its layer) was
-                # created where the original was, and is built at its size
-                if isinstance(copy_, torch.nn.Parameter) and original_id in stacks and id(copy_) not in stacks:
+                # created where the original was, and is built at its size (on real tensors the
+                # copy's own Parameter() inside deepcopy was recorded first: the original's wins)
+                if isinstance(copy_, torch.nn.Parameter) and original_id in stacks:
                     stacks[id(copy_)] = stacks[original_id]
             return copied
 
@@ -172,7 +173,9 @@ class Tracer(TorchFunctionMode):
         self.sources = sources
         self.entry = entry
         self.library_modules = tuple(library_modules)
-        self.traced_modules = frozenset(traced_modules)    # torch's or a library's, traced as the model's own
+        # torch's or a library's modules traced as the model's own; of some, only the classes named
+        # (their other classes, nn.ReLU beside nn.MultiheadAttention, stay one op each: leaf layers)
+        self.traced_modules, self._traced_classes = traced_split(traced_modules)
         # Layer classes of the model's files called as one op at each call site (see role_layers)
         self.leaf_types = frozenset(leaf_types)
         self._leaf_ids: set[int] = set()      # id() of their instances in the model being traced
@@ -581,7 +584,9 @@ class Tracer(TorchFunctionMode):
             with _CtorRecorder() as ctors:
                 model = self._call_user(entry.build, "build()")
             self._add_model_files(model)
-            self._leaf_ids = {id(m) for m in model.modules() if type(m) in self.leaf_types}
+            self._leaf_ids = {id(m) for m in model.modules() if type(m) in self.leaf_types
+                              or type(m).__qualname__ not in self._traced_classes.get(type(m).__module__, (
+                                  type(m).__qualname__,))}
             ctor_sites = {key: self._ctor_site(stack) for key, stack in ctors.stacks.items()}
             ctor_callers = {key: self._ctor_caller(stack) for key, stack in ctors.stacks.items()}
             inputs = self._call_user(entry.example_inputs, "example_inputs()")
