@@ -5,8 +5,7 @@ litgpt's Config holds its layers' classes as values resolved from names at run t
 name)`), and its Block builds `config.norm_class(...)` and `config.mlp_class(config)`. The
 Block's code, copied into the output, still reaches the installed classes that way: each rank's
 build() must nevertheless construct the rewritten, sharded ones. A tiny package of this module's
-own in that pattern, its layers in one file or in two (the output holds them as the modeling file
-or as mirrors), rewritten at --tp 2 in-process; the dry run builds every rank.
+own in that pattern, rewritten at --tp 2 in-process; the dry run builds every rank.
 """
 from __future__ import annotations
 
@@ -35,12 +34,12 @@ CONFIG = """
 
         @property
         def mlp_class(self):
-            from . import {layers}
-            return getattr({layers}, self.mlp_class_name)
+            from . import model
+            return getattr(model, self.mlp_class_name)
 
         @property
         def norm_class(self):
-            from .{layers} import Norm
+            from .model import Norm
             return partial(Norm, eps=1e-5)
 """
 
@@ -71,8 +70,6 @@ LAYERS = """
 """
 
 MODEL = """
-    import torch.nn as nn
-    {imports}
 
 
     class Block(nn.Module):
@@ -111,15 +108,7 @@ ENTRY = """
         return (torch.randn(4, 8, {WIDTH}),)
 """
 
-# layout -> the package's files: the layers with the model (the output's model file holds them) or
-# in a file of their own (the output mirrors both files)
-LAYOUTS = {
-    "one-file": {"config.py": CONFIG.format(WIDTH=WIDTH, HIDDEN=HIDDEN, layers="model"),
-                 "model.py": LAYERS + MODEL.format(imports="")},
-    "two-files": {"config.py": CONFIG.format(WIDTH=WIDTH, HIDDEN=HIDDEN, layers="layers"),
-                  "layers.py": LAYERS,
-                  "model.py": MODEL.format(imports="")},
-}
+FILES = {"config.py": CONFIG.format(WIDTH=WIDTH, HIDDEN=HIDDEN), "model.py": LAYERS + MODEL}
 
 
 def _dedent(text: str) -> str:
@@ -127,51 +116,38 @@ def _dedent(text: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def outputs(tmp_path_factory):
-    """layout -> its output package at --tp 2, imported."""
+def output(tmp_path_factory):
+    """The package's output at --tp 2, imported."""
     root = tmp_path_factory.mktemp("by_reference")
+    (root / "refs_lib").mkdir()
+    (root / "refs_lib" / "__init__.py").write_text("")
+    for name, text in FILES.items():
+        (root / "refs_lib" / name).write_text(_dedent(text))
+    entry = root / "entry_refs.py"
+    entry.write_text(_dedent(ENTRY.format(package="refs_lib", WIDTH=WIDTH)))
     sys.path.insert(0, str(root))
-    made = {}
-
-    def get(layout: str):
-        if layout not in made:
-            package = f"refs_{layout.replace('-', '_')}"
-            (root / package).mkdir()
-            (root / package / "__init__.py").write_text("")
-            for name, text in LAYOUTS[layout].items():
-                (root / package / name).write_text(_dedent(text))
-            entry = root / f"entry_{package}.py"
-            entry.write_text(_dedent(ENTRY.format(package=package, WIDTH=WIDTH)))
-            cwd = Path.cwd()
-            os.chdir(root)
-            try:
-                write_output(root / f"out_{package}", rewrite(analyze(entry), PlanRequest(tp=2)).files)
-            finally:
-                os.chdir(cwd)
-            made[layout] = (__import__(f"out_{package}"), package)
-        return made[layout]
-    yield get
+    cwd = Path.cwd()
+    os.chdir(root)
+    try:
+        write_output(root / "out_refs", rewrite(analyze(entry), PlanRequest(tp=2)).files)
+    finally:
+        os.chdir(cwd)
+    yield __import__("out_refs")
     sys.path.remove(str(root))
-    for name in [m for m in sys.modules if m.split(".")[0].startswith(("refs_", "out_refs_"))]:
+    for name in [m for m in sys.modules if m.split(".")[0] in ("refs_lib", "out_refs")]:
         del sys.modules[name]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_a_class_a_config_resolves_is_built_rewritten_and_split(outputs, layout):
-    out, package = outputs(layout)
-    for rank in range(out.WORLD_SIZE):
-        model = out.build(rank)
-        mlp = model.blocks[0].mlp
-        assert not type(mlp).__module__.startswith(package), type(mlp)      # the rewritten class
+def test_a_class_a_config_resolves_is_built_rewritten_and_split(output):
+    for rank in range(output.WORLD_SIZE):
+        mlp = output.build(rank).blocks[0].mlp
+        assert type(mlp) is output.rank_module(rank).GatedMLP
         assert mlp.fc_1.weight.shape == (HIDDEN // 2, WIDTH) and mlp.fc_2.weight.shape == (HIDDEN // 2, WIDTH)
         assert mlp.proj.weight.shape == (WIDTH, HIDDEN // 2)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_the_installed_classes_are_left_as_they_were(outputs, layout):
-    out, package = outputs(layout)
-    out.build(0)
-    config = sys.modules[f"{package}.config"].Config()
-    model = sys.modules[f"{package}.model"].Model(config)
-    assert type(model.blocks[0].mlp).__module__.startswith(package)
+def test_the_installed_classes_are_left_as_they_were(output):
+    output.build(0)
+    model = sys.modules["refs_lib.model"].Model(sys.modules["refs_lib.config"].Config())
+    assert type(model.blocks[0].mlp).__module__ == "refs_lib.model"
     assert model.blocks[0].mlp.fc_1.weight.shape == (HIDDEN, WIDTH)
