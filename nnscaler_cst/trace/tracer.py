@@ -699,15 +699,18 @@ class Tracer(TorchFunctionMode):
 
     def _add_model_files(self, model: torch.nn.Module) -> None:
         """The model's own files: where its module classes are defined, and the module classes
-        they inherit from (torchtitan's Llama3Model runs the block loop of its base Decoder, in
-        another file), unless torch or a library. Mixins that are no nn.Module (transformers'
-        GenerationMixin) hold no layer code."""
+        whose forward or __init__ they inherit (torchtitan's Llama3Model runs the block loop of
+        its base Decoder, in another file), unless torch or a library. Mixins (transformers'
+        GenerationMixin) and bases that only add helpers hold no layer code."""
         for name, module in model.named_modules():
             self._module_names[id(module)] = name
             for cls in type(module).__mro__:
                 mod_name = cls.__module__
-                if not issubclass(cls, torch.nn.Module) or (mod_name.startswith("torch.") or mod_name.startswith(
-                        self.library_modules)) and mod_name not in self.traced_modules:
+                if cls is not type(module) and not (issubclass(cls, torch.nn.Module) and (
+                        "forward" in vars(cls) or "__init__" in vars(cls))):
+                    continue
+                if (mod_name.startswith("torch.") or mod_name.startswith(self.library_modules)) \
+                        and mod_name not in self.traced_modules:
                     continue
                 path = sys.modules[mod_name].__dict__.get("__file__") if mod_name in sys.modules else None
                 if path and path.endswith(".py"):
