@@ -393,7 +393,7 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
             ctx.used |= entry_ctx.used
             ctx.needs_torch |= entry_ctx.needs_torch
             module = merge_entry(module, model_paths[0], entry_module, entry_path, analysis.entry,
-                                 built_by_code_kept(kept, set(kept)))
+                                 built_by_code_kept(kept, set(kept), analysis.sources))
     module = add_comm_import(module, ctx.used, ctx.needs_torch)
     body = module.code
     files: dict[str, str] = {}
@@ -493,7 +493,7 @@ def _mirrored(analysis: Analysis, entry_module: cst.Module,
             folder = folder.parent
 
     program = merge_entry_mirrored(entry_module, analysis.entry.path, analysis.entry, defined,
-                                   built_by_code_kept(kept_lines, set(sources)))
+                                   built_by_code_kept(kept_lines, set(sources), analysis.sources))
     return program, files, bases
 
 

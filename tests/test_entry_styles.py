@@ -327,7 +327,7 @@ def test_the_dry_run_refuses_a_build_of_the_installed_classes(tiny_root, monkeyp
     """Were build() left constructing the installed class (the decorated function's route taken for
     the rewritten code), the dry run says so: every rank would run the single-device layers."""
     import nnscaler_cst.rewrite as rewriting
-    monkeypatch.setattr(rewriting, "built_by_code_kept", lambda kept, own: lambda construction: True)
+    monkeypatch.setattr(rewriting, "built_by_code_kept", lambda *given: lambda construction: True)
     with pytest.raises(UserError, match="build\\(\\) made the model of the installed styles_tinylib.modeling.TinyMLP"):
         rewrite(analyze(tiny_root / f"{stem('decorated-registry')}.py"), PlanRequest(tp=2))
 

@@ -7,8 +7,8 @@ classes however it names the library's: `from transformers import LlamaForCausal
 a registry of classes. Every expression of the entry file whose value (in the entry module as
 it ran) *is* one of the library's objects the rewritten file defines anew is made to name the
 rewritten one. A model build() reaches through a factory (`AutoModelForCausalLM.from_config`,
-a registry function elsewhere) -- the trace saw the call constructing it outside the entry
-file -- is built with a wrapper that makes constructing the library class construct the
+a registry function elsewhere) or a class held in a value (`config.norm_class(...)` in the
+library's code) -- the trace saw the call constructing it, and it names no rewritten class -- is built with a wrapper that makes constructing the library class construct the
 rewritten one while build() runs.
 
 Text-level assembly of LibCST modules; rewrites no model logic.
@@ -28,7 +28,8 @@ from libcst.metadata import (ExpressionContext, ExpressionContextProvider, Globa
 
 from .. import __version__
 from ..errors import Location, UserError, display_path
-from ..source.entry import Entry
+from ..source.entry import Construction, Entry
+from ..source.files import SourceFile, SourceSet
 
 
 def module_name_of(path: Path) -> str | None:
@@ -249,21 +250,46 @@ def _check_bindings(entry: cst.Module, defined: set[str], namespace: dict,
                 hint=f"rename `{name}` in the entry file (`import ... as Other{name}` for an import)")
 
 
-def built_by_code_kept(kept: dict[str, list[tuple[int, int]]], own: set[str]):
-    """Whether the output's own code constructs a module of the model, as a predicate on its
-    construction: the constructing call, and every frame of the model's files (`own`, resolved
-    paths) on the way to it from the entry file, lie in the definitions the output holds anew
-    (`kept`: resolved path -> line spans). A frame of the model's files outside them runs the
-    installed code (a decorated registry function the output imports), and what it calls builds the
-    installed classes. Frames of other files (torch calling a generator, a decorator's wrapper)
-    only call what they were handed."""
+def built_by_code_kept(kept: dict[str, list[tuple[int, int]]], own: set[str], sources: SourceSet):
+    """Whether the output's own code constructs a module of the model as the rewritten class, as a
+    predicate on its construction: the constructing call, and every frame of the model's files
+    (`own`, resolved paths) on the way to it from the entry file, lie in the definitions the output
+    holds anew (`kept`: resolved path -> line spans), and the call names the class (see
+    names_its_class). A frame of the model's files outside them runs the installed code (a
+    decorated registry function the output imports), and what it calls builds the installed
+    classes. Frames of other files (torch calling a generator, a decorator's wrapper) only call
+    what they were handed."""
+    modules: dict[str, types.ModuleType | None] = {}
+
     def inside(file: str, line: int) -> bool:
         return any(first <= line <= last for first, last in kept.get(file, ()))
 
+    def module(file: str) -> types.ModuleType | None:
+        if file not in modules:
+            name = module_name_of(Path(file))
+            modules[file] = sys.modules.get(name) if name is not None else None
+        return modules[file]
+
     def built(construction) -> bool:
         return construction.file is not None and inside(construction.file, construction.line) and all(
-            inside(file, line) for file, line in construction.route if file in own)
+            inside(file, line) for file, line in construction.route if file in own) and names_its_class(
+            sources.get(construction.file), module(construction.file), construction)
     return built
+
+
+def names_its_class(source: SourceFile, module: types.ModuleType | None, construction: Construction) -> bool:
+    """Whether the call that constructed a module names its class by a module-level name of the
+    file (`RMSNorm(...)`), a name the output's copy of the code binds to the rewritten class. A
+    class reached any other way is the installed one wherever the call is written: a config's
+    attribute (`config.norm_class(...)`, resolved from a name at run time), a parameter, a
+    module's attribute (`litgpt.model.RMSNorm`), a `functools.partial` of it."""
+    call = source.node_at(construction.line, construction.col, construction.end_line, construction.end_col)
+    if not isinstance(call, cst.Call) or not isinstance(call.func, cst.Name):
+        return False
+    scope = source.wrapper.resolve(ScopeProvider).get(call.func)
+    if scope is None or not all(isinstance(a.scope, GlobalScope) for a in scope[call.func.value]):
+        return False        # a local or a parameter: whatever the caller handed over
+    return module is not None and getattr(module, call.func.value, None) is construction.cls
 
 
 def _constructed_elsewhere(entry: Entry | None, library: dict[int, tuple[object, str]], rewritten_code,
@@ -344,7 +370,8 @@ def _factory_section(classes: list[tuple[type, str]], entry: Entry, entry_path: 
     code = FACTORY_BUILD.format(imports=imports, mapping=mapping)
     body = list(cst.parse_module(code).body)
     text = (f"--- build() constructs {listed} by a call that does not name the class"
-            + (f" ({where}: a factory, a registry)" if where else " (a factory, a registry)")
+            + (f" ({where}: a factory, a registry, a class held in a value)" if where
+               else " (a factory, a registry, a class held in a value)")
             + ": while it runs, constructing that class constructs the rewritten class of the same name "
             "above instead ---")
     header = [cst.EmptyLine(comment=cst.Comment(f"# {line}"))

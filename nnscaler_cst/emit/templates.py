@@ -83,6 +83,11 @@ def keep_stage(model, stage, module):
         parent_name, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_name)
         blocks = getattr(parent, name)
+        if isinstance(blocks, torch.nn.ModuleDict):    # keyed "0", "1", ...: renumbered as a list's, its type kept
+            kept = list(blocks.values())[start:stop]
+            blocks.clear()
+            blocks.update((str(index), block) for index, block in enumerate(kept))
+            continue
         kept = list(blocks)[start:stop]
         setattr(parent, name, torch.nn.Sequential(*kept) if isinstance(blocks, torch.nn.Sequential)
                 else torch.nn.ModuleList(kept))

@@ -713,16 +713,23 @@ class Tracer(TorchFunctionMode):
                             hint="the model must run on its example inputs on one CPU device") from exc
 
     def _add_model_files(self, model: torch.nn.Module) -> None:
-        """The model's own files: where its module classes are defined, unless torch or a library."""
+        """The model's own files: where its module classes are defined, and the module classes
+        whose forward or __init__ they inherit (torchtitan's Llama3Model runs the block loop of
+        its base Decoder, in another file), unless torch or a library. Mixins (transformers'
+        GenerationMixin) and bases that only add helpers hold no layer code."""
         for name, module in model.named_modules():
             self._module_names[id(module)] = name
-            mod_name = type(module).__module__
-            if (mod_name.startswith("torch.") or mod_name.startswith(self.library_modules)) \
-                    and mod_name not in self.traced_modules:
-                continue
-            path = sys.modules[mod_name].__dict__.get("__file__") if mod_name in sys.modules else None
-            if path and path.endswith(".py"):
-                self.own_files.add(resolved(path))
+            for cls in type(module).__mro__:
+                mod_name = cls.__module__
+                if cls is not type(module) and not (issubclass(cls, torch.nn.Module) and (
+                        "forward" in vars(cls) or "__init__" in vars(cls))):
+                    continue
+                if (mod_name.startswith("torch.") or mod_name.startswith(self.library_modules)) \
+                        and mod_name not in self.traced_modules:
+                    continue
+                path = sys.modules[mod_name].__dict__.get("__file__") if mod_name in sys.modules else None
+                if path and path.endswith(".py"):
+                    self.own_files.add(resolved(path))
         # co_filename is the path as imported; compare both spellings
         self.own_files |= {str(Path(p)) for p in list(self.own_files)}
         for path in self.own_files:
