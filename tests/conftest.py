@@ -18,6 +18,22 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 os.environ["NNSCALER_RULES_PATH"] = os.pathsep.join(
     p for p in (str(REPO_ROOT / "tests" / "rules"), os.environ.get("NNSCALER_RULES_PATH", "")) if p)
 
+# The start of a rank script run on an output folder (argv[1]) under gloo: the output's package
+# imported, its process groups set up, this rank's model built in training mode as `model`.
+RANK_SET_UP = """\
+import importlib, json, os, sys
+import torch
+folder = sys.argv[1]
+sys.path.insert(0, os.path.dirname(folder))
+package = importlib.import_module(os.path.basename(folder))
+comm = importlib.import_module(package.__name__ + "._comm")
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+comm.setup(rank, world, tp=package.TP_SIZE, dp=package.DP_SIZE, pp=package.PP_SIZE, backend="gloo")
+module = package.rank_module(rank)
+torch.manual_seed(0)
+model = package.build(rank).train()
+"""
+
 
 def _ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("true", "1")

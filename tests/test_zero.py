@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import RANK_SET_UP
 from nnscaler_cst import cli
 from nnscaler_cst.plan.zero import state_bytes_per_device, units_in_flight
 
@@ -217,17 +218,7 @@ MEASURE = textwrap.dedent('''
     """One rank: build the output's model, take one train_step, and count the bytes of parameters,
     gradients and optimizer state it holds right after the optimizer steps (storages counted once;
     the gradients: the more of then and the end of the backward)."""
-    import importlib, json, os, sys
-    import torch
-    folder = sys.argv[1]
-    sys.path.insert(0, os.path.dirname(folder))
-    package = importlib.import_module(os.path.basename(folder))
-    comm = importlib.import_module(package.__name__ + "._comm")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    comm.setup(rank, world, tp=package.TP_SIZE, dp=package.DP_SIZE, pp=package.PP_SIZE, backend="gloo")
-    module = package.rank_module(rank)
-    torch.manual_seed(0)
-    model = package.build(rank).train()
+''') + RANK_SET_UP + textwrap.dedent('''
     count = sum(p.numel() for p in model.parameters() if p.requires_grad)
     optimizer = torch.optim.AdamW(package.optimizer_params(model), lr=1e-3)
     measured = {}
@@ -353,17 +344,7 @@ def test_zero_with_a_searched_plan_on_a_batch_that_cannot_be_sliced_is_refused(t
 UNITS = textwrap.dedent('''
     """One rank of --dp 2 --zero 3 on the GPT fixture: while each block runs forward, how many
     blocks are whole (their flat buffer's storage allocated); after the step, how many units."""
-    import importlib, json, os, sys
-    import torch
-    folder = sys.argv[1]
-    sys.path.insert(0, os.path.dirname(folder))
-    package = importlib.import_module(os.path.basename(folder))
-    comm = importlib.import_module(package.__name__ + "._comm")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    comm.setup(rank, world, tp=package.TP_SIZE, dp=package.DP_SIZE, pp=package.PP_SIZE, backend="gloo")
-    module = package.rank_module(rank)
-    torch.manual_seed(0)
-    model = package.build(rank).train()
+''') + RANK_SET_UP + textwrap.dedent('''
     optimizer = torch.optim.AdamW(package.optimizer_params(model), lr=1e-3)
     shards = model.zero_shards
     blocks = [u for u in shards.units if u is not shards.root]
