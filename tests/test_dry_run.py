@@ -283,3 +283,21 @@ def test_a_batch_norm_another_stage_holds_loads_nothing(tmp_path):
                             if line.startswith("STAGE_DROPS"))
     assert (0, "stage 0 forward") in dry.dry_run(analysis, result.files).checked
     no_dry_run_left()
+
+
+IN_PLACE_FIRST = BATCH_NORM_AFTER_THE_LOOP.replace(
+    "        self.conv = nn.Conv2d(c, c, 3, padding=1)\n",
+    "        self.conv = nn.Conv2d(c, c, 3, padding=1)\n        self.act = nn.ReLU(inplace=True)\n").replace(
+    "        return x + torch.relu(self.conv(x))",
+    "        x = self.act(x)               # in place, on the activation the stage received\n"
+    "        return x + self.conv(x)")
+
+
+def test_a_stage_whose_first_op_is_in_place(tmp_path):
+    """A received activation needs gradients; an in-place op at the start of a stage (a block that
+    opens with ReLU(inplace=True), DLA's base_layer cut before its ReLU) must not meet it as a leaf."""
+    (tmp_path / "net.py").write_text(IN_PLACE_FIRST.lstrip())
+    analysis = analyze(tmp_path / "net.py")
+    result = rewrite(analysis, PlanRequest(pp=2, micro_batches=1))      # runs the dry run itself
+    assert (1, "stage 1 forward") in dry.dry_run(analysis, result.files).checked
+    no_dry_run_left()

@@ -328,7 +328,7 @@ class _Checker:
                 raise self._internal(rank, f"stage {stage} hands the next stage a value that cannot be "
                                            f"sent ({type(exc).__name__}: {exc})") from exc
         received = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]   # values kept: ids
-        return comm._filled(structure, received), received
+        return comm._received(structure, received), received
 
     # ---- checks ------------------------------------------------------------------------
     def _place(self, rank: int) -> None:
