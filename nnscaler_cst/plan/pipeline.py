@@ -431,10 +431,11 @@ def _shared_loop_owner(graph: Graph, blocks: list[str], function: cst.FunctionDe
 
 def _no_blocks(graph: Graph) -> UserError:
     """No repeated blocks to cut: say where, pointing at a layer called more than once (a model
-    whose layers share one set of weights, like ALBERT's) when there is one."""
+    whose layers share one set of weights, like ALBERT's) when there is one. Only a call reading
+    weights counts: an activation called twice (DLA's relu) shares none."""
     calls: dict[str, list] = {}
     for node in graph.nodes:
-        if node.callee_path is not None and node.span is not None:
+        if node.callee_path is not None and node.span is not None and graph.param_operands(node.index):
             calls.setdefault(node.callee_path, []).append(node)
     shared = max(calls.items(), key=lambda item: len(item[1]), default=(None, []))
     hint = "pipelining cuts a ModuleList of one block class, called in a loop, into stages"
