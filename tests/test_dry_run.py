@@ -283,3 +283,81 @@ def test_a_batch_norm_another_stage_holds_loads_nothing(tmp_path):
                             if line.startswith("STAGE_DROPS"))
     assert (0, "stage 0 forward") in dry.dry_run(analysis, result.files).checked
     no_dry_run_left()
+
+
+IN_PLACE_FIRST = BATCH_NORM_AFTER_THE_LOOP.replace(
+    "        self.conv = nn.Conv2d(c, c, 3, padding=1)\n",
+    "        self.conv = nn.Conv2d(c, c, 3, padding=1)\n        self.act = nn.ReLU(inplace=True)\n").replace(
+    "        return x + torch.relu(self.conv(x))",
+    "        x = self.act(x)               # in place, on the activation the stage received\n"
+    "        return x + self.conv(x)")
+
+
+def test_a_stage_whose_first_op_is_in_place(tmp_path):
+    """A received activation needs gradients; an in-place op at the start of a stage (a block that
+    opens with ReLU(inplace=True), DLA's base_layer cut before its ReLU) must not meet it as a leaf."""
+    (tmp_path / "net.py").write_text(IN_PLACE_FIRST.lstrip())
+    analysis = analyze(tmp_path / "net.py")
+    result = rewrite(analysis, PlanRequest(pp=2, micro_batches=1))      # runs the dry run itself
+    assert (1, "stage 1 forward") in dry.dry_run(analysis, result.files).checked
+    no_dry_run_left()
+
+
+LAYER_FILE = '''
+import torch
+import torch.nn as nn
+
+
+class Pool(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.flatten = nn.Flatten(1)
+
+    def forward(self, x):
+        x = x.mean((2, 3), keepdim=True)
+        return self.flatten(x)
+'''
+
+NET_USING_IT = '''
+import torch
+import torch.nn as nn
+from pool import Pool
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.pool = Pool()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        x = self.conv(x)
+        return self.head(self.pool(x))
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(2, 3, 4, 4),)
+
+
+def loss(output):
+    return output.pow(2).mean()
+'''
+
+
+def test_a_failing_line_of_a_mirrored_file_is_located_in_that_file(tmp_path):
+    """A rewritten line of the mirror of a model file maps to that file, not to another model
+    file whose own rewritten lines align as well (DLA's failure at dla.py:169 was put in timm's
+    adaptive_avgmax_pool.py)."""
+    (tmp_path / "pool.py").write_text(LAYER_FILE.lstrip())
+    (tmp_path / "net.py").write_text(NET_USING_IT.lstrip())
+    analysis = analyze(tmp_path / "net.py")
+    mirror = LAYER_FILE.lstrip().splitlines()
+    index = next(i for i, line in enumerate(mirror) if "self.flatten(x)" in line)
+    mirror[index] = "        return dp_layers(self.flatten, x, DP)"
+    location = dry._user_location(analysis, "pool.py", mirror, index, None)
+    assert (Path(location.path).name, location.line) == ("pool.py", index + 1), location

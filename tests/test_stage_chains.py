@@ -447,3 +447,17 @@ def example_inputs():
 def test_the_models_own_parameter_read_after_the_blocks_is_held_by_the_last_stage(tmp_path):
     plan = plan_stages(analyze(_write(tmp_path, CLS_AFTER_BLOCKS)).graph, 2)
     assert plan.drop == {0: ["", "head"], 1: ["embed"]}
+
+
+ACTIVATION_CALLED_TWICE = STATEMENTS.replace(
+    "        self.layer2 = nn.Conv2d(8, 8, 3, padding=1)\n",
+    "        self.layer2 = nn.Conv2d(8, 8, 3, padding=1)\n        self.act = nn.ReLU()\n").replace(
+    "        x = self.layer2(x)\n",
+    "        x = self.act(self.layer2(self.act(x)))\n")
+
+
+def test_an_activation_called_twice_is_not_called_shared_weights(tmp_path):
+    from nnscaler_cst.errors import UserError
+    graph = analyze(_write(tmp_path, ACTIVATION_CALLED_TWICE)).graph
+    with pytest.raises(UserError, match="pipeline stages need a model built from repeated blocks"):
+        plan_stages(graph, 2)      # one ReLU called twice holds no weights to share (DLA's tree1.relu)

@@ -431,21 +431,25 @@ def _shared_loop_owner(graph: Graph, blocks: list[str], function: cst.FunctionDe
 
 def _no_blocks(graph: Graph) -> UserError:
     """No repeated blocks to cut: say where, pointing at a layer called more than once (a model
-    whose layers share one set of weights, like ALBERT's) when there is one."""
+    whose layers share one set of weights, like ALBERT's) when there is one. Only a call reading
+    weights counts: an activation called twice (DLA's relu) shares none."""
     calls: dict[str, list] = {}
     for node in graph.nodes:
-        if node.callee_path is not None and node.span is not None:
+        if node.callee_path is not None and node.span is not None and graph.param_operands(node.index):
             calls.setdefault(node.callee_path, []).append(node)
     shared = max(calls.items(), key=lambda item: len(item[1]), default=(None, []))
-    hint = "pipelining cuts a ModuleList of one block class, called in a loop, into stages"
     if len(shared[1]) > 1:
         path, nodes = shared
         return UserError(f"pipeline stages need repeated blocks; this model calls {path} {len(nodes)} times "
                          "(its layers share one set of weights), so no stage could hold its own layers",
-                         nodes[0].span.start, hint=hint)
+                         nodes[0].span.start,
+                         hint="pipelining cuts a ModuleList of one block class, called in a loop, into stages")
     first = next((n.span.start for n in graph.nodes if n.span is not None and n.mapped), None)
     return UserError("pipeline stages need a model built from repeated blocks (a ModuleList of one block "
-                     "class called in a loop); this model has none", first, hint=hint)
+                     "class called in a loop) or an nn.Sequential called once whose children run most of its "
+                     "work; this model has neither (a forward written as a chain of statements, "
+                     "`x = self.layer1(x)`, is not cut)", first,
+                     hint="put the stages in an nn.Sequential called once, or pipeline a model with repeated blocks")
 
 
 def _loop_runs_once(group: list[str], calls: dict) -> bool:

@@ -1529,6 +1529,25 @@ def _filled(value, tensors: list):
     return value
 
 
+class _Received(torch.autograd.Function):
+    """A received tensor as the stage's code sees it: a non-leaf sharing the leaf's storage. An
+    in-place op first thing in a stage (a block opening with ReLU(inplace=True)) is refused on a
+    leaf that needs gradients; a clone would copy every hand-off. The leaf keeps the .grad sent back."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _received(structure, tensors: list):
+    """`structure` filled with the received `tensors`, those needing gradients as _Received aliases."""
+    return _filled(structure, [_Received.apply(t) if t.requires_grad else t for t in tensors])
+
+
 def _like(value: dict, items: dict) -> dict:
     """`items` as `value`'s own dict class where it is built from keywords (transformers'
     ModelOutput keeps its attributes: `out.last_hidden_state`), else a plain dict."""
@@ -1776,7 +1795,7 @@ def wait_activations(incoming: Incoming) -> tuple[tuple, list]:
         request.wait()
     _record("recv", None)
     tensors = [b.requires_grad_() if s.requires_grad else b for b, s in zip(incoming.buffers, incoming.slots)]
-    return _filled(incoming.structure, tensors), tensors
+    return _received(incoming.structure, tensors), tensors
 
 
 def wait_grads(incoming: Incoming) -> list:

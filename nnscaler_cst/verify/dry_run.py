@@ -214,7 +214,7 @@ class _Checker:
             if index is None:
                 notes.append((Location(file, 1, 0), text))
                 continue
-            location = _user_location(self.analysis, lines, index, None) or \
+            location = _user_location(self.analysis, file, lines, index, None) or \
                 Location(file, index + 1, len(lines[index]) - len(lines[index].lstrip()))
             notes.append((location, f"{text}: stored here ({_normal(lines[index])})"))
         return notes
@@ -328,7 +328,7 @@ class _Checker:
                 raise self._internal(rank, f"stage {stage} hands the next stage a value that cannot be "
                                            f"sent ({type(exc).__name__}: {exc})") from exc
         received = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]   # values kept: ids
-        return comm._filled(structure, received), received
+        return comm._received(structure, received), received
 
     # ---- checks ------------------------------------------------------------------------
     def _place(self, rank: int) -> None:
@@ -483,7 +483,7 @@ class _Checker:
         text = lines[frame.lineno - 1] if frame.lineno and 0 < frame.lineno <= len(lines) else ""
         location = None
         if name not in ("__init__.py", "train.py") and text:
-            location = _user_location(self.analysis, lines, frame.lineno - 1, getattr(frame, "colno", None))
+            location = _user_location(self.analysis, name, lines, frame.lineno - 1, getattr(frame, "colno", None))
         return location, (name, frame.lineno or 1, text)
 
 
@@ -535,11 +535,14 @@ def _normal(line: str) -> str:
     return _COMMENT.sub("", line).strip()
 
 
-def _user_location(analysis, generated: list[str], index: int, colno: int | None) -> Location | None:
-    """Map line `index` (0-based) of a generated rank file to the user's source line it rewrites:
+def _user_location(analysis, name: str, generated: list[str], index: int, colno: int | None) -> Location | None:
+    """Map line `index` (0-based) of the generated file `name` to the user's source line it rewrites:
     the generated file keeps the user's line structure, so align the two line by line (comments
-    and indentation aside) and read the pair. None when no source lines up."""
+    and indentation aside) and read the pair. A mirror of a model file (`timm/models/dla.py`) is
+    aligned with that file only: another file's rewritten line may align as well as its own (DLA's
+    dry run failure was put in timm's adaptive_avgmax_pool.py). None when no source lines up."""
     paths = [str(p) for p in analysis.trace.own_files] + [str(analysis.entry.path)]
+    paths = [p for p in paths if Path(p).resolve().as_posix().endswith("/" + name)] or paths
     seen, best = set(), None
     target = [_normal(line) for line in generated]
     for path in paths:
