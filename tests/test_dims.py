@@ -249,18 +249,21 @@ def _masked_attention(arg0, arg1, arg2, arg3):
     return F.scaled_dot_product_attention(arg0, arg1, arg2, attn_mask=arg3, enable_gqa=True)
 
 
-@pytest.mark.parametrize("mask_shape, batch_labelled", [((2, 1, 16, 16), True), ((1, 1, 16, 16), False),
-                                                       ((16, 16), False)])
-def test_an_attention_mask_goes_with_the_samples_and_queries_and_broadcasts_where_it_is_size_1(mask_shape,
-                                                                                              batch_labelled):
-    # A per-sample mask (b, 1, s, t) splits with the batch; a mask shared by all samples (a size-1
-    # batch, or no batch dim at all: `...` lets it lack leading dims) is whole on every device.
+@pytest.mark.parametrize("mask_shape, batch_labelled, heads_labelled",
+                         [((2, 1, 16, 16), True, False), ((1, 1, 16, 16), False, False), ((16, 16), False, False),
+                          ((1, 8, 16, 16), False, True), ((8, 16, 16), False, True), ((2, 8, 16, 16), True, True)])
+def test_an_attention_mask_goes_with_the_samples_heads_and_queries_and_broadcasts_where_it_is_size_1(
+        mask_shape, batch_labelled, heads_labelled):
+    # A per-sample mask (b, 1, s, t) splits with the batch; a per-head one (a relative-position
+    # bias of (1, heads, s, t)) with the heads; a mask shared by all samples or heads (a size-1
+    # dim, or none at all: `...` lets it lack leading dims) is whole on every device.
     q, k, v = torch.randn(2, 8, 16, 32), torch.randn(2, 2, 16, 32), torch.randn(2, 2, 16, 32)
     mask = torch.randn(mask_shape)
     inputs = {"arg0": q, "arg1": k, "arg2": v, "arg3": mask}
     dims = instantiate("torch.nn.functional.scaled_dot_product_attention", inputs, [_masked_attention(**inputs)])
     batch = labels_at(dims.inputs["arg0"], 0)
     assert (dims.inputs["arg3"].where(batch[0]) is not None) == batch_labelled
+    assert (dims.inputs["arg3"].where("g") is not None) == heads_labelled
     assert "s" in dims.inputs["arg3"].labels() and batch[0] not in dims.fixed
     for label in (batch[0], "g", "s"):
         split_reproduces(_masked_attention, inputs, dims, label)

@@ -25,6 +25,11 @@
 - diffusers' ResnetBlock2D style: two convs with biases in a block, split as Megatron splits an
   MLP: the first by its output channels, the second by its input channels, its partial sums
   reduced and its bias added once after, broadcast over the spatial dims (`bias[:, None, None]`).
+- timm's BEiT style: the attention adds a learned relative-position bias to its scores, a table of
+  [relative distances, heads] indexed by a buffer of each query-key pair's distance, viewed and
+  permuted to [1, heads, N, N] and passed to scaled_dot_product_attention as its mask: under TP
+  the table is split by its heads column and the bias reaches the attention split by heads, as
+  the queries are (no all-gather of it).
 Quick tests read the plan and the written code; the gloo runs are slow.
 """
 from __future__ import annotations
@@ -413,6 +418,51 @@ LOOP_OVER_CHILDREN = """
 """
 
 
+RELATIVE_POSITION_BIAS = """
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+
+    class Attention(nn.Module):
+        def __init__(self, dim, heads, tokens):
+            super().__init__()
+            self.heads = heads
+            self.qkv = nn.Linear(dim, 3 * dim)
+            self.proj = nn.Linear(dim, dim)
+            self.bias_table = nn.Parameter(torch.randn(2 * tokens - 1, heads) * 0.5)   # [distances, heads]
+            position = torch.arange(tokens)
+            self.register_buffer("distance", position[:, None] - position[None, :] + tokens - 1, persistent=False)
+
+        def forward(self, x):
+            B, N, C = x.shape
+            q, k, v = self.qkv(x).reshape(B, N, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+            bias = self.bias_table[self.distance.view(-1)].view(N, N, -1)
+            bias = bias.permute(2, 0, 1).contiguous().unsqueeze(0)     # [1, heads, N, N]
+            x = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+            return self.proj(x.transpose(1, 2).reshape(B, N, C))
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Attention(16, 4, 6), Attention(16, 4, 6)])
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = x + block(x)
+            return x.square().mean()
+
+
+    def build():
+        torch.manual_seed(0)
+        return Model()
+
+
+    def example_inputs():
+        return (torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1)),)
+"""
+
 def cli(*args, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", *map(str, args)], cwd=cwd, env=env,
@@ -566,6 +616,16 @@ def test_layers_that_are_lists_of_modules_are_refused_for_pipelining_at_their_lo
         in result.stderr, result.stderr
 
 
+def test_a_relative_position_bias_table_is_split_by_heads_with_the_attention(tmp_path):
+    root = written(tmp_path, RELATIVE_POSITION_BIAS)
+    result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    params = json.loads((root / "out" / "plan.json").read_text())["params"]
+    assert params["blocks.0.bias_table"]["tp"] == "S(1)"
+    code = (root / "out" / "model.py").read_text()
+    assert "self.bias_table = nn.Parameter(torch.randn(2 * tokens - 1, heads // 2) * 0.5)" in code
+    assert "tp_gather(" not in code and "F.scaled_dot_product_attention(q, k, v, attn_mask=bias)" in code
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model,mode", [(TORCH_ENCODER, ("--tp", "2")),
                                         (MULTIHEAD, ("--tp", "2", "--dp", "2")),
@@ -573,10 +633,11 @@ def test_layers_that_are_lists_of_modules_are_refused_for_pipelining_at_their_lo
                                         (BRANCHED_VIT, ("--pp", "2", "--micro-batches", "2")),
                                         (MIXED_BLOCKS, ("--dp", "2", "--tp", "2")),
                                         (HELPER_BUILT_CONVS, ("--tp", "2")),
-                                        (CONV_BLOCKS_WITH_BIASES, ("--tp", "2"))],
+                                        (CONV_BLOCKS_WITH_BIASES, ("--tp", "2")),
+                                        (RELATIVE_POSITION_BIAS, ("--tp", "2"))],
                          ids=["torch-encoder-tp2", "multihead-attention-dp2xtp2", "torch-encoder-pp2",
                               "branched-vit-pp2", "mixed-blocks-dp2xtp2", "helper-built-convs-tp2",
-                              "conv-blocks-with-biases-tp2"])
+                              "conv-blocks-with-biases-tp2", "relative-position-bias-tp2"])
 def test_verifies(tmp_path, model, mode):
     root = written(tmp_path, model)
     result = cli("verify", "model.py", *mode, "-o", "out", cwd=root)

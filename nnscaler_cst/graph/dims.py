@@ -260,6 +260,8 @@ def _factors(tokens, size, sizes, result) -> tuple[Factor, ...]:
             known *= sizes[label]
         else:
             unknown.append(label)
+    if size == 1 and not unknown and known != 1:
+        return ()                              # broadcast, as a single label's size-1 dim is
     if len(unknown) > 1:
         raise DimsError(f"cannot infer the sizes of {tokens} from {size}")
     if unknown:
