@@ -195,6 +195,7 @@ class Tracer(TorchFunctionMode):
         self.containers: dict[Span, list[tuple[str, ...]]] = {}   # container call -> its leaves, in order
         self._container_kinds: dict[Span, list[tuple[tuple[str, ...], type]]] = {}   # ... and their classes
         self.mixed_containers: set[Span] = set()    # container calls whose calls run different layers
+        self._container_paths: dict[Span, list[str]] = {}   # container call -> the containers it called
         self.replays: dict[int, Replay] = {}   # node index -> how to call it again
         self._entry_args: dict[int, tuple] = {}    # id(frame) -> (code, parameter values) as the call began
         self._awaiting: dict[int, Replay] = {}     # id(frame or module) -> replay whose results are not yet seen
@@ -365,6 +366,10 @@ class Tracer(TorchFunctionMode):
             span = self._span(own)
             if span is not None:
                 self.module_calls[path] = (span, len(self.nodes))
+                if isinstance(module, _CONTAINERS):
+                    self._container_paths.setdefault(span, []).append(path)
+                elif any(path.startswith(c + ".") for c in self._container_paths.get(span, ())):
+                    return      # a layer that a container called from this line runs, not a call of its own
                 # one line may call containers of different layers, or a container and another
                 # module (a loop over a model's children: IntermediateLayerGetter)
                 kinds = self._leaf_kinds(module) if isinstance(module, _CONTAINERS) else [((), type(module))]
