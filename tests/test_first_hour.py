@@ -207,6 +207,7 @@ def test_2_verify_of_a_stale_folder_says_stale_and_how_to_regenerate_not_failed(
 
 # 3 ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow     # over 10 s: keeps the quick subset under 3 minutes
 def test_3_check_names_the_command_that_regenerates_a_missing_folder_and_markers_at_file_line(tmp_path):
     project(tmp_path)
     run = cli(["dot3/model.py", "--dp", "2", "-o", "out", "--check"], tmp_path)

@@ -526,6 +526,7 @@ def test_torch_encoder_loop_is_cut_into_stages(tmp_path):
     assert 'PIPELINE_BLOCKS = "encoder.layers"' in (root / "out" / "model_stage0.py").read_text()
 
 
+@pytest.mark.slow     # over 10 s: keeps the quick subset under 3 minutes
 def test_torch_transformer_is_cut_as_a_chain_with_a_decoder_block_where_the_decoder_starts(tmp_path):
     root = written(tmp_path, TORCH_TRANSFORMER)
     result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
@@ -561,6 +562,7 @@ def test_a_branch_that_counts_the_blocks_is_refused(tmp_path):
     assert not (root / "out").exists()
 
 
+@pytest.mark.slow     # over 10 s: keeps the quick subset under 3 minutes
 def test_a_line_calling_blocks_built_differently_runs_their_layers_whole(tmp_path):
     root = written(tmp_path, MIXED_BLOCKS)
     result = cli("model.py", "--dp", "2", "-o", "dp", cwd=root)

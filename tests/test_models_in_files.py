@@ -214,6 +214,7 @@ def test_diff_shows_each_mirror_against_its_source_definitions(project):
     assert "-    def forward" not in diff          # only what the plan changed differs
 
 
+@pytest.mark.slow     # over 10 s: keeps the quick subset under 3 minutes
 def test_check_and_hand_edits_cover_the_mirrors(project):
     assert cli("entry.py", "--tp", "2", "-o", "out", cwd=project).returncode == 0
     mirror = project / "out" / "tinypkg" / "attention.py"
