@@ -188,7 +188,7 @@ def verify(*args) -> tuple[subprocess.CompletedProcess, dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("entry, tp, stage", [
     ("gpt.py", 1, 1), ("gpt.py", 1, 2), ("gpt.py", 1, 3),
-    ("hf_llama.py", 1, 1), ("hf_llama.py", 1, 2), ("hf_llama.py", 1, 3),
+    ("hf_llama.py", 1, 3),      # stages 1 and 2 shard the same flat buffers as on gpt.py: one library model suffices
     ("gpt.py", 2, 3),
 ])
 def test_zero_trains_like_the_single_device_run(entry, tp, stage, tmp_path):
@@ -203,9 +203,8 @@ def test_zero_trains_like_the_single_device_run(entry, tp, stage, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("entry, args", [
     ("gpt.py", "--pp 2 --dp 2 --zero 3 --micro-batches 2"),
-    ("gpt.py", "--pp 2 --tp 2 --dp 2 --zero 1 --recompute --micro-batches 2"),      # 8 processes
-    ("hf_llama.py", "--pp 2 --tp 2 --dp 2 --zero 1 --recompute --micro-batches 2"),
-], ids=["gpt-pp2xdp2-zero3", "gpt-pp2xtp2xdp2-zero1-recompute", "llama-pp2xtp2xdp2-zero1-recompute"])
+    ("hf_llama.py", "--pp 2 --tp 2 --dp 2 --zero 1 --recompute --micro-batches 2"),     # 8 processes
+], ids=["gpt-pp2xdp2-zero3", "llama-pp2xtp2xdp2-zero1-recompute"])
 def test_zero_with_pipeline_stages_trains_like_the_single_device_run(entry, args, tmp_path):
     result, outcome = verify(f"fixtures/{entry}", *args.split(), "-o", tmp_path / "out")
     assert result.returncode == 0 and outcome["passed"] is True, outcome
