@@ -245,3 +245,17 @@ def _verify(tmp_path, text: str, *options) -> dict:
     assert result.returncode == 0, result.stdout + result.stderr
     assert json.loads(result.stdout[result.stdout.index("{"):])["passed"]
     return json.loads((tmp_path / "out" / "plan.json").read_text())
+
+
+@pytest.mark.slow
+def test_auto_co_shard_at_small_shapes_verifies(tmp_path):
+    plan = _verify(tmp_path, ATTENTION.format(width=32, heads=4, seq=64, batch=2), "--devices", 2,
+                   "--memory-budget", 1e6)
+    assert "co-shard=" in plan["plan"], plan["plan"]
+
+
+@pytest.mark.slow
+def test_auto_interlaced_at_small_shapes_verifies(tmp_path):
+    plan = _verify(tmp_path, VOCAB.format(vocab=4096, width=45, layers=4, seq=8, batch=4), "--devices", 4,
+                   "--memory-budget", 2.5e6)
+    assert "schedule=interlaced" in plan["plan"], plan["plan"]
