@@ -81,10 +81,11 @@ class PlanRequest:
 
 
 def resolve_auto(analysis: Analysis, request: PlanRequest) -> PlanRequest:
-    """--plan auto: search tp x pp x dp, micro-batches, ZeRO, recompute and sequence parallelism
-    (plan/auto.py) and return the request with the chosen configuration filled in, so that
-    every later step emits what was chosen. Options the user gave (--pp, --micro-batches,
-    --zero, --recompute, --sequence-parallel) are kept, not searched. Other requests pass."""
+    """--plan auto: search tp x pp x dp, micro-batches, ZeRO, recompute, sequence parallelism,
+    co-shard and the pipeline schedule (plan/auto.py) and return the request with the chosen
+    configuration filled in, so that every later step emits what was chosen. Options the user
+    gave (--pp, --micro-batches, --zero, --recompute, --sequence-parallel, --schedule other than
+    1f1b) are kept, not searched. Other requests pass."""
     if request.plan != "auto" or request.auto is not None:
         return request
     devices = request.devices or (request.tp or 1) * (request.dp or 1)

@@ -4,8 +4,15 @@ The space: tensor parallel size tp (each op's split solved per tp by search.sear
 as the free search and as Megatron's sequence-parallel table), pipeline stages pp (blocks cut
 into contiguous stages the way plan/pipeline.py cuts them), data parallel dp = N / (tp pp),
 micro-batches per step, the ZeRO stage of the data-parallel state, and activation recompute
-per block. Every configuration is priced with the cost model (plan/cost.py) and the memory
-model per device (plan/memory.py) and the fastest one that fits the memory budget wins.
+per block; and the nnScaler paper's plans: co-shard (rules/plans/coshard.toml) with its factor C
+among those dividing the co-sharded ops' split dims per device, and the pipeline's schedule
+table (1f1b, interleaved virtual stages, Chimera's two pipelines, the interlaced vocabulary
+split; 3f1b alone where the trunk recycles). Every configuration is priced with the cost model
+(plan/cost.py) and the memory model per device (plan/memory.py) and the fastest one that fits
+the memory budget wins. Constraints prune the space before pricing (a dp dividing the batch,
+ZeRO only with dp, stages no more than blocks, micro-batches a schedule can order, a vocabulary
+the pipeline divides, a C dividing the heads, the smallest fitting C only): `space` counts
+the configurations without them.
 
 Two levels, as the splits do not depend on the rest: an op's split is chosen once per tp
 (and variant); a configuration's step is then arithmetic on per-block sums of what that split
@@ -15,7 +22,8 @@ The step of a configuration, per micro-batch of B / (dp M) samples on stage s:
   t_s = its ops' forward and backward (compute and tensor-parallel collectives: bandwidth terms
         scale with the micro-batch, latency and per-call overheads do not)
         + with recompute, its blocks' forward again + its sends to the next and previous stage
-  step = sum_s t_s + (M - 1) max_s t_s                      (1F1B: fill, steady state, drain)
+  step = sum_s t_s + (M - 1) max_s t_s                      (1F1B: fill, steady state, drain;
+                                                             other schedules: _stage_times)
          (a trunk run in a recycling loop pipelines under 3F1B: t_s holds every pass, the
          no-gradient ones as forwards alone, and the same formula prices it)
          + max_s (gradient sync over dp and of partial tensor-parallel gradients + optimizer)
