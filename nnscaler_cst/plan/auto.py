@@ -558,6 +558,10 @@ def search_auto(graph: Graph, devices: int, cluster: ClusterSpec, constraints: l
                     continue
                 for variant in _variants(tp, pp, order, fixed, variants):
                     base = math.gcd(devices // tp, batch)
+                    if variant == COSHARD and not (table_of(COSHARD) and anchors):
+                        estimates.append(Estimate(replace(config, coshard=2), why_not="the co-shard table selects no "
+                                                  "op of this model (attention's softmax or sdpa)"))
+                        continue
                     plan = tp_plan(tp, variant, base)
                     if isinstance(plan, UserError):
                         estimates.append(Estimate(replace(config, sequence_parallel=variant == "sequence_parallel",
@@ -566,9 +570,8 @@ def search_auto(graph: Graph, devices: int, cluster: ClusterSpec, constraints: l
                     family = []
                     factors = coshard_factors(graph, plan, anchors, tp) if variant == COSHARD else [1]
                     if not factors:
-                        estimates.append(Estimate(replace(config, coshard=2), why_not=(
-                            "no co-shard factor C > 1 divides the co-sharded ops' split dims per device" if anchors
-                            else "the co-shard table selects no op of this model (attention's softmax or sdpa)")))
+                        estimates.append(Estimate(replace(config, coshard=2), why_not="no co-shard factor C > 1 "
+                                                  "divides the co-sharded ops' split dims per device"))
                         continue
                     for micro in _micro_batch_choices(batch // dp, pp, fixed):
                         if micro > 1 and mixing is not None or _micro_problem(order, pp, micro):
