@@ -408,10 +408,20 @@ def _coshard_regions(graph: Graph, blocks: _Blocks, cost: _Regions, plan: AxisPl
     forward run again in backward. A UserError where C does not cut them."""
     from ..materialize.edits import plan_edits
     from .coshard import region_bytes
-    marked = {i: chunks for i in anchors if plan.node_choice.get(i, REPLICATE) != REPLICATE}
-    if not marked:
-        raise UserError(f"nothing to co-shard {chunks} ways: the ops the plan co-shards stay whole")
-    regions = plan_edits(graph, replace(plan.choices, chunks=marked)).regions
+    # the regions (which statements run piece by piece) do not depend on C once C divides the
+    # co-sharded dims (coshard_factors): cut once per split, at the first C tried
+    found = plan.__dict__.setdefault("_coshard_regions", {})
+    if not found:
+        marked = {i: chunks for i in anchors if plan.node_choice.get(i, REPLICATE) != REPLICATE}
+        if not marked:
+            raise UserError(f"nothing to co-shard {chunks} ways: the ops the plan co-shards stay whole")
+        try:
+            found["regions"] = plan_edits(graph, replace(plan.choices, chunks=marked)).regions
+        except UserError as exc:
+            found["error"] = exc
+    if "error" in found:
+        raise found["error"]
+    regions = found["regions"]
     _, peak = region_bytes(graph, regions, n)
     out = replace(cost, bw=list(cost.bw), fx=list(cost.fx), saved=list(cost.saved), held_once=peak / chunks)
     bw_dev, fx_dev = _split_devices(device)
