@@ -81,24 +81,22 @@ class PlanRequest:
 
 
 def resolve_auto(analysis: Analysis, request: PlanRequest) -> PlanRequest:
-    """--plan auto: search tp x pp x dp, micro-batches, ZeRO, recompute and sequence parallelism
-    (plan/auto.py) and return the request with the chosen configuration filled in, so that
-    every later step emits what was chosen. Options the user gave (--pp, --micro-batches,
-    --zero, --recompute, --sequence-parallel) are kept, not searched. Other requests pass."""
+    """--plan auto: search tp x pp x dp, micro-batches, ZeRO, recompute, sequence parallelism,
+    co-shard and the pipeline schedule (plan/auto.py) and return the request with the chosen
+    configuration filled in, so that every later step emits what was chosen. Options the user
+    gave (--pp, --micro-batches, --zero, --recompute, --sequence-parallel, --schedule other than
+    1f1b) are kept, not searched. Other requests pass."""
     if request.plan != "auto" or request.auto is not None:
         return request
     devices = request.devices or (request.tp or 1) * (request.dp or 1)
     if devices < 2:
         raise UserError("--plan auto needs --devices N (N > 1)")
-    if request.schedule != "1f1b":
-        raise UserError(f"--plan auto prices the 1F1B schedule (3F1B where the forward recycles its trunk); "
-                        f"--schedule {request.schedule} is not searched",
-                        hint="drop --schedule, or give the mesh yourself (--tp, --dp, --pp)")
     cluster = load_cluster(request.cluster).with_precision(check_precision(request.precision))
     annotations = [c for c in source_annotations(analysis.graph) if c.axis == "tp"]
     fixed = Fixed(pp=request.pp if request.pp > 1 else None, micro_batches=request.micro_batches,
                   zero=request.zero or None, recompute=True if request.recompute else None,
-                  sequence_parallel=True if request.sequence_parallel else None)
+                  sequence_parallel=True if request.sequence_parallel else None,
+                  schedule=request.schedule if request.schedule != "1f1b" else None)
     choice = search_auto(analysis.graph, devices, cluster, annotations, request.memory_budget, fixed=fixed)
     config = choice.config
     return replace(request, tp=config.tp, dp=config.dp, pp=config.pp, schedule=config.schedule,
@@ -192,9 +190,15 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
         constraints = [c for c in annotations if c.axis == "tp"]
         if request.sequence_parallel:
             constraints = load_table("sequence_parallel").for_axis("tp") + constraints
+        chunks = request.auto.config.coshard
+        if chunks > 1:                  # the co-shard table, with the C the search chose
+            constraints = [dataclasses.replace(c, chunks=chunks) if c.chunks != 1 else c
+                           for c in load_table("coshard").for_axis("tp")] + constraints
+        if request.pp > 1 and tp > 1 and load_schedule(request.schedule).vocab:   # interlaced: split over pp
+            constraints = interlaced.keep_whole_on_tp(graph, load_schedule(request.schedule), request.pp, constraints)
         constraints = _kept_whole(analysis, whole_params, constraints)
         if tp_plan is not None and (every_size_read or whole_params):   # the first plan's dry run failed
-            with fused_collectives(request.sequence_parallel):
+            with fused_collectives(request.sequence_parallel or chunks > 1):
                 tp_plan = search_axis(graph, "tp", tp, constraints, cluster.axis(1, tp), data_parallel=dp,
                                       micro_batches=_micro_batches(request), every_size_read=True)
     else:

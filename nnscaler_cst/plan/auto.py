@@ -4,8 +4,15 @@ The space: tensor parallel size tp (each op's split solved per tp by search.sear
 as the free search and as Megatron's sequence-parallel table), pipeline stages pp (blocks cut
 into contiguous stages the way plan/pipeline.py cuts them), data parallel dp = N / (tp pp),
 micro-batches per step, the ZeRO stage of the data-parallel state, and activation recompute
-per block. Every configuration is priced with the cost model (plan/cost.py) and the memory
-model per device (plan/memory.py) and the fastest one that fits the memory budget wins.
+per block; and the nnScaler paper's plans: co-shard (rules/plans/coshard.toml) with its factor C
+among those dividing the co-sharded ops' split dims per device, and the pipeline's schedule
+table (1f1b, interleaved virtual stages, Chimera's two pipelines, the interlaced vocabulary
+split; 3f1b alone where the trunk recycles). Every configuration is priced with the cost model
+(plan/cost.py) and the memory model per device (plan/memory.py) and the fastest one that fits
+the memory budget wins. Constraints prune the space before pricing (a dp dividing the batch,
+ZeRO only with dp, stages no more than blocks, micro-batches a schedule can order, a vocabulary
+the pipeline divides, a C dividing the heads, the smallest fitting C only): `space` counts
+the configurations without them.
 
 Two levels, as the splits do not depend on the rest: an op's split is chosen once per tp
 (and variant); a configuration's step is then arithmetic on per-block sums of what that split
@@ -15,7 +22,8 @@ The step of a configuration, per micro-batch of B / (dp M) samples on stage s:
   t_s = its ops' forward and backward (compute and tensor-parallel collectives: bandwidth terms
         scale with the micro-batch, latency and per-call overheads do not)
         + with recompute, its blocks' forward again + its sends to the next and previous stage
-  step = sum_s t_s + (M - 1) max_s t_s                      (1F1B: fill, steady state, drain)
+  step = sum_s t_s + (M - 1) max_s t_s                      (1F1B: fill, steady state, drain;
+                                                             other schedules: _stage_times)
          (a trunk run in a recycling loop pipelines under 3F1B: t_s holds every pass, the
          no-gradient ones as forwards alone, and the same formula prices it)
          + max_s (gradient sync over dp and of partial tensor-parallel gradients + optimizer)
@@ -54,22 +62,33 @@ class Config:
     zero: int = 0
     recompute: bool = False
     sequence_parallel: bool = False
-    # the pipeline's order: 3f1b where the forward runs the trunk several times (recycling)
+    # the pipeline's schedule table (rules/plans): 1f1b, interleaved, chimera, interlaced; 3f1b where
+    # the forward runs the trunk several times (recycling)
     schedule: str = "1f1b"
+    coshard: int = 1                    # C: pieces per device of the co-sharded ops (rules/plans/coshard.toml)
 
     def describe(self) -> str:
         parts = [f"tp={self.tp}", f"dp={self.dp}", f"pp={self.pp}"]
         if self.pp > 1:
             parts.append(f"micro-batches={self.micro_batches}")
             parts += [f"schedule={self.schedule}"] if self.schedule != "1f1b" else []
+        parts += [f"co-shard={self.coshard}"] if self.coshard > 1 else []
         parts += [f"zero={self.zero}"] if self.zero else []
         parts += ["recompute"] if self.recompute else []
         parts += ["sequence-parallel"] if self.sequence_parallel else []
         return " ".join(parts)
 
+    @property
+    def kind(self) -> str:
+        """The plan's kind, as `plan` groups them: co-shard, a pipeline by its schedule, or neither."""
+        if self.coshard > 1:
+            return "co-shard"
+        return self.schedule if self.pp > 1 else "tp x dp"
+
     def features(self) -> tuple:
         """Tie-break among equally fast plans: the one with less machinery."""
-        return (self.pp, self.zero, self.recompute, self.sequence_parallel, self.tp, self.micro_batches)
+        return (self.pp, self.schedule not in ("1f1b", "3f1b"), self.coshard, self.zero, self.recompute,
+                self.sequence_parallel, self.tp, self.micro_batches)
 
 
 @dataclass
@@ -89,8 +108,9 @@ class AutoChoice:
     best: Estimate
     tp_plan: AxisPlan | None
     candidates: list[Estimate]                # the best feasible estimate per (tp, pp), and refusals
-    evaluated: int                            # configurations priced
+    evaluated: int                            # configurations priced: what the constraints leave of the space
     budget: float
+    space: int = 0                            # configurations without the constraints (_space_size)
 
     @property
     def config(self) -> Config:
@@ -206,6 +226,11 @@ class _Regions:
     saved: list[float]
     params: list[dict[str, float]]
     partial_seconds: list[float]        # all-reduce of partial tensor-parallel weight gradients, per step
+    # interlaced: the vocabulary ops, apart from their regions; every pipeline rank runs 1/pp of them
+    # (bw, fx, saved, {param: elements}) and all-reduces each call's hidden state over the pipeline
+    shared: tuple = field(default_factory=lambda: (0.0, 0.0, 0.0, {}))
+    shared_hidden: list[float] = field(default_factory=list)     # bytes, per vocabulary call
+    held_once: float = 0.0              # co-shard: bytes one piece of one block's regions holds while it runs
 
 
 def _split_devices(device: DeviceSpec) -> tuple[DeviceSpec, DeviceSpec]:
@@ -266,7 +291,9 @@ def _node_facts(graph: Graph) -> list[_NodeFacts]:
     return cache["node_facts"]
 
 
-def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, device: DeviceSpec) -> _Regions:
+def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, device: DeviceSpec,
+             apart: frozenset[int] = frozenset()) -> _Regions:
+    """`apart`: ops priced into `shared`, not their region (interlaced: the vocabulary ops)."""
     trace = graph.trace
     tensors = trace.tensors
     count = blocks.count + 2
@@ -322,6 +349,14 @@ def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, de
         costs = priced.get(key)
         if costs is None:
             costs = priced[key] = price(node, fact, label, ways)
+        if index in apart:
+            shared_bw, shared_fx, shared_saved, shared_params = out.shared
+            for param, elements in fact.params:
+                layout = layouts.get(param)
+                shared_params[param] = elements / (n if layout is not None and layout.kind == "S" else 1)
+            out.shared = (shared_bw + costs[0], shared_fx + costs[1], shared_saved + fact.saved / ways, shared_params)
+            out.shared_hidden.append(_hidden_bytes(node, trace))
+            continue
         bw[region] += costs[0]
         fx[region] += costs[1]
         # recompute reruns a block for its backward: a no_grad recycling pass is never rerun (masks
@@ -343,6 +378,9 @@ def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, de
         region = blocks.region[u]
         out.bw[region] += conversion_time(steps, tensors[loss].nbytes, n, bw_dev)
         out.fx[region] += conversion_time(steps, tensors[loss].nbytes, n, fx_dev)
+    for held in out.params:             # a parameter the vocabulary ops share is theirs (tied weights)
+        for param in out.shared[3]:
+            held.pop(param, None)
     if tp_plan is not None:
         first_use = {}
         for node, fact in zip(graph.nodes, facts):
@@ -352,6 +390,61 @@ def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, de
             out.partial_seconds[first_use.get(name, 0)] += all_reduce_time(
                 tensors[trace.params[name].tid].nbytes, n, device)
     return out
+
+
+def _hidden_bytes(node, trace) -> float:
+    """What a vocabulary-split call all-reduces over the pipeline: its hidden state, the smallest
+    non-parameter tensor it reads or makes (the embedding's output, the head's input)."""
+    tensors = trace.tensors
+    sizes = [tensors[t].nbytes for t in (*node.inputs, *node.outputs)
+             if tensors[t].param is None and len(tensors[t].shape) > 1]
+    return float(min(sizes, default=0))
+
+
+def _coshard_regions(graph: Graph, blocks: _Blocks, cost: _Regions, plan: AxisPlan, anchors: set[int], chunks: int,
+                     n: int, device: DeviceSpec) -> _Regions:
+    """`cost` with the ops of the co-shard table's regions co-sharded C ways (plan/coshard.py): what
+    they keep for backward freed, one piece of one block's regions held while it runs, and their
+    forward run again in backward. A UserError where C does not cut them."""
+    from ..materialize.edits import plan_edits
+    from .coshard import region_bytes
+    # the regions (which statements run piece by piece) do not depend on C once C divides the
+    # co-sharded dims (coshard_factors): cut once per split, at the first C tried
+    found = plan.__dict__.setdefault("_coshard_regions", {})
+    if not found:
+        marked = {i: chunks for i in anchors if plan.node_choice.get(i, REPLICATE) != REPLICATE}
+        if not marked:
+            raise UserError(f"nothing to co-shard {chunks} ways: the ops the plan co-shards stay whole")
+        try:
+            found["regions"] = plan_edits(graph, replace(plan.choices, chunks=marked)).regions
+        except UserError as exc:
+            found["error"] = exc
+    if "error" in found:
+        raise found["error"]
+    regions = found["regions"]
+    _, peak = region_bytes(graph, regions, n)
+    out = replace(cost, bw=list(cost.bw), fx=list(cost.fx), saved=list(cost.saved), held_once=peak / chunks)
+    bw_dev, fx_dev = _split_devices(device)
+    for index in sorted({i for region in regions for i in region.nodes}):
+        node, region = graph.nodes[index], blocks.region[index]
+        ways = n if plan.node_choice.get(index, REPLICATE) != REPLICATE else 1
+        out.saved[region] -= saved_bytes(node, graph.trace) / ways
+        for column, dev in ((out.bw, bw_dev), (out.fx, fx_dev)):
+            column[region] += node_time(node, graph.dims.get(index), graph.trace, dev, ways,
+                                        dims_of=graph.dims.get, forward_only=True)
+    return out
+
+
+def coshard_factors(graph: Graph, plan: AxisPlan, anchors: set[int], n: int) -> list[int]:
+    """The C > 1 that could cut the co-sharded ops: those dividing each one's split size per device
+    (the heads), up to plan/coshard.py's MAX_PIECES."""
+    from .coshard import MAX_PIECES
+    sizes = [graph.dims[i].sizes().get(plan.node_choice[i]) for i in anchors
+             if plan.node_choice.get(i, REPLICATE) != REPLICATE and i in graph.dims]
+    if not sizes or any(s is None for s in sizes):
+        return []
+    per_device = math.gcd(*sizes) // n
+    return [c for c in range(2, min(per_device, MAX_PIECES) + 1) if per_device % c == 0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,6 +464,14 @@ class _Fixed:
     zero: int | None = None
     recompute: bool | None = None
     sequence_parallel: bool | None = None
+    schedule: str | None = None
+
+
+# The pipeline schedules searched for a trunk the forward runs once (rules/plans/*.toml); a trunk
+# run in a recycling loop pipelines under 3f1b alone
+SCHEDULES = ("1f1b", "interleaved", "chimera", "interlaced")
+COSHARD = "coshard"                 # the tensor-parallel variant whose table co-shards the attention core
+INTERLACED = "interlaced"           # ... whose vocabulary ops stay whole on tp (split over the pipeline)
 
 
 def search_auto(graph: Graph, devices: int, cluster: ClusterSpec, constraints: list[Constraint],
@@ -384,8 +485,25 @@ def search_auto(graph: Graph, devices: int, cluster: ClusterSpec, constraints: l
     mixing = batch_split_problem(graph, "data parallel")
     blocks = _blocks(graph)
     solved: dict[tuple[int, str, int], AxisPlan | UserError | None] = {}
-    regions: dict[tuple[int, str, int], _Regions] = {}
+    regions: dict[tuple, _Regions | UserError] = {}
     tables: dict[str, list[Constraint]] = {}
+    anchors: set[int] = set()
+    vocab: list = []                   # interlaced: the vocabulary calls, or why there are none
+
+    def table_of(variant: str) -> list[Constraint]:
+        if variant not in tables:
+            if variant == "auto":
+                tables[variant] = []
+            elif variant == INTERLACED:
+                from . import interlaced
+                from .schedules import load_schedule
+                tables[variant] = interlaced.keep_whole_on_tp(graph, load_schedule(INTERLACED), 1, [])
+            else:
+                tables[variant] = load_table(variant).for_axis("tp")
+                if variant == COSHARD:
+                    from .tables import chunks_for
+                    anchors.update(i for i in range(len(graph.nodes)) if chunks_for(tables[variant], graph, i) != 1)
+        return tables[variant]
 
     # The split of each tp is solved for the batch sliced devices / tp ways (data parallelism
     # alone); the objective scales with the slicing, so the same split is the cheapest for any
@@ -398,20 +516,41 @@ def search_auto(graph: Graph, devices: int, cluster: ClusterSpec, constraints: l
                 solved[key] = None
             else:
                 try:
-                    if variant not in tables:
-                        tables[variant] = [] if variant == "auto" else load_table(variant).for_axis("tp")
-                    table = tables[variant]
-                    with fused_collectives(variant == "sequence_parallel"):
+                    table = table_of(variant)
+                    fused = variant != "auto" and variant != INTERLACED and load_table(variant).fused_collectives
+                    with fused_collectives(fused):
                         solved[key] = search_axis(graph, "tp", tp, table + constraints, cluster.axis(1, tp),
                                                   data_parallel=slices, explain=False)
                 except UserError as exc:
                     solved[key] = exc
         return solved[key]
 
-    def priced(tp: int, variant: str, slices: int) -> _Regions:
-        key = (tp, variant, slices)
+    def vocab_nodes() -> frozenset[int] | UserError:
+        if not vocab:
+            from . import interlaced
+            from .pipeline import cut_blocks
+            from .schedules import load_schedule
+            try:
+                table = load_schedule(INTERLACED)
+                modules, _ = interlaced.vocab_modules(graph, cut_blocks(graph), 1, table.vocab, table.location)
+                vocab.append(frozenset(n.index for n in interlaced.vocab_calls(graph, modules)))
+            except UserError as exc:
+                vocab.append(exc)
+        return vocab[0]
+
+    def priced(tp: int, variant: str, slices: int, chunks: int = 1) -> _Regions | UserError:
+        key = (tp, variant, slices, chunks)
         if key not in regions:
-            regions[key] = _regions(graph, blocks, solved[key], tp, cluster.axis(1, tp))
+            if chunks > 1:
+                base = priced(tp, variant, slices)
+                try:
+                    regions[key] = _coshard_regions(graph, blocks, base, solved[(tp, variant, slices)], anchors,
+                                                    chunks, tp, cluster.axis(1, tp))
+                except UserError as exc:
+                    regions[key] = exc
+            else:
+                apart = vocab_nodes() if variant == INTERLACED else frozenset()
+                regions[key] = _regions(graph, blocks, solved[(tp, variant, slices)], tp, cluster.axis(1, tp), apart)
         return regions[key]
 
     estimates: list[Estimate] = []
@@ -419,41 +558,59 @@ def search_auto(graph: Graph, devices: int, cluster: ClusterSpec, constraints: l
     for tp in divisors(devices):
         for pp in divisors(devices // tp):
             dp = devices // (tp * pp)
-            order = "3f1b" if pp > 1 and blocks.passes > 1 else "1f1b"
-            config = Config(tp, dp, pp, schedule=order)
-            why = _refusal(config, batch, mixing, blocks, fixed)
-            if why:
-                estimates.append(Estimate(config, why_not=why))
-                continue
-            for variant in (["auto"] if tp == 1 else [v for v in variants if _variant_allowed(v, fixed)]):
-                base = math.gcd(devices // tp, batch)
-                plan = tp_plan(tp, variant, base)
-                if isinstance(plan, UserError):
-                    estimates.append(Estimate(replace(config, sequence_parallel=variant == "sequence_parallel"),
-                                              why_not=plan.message))
+            for order in _schedule_choices(pp, blocks, fixed):
+                config = Config(tp, dp, pp, schedule=order)
+                why = _refusal(config, batch, mixing, blocks, fixed)
+                if why is None and order == INTERLACED:
+                    why = _vocab_refusal(graph, vocab_nodes(), pp)
+                if why:
+                    estimates.append(Estimate(config, why_not=why))
                     continue
-                family = []
-                for micro in _micro_batch_choices(batch // dp, pp, fixed):
-                    if micro > 1 and mixing is not None:
+                for variant in _variants(tp, pp, order, fixed, variants):
+                    base = math.gcd(devices // tp, batch)
+                    if variant == COSHARD and not (table_of(COSHARD) and anchors):
+                        estimates.append(Estimate(replace(config, coshard=2), why_not="the co-shard table selects no "
+                                                  "op of this model (attention's softmax or sdpa)"))
                         continue
-                    slices = dp * micro
-                    key = (tp, variant, base)
-                    if plan is not None and not _valid_for(graph, plan, tp, slices):
-                        key = (tp, variant, batch)
-                        if isinstance(tp_plan(*key), UserError):
+                    plan = tp_plan(tp, variant, base)
+                    if isinstance(plan, UserError):
+                        estimates.append(Estimate(replace(config, sequence_parallel=variant == "sequence_parallel",
+                                                          coshard=2 if variant == COSHARD else 1), why_not=plan.message))
+                        continue
+                    family = []
+                    factors = coshard_factors(graph, plan, anchors, tp) if variant == COSHARD else [1]
+                    if not factors:
+                        estimates.append(Estimate(replace(config, coshard=2), why_not="no co-shard factor C > 1 "
+                                                  "divides the co-sharded ops' split dims per device"))
+                        continue
+                    for micro in _micro_batch_choices(batch // dp, pp, fixed):
+                        if micro > 1 and mixing is not None or _micro_problem(order, pp, micro):
                             continue
-                    cost = priced(*key)
-                    for zero in _zero_choices(dp, fixed):
-                        for recompute in _recompute_choices(blocks, fixed):
-                            evaluated += 1
-                            family.append(_estimate(Config(tp, dp, pp, micro, zero, recompute,
-                                                           variant == "sequence_parallel", order),
-                                                    cost, blocks, batch, cluster, budget))
-                feasible = [e for e in family if e.why_not is None]
-                if feasible:
-                    estimates.append(min(feasible, key=lambda e: (e.seconds, e.config.features())))
-                elif family:
-                    estimates.append(min(family, key=lambda e: (e.memory, e.seconds)))
+                        slices = dp * micro
+                        key = (tp, variant, base)
+                        if plan is not None and not _valid_for(graph, plan, tp, slices):
+                            key = (tp, variant, batch)
+                            if isinstance(tp_plan(*key), UserError):
+                                continue
+                        for zero in _zero_choices(dp, fixed, order):
+                            for recompute in _recompute_choices(blocks, fixed):
+                                # co-shard: the smallest C that fits (every C costs the same time)
+                                for chunks in factors:
+                                    cost = priced(*key, chunks)
+                                    if isinstance(cost, UserError):
+                                        continue
+                                    evaluated += 1
+                                    estimate = _estimate(Config(tp, dp, pp, micro, zero, recompute,
+                                                                variant == "sequence_parallel", order, chunks),
+                                                         cost, blocks, batch, cluster, budget)
+                                    family.append(estimate)
+                                    if estimate.why_not is None:
+                                        break
+                    feasible = [e for e in family if e.why_not is None]
+                    if feasible:
+                        estimates.append(min(feasible, key=lambda e: (e.seconds, e.config.features())))
+                    elif family:
+                        estimates.append(min(family, key=lambda e: (e.memory, e.seconds)))
     while True:
         feasible = [e for e in estimates if e.why_not is None]
         if not feasible:
@@ -463,34 +620,125 @@ def search_auto(graph: Graph, devices: int, cluster: ClusterSpec, constraints: l
                             "; ".join(f"{e.config.describe()}: {e.why_not}" for e in [*tried, *refused]),
                             hint="raise --memory-budget or use more devices")
         best = min(feasible, key=lambda e: (e.seconds, e.config.features()))
-        problem = _stages_problem(graph, best.config.pp)
+        problem = _stages_problem(graph, best.config.pp, best.config.schedule)
         if problem is None:
-            break
+            problem = _order_problem(best.config, blocks)
+            if problem is None:
+                break
+            best.why_not = problem      # this number of micro-batches only
+            continue
         for e in estimates:             # the rewrite could not cut the model so: no configuration with this pp
-            if e.config.pp == best.config.pp:
+            if (e.config.pp, e.config.schedule) == (best.config.pp, best.config.schedule):
                 e.why_not = problem
     chosen = best.config
-    variant = "sequence_parallel" if chosen.sequence_parallel else "auto"
+    variant = _variant_of(chosen)
     plan = solved.get((chosen.tp, variant, math.gcd(devices // chosen.tp, batch))) if chosen.tp > 1 else None
     if plan is not None and not _valid_for(graph, plan, chosen.tp, chosen.dp * chosen.micro_batches):
         plan = solved[(chosen.tp, variant, batch)]
-    return AutoChoice(best, plan, estimates, evaluated, budget)
+    return AutoChoice(best, plan, estimates, evaluated, budget,
+                      space=_space_size(devices, batch, blocks, variants))
 
 
-def _stages_problem(graph: Graph, pp: int) -> str | None:
-    """Why the rewrite would refuse to cut the model into `pp` stages (plan_stages' own checks:
-    module state set in code only some stages run, blocks the forward runs more than once)."""
+def _variant_of(config: Config) -> str:
+    if config.coshard > 1:
+        return COSHARD
+    if config.pp > 1 and config.schedule == INTERLACED:
+        return INTERLACED
+    return "sequence_parallel" if config.sequence_parallel else "auto"
+
+
+def _schedule_choices(pp: int, blocks: _Blocks, fixed: _Fixed) -> list[str]:
+    if pp == 1:
+        return ["1f1b"]
+    if blocks.passes > 1:
+        return ["3f1b"]
+    return [fixed.schedule] if fixed.schedule is not None else list(SCHEDULES)
+
+
+def _variants(tp: int, pp: int, order: str, fixed: _Fixed, variants: tuple[str, ...]) -> list[str]:
+    """How tensor parallelism is solved for this pipeline: the free search and sequence parallelism;
+    co-shard where the model runs in one stage; interlaced keeps its vocabulary ops whole on tp."""
+    if pp > 1 and order == INTERLACED:
+        return [INTERLACED] if fixed.sequence_parallel is not True else []
+    if tp == 1:
+        return ["auto"]
+    out = [v for v in variants if _variant_allowed(v, fixed)]
+    if pp == 1 and fixed.sequence_parallel is not True and "auto" in variants:
+        out.append(COSHARD)
+    return out
+
+
+def _micro_problem(order: str, pp: int, micro: int) -> bool:
+    """Whether the schedule cannot run `micro` micro-batches (plan/schedules.py `schedule`'s checks)."""
+    if order == "1f1b" or order == "3f1b" or order == INTERLACED:
+        return False
+    table = _table(order)
+    return (table.virtual_stages > 1 and table.pipelines == 1 and micro % pp != 0) or micro % table.pipelines != 0
+
+
+def _vocab_refusal(graph: Graph, vocab, pp: int) -> str | None:
+    """Why the interlaced pipeline cannot split this model's vocabulary over `pp` ranks."""
+    if isinstance(vocab, UserError):
+        return vocab.message
+    rows = {graph.trace.params[graph.trace.tensors[tid].param].shape[0]
+            for i in vocab for _, tid in graph.param_operands(i) if graph.trace.tensors[tid].param is not None}
+    bad = sorted(r for r in rows if r % pp)
+    return f"a vocabulary of {bad[0]} rows is not divisible by {pp} pipeline ranks" if bad else None
+
+
+def _space_size(devices: int, batch: int, blocks: _Blocks, variants: tuple[str, ...]) -> int:
+    """The configurations without any constraint: every (tp, pp, dp) of the devices, any micro-batch
+    count that divides the batch, each ZeRO stage, recompute or not, every tensor-parallel variant
+    with every co-shard factor up to MAX_PIECES, and every schedule (the recycling one too)."""
+    from .coshard import MAX_PIECES
+    splits = len(variants) + (MAX_PIECES - 1)          # free, sequence parallel, co-shard C = 2..64
+    micro = len(divisors(batch))
+    total = 0
+    for tp in divisors(devices):
+        for pp in divisors(devices // tp):
+            total += (micro * (len(SCHEDULES) + 1) if pp > 1 else 1) * 4 * 2 * splits
+    return total
+
+
+def _stages_problem(graph: Graph, pp: int, order: str = "1f1b") -> str | None:
+    """Why the rewrite would refuse to cut the model into `pp` stages under this schedule
+    (plan_stages' own checks: module state set in code only some stages run, blocks the forward
+    runs more than once)."""
     if pp == 1:
         return None
     cache = _search_cache(graph).setdefault("stage_problems", {})
-    if pp not in cache:
+    if (pp, order) not in cache:
         from .pipeline import plan_stages
+        from .schedules import placement
+        table = _table(order)
         try:
-            plan_stages(graph, pp, recycling=_blocks(graph).passes > 1)
-            cache[pp] = None
+            plan_stages(graph, pp, table.virtual_stages, placement=placement(table, pp),
+                        recycling=_blocks(graph).passes > 1)
+            cache[(pp, order)] = None
         except UserError as exc:
-            cache[pp] = exc.message
-    return cache[pp]
+            cache[(pp, order)] = exc.message
+    return cache[(pp, order)]
+
+
+_orders: dict = {}
+
+
+def _order_problem(config: Config, blocks: _Blocks) -> str | None:
+    """Why the schedule table cannot order this many micro-batches on these ranks (its z3 order
+    constraints unsatisfiable), checked for the tables whose orders interleave several stages per
+    rank or several pipelines (1F1B's constraints always have a solution)."""
+    table = _table(config.schedule)
+    if config.pp == 1 or (table.virtual_stages == 1 and table.pipelines == 1):
+        return None
+    key = (config.schedule, config.pp, config.micro_batches)
+    if key not in _orders:
+        from .schedules import schedule
+        try:
+            schedule(table, config.pp, config.micro_batches, blocks.passes)
+            _orders[key] = None
+        except UserError as exc:
+            _orders[key] = f"{exc.message} ({config.micro_batches} micro-batches)"
+    return _orders[key]
 
 
 def _variant_allowed(variant: str, fixed: _Fixed) -> bool:
@@ -513,8 +761,9 @@ def _refusal(config: Config, batch: int, mixing, blocks: _Blocks, fixed: _Fixed)
     if config.pp > 1:
         if blocks.why_no_blocks:
             return blocks.why_no_blocks
-        if blocks.count < config.pp:
-            return f"{blocks.count} blocks cannot fill {config.pp} pipeline stages"
+        stages = config.pp * _table(config.schedule).virtual_stages // _table(config.schedule).pipelines
+        if blocks.count < stages:
+            return f"{blocks.count} blocks cannot fill {stages} pipeline stages"
     return None
 
 
@@ -526,10 +775,23 @@ def _micro_batch_choices(local_batch: int, pp: int, fixed: _Fixed) -> list[int]:
     return divisors(local_batch)
 
 
-def _zero_choices(dp: int, fixed: _Fixed) -> list[int]:
+def _zero_choices(dp: int, fixed: _Fixed, order: str = "1f1b") -> list[int]:
+    if _table(order).pipelines > 1:     # replicated pipelines shard no state (plan/zero.py check_zero)
+        return [0] if not fixed.zero else []
     if fixed.zero is not None:
         return [fixed.zero]
     return [0, 1, 2, 3] if dp > 1 else [0]
+
+
+_schedule_tables: dict = {}
+
+
+def _table(order: str):
+    """A schedule table by name, read once per process."""
+    if order not in _schedule_tables:
+        from .schedules import load_schedule
+        _schedule_tables[order] = load_schedule(order)
+    return _schedule_tables[order]
 
 
 def _recompute_choices(blocks: _Blocks, fixed: _Fixed) -> list[bool]:
@@ -560,7 +822,8 @@ def _batch_sizes(graph: Graph) -> dict[int, tuple[str, int | None]]:
 
 @dataclass
 class _Stages:
-    """Per pipeline stage, sums over its regions (see _Regions), one list entry per stage."""
+    """Per model stage (of one pipeline: D·V/P of them), sums over its regions (see _Regions), one
+    list entry per stage; interlaced's shared vocabulary ops in equal parts on every stage."""
 
     bw: list[float]
     fx: list[float]
@@ -571,8 +834,8 @@ class _Stages:
     blocks: list[int]
     params: list[int]                   # elements one device holds
     partial_seconds: list[float]
+    outside_params: list[float]         # of those, outside the blocks (ZeRO's root unit)
     sends: list[int]                    # hand-offs per micro-batch: to the next stage and back to the previous
-    after: list[int]                    # stages after this one: 1F1B keeps min(this + 1, M) micro-batches
 
 
 def _stages(cost: _Regions, blocks: _Blocks, pp: int) -> _Stages:
@@ -585,53 +848,73 @@ def _stages(cost: _Regions, blocks: _Blocks, pp: int) -> _Stages:
     else:
         layout = [(([0] if s == 0 else []) + list(range(a + 1, b + 1)) + ([last] if s == pp - 1 else []), b - a)
                   for s, (a, b) in enumerate(_stage_ranges(blocks, pp))]
+    shared_bw, shared_fx, shared_saved, shared_params = cost.shared
+    shared_held = sum(shared_params.values()) / pp
     rows = []
     for regions, count in layout:
         inside = [r for r in regions if 0 < r < last]
         params: dict[str, float] = {}
+        outside: dict[str, float] = {}
         for r in regions:
             params.update(cost.params[r])
-        rows.append((sum(cost.bw[r] for r in regions), sum(cost.fx[r] for r in regions),
+            if not 0 < r < last:
+                outside.update(cost.params[r])
+        rows.append((sum(cost.bw[r] for r in regions) + shared_bw / pp, sum(cost.fx[r] for r in regions) + shared_fx / pp,
                      sum(cost.forward_bw[r] for r in inside), sum(cost.forward_fx[r] for r in inside),
-                     sum(cost.saved[r] for r in regions), sum(cost.saved[r] for r in regions if not 0 < r < last),
-                     count, int(round(sum(params.values()))), sum(cost.partial_seconds[r] for r in regions)))
+                     sum(cost.saved[r] for r in regions) + shared_saved / pp,
+                     sum(cost.saved[r] for r in regions if not 0 < r < last) + shared_saved / pp,
+                     count, int(round(sum(params.values()) + shared_held)), sum(cost.partial_seconds[r] for r in regions),
+                     sum(outside.values()) + shared_held))
     columns = [list(c) for c in zip(*rows)]
-    cache[pp] = _Stages(*columns, sends=[int(s < pp - 1) + int(s > 0) for s in range(pp)],
-                        after=[pp - s for s in range(pp)])
+    cache[pp] = _Stages(*columns, sends=[int(s < pp - 1) + int(s > 0) for s in range(pp)])
     return cache[pp]
+
+
+_placements: dict = {}
+
+
+def _ranks(order: str, pp: int) -> tuple[list[list[int]], int]:
+    """Per pipeline rank, the model stages it runs in its schedule order (op-assign of the table,
+    plan/schedules.py `placement`), and the stages of one pipeline."""
+    key = (order, pp)
+    if key not in _placements:
+        from .schedules import placement
+        table = _table(order)
+        place = placement(table, pp) if pp > 1 else None
+        length = place.length if place else 1
+        _placements[key] = ([[v % length for v in place.stages_of(r)] for r in range(pp)] if place else [[0]], length)
+    return _placements[key]
 
 
 def _estimate(config: Config, cost: _Regions, blocks: _Blocks, batch: int, cluster: ClusterSpec,
               budget: float) -> Estimate:
     """The step time and peak memory per device of one configuration (the module docstring's
-    formulas; the memory is plan/memory.py's device_memory, per stage at once).
+    formulas; the memory is plan/memory.py's device_memory, per pipeline rank at once).
 
-    The search prices every (micro-batches, ZeRO, recompute) of a (tp, pp, dp): the per-stage
+    The search prices every (micro-batches, ZeRO, recompute) of a (tp, pp, dp): the per-rank
     time depends on the micro-batches and recompute only, the gradient sync and the state on
     ZeRO only, so each part is computed once and kept on `cost` (the same floating-point
     operations in the same order as pricing each configuration from scratch: same figures)."""
-    dp, pp, micro, zero = config.dp, config.pp, config.micro_batches, config.zero
+    dp, pp, micro, zero, order = config.dp, config.pp, config.micro_batches, config.zero, config.schedule
     parts = cost.__dict__.setdefault("_parts", {})
-    timed = parts.get(("time", pp, dp, micro, config.recompute))
+    timed = parts.get(("time", pp, dp, micro, config.recompute, order))
     if timed is None:
-        timed = parts[("time", pp, dp, micro, config.recompute)] = _stage_times(config, cost, blocks, cluster)
+        timed = parts[("time", pp, dp, micro, config.recompute, order)] = _stage_times(config, cost, blocks, cluster)
     stage_seconds, activations, pipeline = timed
-    synced = parts.get(("sync", pp, dp, zero))
+    synced = parts.get(("sync", pp, dp, zero, order))
     if synced is None:
-        synced = parts[("sync", pp, dp, zero)] = _stage_state(config, cost, blocks, cluster)
-    state, sync_most, hidden = synced
+        synced = parts[("sync", pp, dp, zero, order)] = _stage_state(config, cost, blocks, cluster)
+    state, sync_most, hidden, roots, with_blocks = synced
+    fraction = 1.0 / (dp * micro)
+    memory = [s + a for s, a in zip(state, activations)]
     if config.recompute:
-        block_saved = _block_maxima(cost, blocks)[0]
-        fraction = 1.0 / (dp * micro)
-        recomputed = fraction * block_saved
-        memory = [s + a + recomputed if n > 0 else s + a
-                  for s, a, n in zip(state, activations, _stages(cost, blocks, pp).blocks)]
-    else:
-        memory = [s + a for s, a in zip(state, activations)]
+        recomputed = fraction * _block_maxima(cost, blocks)[0]
+        memory = [m + recomputed if n else m for m, n in zip(memory, with_blocks)]
+    if cost.held_once:                  # co-shard: one piece of one block's regions while it runs
+        memory = [m + fraction * cost.held_once for m in memory]
     if zero >= 2:
         block = int(_block_maxima(cost, blocks)[1])
-        memory = [m + sum(units_in_flight(zero, root, block))
-                  for m, root in zip(memory, _outside_blocks(cost, blocks, pp))]
+        memory = [m + sum(units_in_flight(zero, root, block)) for m, root in zip(memory, roots)]
     stage_memory = [float(m) for m in memory]
     if pp == 1 and cluster.overlap:     # one backward a step: the output issues these from its hooks
         sync_most -= min(hidden, pipeline)
@@ -640,19 +923,6 @@ def _estimate(config: Config, cost: _Regions, blocks: _Blocks, batch: int, clust
     if estimate.memory > budget:
         estimate.why_not = f"needs {format_bytes(estimate.memory)} per device, budget {format_bytes(budget)}"
     return estimate
-
-
-def _outside_blocks(cost: _Regions, blocks: _Blocks, pp: int) -> list[float]:
-    """Per pipeline stage, the parameter elements one device holds outside the blocks (the
-    prologue on the first stage, the epilogue on the last): ZeRO's root unit."""
-    last = blocks.count + 1
-    out = []
-    for s in range(pp):
-        params: dict[str, float] = {}
-        for r in ([0] if s == 0 else []) + ([last] if s == pp - 1 else []):
-            params.update(cost.params[r])
-        out.append(sum(params.values()))
-    return out
 
 
 def _block_maxima(cost: _Regions, blocks: _Blocks) -> tuple[float, float]:
@@ -666,40 +936,90 @@ def _block_maxima(cost: _Regions, blocks: _Blocks) -> tuple[float, float]:
 
 
 def _stage_times(config: Config, cost: _Regions, blocks: _Blocks, cluster: ClusterSpec):
-    """Per stage, seconds per micro-batch and the activations it keeps (bytes), and the pipeline's
-    seconds: what depends on (pp, dp, micro-batches, recompute) alone."""
+    """Per pipeline rank, seconds per micro-batch and the activations it keeps (bytes), and the
+    pipeline's seconds: what depends on (pp, dp, micro-batches, recompute, schedule) alone.
+
+    Model stage s takes t_s per micro-batch (forward and backward). A rank's T_r is its stages'
+    t_s over the P pipelines; the step is M max_r T_r plus the fill and drain:
+      one stage per rank (1F1B, interlaced, 3F1B)  sum_s t_s - max_s t_s        (exact for 1F1B)
+      V stages per rank (interleaved)             (D - 1) max_s t_s             (t_s: a 1/V chunk)
+      P pipelines (Chimera, P = 2)                (D - P) / P max_s t_s         (its bubble formula)
+    Activations: stage s of a pipeline keeps min(D·V/P - s, M/P) micro-batches (1F1B's warm-up);
+    interleaved keeps the forwards its table's warm-up W runs before the first backward, W + 1
+    chunks of 1/V of the rank's stages. Interlaced: each rank runs 1/D of the vocabulary ops and
+    all-reduces each call's hidden state over the pipeline (the analytic price of the shares, as
+    the paper schedules them: no rank waits in another's step)."""
     tp, dp, pp, micro = config.tp, config.dp, config.pp, config.micro_batches
+    table = _table(config.schedule)
+    V, P = (table.virtual_stages, table.pipelines) if pp > 1 else (1, 1)
+    ranks, length = _ranks(config.schedule, pp)
     fraction = 1.0 / (dp * micro)                 # of the traced batch, per micro-batch
     pp_link = _link(cluster, tp * dp, pp)
     hidden = blocks.input_bytes / (tp if config.sequence_parallel else 1)
-    st = _stages(cost, blocks, pp)
+    st = _stages(cost, blocks, length)
     hand_off = pp_link.latency + fraction * hidden / pp_link.bandwidth if pp > 1 else 0.0
-    stage_seconds, activations = [], []
-    for s in range(pp):
-        seconds = fraction * st.bw[s] + st.fx[s]
+    shares = sum(all_reduce_time(fraction * h, pp, pp_link) for h in cost.shared_hidden) if pp > 1 else 0.0
+    chunk, kept = [], []
+    for s in range(length):
+        seconds = fraction * st.bw[s] + st.fx[s] + shares
         if config.recompute:
             seconds += fraction * st.forward_bw[s] + st.forward_fx[s]
             saved = st.saved_outside_blocks[s] + st.blocks[s] * hidden
         else:
             saved = st.saved[s]
         seconds += st.sends[s] * hand_off        # one send each way per neighbour, per micro-batch
-        stage_seconds.append(seconds)
-        activations.append(fraction * saved * min(st.after[s], micro))
-    pipeline = sum(stage_seconds) + (micro - 1) * max(stage_seconds)
+        chunk.append(seconds)
+        kept.append(fraction * saved)
+    stage_seconds, pipeline = pipeline_seconds(config.schedule, pp, micro, chunk)
+    if V == 1 and P == 1:
+        activations = [kept[s] * min(pp - s, micro) for s in range(pp)]
+    elif P == 1:
+        from .schedules import evaluate
+        K = V * micro
+        activations = []
+        for r, mine in enumerate(ranks):
+            warmup = evaluate(table.warmup, {"i": r, "D": pp, "M": micro, "V": V, "P": P, "K": K, "N": 1},
+                              table.location)
+            activations.append(sum(kept[m] for m in mine) / V * min(warmup + 1, K))
+    else:
+        activations = [sum(kept[m] * min(length - m, micro // P) for m in mine) for mine in ranks]
     return stage_seconds, activations, pipeline
 
 
+def pipeline_seconds(order: str, pp: int, micro: int, chunk: list[float]) -> tuple[list[float], float]:
+    """Per rank the seconds per micro-batch, and the step, of `micro` micro-batches through model
+    stages taking `chunk[s]` each (forward and backward), ordered by the schedule table `order` on
+    `pp` ranks (the formulas of _stage_times' docstring)."""
+    table = _table(order)
+    V, P = (table.virtual_stages, table.pipelines) if pp > 1 else (1, 1)
+    ranks, _ = _ranks(order, pp)
+    stage_seconds = [sum(chunk[m] for m in mine) / P for mine in ranks]
+    if V == 1 and P == 1:
+        return stage_seconds, sum(chunk) + (micro - 1) * max(chunk)
+    if P == 1:
+        return stage_seconds, micro * max(stage_seconds) + (pp - 1) * max(chunk)
+    return stage_seconds, micro * max(stage_seconds) + (pp - P) / P * max(chunk)
+
+
 def _stage_state(config: Config, cost: _Regions, blocks: _Blocks, cluster: ClusterSpec):
-    """Per stage, the bytes of parameters, gradients and optimizer state one device holds, and the
-    slowest stage's gradient sync and optimizer step: what depends on (pp, dp, ZeRO) alone."""
+    """Per pipeline rank, the bytes of parameters, gradients and optimizer state one device holds,
+    the slowest rank's gradient sync and optimizer step, the sync the output hides, each rank's
+    parameters outside the blocks (ZeRO's root unit), and whether it runs blocks: what depends
+    on (pp, dp, ZeRO, schedule) alone. Replicated pipelines (Chimera) also sum the gradients of
+    the two copies of a model stage over the pipeline."""
     tp, dp, pp, zero = config.tp, config.dp, config.pp, config.zero
     device, dp_link = _link(cluster, 1, tp), _link(cluster, tp, dp)
-    st = _stages(cost, blocks, pp)
-    states, sync_most, hidden = [], 0.0, 0.0
-    for s in range(pp):
-        params = st.params[s]
+    pp_link = _link(cluster, tp * dp, pp)
+    ranks, length = _ranks(config.schedule, pp)
+    copies = _table(config.schedule).pipelines if pp > 1 else 1
+    st = _stages(cost, blocks, length)
+    states, sync_most, hidden, roots, with_blocks = [], 0.0, 0.0, [], []
+    for mine in ranks:
+        held = sorted(set(mine))
+        params = sum(st.params[m] for m in held)
         grads = params * 4.0
-        sync = st.partial_seconds[s]
+        sync = sum(st.partial_seconds[m] for m in held)
+        sync += sum(all_reduce_time(st.params[m] * 4.0, copies, pp_link) for m in held if mine.count(m) < copies)
         if dp > 1:
             spread = (dp - 1) / dp * grads / dp_link.bandwidth
             if zero:                              # reduce-scatter of gradients, all-gather of parameters
@@ -716,7 +1036,9 @@ def _stage_state(config: Config, cost: _Regions, blocks: _Blocks, cluster: Clust
         sync += params / (dp if zero else 1) * device.seconds_per_param
         states.append(state_bytes_per_device(params, zero, dp).total)
         sync_most = max(sync_most, sync)
-    return states, sync_most, hidden
+        roots.append(sum(st.outside_params[m] for m in held))
+        with_blocks.append(any(st.blocks[m] for m in held))
+    return states, sync_most, hidden, roots, with_blocks
 
 
 _links: dict = {}
@@ -734,14 +1056,30 @@ def _link(cluster: ClusterSpec, stride: int, size: int) -> DeviceSpec:
 def estimate_config(graph: Graph, config: Config, cluster: ClusterSpec, constraints: list[Constraint],
                     memory_budget: float | None = None, *, table: str | None = None) -> Estimate:
     """One configuration priced the way the search prices it, with the tensor-parallel split solved
-    under `table` (None: the free search; "megatron", "sequence_parallel": those tables)."""
+    under `table` (None: the free search; "megatron", "sequence_parallel": those tables; a co-shard
+    configuration solves the coshard table, an interlaced one keeps the vocabulary whole on tp)."""
     budget = memory_budget if memory_budget is not None else cluster.memory
     blocks = _blocks(graph)
+    variant = _variant_of(config)
+    table = COSHARD if variant == COSHARD else table
+    apart: frozenset[int] = frozenset()
+    rules = load_table(table).for_axis("tp") if table else []
+    if variant == INTERLACED:
+        from . import interlaced
+        from .pipeline import cut_blocks
+        schedule = _table(INTERLACED)
+        modules, _ = interlaced.vocab_modules(graph, cut_blocks(graph), config.pp, schedule.vocab, schedule.location)
+        apart = frozenset(n.index for n in interlaced.vocab_calls(graph, modules))
+        rules = interlaced.keep_whole_on_tp(graph, schedule, config.pp, rules)
     plan = None
     if config.tp > 1:
-        rules = load_table(table).for_axis("tp") if table else []
         with fused_collectives(bool(table) and load_table(table).fused_collectives):
             plan = search_axis(graph, "tp", config.tp, rules + constraints, cluster.axis(1, config.tp),
                                data_parallel=config.dp * config.micro_batches)
-    cost = _regions(graph, blocks, plan, config.tp, cluster.axis(1, config.tp))
+    cost = _regions(graph, blocks, plan, config.tp, cluster.axis(1, config.tp), apart)
+    if config.coshard > 1:
+        from .tables import chunks_for
+        anchors = {i for i in range(len(graph.nodes)) if chunks_for(rules, graph, i) != 1}
+        cost = _coshard_regions(graph, blocks, cost, plan, anchors, config.coshard, config.tp,
+                                cluster.axis(1, config.tp))
     return _estimate(config, cost, blocks, graph.trace.batch_size or 1, cluster, budget)

@@ -173,6 +173,18 @@ _ALLOWED = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Compare, ast.BoolOp, ast
 
 def evaluate(expression: str, env: dict[str, int], where: Location) -> int:
     """Integer arithmetic over the table's names (min/max, `a if c else b`); nothing else is evaluated."""
+    code = _compiled.get((expression, frozenset(env)))
+    if code is None:
+        code = _compile(expression, env, where)
+    return eval(code, {"__builtins__": {}, "min": min, "max": max}, dict(env))
+
+
+# an order's constraints evaluate the same few expressions for every step of every rank: each is
+# checked and compiled once per set of names
+_compiled: dict[tuple[str, frozenset], object] = {}
+
+
+def _compile(expression: str, env: dict[str, int], where: Location):
     try:
         tree = ast.parse(expression, mode="eval")
     except SyntaxError:
@@ -184,7 +196,8 @@ def evaluate(expression: str, env: dict[str, int], where: Location) -> int:
                             where)
         if isinstance(node, ast.Name) and node.id not in env and node.id not in ("min", "max"):
             raise UserError(f"{expression!r}: unknown name {node.id}", where, hint="names: " + ", ".join(env))
-    return eval(compile(tree, "<schedule>", "eval"), {"__builtins__": {}, "min": min, "max": max}, dict(env))
+    code = _compiled[(expression, frozenset(env))] = compile(tree, "<schedule>", "eval")
+    return code
 
 
 def _names(text: str) -> set[str]:

@@ -55,12 +55,15 @@ def search_json(plan: Plan) -> dict | None:
     def one(e) -> dict:
         c = e.config
         return {"tp": c.tp, "dp": c.dp, "pp": c.pp, "micro_batches": c.micro_batches, "zero": c.zero,
-                "recompute": c.recompute, "sequence_parallel": c.sequence_parallel,
+                "recompute": c.recompute, "sequence_parallel": c.sequence_parallel, "schedule": c.schedule,
+                "coshard": c.coshard, "kind": c.kind,
                 "seconds": e.seconds if e.why_not is None or e.memory < float("inf") else None,
                 "memory_bytes": e.memory if e.memory < float("inf") else None, "why_not": e.why_not}
     return {"chosen": {**one(auto.best), "stage_seconds": auto.best.stage_seconds,
                        "stage_memory_bytes": auto.best.stage_memory},
             "memory_budget_bytes": auto.budget, "configurations_priced": auto.evaluated,
+            "configurations_unconstrained": auto.space,
+            "best_of_each_kind": {kind: one(e) for kind, e in best_of_each_kind(auto).items()},
             "candidates": [one(e) for e in sorted(auto.candidates, key=lambda e: (e.why_not is not None, e.seconds))]}
 
 
@@ -76,16 +79,37 @@ def plan_json(graph: Graph, plan: Plan, tp_plan: AxisPlan | None, binding: list[
     return out
 
 
+def best_of_each_kind(auto) -> dict:
+    """The fastest fitting configuration of each kind of plan (tp x dp, co-shard, each pipeline
+    schedule); a kind with none that fits, its least-memory try or its refusal."""
+    kinds: dict = {}
+    for e in auto.candidates:
+        kept = kinds.get(e.config.kind)
+        rank = (e.why_not is not None, e.memory == float("inf"), e.seconds if e.why_not is None else e.memory)
+        if kept is None or rank < (kept.why_not is not None, kept.memory == float("inf"),
+                                   kept.seconds if kept.why_not is None else kept.memory):
+            kinds[e.config.kind] = e
+    return kinds
+
+
 def search_lines(plan: Plan, shown: int = 6) -> list[str]:
     """--plan auto in words: what was chosen, why, and the runners-up."""
     auto = plan.auto
     best = auto.best
     lines = [f"--plan auto chose {best.config.describe()}: est. step {best.seconds * 1e3:.1f} ms, "
              f"{_gib(best.memory)} per device at most (budget {_gib(auto.budget)}); "
-             f"{auto.evaluated} configurations priced"]
+             f"{auto.evaluated} configurations priced of {auto.space} without the constraints "
+             f"({auto.space / max(auto.evaluated, 1):.1f}x fewer)"]
     if best.config.pp > 1:
         lines.append("  per stage: " + ", ".join(f"{t * 1e3:.2f} ms/micro-batch {_gib(m)}"
                                                   for t, m in zip(best.stage_seconds, best.stage_memory)))
+    lines.append("  best of each kind:")
+    for kind, e in best_of_each_kind(auto).items():
+        cost = f"{e.seconds * 1e3:.1f} ms, {_gib(e.memory)}" if e.memory < float("inf") else "-"
+        mark = "chosen" if e.config == best.config else f"{e.seconds / best.seconds:.2f}x" if e.why_not is None else ""
+        lines.append(f"    {kind:<12} {e.config.describe()}: {cost}" + (f" {mark}" if mark else "")
+                     + (f" ({e.why_not})" if e.why_not else ""))
+    lines.append("  runners-up:")
     ranked = sorted((e for e in auto.candidates if e.config != best.config),
                     key=lambda e: (e.why_not is not None, e.seconds, e.memory))
     for e in ranked[:shown]:
