@@ -97,6 +97,8 @@ def test_the_root_unit_is_freed_while_the_blocks_run_unless_a_block_reads_it(sha
         assert loss == pytest.approx(expected.item(), abs=1e-6), k
     assert root_whole == ([True] * 6 if shared else [False, False, True, True, False, False]), root_whole
     assert shards.root_between is (not shared)
+    with torch.no_grad():       # a forward outside the step (evaluation): the hooks gather what it reads
+        assert model(tokens).item() == pytest.approx(reference(tokens).item(), abs=1e-6)
     state = model.state_dict()
     for key, value in reference.state_dict().items():
         assert torch.allclose(state[key], value, atol=1e-6), key

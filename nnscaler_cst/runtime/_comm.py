@@ -977,7 +977,7 @@ class ZeroShards:
             and len(self.units) > 2 else False
         self._reads: _RootReads | None = None
         self._saving = None             # saved_tensors_hooks of the forward: what autograd keeps of the root
-        if self.root_between is None:
+        if stage == 3 and self.root is not None:
             model.register_forward_pre_hook(lambda m, a: self._model_pre_forward())
             model.register_forward_hook(lambda m, a, out: self._model_post_forward())
         if stage == 3:
@@ -1111,7 +1111,10 @@ class ZeroShards:
     # -- the root unit between its uses (stage 3) -----------------------------------------------
 
     def _model_pre_forward(self) -> None:
-        if not self.root_between or _in_backward() or self._saving is not None:
+        if _in_backward():
+            return
+        self.gather(self.root)          # a forward outside forward_backward (evaluation) too
+        if not self.root_between or self._saving is not None:
             return
         self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._saving.__enter__()
