@@ -22,7 +22,10 @@ alike. The estimate is the planner's per-device memory for the same configuratio
 these figures.
 
 Modes: the generated code under `--dp 2`, `--dp 2 --zero 1|2|3`, `--tp 2`,
-`--pp 2 --micro-batches 2` (each stage), `--dp 2 --recompute`; and torch's own
+`--pp 2 --micro-batches 2` (each stage), `--dp 2 --recompute`; on the same model with 512 tokens
+(LONG: attention's scores and probabilities dominate, what co-shard is for) `--tp 2` and
+`--plan coshard --tp 2` (each block's attention core in C pieces per device, the C the planner
+chose by its memory estimate, `Plan.coshard_memory`, which is the figure compared); and torch's own
 DistributedDataParallel (defaults: 25 MB buckets) and FSDP2 (`fully_shard` on every block, then
 on the model) on the same model, weights and batches.
 
@@ -50,17 +53,23 @@ from _common import launch_ranks, load_file, load_package, revision  # noqa: E40
 from bench_tp_step import cli, fixture_config, machine, write_model_file  # noqa: E402
 
 MODEL = dict(block_size=64, vocab_size=16384, n_layer=48, n_head=6, n_embd=384, batch=2)
+# co-shard is for attention matrices that outweigh the rest: the same model on 512 tokens, where
+# each block's (2, 6, 512, 512) scores and probabilities are most of what a step keeps
+LONG = dict(MODEL, block_size=512)
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
-# mode: (CLI arguments of the rewrite, the planner's configuration)
+# mode: (CLI arguments of the rewrite, the planner's configuration (None: the co-shard plan's own
+# estimate, plan/coshard.py, which the planner chooses C by), the model: MODEL or LONG)
 GENERATED = {
-    "dp": ("--dp 2", dict(tp=1, dp=2)),
-    "zero1": ("--dp 2 --zero 1", dict(tp=1, dp=2, zero=1)),
-    "zero2": ("--dp 2 --zero 2", dict(tp=1, dp=2, zero=2)),
-    "zero3": ("--dp 2 --zero 3", dict(tp=1, dp=2, zero=3)),
-    "tp": ("--tp 2", dict(tp=2, dp=1)),
-    "pp": ("--pp 2 --micro-batches 2", dict(tp=1, dp=1, pp=2, micro_batches=2)),
-    "recompute": ("--dp 2 --recompute", dict(tp=1, dp=2, recompute=True)),
+    "dp": ("--dp 2", dict(tp=1, dp=2), "short"),
+    "zero1": ("--dp 2 --zero 1", dict(tp=1, dp=2, zero=1), "short"),
+    "zero2": ("--dp 2 --zero 2", dict(tp=1, dp=2, zero=2), "short"),
+    "zero3": ("--dp 2 --zero 3", dict(tp=1, dp=2, zero=3), "short"),
+    "tp": ("--tp 2", dict(tp=2, dp=1), "short"),
+    "pp": ("--pp 2 --micro-batches 2", dict(tp=1, dp=1, pp=2, micro_batches=2), "short"),
+    "recompute": ("--dp 2 --recompute", dict(tp=1, dp=2, recompute=True), "short"),
+    "tp_long": ("--tp 2", dict(tp=2, dp=1), "long"),
+    "coshard_long": ("--plan coshard --tp 2", None, "long"),
 }
 TORCH = ("ddp", "fsdp2")
 MODES = list(GENERATED) + list(TORCH)
@@ -205,15 +214,26 @@ def rewrite(model_file: Path, out_dir: Path, args: str) -> None:
         raise SystemExit(f"bench: rewrite {args} failed:\n{proc.stdout}\n{proc.stderr}")
 
 
-def estimates(model_file: Path, modes: list[str]) -> dict:
+def estimates(model_files: dict[str, Path], modes: list[str]) -> dict:
     """The planner's per-stage memory (bytes) for each generated mode."""
     from nnscaler_cst.analysis import analyze
     from nnscaler_cst.plan.auto import Config, estimate_config
     from nnscaler_cst.plan.cost import load_cluster
-    graph = analyze(model_file).graph
+    from nnscaler_cst.rewrite import PlanRequest, build_plan
     cluster = load_cluster("cpu-gloo")
-    return {m: estimate_config(graph, Config(**GENERATED[m][1]), cluster, [], float("inf")).stage_memory
-            for m in modes if m in GENERATED}
+    analyses, out = {}, {}
+    for m in modes:
+        if m not in GENERATED:
+            continue
+        args, config, model = GENERATED[m]
+        if model not in analyses:
+            analyses[model] = analyze(model_files[model])
+        if config is None:      # co-shard: the memory the plan chose C by
+            plan, _ = build_plan(analyses[model], PlanRequest(plan="coshard", tp=int(args.split()[-1])))
+            out[m] = [plan.coshard_memory]
+        else:
+            out[m] = estimate_config(analyses[model].graph, Config(**config), cluster, [], float("inf")).stage_memory
+    return out
 
 
 def launch(args: list[str], label: str) -> None:
@@ -241,7 +261,10 @@ def main() -> None:
     before = machine()
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
         tmp = Path(tmp)
-        model_file = write_model_file(tmp / "gpt_mem.py", MODEL)
+        LONG["n_layer"] = a.layers
+        model_files = {"short": write_model_file(tmp / "gpt_mem.py", MODEL),
+                       "long": write_model_file(tmp / "gpt_long.py", LONG)}
+        model_file = model_files["short"]
         write_model_file(tmp / "gpt_tiny.py", fixture_config())
         entry = load_file(model_file, "entry_driver")
         params = sum(p.numel() for p in entry.build().parameters())
@@ -249,12 +272,13 @@ def main() -> None:
         for m in modes:
             if m in GENERATED:
                 outs[m] = tmp / f"out_{m}"
-                rewrite(model_file, outs[m], GENERATED[m][0])
-        estimate = estimates(model_file, modes)
+                rewrite(model_files[GENERATED[m][2]], outs[m], GENERATED[m][0])
+        estimate = estimates(model_files, modes)
         measured, losses = {}, {}
         for m in modes:
             result = tmp / f"memory_{m}.json"
-            launch(["_memory", m, str(model_file), str(outs.get(m, "-")), str(a.steps), str(result)], m)
+            mfile = model_files[GENERATED[m][2]] if m in GENERATED else model_file
+            launch(["_memory", m, str(mfile), str(outs.get(m, "-")), str(a.steps), str(result)], m)
             run = json.loads(result.read_text())
             measured[m] = [r["peak_mb"] for r in sorted(run["ranks"], key=lambda r: r["rank"])]
             losses[m] = run["losses"]
@@ -280,7 +304,8 @@ def main() -> None:
 def report(params, measured, estimate, losses, timing, a, before, after) -> None:
     print(f"\nmachine: {before['cores']} cores ({before['cpu']}), torch {before['torch']}; 1-min load "
           f"{before['loadavg'][0]:.1f} before, {after['loadavg'][0]:.1f} after; revision {before['revision']}")
-    print(f"model: fixtures/gpt.py at {MODEL}, {params / 1e6:.1f} M parameters; {a.steps} steps per run\n")
+    print(f"model: fixtures/gpt.py at {MODEL}, {params / 1e6:.1f} M parameters; the *_long modes on "
+          f"{LONG['block_size']} tokens; {a.steps} steps per run\n")
     print("| mode | measured peak, MB (rank 0, rank 1) | estimate, MB | measured / estimate | losses |")
     print("|---|---|---|---|---|")
     for m, peaks in measured.items():

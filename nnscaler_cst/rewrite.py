@@ -253,6 +253,7 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
         plan.name += f"(C={coshard.chunks})"
         plan.estimated_step_seconds += coshard_repeated_forward(graph, coshard, tp, cluster.axis(1, tp))
         plan.coshard_stand_in = coshard.stand_in if tp_plan is None else None
+        plan.coshard_memory = coshard.memory
     if auto is not None:                # the search's estimate: pipeline, recompute and ZeRO priced together
         plan.estimated_step_seconds = auto.best.seconds
     keys = site_keys(graph)

@@ -51,6 +51,33 @@ def _plan(analysis, tp: int, budget: float | None = None):
 
 
 @pytest.mark.slow
+def test_the_plan_reports_the_memory_its_c_was_chosen_by(gpt_analysis, tmp_path):
+    """`plan`'s per-device memory under co-shard is the figure C was chosen by (less than the
+    same split without co-shard), the one benchmarks/bench_memory.py compares with a run."""
+    from nnscaler_cst.plan import coshard
+    from nnscaler_cst.rewrite import PlanRequest, build_plan
+
+    chosen = []
+    real = coshard.choose_chunks
+
+    def spy(*args, **kwargs):
+        chosen.append(real(*args, **kwargs))
+        return chosen[-1]
+
+    coshard.choose_chunks = spy
+    try:
+        plan = _plan(gpt_analysis, 2)
+    finally:
+        coshard.choose_chunks = real
+    plain, split = build_plan(gpt_analysis, PlanRequest(plan="megatron", tp=2))
+    assert plan.coshard_memory == chosen[0].memory < split.memory and plain.coshard_memory is None
+    out = cli("plan", GPT, "--plan", "coshard", "--tp", "2", "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    ranks = json.loads(out.stdout)["devices"]
+    assert [r["memory_bytes"] for r in ranks] == [chosen[0].memory] * 2, ranks
+
+
+@pytest.mark.slow
 def test_without_a_budget_c_is_2_and_with_a_tighter_one_the_smallest_c_that_fits(gpt_analysis):
     from nnscaler_cst.plan import coshard
     from nnscaler_cst.rewrite import PlanRequest, _choose_coshard, build_plan   # noqa: F401

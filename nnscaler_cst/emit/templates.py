@@ -654,7 +654,7 @@ def full_loss(loss):
 
 def single_device_names(model):
     \"\"\"{{this rank's parameter or buffer key: the single-device model's name of it}}.\"\"\"
-    keys = list(model.state_dict(keep_vars=True)) + [k for k, _ in model.named_parameters()]
+    keys = _comm.state_dict_keys(model) + [k for k, _ in model.named_parameters()]
     if PP_SIZE == 1:
         return {{key: key for key in keys}}
     module = rank_module(_comm.GLOBAL_RANK)
@@ -952,7 +952,9 @@ ZERO_HOOKS = {
     2: "reduce-scatter each unit's gradients as soon as the backward has produced\n    them, and drop them",
     3: "all-gather each block just before its forward and its backward (the next block's\n"
        "    gather issued ahead) and free it after, and reduce-scatter its gradients as the backward\n"
-       "    leaves it",
+       "    leaves it; they free the root unit while the blocks run (forward and backward) and gather it\n"
+       "    again for the head and where the backward unpacks it. model.state_dict() and load_state_dict()\n"
+       "    gather the whole parameters for the call (every data-parallel rank calls them)",
 }
 
 ZERO_WHAT = {
@@ -961,7 +963,8 @@ ZERO_WHAT = {
     3: "ZeRO-3: optimizer state, gradients and parameters sharded over the data-parallel ranks",
 }
 
-ZERO_GATHER = """    # ZeRO-3: the root unit (embedding, head) whole for the step; each block's hooks gather that block
+ZERO_GATHER = """    # ZeRO-3: the root unit (embedding, head) gathered for the embedding; the hooks free it while the
+    # blocks run and gather it again for the head and for the backward (ZeroShards), and gather each block
     _comm.all_gather_params(model.zero_shards, _comm.DP, units="root")
 """
 

@@ -45,6 +45,8 @@ class Plan:
     # co-shard with --tp 1: the C-way choices whose layouts say which dims the pieces cut
     # (plan/coshard.py); op_trans holds the co-sharded ops, this only the rest of the stand-in
     coshard_stand_in: Any = field(default=None, repr=False, compare=False)
+    # co-shard: bytes per device with the C chosen, the figure C was chosen by (plan/coshard.py)
+    coshard_memory: float | None = field(default=None, repr=False, compare=False)
     # --plan auto: the search's choice and the configurations it priced (plan/auto.py AutoChoice)
     auto: Any = field(default=None, repr=False, compare=False)
 

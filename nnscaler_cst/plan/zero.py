@@ -76,6 +76,7 @@ def units_in_flight(stage: int, root_params: float, block_params: float) -> tupl
     """(parameter bytes, gradient bytes) whole for a moment beyond the shards, at the peak: from
     stage 2 on the gradients of the root unit (embedding, head: whole until the backward's end)
     and of two blocks (one being reduce-scattered, the next produced); at stage 3 the parameters
-    of the same (the root unit, gathered for the step; a block running and the next prefetched)."""
+    of the same (the root unit, whole for the head where the backward starts and the activations
+    peak, though freed while the blocks run; a block running and the next prefetched)."""
     units = root_params + 2 * block_params
     return (units * PARAM_BYTES if stage == 3 else 0.0), (units * GRAD_BYTES if stage >= 2 else 0.0)

@@ -43,6 +43,8 @@ def _memory_of(plan: Plan, tp_plan: AxisPlan | None, rank: int) -> float | None:
     """A rank's memory per the model: under --plan auto its pipeline stage's, else the split's."""
     if plan.auto is not None:
         return plan.auto.best.stage_memory[plan.coords(rank).get("pp", 0)]
+    if plan.coshard_memory is not None:     # the split's, less what co-shard no longer keeps
+        return plan.coshard_memory
     return tp_plan.memory if tp_plan else None
 
 

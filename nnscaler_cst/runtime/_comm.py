@@ -62,6 +62,7 @@ __all__ = [
     "dp_batch_norm", "dp_functional_batch_norm", "dp_layers",
     "sync_grads", "GradBuckets", "overlap_grads", "wait_grad_buckets",
     "ZeroShards", "ZeroUnit", "zero_shards", "reduce_scatter_grads", "all_gather_params", "free_params",
+    "state_dict_keys",
     "keep_params", "gather_whole", "shard_of",
     "CheckpointChunks",
     "send_forward", "recv_forward", "send_backward", "recv_backward",
@@ -879,7 +880,13 @@ def wait_grad_buckets(buckets: GradBuckets, *, reduce_dtype: torch.dtype | None 
 #   3: as 2, and the parameters are whole only while they are used: a block is all-gathered just
 #      before its forward (the next block's gather issued ahead, asynchronously), freed after it,
 #      gathered again when the backward reaches it (the block before it prefetched), and freed
-#      once its gradients are reduce-scattered; the root unit is gathered for the whole step.
+#      once its gradients are reduce-scattered. The root unit is gathered at the step's start
+#      (before the embedding), freed while the blocks run forward, gathered again (issued as the
+#      last block starts) for what follows them (final norm, head), freed when the backward enters
+#      the blocks, and gathered when a backward op unpacks what autograd saved of it (the
+#      embedding's, a norm's before the blocks). That needs no block to read it: the first
+#      step's forward watches (``_RootReads``) and, if a block or code between blocks reads it (a
+#      parameter the blocks share, a weight handed to every block), it stays whole for the step.
 #      Freeing empties the flat buffer's storage, so the parameters (views of it) and what autograd
 #      saved of them come back when the storage is refilled.
 # With a pipeline (several backwards a step), the reduce-scatters wait for finish_backward.
@@ -964,6 +971,22 @@ class ZeroShards:
         self.forward_order: list[ZeroUnit] = []
         self.reducing: list[tuple] = []     # (unit, handle, chunk received, flat sent), issue order
         modules = dict(model.named_modules())
+        # stage 3, one backward a step, blocks around the root unit: the root freed between its uses
+        # once the first forward has shown that nothing between the first block and the last reads it
+        self.root_between: bool | None = None if stage == 3 and self.overlap and self.root is not None \
+            and len(self.units) > 2 else False
+        self._reads: _RootReads | None = None
+        self._saving = None             # saved_tensors_hooks of the forward: what autograd keeps of the root
+        if stage == 3 and self.root is not None:
+            model.register_forward_pre_hook(lambda m, a: self._model_pre_forward())
+            model.register_forward_hook(lambda m, a, out: self._model_post_forward())
+        if stage == 3:
+            model.register_state_dict_pre_hook(lambda m, prefix, keep_vars: self._whole_for(m, "state_dict"))
+            model.register_state_dict_post_hook(lambda m, state, prefix, meta: self._copied_out(state))
+            model.register_load_state_dict_pre_hook(lambda m, *args: self._whole_for(m, "load_state_dict"))
+            model.register_load_state_dict_post_hook(lambda m, keys: self._kept_in())
+        self._gathered_for_state = False
+        self.as_stored = 0              # >0: state_dict hands back the parameters as they are (keys only)
         for u in self.units:
             if u is not self.root and stage == 3:
                 module = modules[u.name]
@@ -1045,16 +1068,28 @@ class ZeroShards:
         if _in_backward():              # recompute: the backward gathered it already
             return
         if u not in self.forward_order:
+            if not self.forward_order and self.root_between is None:    # the first step: watch the root
+                self._reads = _RootReads(self.root)
+                self._reads.__enter__()
             self.forward_order.append(u)
         else:
             at = self.forward_order.index(u)
             if at + 1 < len(self.forward_order):
                 self.prefetch(self.forward_order[at + 1])
+            if self.root_between:
+                if at == 0:
+                    self.free(self.root)
+                if at == len(self.forward_order) - 1:
+                    self.prefetch(self.root)    # for the final norm and head, during the last block
 
     def _post_forward(self, u: ZeroUnit, output):
         if _in_backward():
             return output
         self.free(u)
+        if self._reads is not None:
+            self._reads.left += 1
+        if self.root_between and u is self.forward_order[-1]:
+            self.gather(self.root)
         flat, spec = torch.utils._pytree.tree_flatten(output)
         at = [k for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not at:
@@ -1070,6 +1105,71 @@ class ZeroShards:
             at = self.forward_order.index(u)
             if at > 0:
                 self.prefetch(self.forward_order[at - 1])
+            if self.root_between and at == len(self.forward_order) - 1:
+                self.free(self.root)    # the head's backward is done; unpacking a saved view regathers it
+
+    # -- the root unit between its uses (stage 3) -----------------------------------------------
+
+    def _model_pre_forward(self) -> None:
+        if _in_backward():
+            return
+        self.gather(self.root)          # a forward outside forward_backward (evaluation) too
+        if not self.root_between or self._saving is not None:
+            return
+        self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._saving.__enter__()
+
+    def _model_post_forward(self) -> None:
+        if self._saving is not None and not _in_backward():
+            self._saving.__exit__(None, None, None)
+            self._saving = None
+        if self._reads is not None:     # the first forward: free the root from now on if no block read it
+            self._reads.__exit__(None, None, None)
+            blocks = len(self.forward_order)
+            self.root_between = blocks >= 2 and all(left == blocks for left in self._reads.seen)
+            self._reads = None
+
+    def _pack(self, t: torch.Tensor):
+        # a view of the root unit's buffer (its weight, saved by the embedding or the head): marked,
+        # so that the backward gathers the root before handing it back; anything else as it is
+        # (detached: a saved output that held its own grad_fn would be a reference cycle)
+        if self.root.whole and t.layout is torch.strided and t.untyped_storage().data_ptr() == \
+                self.root.flat.untyped_storage().data_ptr():
+            return _RootView(t.detach())
+        return t.detach()
+
+    def _unpack(self, packed):
+        if isinstance(packed, _RootView):
+            self.gather(self.root)
+            return packed.tensor
+        return packed
+
+    # -- state dicts (stage 3): the whole parameters, as without ZeRO --------------------------------
+
+    def _whole_for(self, model, what: str) -> None:
+        if self.as_stored or all(u.whole for u in self.units):
+            return                      # inside whole_parameters (or keys only): as they are
+        if self.axis.size > 1 and not dist.is_initialized():
+            raise RuntimeError(f"ZeRO-3: {what}() gathers the whole parameters over the data-parallel ranks, "
+                               "which needs the process groups (setup())")
+        all_gather_params(self, self.axis)
+        self._gathered_for_state = True
+
+    def _copied_out(self, state: dict) -> None:
+        if not self._gathered_for_state:
+            return
+        flats = {u.flat.untyped_storage().data_ptr() for u in self.units}
+        for key, t in state.items():
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in flats:
+                state[key] = t.detach().clone()     # the buffers are emptied again below
+        free_params(self)
+        self._gathered_for_state = False
+
+    def _kept_in(self) -> None:
+        if self._gathered_for_state:
+            keep_params(self)
+            free_params(self)
+            self._gathered_for_state = False
 
     # -- reducing the gradients ----------------------------------------------------------------
 
@@ -1121,6 +1221,32 @@ class ZeroShards:
             chunk = stepped.grad
             chunk.add_(received.to(self.dtype).div_(self.axis.size) if self.average else received.to(self.dtype))
         self.reducing = []
+
+
+class _RootView:
+    """What autograd saved of the root unit's parameters, marked for ZeroShards._unpack."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class _RootReads(torch.overrides.TorchFunctionMode):
+    """The first ZeRO-3 forward, from the first block on: for each torch call that reads the root
+    unit's buffer (a parameter, a view of one), how many blocks had finished (``left``) by then."""
+
+    def __init__(self, root: ZeroUnit):
+        super().__init__()
+        self.storage = root.flat.untyped_storage().data_ptr()
+        self.left = 0
+        self.seen: set[int] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.layout is torch.strided and \
+                    t.untyped_storage().data_ptr() == self.storage:
+                self.seen.add(self.left)
+        return func(*args, **kwargs)
 
 
 class _BeforeUnitBackward(torch.autograd.Function):
@@ -1188,6 +1314,18 @@ def free_params(shards: ZeroShards) -> None:
     """Stage 3: drop every unit's whole parameters, keeping only this rank's shard."""
     for u in shards.units:
         shards.free(u)
+
+
+def state_dict_keys(model: torch.nn.Module) -> list[str]:
+    """The keys of ``model.state_dict()``, without ZeRO-3 gathering anything for them."""
+    shards = getattr(model, "zero_shards", None)
+    if shards is not None:
+        shards.as_stored += 1
+    try:
+        return list(model.state_dict(keep_vars=True))
+    finally:
+        if shards is not None:
+            shards.as_stored -= 1
 
 
 def keep_params(shards: ZeroShards) -> None:
