@@ -17,7 +17,9 @@ The step of a configuration, per micro-batch of B / (dp M) samples on stage s:
         + with recompute, its blocks' forward again + its sends to the next and previous stage
   step = sum_s t_s + (M - 1) max_s t_s                      (1F1B: fill, steady state, drain)
          (a trunk run in a recycling loop pipelines under 3F1B: t_s holds every pass, the
-         no-gradient ones as forwards alone, and the same formula prices it)
+         no-gradient ones as forwards alone; its order is priced by the simulator's timeline,
+         schedules.simulated_seconds: a pass waits for the one before to come round the whole
+         pipeline, which the formula misses once the stages outnumber the passes)
          + max_s (gradient sync over dp and of partial tensor-parallel gradients + optimizer)
 Memory per device, the worst stage: parameters, gradients and AdamW state of its stage (ZeRO
 shards them over dp), plus min(pp - s, M) micro-batches of activations (recompute keeps each
@@ -39,6 +41,7 @@ from .layouts import REPLICATE, R
 from .memory import saved_bytes
 from .zero import state_bytes_per_device, units_in_flight
 from .search import BYTES_PER_PARAM_STATE, AxisPlan, _layout, _search_cache, from_end, search_axis, site_id
+from .schedules import load_schedule, simulated_seconds
 from .tables import Constraint, load_table
 
 VARIANTS = ("auto", "sequence_parallel")     # how each tensor-parallel size is solved
@@ -612,9 +615,10 @@ def _estimate(config: Config, cost: _Regions, blocks: _Blocks, batch: int, clust
     operations in the same order as pricing each configuration from scratch: same figures)."""
     dp, pp, micro, zero = config.dp, config.pp, config.micro_batches, config.zero
     parts = cost.__dict__.setdefault("_parts", {})
-    timed = parts.get(("time", pp, dp, micro, config.recompute))
+    timed = parts.get(("time", pp, dp, micro, config.recompute, config.schedule))
     if timed is None:
-        timed = parts[("time", pp, dp, micro, config.recompute)] = _stage_times(config, cost, blocks, cluster)
+        timed = parts[("time", pp, dp, micro, config.recompute, config.schedule)] = \
+            _stage_times(config, cost, blocks, cluster)
     stage_seconds, activations, pipeline = timed
     synced = parts.get(("sync", pp, dp, zero))
     if synced is None:
@@ -685,7 +689,10 @@ def _stage_times(config: Config, cost: _Regions, blocks: _Blocks, cluster: Clust
         seconds += st.sends[s] * hand_off        # one send each way per neighbour, per micro-batch
         stage_seconds.append(seconds)
         activations.append(fraction * saved * min(st.after[s], micro))
-    pipeline = sum(stage_seconds) + (micro - 1) * max(stage_seconds)
+    if config.schedule == "1f1b" or pp == 1:
+        pipeline = sum(stage_seconds) + (micro - 1) * max(stage_seconds)
+    else:   # another table's order (3f1b: each pass waits for the one before to come round the pipeline)
+        pipeline = simulated_seconds(load_schedule(config.schedule), stage_seconds, micro, blocks.passes)
     return stage_seconds, activations, pipeline
 
 

@@ -116,7 +116,8 @@ def _place(comm, package, rank: int) -> dict[str, int]:
     p, d, t = coords["pp"], coords["dp"], coords["tp"]
     lines = {comm.TP: [global_rank(p, d, i) for i in range(tp)],
              comm.DP: [global_rank(p, i, t) for i in range(dp)],
-             comm.PP: [global_rank(i, d, t) for i in range(pp)]}
+             comm.PP: [global_rank(i, d, t) for i in range(pp)],
+             comm.PP_TP: [global_rank(i, d, j) for i in range(pp) for j in range(tp)]}
     pipeline = lines[comm.PP]
     tied = [pipeline[i] for i in getattr(package.rank_module(rank), "TIED_RANKS", None) or (0, pp - 1)] \
         if pp > 1 else [rank]
