@@ -8,8 +8,9 @@ same per-op costs: plan/auto.py's `_regions` (an op's compute and tensor-paralle
 the model: prologue, each block, epilogue) under the split `search_axis` solves for a table, and auto.py's
 1F1B / gradient-accumulation arithmetic (`_estimate`, as `estimate_config` and bench_planning.py part 4 use
 it). What the tool does not price by itself is composed here from those costs, each stated in the report:
-co-shard's repeated forward and freed activations (plan/coshard.py's formulas), the interlaced pipeline's
-vocabulary shares, 3F1B's no-gradient passes (the tool's `simulate` over the 3f1b order).
+co-shard's repeated forward and freed activations (plan/coshard.py's formulas). The interlaced pipeline
+is priced by plan/interlaced.py `estimate` and 3F1B by auto's estimate (both the simulator's timeline of
+their orders), each set against the tool's simulator over every micro-batch.
 """
 from __future__ import annotations
 
@@ -347,9 +348,19 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
    device": the first stage's 16 heads leave one per device and co-shard cuts heads only.
 6. **What `plan` and `schedule` do not price**: `plan` has no --pp/--schedule (its co-shard estimate now adds
    the forward of every statement of the co-shard regions, the matmuls too, as this script does: plan/coshard.py
-   `repeated_forward`); `schedule` times stages by FLOPs, without tensor parallelism or communication; nothing prices the interlaced
-   shares or the no-grad passes as step seconds. The tool's simulator lets an interlaced share occupy its owner's
-   whole step (the second table of each encoder-decoder section): it prices interlaced at 2.2-2.3x 1F1B.
+   `repeated_forward`); `schedule` times stages by FLOPs, without tensor parallelism or communication.
+7. **The interlaced pipeline is now the paper's** (issue 29 item 1): the vocabulary modules split over all
+   tp x pp = 32 devices, each call an SPMD step of every rank (the owner paused at its call, the others between
+   two of their own steps; an embedding's backward step after its owner's B), the stages in lock step. Its
+   estimate is the planner's (plan/interlaced.py `estimate`: the walk's orders on the simulator's timeline at
+   2D and 3D micro-batches, extrapolated) and agrees with the simulator over all 256 micro-batches (the
+   tables' second part). The old design, where the other ranks waited through the owner's whole step, was
+   simulated at 2.2-2.3x 1F1B's step.
+8. **3F1B's estimate missed the recycling wait** (fixed): auto's 1F1B formula over the stage times priced
+   3F1B's order 20% short at 8 stages: pass c + 1 of a micro-batch starts on the first stage only after pass c
+   has come round all 8 stages, a micro-batch after the diagonal the table gives it, so ranks idle where the
+   formula has none. The planner now prices any order other than 1F1B by the simulator's timeline
+   (plan/schedules.py `simulated_seconds`), the 3F1B rows' "simulated" column is over every micro-batch.
 
 ## Why these estimates are below the paper's
 
@@ -360,12 +371,17 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
   fragmentation and workspace (it lets Megatron + recompute fit at TP 4 with 24.7 GiB), nor lower matmul efficiency
   at the smaller per-device shapes of a larger TP (every matmul runs at 100 TFLOP/s).
 - **T5-3B and mBART, interlaced**: the interlaced pipeline moves the vocabulary's work off the first and last
-  stages; at 32k (T5-3B) and 250k (mBART) tokens that work is small next to the layers, and the tool's interlaced
-  keeps the vocabulary modules whole on TP (1/PP of them per device where Megatron holds 1/TP), which costs more at
-  TP 8 > PP 4. The paper's setting is a huge table: the artifact's T5 uses a 2,048,000-token vocabulary at hidden
-  6144 (cupilot/evaluation/t5_32gpus.sh), where Megatron's embedding stages run out of memory; not priced here.
-  The model also lacks the waits the collective shares add (the analytic rows omit them; the simulator's
-  rows overprice them).
+  stages and spreads it over all 32 devices; at 32k (T5-3B) and 250k (mBART) tokens that work is small next to
+  the layers, and what decides the comparison is communication the vocabulary steps add on every rank: this
+  tool's head gathers the whole logits to the owner's tp peers (along the pipeline lines, over InfiniBand
+  between the two nodes, then within the owner's node) and scatters their gradient back, because the loss runs
+  unchanged in the owner's code. Megatron's 1F1B + TP keeps the logits split on the vocabulary and runs a
+  vocabulary-parallel cross entropy (rules/ops), moving no logits. The paper's interlaced pipeline counts the
+  loss among the vocabulary ops (split too); this tool does not split the loss inside the step yet. A call in
+  the middle of a stage's step (the decoder's embedding, after encoder layers on the same stage) also holds
+  every rank until the owner reaches it (the notes' "calls at"). The paper's setting is a huge table: the
+  artifact's T5 uses a 2,048,000-token vocabulary at hidden 6144 (cupilot/evaluation/t5_32gpus.sh), where
+  Megatron's embedding stages run out of memory; not priced here.
 - **AlphaFold2, 3F1B**: with block recompute, plain DP fits in 5.6 GiB per device in this memory model and is the
   fastest; the fixture has no triangle attention (N_res^3 scores per head), extra-MSA stack or structure module,
   whose memory is what forces DAP in practice, and this model prices AlphaFold2's many small ops at full matmul

@@ -29,7 +29,7 @@ from ..graph.graph import Graph
 from .cost import node_flops
 from .pipeline import StagePlan, cut_blocks
 from .tables import Constraint
-from .schedules import (Action, Placement, ScheduleTable, VocabSteps, _line, load_schedule, placement, schedule,
+from .schedules import (Action, Placement, ScheduleTable, VocabSteps, _line, cached_schedule, load_schedule, placement,
                         simulated_seconds)
 
 _TOGETHER = re.compile(r"^\s*([EG])\[(.+?)\]\s*=\s*([FB])\[(.+?)\]\s*$")
@@ -184,9 +184,9 @@ def orders(table: ScheduleTable, ranks: int, micro: int, place: Placement, vocab
     its rank from a call that an owner already waits at does not start before that call's step;
     at a tie, the step whose first call comes soonest. (z3's optimiser over every step's time took
     more than a minute at D = 4, M = 4.)"""
-    base = schedule(table, ranks, micro)
+    base = cached_schedule(table, ranks, micro)
     if not vocab:
-        return base
+        return [list(order) for order in base]
     _together(table)
     cost = forward_seconds or [1.0] * len(place.ranks)
     position = [0] * ranks
@@ -353,8 +353,9 @@ def price(graph: Graph, config, cluster, constraints: list[Constraint] | None = 
     vocabulary modules whole on tp in the tensor-parallel split (`table`'s rules plus
     `constraints`), their weight split over all tp x pp devices; the stages balanced without
     them; each call an SPMD step of every rank, its compute 1/(tp x pp) of the op's and its
-    collectives (the input broadcast along the pipeline, the embedding's all-reduce, the head's
-    all-gather of the logits and its input gradient's all-reduce, over tp x pp); the step from
+    collectives (the input broadcast along the pipeline lines, the embedding's all-reduce over
+    tp x pp, the head's gather of the logits to the owner's tp peers and its scatter of their
+    gradient, its input gradient's all-reduce over tp x pp); the step from
     pipeline_seconds; memory as 1F1B's, less the owners' vocabulary state, plus 1/(tp x pp) of
     it on every device, and the lock-step warm-up's activations (2 (D - 1 - i) + 1 micro-batches
     in flight on stage i instead of D - i). Returns an auto.Estimate."""
@@ -362,7 +363,7 @@ def price(graph: Graph, config, cluster, constraints: list[Constraint] | None = 
 
     from ..materialize.conversions import fused_collectives
     from . import auto
-    from .cost import all_gather_time, all_reduce_time, node_time
+    from .cost import _numel, all_gather_time, all_reduce_time, element_bytes, node_time
     from .search import search_axis
     from .tables import load_table
     from .zero import ADAMW_STATE_BYTES, GRAD_BYTES, PARAM_BYTES
@@ -403,15 +404,18 @@ def price(graph: Graph, config, cluster, constraints: list[Constraint] | None = 
         ahead = fraction * node_time(node, graph.dims.get(node.index), graph.trace, device, 1, dims_of=graph.dims.get,
                                      forward_only=True)
         owned[stage_of_region[blocks.region[node.index]]] += whole
-        tensors = graph.trace.tensors
-        given = fraction * sum(tensors[t].nbytes for t in node.inputs if tensors[t].param is None)
-        made = fraction * sum(tensors[t].nbytes for t in node.outputs)
-        if is_embedding(graph, node):
+        tensors, sizes = graph.trace.tensors, element_bytes(graph.trace, graph.dims.get, device.precision)
+        given = fraction * sum(_numel(tensors[t].shape) * sizes[t] for t in node.inputs if tensors[t].param is None)
+        made = fraction * sum(_numel(tensors[t].shape) * sizes[t] for t in node.outputs)   # as the step runs them
+        # a broadcast along a pipeline line priced as an all-gather of the same bytes (size / bandwidth)
+        if is_embedding(graph, node):     # the ids out, the rows' sums over all; the output's gradient out
             f = all_gather_time(given, pp, pp_line) + all_reduce_time(made, pieces, everyone)
             b = all_gather_time(made, pp, pp_line)
-        else:          # a head: its logits gathered, their gradient broadcast, the input's gradient summed
-            f = all_gather_time(given, pp, pp_line) + all_gather_time(made, pieces, everyone)
-            b = all_gather_time(made, pp, pp_line) + all_reduce_time(given, pieces, everyone)
+        else:   # a head: its input out, the logits' slices gathered along the line to the owner's tp peers,
+            # then all-gathered among them; the logits' gradient scattered back, the input's summed over all
+            f = all_gather_time(given, pp, pp_line) + all_gather_time(made / tp, pp, pp_line) + \
+                all_gather_time(made, tp, device)
+            b = all_gather_time(made / tp, pp, pp_line) + all_reduce_time(given, pieces, everyone)
         return ahead / pieces + f, (whole - ahead) / pieces + b
 
     stages = StagePlan(pp, 1, None, ranges, {n.index: stage_of_region[blocks.region[n.index]] for n in graph.nodes}, {})

@@ -313,6 +313,18 @@ def schedule(table: ScheduleTable, ranks: int, micro: int, passes: int = 1) -> l
     return [rank_order(table, r, ranks, micro, passes) for r in range(ranks)]
 
 
+_ORDERS: dict = {}
+
+
+def cached_schedule(table: ScheduleTable, ranks: int, micro: int, passes: int = 1) -> list[list[Action]]:
+    """schedule(), kept per table and sizes for the planner, which prices many configurations of
+    a few sizes (z3 orders 3F1B's 8 ranks x 24 micro-batches in about 15 s). Do not modify."""
+    key = (table.location.path, table.name, tuple(table.order), table.warmup, ranks, micro, passes)
+    if key not in _ORDERS:
+        _ORDERS[key] = schedule(table, ranks, micro, passes)
+    return _ORDERS[key]
+
+
 def to_csv(orders: list[list[Action]]) -> str:
     """One row per rank, one column per step: torch.distributed.pipelining's `0F0,1B3` grammar."""
     return "\n".join(",".join(str(a) for a in order) for order in orders) + "\n"
@@ -330,7 +342,7 @@ def simulated_seconds(table: ScheduleTable, stage_seconds: list[float], micro: i
     ranks = len(stage_seconds)
     forward = [t / (passes + 2.0) for t in stage_seconds]
     place = placement(table, ranks)
-    orders_for = orders_for or (lambda m: schedule(table, ranks, m, passes))
+    orders_for = orders_for or (lambda m: cached_schedule(table, ranks, m, passes))
 
     def span(m: int) -> float:
         events = simulate(orders_for(m), len(place.ranks), forward_seconds=forward, placement=place, passes=passes,

@@ -184,7 +184,7 @@ def axis_ranks(axis: Axis) -> list[int]:
 # --------------------------------------------------------------------------
 
 COUNTERS = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0, "send": 0, "recv": 0, "bytes": 0,
-            "handoff_headers": 0, "broadcast": 0}  # pipeline hand-off metadata headers sent
+            "handoff_headers": 0, "broadcast": 0, "gather": 0, "scatter": 0}  # pipeline hand-off metadata headers sent
 
 
 def reset_counters() -> None:
@@ -1961,9 +1961,11 @@ class _VocabEmbedding(torch.autograd.Function):
 
 
 class _VocabLinear(torch.autograd.Function):
-    """Forward: the input to every device, each computes its vocabulary slice of the output,
-    all-gathered on the last dim over PP_TP. Backward: the output's gradient to every device,
-    each computes its weight rows' gradient and its part of the input's, all-reduce(sum)."""
+    """Forward: the input to every device along its pipeline line, each computes its vocabulary
+    slice of the output; the owner's tp peers gather their lines' slices, then all-gather them
+    among themselves (the whole logits on the owner only). Backward: the owner scatters the
+    output's gradient along its line, each device its own slice; each computes its weight rows'
+    gradient and its part of the input's, all-reduce(sum) over PP_TP."""
 
     @staticmethod
     def forward(ctx, x, weight, index, call):
@@ -1973,7 +1975,9 @@ class _VocabLinear(torch.autograd.Function):
         _broadcast(x, GLOBAL_RANK, PP)
         ctx.save_for_backward(x, weight)
         ctx.meta = (index, call)
-        return torch.cat(_all_gather(F.linear(x, weight), PP_TP), dim=-1)
+        line = _gather(F.linear(x, weight), GLOBAL_RANK, PP)            # pieces p * tp + TP.rank, p = 0..pp-1
+        peers = _all_gather(torch.stack(line), TP)                       # every tp peer's line
+        return torch.cat([peers[t][p] for p in range(PP.size) for t in range(TP.size)], dim=-1)
 
     @staticmethod
     def backward(ctx, grad):
@@ -1983,16 +1987,42 @@ class _VocabLinear(torch.autograd.Function):
         grad = grad.contiguous()
         _serve_queue()
         _owner_header(_V_LINEAR_GRAD, call, index, grad)
-        _broadcast(grad, GLOBAL_RANK, PP)
-        gw, gx = _linear_grads(x, grad, weight)
+        rows = weight.shape[0]
+        pieces = [grad[..., (p * TP.size + TP.rank) * rows:(p * TP.size + TP.rank + 1) * rows] for p in range(PP.size)]
+        mine = _scatter(pieces, GLOBAL_RANK, PP)
+        gw, gx = _linear_grads(x, mine, weight)
         return _all_reduce(gx, PP_TP), gw, None, None
 
 
-def _linear_grads(x, grad, weight):
-    start, rows = _vocab_rows(weight)
-    mine = grad[..., start:start + rows]
+def _linear_grads(x, mine, weight):
+    """This device's weight rows' gradient and its part of the input's, from its slice of the
+    output's gradient."""
+    rows = weight.shape[0]
     gw = mine.reshape(-1, rows).t().matmul(x.reshape(-1, x.shape[-1]))
     return gw, mine.matmul(weight).contiguous()
+
+
+def _gather(t: torch.Tensor, dst: int, axis: Axis) -> list[torch.Tensor] | None:
+    """Gather ``t`` over ``axis`` to global rank ``dst``: one tensor per axis index there, None
+    elsewhere."""
+    t = t.contiguous()
+    if axis.size == 1:
+        return [t]
+    _record("gather", t if GLOBAL_RANK != dst else None)
+    parts = [torch.empty_like(t) for _ in range(axis.size)] if GLOBAL_RANK == dst else None
+    dist.gather(t, parts, dst=dst, group=axis.group)
+    return parts
+
+
+def _scatter(pieces: list[torch.Tensor] | None, src: int, axis: Axis, like: torch.Tensor | None = None) -> torch.Tensor:
+    """Scatter ``pieces`` (one per axis index, on global rank ``src``) over ``axis``: this rank's."""
+    if axis.size == 1:
+        return pieces[0].contiguous()
+    pieces = [p.contiguous() for p in pieces] if GLOBAL_RANK == src else None
+    out = torch.empty_like(pieces[0] if pieces is not None else like)
+    _record("scatter", out if pieces is not None else None)
+    dist.scatter(out, pieces, src=src, group=axis.group)
+    return out
 
 
 class VocabEmbedding(torch.nn.Embedding):
@@ -2113,15 +2143,17 @@ def vocab_share(kind: str, stage: int, micro: int, src: int) -> None:
         VOCAB.saved[(stage, micro, call)] = ids
     elif what == _V_LINEAR:
         x = _broadcast(torch.empty(shape, dtype=weight.dtype, device=device), src, PP)
-        _all_gather(F.linear(x, weight.detach()), PP_TP)
+        _gather(F.linear(x, weight.detach()), src, PP)       # to the owner's tp peer on this line
         VOCAB.saved[(stage, micro, call)] = x
     else:
-        grad = _broadcast(torch.empty(shape, dtype=weight.dtype, device=device), src, PP)
         saved = VOCAB.saved.pop((stage, micro, call))
         if what == _V_EMBED_GRAD:
+            grad = _broadcast(torch.empty(shape, dtype=weight.dtype, device=device), src, PP)
             gw = _embed_grad(saved, grad, weight, module.padding_idx)
-        else:
-            gw, gx = _linear_grads(saved, grad, weight.detach())
+        else:               # this device's slice of the logits' gradient, from the owner's tp peer
+            mine = _scatter(None, src, PP, torch.empty([*shape[:-1], weight.shape[0]], dtype=weight.dtype,
+                                                       device=device))
+            gw, gx = _linear_grads(saved, mine, weight.detach())
             _all_reduce(gx, PP_TP)
         if weight.requires_grad:
             weight.grad = gw if weight.grad is None else weight.grad + gw

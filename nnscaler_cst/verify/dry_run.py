@@ -103,6 +103,8 @@ def _shape_only_collectives(comm) -> None:
     comm._all_gather = lambda t, axis: [t.clone() for _ in range(axis.size)]
     comm._reduce_scatter = lambda t, axis, dim: t.chunk(axis.size, dim)[axis.rank].clone()
     comm._broadcast = lambda t, src, axis: t
+    comm._gather = lambda t, dst, axis: [t.clone() for _ in range(axis.size)]
+    comm._scatter = lambda pieces, src, axis, like=None: (pieces[axis.rank] if pieces is not None else like).clone()
 
 
 def _place(comm, package, rank: int) -> dict[str, int]:
