@@ -170,6 +170,27 @@ def test_the_tied_embedding_and_head_of_gpt_are_split_over_every_device():
         interlaced.vocab_modules(analysis.graph, stages.trunk.blocks, 3, "tied", table.location)
 
 
+def test_the_planners_estimate_is_the_simulated_step_of_the_plan():
+    """plan/interlaced.py `estimate` (what `--plan auto` calls): the GPT fixture at tp 2 x pp 2,
+    8 micro-batches, priced from the walk on the simulator's timeline; the same step as simulating
+    the walk's orders over its stage and call times, and its calls priced on every device."""
+    from nnscaler_cst.analysis import analyze
+    from nnscaler_cst.plan.auto import Config
+    from nnscaler_cst.plan.cost import load_cluster
+
+    graph = analyze(REPO / "fixtures" / "gpt.py").graph
+    config = Config(tp=2, dp=1, pp=2, micro_batches=8, schedule="interlaced")
+    estimate, vocab, stage = interlaced.price(graph, config, load_cluster("cpu-gloo"))
+    assert estimate.config == config and estimate.why_not is None
+    assert sorted(vocab) == [0, 1] and all(v.forward[0] > 0 and v.backward[0] > 0 for v in vocab.values())
+    table = load_schedule("interlaced")
+    forward = [t / 3 for t in stage]
+    orders = interlaced.orders(table, 2, 8, placement(table, 2), vocab, forward)
+    span = max(e.end for e in simulate(orders, 2, forward_seconds=forward, placement=placement(table, 2), vocab=vocab))
+    assert estimate.pipeline_seconds == pytest.approx(span, rel=1e-6)
+    assert estimate.seconds == pytest.approx(span + estimate.sync_seconds, rel=1e-6)
+
+
 # --- gloo runs: a T5-style and a BART-style encoder-decoder, one embedding shared by the
 # encoder, the decoder and the LM head (transformers' own classes, tiny configs) ---
 

@@ -388,7 +388,8 @@ def price(graph: Graph, config, cluster, constraints: list[Constraint] | None = 
             plan = search_axis(graph, "tp", tp, keep_whole_on_tp(graph, schedule_table, pp, rules), device,
                                data_parallel=dp * micro)
     cost = auto._regions(graph, blocks, plan, tp, device)
-    base = auto._estimate(config, cost, blocks, graph.trace.batch_size or 1, cluster, budget)
+    one_f_one_b = replace(config, schedule="1f1b")      # its stage times and memory, priced as 1F1B's
+    base = auto._estimate(one_f_one_b, cost, blocks, graph.trace.batch_size or 1, cluster, budget)
     ranges = auto._stage_ranges(blocks, pp)
     stage_of_region = {0: 0, blocks.count + 1: pp - 1}
     for s, (a, b) in enumerate(ranges):
@@ -430,10 +431,10 @@ def price(graph: Graph, config, cluster, constraints: list[Constraint] | None = 
             if t == s:
                 params.update(cost.params[r])
         held.append(sum(e for p, e in params.items() if p in names) * state)
-    activations = auto._stage_times(config, cost, blocks, cluster)[1]
+    activations = auto._stage_times(one_f_one_b, cost, blocks, cluster)[1]
     memory = [m - h + max(held) * (1 if tp == 1 else tp) / pieces - a + a / min(pp - s, micro) * min(2 * (pp - 1 - s) + 1, micro)
               for s, (m, h, a) in enumerate(zip(base.stage_memory, held, activations))]
-    out = replace(base, seconds=pipeline + base.sync_seconds, memory=max(memory), stage_seconds=stage_seconds,
+    out = replace(base, config=config, seconds=pipeline + base.sync_seconds, memory=max(memory), stage_seconds=stage_seconds,
                   stage_memory=memory, pipeline_seconds=pipeline)
     out.why_not = None if out.memory <= budget else f"needs {out.memory / 2 ** 30:.1f} GiB per device"
     return out, vocab, stage_seconds

@@ -1976,7 +1976,8 @@ class _VocabLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.meta = (index, call)
         line = _gather(F.linear(x, weight), GLOBAL_RANK, PP)            # pieces p * tp + TP.rank, p = 0..pp-1
-        peers = _all_gather(torch.stack(line), TP)                       # every tp peer's line
+        line = torch.stack(line)
+        peers = _all_gather(line, TP) if TP.size > 1 else [line]         # every tp peer's line
         return torch.cat([peers[t][p] for p in range(PP.size) for t in range(TP.size)], dim=-1)
 
     @staticmethod
