@@ -227,6 +227,7 @@ def orders(table: ScheduleTable, ranks: int, micro: int, place: Placement, vocab
             run(item[1])
 
     level = _levels(base, needs)
+    near = 1e-3 * min(cost)     # times this close are a tie (a head's call after the loss's last tiny ops)
     phase = 0
     while any(position[r] < len(base[r]) for r in range(ranks)) or paused:
         if not paused and all(position[r] == len(base[r]) or level[base[r][position[r]]] > phase
@@ -234,7 +235,7 @@ def orders(table: ScheduleTable, ranks: int, micro: int, place: Placement, vocab
             phase += 1
             continue
         call_at = min(((free[r], r) for r in paused), default=None)     # the first call an owner waits at
-        best = None
+        candidates = []
         for rank in range(ranks):
             if position[rank] == len(base[rank]) or rank in paused:
                 continue
@@ -244,15 +245,15 @@ def orders(table: ScheduleTable, ranks: int, micro: int, place: Placement, vocab
             due = max([free[rank]] + [finish[n] for n in needs(action)])
             # when the rank can next take part in a call's step: at its own first call, or after the step
             pieces = vocab[action.stage].pieces(action.kind) if action.stage in vocab else [1.0]
-            ready = due + pieces[0] * length(action)
-            if call_at is not None and ready > call_at[0]:
-                continue      # it would hold up a call an owner waits at: that call's step first
-            key = (due, ready, rank)
-            if best is None or key < best[0]:
-                best = (key, rank, action)
-        # a call's step before a step that starts later or at once but runs before its own first call
-        if call_at is not None and (best is None or call_at[0] < best[0][0] or
-                                    (call_at[0] == best[0][0] and best[0][1] > best[0][0])):
+            candidates.append((due, due + pieces[0] * length(action), rank, action))
+        best = None
+        if candidates:      # the first to start; at a tie (within `near`), the one that pauses soonest
+            first = min(c[0] for c in candidates)
+            due, ready, rank, action = min((c for c in candidates if c[0] <= first + near), key=lambda c: c[1:3])
+            best = ((due, ready, rank), rank, action)
+        # a call's step before a step that starts later, or at once but runs before its own first call
+        if call_at is not None and (best is None or call_at[0] < best[0][0] - near or
+                                    (call_at[0] <= best[0][0] + near and best[0][1] > best[0][0] + near)):
             owner = call_at[1]
             step, index = paused.pop(owner)
             steps = vocab[step.stage]
