@@ -179,11 +179,11 @@ def orders(table: ScheduleTable, ranks: int, micro: int, place: Placement, vocab
     pauses at each of its calls (the table's `together`: E in a forward F, G in a backward B);
     while paused it takes part in the vocabulary steps that come first, then in its own, then
     goes on. Every other rank runs them between two of its own steps, or paused at a call of its
-    own. A walk of one timeline of all ranks places them (list scheduling, the times of
-    verify/simulate.py): the next event is the one that can start first; a step that would keep
-    its rank from a call that an owner already waits at does not start before that call's step;
-    at a tie, the step whose first call comes soonest. (z3's optimiser over every step's time took
-    more than a minute at D = 4, M = 4.)"""
+    own. A walk of one timeline of all ranks places them (list scheduling in the lock-step phases
+    of _levels, the times of verify/simulate.py): the next event is the one that can start first;
+    at a tie, the step whose first call comes soonest, and a call an owner waits at before a step
+    that would run before its own first call; a call waits for the steps already running. (z3's
+    optimiser over every step's time took more than a minute at D = 4, M = 4.)"""
     base = cached_schedule(table, ranks, micro)
     if not vocab:
         return [list(order) for order in base]
