@@ -8,8 +8,9 @@ same per-op costs: plan/auto.py's `_regions` (an op's compute and tensor-paralle
 the model: prologue, each block, epilogue) under the split `search_axis` solves for a table, and auto.py's
 1F1B / gradient-accumulation arithmetic (`_estimate`, as `estimate_config` and bench_planning.py part 4 use
 it). What the tool does not price by itself is composed here from those costs, each stated in the report:
-co-shard's repeated forward and freed activations (plan/coshard.py's formulas), the interlaced pipeline's
-vocabulary shares, 3F1B's no-gradient passes (the tool's `simulate` over the 3f1b order).
+co-shard's repeated forward and freed activations (plan/coshard.py's formulas). The interlaced pipeline
+is priced by plan/interlaced.py `estimate` and 3F1B by auto's estimate (both the simulator's timeline of
+their orders), each set against the tool's simulator over every micro-batch.
 """
 from __future__ import annotations
 
@@ -156,9 +157,9 @@ def priced_with(graph, config: Config, blocks, constraints):
     return auto._estimate(config, cost, blocks, graph.trace.batch_size or 1, CLUSTER, BUDGET), plan, cost
 
 
-def simulated(orders, stages: int, forward: list[float], passes: int = 1, shared=(), placement=None):
+def simulated(orders, stages: int, forward: list[float], passes: int = 1, vocab=None, placement=None):
     from nnscaler_cst.verify.simulate import bubble_fraction, simulate
-    events = simulate(orders, stages, forward_seconds=forward, passes=passes, shared=shared, placement=placement)
+    events = simulate(orders, stages, forward_seconds=forward, passes=passes, vocab=vocab, placement=placement)
     return events, max(e.end for e in events), bubble_fraction(events, len(orders))
 
 
@@ -191,112 +192,62 @@ def schedule_picture(entry: str, pp: int, micro: int, schedule: str, svg: str) -
 
 def encoder_decoder(lines: list[str], entry: str, title: str, tp: int = 8, pp: int = 4) -> dict:
     from nnscaler_cst.plan import interlaced
-    from nnscaler_cst.plan.cost import all_reduce_time, node_time
-    from nnscaler_cst.plan.pipeline import cut_blocks
-    from nnscaler_cst.plan.schedules import load_schedule, schedule
-    from nnscaler_cst.plan.zero import ADAMW_STATE_BYTES, GRAD_BYTES, PARAM_BYTES
+    from nnscaler_cst.plan.schedules import load_schedule, placement, schedule
     graph, trace_seconds = traced(entry)
     batch = graph.trace.batch_size                   # the artifact's GBS, 256
     dp = DEVICES // (tp * pp)
     micro = batch // dp                              # micro-batch 1 (the artifact's --mbs 1)
-    fraction = 1.0 / (dp * micro)
     blocks = auto._blocks(graph)     # the encoder's and the decoder's layers, cut as one chain
     megatron = load_table("megatron").for_axis("tp")
-    rows, stage_rows = [], []
-    base = {}
+    rows, sim = [], {}
     base_ranges = auto._stage_ranges(blocks, pp)
+    table = load_schedule("interlaced")
+    place = placement(table, pp)
     for recompute in (False, True):
         config = Config(tp=tp, dp=dp, pp=pp, micro_batches=micro, recompute=recompute)
-        estimate, plan, cost = priced_with(graph, config, blocks, megatron)
-        base[recompute] = estimate
+        estimate = priced_with(graph, config, blocks, megatron)[0]
         rows.append(("1F1B + Megatron TP" + (" + recompute" if recompute else ""), estimate,
                      "stages over encoder and decoder layers"))
-    # interlaced: the vocabulary modules whole on tp (interlaced.keep_whole_on_tp) and split over the pp ranks
-    table = load_schedule("interlaced")
-    modules, names = interlaced.vocab_modules(graph, cut_blocks(graph), pp, table.vocab, table.location)
-    vocab_nodes = [n for n in interlaced.vocab_calls(graph, modules)]
-    device = CLUSTER.axis(1, tp)
-    pp_link = CLUSTER.axis(tp * dp, pp)
-    constraints = interlaced.keep_whole_on_tp(graph, table, pp, megatron)
-    # the stages balanced without the vocabulary ops (every stage runs the same share of them)
-    from nnscaler_cst.plan.cost import node_flops
-    moved = [0.0] * (blocks.count + 2)
-    for node in vocab_nodes:
-        moved[blocks.region[node.index]] += node_flops(node, graph.dims.get(node.index), graph.trace)
-    blocks = replace(blocks, flops=[f - moved[r + 1] for r, f in enumerate(blocks.flops)],
-                     prologue_flops=blocks.prologue_flops - moved[0],
-                     epilogue_flops=blocks.epilogue_flops - moved[-1], ranges={})
-    results = {}
-    for recompute in (False, True):
-        config = Config(tp=tp, dp=dp, pp=pp, micro_batches=micro, recompute=recompute)
-        estimate, plan, cost = priced_with(graph, config, blocks, constraints)
-        ranges = auto._stage_ranges(blocks, pp)
-        stage_of_region = {0: 0, blocks.count + 1: pp - 1}
-        for s, (a, b) in enumerate(ranges):
-            for r in range(a + 1, b + 1):
-                stage_of_region[r] = s
-        vocab = [0.0] * pp
-        comm = 0.0
-        for node in vocab_nodes:
-            vocab[stage_of_region[blocks.region[node.index]]] += fraction * node_time(
-                node, graph.dims.get(node.index), graph.trace, device, 1, dims_of=graph.dims.get)
-            # the vocabulary split's partial sums: the embedding's output, the head's input gradient
-            hidden = min(graph.trace.tensors[t].nbytes for t in (*node.inputs, *node.outputs)
-                         if graph.trace.tensors[t].param is None and len(graph.trace.tensors[t].shape) == 3)
-            comm += all_reduce_time(fraction * hidden, pp, pp_link)
-        share = sum(vocab) / pp + comm
-        seconds = [t - v + share for t, v in zip(estimate.stage_seconds, vocab)]
-        step = sum(seconds) + (micro - 1) * max(seconds) + estimate.sync_seconds
-        # memory: the owners' whole vocabulary state leaves them, 1/pp of it comes to every stage
-        state = PARAM_BYTES + GRAD_BYTES + ADAMW_STATE_BYTES
-        held = []
-        for s in range(pp):
-            regions = [r for r, t in stage_of_region.items() if t == s]
-            params = {}
-            for r in regions:
-                params.update(cost.params[r])
-            held.append(sum(e for p, e in params.items() if p in names) * state)
-        whole = max(held)
-        memory = max(m - h + whole / pp for m, h in zip(estimate.stage_memory, held))
-        result = replace(estimate, seconds=step, memory=memory, stage_seconds=seconds)
-        results[recompute] = (result, seconds, estimate)
-        rows.append(("interlaced" + (" + recompute" if recompute else ""), result,
-                     f"vocabulary ops {1e3 * sum(vocab):.0f} ms per micro-batch on their owners -> "
-                     f"{1e3 * share:.0f} ms on every stage (incl. {1e3 * comm:.1f} ms all-reduce over pp)"))
-    # the tool's simulator over the same stage times (forward = a third of a stage's step, B = 2F)
-    sim = {}
-    for recompute in (False, True):
-        if base[recompute].memory > BUDGET and recompute is False:
-            continue
-        b_seconds = base[recompute].stage_seconds
-        i_seconds = results[recompute][1]
         start = time.perf_counter()
-        _, b_span, b_bubble = simulated(schedule(load_schedule("1f1b"), pp, micro), pp, [t / 3 for t in b_seconds])
-        from nnscaler_cst.plan.schedules import placement
-        place = placement(table, pp)
-        orders = interlaced.orders(table, pp, micro, place, [0, pp - 1])
-        _, i_span, i_bubble = simulated(orders, pp, [t / 3 for t in i_seconds], shared=[0, pp - 1], placement=place)
-        sim[recompute] = (b_span + base[recompute].sync_seconds, b_bubble, i_span + results[recompute][2].sync_seconds,
-                          i_bubble, time.perf_counter() - start)
+        # the tool's simulator over the whole step's orders, every micro-batch (the estimate extrapolates from 3D)
+        _, b_span, b_bubble = simulated(schedule(load_schedule("1f1b"), pp, micro), pp,
+                                        [t / 3 for t in estimate.stage_seconds])
+        b_sim = b_span + estimate.sync_seconds
+        # interlaced: plan/interlaced.py's estimate (the planner's), and the simulator over the same orders
+        result, vocab, stage_seconds = interlaced.price(graph, config, CLUSTER, [], BUDGET)
+        forward = [t / 3 for t in stage_seconds]
+        orders = interlaced.orders(table, pp, micro, place, vocab, forward)
+        _, i_span, i_bubble = simulated(orders, pp, forward, vocab=vocab, placement=place)
+        i_sim = i_span + result.sync_seconds
+        steps = sum(sum(v.forward) + sum(v.backward) for v in vocab.values())
+        owners = ", ".join(f"stage {s}: " + " ".join(f"{a:.2f}" for a in v.at) for s, v in sorted(vocab.items()))
+        rows.append(("interlaced" + (" + recompute" if recompute else ""), result,
+                     f"vocabulary steps {1e3 * steps:.1f} ms per micro-batch on every device; calls at "
+                     f"(fraction of the owner's forward) {owners}; simulated {i_sim:.2f} s"))
+        sim[recompute] = (estimate.seconds, b_sim, b_bubble, result.seconds, i_sim, i_bubble,
+                          time.perf_counter() - start)
+        print(rows[-2][0], f"{estimate.seconds:.2f} sim {b_sim:.2f}", rows[-1][0], f"{result.seconds:.2f} sim {i_sim:.2f}",
+              f"{result.memory / GIB:.1f} GiB", flush=True)
+    modules, _ = interlaced.vocab_modules(graph, interlaced.cut_blocks(graph), tp * pp, table.vocab, table.location)
     svg = f"dgx2_{entry.removeprefix('dgx2_').removesuffix('.py')}_interlaced.svg"
     command = schedule_picture(entry, pp, 8, "interlaced", svg)
-    inter_ranges = auto._stage_ranges(blocks, pp)
     fitting_base = best([r for r in rows if r[0].startswith("1F1B")])
     fitting_inter = best([r for r in rows if r[0].startswith("interlaced")])
     lines += [f"## {title}: interlaced pipeline against 1F1B + Megatron TP", "",
               f"`benchmarks/{entry}` (traced in {trace_seconds:.0f} s, {len(graph.nodes)} ops): TP {tp} x PP {pp} x DP {dp}, "
               f"{micro} micro-batches of 1 (the artifact's max-pp 4, max-tp 8, --mbs 1). Stages cut over both stacks "
-              f"({blocks.count} layers, auto's FLOP balance): 1F1B {base_ranges}, interlaced (balanced without the vocabulary "
-              f"ops, which every stage shares) {inter_ranges}. Vocabulary modules: "
-              f"{', '.join(modules)}.", "", *TABLE_HEAD]
+              f"({blocks.count} layers, auto's FLOP balance): 1F1B {base_ranges}. Interlaced (plan/interlaced.py `estimate`): "
+              f"the vocabulary modules ({', '.join(modules)}) split over all {tp * pp} devices, each call an SPMD step "
+              "of every rank, the stages balanced without them, in lock step.", "", *TABLE_HEAD]
     lines += [row(label, estimate, note) for label, estimate, note in rows]
-    lines += ["", "The tool's simulator (verify/simulate.py) over the same per-stage times, where a rank's share of "
-              "a vocabulary step occupies it for the owner's whole step (`interlaced.toml`: \"a share waits in its "
-              "owner's whole step\"):", "",
-              "| | 1F1B + TP: step s | bubble | interlaced: step s | bubble |", "|---|---|---|---|---|"]
-    for recompute, (bs, bb, is_, ib, _) in sim.items():
-        lines.append(f"| {'recompute' if recompute else 'no recompute'} | {bs:.2f} | {100 * bb:.1f}% | {is_:.2f} | "
-                     f"{100 * ib:.1f}% |")
+    lines += ["", "The planner's estimate against the tool's simulator (verify/simulate.py) over the same per-stage "
+              f"and per-call times, all {micro} micro-batches (the estimate simulates 2D and 3D micro-batches and "
+              "extrapolates; 1F1B's is its closed formula):", "",
+              "| | 1F1B + TP: estimate s | simulated s | bubble | interlaced: estimate s | simulated s | bubble |",
+              "|---|---|---|---|---|---|---|"]
+    for recompute, (be, bs, bb, ie, is_, ib, _) in sim.items():
+        lines.append(f"| {'recompute' if recompute else 'no recompute'} | {be:.2f} | {bs:.2f} | {100 * bb:.1f}% | "
+                     f"{ie:.2f} | {is_:.2f} | {100 * ib:.1f}% |")
     lines += ["", f"Picture: {command}", ""]
     return {"base": fitting_base, "paper": fitting_inter, "sim": sim, "svg": svg}
 
@@ -330,19 +281,20 @@ def alphafold2(lines: list[str]) -> dict:
         dp = DEVICES // pp
         micro = batch // dp
         for recompute in (False, True):
-            config = Config(tp=1, dp=dp, pp=pp, micro_batches=micro, recompute=recompute)
+            config = Config(tp=1, dp=dp, pp=pp, micro_batches=micro, recompute=recompute, schedule="3f1b")
             start = time.perf_counter()
-            estimate = priced_with(graph, config, blocks, [])[0]
-            # the tool's 3f1b order, simulated: a pass takes a fifth of the stage's time per micro-batch
-            # (1 gradient forward + its backward at 2 forwards + 2 no-grad forwards)
+            estimate = priced_with(graph, config, blocks, [])[0]      # the planner's: 3f1b's order simulated
+            planned = time.perf_counter() - start
+            # the tool's 3f1b order over every micro-batch, simulated: a pass takes a fifth of the stage's
+            # time per micro-batch (1 gradient forward + its backward at 2 forwards + 2 no-grad forwards)
             orders = schedule(table, pp, micro, PASSES)
             events, span, bubble = simulated(orders, pp, [t / (PASSES + 2) for t in estimate.stage_seconds],
                                              passes=PASSES)
-            result = replace(estimate, seconds=span + estimate.sync_seconds)
-            rows.append(("3F1B" + (" + recompute" if recompute else ""), result,
-                         f"simulated bubble {100 * bubble:.1f}% (the passes back to back, auto's 1F1B "
-                         f"formula over the same stage times: {estimate.seconds:.2f} s); {time.perf_counter() - start:.0f} s to plan"))
-            print(rows[-1][0], estimate.config.describe(), f"{result.seconds:.2f}", estimate.memory / GIB, flush=True)
+            formula = sum(estimate.stage_seconds) + (micro - 1) * max(estimate.stage_seconds) + estimate.sync_seconds
+            rows.append(("3F1B" + (" + recompute" if recompute else ""), estimate,
+                         f"simulated {span + estimate.sync_seconds:.2f} s, bubble {100 * bubble:.1f}% (1F1B's formula "
+                         f"over the same stage times: {formula:.2f} s); {planned:.0f} s to plan"))
+            print(rows[-1][0], estimate.config.describe(), f"{estimate.seconds:.2f}", rows[-1][2], flush=True)
     command = schedule_picture("dgx2_alphafold2.py", 4, 8, "3f1b", "dgx2_alphafold2_3f1b.svg")
     lines += ["## AlphaFold2 (Evoformer, 3 recycles): 3F1B against TP + DP", "",
               f"`benchmarks/dgx2_alphafold2.py` (traced in {trace_seconds:.0f} s, {len(graph.nodes)} ops): 48 blocks, "
@@ -396,9 +348,19 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
    device": the first stage's 16 heads leave one per device and co-shard cuts heads only.
 6. **What `plan` and `schedule` do not price**: `plan` has no --pp/--schedule (its co-shard estimate now adds
    the forward of every statement of the co-shard regions, the matmuls too, as this script does: plan/coshard.py
-   `repeated_forward`); `schedule` times stages by FLOPs, without tensor parallelism or communication; nothing prices the interlaced
-   shares or the no-grad passes as step seconds. The tool's simulator lets an interlaced share occupy its owner's
-   whole step (the second table of each encoder-decoder section): it prices interlaced at 2.2-2.3x 1F1B.
+   `repeated_forward`); `schedule` times stages by FLOPs, without tensor parallelism or communication.
+7. **The interlaced pipeline is now the paper's** (issue 29 item 1): the vocabulary modules split over all
+   tp x pp = 32 devices, each call an SPMD step of every rank (the owner paused at its call, the others between
+   two of their own steps; an embedding's backward step after its owner's B), the stages in lock step. Its
+   estimate is the planner's (plan/interlaced.py `estimate`: the walk's orders on the simulator's timeline at
+   2D and 3D micro-batches, extrapolated) and agrees with the simulator over all 256 micro-batches (the
+   tables' second part). The old design, where the other ranks waited through the owner's whole step, was
+   simulated at 2.2-2.3x 1F1B's step.
+8. **3F1B's estimate missed the recycling wait** (fixed): auto's 1F1B formula over the stage times priced
+   3F1B's order 20% short at 8 stages: pass c + 1 of a micro-batch starts on the first stage only after pass c
+   has come round all 8 stages, a micro-batch after the diagonal the table gives it, so ranks idle where the
+   formula has none. The planner now prices any order other than 1F1B by the simulator's timeline
+   (plan/schedules.py `simulated_seconds`), the 3F1B rows' "simulated" column is over every micro-batch.
 
 ## Why these estimates are below the paper's
 
@@ -409,12 +371,17 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
   fragmentation and workspace (it lets Megatron + recompute fit at TP 4 with 24.7 GiB), nor lower matmul efficiency
   at the smaller per-device shapes of a larger TP (every matmul runs at 100 TFLOP/s).
 - **T5-3B and mBART, interlaced**: the interlaced pipeline moves the vocabulary's work off the first and last
-  stages; at 32k (T5-3B) and 250k (mBART) tokens that work is small next to the layers, and the tool's interlaced
-  keeps the vocabulary modules whole on TP (1/PP of them per device where Megatron holds 1/TP), which costs more at
-  TP 8 > PP 4. The paper's setting is a huge table: the artifact's T5 uses a 2,048,000-token vocabulary at hidden
-  6144 (cupilot/evaluation/t5_32gpus.sh), where Megatron's embedding stages run out of memory; not priced here.
-  The model also lacks the waits the collective shares add (the analytic rows omit them; the simulator's
-  rows overprice them).
+  stages and spreads it over all 32 devices; at 32k (T5-3B) and 250k (mBART) tokens that work is small next to
+  the layers, and what decides the comparison is communication the vocabulary steps add on every rank: this
+  tool's head gathers the whole logits to the owner's tp peers (along the pipeline lines, over InfiniBand
+  between the two nodes, then within the owner's node) and scatters their gradient back, because the loss runs
+  unchanged in the owner's code. Megatron's 1F1B + TP keeps the logits split on the vocabulary and runs a
+  vocabulary-parallel cross entropy (rules/ops), moving no logits. The paper's interlaced pipeline counts the
+  loss among the vocabulary ops (split too); this tool does not split the loss inside the step yet. A call in
+  the middle of a stage's step (the decoder's embedding, after encoder layers on the same stage) also holds
+  every rank until the owner reaches it (the notes' "calls at"). The paper's setting is a huge table: the
+  artifact's T5 uses a 2,048,000-token vocabulary at hidden 6144 (cupilot/evaluation/t5_32gpus.sh), where
+  Megatron's embedding stages run out of memory; not priced here.
 - **AlphaFold2, 3F1B**: with block recompute, plain DP fits in 5.6 GiB per device in this memory model and is the
   fastest; the fixture has no triangle attention (N_res^3 scores per head), extra-MSA stack or structure module,
   whose memory is what forces DAP in practice, and this model prices AlphaFold2's many small ops at full matmul

@@ -277,6 +277,8 @@ def rank_bubble(argv: list[str]) -> None:
         record = {"rank": rank, "stages": list(module.PIPELINE_STAGES),
                   "micro_batches": v["package"].MICRO_BATCHES, "one_way_s": v["one_way_s"],
                   "vocab_stages": sorted(getattr(module, "VOCAB_CALLS", None) or {}),
+                  "vocab_calls": {str(k): n for k, n in (getattr(module, "VOCAB_CALLS", None) or {}).items()},
+                  "vocab_deferred": {str(k): c for k, c in (getattr(module, "VOCAB_DEFERRED", None) or {}).items()},
                   "one_way_raw_s": v["one_way_raw_s"],
                   "stage_blocks": {str(s): list(module.STAGE_BLOCKS[s]) for s in module.PIPELINE_STAGES},
                   "steps": v["steps"]}
@@ -580,7 +582,7 @@ def main() -> None:
     a = p.parse_args()
 
     import torch
-    from nnscaler_cst.plan.schedules import load_schedule, placement
+    from nnscaler_cst.plan.schedules import VocabSteps, load_schedule, placement
     from nnscaler_cst.verify.simulate import bubble_fraction, simulate
 
     names = [x for x in a.schedule.split(",") if x]
@@ -651,13 +653,16 @@ def main() -> None:
                 fig["formula"] = own[1] if own else (D - 1) / (D - 1 + M)
                 fig["formula_1f1b"] = (D - 1) / (D - 1 + M)
                 n = len(place.ranks)
-                shared = fig["vocab_stages"]    # interlaced: the owners' steps are collective over all ranks
-                fig["sim_unit"] = bubble_fraction(simulate(orders, n, placement=place, shared=shared), D)
+                shared = fig["vocab_stages"]    # interlaced: each vocabulary call a step of every rank
+                calls, later = records[0].get("vocab_calls", {}), records[0].get("vocab_deferred", {})
+                vocab = {int(s): VocabSteps((0.0,) * c, deferred=tuple(c - 1 - i in later.get(s, ()) for i in range(c)))
+                         for s, c in calls.items()}
+                fig["sim_unit"] = bubble_fraction(simulate(orders, n, placement=place, vocab=vocab), D)
                 fig["sim_measured_f"] = bubble_fraction(simulate(orders, n, forward_seconds=F, placement=place,
-                                                                 shared=shared), D)
+                                                                 vocab=vocab), D)
                 fig["sim_measured_f_latency"] = bubble_fraction(
                     simulate(orders, n, forward_seconds=F, latency=fig["one_way_s"], placement=place,
-                             shared=shared), D)
+                             vocab=vocab), D)
                 # replay() knows no collective step: for interlaced, simulate() with the measured F stands in
                 fig["replay_measured_fb"] = fig["sim_measured_f"] if shared else \
                     replay(orders, F, fig["stage_backward_s"], place)

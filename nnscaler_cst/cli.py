@@ -497,14 +497,14 @@ def schedule(model_file: Path = typer.Argument(..., help="model or entry file"),
         plan = plan_stages(analysis.graph, pp, table.virtual_stages, cuts, place, recycling=table.recycling)
         passes = plan.trunk.recycle.passes if plan.trunk.recycle is not None else 1
         micro = micro_batches or pp * table.virtual_stages
-        if table.vocab:         # interlaced: every rank's shares of the vocabulary-split modules too
+        if table.vocab:         # interlaced: the vocabulary calls' steps, every rank's, too
             from .plan import interlaced
             interlaced.apply(analysis.graph, plan, table)
-            orders = interlaced.orders(table, pp, micro, place, plan.vocab_stages)
+            orders = interlaced.orders(table, pp, micro, place, plan.vocab_steps, plan.stage_seconds)
         else:
             orders = make_schedule(table, pp, micro, passes)
         events = simulate(orders, plan.stages, forward_seconds=plan.stage_seconds, placement=place,
-                          passes=passes, shared=plan.vocab_stages)
+                          passes=passes, vocab=plan.vocab_steps)
         if csv:
             sys.stdout.write(to_csv(orders))
         else:

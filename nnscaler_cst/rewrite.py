@@ -287,6 +287,7 @@ def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: in
     replicas = Placement(tuple(stages.rank_of(s) for s in range(stages.stages)), stages.per_pipeline).replica_groups()
     tied = sorted({alias for group in stages.tied for alias in group})
     shared = sorted({alias for group in stages.shared for alias in group})
+    deferred = {s: [c for c in range(v.calls) if v.deferred_call(c)] for s, v in stages.vocab_steps.items()}
     if stages.chain:
         blocks = [f"PIPELINE_BLOCKS = {[t.container for t in stages.chain]}  # the block lists cut as one chain, "
                   "in call order",
@@ -320,10 +321,12 @@ def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: in
                 "on every stage, gradients summed over the pipeline"] if shared else []),
              *([f"PIPELINE_PASSES = {stages.trunk.recycle.passes}  # forwards per micro-batch (recycling): "
                 "all but the last without gradient, SFMrC = pass C"] if stages.trunk.recycle is not None else []),
-             *([f"VOCAB_MODULES = {stages.vocab_modules}  # split on the vocabulary over the pipeline ranks",
-                f"VOCAB_STAGES = {stages.vocab_stages}  # stages calling them: every other rank takes part "
+             *([f"VOCAB_MODULES = {stages.vocab_modules}  # split on the vocabulary over every tp x pp device",
+                f"VOCAB_STAGES = {stages.vocab_stages}  # stages calling them: each call is a step of every rank "
                 "(sEk, sGk)",
-                f"VOCAB_CALLS = {stages.vocab_calls}  # their calls in one step of each such stage"]
+                f"VOCAB_CALLS = {stages.vocab_calls}  # their calls in one step of each such stage",
+                f"VOCAB_DEFERRED = {deferred}  # backward calls (embeddings) whose steps run after the B, "
+                "from the output gradient it keeps"]
                if stages.vocab_modules else []),
              f'SCHEDULE = "{" ".join(map(str, orders[pp_rank]))}"  # this rank\'s order']
     return "\n".join(lines) + "\n"
@@ -339,7 +342,9 @@ def _schedule_comment(orders: list[list[Action]], table: str, micro: int) -> str
     if any(a.cycle is not None for order in orders for a in order):
         lines[0] += "; SFMrC = its pass C of the recycling loop, without gradient (F alone: the last pass)"
     if any(a.kind in "EG" for order in orders for a in order):
-        lines[0] += "; SE M / SG M = this rank's share of the vocabulary-split modules in that forward / backward"
+        lines[0] += ("; SEM / SGM = the vocabulary step (every rank: its rows of the vocabulary) of the first call of "
+                     "a vocabulary-split module in stage S's forward / backward of micro-batch M, SEMcC of its call C; "
+                     "the owner runs it inside its SFM / SBM, where the step makes the call")
     lines += [f"#   rank {r}: {' '.join(map(str, order))}" for r, order in enumerate(orders)]
     return "\n".join(lines) + "\n"
 
@@ -525,12 +530,13 @@ def plan_pipeline(analysis: Analysis, plan: Plan, request: PlanRequest) -> tuple
         normalising = micro_batch_statistics(analysis.graph, f"{micro} micro-batches")
         stages.micro_statistics = bool(normalising)
         plan.warnings += statistics_warnings(normalising, micro)
-    if table.vocab:       # interlaced: the embedding split over all pipeline ranks, shares placed in time
-        interlaced.apply(analysis.graph, stages, table)
-        orders = interlaced.orders(table, request.pp, micro, place, stages.vocab_stages)
+    tp = plan.mesh.get("tp", 1)
+    if table.vocab:       # interlaced: the embedding split over all tp x pp devices, its calls steps of their own
+        interlaced.apply(analysis.graph, stages, table, tp)
+        orders = interlaced.orders(table, request.pp, micro, place, stages.vocab_steps, stages.stage_seconds)
     else:
         orders = schedule(table, request.pp, micro, passes)
-    simulate(orders, stages.stages, placement=place, passes=passes, shared=stages.vocab_stages)
+    simulate(orders, stages.stages, placement=place, passes=passes, vocab=stages.vocab_steps)
     plan.name += f"+{table.name}"
     plan.mesh["pp"] = request.pp
     for index, model_stage in stages.node_stage.items():
@@ -545,13 +551,16 @@ def plan_pipeline(analysis: Analysis, plan: Plan, request: PlanRequest) -> tuple
         for before, after in zip(order, order[1:]):
             plan.order.append(OpOrder(str(before), str(after), rank))
     for node in interlaced.vocab_calls(analysis.graph, stages.vocab_modules):   # interlaced: n = |D| pieces
-        if node.span is not None and OpTrans(node.span.label, node.callee, "pp", "vocab", request.pp) not in plan.trans:
-            plan.trans.append(OpTrans(node.span.label, node.callee, "pp", "vocab", request.pp))
-            plan.assign += [OpAssign(node.span.label, "pp", i, plan.devices_of("pp", i)) for i in range(request.pp)]
+        trans = OpTrans(node.span.label, node.callee, "tp*pp", "vocab", request.pp * tp) if node.span else None
+        if trans is not None and trans not in plan.trans:
+            plan.trans.append(trans)      # piece p * tp + t on the device at pipeline index p, tp index t
+            plan.assign += [OpAssign(node.span.label, "tp*pp", p * tp + t,
+                                     tuple(sorted(set(plan.devices_of("pp", p)) & set(plan.devices_of("tp", t)))))
+                            for p in range(request.pp) for t in range(tp)]
     for name in stages.vocab_params:
         for pname, info in analysis.trace.params.items():
             if name in info.aliases and pname in plan.params:
-                plan.params[pname]["pp"] = "S0"        # rows of the vocabulary, one share per pipeline rank
+                plan.params[pname]["pp"] = "S0"        # rows of the vocabulary, one share per device of tp x pp
     return stages, orders
 
 

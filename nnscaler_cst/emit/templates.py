@@ -42,8 +42,14 @@ TP_SPLITS = {{
 PARAMETER_ALIASES = {{
 {aliases}}}
 
-# Interlaced pipeline: parameters split on dim 0 (the vocabulary) over the pipeline ranks.
+# Interlaced pipeline: parameters split on dim 0 (the vocabulary) over every tp x pp device,
+# piece pp * TP_SIZE + tp on the device at pipeline index pp, tensor-parallel index tp.
 PP_VOCAB_SPLITS = {vocab_splits!r}
+
+
+def vocab_piece(rank):
+    """The piece of a PP_VOCAB_SPLITS parameter that `rank` holds."""
+    return coords(rank)["pp"] * TP_SIZE + coords(rank)["tp"]
 
 
 def coords(rank):
@@ -70,7 +76,7 @@ def build(rank):
     if PP_SIZE == 1:
         return module.build()
     stages = torch.nn.ModuleList(keep_stage(module.build(), stage, module) for stage in module.PIPELINE_STAGES)
-    if getattr(module, "VOCAB_MODULES", None):   # interlaced: split on the vocabulary over the pipeline
+    if getattr(module, "VOCAB_MODULES", None):   # interlaced: split on the vocabulary over tp x pp
         from ._comm import vocab_split
         for stage in stages:
             vocab_split(stage, module.VOCAB_MODULES)
@@ -208,8 +214,8 @@ def shard_state_dict(state_dict, rank):
     tp_rank = coords(rank)["tp"]
 
     def share(name, t):
-        if name in PP_VOCAB_SPLITS:     # interlaced: this pipeline rank's rows of the vocabulary
-            t = t.chunk(PP_SIZE, dim=0)[coords(rank)["pp"]]
+        if name in PP_VOCAB_SPLITS:     # interlaced: this device's rows of the vocabulary
+            return t.chunk(PP_SIZE * TP_SIZE, dim=0)[vocab_piece(rank)].clone()
         return shard(t, *TP_SPLITS[name], tp_rank) if name in TP_SPLITS else t.clone()
 
     if PP_SIZE == 1:
@@ -239,8 +245,9 @@ def merge_state_dicts(state_dicts):
                 name = global_key(rest, module.PIPELINE_STAGES[int(local)], module)
             if name in merged:
                 continue  # a tied weight held by two stages: both copies are equal
-            if name in PP_VOCAB_SPLITS:    # interlaced: every pipeline rank holds rows of it
-                merged[name] = torch.cat([state_dicts[p * DP_SIZE * TP_SIZE][key] for p in range(PP_SIZE)], dim=0)
+            if name in PP_VOCAB_SPLITS:    # interlaced: every tp x pp device holds rows of it
+                merged[name] = torch.cat([state_dicts[p * DP_SIZE * TP_SIZE + t][key] for p in range(PP_SIZE)
+                                          for t in range(TP_SIZE)], dim=0)
                 continue
             merged[name] = unshard([state_dicts[r][key] for r in ranks], *TP_SPLITS[name]) \
                 if name in TP_SPLITS else t.clone()
@@ -426,11 +433,13 @@ def shared_grads(stages, module):
 def parse_action(action, passes=1):
     """"1F3" -> ("F", 1, 3, passes - 1): the forward (F) or backward (B) of stage 1 on micro-batch 3,
     in the last pass; "1F3r0" -> ("F", 1, 3, 0): its pass 0, without gradient (recycling, 3F1B);
-    "1E3" and "1G3": this rank's share of the vocabulary-split modules in that forward or backward."""
+    "1E3" and "1G3c1": the vocabulary step of the first call of a vocabulary-split module in that
+    forward, of the second in that backward (call 1; interlaced)."""
     action, _, cycle = action.partition("r")
+    action, _, call = action.partition("c")
     kind = next(k for k in "FBEG" if k in action)
     stage, m = (int(x) for x in action.split(kind))
-    return kind, stage, m, int(cycle) if cycle else passes - 1
+    return kind, stage, m, int(cycle) if cycle else passes - 1, int(call or 0)
 
 
 def pipeline_forward_backward(stages, batch, module):
@@ -458,11 +467,27 @@ def pipeline_forward_backward(stages, batch, module):
     device_type = device_type_of(stages)
 
     vocab = set(getattr(module, "VOCAB_STAGES", ()))    # stages calling vocabulary-split modules
+    deferred = getattr(module, "VOCAB_DEFERRED", {{}})    # their backward calls run as steps after the B
+    inside = set()          # vocabulary steps an owner's step runs while it pauses at a call of its own
+
+    def paused_at(i):
+        """The vocabulary steps that owner step i runs where it makes its calls: those listed after
+        it up to its last own call at which it pauses (the others, its embeddings' backward, later)."""
+        kind, stage, m = actions[i][:3]
+        share = "E" if kind == "F" else "G"
+        mine = [j for j in range(i + 1, len(actions)) if actions[j][0] in "EG" and
+                actions[j][:3] == (share, stage, m) and not (share == "G" and actions[j][4] in deferred.get(stage, ()))]
+        entries = []
+        for j in range(i + 1, max(mine, default=i) + 1):
+            k, s, mm, _, call = actions[j]
+            entries.append((k, s, mm, call, None if s in local else rank_of(s), j in mine))
+            inside.add(j)
+        return entries
 
     def receives(action):
         """What `action` will receive: activations from the stage before (or, for a later pass on
         the first stage, the recycled values from the last), gradients from the one after."""
-        kind, stage, m, cycle = action
+        kind, stage, m, cycle, _ = action
         if kind in "EG":
             return None
         if kind == "F" and not first(stage):
@@ -475,16 +500,21 @@ def pipeline_forward_backward(stages, batch, module):
 
     incoming = receives(actions[0])
     _comm.post_p2p([], incoming)                 # the first action's receives
-    for i, (kind, stage, m, cycle) in enumerate(actions):
+    for i, (kind, stage, m, cycle, call) in enumerate(actions):
         _comm.PIPE.stage = stage % length
         _comm.PIPE.cycle = cycle if passes > 1 else None
         before = rank_of(stage - 1) if not first(stage) else None
         after = rank_of(stage + 1) if not last(stage) else None
         sends = []
-        if kind in "EG":    # this rank's share of another stage's vocabulary ops, at that stage's step
-            _comm.vocab_share(kind, stage, m, rank_of(stage), module.VOCAB_CALLS[stage])
+        if kind in "EG":    # a vocabulary step of every rank
+            if i in inside:
+                pass            # run inside an owner's step of this rank, paused at a call
+            elif stage in local:
+                _comm.vocab_deferred(stage, m, call)     # its embedding's backward, after its B
+            else:
+                _comm.vocab_share(kind, stage, m, rank_of(stage))   # this rank's rows of the vocabulary
         elif stage in vocab:
-            _comm.vocab_begin()         # the owner of this step: its calls are counted from 0
+            _comm.vocab_begin(stage, m, paused_at(i))   # the owner of this step: its calls counted from 0
         if kind == "F":
             received = []
             if not first(stage):
@@ -721,9 +751,9 @@ def norm_counted(model):
         for key in counted:
             name = min(PARAMETER_ALIASES.get(names[key], [names[key]]))
             first = next(rank for rank, there in enumerate(holders) if name in there)
-            split_pp = names[key] in PP_VOCAB_SPLITS    # every pipeline rank holds rows of it
-            counted[key] = counted[key] and (split_pp or first == _comm.PP.rank) and \\
-                (names[key] in TP_SPLITS or _comm.TP.rank == 0)
+            split_pp = names[key] in PP_VOCAB_SPLITS    # every tp x pp device holds rows of it
+            counted[key] = counted[key] and (split_pp or (first == _comm.PP.rank and
+                                                          (names[key] in TP_SPLITS or _comm.TP.rank == 0)))
         model.grad_norm_counted = counted
     return model.grad_norm_counted
 
@@ -784,9 +814,9 @@ def tensor_chunks(name, local):
     shape, base = list(local.shape), [0] * local.dim()
     if dim is not None:
         shape[dim] *= TP_SIZE
-    if name in PP_VOCAB_SPLITS:     # interlaced: this pipeline rank's rows of the vocabulary
-        base[0] = _comm.PP.rank * shape[0]
-        shape[0] *= PP_SIZE
+    if name in PP_VOCAB_SPLITS:     # interlaced: this device's rows of the vocabulary
+        base[0] = _comm.PP_TP.rank * shape[0]
+        shape[0] *= PP_SIZE * TP_SIZE
     if dim is None:
         return torch.Size(shape), [(tuple(base), local)]
     block = local.shape[dim] // groups          # this rank's part of each fused block

@@ -25,7 +25,9 @@ The step of a configuration, per micro-batch of B / (dp M) samples on stage s:
   step = sum_s t_s + (M - 1) max_s t_s                      (1F1B: fill, steady state, drain;
                                                              other schedules: _stage_times)
          (a trunk run in a recycling loop pipelines under 3F1B: t_s holds every pass, the
-         no-gradient ones as forwards alone, and the same formula prices it)
+         no-gradient ones as forwards alone; its order is priced by the simulator's timeline,
+         schedules.simulated_seconds: a pass waits for the one before to come round the whole
+         pipeline, which the formula misses once the stages outnumber the passes)
          + max_s (gradient sync over dp and of partial tensor-parallel gradients + optimizer)
 Memory per device, the worst stage: parameters, gradients and AdamW state of its stage (ZeRO
 shards them over dp), plus min(pp - s, M) micro-batches of activations (recompute keeps each
@@ -47,6 +49,7 @@ from .layouts import REPLICATE, R
 from .memory import saved_bytes
 from .zero import state_bytes_per_device, units_in_flight
 from .search import BYTES_PER_PARAM_STATE, AxisPlan, _layout, _search_cache, from_end, search_axis, site_id
+from .schedules import load_schedule, simulated_seconds
 from .tables import Constraint, load_table
 
 VARIANTS = ("auto", "sequence_parallel")     # how each tensor-parallel size is solved
@@ -941,7 +944,8 @@ def _stage_times(config: Config, cost: _Regions, blocks: _Blocks, cluster: Clust
 
     Model stage s takes t_s per micro-batch (forward and backward). A rank's T_r is its stages'
     t_s over the P pipelines; the step is M max_r T_r plus the fill and drain:
-      one stage per rank (1F1B, interlaced, 3F1B)  sum_s t_s - max_s t_s        (exact for 1F1B)
+      one stage per rank (1F1B, interlaced)       sum_s t_s - max_s t_s        (exact for 1F1B;
+                                                  3F1B: the simulated timeline of its order)
       V stages per rank (interleaved)             (D - 1) max_s t_s             (t_s: a 1/V chunk)
       P pipelines (Chimera, P = 2)                (D - P) / P max_s t_s         (its bubble formula)
     Activations: stage s of a pipeline keeps min(D·V/P - s, M/P) micro-batches (1F1B's warm-up);
@@ -971,6 +975,9 @@ def _stage_times(config: Config, cost: _Regions, blocks: _Blocks, cluster: Clust
         chunk.append(seconds)
         kept.append(fraction * saved)
     stage_seconds, pipeline = pipeline_seconds(config.schedule, pp, micro, chunk)
+    if pp > 1 and V == 1 and P == 1 and config.schedule not in ("1f1b", INTERLACED):
+        # 3f1b: each pass waits for the one before to come round the pipeline, which the formula misses
+        pipeline = simulated_seconds(load_schedule(config.schedule), chunk, micro, blocks.passes)
     if V == 1 and P == 1:
         activations = [kept[s] * min(pp - s, micro) for s in range(pp)]
     elif P == 1:

@@ -33,30 +33,74 @@ _CONSTRAINT = re.compile(r"^\s*([FB])(?:\{(.+?)\})?\[(.+?)\]\s*<\s*([FB])(?:\{(.
 
 @dataclass(frozen=True)
 class Action:
-    kind: str          # "F" or "B"; "E" / "G": a rank's share of another stage's F / B (interlaced)
+    # "F" or "B"; interlaced: "E" / "G", the SPMD step (every rank takes part) of one call of a
+    # vocabulary-split module in stage `stage`'s forward / backward of micro-batch `micro`
+    kind: str
     stage: int         # global (virtual) stage
     micro: int
     # recycling (NF1B): the pass of a forward without gradient, 0..N-2; None for the forward
     # that keeps its activations for the backward (the last pass, or the only one)
     cycle: int | None = None
+    call: int = 0      # E / G: which vocabulary call of that step (in the order the step makes them)
 
-    def __str__(self) -> str:          # torch.distributed.pipelining's action grammar (+ "r<pass>")
-        return f"{self.stage}{self.kind}{self.micro}" + (f"r{self.cycle}" if self.cycle is not None else "")
+    def __str__(self) -> str:          # torch.distributed.pipelining's action grammar (+ "c<call>", "r<pass>")
+        return f"{self.stage}{self.kind}{self.micro}" + (f"c{self.call}" if self.call else "") + \
+            (f"r{self.cycle}" if self.cycle is not None else "")
 
 
-_ACTION = re.compile(r"^(\d+)([FBEG])(\d+)(?:r(\d+))?$")
+_ACTION = re.compile(r"^(\d+)([FBEG])(\d+)(?:c(\d+))?(?:r(\d+))?$")
 
 
 def parse_action(text: str) -> Action:
     """"1F3" -> the forward of stage 1 on micro-batch 3; "0F2r1" -> its no-grad pass 1 (recycling);
-    "1E3" / "1G3" -> this rank's share of that forward / backward (interlaced)."""
+    "1E3" / "1G3c1" -> the vocabulary step of that forward's first call / that backward's second
+    (interlaced)."""
     match = _ACTION.match(text)
     if not match:
         raise UserError(f"cannot read the pipeline action {text!r}",
                         hint="actions are STAGE F|B MICRO, e.g. 0F1, 1B0, 0F1r0 for a no-grad pass, "
-                             "0E1 / 0G1 for a share of stage 0's vocabulary-split modules")
-    stage, kind, micro, cycle = match.groups()
-    return Action(kind, int(stage), int(micro), int(cycle) if cycle is not None else None)
+                             "0E1 / 0G1c1 for the vocabulary steps of stage 0's calls of vocabulary-split modules")
+    stage, kind, micro, call, cycle = match.groups()
+    return Action(kind, int(stage), int(micro), int(cycle) if cycle is not None else None, int(call or 0))
+
+
+@dataclass(frozen=True)
+class VocabSteps:
+    """Interlaced: the calls of vocabulary-split modules in one step of a stage, each an SPMD step of
+    its own that every rank takes part in. `at`: where each call comes in the stage's forward, as a
+    fraction of its forward time (ascending); `forward` / `backward`: each call's step in seconds,
+    in forward call order. The backward meets the calls in reverse order, at 1 - `at`, and pauses
+    at those not `deferred`: an embedding's backward returns no gradient to its input, so the
+    owner keeps its output's gradient and the call's backward step runs after the owner's step."""
+    at: tuple[float, ...]
+    forward: tuple[float, ...] = ()
+    backward: tuple[float, ...] = ()
+    deferred: tuple[bool, ...] = ()
+
+    @property
+    def calls(self) -> int:
+        return len(self.at)
+
+    def deferred_call(self, call: int) -> bool:
+        """Whether backward call `call` (counted in the backward's order) runs after the step."""
+        return bool(self.deferred) and self.deferred[self.calls - 1 - call]
+
+    def pausing(self, kind: str) -> list[int]:
+        """The calls (in the step's own order) at which the owner's F or B pauses."""
+        return list(range(self.calls)) if kind == "F" else \
+            [c for c in range(self.calls) if not self.deferred_call(c)]
+
+    def pieces(self, kind: str) -> list[float]:
+        """The owner's step cut at its pausing calls: fractions of its F or B before the first,
+        between two, after the last (one more than the pausing calls)."""
+        marks = list(self.at) if kind == "F" else [1.0 - self.at[self.calls - 1 - c] for c in self.pausing("B")]
+        return [b - a for a, b in zip([0.0] + marks, marks + [1.0])]
+
+    def seconds(self, kind: str, call: int) -> float:
+        """The SPMD step of call `call` (counted in the step's own order: a backward's first is
+        the forward's last)."""
+        times = self.forward if kind == "E" else tuple(reversed(self.backward))
+        return times[call] if call < len(times) else 0.0
 
 
 @dataclass
@@ -282,6 +326,45 @@ def schedule(table: ScheduleTable, ranks: int, micro: int, passes: int = 1) -> l
     return [rank_order(table, r, ranks, micro, passes) for r in range(ranks)]
 
 
+_ORDERS: dict = {}
+
+
+def cached_schedule(table: ScheduleTable, ranks: int, micro: int, passes: int = 1) -> list[list[Action]]:
+    """schedule(), kept per table and sizes for the planner, which prices many configurations of
+    a few sizes (z3 orders 3F1B's 8 ranks x 24 micro-batches in about 15 s). Do not modify."""
+    key = (table.location.path, table.name, tuple(table.order), table.warmup, ranks, micro, passes)
+    if key not in _ORDERS:
+        _ORDERS[key] = schedule(table, ranks, micro, passes)
+    return _ORDERS[key]
+
+
 def to_csv(orders: list[list[Action]]) -> str:
     """One row per rank, one column per step: torch.distributed.pipelining's `0F0,1B3` grammar."""
     return "\n".join(",".join(str(a) for a in order) for order in orders) + "\n"
+
+
+def simulated_seconds(table: ScheduleTable, stage_seconds: list[float], micro: int, passes: int = 1,
+                      orders_for=None, vocab=None) -> float:
+    """The pipeline's seconds per step under the table's order: the simulator's timeline
+    (verify/simulate.py) over `stage_seconds` (per stage and micro-batch, all its passes: a
+    forward per pass, the backward twice a forward). `orders_for(m)`: the ranks' orders for m
+    micro-batches (default: the table's). A schedule repeats once every rank is in its steady
+    state, so the step grows by the same period per micro-batch after 2D of them: measured
+    between 2D and 3D micro-batches and extrapolated (z3 orders 3D, not thousands)."""
+    from ..verify.simulate import simulate
+    ranks = len(stage_seconds)
+    forward = [t / (passes + 2.0) for t in stage_seconds]
+    place = placement(table, ranks)
+    orders_for = orders_for or (lambda m: cached_schedule(table, ranks, m, passes))
+
+    def span(m: int) -> float:
+        events = simulate(orders_for(m), len(place.ranks), forward_seconds=forward, placement=place, passes=passes,
+                          vocab=vocab)
+        return max(e.end for e in events)
+
+    step = ranks * table.virtual_stages * table.pipelines     # micro-batch counts the table accepts
+    short, longer = 2 * step, 3 * step
+    if micro <= longer:
+        return span(micro)
+    at_short, at_longer = span(short), span(longer)
+    return at_longer + (micro - longer) * (at_longer - at_short) / (longer - short)

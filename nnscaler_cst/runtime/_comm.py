@@ -69,7 +69,7 @@ __all__ = [
     "activation_sends", "activation_recvs", "grad_sends", "grad_recvs", "post_p2p",
     "wait_activations", "wait_grads", "shape_key", "HandoffMismatch",
     "COUNTERS", "reset_counters",
-    "vocab_split", "vocab_begin", "vocab_end", "vocab_share",
+    "vocab_split", "vocab_begin", "vocab_end", "vocab_share", "vocab_deferred",
 ]
 
 
@@ -107,6 +107,7 @@ DP = Axis("dp")
 PP = Axis("pp")
 PP_ENDS = Axis("pp_ends")  # the stages of this rank's pipeline holding tied embeddings (first and last)
 PP_REPLICA = Axis("pp_replica")  # pipeline ranks holding replicas of the same stages (Chimera)
+PP_TP = Axis("pp_tp")  # the tp x pp devices of one data-parallel replica, by (pp, tp) index (interlaced)
 GLOBAL_RANK = 0  # rebound by setup: read it as _comm.GLOBAL_RANK, not via `from _comm import`
 
 
@@ -147,6 +148,7 @@ def setup(rank: int, world_size: int, *, tp: int = 1, dp: int = 1, pp: int = 1,
         DP: [[global_rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
         PP: [[global_rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
     }
+    lines[PP_TP] = [[global_rank(p, d, t) for p in range(pp) for t in range(tp)] for d in range(dp)]
     lines[PP_ENDS] = [[line[p] for p in (pp_tied or (0, pp - 1))] for line in lines[PP]] if pp > 1 else [[rank]]
     lines[PP_REPLICA] = [[line[p] for p in group] for line in lines[PP] for group in pp_replicas] \
         if pp_replicas else [[rank]]
@@ -168,7 +170,7 @@ def teardown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     GLOBAL_RANK = 0
-    for axis in (TP, DP, PP, PP_ENDS, PP_REPLICA):
+    for axis in (TP, DP, PP, PP_TP, PP_ENDS, PP_REPLICA):
         axis._reset()
     _clear_handoff_cache()
 
@@ -183,7 +185,7 @@ def axis_ranks(axis: Axis) -> list[int]:
 # --------------------------------------------------------------------------
 
 COUNTERS = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0, "send": 0, "recv": 0, "bytes": 0,
-            "handoff_headers": 0, "broadcast": 0}  # pipeline hand-off metadata headers sent
+            "handoff_headers": 0, "broadcast": 0, "gather": 0, "scatter": 0}  # pipeline hand-off metadata headers sent
 
 
 def reset_counters() -> None:
@@ -1993,25 +1995,32 @@ def recv_grads(outputs: list, src: int, stage: int, micro: int) -> list:
 # Interlaced pipeline: vocabulary-parallel modules over all pipeline ranks
 # --------------------------------------------------------------------------
 # The embedding (and the modules sharing its weight: an LM head) is split on the vocabulary
-# over every rank of the pipeline (PP). The stage that calls it (the owner) broadcasts a small
-# header (what runs next, on what shape) and the input; every rank computes its rows and the
-# pieces are summed (embedding) or gathered (head). The other ranks take part in the same step
-# of the schedule: "0E3" is this rank's share of stage 0's forward of micro-batch 3, "0G3" of its
-# backward. The other ranks serve as many calls as the plan counted in that step (VOCAB_CALLS).
+# over every device of the tp x pp mesh (PP_TP: piece pp_index * tp + tp_index). Each call is a
+# step of the schedule of its own that every rank takes part in: "0E3" is the step of the first
+# call in stage 0's forward of micro-batch 3, "0G3c1" of the second call in its backward. The
+# stage making the call (the owner) runs it where its step makes the call: it broadcasts a small
+# header (what runs, on what shape) and the input along its pipeline line (each tp peer of the
+# owner to its own line); every device computes its rows and the pieces are summed (embedding)
+# or gathered (head) over PP_TP. The other ranks run it between two of their own steps.
 
 _V_EMBED, _V_LINEAR, _V_EMBED_GRAD, _V_LINEAR_GRAD = 1, 2, 3, 4
 _V_HEADER = 8
 
 
 class VocabState:
-    """The vocabulary-split modules of this rank (VOCAB_MODULES order), the owner's call counter
-    within one step, and what the other ranks keep from a forward share for its backward."""
+    """The vocabulary-split modules of this rank (VOCAB_MODULES order); in an owner's step, its
+    stage and micro-batch, its call counters and the vocabulary steps it runs where it pauses at
+    its calls (`queue`); what the other ranks keep from a forward step for its backward; the
+    output gradients of the owner's embedding calls, whose backward steps run after its step."""
 
     def __init__(self) -> None:
         self.modules: list = []
         self.calls = 0
         self.grads = 0
+        self.step = None
+        self.queue: list = []
         self.saved: dict = {}
+        self.stash: dict = {}
 
 
 VOCAB = VocabState()
@@ -2028,7 +2037,7 @@ def _broadcast(t: torch.Tensor, src: int, axis: Axis) -> torch.Tensor:
 
 def _vocab_rows(weight: torch.Tensor) -> tuple[int, int]:
     rows = weight.shape[0]
-    return PP.rank * rows, rows
+    return PP_TP.rank * rows, rows
 
 
 def _embed_local(ids: torch.Tensor, weight: torch.Tensor, padding_idx) -> torch.Tensor:
@@ -2042,7 +2051,7 @@ def _embed_grad(ids: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, pad
     start, rows = _vocab_rows(weight)
     keep = (ids >= start) & (ids < start + rows)
     if padding_idx is not None:
-        keep &= ids != (padding_idx if padding_idx >= 0 else padding_idx + rows * PP.size)
+        keep &= ids != (padding_idx if padding_idx >= 0 else padding_idx + rows * PP_TP.size)
     rows_of = (ids - start).masked_fill(~keep, 0).reshape(-1)
     grad = grad.to(weight.dtype).masked_fill(~keep.unsqueeze(-1), 0.0).reshape(-1, weight.shape[-1])
     return torch.zeros_like(weight).index_add_(0, rows_of, grad)
@@ -2060,43 +2069,54 @@ def _owner_header(kind: int, call: int, index: int, x: torch.Tensor) -> None:
 
 
 class _VocabEmbedding(torch.autograd.Function):
-    """Forward: the ids to every pipeline rank, each looks up its rows, all-reduce(sum).
-    Backward: the output's gradient to every rank, each accumulates its rows' gradient."""
+    """Forward: the ids to every device, each looks up its rows, all-reduce(sum) over PP_TP.
+    Backward: the output's gradient to every device, each accumulates its rows' gradient."""
 
     @staticmethod
     def forward(ctx, ids, weight, index, padding_idx, call):
         ids = ids.long().contiguous()
+        _serve_queue()
         _owner_header(_V_EMBED, call, index, ids)
         _broadcast(ids, GLOBAL_RANK, PP)
-        out = _all_reduce(_embed_local(ids, weight, padding_idx).contiguous(), PP)
+        out = _all_reduce(_embed_local(ids, weight, padding_idx).contiguous(), PP_TP)
         ctx.save_for_backward(ids, weight)
         ctx.meta = (index, padding_idx, call)
         return out
 
     @staticmethod
     def backward(ctx, grad):
+        # no gradient to the ids: the call's backward step runs after the owner's step (vocab_deferred)
         ids, weight = ctx.saved_tensors
         index, padding_idx, call = ctx.meta
-        VOCAB.grads += 1
         grad = grad.contiguous()
-        _owner_header(_V_EMBED_GRAD, call, index, grad)
-        _broadcast(grad, GLOBAL_RANK, PP)
-        return None, _embed_grad(ids, grad, weight, padding_idx), None, None, None
+        if VOCAB.step is None:      # outside a pipeline schedule (a dry run): the step at once
+            _owner_header(_V_EMBED_GRAD, call, index, grad)
+            _broadcast(grad, GLOBAL_RANK, PP)
+            return None, _embed_grad(ids, grad, weight, padding_idx), None, None, None
+        VOCAB.stash[(*VOCAB.step, VOCAB.grads)] = (index, call, ids, grad)
+        VOCAB.grads += 1
+        return None, None, None, None, None
 
 
 class _VocabLinear(torch.autograd.Function):
-    """Forward: the input to every pipeline rank, each computes its vocabulary slice of the
-    output, all-gathered on the last dim. Backward: the output's gradient to every rank, each
-    computes its weight rows' gradient and its part of the input's, all-reduce(sum)."""
+    """Forward: the input to every device along its pipeline line, each computes its vocabulary
+    slice of the output; the owner's tp peers gather their lines' slices, then all-gather them
+    among themselves (the whole logits on the owner only). Backward: the owner scatters the
+    output's gradient along its line, each device its own slice; each computes its weight rows'
+    gradient and its part of the input's, all-reduce(sum) over PP_TP."""
 
     @staticmethod
     def forward(ctx, x, weight, index, call):
         x = x.to(weight.dtype).contiguous()
+        _serve_queue()
         _owner_header(_V_LINEAR, call, index, x)
         _broadcast(x, GLOBAL_RANK, PP)
         ctx.save_for_backward(x, weight)
         ctx.meta = (index, call)
-        return torch.cat(_all_gather(F.linear(x, weight), PP), dim=-1)
+        line = _gather(F.linear(x, weight), GLOBAL_RANK, PP)            # pieces p * tp + TP.rank, p = 0..pp-1
+        line = torch.stack(line)
+        peers = _all_gather(line, TP) if TP.size > 1 else [line]         # every tp peer's line
+        return torch.cat([peers[t][p] for p in range(PP.size) for t in range(TP.size)], dim=-1)
 
     @staticmethod
     def backward(ctx, grad):
@@ -2104,21 +2124,48 @@ class _VocabLinear(torch.autograd.Function):
         index, call = ctx.meta
         VOCAB.grads += 1
         grad = grad.contiguous()
+        _serve_queue()
         _owner_header(_V_LINEAR_GRAD, call, index, grad)
-        _broadcast(grad, GLOBAL_RANK, PP)
-        gw, gx = _linear_grads(x, grad, weight)
-        return _all_reduce(gx, PP), gw, None, None
+        rows = weight.shape[0]
+        pieces = [grad[..., (p * TP.size + TP.rank) * rows:(p * TP.size + TP.rank + 1) * rows] for p in range(PP.size)]
+        mine = _scatter(pieces, GLOBAL_RANK, PP)
+        gw, gx = _linear_grads(x, mine, weight)
+        return _all_reduce(gx, PP_TP), gw, None, None
 
 
-def _linear_grads(x, grad, weight):
-    start, rows = _vocab_rows(weight)
-    mine = grad[..., start:start + rows]
+def _linear_grads(x, mine, weight):
+    """This device's weight rows' gradient and its part of the input's, from its slice of the
+    output's gradient."""
+    rows = weight.shape[0]
     gw = mine.reshape(-1, rows).t().matmul(x.reshape(-1, x.shape[-1]))
     return gw, mine.matmul(weight).contiguous()
 
 
+def _gather(t: torch.Tensor, dst: int, axis: Axis) -> list[torch.Tensor] | None:
+    """Gather ``t`` over ``axis`` to global rank ``dst``: one tensor per axis index there, None
+    elsewhere."""
+    t = t.contiguous()
+    if axis.size == 1:
+        return [t]
+    _record("gather", t if GLOBAL_RANK != dst else None)
+    parts = [torch.empty_like(t) for _ in range(axis.size)] if GLOBAL_RANK == dst else None
+    dist.gather(t, parts, dst=dst, group=axis.group)
+    return parts
+
+
+def _scatter(pieces: list[torch.Tensor] | None, src: int, axis: Axis, like: torch.Tensor | None = None) -> torch.Tensor:
+    """Scatter ``pieces`` (one per axis index, on global rank ``src``) over ``axis``: this rank's."""
+    if axis.size == 1:
+        return pieces[0].contiguous()
+    pieces = [p.contiguous() for p in pieces] if GLOBAL_RANK == src else None
+    out = torch.empty_like(pieces[0] if pieces is not None else like)
+    _record("scatter", out if pieces is not None else None)
+    dist.scatter(out, pieces, src=src, group=axis.group)
+    return out
+
+
 class VocabEmbedding(torch.nn.Embedding):
-    """nn.Embedding whose weight holds this pipeline rank's rows of the vocabulary."""
+    """nn.Embedding whose weight holds this device's rows of the vocabulary (PP_TP)."""
 
     def forward(self, ids):
         VOCAB.calls += 1
@@ -2126,7 +2173,7 @@ class VocabEmbedding(torch.nn.Embedding):
 
 
 class VocabLinear(torch.nn.Linear):
-    """nn.Linear (no bias) whose weight holds this pipeline rank's rows (outputs) of the vocabulary."""
+    """nn.Linear (no bias) whose weight holds this device's rows (outputs) of the vocabulary (PP_TP)."""
 
     def forward(self, x):
         VOCAB.calls += 1
@@ -2135,7 +2182,7 @@ class VocabLinear(torch.nn.Linear):
 
 def vocab_split(model: torch.nn.Module, paths: list[str]) -> None:
     """Turn the modules at `paths` into their vocabulary-parallel kind: the weight (one parameter
-    however many modules share it) keeps this pipeline rank's rows, dim 0 split over PP."""
+    however many modules share it) keeps this device's rows, dim 0 split over PP_TP."""
     shards: dict[int, torch.nn.Parameter] = {}
     VOCAB.modules = []
     for path in paths:
@@ -2153,59 +2200,99 @@ def vocab_split(model: torch.nn.Module, paths: list[str]) -> None:
         weight = module.weight
         if id(weight) not in shards:
             rows = weight.shape[0]
-            if rows % PP.size:
-                raise ValueError(f"{path}: {rows} rows do not split over {PP.size} pipeline ranks")
-            part = rows // PP.size
-            shards[id(weight)] = torch.nn.Parameter(weight.detach()[PP.rank * part:(PP.rank + 1) * part].clone(),
+            if rows % PP_TP.size:
+                raise ValueError(f"{path}: {rows} rows do not split over {PP_TP.size} tp x pp devices")
+            part = rows // PP_TP.size
+            shards[id(weight)] = torch.nn.Parameter(weight.detach()[PP_TP.rank * part:(PP_TP.rank + 1) * part].clone(),
                                                     requires_grad=weight.requires_grad)
         module.weight = shards[id(weight)]
         module.vocab_index = len(VOCAB.modules)
         VOCAB.modules.append(module)
 
 
-def vocab_begin() -> None:
-    """The owner starts a step of a stage that calls vocabulary-split modules."""
+def vocab_begin(stage: int, micro: int, queue: list) -> None:
+    """The owner starts a step of a stage that calls vocabulary-split modules. `queue`: the
+    vocabulary steps of the schedule it runs where it pauses at its calls, in order, each
+    (kind, stage, micro, call, src: the owner's global rank or None for this rank's own stage,
+    mine: a call of this step)."""
     VOCAB.calls = VOCAB.grads = 0
+    VOCAB.step, VOCAB.queue = (stage, micro), list(queue)
+
+
+def _serve_queue() -> None:
+    """At an owner's call: first the vocabulary steps the schedule puts before it (other stages'
+    calls, this rank's earlier embeddings' backward steps), then the call itself (its caller's).
+    Outside a pipeline schedule (a dry run) there is nothing to serve."""
+    if VOCAB.step is None:
+        return
+    while VOCAB.queue:
+        kind, stage, micro, call, src, mine = VOCAB.queue.pop(0)
+        if mine:
+            return
+        if src is None:
+            vocab_deferred(stage, micro, call)
+        else:
+            vocab_share(kind, stage, micro, src)
+    raise RuntimeError(f"a call of a vocabulary-split module in stage {VOCAB.step[0]}'s step of micro-batch "
+                       f"{VOCAB.step[1]} that the schedule does not list (SCHEDULE, VOCAB_CALLS)")
 
 
 def vocab_end(expected: int) -> None:
     """The owner ends such a step: it must have made the calls the other ranks serve (the
     plan's count), else they would wait on."""
     made = VOCAB.calls if VOCAB.grads == 0 else VOCAB.grads
-    if made != expected:
+    VOCAB.step = None
+    if made != expected or VOCAB.queue:
         raise RuntimeError(f"this pipeline step made {made} calls of vocabulary-split modules, the other "
-                           f"ranks serve {expected} (VOCAB_CALLS)")
+                           f"ranks serve {expected} (VOCAB_CALLS)" +
+                           (f"; {len(VOCAB.queue)} vocabulary steps it should run are left" if VOCAB.queue else ""))
+
+
+def vocab_deferred(stage: int, micro: int, call: int) -> None:
+    """The backward step of an embedding call of this rank's own stage (its `call`-th in the
+    backward of micro-batch `micro`), after the step that kept its output's gradient: the gradient
+    to every device, each accumulates its rows' gradient."""
+    index, forward_call, ids, grad = VOCAB.stash.pop((stage, micro, call))
+    module = VOCAB.modules[index]
+    _owner_header(_V_EMBED_GRAD, forward_call, index, grad)
+    _broadcast(grad, GLOBAL_RANK, PP)
+    weight = module.weight
+    if weight.requires_grad:
+        gw = _embed_grad(ids, grad, weight, module.padding_idx)
+        weight.grad = gw if weight.grad is None else weight.grad + gw
 
 
 def _vocab_device():
     return VOCAB.modules[0].weight.device if VOCAB.modules else torch.device("cpu")
 
 
-def vocab_share(kind: str, stage: int, micro: int, src: int, calls: int) -> None:
-    """This rank's share of the owner's step (`src`: its global rank): "E" of a forward, "G" of
-    a backward. Serves the owner's `calls` calls, as each header says, and returns after the
-    last (not at the end of the owner's step)."""
+def vocab_share(kind: str, stage: int, micro: int, src: int) -> None:
+    """This rank's part of one vocabulary step of another stage's step (`src`: the global rank of
+    its owner on this rank's pipeline line): "E" of a call in its forward, "G" in its backward.
+    Reads the owner's header (which call, which module, what shape), computes this device's rows;
+    a forward keeps its input for the call's backward."""
     device = _vocab_device()
-    saved = VOCAB.saved.setdefault((stage, micro), {}) if kind == "E" else VOCAB.saved.pop((stage, micro), {})
-    for _ in range(calls):
-        what, call, index, ndim, *shape = _header([], src, device)
-        shape = shape[:ndim]
-        module = VOCAB.modules[index]
-        weight = module.weight
-        if what == _V_EMBED:
-            ids = _broadcast(torch.empty(shape, dtype=torch.long, device=device), src, PP)
-            _all_reduce(_embed_local(ids, weight.detach(), module.padding_idx).contiguous(), PP)
-            saved[call] = ids
-        elif what == _V_LINEAR:
-            x = _broadcast(torch.empty(shape, dtype=weight.dtype, device=device), src, PP)
-            _all_gather(F.linear(x, weight.detach()), PP)
-            saved[call] = x
-        else:
+    what, call, index, ndim, *shape = _header([], src, device)
+    shape = shape[:ndim]
+    module = VOCAB.modules[index]
+    weight = module.weight
+    if what == _V_EMBED:
+        ids = _broadcast(torch.empty(shape, dtype=torch.long, device=device), src, PP)
+        _all_reduce(_embed_local(ids, weight.detach(), module.padding_idx).contiguous(), PP_TP)
+        VOCAB.saved[(stage, micro, call)] = ids
+    elif what == _V_LINEAR:
+        x = _broadcast(torch.empty(shape, dtype=weight.dtype, device=device), src, PP)
+        _gather(F.linear(x, weight.detach()), src, PP)       # to the owner's tp peer on this line
+        VOCAB.saved[(stage, micro, call)] = x
+    else:
+        saved = VOCAB.saved.pop((stage, micro, call))
+        if what == _V_EMBED_GRAD:
             grad = _broadcast(torch.empty(shape, dtype=weight.dtype, device=device), src, PP)
-            if what == _V_EMBED_GRAD:
-                gw = _embed_grad(saved[call], grad, weight, module.padding_idx)
-            else:
-                gw, gx = _linear_grads(saved[call], grad, weight.detach())
-                _all_reduce(gx, PP)
-            if weight.requires_grad:
-                weight.grad = gw if weight.grad is None else weight.grad + gw
+            gw = _embed_grad(saved, grad, weight, module.padding_idx)
+        else:               # this device's slice of the logits' gradient, from the owner's tp peer
+            mine = _scatter(None, src, PP, torch.empty([*shape[:-1], weight.shape[0]], dtype=weight.dtype,
+                                                       device=device))
+            gw, gx = _linear_grads(saved, mine, weight.detach())
+            _all_reduce(gx, PP_TP)
+        if weight.requires_grad:
+            weight.grad = gw if weight.grad is None else weight.grad + gw

@@ -103,6 +103,8 @@ def _shape_only_collectives(comm) -> None:
     comm._all_gather = lambda t, axis: [t.clone() for _ in range(axis.size)]
     comm._reduce_scatter = lambda t, axis, dim: t.chunk(axis.size, dim)[axis.rank].clone()
     comm._broadcast = lambda t, src, axis: t
+    comm._gather = lambda t, dst, axis: [t.clone() for _ in range(axis.size)]
+    comm._scatter = lambda pieces, src, axis, like=None: (pieces[axis.rank] if pieces is not None else like).clone()
 
 
 def _place(comm, package, rank: int) -> dict[str, int]:
@@ -116,7 +118,8 @@ def _place(comm, package, rank: int) -> dict[str, int]:
     p, d, t = coords["pp"], coords["dp"], coords["tp"]
     lines = {comm.TP: [global_rank(p, d, i) for i in range(tp)],
              comm.DP: [global_rank(p, i, t) for i in range(dp)],
-             comm.PP: [global_rank(i, d, t) for i in range(pp)]}
+             comm.PP: [global_rank(i, d, t) for i in range(pp)],
+             comm.PP_TP: [global_rank(i, d, j) for i in range(pp) for j in range(tp)]}
     pipeline = lines[comm.PP]
     tied = [pipeline[i] for i in getattr(package.rank_module(rank), "TIED_RANKS", None) or (0, pp - 1)] \
         if pp > 1 else [rank]

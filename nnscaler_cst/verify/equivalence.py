@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..plan.schedules import Placement, parse_action
+from ..plan.schedules import Placement, VocabSteps, parse_action
 from ..report.progress import say
 from . import forkserver
 from .launch import LaunchError, fixed_port, process_env, run_all, run_world, terminated_as_exit
@@ -119,8 +119,12 @@ def check_schedules(package) -> None:
     for module in modules:
         orders.append([parse_action(text) for text in module.SCHEDULE.split()])
     placement = Placement(tuple(modules[0].STAGE_RANKS), modules[0].PIPELINE_LENGTH)
+    calls = getattr(modules[0], "VOCAB_CALLS", {})     # interlaced: each call a step of every rank
+    later = getattr(modules[0], "VOCAB_DEFERRED", {})  # backward calls whose steps run after the B
     simulate(orders, modules[0].PIPELINE_STAGE_COUNT, placement=placement,
-             passes=getattr(modules[0], "PIPELINE_PASSES", 1), shared=getattr(modules[0], "VOCAB_STAGES", ()))
+             passes=getattr(modules[0], "PIPELINE_PASSES", 1),
+             vocab={stage: VocabSteps((0.0,) * n, deferred=tuple(n - 1 - c in later.get(stage, ()) for c in range(n)))
+                    for stage, n in calls.items()})
 
 
 HALF_PRECISIONS = {torch.bfloat16: "bf16", torch.float16: "fp16"}

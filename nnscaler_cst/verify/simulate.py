@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UserError
-from ..plan.schedules import Action, Placement
+from ..plan.schedules import Action, Placement, VocabSteps
 
 
 @dataclass
@@ -40,35 +40,52 @@ def _needs(action: Action, place: Placement, passes: int = 1) -> list[tuple[Acti
     return needs
 
 
-def _collective(action: Action, shared) -> tuple[str, int, int] | None:
-    """The step of an owner's stage that every rank takes part in (interlaced: the vocabulary-split
-    modules): the owner's F or B of a `shared` stage, another rank's share E or G of it."""
-    if action.kind in "EG":
-        return ("F" if action.kind == "E" else "B", action.stage, action.micro)
-    if action.stage in shared:
-        return (action.kind, action.stage, action.micro)
-    return None
+def _check_owner(orders, rank: int, vocab) -> None:
+    """Interlaced: an owner's F / B of a stage calling vocabulary-split modules pauses at each
+    call: its order names that step's calls (sEk, sEkc1, ...) in order before its next own step;
+    the vocabulary steps of other stages between them are those it takes part in while paused."""
+    order = orders[rank]
+    for step, action in enumerate(order):
+        if action.kind in "FB" and action.stage in vocab:
+            pausing = vocab[action.stage].pausing(action.kind)
+            kind = "E" if action.kind == "F" else "G"
+            following = []
+            for later in order[step + 1:]:
+                if later.kind in "FB":
+                    break
+                if (later.kind, later.stage, later.micro) == (kind, action.stage, action.micro) and \
+                        later.call in pausing:
+                    following.append(later.call)
+            if following != pausing:
+                want = " ".join(str(Action(kind, action.stage, action.micro, call=c)) for c in pausing)
+                raise UserError(f"rank {rank} step {step} runs {action}, which pauses at {len(pausing)} "
+                                f"vocabulary call(s): its order must name {want} before its next own step")
+        if action.kind == "G" and action.stage in vocab and vocab[action.stage].deferred_call(action.call) and \
+                Action("B", action.stage, action.micro) in order[step:]:
+            raise UserError(f"rank {rank} step {step} runs {action}, the step of an embedding's backward, "
+                            f"before {Action('B', action.stage, action.micro)}, whose gradient it takes")
 
 
 def simulate(orders: list[list[Action]], stages: int, *, forward_seconds: list[float] | None = None,
              latency: float = 0.0, placement: Placement | None = None, passes: int = 1,
-             shared=()) -> list[Event]:
+             vocab: dict[int, VocabSteps] | None = None) -> list[Event]:
     """`placement`: which rank runs each stage, and how many stages one pipeline has (default:
     stage s on rank s % ranks, one pipeline of all `stages`). `passes`: forwards per micro-batch
-    (recycling); a no-grad pass takes a forward's time and has no backward. `shared`: stages
-    whose steps are collective over all ranks (interlaced): each other rank runs its share (sEk,
-    sGk), and none of them goes on before all have reached it."""
-    shared = set(shared)
+    (recycling); a no-grad pass takes a forward's time and has no backward. `vocab` (interlaced):
+    the stages whose steps call vocabulary-split modules, and where and how long: each call is an
+    SPMD step (sEk, sGk) of every rank; the owner's step pauses at the call, each other rank runs
+    it between two of its own steps, and none goes on before all have reached it."""
+    vocab = vocab or {}
     ranks = len(orders)
     place = placement or Placement(tuple(s % ranks for s in range(stages)), stages)
     expected = {action for order in orders for action in order}
     for rank, order in enumerate(orders):
         for step, action in enumerate(order):
             if action.kind in "EG":
-                if action.stage not in shared or place.ranks[action.stage] == rank:
-                    raise UserError(f"rank {rank} step {step} runs {action}, a share of stage {action.stage}, "
-                                    "which " + ("is its own" if action.stage in shared else
-                                               "calls no vocabulary-split module"))
+                if action.stage not in vocab or action.call >= vocab[action.stage].calls:
+                    raise UserError(f"rank {rank} step {step} runs {action}, a vocabulary step of stage "
+                                    f"{action.stage}, which makes " + (f"{vocab[action.stage].calls} such call(s)"
+                                                                       if action.stage in vocab else "none"))
                 continue
             if not 0 <= action.stage < len(place.ranks) or place.ranks[action.stage] != rank:
                 owner = place.ranks[action.stage] if 0 <= action.stage < len(place.ranks) else "no rank"
@@ -78,22 +95,21 @@ def simulate(orders: list[list[Action]], stages: int, *, forward_seconds: list[f
             if action in seen:
                 raise UserError(f"rank {rank} runs {action} twice (step {step})")
             seen.add(action)
+        _check_owner(orders, rank, vocab)
     done: dict[Action, float] = {}
     position = [0] * ranks
     clock = [0.0] * ranks
     events: list[Event] = []
     cost = forward_seconds or [1.0] * stages
+
     def head(rank):
         return orders[rank][position[rank]] if position[rank] < len(orders[rank]) else None
 
-    def members(key) -> dict[int, Action]:
-        kind, stage, m = key
-        owner = place.ranks[stage]
-        return {r: Action(kind, stage, m) if r == owner else Action("E" if kind == "F" else "G", stage, m)
-                for r in range(ranks)}
+    def length(action: Action) -> float:
+        return cost[action.stage] * (1.0 if action.kind == "F" else 2.0)
 
     def ready_at(rank, action) -> float | None:
-        needs = [] if action.kind in "EG" else _needs(action, place, passes)
+        needs = _needs(action, place, passes)
         if any(need not in done for need, _ in needs):
             return None
         return max([clock[rank]] + [done[n] + (latency if src is not None else 0.0) for n, src in needs])
@@ -103,20 +119,41 @@ def simulate(orders: list[list[Action]], stages: int, *, forward_seconds: list[f
         for rank in range(ranks):
             while position[rank] < len(orders[rank]):
                 action = orders[rank][position[rank]]
-                key = _collective(action, shared)
-                group = members(key) if key else {rank: action}
-                if any(head(r) != a for r, a in group.items()):
-                    break          # a collective step: every rank must be at it
-                starts = [ready_at(r, a) for r, a in group.items()]
-                if any(s is None for s in starts):
+                if action.kind in "EG":        # collective: every rank must be at it
+                    if any(head(r) != action for r in range(ranks)):
+                        break
+                    steps = vocab[action.stage]
+                    begin = max(clock)
+                    end = begin + steps.seconds(action.kind, action.call)
+                    for r in range(ranks):
+                        events.append(Event(r, action, begin, end))
+                        clock[r] = end
+                        position[r] += 1
+                    owner = place.ranks[action.stage]
+                    step = Action("F" if action.kind == "E" else "B", action.stage, action.micro)
+                    pausing = steps.pausing(step.kind)
+                    if action.call in pausing:        # the owner's step goes on to its next call or its end
+                        index = pausing.index(action.call)
+                        piece = steps.pieces(step.kind)[index + 1] * length(step)
+                        events.append(Event(owner, step, end, end + piece))
+                        clock[owner] = end + piece
+                        if index == len(pausing) - 1:
+                            done[step] = clock[owner]
+                    progressed = True
+                    continue
+                ready = ready_at(rank, action)
+                if ready is None:
                     break
-                ready = max(starts)
-                for r, a in group.items():
-                    stage = a.stage
-                    length = cost[stage] * (1.0 if a.kind == "F" else 2.0) if a.kind in "FB" else 0.0
-                    events.append(Event(r, a, ready, ready + length))
-                    done[a] = clock[r] = ready + length
-                    position[r] += 1
+                whole = length(action) if action.kind in "FB" else 0.0
+                if action.stage in vocab and action.kind in "FB" and action.cycle is None and \
+                        vocab[action.stage].pausing(action.kind):
+                    first = vocab[action.stage].pieces(action.kind)[0] * whole
+                    events.append(Event(rank, action, ready, ready + first))
+                    clock[rank] = ready + first           # the step pauses at its first vocabulary call
+                else:
+                    events.append(Event(rank, action, ready, ready + whole))
+                    done[action] = clock[rank] = ready + whole
+                position[rank] += 1
                 progressed = True
         if all(position[r] == len(orders[r]) for r in range(ranks)):
             return events
@@ -126,16 +163,16 @@ def simulate(orders: list[list[Action]], stages: int, *, forward_seconds: list[f
                 if position[rank] == len(orders[rank]):
                     continue
                 action = orders[rank][position[rank]]
-                key = _collective(action, shared)
-                if key:
-                    for r, a in members(key).items():
-                        if head(r) != a:
+                if action.kind in "EG":
+                    for r in range(ranks):
+                        if head(r) != action:
                             where = f"at step {position[r]} ({head(r)})" if head(r) else "at its end"
-                            later = "runs it only later" if a in orders[r] else "never runs it"
+                            later = "runs it only later" if action in orders[r] else "never runs it"
                             waits.append(f"rank {rank} at step {position[rank]} ({action}) waits for rank {r} "
-                                         f"to join {a} (collective over all ranks); rank {r} is {where} and "
+                                         f"to join it (collective over all ranks); rank {r} is {where} and "
                                          f"{later}")
-                for need, src in ([] if action.kind in "EG" else _needs(action, place, passes)):
+                    continue
+                for need, src in _needs(action, place, passes):
                     if need not in done:
                         who = "itself" if src is None else f"rank {src}"
                         later = "never runs it" if need not in expected else "runs it only later"
