@@ -43,6 +43,20 @@ class Trunk:
     # state of modules later stages hold: the first stage notes each one it runs, and every later
     # stage runs it too, before its blocks (pp_replayed / pp_replay)
     replays: list[Span] = field(default_factory=list)
+    # a forward written as a chain of statements, cut between them (no block list): see Statements
+    statements: "Statements | None" = None
+
+
+@dataclass
+class Statements:
+    """A function written as a chain of statements (`x = self.layer1(x)`, `x = self.layer2(x)`, ...:
+    ResNet's layers, DLA's levels, a UNet's down and up blocks): the stages cut it between top-level
+    statements of its body. Its blocks are runs of statements ("units") that a cut may separate;
+    each stage runs its units, what the statements before a cut set and the statements after it
+    read is handed on, and a stage holds the modules its statements call."""
+    starts: list[int]                    # per unit, the index in the function's body of its first statement
+    crossing: dict[int, list[str]]       # body index of a unit's start -> the names handed on there
+    block_of: dict[int, int]             # node index -> unit
 
 
 @dataclass
@@ -181,9 +195,12 @@ def find_trunk(graph: Graph) -> Trunk:
         return _trunk_of(graph, paths)
     except UserError as error:
         stages = _sequential_stages(graph)
-        if not stages:
+        if stages:
+            return _trunk_of(graph, stages)
+        chain = _statement_chain(graph)
+        if chain is None:
             raise error
-        return _trunk_of(graph, stages)
+        return chain
 
 
 def _sequential_stages(graph: Graph) -> list[str]:
@@ -205,6 +222,160 @@ def _sequential_stages(graph: Graph) -> list[str]:
         if flops >= half and flops > best_flops:
             best, best_flops = children, flops
     return best
+
+
+def _statement_chain(graph: Graph) -> Trunk | None:
+    """The function written as a chain of statements whose best cut in two leaves the least work
+    on the busier side (DLA's `forward_features`: `x = self.level0(x)`, `x = self.level1(x)`, ...):
+    its trunk, the units between the statements where a cut is valid (_valid_cuts). Candidates are
+    the functions holding a call of a module; each must run once per step. None if none has a cut."""
+    trace = graph.trace
+    work = [node_flops(n, graph.dims.get(n.index), trace) for n in graph.nodes]
+    total = sum(work)
+    frames = [_own_frames(trace, node) for node in graph.nodes]
+    best, best_key = None, None
+    for path, function in _calling_functions(graph):
+        source = graph.sources.get(path)
+        span = source.span_of(function)
+        body = list(function.body.body) if isinstance(function.body, cst.IndentedBlock) else []
+        spans = [source.span_of(stmt) for stmt in body]
+        statement_of = {}
+        for node, own in zip(graph.nodes, frames):
+            site = next((f for f in own if f.path == span.path and span.contains(f)), None)
+            k = next((k for k, stmt in enumerate(spans) if site is not None and stmt.contains(site)), None)
+            if k is not None:
+                statement_of[node.index] = k
+        order = [statement_of[i] for i in sorted(statement_of)]
+        if len(set(order)) < 2 or order != sorted(order):     # one statement, or run more than once
+            continue
+        cuts = _valid_cuts(function, body, statement_of)
+        if not cuts:
+            continue
+        starts = [1 if body and _docstring(body[0]) else 0, *cuts]
+        first, last = min(statement_of), max(statement_of)
+        block_of, unit = {}, 0
+        for index in range(first, last + 1):
+            if index in statement_of:
+                unit = sum(1 for start in starts[1:] if start <= statement_of[index])
+            block_of[index] = unit
+        before = sum(work[:first])
+        inside = [sum(work[i] for i, u in block_of.items() if u < k) for k in range(1, len(starts))]
+        key = min(max(before + a, total - before - a) for a in inside)   # the busier side of the best cut
+        if best_key is None or key < best_key:
+            crossing = {start: _crossing(body, start) for start in cuts}
+            best_key, best = key, (path, function, span, starts, crossing, block_of)
+    if best is None:
+        return None
+    path, function, span, starts, crossing, block_of = best
+    name = function.name.value
+    owner = _class_of(graph.sources.get(path), function)
+    container = f"{owner.name.value}.{name}" if owner is not None else name
+    source = graph.sources.get(path)
+    blocks = [f"{container}:{source.span_of(function.body.body[k]).line}" for k in starts]
+    return Trunk(container, blocks, function, span, starts[0], [], statements=Statements(starts, crossing, block_of))
+
+
+def _own_frames(trace, node) -> list[Span]:
+    """The model's own call sites a node ran under, innermost first: its own, then the call of each
+    module around it (a module is taken as called from its parent's code)."""
+    frames = [node.span] if node.span is not None else []
+    module = node.module_path
+    while module:
+        call = trace.module_calls.get(module)
+        if call is not None:
+            frames.append(call[0])
+        module = module.rpartition(".")[0]
+    return frames
+
+
+def _calling_functions(graph: Graph) -> list[tuple[str, cst.FunctionDef]]:
+    """The functions of the model's files that call a module (by their innermost definition)."""
+    found, seen = [], set()
+    for span, _ in graph.trace.module_calls.values():
+        source = graph.sources.get(span.path)
+        if source is None:
+            continue
+        holding = [f for f in source.functions() if source.span_of(f).contains(span)]
+        if holding and (span.path, id(holding[-1])) not in seen:
+            seen.add((span.path, id(holding[-1])))
+            found.append((span.path, holding[-1]))
+    return found
+
+
+def _valid_cuts(function: cst.FunctionDef, body: list, statement_of: dict[int, int]) -> list[int]:
+    """Indices k of the body where a stage may start: statements before k and from k on both ran
+    ops, with no op between the last of the former and the first of the latter that no statement
+    claims (a helper's code the trace cannot place), none of the statements before k returns, and
+    every name handed on across k can be handed on (no function, class or module bound there)."""
+    by_statement: dict[int, list[int]] = {}
+    for index, k in statement_of.items():
+        by_statement.setdefault(k, []).append(index)
+    cuts = []
+    for k in range(1, len(body)):
+        before = [i for j, nodes in by_statement.items() if j < k for i in nodes]
+        after = [i for j, nodes in by_statement.items() if j >= k for i in nodes]
+        if not before or not after or min(after) != max(before) + 1:
+            continue
+        if any(_returns(stmt) for stmt in body[:k]):
+            break
+        if not set(_crossing(body, k)) & _not_values(body[:k]):
+            cuts.append(k)
+    return cuts
+
+
+def _crossing(body: list, k: int) -> list[str]:
+    """The names the statements before k set and those from k on read first: handed on at k."""
+    read = exposed_reads(body[k:])
+    order = []
+    for stmt in body[:k]:
+        for name in sorted(names_in([stmt], True)):
+            if name in read and name not in order:
+                order.append(name)
+    return order
+
+
+def _not_values(statements) -> set[str]:
+    """Names the statements bind to what a hand-off cannot carry: functions, classes, modules."""
+    found = set()
+    for stmt in statements:
+        if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+            found.add(stmt.name.value)
+        elif isinstance(stmt, cst.SimpleStatementLine):
+            for small in stmt.body:
+                if isinstance(small, (cst.Import, cst.ImportFrom)) and not isinstance(small.names, cst.ImportStar):
+                    found.update(cst.Module([]).code_for_node(a.asname.name if a.asname else a.name).split(".")[0]
+                                 for a in small.names)
+                elif isinstance(small, cst.Assign) and isinstance(small.value, cst.Lambda):
+                    found.update(names_in([small], True))
+    return found
+
+
+def _returns(statement: cst.CSTNode) -> bool:
+    """Whether the statement may return or yield (not counting functions defined in it)."""
+    found = []
+
+    class Returns(cst.CSTVisitor):
+        def visit_Return(self, node) -> None:
+            found.append(node)
+
+        def visit_Yield(self, node) -> None:
+            found.append(node)
+
+        def visit_FunctionDef(self, node) -> bool:
+            return False
+
+        def visit_Lambda(self, node) -> bool:
+            return False
+
+        def visit_ClassDef(self, node) -> bool:
+            return False
+    statement.visit(Returns())
+    return bool(found)
+
+
+def _docstring(statement: cst.CSTNode) -> bool:
+    return isinstance(statement, cst.SimpleStatementLine) and len(statement.body) == 1 and isinstance(
+        statement.body[0], cst.Expr) and isinstance(statement.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
 
 
 def _sequential_children(trace, container: str) -> list[str]:
@@ -535,11 +706,13 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
     blocks = [b for t in chain for b in t.blocks] if chain else trunk.blocks
     n_blocks = len(blocks)
     if n_blocks < stages:
-        raise UserError(f"{n_blocks} blocks cannot fill {stages} pipeline stages", trunk.function_span.start,
+        what = f"{n_blocks} blocks" if trunk.statements is None else (
+            f"the chain of statements of {trunk.container}, cut at {n_blocks - 1} place(s) at most,")
+        raise UserError(f"{what} cannot fill {stages} pipeline stages", trunk.function_span.start,
                         hint=f"use fewer stages: --pp {max(n_blocks // virtual, 1)} or less"
                         + (f", or a schedule with fewer virtual stages per rank than {virtual} (--schedule 1f1b)"
                            if virtual > 1 else ""))
-    block_of = node_blocks(graph, blocks)
+    block_of = trunk.statements.block_of if trunk.statements is not None else node_blocks(graph, blocks)
     first = min(block_of) if block_of else 0
     last = max(block_of) if block_of else 0
     cost = [0.0] * n_blocks
@@ -905,6 +1078,8 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
 
 
 def trunk_location(graph: Graph, plan: StagePlan):
+    if plan.trunk.statements is not None:
+        return plan.trunk.function_span.start
     return graph.trace.module_calls[plan.trunk.blocks[0]][0].start
 
 
@@ -1001,7 +1176,9 @@ def _check_trunk_state_writes(graph: Graph, plan: StagePlan, trunk: Trunk) -> No
         inside = next((span for span in write.stack if span.path == cut.path and cut.contains(span)), None)
         if inside is None:
             continue
-        if any(stmt.contains(inside) for stmt in prologue):
+        if trunk.statements is not None:     # a chain of statements: the stage running the write's statement
+            writers, part = {plan.node_stage.get(min(write.node + 1, n - 1), 0)}, "its chain of statements"
+        elif any(stmt.contains(inside) for stmt in prologue):
             writers, part = {enters}, "the code before the block loop"
         elif loop.contains(inside):
             after = min(write.node + 1, n - 1)
