@@ -373,7 +373,8 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
                            trunk.recycle.loop if trunk.recycle else None,
                            tuple(trunk.recycle.carried) if trunk.recycle else (), tuple(trunk.unset),
                            tuple(trunk.replays),
-                           recycle_after=trunk.recycle is not None and trunk.recycle.after is not None)
+                           recycle_after=trunk.recycle is not None and trunk.recycle.after is not None,
+                           hoist=trunk.hoist)
         if trunk.statements is not None:    # the body indices where stages 1, 2, ... start, what crosses each
             cuts = [trunk.statements.starts[a] for a, _ in stages.block_ranges[1:stages.per_pipeline]]
             split.cuts = tuple((k, tuple(trunk.statements.crossing[k])) for k in cuts)

@@ -42,6 +42,7 @@ class StageSplit:
     recycle_after: bool = False     # the last pass is written after the recycling loop, which runs the others
     # a chain of statements (no loop): per later stage, the body index where it starts and what it receives
     cuts: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    hoist: str | None = None        # `return self.stages(x)`: the call moved out as `x = self.stages(x)`
 
 
 @dataclass
@@ -415,6 +416,8 @@ class SplitStages:
         body = list(function.body.body)
         docstring = body[:1] if body and _is_docstring(body[0]) else []
         index = split.loop_index
+        if split.hoist is not None:
+            body[index:index + 1] = self._hoisted(body[index], split)
         prologue, loop, epilogue = body[len(docstring):index], body[index], body[index + 1:]
         handed = list(split.handoff)
         calls = None
@@ -470,6 +473,26 @@ class SplitStages:
         return function.with_changes(body=function.body.with_changes(
             body=[*docstring, *head, loop, handoff, *epilogue]))
 
+
+    def _hoisted(self, statement: cst.SimpleStatementLine, split: StageSplit) -> list[cst.SimpleStatementLine]:
+        """`return self.stages(x)` -> `x = self.stages(x)` (the call the stages cut), then `return x`."""
+        attr = split.container.rpartition(".")[2]
+        found = []
+
+        class Find(cst.CSTVisitor):
+            def visit_Call(self, call: cst.Call) -> None:
+                if isinstance(call.func, cst.Attribute) and call.func.attr.value == attr and len(call.args) == 1 \
+                        and isinstance(call.args[0].value, cst.Name) and call.args[0].value.value == split.hoist:
+                    found.append(call)
+        statement.visit(Find())
+        call = found[0]
+        name = cst.Name(split.hoist)
+        first = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(name)], call)],
+                                        leading_lines=statement.leading_lines)
+        rest = statement.deep_replace(call, name).with_changes(leading_lines=[], trailing_whitespace=cst.TrailingWhitespace(
+            whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(
+                f"# pipeline: the call of self.{attr} moved to the line above, which the stages cut")))
+        return [first, rest]
 
     def _statements(self, split: StageSplit, function: cst.FunctionDef) -> cst.FunctionDef:
         """A function written as a chain of statements, cut between them: stage j runs its run of

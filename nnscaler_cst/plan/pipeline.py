@@ -45,6 +45,9 @@ class Trunk:
     replays: list[Span] = field(default_factory=list)
     # a forward written as a chain of statements, cut between them (no block list): see Statements
     statements: "Statements | None" = None
+    # the call of an nn.Sequential of stages moved out of its statement (`return self.stages(x)`): the
+    # name it reads, which it then assigns (`x = self.stages(x)`, then `return x`)
+    hoist: str | None = None
 
 
 @dataclass
@@ -411,6 +414,7 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
     span = calls[blocks[0]][0]
     source = graph.sources.get(span.path)
     node = source.node_at(span.line, span.col, span.end_line, span.end_col)
+    hoist = None
     if span in graph.trace.containers:     # `x = self.blocks(x)` on an nn.Sequential of the blocks
         children = _sequential_children(graph.trace, container)
         if len(children) != len(paths) and len(children) >= 2 and all(c in calls for c in children):
@@ -424,9 +428,10 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
         while loop is not None and not isinstance(loop, cst.SimpleStatementLine):
             loop = source.parents.get(loop)
         statement = loop.body[0] if loop is not None and len(loop.body) == 1 else None
-        if not (isinstance(statement, cst.Assign) and statement.value is node):
-            raise UserError(f"pipelining cuts the call of {container} into stages, so it must be a statement "
-                            "of its own", span.start, hint=f"assign its output first: `x = self.{container}(x)`")
+        single = isinstance(statement, cst.Assign) and statement.value is node and len(node.args) == 1 and len(
+            statement.targets) == 1 and statement.targets[0].target.deep_equals(node.args[0].value)
+        if not single:      # `return self.stages(x)`: cut as `x = self.stages(x)`, then the statement
+            hoist = _hoisted_input(source, loop, node, container, span)
     else:
         loop = node
         while loop is not None and not isinstance(loop, cst.For):
@@ -442,10 +447,65 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
         loop = _branches_over_blocks(source, loop, body, container)
     index = body.index(loop)
     function_span = source.span_of(function)
-    handoff = handoff_variables(function, index)
+    if hoist is not None:   # the call runs as `x = self.stages(x)` of its own, the statement after it
+        if hoist in exposed_reads(body[index + 1:]):
+            raise UserError(f"pipelining cuts the call of {container} into stages, and the code after it reads "
+                            f"`{hoist}`, its input, which the stages hand on as its output", span.start,
+                            hint=f"assign its output first: `{hoist} = self.{container.rpartition('.')[2]}"
+                                 f"({hoist})`, then use it")
+        split = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(cst.Name(hoist))], node)])
+        rest = body[index].deep_replace(node, cst.Name(hoist))
+        handoff = handoff_variables(function.with_changes(body=function.body.with_changes(
+            body=[*body[:index], split, rest, *body[index + 1:]])), index)
+    else:
+        handoff = handoff_variables(function, index)
     return Trunk(container, blocks, function, function_span, index, handoff,
                  _shared_loop_owner(graph, blocks, function, function_span, span),
-                 unset=maybe_unset(function, index, handoff))
+                 unset=maybe_unset(function, index, handoff), hoist=hoist)
+
+
+def _hoisted_input(source, statement: cst.SimpleStatementLine, call: cst.Call, container: str, span: Span) -> str:
+    """The name the call of an nn.Sequential of stages reads and, cut out of its statement, assigns
+    (`return self.stages(x)` runs as `x = self.stages(x)`, then `return x`): each stage runs its children
+    on what the previous one handed on under that name. Refused where moving the call first could
+    change what the statement computes: other calls evaluated before it, a call under a condition, or
+    an input that is not one name the statement reads nowhere else."""
+    attr = container.rpartition(".")[2]
+    refuse = UserError(f"pipelining cuts the call of {container} into stages, so it must be a statement of its own "
+                       "or one the cut can move out of its statement", span.start,
+                       hint=f"assign its output first: `x = self.{attr}(x)`")
+    args = call.args
+    if len(statement.body) != 1 or len(args) != 1 or args[0].keyword is not None or args[0].star \
+            or not isinstance(args[0].value, cst.Name):
+        raise refuse
+    name = args[0].value.value
+    small = statement.body[0]
+    if isinstance(small, cst.Assign):
+        root, earlier = small.value, []
+    elif isinstance(small, (cst.Return, cst.Expr)) and small.value is not None:
+        root, earlier = small.value, []
+    else:
+        raise refuse
+    node = call
+    while node is not root:          # what the statement evaluates before the call: no calls
+        parent = source.parents.get(node)
+        if isinstance(parent, (cst.IfExp, cst.BooleanOperation, cst.Lambda, cst.BaseComp, cst.Await)):
+            raise refuse
+        children = list(parent.children)
+        earlier += children[:children.index(node)]
+        node = parent
+    calls = []
+
+    class Calls(cst.CSTVisitor):
+        def visit_Call(self, found) -> None:
+            calls.append(found)
+    for part in earlier:
+        part.visit(Calls())
+    reads = names_in([small], False) - names_in([call], False)
+    if calls or name in reads or (isinstance(small, cst.Assign) and name in names_in([small], True)
+                                   and not (len(small.targets) == 1 and small.value is call)):
+        raise refuse
+    return name
 
 
 def _nested_blocks_loop(graph: Graph, paths: list[str]) -> UserError | None:
