@@ -236,7 +236,7 @@ def _statement_chain(graph: Graph) -> Trunk | None:
     work = [node_flops(n, graph.dims.get(n.index), trace) for n in graph.nodes]
     total = sum(work)
     frames = [_own_frames(trace, node) for node in graph.nodes]
-    best, best_key = None, None
+    best, best_key, blocked = None, None, None
     for path, function in _calling_functions(graph):
         source = graph.sources.get(path)
         span = source.span_of(function)
@@ -245,14 +245,16 @@ def _statement_chain(graph: Graph) -> Trunk | None:
         statement_of = {}
         for node, own in zip(graph.nodes, frames):
             site = next((f for f in own if f.path == span.path and span.contains(f)), None)
-            k = next((k for k, stmt in enumerate(spans) if site is not None and stmt.contains(site)), None)
+            k = next((k for k, stmt in enumerate(spans) if site is not None and stmt.contains(site)
+                      and not isinstance(body[k], (cst.FunctionDef, cst.ClassDef))), None)  # (a def runs elsewhere)
             if k is not None:
                 statement_of[node.index] = k
         order = [statement_of[i] for i in sorted(statement_of)]
         if len(set(order)) < 2 or order != sorted(order):     # one statement, or run more than once
             continue
-        cuts = _valid_cuts(function, body, statement_of)
+        cuts, unsendable = _valid_cuts(body, statement_of)
         if not cuts:
+            blocked = blocked or (unsendable and (path, function, unsendable))
             continue
         starts = [1 if body and _docstring(body[0]) else 0, *cuts]
         first, last = min(statement_of), max(statement_of)
@@ -267,6 +269,15 @@ def _statement_chain(graph: Graph) -> Trunk | None:
         if best_key is None or key < best_key:
             crossing = {start: _crossing(body, start) for start in cuts}
             best_key, best = key, (path, function, span, starts, crossing, block_of)
+    if best is None and blocked:
+        path, function, (k, name) = blocked
+        source = graph.sources.get(path)
+        binding = next(stmt for stmt in reversed(function.body.body[:k]) if name in _not_values([stmt]))
+        raise UserError(f"pipelining cuts {function.name.value} between its statements, and a cut here hands "
+                        f"`{name}` on to the next stage: a function, class or module, bound here, which a stage "
+                        "cannot send (a hand-off carries tensors, lists and tuples of them, and plain values)",
+                        source.span_of(binding).start,
+                        hint=f"define `{name}` outside the function (a method, or at module level)")
     if best is None:
         return None
     path, function, span, starts, crossing, block_of = best
@@ -305,15 +316,16 @@ def _calling_functions(graph: Graph) -> list[tuple[str, cst.FunctionDef]]:
     return found
 
 
-def _valid_cuts(function: cst.FunctionDef, body: list, statement_of: dict[int, int]) -> list[int]:
+def _valid_cuts(body: list, statement_of: dict[int, int]) -> tuple[list[int], tuple[int, str] | None]:
     """Indices k of the body where a stage may start: statements before k and from k on both ran
     ops, with no op between the last of the former and the first of the latter that no statement
     claims (a helper's code the trace cannot place), none of the statements before k returns, and
-    every name handed on across k can be handed on (no function, class or module bound there)."""
+    every name handed on across k can be handed on (no function, class or module bound there).
+    With them, the first cut left out for such a name only: (k, the name)."""
     by_statement: dict[int, list[int]] = {}
     for index, k in statement_of.items():
         by_statement.setdefault(k, []).append(index)
-    cuts = []
+    cuts, unsendable = [], None
     for k in range(1, len(body)):
         before = [i for j, nodes in by_statement.items() if j < k for i in nodes]
         after = [i for j, nodes in by_statement.items() if j >= k for i in nodes]
@@ -321,9 +333,12 @@ def _valid_cuts(function: cst.FunctionDef, body: list, statement_of: dict[int, i
             continue
         if any(_returns(stmt) for stmt in body[:k]):
             break
-        if not set(_crossing(body, k)) & _not_values(body[:k]):
+        objects = [name for name in _crossing(body, k) if name in _not_values(body[:k])]
+        if not objects:
             cuts.append(k)
-    return cuts
+        elif unsendable is None:
+            unsendable = (k, objects[0])
+    return cuts, unsendable
 
 
 def _crossing(body: list, k: int) -> list[str]:
@@ -331,7 +346,7 @@ def _crossing(body: list, k: int) -> list[str]:
     read = exposed_reads(body[k:])
     order = []
     for stmt in body[:k]:
-        for name in sorted(names_in([stmt], True)):
+        for name in sorted(names_in([stmt], True) | _not_values([stmt])):
             if name in read and name not in order:
                 order.append(name)
     return order
@@ -501,11 +516,26 @@ def _hoisted_input(source, statement: cst.SimpleStatementLine, call: cst.Call, c
             calls.append(found)
     for part in earlier:
         part.visit(Calls())
-    reads = names_in([small], False) - names_in([call], False)
-    if calls or name in reads or (isinstance(small, cst.Assign) and name in names_in([small], True)
-                                   and not (len(small.targets) == 1 and small.value is call)):
+    if calls or _mentions(small, name) > _mentions(call, name) or (
+            isinstance(small, cst.Assign) and name in names_in([small], True)):
         raise refuse
     return name
+
+
+def _mentions(node: cst.CSTNode, name: str) -> int:
+    """How often the code names the variable `name` (`self.name` is no mention)."""
+    count = 0
+
+    class Count(cst.CSTVisitor):
+        def visit_Name(self, found: cst.Name) -> None:
+            nonlocal count
+            count += found.value == name
+
+        def visit_Attribute(self, attribute: cst.Attribute) -> bool:
+            attribute.value.visit(self)
+            return False
+    node.visit(Count())
+    return count
 
 
 def _nested_blocks_loop(graph: Graph, paths: list[str]) -> UserError | None:
