@@ -200,7 +200,8 @@ def find_trunk(graph: Graph) -> Trunk:
         stages = _sequential_stages(graph)
         if stages:
             return _trunk_of(graph, stages)
-        chain = _statement_chain(graph)
+        # a layer called again and again with its weights shared (ALBERT) is the work no stage can split
+        chain = _statement_chain(graph) if not error.message.startswith(_SHARED_LAYER) else None
         if chain is None:
             raise error
         return chain
@@ -690,6 +691,9 @@ def _shared_loop_owner(graph: Graph, blocks: list[str], function: cst.FunctionDe
     return caller
 
 
+_SHARED_LAYER = "pipeline stages need repeated blocks"
+
+
 def _no_blocks(graph: Graph) -> UserError:
     """No repeated blocks to cut: say where, pointing at a layer called more than once (a model
     whose layers share one set of weights, like ALBERT's) when there is one. Only a call reading
@@ -701,16 +705,17 @@ def _no_blocks(graph: Graph) -> UserError:
     shared = max(calls.items(), key=lambda item: len(item[1]), default=(None, []))
     if len(shared[1]) > 1:
         path, nodes = shared
-        return UserError(f"pipeline stages need repeated blocks; this model calls {path} {len(nodes)} times "
+        return UserError(f"{_SHARED_LAYER}; this model calls {path} {len(nodes)} times "
                          "(its layers share one set of weights), so no stage could hold its own layers",
                          nodes[0].span.start,
                          hint="pipelining cuts a ModuleList of one block class, called in a loop, into stages")
     first = next((n.span.start for n in graph.nodes if n.span is not None and n.mapped), None)
     return UserError("pipeline stages need a model built from repeated blocks (a ModuleList of one block "
-                     "class called in a loop) or an nn.Sequential called once whose children run most of its "
-                     "work; this model has neither (a forward written as a chain of statements, "
-                     "`x = self.layer1(x)`, is not cut)", first,
-                     hint="put the stages in an nn.Sequential called once, or pipeline a model with repeated blocks")
+                     "class called in a loop), an nn.Sequential called once whose children run most of its "
+                     "work, or a function written as a chain of statements (`x = self.layer1(x)`, "
+                     "`x = self.layer2(x)`) with a place between two of them to cut; this model has none of these",
+                     first, hint="put the stages in an nn.Sequential called once, or write the forward as a chain of "
+                                 "statements each calling a layer")
 
 
 def _loop_runs_once(group: list[str], calls: dict) -> bool:
