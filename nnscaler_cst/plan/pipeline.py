@@ -305,12 +305,14 @@ def _own_frames(trace, node) -> list[Span]:
 
 def _calling_functions(graph: Graph) -> list[tuple[str, cst.FunctionDef]]:
     """The functions of the model's files that call a module (by their innermost definition)."""
-    found, seen = [], set()
+    found, seen, defined = [], set(), {}
     for span, _ in graph.trace.module_calls.values():
         source = graph.sources.get(span.path)
         if source is None:
             continue
-        holding = [f for f in source.functions() if source.span_of(f).contains(span)]
+        if span.path not in defined:
+            defined[span.path] = [(source.span_of(f), f) for f in source.functions()]
+        holding = [f for where, f in defined[span.path] if where.contains(span)]
         if holding and (span.path, id(holding[-1])) not in seen:
             seen.add((span.path, id(holding[-1])))
             found.append((span.path, holding[-1]))
