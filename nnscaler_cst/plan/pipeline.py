@@ -200,8 +200,10 @@ def find_trunk(graph: Graph) -> Trunk:
         stages = _sequential_stages(graph)
         if stages:
             return _trunk_of(graph, stages)
-        # a layer called again and again with its weights shared (ALBERT) is the work no stage can split
-        chain = _statement_chain(graph) if not error.message.startswith(_SHARED_LAYER) else None
+        # only without repeated blocks: blocks whose loop cannot be cut are refused at it, and a layer
+        # called again and again with its weights shared (ALBERT) is the work no stage can split
+        chain = _statement_chain(graph) if not graph.blocks and not error.message.startswith(_SHARED_LAYER) \
+            else None
         if chain is None:
             raise error
         return chain
