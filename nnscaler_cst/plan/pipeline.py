@@ -232,7 +232,7 @@ def _sequential_stages(graph: Graph) -> list[str]:
 
 def _statement_chain(graph: Graph) -> Trunk | None:
     """The function written as a chain of statements whose best cut in two leaves the least work
-    on the busier side (DLA's `forward_features`: `x = self.level0(x)`, `x = self.level1(x)`, ...):
+    on the busier side, counting the code run before the function on every stage (DLA's `forward_features`: `x = self.level0(x)`, `x = self.level1(x)`, ...):
     its trunk, the units between the statements where a cut is valid (_valid_cuts). Candidates are
     the functions holding a call of a module; each must run once per step. None if none has a cut."""
     trace = graph.trace
@@ -266,9 +266,11 @@ def _statement_chain(graph: Graph) -> Trunk | None:
             if index in statement_of:
                 unit = sum(1 for start in starts[1:] if start <= statement_of[index])
             block_of[index] = unit
+        # the busier side of the best cut; the code that runs before the function is called (the code
+        # above it) runs on every stage, so a function called late (a UNet's up block) cuts little
         before = sum(work[:first])
         inside = [sum(work[i] for i, u in block_of.items() if u < k) for k in range(1, len(starts))]
-        key = min(max(before + a, total - before - a) for a in inside)   # the busier side of the best cut
+        key = before + min(max(a, total - before - a) for a in inside)
         if best_key is None or key < best_key:
             crossing = {start: _crossing(body, start) for start in cuts}
             best_key, best = key, (path, function, span, starts, crossing, block_of)
