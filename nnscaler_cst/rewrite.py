@@ -290,11 +290,11 @@ def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: in
                   f"STAGE_TRUNKS = {{{', '.join(f'{s}: {_roles(stages, s)}' for s in mine)}}}  # per stage, its "
                   "part in the loop over each list (owner: role, first block, stop, hands on after its blocks)"]
     elif stages.trunk.statements is not None:
-        lines = _statement_lines(stages)
+        runs = _statement_lines(stages)
         blocks = [f'PIPELINE_BLOCKS = "{stages.trunk.container}"  # a chain of statements, cut between them',
                   f"STAGE_BLOCKS = {{{', '.join(f'{s}: {{}}' for s in mine)}}}  # no block list: STAGE_DROPS says "
                   f"what each stage holds; its statements of {stages.trunk.container}: "
-                  + ", ".join(f"stage {s} lines {lines[s][0]}-{lines[s][1]}" for s in mine)]
+                  + ", ".join(f"stage {s} lines {runs[s][0]}-{runs[s][1]}" for s in mine)]
     else:
         blocks = [f'PIPELINE_BLOCKS = "{stages.trunk.container}"',
                   f"STAGE_BLOCKS = {{{', '.join(f'{s}: {stages.block_ranges[s]}' for s in mine)}}}  "
