@@ -489,9 +489,9 @@ class SplitStages:
         name = cst.Name(split.hoist)
         first = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(name)], call)],
                                         leading_lines=statement.leading_lines)
-        rest = statement.deep_replace(call, name).with_changes(leading_lines=[], trailing_whitespace=cst.TrailingWhitespace(
-            whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(
-                f"# pipeline: the call of self.{attr} moved to the line above, which the stages cut")))
+        note = cst.TrailingWhitespace(whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(
+            f"# pipeline: the call of self.{attr} moved to the line above, which the stages cut"))
+        rest = statement.deep_replace(call, name).with_changes(leading_lines=[], trailing_whitespace=note)
         return [first, rest]
 
     def _statements(self, split: StageSplit, function: cst.FunctionDef) -> cst.FunctionDef:
@@ -532,7 +532,8 @@ class SplitStages:
                                         "    pass\n")
             lead = run[0].leading_lines
             run[0] = run[0].with_changes(leading_lines=[])
-            out.append(guard.with_changes(leading_lines=lead, body=guard.body.with_changes(body=[*head, *run, handoff])))
+            out.append(guard.with_changes(leading_lines=lead,
+                                          body=guard.body.with_changes(body=[*head, *run, handoff])))
         return function.with_changes(body=function.body.with_changes(body=out))
 
     def leave_call(self, span: Span, call: cst.BaseExpression) -> cst.BaseExpression:

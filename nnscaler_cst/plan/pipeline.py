@@ -232,9 +232,10 @@ def _sequential_stages(graph: Graph) -> list[str]:
 
 def _statement_chain(graph: Graph) -> Trunk | None:
     """The function written as a chain of statements whose best cut in two leaves the least work
-    on the busier side, counting the code run before the function on every stage (DLA's `forward_features`: `x = self.level0(x)`, `x = self.level1(x)`, ...):
-    its trunk, the units between the statements where a cut is valid (_valid_cuts). Candidates are
-    the functions holding a call of a module; each must run once per step. None if none has a cut."""
+    on the busier side, counting the code run before the function on every stage (DLA's
+    `forward_features`: `x = self.level0(x)`, `x = self.level1(x)`, ...): its trunk, the units
+    between the statements where a cut is valid (_valid_cuts). Candidates are the functions
+    holding a call of a module; each must run once per step. None if none has a cut."""
     trace = graph.trace
     work = [node_flops(n, graph.dims.get(n.index), trace) for n in graph.nodes]
     total = sum(work)
@@ -400,7 +401,8 @@ def _returns(statement: cst.CSTNode) -> bool:
 
 def _docstring(statement: cst.CSTNode) -> bool:
     return isinstance(statement, cst.SimpleStatementLine) and len(statement.body) == 1 and isinstance(
-        statement.body[0], cst.Expr) and isinstance(statement.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
+        statement.body[0], cst.Expr) and isinstance(statement.body[0].value,
+                                                    (cst.SimpleString, cst.ConcatenatedString))
 
 
 def _sequential_children(trace, container: str) -> list[str]:
