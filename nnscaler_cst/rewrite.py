@@ -295,6 +295,12 @@ def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: in
                   "# per stage, the blocks of each list it holds",
                   f"STAGE_TRUNKS = {{{', '.join(f'{s}: {_roles(stages, s)}' for s in mine)}}}  # per stage, its "
                   "part in the loop over each list (owner: role, first block, stop, hands on after its blocks)"]
+    elif stages.trunk.statements is not None:
+        runs = _statement_lines(stages)
+        blocks = [f'PIPELINE_BLOCKS = "{stages.trunk.container}"  # a chain of statements, cut between them',
+                  f"STAGE_BLOCKS = {{{', '.join(f'{s}: {{}}' for s in mine)}}}  # no block list: STAGE_DROPS says "
+                  f"what each stage holds; its statements of {stages.trunk.container}: "
+                  + ", ".join(f"stage {s} lines {runs[s][0]}-{runs[s][1]}" for s in mine)]
     else:
         blocks = [f'PIPELINE_BLOCKS = "{stages.trunk.container}"',
                   f"STAGE_BLOCKS = {{{', '.join(f'{s}: {stages.block_ranges[s]}' for s in mine)}}}  "
@@ -330,6 +336,14 @@ def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: in
                if stages.vocab_modules else []),
              f'SCHEDULE = "{" ".join(map(str, orders[pp_rank]))}"  # this rank\'s order']
     return "\n".join(lines) + "\n"
+
+
+def _statement_lines(stages: StagePlan) -> dict[int, tuple[int, int]]:
+    """Per stage, the first and last line of the statements it runs (a chain of statements)."""
+    labels = [int(b.rpartition(":")[2]) for b in stages.trunk.blocks]
+    end = stages.trunk.function_span.end_line
+    return {s: (labels[a], labels[b] - 1 if b < len(labels) else end)
+            for s, (a, b) in enumerate(stages.block_ranges)}
 
 
 def _roles(stages: StagePlan, stage: int) -> dict:
@@ -369,7 +383,11 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
                            trunk.recycle.loop if trunk.recycle else None,
                            tuple(trunk.recycle.carried) if trunk.recycle else (), tuple(trunk.unset),
                            tuple(trunk.replays),
-                           recycle_after=trunk.recycle is not None and trunk.recycle.after is not None)
+                           recycle_after=trunk.recycle is not None and trunk.recycle.after is not None,
+                           hoist=trunk.hoist)
+        if trunk.statements is not None:    # the body indices where stages 1, 2, ... start, what crosses each
+            cuts = [trunk.statements.starts[a] for a, _ in stages.block_ranges[1:stages.per_pipeline]]
+            split.cuts = tuple((k, tuple(trunk.statements.crossing[k])) for k in cuts)
     loops = [c.function for c in chain] + ([split.function] if split is not None else [])
     files_read = {str(analysis.sources.get(p).path) for p in [*model_paths, entry_path]}
     outside = next((span for span in loops if span.path not in files_read), None)

@@ -18,6 +18,7 @@ from ..errors import UserError
 from ..materialize.edits import CtorEdit, Edits, SiteEdit
 from ..materialize.size_args import factory_size
 from ..source.files import SourceFile, Span
+from ..source.names import bound_on_every_path
 from .expr import COLLECTIVE_NOTES, bias_added, code, collective, divided, parenthesized
 
 AXIS = "TP"
@@ -39,6 +40,9 @@ class StageSplit:
     replays: tuple[Span, ...] = ()  # prologue calls that change state later stages hold: run there too
     chained: bool = False           # one trunk of a chain: its `self` says the stage's part (runtime pp_trunk)
     recycle_after: bool = False     # the last pass is written after the recycling loop, which runs the others
+    # a chain of statements (no loop): per later stage, the body index where it starts and what it receives
+    cuts: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    hoist: str | None = None        # `return self.stages(x)`: the call moved out as `x = self.stages(x)`
 
 
 @dataclass
@@ -407,9 +411,13 @@ class SplitStages:
         split = self.ctx.split
         if split is None or span != split.function:
             return function
+        if split.cuts:
+            return self._statements(split, function)
         body = list(function.body.body)
         docstring = body[:1] if body and _is_docstring(body[0]) else []
         index = split.loop_index
+        if split.hoist is not None:
+            body[index:index + 1] = self._hoisted(body[index], split)
         prologue, loop, epilogue = body[len(docstring):index], body[index], body[index + 1:]
         handed = list(split.handoff)
         calls = None
@@ -465,6 +473,68 @@ class SplitStages:
         return function.with_changes(body=function.body.with_changes(
             body=[*docstring, *head, loop, handoff, *epilogue]))
 
+
+    def _hoisted(self, statement: cst.SimpleStatementLine, split: StageSplit) -> list[cst.SimpleStatementLine]:
+        """`return self.stages(x)` -> `x = self.stages(x)` (the call the stages cut), then `return x`."""
+        attr = split.container.rpartition(".")[2]
+        found = []
+
+        class Find(cst.CSTVisitor):
+            def visit_Call(self, call: cst.Call) -> None:
+                if isinstance(call.func, cst.Attribute) and call.func.attr.value == attr and len(call.args) == 1 \
+                        and isinstance(call.args[0].value, cst.Name) and call.args[0].value.value == split.hoist:
+                    found.append(call)
+        statement.visit(Find())
+        call = found[0]
+        name = cst.Name(split.hoist)
+        first = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(name)], call)],
+                                        leading_lines=statement.leading_lines)
+        note = cst.TrailingWhitespace(whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(
+            f"# pipeline: the call of self.{attr} moved to the line above, which the stages cut"))
+        rest = statement.deep_replace(call, name).with_changes(leading_lines=[], trailing_whitespace=note)
+        return [first, rest]
+
+    def _statements(self, split: StageSplit, function: cst.FunctionDef) -> cst.FunctionDef:
+        """A function written as a chain of statements, cut between them: stage j runs its run of
+        statements under `if pp_stage() == j:`, from what it received (j > 0), and hands on at its
+        end; the last stage skips the earlier runs, receives, and runs the rest as written."""
+        body = list(function.body.body)
+        start = 1 if body and _is_docstring(body[0]) else 0
+        bounds = [start, *(k for k, _ in split.cuts), len(body)]
+        received = [None, *(names for _, names in split.cuts)]
+        params = function.params
+        bound = {p.name.value for p in (*params.posonly_params, *params.params, *params.kwonly_params)} | {
+            star.name.value for star in (params.star_arg, params.star_kwarg) if isinstance(star, cst.Param)}
+        self.ctx.used.update({"pp_stage", "pp_handoff"} | ({"pp_receive"} if split.cuts else set()))
+        out = body[:start]
+        last = len(bounds) - 2
+        for j in range(last + 1):
+            run = body[bounds[j]:bounds[j + 1]]
+            head = []
+            if j:
+                names = received[j]
+                text = f"{', '.join(names)}{',' if len(names) == 1 else ''} = pp_receive()" if names \
+                    else "pp_receive()"
+                head.append(cst.parse_statement(f"{text}  # pipeline: stage {j} starts here, from what stage "
+                                                f"{j - 1} handed on\n"))
+            if j == last:
+                out += [*head, *run]
+                break
+            handed = split.cuts[j][1]
+            after = bound_on_every_path(run, bound | set(received[j] or ())) or set()
+            unset = [name for name in handed if name not in after]
+            if unset:
+                head.append(cst.parse_statement(f"{' = '.join(unset)} = None  # pipeline: set below only under a "
+                                                "condition; handed on as None when unset\n"))
+            handoff = cst.parse_statement(f"pp_handoff({', '.join(handed)})  # pipeline: stage {j} hands these on "
+                                          "and ends here\n")
+            guard = cst.parse_statement(f"if pp_stage() == {j}:  # pipeline: stage {j} runs these statements\n"
+                                        "    pass\n")
+            lead = run[0].leading_lines
+            run[0] = run[0].with_changes(leading_lines=[])
+            out.append(guard.with_changes(leading_lines=lead,
+                                          body=guard.body.with_changes(body=[*head, *run, handoff])))
+        return function.with_changes(body=function.body.with_changes(body=out))
 
     def leave_call(self, span: Span, call: cst.BaseExpression) -> cst.BaseExpression:
         """`self.set_attention_type("original_full")` before the blocks, which changes state later

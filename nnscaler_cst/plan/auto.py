@@ -172,7 +172,7 @@ def _blocks(graph: Graph) -> _Blocks:
             passes = 1
     chain = find_chain(graph) if passes == 1 else []     # an encoder's blocks, then a decoder's: one chain
     cut = [b for t in chain for b in t.blocks] if chain else trunk.blocks
-    block_of = node_blocks(graph, cut)
+    block_of = trunk.statements.block_of if trunk.statements is not None else node_blocks(graph, cut)
     first, last = (min(block_of), max(block_of)) if block_of else (0, 0)
     flops = [0.0] * len(cut)
     pro = epi = 0.0

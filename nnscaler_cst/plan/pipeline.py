@@ -43,6 +43,23 @@ class Trunk:
     # state of modules later stages hold: the first stage notes each one it runs, and every later
     # stage runs it too, before its blocks (pp_replayed / pp_replay)
     replays: list[Span] = field(default_factory=list)
+    # a forward written as a chain of statements, cut between them (no block list): see Statements
+    statements: "Statements | None" = None
+    # the call of an nn.Sequential of stages moved out of its statement (`return self.stages(x)`): the
+    # name it reads, which it then assigns (`x = self.stages(x)`, then `return x`)
+    hoist: str | None = None
+
+
+@dataclass
+class Statements:
+    """A function written as a chain of statements (`x = self.layer1(x)`, `x = self.layer2(x)`, ...:
+    ResNet's layers, DLA's levels, a UNet's down and up blocks): the stages cut it between top-level
+    statements of its body. Its blocks are runs of statements ("units") that a cut may separate;
+    each stage runs its units, what the statements before a cut set and the statements after it
+    read is handed on, and a stage holds the modules its statements call."""
+    starts: list[int]                    # per unit, the index in the function's body of its first statement
+    crossing: dict[int, list[str]]       # body index of a unit's start -> the names handed on there
+    block_of: dict[int, int]             # node index -> unit
 
 
 @dataclass
@@ -182,9 +199,15 @@ def find_trunk(graph: Graph) -> Trunk:
         return _trunk_of(graph, paths)
     except UserError as error:
         stages = _sequential_stages(graph)
-        if not stages:
+        if stages:
+            return _trunk_of(graph, stages)
+        # only without repeated blocks: blocks whose loop cannot be cut are refused at it, and a layer
+        # called again and again with its weights shared (ALBERT) is the work no stage can split
+        chain = _statement_chain(graph) if not graph.blocks and not error.message.startswith(_SHARED_LAYER) \
+            else None
+        if chain is None:
             raise error
-        return _trunk_of(graph, stages)
+        return chain
 
 
 def _sequential_stages(graph: Graph) -> list[str]:
@@ -206,6 +229,181 @@ def _sequential_stages(graph: Graph) -> list[str]:
         if flops >= half and flops > best_flops:
             best, best_flops = children, flops
     return best
+
+
+def _statement_chain(graph: Graph) -> Trunk | None:
+    """The function written as a chain of statements whose best cut in two leaves the least work
+    on the busier side, counting the code run before the function on every stage (DLA's
+    `forward_features`: `x = self.level0(x)`, `x = self.level1(x)`, ...): its trunk, the units
+    between the statements where a cut is valid (_valid_cuts). Candidates are the functions
+    holding a call of a module; each must run once per step. None if none has a cut."""
+    trace = graph.trace
+    work = [node_flops(n, graph.dims.get(n.index), trace) for n in graph.nodes]
+    total = sum(work)
+    frames = [_own_frames(trace, node) for node in graph.nodes]
+    best, best_key, blocked = None, None, None
+    for path, function in _calling_functions(graph):
+        source = graph.sources.get(path)
+        span = source.span_of(function)
+        body = list(function.body.body) if isinstance(function.body, cst.IndentedBlock) else []
+        spans = [source.span_of(stmt) for stmt in body]
+        statement_of = {}
+        for node, own in zip(graph.nodes, frames):
+            site = next((f for f in own if f.path == span.path and span.contains(f)), None)
+            k = next((k for k, stmt in enumerate(spans) if site is not None and stmt.contains(site)
+                      and not isinstance(body[k], (cst.FunctionDef, cst.ClassDef))), None)  # (a def runs elsewhere)
+            if k is not None:
+                statement_of[node.index] = k
+        order = [statement_of[i] for i in sorted(statement_of)]
+        if len(set(order)) < 2 or order != sorted(order):     # one statement, or run more than once
+            continue
+        cuts, unsendable = _valid_cuts(body, statement_of)
+        if not cuts:
+            blocked = blocked or (unsendable and (path, function, unsendable))
+            continue
+        starts = [1 if body and _docstring(body[0]) else 0, *cuts]
+        first, last = min(statement_of), max(statement_of)
+        block_of, unit = {}, 0
+        for index in range(first, last + 1):
+            if index in statement_of:
+                unit = sum(1 for start in starts[1:] if start <= statement_of[index])
+            block_of[index] = unit
+        # the busier side of the best cut; the code that runs before the function is called (the code
+        # above it) runs on every stage, so a function called late (a UNet's up block) cuts little
+        before = sum(work[:first])
+        inside = [sum(work[i] for i, u in block_of.items() if u < k) for k in range(1, len(starts))]
+        key = before + min(max(a, total - before - a) for a in inside)
+        if best_key is None or key < best_key:
+            crossing = {start: _crossing(body, start) for start in cuts}
+            best_key, best = key, (path, function, span, starts, crossing, block_of)
+    if best is None and blocked:
+        path, function, (k, name) = blocked
+        source = graph.sources.get(path)
+        binding = next(stmt for stmt in reversed(function.body.body[:k]) if name in _not_values([stmt]))
+        raise UserError(f"pipelining cuts {function.name.value} between its statements, and a cut here hands "
+                        f"`{name}` on to the next stage: a function, class or module, bound here, which a stage "
+                        "cannot send (a hand-off carries tensors, lists and tuples of them, and plain values)",
+                        source.span_of(binding).start,
+                        hint=f"define `{name}` outside the function (a method, or at module level)")
+    if best is None:
+        return None
+    path, function, span, starts, crossing, block_of = best
+    name = function.name.value
+    owner = _class_of(graph.sources.get(path), function)
+    container = f"{owner.name.value}.{name}" if owner is not None else name
+    source = graph.sources.get(path)
+    blocks = [f"{container}:{source.span_of(function.body.body[k]).line}" for k in starts]
+    return Trunk(container, blocks, function, span, starts[0], [], statements=Statements(starts, crossing, block_of))
+
+
+def _own_frames(trace, node) -> list[Span]:
+    """The model's own call sites a node ran under, innermost first: its own, then the call of each
+    module around it (a module is taken as called from its parent's code)."""
+    frames = [node.span] if node.span is not None else []
+    module = node.module_path
+    while module:
+        call = trace.module_calls.get(module)
+        if call is not None:
+            frames.append(call[0])
+        module = module.rpartition(".")[0]
+    return frames
+
+
+def _calling_functions(graph: Graph) -> list[tuple[str, cst.FunctionDef]]:
+    """The functions of the model's files that call a module (by their innermost definition)."""
+    found, seen, defined = [], set(), {}
+    for span, _ in graph.trace.module_calls.values():
+        source = graph.sources.get(span.path)
+        if source is None:
+            continue
+        if span.path not in defined:
+            defined[span.path] = [(source.span_of(f), f) for f in source.functions()]
+        holding = [f for where, f in defined[span.path] if where.contains(span)]
+        if holding and (span.path, id(holding[-1])) not in seen:
+            seen.add((span.path, id(holding[-1])))
+            found.append((span.path, holding[-1]))
+    return found
+
+
+def _valid_cuts(body: list, statement_of: dict[int, int]) -> tuple[list[int], tuple[int, str] | None]:
+    """Indices k of the body where a stage may start: statements before k and from k on both ran
+    ops, with no op between the last of the former and the first of the latter that no statement
+    claims (a helper's code the trace cannot place), none of the statements before k returns, and
+    every name handed on across k can be handed on (no function, class or module bound there).
+    With them, the first cut left out for such a name only: (k, the name)."""
+    by_statement: dict[int, list[int]] = {}
+    for index, k in statement_of.items():
+        by_statement.setdefault(k, []).append(index)
+    cuts, unsendable = [], None
+    for k in range(1, len(body)):
+        before = [i for j, nodes in by_statement.items() if j < k for i in nodes]
+        after = [i for j, nodes in by_statement.items() if j >= k for i in nodes]
+        if not before or not after or min(after) != max(before) + 1:
+            continue
+        if any(_returns(stmt) for stmt in body[:k]):
+            break
+        objects = [name for name in _crossing(body, k) if name in _not_values(body[:k])]
+        if not objects:
+            cuts.append(k)
+        elif unsendable is None:
+            unsendable = (k, objects[0])
+    return cuts, unsendable
+
+
+def _crossing(body: list, k: int) -> list[str]:
+    """The names the statements before k set and those from k on read first: handed on at k."""
+    read = exposed_reads(body[k:])
+    order = []
+    for stmt in body[:k]:
+        for name in sorted(names_in([stmt], True) | _not_values([stmt])):
+            if name in read and name not in order:
+                order.append(name)
+    return order
+
+
+def _not_values(statements) -> set[str]:
+    """Names the statements bind to what a hand-off cannot carry: functions, classes, modules."""
+    found = set()
+    for stmt in statements:
+        if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+            found.add(stmt.name.value)
+        elif isinstance(stmt, cst.SimpleStatementLine):
+            for small in stmt.body:
+                if isinstance(small, (cst.Import, cst.ImportFrom)) and not isinstance(small.names, cst.ImportStar):
+                    found.update(cst.Module([]).code_for_node(a.asname.name if a.asname else a.name).split(".")[0]
+                                 for a in small.names)
+                elif isinstance(small, cst.Assign) and isinstance(small.value, cst.Lambda):
+                    found.update(names_in([small], True))
+    return found
+
+
+def _returns(statement: cst.CSTNode) -> bool:
+    """Whether the statement may return or yield (not counting functions defined in it)."""
+    found = []
+
+    class Returns(cst.CSTVisitor):
+        def visit_Return(self, node) -> None:
+            found.append(node)
+
+        def visit_Yield(self, node) -> None:
+            found.append(node)
+
+        def visit_FunctionDef(self, node) -> bool:
+            return False
+
+        def visit_Lambda(self, node) -> bool:
+            return False
+
+        def visit_ClassDef(self, node) -> bool:
+            return False
+    statement.visit(Returns())
+    return bool(found)
+
+
+def _docstring(statement: cst.CSTNode) -> bool:
+    return isinstance(statement, cst.SimpleStatementLine) and len(statement.body) == 1 and isinstance(
+        statement.body[0], cst.Expr) and isinstance(statement.body[0].value,
+                                                    (cst.SimpleString, cst.ConcatenatedString))
 
 
 def _sequential_children(trace, container: str) -> list[str]:
@@ -241,6 +439,7 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
     span = calls[blocks[0]][0]
     source = graph.sources.get(span.path)
     node = source.node_at(span.line, span.col, span.end_line, span.end_col)
+    hoist = None
     if span in graph.trace.containers:     # `x = self.blocks(x)` on an nn.Sequential of the blocks
         children = _sequential_children(graph.trace, container)
         if len(children) != len(paths) and len(children) >= 2 and all(c in calls for c in children):
@@ -254,9 +453,10 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
         while loop is not None and not isinstance(loop, cst.SimpleStatementLine):
             loop = source.parents.get(loop)
         statement = loop.body[0] if loop is not None and len(loop.body) == 1 else None
-        if not (isinstance(statement, cst.Assign) and statement.value is node):
-            raise UserError(f"pipelining cuts the call of {container} into stages, so it must be a statement "
-                            "of its own", span.start, hint=f"assign its output first: `x = self.{container}(x)`")
+        single = isinstance(statement, cst.Assign) and statement.value is node and len(node.args) == 1 and len(
+            statement.targets) == 1 and statement.targets[0].target.deep_equals(node.args[0].value)
+        if not single:      # `return self.stages(x)`: cut as `x = self.stages(x)`, then the statement
+            hoist = _hoisted_input(source, loop, node, container, span)
     else:
         loop = node
         while loop is not None and not isinstance(loop, cst.For):
@@ -272,10 +472,80 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
         loop = _branches_over_blocks(source, loop, body, container)
     index = body.index(loop)
     function_span = source.span_of(function)
-    handoff = handoff_variables(function, index)
+    if hoist is not None:   # the call runs as `x = self.stages(x)` of its own, the statement after it
+        if hoist in exposed_reads(body[index + 1:]):
+            raise UserError(f"pipelining cuts the call of {container} into stages, and the code after it reads "
+                            f"`{hoist}`, its input, which the stages hand on as its output", span.start,
+                            hint=f"assign its output first: `{hoist} = self.{container.rpartition('.')[2]}"
+                                 f"({hoist})`, then use it")
+        split = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(cst.Name(hoist))], node)])
+        rest = body[index].deep_replace(node, cst.Name(hoist))
+        handoff = handoff_variables(function.with_changes(body=function.body.with_changes(
+            body=[*body[:index], split, rest, *body[index + 1:]])), index)
+    else:
+        handoff = handoff_variables(function, index)
     return Trunk(container, blocks, function, function_span, index, handoff,
                  _shared_loop_owner(graph, blocks, function, function_span, span),
-                 unset=maybe_unset(function, index, handoff))
+                 unset=maybe_unset(function, index, handoff), hoist=hoist)
+
+
+def _hoisted_input(source, statement: cst.SimpleStatementLine, call: cst.Call, container: str, span: Span) -> str:
+    """The name the call of an nn.Sequential of stages reads and, cut out of its statement, assigns
+    (`return self.stages(x)` runs as `x = self.stages(x)`, then `return x`): each stage runs its children
+    on what the previous one handed on under that name. Refused where moving the call first could
+    change what the statement computes: other calls evaluated before it, a call under a condition, or
+    an input that is not one name the statement reads nowhere else."""
+    attr = container.rpartition(".")[2]
+    refuse = UserError(f"pipelining cuts the call of {container} into stages, so it must be a statement of its own "
+                       "or one the cut can move out of its statement", span.start,
+                       hint=f"assign its output first: `x = self.{attr}(x)`")
+    args = call.args
+    if len(statement.body) != 1 or len(args) != 1 or args[0].keyword is not None or args[0].star \
+            or not isinstance(args[0].value, cst.Name):
+        raise refuse
+    name = args[0].value.value
+    small = statement.body[0]
+    if isinstance(small, cst.Assign):
+        root, earlier = small.value, []
+    elif isinstance(small, (cst.Return, cst.Expr)) and small.value is not None:
+        root, earlier = small.value, []
+    else:
+        raise refuse
+    node = call
+    while node is not root:          # what the statement evaluates before the call: no calls
+        parent = source.parents.get(node)
+        if isinstance(parent, (cst.IfExp, cst.BooleanOperation, cst.Lambda, cst.BaseComp, cst.Await)):
+            raise refuse
+        children = list(parent.children)
+        earlier += children[:children.index(node)]
+        node = parent
+    calls = []
+
+    class Calls(cst.CSTVisitor):
+        def visit_Call(self, found) -> None:
+            calls.append(found)
+    for part in earlier:
+        part.visit(Calls())
+    if calls or _mentions(small, name) > _mentions(call, name) or (
+            isinstance(small, cst.Assign) and name in names_in([small], True)):
+        raise refuse
+    return name
+
+
+def _mentions(node: cst.CSTNode, name: str) -> int:
+    """How often the code names the variable `name` (`self.name` is no mention)."""
+    count = 0
+
+    class Count(cst.CSTVisitor):
+        def visit_Name(self, found: cst.Name) -> None:
+            nonlocal count
+            count += found.value == name
+
+        def visit_Attribute(self, attribute: cst.Attribute) -> bool:
+            attribute.value.visit(self)
+            return False
+    node.visit(Count())
+    return count
 
 
 def _nested_blocks_loop(graph: Graph, paths: list[str]) -> UserError | None:
@@ -430,6 +700,9 @@ def _shared_loop_owner(graph: Graph, blocks: list[str], function: cst.FunctionDe
     return caller
 
 
+_SHARED_LAYER = "pipeline stages need repeated blocks"
+
+
 def _no_blocks(graph: Graph) -> UserError:
     """No repeated blocks to cut: say where, pointing at a layer called more than once (a model
     whose layers share one set of weights, like ALBERT's) when there is one. Only a call reading
@@ -441,16 +714,17 @@ def _no_blocks(graph: Graph) -> UserError:
     shared = max(calls.items(), key=lambda item: len(item[1]), default=(None, []))
     if len(shared[1]) > 1:
         path, nodes = shared
-        return UserError(f"pipeline stages need repeated blocks; this model calls {path} {len(nodes)} times "
+        return UserError(f"{_SHARED_LAYER}; this model calls {path} {len(nodes)} times "
                          "(its layers share one set of weights), so no stage could hold its own layers",
                          nodes[0].span.start,
                          hint="pipelining cuts a ModuleList of one block class, called in a loop, into stages")
     first = next((n.span.start for n in graph.nodes if n.span is not None and n.mapped), None)
     return UserError("pipeline stages need a model built from repeated blocks (a ModuleList of one block "
-                     "class called in a loop) or an nn.Sequential called once whose children run most of its "
-                     "work; this model has neither (a forward written as a chain of statements, "
-                     "`x = self.layer1(x)`, is not cut)", first,
-                     hint="put the stages in an nn.Sequential called once, or pipeline a model with repeated blocks")
+                     "class called in a loop), an nn.Sequential called once whose children run most of its "
+                     "work, or a function written as a chain of statements (`x = self.layer1(x)`, "
+                     "`x = self.layer2(x)`) with a place between two of them to cut; this model has none of these",
+                     first, hint="put the stages in an nn.Sequential called once, or write the forward as a chain of "
+                                 "statements each calling a layer")
 
 
 def _loop_runs_once(group: list[str], calls: dict) -> bool:
@@ -536,11 +810,13 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
     blocks = [b for t in chain for b in t.blocks] if chain else trunk.blocks
     n_blocks = len(blocks)
     if n_blocks < stages:
-        raise UserError(f"{n_blocks} blocks cannot fill {stages} pipeline stages", trunk.function_span.start,
+        what = f"{n_blocks} blocks" if trunk.statements is None else (
+            f"the chain of statements of {trunk.container}, cut at {n_blocks - 1} place(s) at most,")
+        raise UserError(f"{what} cannot fill {stages} pipeline stages", trunk.function_span.start,
                         hint=f"use fewer stages: --pp {max(n_blocks // virtual, 1)} or less"
                         + (f", or a schedule with fewer virtual stages per rank than {virtual} (--schedule 1f1b)"
                            if virtual > 1 else ""))
-    block_of = node_blocks(graph, blocks)
+    block_of = trunk.statements.block_of if trunk.statements is not None else node_blocks(graph, blocks)
     first = min(block_of) if block_of else 0
     last = max(block_of) if block_of else 0
     cost = [0.0] * n_blocks
@@ -906,6 +1182,8 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
 
 
 def trunk_location(graph: Graph, plan: StagePlan):
+    if plan.trunk.statements is not None:
+        return plan.trunk.function_span.start
     return graph.trace.module_calls[plan.trunk.blocks[0]][0].start
 
 
@@ -1002,7 +1280,9 @@ def _check_trunk_state_writes(graph: Graph, plan: StagePlan, trunk: Trunk) -> No
         inside = next((span for span in write.stack if span.path == cut.path and cut.contains(span)), None)
         if inside is None:
             continue
-        if any(stmt.contains(inside) for stmt in prologue):
+        if trunk.statements is not None:     # a chain of statements: the stage running the write's statement
+            writers, part = {plan.node_stage.get(min(write.node + 1, n - 1), 0)}, "its chain of statements"
+        elif any(stmt.contains(inside) for stmt in prologue):
             writers, part = {enters}, "the code before the block loop"
         elif loop.contains(inside):
             after = min(write.node + 1, n - 1)

@@ -43,6 +43,10 @@ def recompute_site(graph: Graph) -> Span:
         raise UserError(f"--recompute checkpoints each repeated block, and finds none: {exc.message}",
                         exc.location, hint="drop --recompute, or build the model from a ModuleList of "
                         "blocks called in a `for` loop", related=exc.related) from None
+    if trunk.statements is not None:
+        raise UserError(f"--recompute checkpoints each repeated block, and finds none: the pipeline stages cut "
+                        f"{trunk.container}, a chain of statements", trunk.function_span.start,
+                        hint="drop --recompute, or build the model from a ModuleList of blocks called in a `for` loop")
     span = graph.trace.module_calls[trunk.blocks[0]][0]
     if span in graph.trace.containers:
         raise UserError(f"--recompute checkpoints each block where the model calls it, but the blocks of "

@@ -1484,6 +1484,11 @@ def pp_first_stage() -> bool:
     return PIPE.stage == 0
 
 
+def pp_stage() -> int:
+    """The model stage this forward runs (a function cut between its statements runs its part)."""
+    return PIPE.stage
+
+
 def pp_first_block(stage_blocks: dict | None = None) -> int:
     """The index in the whole model of this stage's first block (STAGE_BLOCKS: per stage of this
     file, its range of blocks; a mirrored file, shared by the stages, reads what build() noted),
