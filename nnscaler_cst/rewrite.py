@@ -293,6 +293,10 @@ def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: in
         blocks = [f'PIPELINE_BLOCKS = "{stages.trunk.container}"',
                   f"STAGE_BLOCKS = {{{', '.join(f'{s}: {stages.block_ranges[s]}' for s in mine)}}}  "
                   f"# blocks of {stages.trunk.container} per stage"]
+        if stages.trunk.iterations:
+            blocks.append(f"PIPELINE_ITERATIONS = {len(stages.trunk.blocks)}  # the loop runs one block of "
+                          f"{stages.trunk.container} per iteration: each stage keeps the whole list (the others' "
+                          "blocks hollow) and runs the iterations of its own")
     lines = ["", "", f"# --- pipeline: what this rank runs ({table}; stages balanced by the cost model) ---",
              blocks[0],
              f"PIPELINE_STAGE_COUNT = {stages.stages}",
@@ -359,7 +363,8 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
                            trunk.recycle.loop if trunk.recycle else None,
                            tuple(trunk.recycle.carried) if trunk.recycle else (), tuple(trunk.unset),
                            tuple(trunk.replays),
-                           recycle_after=trunk.recycle is not None and trunk.recycle.after is not None)
+                           recycle_after=trunk.recycle is not None and trunk.recycle.after is not None,
+                           iterations=trunk.iterations)
     loops = [c.function for c in chain] + ([split.function] if split is not None else [])
     files_read = {str(analysis.sources.get(p).path) for p in [*model_paths, entry_path]}
     outside = next((span for span in loops if span.path not in files_read), None)

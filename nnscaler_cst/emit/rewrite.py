@@ -39,6 +39,7 @@ class StageSplit:
     replays: tuple[Span, ...] = ()  # prologue calls that change state later stages hold: run there too
     chained: bool = False           # one trunk of a chain: its `self` says the stage's part (runtime pp_trunk)
     recycle_after: bool = False     # the last pass is written after the recycling loop, which runs the others
+    iterations: bool = False        # blocks that are lists of modules: the stage runs its blocks' iterations
 
 
 @dataclass
@@ -439,7 +440,16 @@ class SplitStages:
             head = [cst.parse_statement(f"if {later_stage}:\n    {names} = pp_receive()\n")]
         mark = cst.TrailingWhitespace(whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(
             f"# pipeline: this stage's blocks of {split.container} only"))
-        if isinstance(loop, cst.For):
+        if isinstance(loop, cst.For) and split.iterations:
+            self.ctx.used.add("pp_iterations")
+            args = [cst.Arg(loop.iter)]
+            if split.owned:
+                args = [args[0].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
+                        cst.Arg(cst.parse_expression("pp_cuts(self)"))]
+            loop = loop.with_changes(iter=cst.Call(cst.Name("pp_iterations"), args), body=loop.body.with_changes(
+                header=mark.with_changes(comment=cst.Comment(f"# pipeline: the iterations of this stage's blocks "
+                                                             f"of {split.container} only"))))
+        elif isinstance(loop, cst.For):
             blocks = "STAGE_BLOCKS" if self.ctx.in_program else ""    # a mirror is shared by the stages
             offset = f"(pp_first_block({blocks}) if pp_cuts(self) else 0)" if split.owned \
                 else f"pp_first_block({blocks})"

@@ -94,6 +94,8 @@ def keep_stage(model, stage, module):
     if not isinstance(module.STAGE_BLOCKS[stage], dict):     # mirrored files count blocks from here
         from ._comm import PIPE
         PIPE.first_blocks[stage] = module.STAGE_BLOCKS[stage][0]
+        if getattr(module, "PIPELINE_ITERATIONS", None):     # the loop's iterations this stage runs
+            PIPE.iterations[stage], PIPE.iteration_count = module.STAGE_BLOCKS[stage], module.PIPELINE_ITERATIONS
     if hasattr(module, "PIPELINE_CUT_OWNER"):     # this module's call of the cut function is the one cut
         model.get_submodule(module.PIPELINE_CUT_OWNER).pp_cut_here = True
     returned = {{}}     # chained trunks: what each trunk returned on this stage, handed on with the activations
@@ -167,6 +169,8 @@ def hollow(dropped, path, own_only=False):
 def stage_blocks(module, stage):
     """{{block list: (first, stop)}}: the blocks of each list one stage holds (several lists when
     the stages cut a chain of them: an encoder's blocks, then a decoder's)."""
+    if getattr(module, "PIPELINE_ITERATIONS", None):     # the whole list stays, the others' blocks hollow
+        return {{}}
     blocks = module.STAGE_BLOCKS[stage]
     return blocks if isinstance(blocks, dict) else {{module.PIPELINE_BLOCKS: blocks}}
 
@@ -478,6 +482,7 @@ def pipeline_forward_backward(stages, batch, module):
     for i, (kind, stage, m, cycle) in enumerate(actions):
         _comm.PIPE.stage = stage % length
         _comm.PIPE.cycle = cycle if passes > 1 else None
+        _comm.PIPE.model = stages[local[stage]]      # a module handed over is read from this stage's model
         before = rank_of(stage - 1) if not first(stage) else None
         after = rank_of(stage + 1) if not last(stage) else None
         sends = []

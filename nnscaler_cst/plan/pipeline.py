@@ -43,6 +43,11 @@ class Trunk:
     # state of modules later stages hold: the first stage notes each one it runs, and every later
     # stage runs it too, before its blocks (pp_replayed / pp_replay)
     replays: list[Span] = field(default_factory=list)
+    # the blocks are lists of modules (`ModuleList([norm, block, residual])` per layer) that the
+    # loop's iterations run, one block per iteration: every stage keeps the whole list (the other
+    # stages' blocks hollow) and runs the iterations of its own blocks, so that the sequences zipped
+    # with the blocks and the layer index stay those of the whole model
+    iterations: bool = False
 
 
 @dataclass
@@ -227,20 +232,21 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
     calls = graph.trace.module_calls
     container = paths[0].rsplit(".", 1)[0]
     blocks = sorted((p for p in paths if p in calls), key=lambda p: calls[p][1])
-    if len(blocks) < 2:
-        nested = _nested_blocks_loop(graph, paths)
-        if nested is not None:
-            raise nested
+    iterated = _iterated_blocks(graph, paths) if len(blocks) < 2 else None
+    if iterated is not None:
+        blocks, span = iterated
+    elif len(blocks) < 2:
         trace = graph.trace
         reading = next((n.span.start for n in graph.nodes if n.span is not None and any(   # the first block's weights
             alias.startswith(paths[0] + ".") for _, tid in graph.param_operands(n.index)
             for alias in trace.params[trace.tensors[tid].param].aliases)), None)
         raise UserError(f"the blocks of {container} are not called as modules from the model's own code", reading,
                         hint="pipelining cuts the calls the trace sees, `block(x)`; `block.forward(x)` bypasses them")
-    span = calls[blocks[0]][0]
+    else:
+        span = calls[blocks[0]][0]
     source = graph.sources.get(span.path)
     node = source.node_at(span.line, span.col, span.end_line, span.end_col)
-    if span in graph.trace.containers:     # `x = self.blocks(x)` on an nn.Sequential of the blocks
+    if iterated is None and span in graph.trace.containers:     # `x = self.blocks(x)` on an nn.Sequential of the blocks
         children = _sequential_children(graph.trace, container)
         if len(children) != len(paths) and len(children) >= 2 and all(c in calls for c in children):
             # it holds other stages too (a stem, a stage of another class): the stages cut its children
@@ -272,33 +278,48 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
     index = body.index(loop)
     function_span = source.span_of(function)
     handoff = handoff_variables(function, index)
+    if iterated is not None and not isinstance(loop, cst.For):
+        raise UserError("the loop over the blocks must be a statement of the function's body, not nested",
+                        span.start, hint=f"pipelining cuts a loop over self.{container.rpartition('.')[2]} "
+                                         "in the function's body")
     return Trunk(container, blocks, function, function_span, index, handoff,
                  _shared_loop_owner(graph, blocks, function, function_span, span),
-                 unset=maybe_unset(function, index, handoff))
+                 unset=maybe_unset(function, index, handoff), iterations=iterated is not None)
 
 
-def _nested_blocks_loop(graph: Graph, paths: list[str]) -> UserError | None:
-    """Blocks that are lists of modules (x-transformers' `ModuleList([norms, block, residual])` per
-    layer), never called themselves, whose modules a loop calls: the refusal, at that loop. A
-    stage boundary is a call of a block, so such a loop cannot be cut; None when the blocks' modules
-    are not called in a loop."""
+def _iterated_blocks(graph: Graph, paths: list[str]) -> tuple[list[str], Span] | None:
+    """Blocks that are lists of modules, never called themselves (x-transformers' `ModuleList([norms,
+    block, residual])` per layer), whose modules one `for` loop calls, one block per iteration, in
+    the blocks' order: the blocks, and the span of the first call inside them. None when the blocks'
+    modules are not called so; refused when the loop runs them in another order, or interleaved."""
     calls = graph.trace.module_calls
-    inner = [calls[p] for p in calls if p.startswith(paths[0] + ".")]
-    if not inner or any(p in calls for p in paths):
+    if any(p in calls for p in paths) or not all(p.rpartition(".")[2].isdigit() for p in paths):
         return None
-    span = min(inner, key=lambda call: call[1])[0]
+    firsts = {}
+    for path in paths:
+        inner = [calls[c] for c in calls if c.startswith(path + ".")]
+        if not inner:
+            return None
+        firsts[path] = min(inner, key=lambda call: call[1])
+    blocks = sorted(paths, key=lambda p: int(p.rpartition(".")[2]))
+    span = firsts[blocks[0]][0]
     source = graph.sources.get(span.path)
     node = source.node_at(span.line, span.col, span.end_line, span.end_col)
     while node is not None and not isinstance(node, cst.For):
         node = source.parents.get(node)
     if node is None:
         return None
-    container = paths[0].rsplit(".", 1)[0]
-    return UserError(f"the blocks of {container} are lists of modules, never called themselves; this loop calls "
-                     "the modules inside them, and pipeline stages are cut at calls of whole blocks",
-                     source.span_of(node).start,
-                     hint="give each layer a module whose forward runs its parts and call it in the loop "
-                          "(`x = layer(x)`), or use --tp or --dp for this model")
+    loop = source.span_of(node)
+    container = blocks[0].rpartition(".")[0]
+    ran = sorted(blocks, key=lambda p: firsts[p][1])
+    order = [b for b, _ in sorted(node_blocks(graph, blocks).items())]
+    if ran != blocks or order != sorted(order) or not all(loop.contains(firsts[p][0]) for p in blocks):
+        raise UserError(f"the blocks of {container} are lists of modules whose modules this loop calls, but not "
+                        "one block per iteration in their order (pipeline stages run the iterations of their "
+                        "own blocks)", loop.start,
+                        hint="run the layers in the order they are numbered, one per iteration, "
+                             "or use --tp or --dp for this model")
+    return blocks, span
 
 
 def _branches_over_blocks(source, loop: cst.CSTNode, body: list, container: str) -> cst.If:
@@ -881,6 +902,9 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
                 else:
                     drop.append(module)
                     dropped.add(module)
+        if plan.trunk.iterations:      # the whole block list stays; the other stages' blocks are hollow
+            first, stop = plan.block_ranges[stage]
+            drop += [b for k, b in enumerate(plan.trunk.blocks) if not first <= k < stop]
         plan.drop[stage], plan.shadow[stage] = drop, shadow
     not_held = [set(plan.drop[s]) | set(plan.shadow[s]) | block_set for s in range(plan.stages)]
     live = _computed_on_later_stages(graph, plan, {m for s in plan.shadow.values() for m in s})

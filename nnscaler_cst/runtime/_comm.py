@@ -46,6 +46,7 @@ What it must not do
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from typing import Iterable
 
@@ -1327,6 +1328,13 @@ class PipelineState:
         self.passes = 1
         self.recycled: tuple | None = None
         self.first_blocks: dict[int, int] = {}     # stage -> index of its first block (build() notes it)
+        # a loop whose iterations run blocks that are lists of modules (pp_iterations): stage ->
+        # (first, stop) of its blocks, and the iterations the loop runs in all (build() notes them)
+        self.iterations: dict[int, tuple[int, int]] = {}
+        self.iteration_count: int | None = None
+        # the model of the stage running now: a module handed over stands for the module at the
+        # same path in the receiving stage's model (set by train.py's schedule loop per action)
+        self.model: torch.nn.Module | None = None
 
 
 PIPE = PipelineState()
@@ -1352,6 +1360,23 @@ def pp_first_block(stage_blocks: dict | None = None) -> int:
         return PIPE.first_blocks.get(PIPE.stage, 0)
     blocks = stage_blocks.get(PIPE.stage)
     return blocks[0] if blocks else 0
+
+
+def pp_iterations(iterable, cut: bool = True):
+    """The iterations of a loop over blocks that are lists of modules (`for norm, block, residual in
+    self.layers`, zipped with per-layer lists) that this stage runs: iteration k runs block k, and
+    this stage holds blocks first..stop-1 (the others are hollow here). Every iteration is counted,
+    so the loop's own index and the sequences zipped with the blocks stay the whole model's; a loop
+    that runs another number of iterations than there are blocks is refused. `cut` False (another
+    call of the same function, not the one the stages cut): every iteration."""
+    first, stop = PIPE.iterations.get(PIPE.stage, (0, None)) if cut else (0, None)
+    count = 0
+    for count, item in enumerate(iterable, 1):
+        if first < count and (stop is None or count <= stop):
+            yield item
+    if cut and PIPE.iteration_count is not None and count != PIPE.iteration_count:
+        raise RuntimeError(f"the loop over the blocks ran {count} iterations; the pipeline stages were cut for "
+                           f"{PIPE.iteration_count}, one block each")
 
 
 def pp_cuts(module) -> bool:
@@ -1495,6 +1520,49 @@ def pp_recycle(*values):
         raise RecycleBoundary(values)
 
 
+class _ModuleRef:
+    """Stands for a module of the sending stage's model inside handed-over values (a tuple of the
+    layers a loop zips): the receiving stage reads its own module at the same path."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __eq__(self, other):
+        return isinstance(other, _ModuleRef) and other.path == self.path
+
+    def __hash__(self):
+        return hash(self.path)
+
+
+class _Fields:
+    """Stands for a dataclass instance inside handed-over values (an attention's intermediates):
+    its fields walked as a container's items, so that the tensors in it are sent as tensors."""
+
+    def __init__(self, cls: type, fields: dict):
+        self.cls, self.fields = cls, fields
+
+    def __eq__(self, other):
+        return isinstance(other, _Fields) and (other.cls, other.fields) == (self.cls, self.fields)
+
+    def rebuilt(self, fields: dict):
+        value = self.cls.__new__(self.cls)
+        for name, item in fields.items():
+            object.__setattr__(value, name, item)
+        return value
+
+
+def _module_path(module: torch.nn.Module) -> str | None:
+    """The path of `module` in the model of the stage running now, or None."""
+    model = PIPE.model
+    if model is None:
+        return None
+    paths = model.__dict__.get("_pp_module_paths")
+    if paths is None:
+        paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+        model.__dict__["_pp_module_paths"] = paths
+    return paths.get(id(module))
+
+
 class _TensorSlot:
     """Stands for a tensor inside a pickled structure of handed-over values."""
 
@@ -1516,6 +1584,11 @@ def _slots(value, tensors: list, seen: dict | None = None):
         return type(value)(_slots(v, tensors, seen) for v in value)
     if isinstance(value, dict):
         return _like(value, {k: _slots(v, tensors, seen) for k, v in value.items()})
+    if isinstance(value, torch.nn.Module) and _module_path(value) is not None:
+        return _ModuleRef(_module_path(value))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _Fields(type(value), {f.name: _slots(getattr(value, f.name), tensors, seen)
+                                     for f in dataclasses.fields(value) if hasattr(value, f.name)})
     return value
 
 
@@ -1526,6 +1599,12 @@ def _filled(value, tensors: list):
         return type(value)(_filled(v, tensors) for v in value)
     if isinstance(value, dict):
         return _like(value, {k: _filled(v, tensors) for k, v in value.items()})
+    if isinstance(value, _ModuleRef):
+        if PIPE.model is None:
+            raise RuntimeError(f"a hand-off holds the module {value.path}, and no stage's model is set to read it from")
+        return PIPE.model.get_submodule(value.path)
+    if isinstance(value, _Fields):
+        return value.rebuilt({k: _filled(v, tensors) for k, v in value.fields.items()})
     return value
 
 
@@ -1621,9 +1700,12 @@ def shape_key(value):
 
 
 def _cacheable(structure) -> bool:
-    """Whether a hand-off's metadata can be cached: tensors, containers and plain values only."""
-    if isinstance(structure, (_TensorSlot, _PLAIN)):
+    """Whether a hand-off's metadata can be cached: tensors, containers, dataclasses, modules of the
+    model and plain values only."""
+    if isinstance(structure, (_TensorSlot, _ModuleRef, _PLAIN)):
         return True
+    if isinstance(structure, _Fields):
+        return _cacheable(structure.fields)
     if isinstance(structure, (tuple, list)):
         return all(_cacheable(v) for v in structure)
     if isinstance(structure, dict):
@@ -1643,6 +1725,9 @@ def _signature(value, tensors: list):
         return (type(value), tuple(_signature(v, tensors) for v in value))
     if isinstance(value, dict):
         return (dict, tuple((k, _signature(v, tensors)) for k, v in value.items()))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value), tuple((f.name, _signature(getattr(value, f.name), tensors))
+                                   for f in dataclasses.fields(value) if hasattr(value, f.name)))
     if isinstance(value, (float, complex)):
         return (type(value), repr(value))
     return (type(value), value)
@@ -1836,6 +1921,8 @@ def _slots_of(value, found: list):
     elif isinstance(value, dict):
         for v in value.values():
             _slots_of(v, found)
+    elif isinstance(value, _Fields):
+        _slots_of(value.fields, found)
     return value
 
 

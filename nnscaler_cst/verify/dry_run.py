@@ -284,8 +284,9 @@ class _Checker:
             _, inputs = self._batch(rank)
             micro = self._guard(lambda: package.micro_batches(inputs)[0], rank, "the micro-batch split")
             comm.PIPE.stages, comm.PIPE.stage = count, stage
-            comm.PIPE.inbox = inbox
             model = models[rank][module.PIPELINE_STAGES.index(stage)]
+            comm.PIPE.model = model
+            comm.PIPE.inbox = comm._received(*inbox) if inbox else ()    # modules handed over: this stage's
             what = f"stage {stage}'s forward"
             try:
                 output = _call(model, micro)
@@ -317,7 +318,8 @@ class _Checker:
 
     def _hand_over(self, rank: int, stage: int, values) -> tuple[tuple, list]:
         """What recv_values would hand the next stage: the structure pickled as send_values pickles
-        it, each tensor a fresh copy (needing gradients where the sent one did)."""
+        it and fresh copies of its tensors (needing gradients where the sent ones did), to be filled
+        in (comm._received) when the next stage's model runs: a module handed over is its own."""
         comm = self.comm
         tensors: list = []
         structure = comm._slots(values, tensors)
@@ -328,7 +330,7 @@ class _Checker:
                 raise self._internal(rank, f"stage {stage} hands the next stage a value that cannot be "
                                            f"sent ({type(exc).__name__}: {exc})") from exc
         received = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]   # values kept: ids
-        return comm._received(structure, received), received
+        return (structure, received), received
 
     # ---- checks ------------------------------------------------------------------------
     def _place(self, rank: int) -> None:
