@@ -115,7 +115,8 @@ def keep_stage(model, stage, module):
         else:
             hollow(model.get_submodule(path), path)
     for path in getattr(module, "STAGE_SHADOWS", {{}}).get(stage, []):   # run here, trained where owned
-        for name, param in model.get_submodule(path).named_parameters(prefix=path):
+        # "": the model's own parameters (a pos_embedding read above the cut function), not its submodules'
+        for name, param in model.get_submodule(path).named_parameters(prefix=path, recurse=bool(path)):
             if name not in module.TIED_PARAMETERS and name not in getattr(module, "SHARED_PARAMETERS", ()):
                 param.requires_grad_(False)
     return model

@@ -179,16 +179,29 @@ def find_trunk(graph: Graph) -> Trunk:
     try:
         if not graph.blocks:
             raise _no_blocks(graph)
-        # blocks called as modules first (Funnel's encoder holds ModuleLists of layers, never called
-        # themselves), then a loop that calls no other blocks, then the longest
-        paths = max(graph.blocks.values(), key=lambda group: (sum(p in calls for p in group) >= 2,
-                                                              _loop_runs_once(group, calls), len(group)))
+        # blocks called as modules, or lists of modules a loop runs one per iteration, first (Funnel's
+        # encoder holds ModuleLists of layers, never called themselves, whose layers are the blocks),
+        # then a loop that calls no other blocks, then the longest
+        paths = max(graph.blocks.values(), key=lambda group: (
+            sum(p in calls for p in group) >= 2 or _lists_of_modules(graph, group),
+            _loop_runs_once(group, calls), len(group)))
         return _trunk_of(graph, paths)
     except UserError as error:
         stages = _sequential_stages(graph)
         if not stages:
             raise error
         return _trunk_of(graph, stages)
+
+
+def _lists_of_modules(graph: Graph, group: list[str]) -> bool:
+    """Whether the blocks of `group` are lists of modules, never called themselves, whose modules
+    are called and hold no other group's blocks (x-transformers' `ModuleList([norms, block,
+    residual])` per layer, run by one loop; not Funnel's lists of layers, whose layers are blocks)."""
+    calls = graph.trace.module_calls
+    inside = tuple(p + "." for p in group)
+    return not any(p in calls for p in group) and all(any(c.startswith(p) for c in calls) for p in inside) \
+        and not any(other is not group and any(q.startswith(inside) for q in other)
+                    for other in graph.blocks.values())
 
 
 def _sequential_stages(graph: Graph) -> list[str]:
@@ -887,6 +900,8 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
         if _runs_on_every_stage(graph, plan, node):
             for path in filter(None, (node.module_path, node.callee_path)):
                 everywhere.update((path, *_ancestors(path)))
+            if "" in _read_owners(graph, node):     # the model's own parameter (ViT's pos_embedding) read
+                everywhere.add("")                  # above the cut function: each stage keeps a copy
 
     blocks = plan.blocks
     block_set = set(blocks)
