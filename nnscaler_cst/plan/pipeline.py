@@ -247,7 +247,7 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
     blocks = sorted((p for p in paths if p in calls), key=lambda p: calls[p][1])
     iterated = _iterated_blocks(graph, paths) if len(blocks) < 2 else None
     if iterated is not None:
-        blocks, span = iterated
+        blocks, (span, first) = iterated
     elif len(blocks) < 2:
         trace = graph.trace
         reading = next((n.span.start for n in graph.nodes if n.span is not None and any(   # the first block's weights
@@ -256,7 +256,7 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
         raise UserError(f"the blocks of {container} are not called as modules from the model's own code", reading,
                         hint="pipelining cuts the calls the trace sees, `block(x)`; `block.forward(x)` bypasses them")
     else:
-        span = calls[blocks[0]][0]
+        span, first = calls[blocks[0]]
     source = graph.sources.get(span.path)
     node = source.node_at(span.line, span.col, span.end_line, span.end_col)
     if iterated is None and span in graph.trace.containers:     # `x = self.blocks(x)` on an nn.Sequential of the blocks
@@ -296,15 +296,15 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
                         span.start, hint=f"pipelining cuts a loop over self.{container.rpartition('.')[2]} "
                                          "in the function's body")
     return Trunk(container, blocks, function, function_span, index, handoff,
-                 _shared_loop_owner(graph, blocks, function, function_span, span),
+                 _shared_loop_owner(graph, blocks, function, function_span, span, first),
                  unset=maybe_unset(function, index, handoff), iterations=iterated is not None)
 
 
-def _iterated_blocks(graph: Graph, paths: list[str]) -> tuple[list[str], Span] | None:
+def _iterated_blocks(graph: Graph, paths: list[str]) -> tuple[list[str], tuple[Span, int]] | None:
     """Blocks that are lists of modules, never called themselves (x-transformers' `ModuleList([norms,
     block, residual])` per layer), whose modules one `for` loop calls, one block per iteration, in
-    the blocks' order: the blocks, and the span of the first call inside them. None when the blocks'
-    modules are not called so; refused when the loop runs them in another order, or interleaved."""
+    the blocks' order: the blocks, and the span and op index of the first call inside them. None when
+    the blocks' modules are not called so; refused when the loop runs them in another order, or interleaved."""
     calls = graph.trace.module_calls
     if any(p in calls for p in paths) or not all(p.rpartition(".")[2].isdigit() for p in paths):
         return None
@@ -332,7 +332,7 @@ def _iterated_blocks(graph: Graph, paths: list[str]) -> tuple[list[str], Span] |
                         "own blocks)", loop.start,
                         hint="run the layers in the order they are numbered, one per iteration, "
                              "or use --tp or --dp for this model")
-    return blocks, span
+    return blocks, firsts[blocks[0]]
 
 
 def _branches_over_blocks(source, loop: cst.CSTNode, body: list, container: str) -> cst.If:
@@ -441,7 +441,7 @@ def _chain_roles(chain: list[Trunk], ranges: list[tuple[int, int]]) -> dict[int,
 
 
 def _shared_loop_owner(graph: Graph, blocks: list[str], function: cst.FunctionDef, function_span: Span,
-                       span: Span) -> str | None:
+                       span: Span, first: int) -> str | None:
     """When the loop's call site also calls blocks of another container (one stack class for the
     encoder and the decoder), the module path of the trunk's caller, whose method it is: the
     stages cut that call only, and the other container's call runs whole. None otherwise."""
@@ -452,9 +452,11 @@ def _shared_loop_owner(graph: Graph, blocks: list[str], function: cst.FunctionDe
         return None
     # the self of that call: the module running the function's last op before the first block, an
     # ancestor of the container (the encoder stack, for encoder.block)
-    before = [n for n in graph.nodes[:calls[blocks[0]][1]] if n.span is not None and function_span.contains(n.span)
+    before = [n for n in graph.nodes[:first] if n.span is not None and function_span.contains(n.span)
               and (n.module_path == "" or container.startswith(n.module_path + "."))]
-    caller = before[-1].module_path if before else None
+    # (no op before it: the module holding the container, when it is called itself)
+    parent = container.rpartition(".")[0]
+    caller = before[-1].module_path if before else parent if parent in calls else None
     params = function.params.params
     if caller is None or not params or params[0].name.value != "self":
         raise UserError(f"the loop over {container} also runs other blocks, and its function is not a method of "
