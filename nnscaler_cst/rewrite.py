@@ -289,6 +289,10 @@ def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: in
                   "# per stage, the blocks of each list it holds",
                   f"STAGE_TRUNKS = {{{', '.join(f'{s}: {_roles(stages, s)}' for s in mine)}}}  # per stage, its "
                   "part in the loop over each list (owner: role, first block, stop, hands on after its blocks)"]
+        iterated = {t.container: len(t.blocks) for t in stages.chain if t.iterations}
+        if iterated:
+            blocks.append(f"PIPELINE_ITERATIONS = {iterated}  # lists whose loop runs one block per iteration: each "
+                          "stage keeps the whole list (the others' blocks hollow) and runs the iterations of its own")
     else:
         blocks = [f'PIPELINE_BLOCKS = "{stages.trunk.container}"',
                   f"STAGE_BLOCKS = {{{', '.join(f'{s}: {stages.block_ranges[s]}' for s in mine)}}}  "
@@ -355,7 +359,7 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
     split, chain = None, ()
     if stages is not None and stages.chain:
         chain = tuple({t.function_span: StageSplit(t.function_span, t.loop_index, t.handoff, t.container,
-                                                   unset=tuple(t.unset), chained=True)
+                                                   unset=tuple(t.unset), chained=True, iterations=t.iterations)
                        for t in stages.chain}.values())     # T5: one stack class's method loops over both lists
     elif stages is not None:
         trunk = stages.trunk

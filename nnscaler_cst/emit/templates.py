@@ -102,6 +102,9 @@ def keep_stage(model, stage, module):
     for owner, part in getattr(module, "STAGE_TRUNKS", {{}}).get(stage, {{}}).items():
         trunk = model.get_submodule(owner)
         trunk.pp_owner, trunk.pp_trunk, trunk.pp_returned = owner, part, returned
+        for path, count in getattr(module, "PIPELINE_ITERATIONS", {{}}).items():   # its loop's iterations in all
+            if path.startswith(owner + "."):
+                trunk.pp_iteration_count = count
     for path in module.STAGE_DROPS[stage]:
         if not path:      # the model's own parameters (a cls_token), not its submodules
             hollow(model, path, own_only=True)
@@ -170,10 +173,11 @@ def hollow(dropped, path, own_only=False):
 def stage_blocks(module, stage):
     """{{block list: (first, stop)}}: the blocks of each list one stage holds (several lists when
     the stages cut a chain of them: an encoder's blocks, then a decoder's)."""
-    if getattr(module, "PIPELINE_ITERATIONS", None):     # the whole list stays, the others' blocks hollow
-        return {{}}
+    iterated = getattr(module, "PIPELINE_ITERATIONS", None)    # lists kept whole, the others' blocks hollow
     blocks = module.STAGE_BLOCKS[stage]
-    return blocks if isinstance(blocks, dict) else {{module.PIPELINE_BLOCKS: blocks}}
+    if not isinstance(blocks, dict):
+        return {{}} if iterated else {{module.PIPELINE_BLOCKS: blocks}}
+    return {{path: kept for path, kept in blocks.items() if path not in (iterated or {{}})}}
 
 
 def stage_key(name, stage, module):

@@ -377,15 +377,21 @@ def find_chain(graph: Graph) -> list[Trunk]:
     groups = []
     for paths in graph.blocks.values():
         called = sorted((p for p in paths if p in calls), key=lambda p: calls[p][1])
+        first = calls[called[0]][1] if called else None
+        if not called and _lists_of_modules(graph, paths):      # lists of modules, one per iteration
+            try:
+                called, (_, first) = _iterated_blocks(graph, paths) or ([], (None, None))
+            except UserError:
+                continue
         owner = paths[0].rsplit(".", 1)[0].rpartition(".")[0]
         if len(called) < 2 or len(called) != len(paths) or not owner or owner not in calls \
                 or any(runs.get(p, 1) != 1 for p in (*called, owner)):
             continue
-        groups.append((calls[called[0]][1], called, owner))
+        groups.append((first, called, owner))
     groups.sort()
     owners = [owner for _, _, owner in groups]
-    if len(groups) < 2 or len({calls[o][0] for o in owners}) < len(owners) or any(
-            a.startswith(b + ".") for a in owners for b in owners):
+    # (owners may be called from one line: one wrapper class around the encoder's and the decoder's)
+    if len(groups) < 2 or any(a.startswith(b + ".") for a in owners for b in owners):
         return []
     chain, last_op = [], -1
     for _, paths, owner in groups:
@@ -400,8 +406,8 @@ def find_chain(graph: Graph) -> list[Trunk]:
         attr = trunk.container.rpartition(".")[2]
         loop = trunk.function.body.body[trunk.loop_index]
         params = trunk.function.params.params
-        if not isinstance(loop, cst.For) or not params or params[0].name.value != "self" \
-                or f"self.{attr}" not in cst.Module([]).code_for_node(loop.iter):
+        if not isinstance(loop, cst.For) or not params or params[0].name.value != "self" or not (
+                trunk.iterations or f"self.{attr}" in cst.Module([]).code_for_node(loop.iter)):
             return []                                   # the loop is not a method's over its own list
         trunk.owner = owner
         trunk.unset = maybe_unset(trunk.function, trunk.loop_index, trunk.handoff, one_pass=False)
@@ -919,9 +925,10 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
                 else:
                     drop.append(module)
                     dropped.add(module)
-        if plan.trunk.iterations:      # the whole block list stays; the other stages' blocks are hollow
-            first, stop = plan.block_ranges[stage]
-            drop += [b for k, b in enumerate(plan.trunk.blocks) if not first <= k < stop]
+        for trunk in plan.trunks:      # lists of modules: the whole list stays, the others' blocks hollow
+            if trunk.iterations:
+                first, stop = plan.local_ranges(stage)[trunk.container]
+                drop += [b for k, b in enumerate(trunk.blocks) if not first <= k < stop]
         plan.drop[stage], plan.shadow[stage] = drop, shadow
     not_held = [set(plan.drop[s]) | set(plan.shadow[s]) | block_set for s in range(plan.stages)]
     live = _computed_on_later_stages(graph, plan, {m for s in plan.shadow.values() for m in s})

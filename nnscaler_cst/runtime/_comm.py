@@ -1362,21 +1362,28 @@ def pp_first_block(stage_blocks: dict | None = None) -> int:
     return blocks[0] if blocks else 0
 
 
-def pp_iterations(iterable, cut: bool = True):
+def pp_iterations(iterable, owner=None):
     """The iterations of a loop over blocks that are lists of modules (`for norm, block, residual in
     self.layers`, zipped with per-layer lists) that this stage runs: iteration k runs block k, and
     this stage holds blocks first..stop-1 (the others are hollow here). Every iteration is counted,
     so the loop's own index and the sequences zipped with the blocks stay the whole model's; a loop
-    that runs another number of iterations than there are blocks is refused. `cut` False (another
-    call of the same function, not the one the stages cut): every iteration."""
-    first, stop = PIPE.iterations.get(PIPE.stage, (0, None)) if cut else (0, None)
+    that runs another number of iterations than there are blocks is refused. `owner`: the module
+    whose method this is, when it is not the only one running the loop: its part in a chain of
+    trunks (pp_trunk), or, when the stages cut another module's call, every iteration."""
+    part = getattr(owner, "pp_trunk", None)
+    if part is not None:
+        (first, stop), total = part[1:3], getattr(owner, "pp_iteration_count", None)
+    elif owner is not None and not pp_cuts(owner):
+        (first, stop), total = (0, None), None
+    else:
+        (first, stop), total = PIPE.iterations.get(PIPE.stage, (0, None)), PIPE.iteration_count
     count = 0
     for count, item in enumerate(iterable, 1):
         if first < count and (stop is None or count <= stop):
             yield item
-    if cut and PIPE.iteration_count is not None and count != PIPE.iteration_count:
+    if total is not None and count != total:
         raise RuntimeError(f"the loop over the blocks ran {count} iterations; the pipeline stages were cut for "
-                           f"{PIPE.iteration_count}, one block each")
+                           f"{total}, one block each")
 
 
 def pp_cuts(module) -> bool:
