@@ -198,9 +198,9 @@ def _lists_of_modules(graph: Graph, group: list[str]) -> bool:
     are called and hold no other group's blocks (x-transformers' `ModuleList([norms, block,
     residual])` per layer, run by one loop; not Funnel's lists of layers, whose layers are blocks)."""
     calls = graph.trace.module_calls
-    inside = tuple(p + "." for p in group)
-    return not any(p in calls for p in group) and all(any(c.startswith(p) for c in calls) for p in inside) \
-        and not any(other is not group and any(q.startswith(inside) for q in other)
+    members = set(group)
+    return not any(p in calls for p in group) and all(any(c.startswith(p + ".") for c in calls) for p in group) \
+        and not any(other is not group and any(q.rpartition(".")[0] in members for q in other)
                     for other in graph.blocks.values())
 
 
