@@ -47,6 +47,7 @@ What it must not do
 from __future__ import annotations
 
 import dataclasses
+import io
 import pickle
 from typing import Iterable
 
@@ -1397,9 +1398,56 @@ def pp_receive() -> tuple:
     return PIPE.inbox
 
 
+class HandoffUnsendable(TypeError):
+    """A stage would hand over an object holding tensors that need gradients which the hand-off
+    cannot carry as tensors: pickled, they would reach the next stage without their gradients.
+    `index`: the value's position among those handed over."""
+
+    def __init__(self, message: str, index: int):
+        super().__init__(message)
+        self.index = index
+
+
+def _unsendable(value) -> str | None:
+    """The type of an object inside handed-over values that holds tensors needing gradients and is
+    none of what a hand-off carries as such (tensors, tuples, lists, dicts and dataclasses of them,
+    the model's modules, plain values), or None."""
+    if isinstance(value, (torch.Tensor, *_PLAIN)):
+        return None
+    if isinstance(value, (tuple, list, dict)):
+        return next(filter(None, map(_unsendable, value.values() if isinstance(value, dict) else value)), None)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return next(filter(None, (_unsendable(getattr(value, f.name, None)) for f in dataclasses.fields(value))), None)
+    if isinstance(value, torch.nn.Module) and _module_path(value) is not None:
+        return None
+    needs_grad = []
+
+    class Tensors(pickle.Pickler):
+        def persistent_id(self, obj):
+            if isinstance(obj, torch.Tensor):
+                needs_grad.append(obj.requires_grad)
+                return len(needs_grad)
+            return None
+    try:
+        Tensors(io.BytesIO()).dump(value)
+    except Exception:       # noqa: BLE001 - what cannot be pickled fails where it is sent, as before
+        return None
+    return type(value).__name__ if any(needs_grad) else None
+
+
+def _check_sendable(values: tuple) -> None:
+    for k, value in enumerate(values):
+        kind = _unsendable(value)
+        if kind is not None:
+            raise HandoffUnsendable(f"hand-off value {k + 1} is or holds a {kind} object with tensors that need "
+                                    "gradients, which a pipeline hand-off cannot carry (it carries tensors, tuples, "
+                                    "lists, dicts and dataclasses of them, the model's modules and plain values)", k)
+
+
 def pp_handoff(*values):
     """End this stage's forward with `values` for the next stage; a no-op on the last stage."""
     if PIPE.stage < PIPE.stages - 1:
+        _check_sendable(values)
         raise StageBoundary(values)
 
 
@@ -1481,6 +1529,7 @@ def pp_hand_on(owner, *values):
     part = getattr(owner, "pp_trunk", None)
     if part is not None and part[3]:
         returned = {**(PIPE.inbox[-1] if PIPE.inbox else {}), **owner.pp_returned}
+        _check_sendable(values)
         raise StageBoundary((*values, returned))
 
 
