@@ -247,6 +247,42 @@ NESTED_LAYER_LISTS = """
         return torch.randn(4, 8, 8), torch.randn(4, 8, 4)
 """
 
+NESTED_LAYER_LISTS_ENCODER_DECODER = NESTED_LAYER_LISTS.replace('''
+    class Model(nn.Module):
+        def __init__(self, d=16):
+            super().__init__()
+            self.embed = nn.Linear(8, d)
+            self.attn_layers = Layers(d)
+            self.head = nn.Linear(d, 4)
+
+        def forward(self, x, y):
+            h, hiddens = self.attn_layers(self.embed(x))
+            return nn.functional.mse_loss(self.head(h + hiddens[1]), y)
+''', '''
+    class Wrapper(nn.Module):
+        def __init__(self, d=16):
+            super().__init__()
+            self.embed = nn.Linear(8, d)
+            self.attn_layers = Layers(d)
+
+        def forward(self, x, context=None):
+            x = self.embed(x)
+            h, hiddens = self.attn_layers(x if context is None else x + context)
+            return h + hiddens[1]
+
+
+    class Model(nn.Module):
+        def __init__(self, d=16):
+            super().__init__()
+            self.encoder = Wrapper(d)
+            self.decoder = Wrapper(d)
+            self.head = nn.Linear(d, 4)
+
+        def forward(self, x, y):
+            context = self.encoder(x).mean(1, keepdim=True)
+            return nn.functional.mse_loss(self.head(self.decoder(x, context=context)), y)
+''')
+
 BRANCHED_VIT = """
     import torch
     import torch.nn as nn
@@ -678,6 +714,19 @@ def test_layers_that_are_lists_of_modules_are_pipelined_by_the_iterations_of_the
     assert "STAGE_DROPS = {1: ['attn_layers.layers.0', 'attn_layers.layers.1']}" in last
     assert "STAGE_DROPS = {0: ['attn_layers.final_norm', 'head', 'attn_layers.layers.2', 'attn_layers.layers.3']}" \
         in first
+
+
+def test_an_encoders_and_a_decoders_lists_of_modules_run_by_one_wrapper_class_are_cut_as_one_chain(tmp_path):
+    root = written(tmp_path, NESTED_LAYER_LISTS_ENCODER_DECODER)
+    result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr      # its dry run runs the chain's stages one after the other
+    first, last = ((root / "out" / f"model_stage{s}.py").read_text() for s in (0, 1))
+    assert "PIPELINE_BLOCKS = ['encoder.attn_layers.layers', 'decoder.attn_layers.layers']" in first
+    assert "PIPELINE_ITERATIONS = {'encoder.attn_layers.layers': 4, 'decoder.attn_layers.layers': 4}" in last
+    assert "STAGE_TRUNKS = {1: {'encoder.attn_layers': ('skip', 0, 0, False), 'decoder.attn_layers': ('receive', 1, " \
+           "4, False)}}" in last
+    assert "in pp_iterations(enumerate(zip(*layer_variables)), self):" in last
+    assert "return pp_returns(self, (self.final_norm(x), hiddens))" in last
 
 
 def test_layers_that_are_lists_of_modules_run_out_of_order_are_refused_at_their_loop(tmp_path):

@@ -375,7 +375,10 @@ def find_chain(graph: Graph) -> list[Trunk]:
     balance across both. [] when fewer than two lists qualify (one trunk is cut, as before)."""
     calls, runs = graph.trace.module_calls, graph.trace.module_runs
     groups = []
+    members = {p for paths in graph.blocks.values() for p in paths}
     for paths in graph.blocks.values():
+        if any(a in members for a in _ancestors(paths[0])):
+            continue                                    # inside another group's blocks: part of them
         called = sorted((p for p in paths if p in calls), key=lambda p: calls[p][1])
         first = calls[called[0]][1] if called else None
         if not called and _lists_of_modules(graph, paths):      # lists of modules, one per iteration
