@@ -801,7 +801,9 @@ def test_a_handoff_sends_a_module_as_the_receiving_stages_own_and_a_dataclass_fi
 
     sender, receiver = model(), model()
     values = torch.randn(2, requires_grad=True) * 2
-    handed = ((tuple(sender[0]), "af"), Inter(values))
+    inter = Inter(values)
+    inter.layer_type = "a"      # an attribute besides the fields
+    handed = ((tuple(sender[0]), "af"), inter)
     tensors: list = []
     try:
         _comm.PIPE.model = sender
@@ -812,7 +814,7 @@ def test_a_handoff_sends_a_module_as_the_receiving_stages_own_and_a_dataclass_fi
     finally:
         _comm.PIPE.model = None
     assert layers[0] is receiver[0][0] and layers[1] is receiver[0][1] and kinds == "af"
-    assert isinstance(inter, Inter) and inter.kind == "a" and inter.values.requires_grad
+    assert isinstance(inter, Inter) and inter.kind == "a" and inter.layer_type == "a" and inter.values.requires_grad
     assert_close(inter.values, values)
 
 

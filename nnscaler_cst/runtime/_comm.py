@@ -1417,7 +1417,7 @@ def _unsendable(value) -> str | None:
     if isinstance(value, (tuple, list, dict)):
         return next(filter(None, map(_unsendable, value.values() if isinstance(value, dict) else value)), None)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return next(filter(None, (_unsendable(getattr(value, f.name, None)) for f in dataclasses.fields(value))), None)
+        return next(filter(None, map(_unsendable, _attributes(value).values())), None)
     if isinstance(value, torch.nn.Module) and _module_path(value) is not None:
         return None
     needs_grad = []
@@ -1607,6 +1607,12 @@ class _Fields:
         return value
 
 
+def _attributes(value) -> dict:
+    """A dataclass instance's fields, and the attributes set on it besides (`inter.layer_type = "a"`)."""
+    fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if hasattr(value, f.name)}
+    return {**fields, **getattr(value, "__dict__", {})}
+
+
 def _module_path(module: torch.nn.Module) -> str | None:
     """The path of `module` in the model of the stage running now, or None."""
     model = PIPE.model
@@ -1643,8 +1649,7 @@ def _slots(value, tensors: list, seen: dict | None = None):
     if isinstance(value, torch.nn.Module) and _module_path(value) is not None:
         return _ModuleRef(_module_path(value))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _Fields(type(value), {f.name: _slots(getattr(value, f.name), tensors, seen)
-                                     for f in dataclasses.fields(value) if hasattr(value, f.name)})
+        return _Fields(type(value), {k: _slots(v, tensors, seen) for k, v in _attributes(value).items()})
     return value
 
 
@@ -1782,8 +1787,7 @@ def _signature(value, tensors: list):
     if isinstance(value, dict):
         return (dict, tuple((k, _signature(v, tensors)) for k, v in value.items()))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return (type(value), tuple((f.name, _signature(getattr(value, f.name), tensors))
-                                   for f in dataclasses.fields(value) if hasattr(value, f.name)))
+        return (type(value), tuple((k, _signature(v, tensors)) for k, v in _attributes(value).items()))
     if isinstance(value, (float, complex)):
         return (type(value), repr(value))
     return (type(value), value)
