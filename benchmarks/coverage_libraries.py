@@ -9,7 +9,9 @@ flavors, through its own ``model_registry``) and litgpt's ``litgpt.config.config
 name per organisation). x-transformers, diffusers and torch.nn have no registry of models:
 their entries are the few model classes users build (decoder, encoder, encoder-decoder and
 ViT wrappers; UNet2DModel, UNet2DConditionModel, DiTTransformer2DModel, AutoencoderKL;
-nn.TransformerEncoder and nn.Transformer inside a small model with an embedding and a head),
+nn.TransformerEncoder, nn.Transformer and nn.TransformerDecoder inside a small model with an embedding and a
+head; nn.LSTM and nn.GRU language models; blocks of nn.MultiheadAttention written by hand, sequence first; a
+small CNN of Conv2d + BatchNorm2d stages),
 at tiny configs.
 
 Tiny settings are given only where the model's class takes them: for timm and torchvision the
@@ -490,6 +492,87 @@ class Seq2Seq(nn.Module):
     def forward(self, src, tgt):
         mask = nn.Transformer.generate_square_subsequent_mask(tgt.size(1))
         return self.head(self.transformer(self.embed(src), self.embed(tgt), tgt_mask=mask))
+
+
+class DecoderLM(nn.Module):
+    """Tokens -> nn.TransformerDecoder alone (causal mask, its own input as memory) -> logits."""
+
+    def __init__(self, vocab=128, dim=64, heads=4, layers=2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerDecoderLayer(dim, heads, dim_feedforward=128, dropout=0.0, batch_first=True)
+        self.decoder = nn.TransformerDecoder(layer, layers)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.size(1))
+        return self.head(self.decoder(x, x, tgt_mask=mask, tgt_is_causal=True))
+
+
+class RecurrentLM(nn.Module):
+    """Tokens -> a 2-layer nn.LSTM or nn.GRU (batch first) -> logits."""
+
+    def __init__(self, cell="lstm", vocab=128, dim=64, layers=2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.rnn = (nn.LSTM if cell == "lstm" else nn.GRU)(dim, dim, num_layers=layers, batch_first=True)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        out, _ = self.rnn(self.embed(tokens))
+        return self.head(out)
+
+
+class AttentionBlock(nn.Module):
+    """Pre-norm block around nn.MultiheadAttention, sequence first (batch_first=False)."""
+
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x, mask):
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class MultiheadLM(nn.Module):
+    """Tokens -> blocks of nn.MultiheadAttention written by hand, (seq, batch, dim) -> logits."""
+
+    def __init__(self, vocab=128, dim=64, heads=4, layers=2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(AttentionBlock(dim, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        x = self.embed(tokens).transpose(0, 1)
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.size(1))
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.norm(x)).transpose(0, 1)
+
+
+def conv_bn(c_in, c_out, stride=1):
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(c_out),
+                         nn.ReLU(inplace=True))
+
+
+class SmallCNN(nn.Module):
+    """Images -> an nn.Sequential of Conv2d + BatchNorm2d + ReLU stages -> pooled logits."""
+
+    def __init__(self, classes=10):
+        super().__init__()
+        self.features = nn.Sequential(conv_bn(3, 16), conv_bn(16, 32, 2), conv_bn(32, 32), conv_bn(32, 64, 2))
+        self.head = nn.Linear(64, classes)
+
+    def forward(self, images):
+        return self.head(self.features(images).mean((2, 3)))
 '''
 
 
@@ -501,6 +584,16 @@ def torch_nn_archs() -> list[LibraryArch]:
         fixed("torch.nn", "transformer", "encoder-decoder", "nn.Transformer", imports, "Seq2Seq()",
               f"(torch.randint(0, {VOCAB}, ({BATCH}, {SEQ})), torch.randint(0, {VOCAB}, ({BATCH}, {SEQ})))",
               helpers=TORCH_NN_MODELS),
+        fixed("torch.nn", "transformer_decoder", "decoder", "nn.TransformerDecoder", imports, "DecoderLM()", TOKENS,
+              helpers=TORCH_NN_MODELS),
+        fixed("torch.nn", "lstm", "recurrent", "nn.LSTM", imports, 'RecurrentLM("lstm")', TOKENS,
+              helpers=TORCH_NN_MODELS),
+        fixed("torch.nn", "gru", "recurrent", "nn.GRU", imports, 'RecurrentLM("gru")', TOKENS,
+              helpers=TORCH_NN_MODELS),
+        fixed("torch.nn", "multihead_attention", "decoder", "nn.MultiheadAttention blocks", imports, "MultiheadLM()",
+              TOKENS, helpers=TORCH_NN_MODELS),
+        fixed("torch.nn", "cnn", "vision", "nn.Conv2d + nn.BatchNorm2d", imports, "SmallCNN()",
+              f"(torch.randn({BATCH}, 3, 32, 32),)", helpers=TORCH_NN_MODELS),
     ]
 
 

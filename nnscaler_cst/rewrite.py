@@ -295,6 +295,10 @@ def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: in
                   "# per stage, the blocks of each list it holds",
                   f"STAGE_TRUNKS = {{{', '.join(f'{s}: {_roles(stages, s)}' for s in mine)}}}  # per stage, its "
                   "part in the loop over each list (owner: role, first block, stop, hands on after its blocks)"]
+        iterated = {t.container: len(t.blocks) for t in stages.chain if t.iterations}
+        if iterated:
+            blocks.append(f"PIPELINE_ITERATIONS = {iterated}  # lists whose loop runs one block per iteration: each "
+                          "stage keeps the whole list (the others' blocks hollow) and runs the iterations of its own")
     elif stages.trunk.statements is not None:
         runs = _statement_lines(stages)
         blocks = [f'PIPELINE_BLOCKS = "{stages.trunk.container}"  # a chain of statements, cut between them',
@@ -305,6 +309,10 @@ def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: in
         blocks = [f'PIPELINE_BLOCKS = "{stages.trunk.container}"',
                   f"STAGE_BLOCKS = {{{', '.join(f'{s}: {stages.block_ranges[s]}' for s in mine)}}}  "
                   f"# blocks of {stages.trunk.container} per stage"]
+        if stages.trunk.iterations:
+            blocks.append(f"PIPELINE_ITERATIONS = {len(stages.trunk.blocks)}  # the loop runs one block of "
+                          f"{stages.trunk.container} per iteration: each stage keeps the whole list (the others' "
+                          "blocks hollow) and runs the iterations of its own")
     lines = ["", "", f"# --- pipeline: what this rank runs ({table}; stages balanced by the cost model) ---",
              blocks[0],
              f"PIPELINE_STAGE_COUNT = {stages.stages}",
@@ -375,7 +383,7 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
     split, chain = None, ()
     if stages is not None and stages.chain:
         chain = tuple({t.function_span: StageSplit(t.function_span, t.loop_index, t.handoff, t.container,
-                                                   unset=tuple(t.unset), chained=True)
+                                                   unset=tuple(t.unset), chained=True, iterations=t.iterations)
                        for t in stages.chain}.values())     # T5: one stack class's method loops over both lists
     elif stages is not None:
         trunk = stages.trunk
@@ -384,7 +392,7 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
                            tuple(trunk.recycle.carried) if trunk.recycle else (), tuple(trunk.unset),
                            tuple(trunk.replays),
                            recycle_after=trunk.recycle is not None and trunk.recycle.after is not None,
-                           hoist=trunk.hoist)
+                           hoist=trunk.hoist, iterations=trunk.iterations)
         if trunk.statements is not None:    # the body indices where stages 1, 2, ... start, what crosses each
             cuts = [trunk.statements.starts[a] for a, _ in stages.block_ranges[1:stages.per_pipeline]]
             split.cuts = tuple((k, tuple(trunk.statements.crossing[k])) for k in cuts)

@@ -8,6 +8,7 @@ with a single-process reference computed from those full tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import time
@@ -780,3 +781,48 @@ def test_size_one_axes_are_identity_without_torch_distributed():
 
     assert all(v == 0 for v in _comm.COUNTERS.values())
     assert not dist.is_initialized()
+
+
+@dataclasses.dataclass
+class Inter:
+    """An attention's intermediates, as x-transformers hands them from layer to layer."""
+    values: torch.Tensor
+    kind: str = "a"
+
+
+def test_a_handoff_sends_a_module_as_the_receiving_stages_own_and_a_dataclass_field_by_field():
+    """Without a process group: what activation_sends pickles, as wait_activations rebuilds it. A
+    tuple of the layers a loop zips reaches the next stage as that stage's modules at the same
+    paths; a dataclass holding a tensor that needs gradients keeps it a tensor of the hand-off."""
+    import pickle
+
+    def model():
+        return torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]))
+
+    sender, receiver = model(), model()
+    values = torch.randn(2, requires_grad=True) * 2
+    inter = Inter(values)
+    inter.layer_type = "a"      # an attribute besides the fields
+    handed = ((tuple(sender[0]), "af"), inter)
+    tensors: list = []
+    try:
+        _comm.PIPE.model = sender
+        structure = pickle.loads(pickle.dumps(_comm._slots(handed, tensors)))
+        assert _comm._cacheable(structure) and len(tensors) == 1 and tensors[0] is values
+        _comm.PIPE.model = receiver
+        (layers, kinds), inter = _comm._received(structure, [values.detach().requires_grad_()])
+    finally:
+        _comm.PIPE.model = None
+    assert layers[0] is receiver[0][0] and layers[1] is receiver[0][1] and kinds == "af"
+    assert isinstance(inter, Inter) and inter.kind == "a" and inter.layer_type == "a" and inter.values.requires_grad
+    assert_close(inter.values, values)
+
+
+def test_a_loop_over_lists_of_modules_runs_this_stages_iterations_and_counts_them_all():
+    try:
+        _comm.PIPE.stage, _comm.PIPE.iterations, _comm.PIPE.iteration_count = 1, {1: (2, 4)}, 4
+        assert list(_comm.pp_iterations(enumerate("abcd"))) == [(2, "c"), (3, "d")]
+        with pytest.raises(RuntimeError, match="ran 5 iterations; the pipeline stages were cut for 4"):
+            list(_comm.pp_iterations(range(5)))
+    finally:
+        _comm.PIPE.stage, _comm.PIPE.iterations, _comm.PIPE.iteration_count = 0, {}, None

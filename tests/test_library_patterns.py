@@ -11,7 +11,11 @@
   have their own width (kdim) returning its weights per head (split with the heads): split by heads (the in-projection's rows of each of q, k, v, the
   out-projection's columns), run by _comm's tp_multi_head_attention_forward.
 - x-transformers' style: each layer a ModuleList of [norm, block, residual] whose modules the loop
-  calls (never the layer itself): pipelining is refused at that loop, with the reason.
+  calls (never the layer itself), zipped with per-layer lists and counted by `enumerate`, with a
+  list of hiddens and an attention's intermediates (a dataclass) carried from layer to layer: the
+  loop is cut by iterations (`pp_iterations`), every stage keeping the whole list, the other
+  stages' blocks hollow; the tuple of lists zipped (modules among them) is handed on as the next
+  stage's own modules. A loop running the layers in another order is refused at the loop.
 - timm's ViT style: the blocks run in one branch of an `if` whose other branches run them
   another way (`checkpoint_seq(self.blocks, x)`, a loop with a mask), and the model holds
   parameters of its own (`cls_token`, `pos_embed`) that only the first stage reads.
@@ -157,8 +161,15 @@ MULTIHEAD = """
 """
 
 NESTED_LAYER_LISTS = """
+    from dataclasses import dataclass
+
     import torch
     import torch.nn as nn
+
+
+    @dataclass
+    class Intermediates:
+        values: torch.Tensor
 
 
     class Residual(nn.Module):
@@ -166,17 +177,64 @@ NESTED_LAYER_LISTS = """
             return out + residual
 
 
-    class Model(nn.Module):
-        def __init__(self, d=16, n=4):
+    class Attention(nn.Module):
+        def __init__(self, d):
             super().__init__()
-            self.layers = nn.ModuleList([nn.ModuleList([nn.LayerNorm(d), nn.Linear(d, d), Residual()])
-                                         for _ in range(n)])
+            self.to_v = nn.Linear(d, d)
+            self.to_out = nn.Linear(d, d)
+
+        def forward(self, x, value_residual=None):
+            v = self.to_v(x)
+            if value_residual is not None:
+                v = 0.5 * (v + value_residual)
+            return self.to_out(v.softmax(-1)), Intermediates(v)
+
+
+    class FeedForward(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+        def forward(self, x):
+            return self.net(x)
+
+
+    class Layers(nn.Module):
+        def __init__(self, d=16, depth=2):
+            super().__init__()
+            self.layer_types = ("a", "f") * depth
+            self.layers = nn.ModuleList(nn.ModuleList([nn.LayerNorm(d), Attention(d) if t == "a" else FeedForward(d),
+                                                       Residual()]) for t in self.layer_types)
+            self.scales = [1.0 + 0.1 * k for k in range(len(self.layer_types))]
+            self.final_norm = nn.LayerNorm(d)
+
+        def forward(self, x):
+            hiddens = []
+            first_inter = None
+            layer_variables = (self.layer_types, self.layers, self.scales)
+            for ind, (layer_type, (norm, block, residual), scale) in enumerate(zip(*layer_variables)):
+                hiddens.append(x)
+                if layer_type == "a":
+                    out, inter = block(norm(x), value_residual=first_inter.values if first_inter is not None else None)
+                    first_inter = inter if first_inter is None else first_inter
+                else:
+                    out = block(norm(x))
+                x = residual(out * scale, x)
+                if ind == len(self.layers) - 1:
+                    x = x + hiddens[0]
+            return self.final_norm(x), hiddens
+
+
+    class Model(nn.Module):
+        def __init__(self, d=16):
+            super().__init__()
+            self.embed = nn.Linear(8, d)
+            self.attn_layers = Layers(d)
             self.head = nn.Linear(d, 4)
 
         def forward(self, x, y):
-            for norm, block, residual in self.layers:
-                x = residual(block(norm(x)), x)
-            return nn.functional.mse_loss(self.head(x), y)
+            h, hiddens = self.attn_layers(self.embed(x))
+            return nn.functional.mse_loss(self.head(h + hiddens[1]), y)
 
 
     def build():
@@ -186,8 +244,44 @@ NESTED_LAYER_LISTS = """
 
     def example_inputs():
         torch.manual_seed(1)
-        return torch.randn(4, 8, 16), torch.randn(4, 8, 4)
+        return torch.randn(4, 8, 8), torch.randn(4, 8, 4)
 """
+
+NESTED_LAYER_LISTS_ENCODER_DECODER = NESTED_LAYER_LISTS.replace('''
+    class Model(nn.Module):
+        def __init__(self, d=16):
+            super().__init__()
+            self.embed = nn.Linear(8, d)
+            self.attn_layers = Layers(d)
+            self.head = nn.Linear(d, 4)
+
+        def forward(self, x, y):
+            h, hiddens = self.attn_layers(self.embed(x))
+            return nn.functional.mse_loss(self.head(h + hiddens[1]), y)
+''', '''
+    class Wrapper(nn.Module):
+        def __init__(self, d=16):
+            super().__init__()
+            self.embed = nn.Linear(8, d)
+            self.attn_layers = Layers(d)
+
+        def forward(self, x, context=None):
+            x = self.embed(x)
+            h, hiddens = self.attn_layers(x if context is None else x + context)
+            return h + hiddens[1]
+
+
+    class Model(nn.Module):
+        def __init__(self, d=16):
+            super().__init__()
+            self.encoder = Wrapper(d)
+            self.decoder = Wrapper(d)
+            self.head = nn.Linear(d, 4)
+
+        def forward(self, x, y):
+            context = self.encoder(x).mean(1, keepdim=True)
+            return nn.functional.mse_loss(self.head(self.decoder(x, context=context)), y)
+''')
 
 BRANCHED_VIT = """
     import torch
@@ -609,13 +703,40 @@ def test_a_conv_with_a_bias_splits_by_input_channels_and_adds_its_bias_once(tmp_
            "self.conv2.bias[:, None, None])" in code
 
 
-def test_layers_that_are_lists_of_modules_are_refused_for_pipelining_at_their_loop(tmp_path):
+def test_layers_that_are_lists_of_modules_are_pipelined_by_the_iterations_of_their_loop(tmp_path):
     root = written(tmp_path, NESTED_LAYER_LISTS)
     result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr      # its dry run hands the first stage's values on
+    first, last = ((root / "out" / f"model_stage{s}.py").read_text() for s in (0, 1))
+    assert "for ind, (layer_type, (norm, block, residual), scale) in pp_iterations(enumerate(zip(*layer_variables))):" \
+           "  # pipeline: the iterations of this stage's blocks of attn_layers.layers only" in last
+    assert "PIPELINE_ITERATIONS = 4" in last and "STAGE_BLOCKS = {1: (2, 4)}" in last
+    assert "STAGE_DROPS = {1: ['attn_layers.layers.0', 'attn_layers.layers.1']}" in last
+    assert "STAGE_DROPS = {0: ['attn_layers.final_norm', 'head', 'attn_layers.layers.2', 'attn_layers.layers.3']}" \
+        in first
+
+
+def test_an_encoders_and_a_decoders_lists_of_modules_run_by_one_wrapper_class_are_cut_as_one_chain(tmp_path):
+    root = written(tmp_path, NESTED_LAYER_LISTS_ENCODER_DECODER)
+    result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr      # its dry run runs the chain's stages one after the other
+    first, last = ((root / "out" / f"model_stage{s}.py").read_text() for s in (0, 1))
+    assert "PIPELINE_BLOCKS = ['encoder.attn_layers.layers', 'decoder.attn_layers.layers']" in first
+    assert "PIPELINE_ITERATIONS = {'encoder.attn_layers.layers': 4, 'decoder.attn_layers.layers': 4}" in last
+    assert "STAGE_TRUNKS = {1: {'encoder.attn_layers': ('skip', 0, 0, False), 'decoder.attn_layers': ('receive', 1, " \
+           "4, False)}}" in last
+    assert "in pp_iterations(enumerate(zip(*layer_variables)), self):" in last
+    assert "return pp_returns(self, (self.final_norm(x), hiddens))" in last
+
+
+def test_layers_that_are_lists_of_modules_run_out_of_order_are_refused_at_their_loop(tmp_path):
+    root = written(tmp_path, NESTED_LAYER_LISTS.replace("enumerate(zip(*layer_variables))",
+                                                        "enumerate(zip(*[v[::-1] for v in layer_variables]))"))
+    result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
     assert result.returncode == 2 and not (root / "out").exists()
-    line = (root / "model.py").read_text().splitlines().index("        for norm, block, residual in self.layers:") + 1
-    assert f"model.py:{line}:9: error: the blocks of layers are lists of modules, never called themselves" \
-        in result.stderr, result.stderr
+    line = next(k for k, text in enumerate((root / "model.py").read_text().splitlines(), 1) if "for ind, (" in text)
+    assert f"model.py:{line}:9: error: the blocks of attn_layers.layers are lists of modules whose modules this loop " \
+           "calls, but not one block per iteration in their order" in result.stderr, result.stderr
 
 
 def test_a_relative_position_bias_table_is_split_by_heads_with_the_attention(tmp_path):
@@ -636,12 +757,24 @@ def test_a_relative_position_bias_table_is_split_by_heads_with_the_attention(tmp
                                         (MIXED_BLOCKS, ("--dp", "2", "--tp", "2")),
                                         (HELPER_BUILT_CONVS, ("--tp", "2")),
                                         (CONV_BLOCKS_WITH_BIASES, ("--tp", "2")),
-                                        (RELATIVE_POSITION_BIAS, ("--tp", "2"))],
+                                        (RELATIVE_POSITION_BIAS, ("--tp", "2")),
+                                        (NESTED_LAYER_LISTS, ("--pp", "2", "--micro-batches", "2"))],
                          ids=["torch-encoder-tp2", "multihead-attention-dp2xtp2", "torch-encoder-pp2",
                               "branched-vit-pp2", "mixed-blocks-dp2xtp2", "helper-built-convs-tp2",
-                              "conv-blocks-with-biases-tp2", "relative-position-bias-tp2"])
+                              "conv-blocks-with-biases-tp2", "relative-position-bias-tp2", "nested-layer-lists-pp2"])
 def test_verifies(tmp_path, model, mode):
     root = written(tmp_path, model)
     result = cli("verify", "model.py", *mode, "-o", "out", cwd=root)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "PASSED" in result.stdout
+
+
+def test_a_loop_carried_object_holding_tensors_that_need_gradients_is_refused_at_the_loop(tmp_path):
+    root = written(tmp_path, NESTED_LAYER_LISTS.replace("@dataclass\n    class Intermediates:\n        values: torch.Tensor",
+                                                        "class Intermediates:\n        def __init__(self, values):\n"
+                                                        "            self.values = values"))
+    result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
+    assert result.returncode == 2 and not (root / "out").exists()
+    line = next(k for k, text in enumerate((root / "model.py").read_text().splitlines(), 1) if "for ind, (" in text)
+    assert f"model.py:{line}:9: error: the pipeline stages hand `first_inter` on from stage to stage" in result.stderr
+    assert "holds a Intermediates object with tensors that need gradients" in result.stderr, result.stderr

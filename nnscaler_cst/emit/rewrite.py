@@ -43,6 +43,7 @@ class StageSplit:
     # a chain of statements (no loop): per later stage, the body index where it starts and what it receives
     cuts: tuple[tuple[int, tuple[str, ...]], ...] = ()
     hoist: str | None = None        # `return self.stages(x)`: the call moved out as `x = self.stages(x)`
+    iterations: bool = False        # blocks that are lists of modules: the stage runs its blocks' iterations
 
 
 @dataclass
@@ -447,7 +448,9 @@ class SplitStages:
             head = [cst.parse_statement(f"if {later_stage}:\n    {names} = pp_receive()\n")]
         mark = cst.TrailingWhitespace(whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(
             f"# pipeline: this stage's blocks of {split.container} only"))
-        if isinstance(loop, cst.For):
+        if isinstance(loop, cst.For) and split.iterations:
+            loop = self._iterations(loop, mark, split.container, split.owned)
+        elif isinstance(loop, cst.For):
             blocks = "STAGE_BLOCKS" if self.ctx.in_program else ""    # a mirror is shared by the stages
             offset = f"(pp_first_block({blocks}) if pp_cuts(self) else 0)" if split.owned \
                 else f"pp_first_block({blocks})"
@@ -591,7 +594,9 @@ class SplitStages:
                                                "this stage hands on; handed on as None then\n"))
         mark = cst.TrailingWhitespace(whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(
             "# pipeline: this stage's blocks of this list only"))
-        if isinstance(loop, cst.For):
+        if isinstance(loop, cst.For) and split.iterations:
+            loop = self._iterations(loop, mark, "this list", True)
+        elif isinstance(loop, cst.For):
             loop = loop.with_changes(iter=self._count_from_first_block(loop.iter, "pp_first_block_of(self)",
                                                                        "pp_first_block_of"),
                                      body=loop.body.with_changes(header=mark))
@@ -599,6 +604,19 @@ class SplitStages:
                                       "blocks end in this list hands these on and ends here\n")
         return function.with_changes(body=function.body.with_changes(
             body=[*docstring, *head, loop, handoff, *epilogue]))
+
+    def _iterations(self, loop: cst.For, mark: cst.TrailingWhitespace, blocks: str, owned: bool) -> cst.For:
+        """`for ... in pp_iterations(ITER)`: the loop runs blocks that are lists of modules, one per
+        iteration; the stage runs the iterations of its own blocks. `owned`: the function also runs
+        other blocks (or is one trunk of a chain), whose part `self` says."""
+        self.ctx.used.add("pp_iterations")
+        args = [cst.Arg(loop.iter)]
+        if owned:
+            args = [args[0].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
+                    cst.Arg(cst.Name("self"))]
+        return loop.with_changes(iter=cst.Call(cst.Name("pp_iterations"), args), body=loop.body.with_changes(
+            header=mark.with_changes(comment=cst.Comment(f"# pipeline: the iterations of this stage's blocks of "
+                                                         f"{blocks} only"))))
 
     def _count_from_first_block(self, iterable: cst.BaseExpression, offset_code: str,
                                 name: str) -> cst.BaseExpression:
@@ -678,9 +696,12 @@ class _NoteReturns(cst.CSTTransformer):
     def leave_Return(self, original, updated):
         if updated.value is None:
             return updated
+        value = updated.value
+        if isinstance(value, cst.Tuple) and not value.lpar:     # `return x, intermediates`: one argument
+            value = value.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
         return updated.with_changes(value=cst.parse_expression("pp_returns(self, x)").with_changes(
             args=[cst.Arg(cst.Name("self"), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
-                  cst.Arg(updated.value)]))
+                  cst.Arg(value)]))
 
 
 def _names_in(node: cst.CSTNode) -> set[str]:

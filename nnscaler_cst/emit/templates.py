@@ -100,12 +100,17 @@ def keep_stage(model, stage, module):
     if not isinstance(module.STAGE_BLOCKS[stage], dict):     # mirrored files count blocks from here
         from ._comm import PIPE
         PIPE.first_blocks[stage] = module.STAGE_BLOCKS[stage][0]
+        if getattr(module, "PIPELINE_ITERATIONS", None):     # the loop's iterations this stage runs
+            PIPE.iterations[stage], PIPE.iteration_count = module.STAGE_BLOCKS[stage], module.PIPELINE_ITERATIONS
     if hasattr(module, "PIPELINE_CUT_OWNER"):     # this module's call of the cut function is the one cut
         model.get_submodule(module.PIPELINE_CUT_OWNER).pp_cut_here = True
     returned = {{}}     # chained trunks: what each trunk returned on this stage, handed on with the activations
     for owner, part in getattr(module, "STAGE_TRUNKS", {{}}).get(stage, {{}}).items():
         trunk = model.get_submodule(owner)
         trunk.pp_owner, trunk.pp_trunk, trunk.pp_returned = owner, part, returned
+        for path, count in getattr(module, "PIPELINE_ITERATIONS", {{}}).items():   # its loop's iterations in all
+            if path.startswith(owner + "."):
+                trunk.pp_iteration_count = count
     for path in module.STAGE_DROPS[stage]:
         if not path:      # the model's own parameters (a cls_token), not its submodules
             hollow(model, path, own_only=True)
@@ -119,7 +124,8 @@ def keep_stage(model, stage, module):
         else:
             hollow(model.get_submodule(path), path)
     for path in getattr(module, "STAGE_SHADOWS", {{}}).get(stage, []):   # run here, trained where owned
-        for name, param in model.get_submodule(path).named_parameters(prefix=path):
+        # "": the model's own parameters (a pos_embedding read above the cut function), not its submodules'
+        for name, param in model.get_submodule(path).named_parameters(prefix=path, recurse=bool(path)):
             if name not in module.TIED_PARAMETERS and name not in getattr(module, "SHARED_PARAMETERS", ()):
                 param.requires_grad_(False)
     return model
@@ -173,8 +179,11 @@ def hollow(dropped, path, own_only=False):
 def stage_blocks(module, stage):
     """{{block list: (first, stop)}}: the blocks of each list one stage holds (several lists when
     the stages cut a chain of them: an encoder's blocks, then a decoder's)."""
+    iterated = getattr(module, "PIPELINE_ITERATIONS", None)    # lists kept whole, the others' blocks hollow
     blocks = module.STAGE_BLOCKS[stage]
-    return blocks if isinstance(blocks, dict) else {{module.PIPELINE_BLOCKS: blocks}}
+    if not isinstance(blocks, dict):
+        return {{}} if iterated else {{module.PIPELINE_BLOCKS: blocks}}
+    return {{path: kept for path, kept in blocks.items() if path not in (iterated or {{}})}}
 
 
 def stage_key(name, stage, module):
@@ -503,6 +512,7 @@ def pipeline_forward_backward(stages, batch, module):
     for i, (kind, stage, m, cycle, call) in enumerate(actions):
         _comm.PIPE.stage = stage % length
         _comm.PIPE.cycle = cycle if passes > 1 else None
+        _comm.PIPE.model = stages[local[stage]]      # a module handed over is read from this stage's model
         before = rank_of(stage - 1) if not first(stage) else None
         after = rank_of(stage + 1) if not last(stage) else None
         sends = []

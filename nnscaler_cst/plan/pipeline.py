@@ -48,6 +48,11 @@ class Trunk:
     # the call of an nn.Sequential of stages moved out of its statement (`return self.stages(x)`): the
     # name it reads, which it then assigns (`x = self.stages(x)`, then `return x`)
     hoist: str | None = None
+    # the blocks are lists of modules (`ModuleList([norm, block, residual])` per layer) that the
+    # loop's iterations run, one block per iteration: every stage keeps the whole list (the other
+    # stages' blocks hollow) and runs the iterations of its own blocks, so that the sequences zipped
+    # with the blocks and the layer index stay those of the whole model
+    iterations: bool = False
 
 
 @dataclass
@@ -192,10 +197,12 @@ def find_trunk(graph: Graph) -> Trunk:
     try:
         if not graph.blocks:
             raise _no_blocks(graph)
-        # blocks called as modules first (Funnel's encoder holds ModuleLists of layers, never called
-        # themselves), then a loop that calls no other blocks, then the longest
-        paths = max(graph.blocks.values(), key=lambda group: (sum(p in calls for p in group) >= 2,
-                                                              _loop_runs_once(group, calls), len(group)))
+        # blocks called as modules, or lists of modules a loop runs one per iteration, first (Funnel's
+        # encoder holds ModuleLists of layers, never called themselves, whose layers are the blocks),
+        # then a loop that calls no other blocks, then the longest
+        paths = max(graph.blocks.values(), key=lambda group: (
+            sum(p in calls for p in group) >= 2 or _lists_of_modules(graph, group),
+            _loop_runs_once(group, calls), len(group)))
         return _trunk_of(graph, paths)
     except UserError as error:
         stages = _sequential_stages(graph)
@@ -208,6 +215,17 @@ def find_trunk(graph: Graph) -> Trunk:
         if chain is None:
             raise error
         return chain
+
+
+def _lists_of_modules(graph: Graph, group: list[str]) -> bool:
+    """Whether the blocks of `group` are lists of modules, never called themselves, whose modules
+    are called and hold no other group's blocks (x-transformers' `ModuleList([norms, block,
+    residual])` per layer, run by one loop; not Funnel's lists of layers, whose layers are blocks)."""
+    calls = graph.trace.module_calls
+    members = set(group)
+    return not any(p in calls for p in group) and all(any(c.startswith(p + ".") for c in calls) for p in group) \
+        and not any(other is not group and any(q.rpartition(".")[0] in members for q in other)
+                    for other in graph.blocks.values())
 
 
 def _sequential_stages(graph: Graph) -> list[str]:
@@ -426,21 +444,22 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
     calls = graph.trace.module_calls
     container = paths[0].rsplit(".", 1)[0]
     blocks = sorted((p for p in paths if p in calls), key=lambda p: calls[p][1])
-    if len(blocks) < 2:
-        nested = _nested_blocks_loop(graph, paths)
-        if nested is not None:
-            raise nested
+    iterated = _iterated_blocks(graph, paths) if len(blocks) < 2 else None
+    if iterated is not None:
+        blocks, (span, first) = iterated
+    elif len(blocks) < 2:
         trace = graph.trace
         reading = next((n.span.start for n in graph.nodes if n.span is not None and any(   # the first block's weights
             alias.startswith(paths[0] + ".") for _, tid in graph.param_operands(n.index)
             for alias in trace.params[trace.tensors[tid].param].aliases)), None)
         raise UserError(f"the blocks of {container} are not called as modules from the model's own code", reading,
                         hint="pipelining cuts the calls the trace sees, `block(x)`; `block.forward(x)` bypasses them")
-    span = calls[blocks[0]][0]
+    else:
+        span, first = calls[blocks[0]]
     source = graph.sources.get(span.path)
     node = source.node_at(span.line, span.col, span.end_line, span.end_col)
     hoist = None
-    if span in graph.trace.containers:     # `x = self.blocks(x)` on an nn.Sequential of the blocks
+    if iterated is None and span in graph.trace.containers:     # `x = self.blocks(x)` on an nn.Sequential of the blocks
         children = _sequential_children(graph.trace, container)
         if len(children) != len(paths) and len(children) >= 2 and all(c in calls for c in children):
             # it holds other stages too (a stem, a stage of another class): the stages cut its children
@@ -484,9 +503,13 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
             body=[*body[:index], split, rest, *body[index + 1:]])), index)
     else:
         handoff = handoff_variables(function, index)
+    if iterated is not None and not isinstance(loop, cst.For):
+        raise UserError("the loop over the blocks must be a statement of the function's body, not nested",
+                        span.start, hint=f"pipelining cuts a loop over self.{container.rpartition('.')[2]} "
+                                         "in the function's body")
     return Trunk(container, blocks, function, function_span, index, handoff,
-                 _shared_loop_owner(graph, blocks, function, function_span, span),
-                 unset=maybe_unset(function, index, handoff), hoist=hoist)
+                 _shared_loop_owner(graph, blocks, function, function_span, span, first),
+                 unset=maybe_unset(function, index, handoff), hoist=hoist, iterations=iterated is not None)
 
 
 def _hoisted_input(source, statement: cst.SimpleStatementLine, call: cst.Call, container: str, span: Span) -> str:
@@ -548,28 +571,39 @@ def _mentions(node: cst.CSTNode, name: str) -> int:
     return count
 
 
-def _nested_blocks_loop(graph: Graph, paths: list[str]) -> UserError | None:
-    """Blocks that are lists of modules (x-transformers' `ModuleList([norms, block, residual])` per
-    layer), never called themselves, whose modules a loop calls: the refusal, at that loop. A
-    stage boundary is a call of a block, so such a loop cannot be cut; None when the blocks' modules
-    are not called in a loop."""
+def _iterated_blocks(graph: Graph, paths: list[str]) -> tuple[list[str], tuple[Span, int]] | None:
+    """Blocks that are lists of modules, never called themselves (x-transformers' `ModuleList([norms,
+    block, residual])` per layer), whose modules one `for` loop calls, one block per iteration, in
+    the blocks' order: the blocks, and the span and op index of the first call inside them. None when
+    the blocks' modules are not called so; refused when the loop runs them in another order, or interleaved."""
     calls = graph.trace.module_calls
-    inner = [calls[p] for p in calls if p.startswith(paths[0] + ".")]
-    if not inner or any(p in calls for p in paths):
+    if any(p in calls for p in paths) or not all(p.rpartition(".")[2].isdigit() for p in paths):
         return None
-    span = min(inner, key=lambda call: call[1])[0]
+    firsts = {}
+    for path in paths:
+        inner = [calls[c] for c in calls if c.startswith(path + ".")]
+        if not inner:
+            return None
+        firsts[path] = min(inner, key=lambda call: call[1])
+    blocks = sorted(paths, key=lambda p: int(p.rpartition(".")[2]))
+    span = firsts[blocks[0]][0]
     source = graph.sources.get(span.path)
     node = source.node_at(span.line, span.col, span.end_line, span.end_col)
     while node is not None and not isinstance(node, cst.For):
         node = source.parents.get(node)
     if node is None:
         return None
-    container = paths[0].rsplit(".", 1)[0]
-    return UserError(f"the blocks of {container} are lists of modules, never called themselves; this loop calls "
-                     "the modules inside them, and pipeline stages are cut at calls of whole blocks",
-                     source.span_of(node).start,
-                     hint="give each layer a module whose forward runs its parts and call it in the loop "
-                          "(`x = layer(x)`), or use --tp or --dp for this model")
+    loop = source.span_of(node)
+    container = blocks[0].rpartition(".")[0]
+    ran = sorted(blocks, key=lambda p: firsts[p][1])
+    order = [b for b, _ in sorted(node_blocks(graph, blocks).items())]
+    if ran != blocks or order != sorted(order) or not all(loop.contains(firsts[p][0]) for p in blocks):
+        raise UserError(f"the blocks of {container} are lists of modules whose modules this loop calls, but not "
+                        "one block per iteration in their order (pipeline stages run the iterations of their "
+                        "own blocks)", loop.start,
+                        hint="run the layers in the order they are numbered, one per iteration, "
+                             "or use --tp or --dp for this model")
+    return blocks, firsts[blocks[0]]
 
 
 def _branches_over_blocks(source, loop: cst.CSTNode, body: list, container: str) -> cst.If:
@@ -612,17 +646,26 @@ def find_chain(graph: Graph) -> list[Trunk]:
     balance across both. [] when fewer than two lists qualify (one trunk is cut, as before)."""
     calls, runs = graph.trace.module_calls, graph.trace.module_runs
     groups = []
+    members = {p for paths in graph.blocks.values() for p in paths}
     for paths in graph.blocks.values():
+        if any(a in members for a in _ancestors(paths[0])):
+            continue                                    # inside another group's blocks: part of them
         called = sorted((p for p in paths if p in calls), key=lambda p: calls[p][1])
+        first = calls[called[0]][1] if called else None
+        if not called and _lists_of_modules(graph, paths):      # lists of modules, one per iteration
+            try:
+                called, (_, first) = _iterated_blocks(graph, paths) or ([], (None, None))
+            except UserError:
+                continue
         owner = paths[0].rsplit(".", 1)[0].rpartition(".")[0]
         if len(called) < 2 or len(called) != len(paths) or not owner or owner not in calls \
                 or any(runs.get(p, 1) != 1 for p in (*called, owner)):
             continue
-        groups.append((calls[called[0]][1], called, owner))
+        groups.append((first, called, owner))
     groups.sort()
     owners = [owner for _, _, owner in groups]
-    if len(groups) < 2 or len({calls[o][0] for o in owners}) < len(owners) or any(
-            a.startswith(b + ".") for a in owners for b in owners):
+    # (owners may be called from one line: one wrapper class around the encoder's and the decoder's)
+    if len(groups) < 2 or any(a.startswith(b + ".") for a in owners for b in owners):
         return []
     chain, last_op = [], -1
     for _, paths, owner in groups:
@@ -637,8 +680,8 @@ def find_chain(graph: Graph) -> list[Trunk]:
         attr = trunk.container.rpartition(".")[2]
         loop = trunk.function.body.body[trunk.loop_index]
         params = trunk.function.params.params
-        if not isinstance(loop, cst.For) or not params or params[0].name.value != "self" \
-                or f"self.{attr}" not in cst.Module([]).code_for_node(loop.iter):
+        if not isinstance(loop, cst.For) or not params or params[0].name.value != "self" or not (
+                trunk.iterations or f"self.{attr}" in cst.Module([]).code_for_node(loop.iter)):
             return []                                   # the loop is not a method's over its own list
         trunk.owner = owner
         trunk.unset = maybe_unset(trunk.function, trunk.loop_index, trunk.handoff, one_pass=False)
@@ -678,7 +721,7 @@ def _chain_roles(chain: list[Trunk], ranges: list[tuple[int, int]]) -> dict[int,
 
 
 def _shared_loop_owner(graph: Graph, blocks: list[str], function: cst.FunctionDef, function_span: Span,
-                       span: Span) -> str | None:
+                       span: Span, first: int) -> str | None:
     """When the loop's call site also calls blocks of another container (one stack class for the
     encoder and the decoder), the module path of the trunk's caller, whose method it is: the
     stages cut that call only, and the other container's call runs whole. None otherwise."""
@@ -689,9 +732,11 @@ def _shared_loop_owner(graph: Graph, blocks: list[str], function: cst.FunctionDe
         return None
     # the self of that call: the module running the function's last op before the first block, an
     # ancestor of the container (the encoder stack, for encoder.block)
-    before = [n for n in graph.nodes[:calls[blocks[0]][1]] if n.span is not None and function_span.contains(n.span)
+    before = [n for n in graph.nodes[:first] if n.span is not None and function_span.contains(n.span)
               and (n.module_path == "" or container.startswith(n.module_path + "."))]
-    caller = before[-1].module_path if before else None
+    # (no op before it: the module holding the container, when it is called itself)
+    parent = container.rpartition(".")[0]
+    caller = before[-1].module_path if before else parent if parent in calls else None
     params = function.params.params
     if caller is None or not params or params[0].name.value != "self":
         raise UserError(f"the loop over {container} also runs other blocks, and its function is not a method of "
@@ -1143,6 +1188,8 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
         if _runs_on_every_stage(graph, plan, node):
             for path in filter(None, (node.module_path, node.callee_path)):
                 everywhere.update((path, *_ancestors(path)))
+            if "" in _read_owners(graph, node):     # the model's own parameter (ViT's pos_embedding) read
+                everywhere.add("")                  # above the cut function: each stage keeps a copy
 
     blocks = plan.blocks
     block_set = set(blocks)
@@ -1158,6 +1205,10 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
                 else:
                     drop.append(module)
                     dropped.add(module)
+        for trunk in plan.trunks:      # lists of modules: the whole list stays, the others' blocks hollow
+            if trunk.iterations:
+                first, stop = plan.local_ranges(stage)[trunk.container]
+                drop += [b for k, b in enumerate(trunk.blocks) if not first <= k < stop]
         plan.drop[stage], plan.shadow[stage] = drop, shadow
     not_held = [set(plan.drop[s]) | set(plan.shadow[s]) | block_set for s in range(plan.stages)]
     live = _computed_on_later_stages(graph, plan, {m for s in plan.shadow.values() for m in s})

@@ -46,6 +46,8 @@ What it must not do
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import pickle
 from typing import Iterable
 
@@ -1467,6 +1469,13 @@ class PipelineState:
         self.passes = 1
         self.recycled: tuple | None = None
         self.first_blocks: dict[int, int] = {}     # stage -> index of its first block (build() notes it)
+        # a loop whose iterations run blocks that are lists of modules (pp_iterations): stage ->
+        # (first, stop) of its blocks, and the iterations the loop runs in all (build() notes them)
+        self.iterations: dict[int, tuple[int, int]] = {}
+        self.iteration_count: int | None = None
+        # the model of the stage running now: a module handed over stands for the module at the
+        # same path in the receiving stage's model (set by train.py's schedule loop per action)
+        self.model: torch.nn.Module | None = None
 
 
 PIPE = PipelineState()
@@ -1499,6 +1508,30 @@ def pp_first_block(stage_blocks: dict | None = None) -> int:
     return blocks[0] if blocks else 0
 
 
+def pp_iterations(iterable, owner=None):
+    """The iterations of a loop over blocks that are lists of modules (`for norm, block, residual in
+    self.layers`, zipped with per-layer lists) that this stage runs: iteration k runs block k, and
+    this stage holds blocks first..stop-1 (the others are hollow here). Every iteration is counted,
+    so the loop's own index and the sequences zipped with the blocks stay the whole model's; a loop
+    that runs another number of iterations than there are blocks is refused. `owner`: the module
+    whose method this is, when it is not the only one running the loop: its part in a chain of
+    trunks (pp_trunk), or, when the stages cut another module's call, every iteration."""
+    part = getattr(owner, "pp_trunk", None)
+    if part is not None:
+        (first, stop), total = part[1:3], getattr(owner, "pp_iteration_count", None)
+    elif owner is not None and not pp_cuts(owner):
+        (first, stop), total = (0, None), None
+    else:
+        (first, stop), total = PIPE.iterations.get(PIPE.stage, (0, None)), PIPE.iteration_count
+    count = 0
+    for count, item in enumerate(iterable, 1):
+        if first < count and (stop is None or count <= stop):
+            yield item
+    if total is not None and count != total:
+        raise RuntimeError(f"the loop over the blocks ran {count} iterations; the pipeline stages were cut for "
+                           f"{total}, one block each")
+
+
 def pp_cuts(module) -> bool:
     """Whether this call of a function that loops over blocks is the one the stages cut (one stack
     class can run the encoder's blocks and the decoder's: build() marks the trunk's owner)."""
@@ -1510,9 +1543,56 @@ def pp_receive() -> tuple:
     return PIPE.inbox
 
 
+class HandoffUnsendable(TypeError):
+    """A stage would hand over an object holding tensors that need gradients which the hand-off
+    cannot carry as tensors: pickled, they would reach the next stage without their gradients.
+    `index`: the value's position among those handed over."""
+
+    def __init__(self, message: str, index: int):
+        super().__init__(message)
+        self.index = index
+
+
+def _unsendable(value) -> str | None:
+    """The type of an object inside handed-over values that holds tensors needing gradients and is
+    none of what a hand-off carries as such (tensors, tuples, lists, dicts and dataclasses of them,
+    the model's modules, plain values), or None."""
+    if isinstance(value, (torch.Tensor, *_PLAIN)):
+        return None
+    if isinstance(value, (tuple, list, dict)):
+        return next(filter(None, map(_unsendable, value.values() if isinstance(value, dict) else value)), None)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return next(filter(None, map(_unsendable, _attributes(value).values())), None)
+    if isinstance(value, torch.nn.Module) and _module_path(value) is not None:
+        return None
+    needs_grad = []
+
+    class Tensors(pickle.Pickler):
+        def persistent_id(self, obj):
+            if isinstance(obj, torch.Tensor):
+                needs_grad.append(obj.requires_grad)
+                return len(needs_grad)
+            return None
+    try:
+        Tensors(io.BytesIO()).dump(value)
+    except Exception:       # noqa: BLE001 - what cannot be pickled fails where it is sent, as before
+        return None
+    return type(value).__name__ if any(needs_grad) else None
+
+
+def _check_sendable(values: tuple) -> None:
+    for k, value in enumerate(values):
+        kind = _unsendable(value)
+        if kind is not None:
+            raise HandoffUnsendable(f"hand-off value {k + 1} is or holds a {kind} object with tensors that need "
+                                    "gradients, which a pipeline hand-off cannot carry (it carries tensors, tuples, "
+                                    "lists, dicts and dataclasses of them, the model's modules and plain values)", k)
+
+
 def pp_handoff(*values):
     """End this stage's forward with `values` for the next stage; a no-op on the last stage."""
     if PIPE.stage < PIPE.stages - 1:
+        _check_sendable(values)
         raise StageBoundary(values)
 
 
@@ -1594,6 +1674,7 @@ def pp_hand_on(owner, *values):
     part = getattr(owner, "pp_trunk", None)
     if part is not None and part[3]:
         returned = {**(PIPE.inbox[-1] if PIPE.inbox else {}), **owner.pp_returned}
+        _check_sendable(values)
         raise StageBoundary((*values, returned))
 
 
@@ -1640,6 +1721,55 @@ def pp_recycle(*values):
         raise RecycleBoundary(values)
 
 
+class _ModuleRef:
+    """Stands for a module of the sending stage's model inside handed-over values (a tuple of the
+    layers a loop zips): the receiving stage reads its own module at the same path."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __eq__(self, other):
+        return isinstance(other, _ModuleRef) and other.path == self.path
+
+    def __hash__(self):
+        return hash(self.path)
+
+
+class _Fields:
+    """Stands for a dataclass instance inside handed-over values (an attention's intermediates):
+    its fields walked as a container's items, so that the tensors in it are sent as tensors."""
+
+    def __init__(self, cls: type, fields: dict):
+        self.cls, self.fields = cls, fields
+
+    def __eq__(self, other):
+        return isinstance(other, _Fields) and (other.cls, other.fields) == (self.cls, self.fields)
+
+    def rebuilt(self, fields: dict):
+        value = self.cls.__new__(self.cls)
+        for name, item in fields.items():
+            object.__setattr__(value, name, item)
+        return value
+
+
+def _attributes(value) -> dict:
+    """A dataclass instance's fields, and the attributes set on it besides (`inter.layer_type = "a"`)."""
+    fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if hasattr(value, f.name)}
+    return {**fields, **getattr(value, "__dict__", {})}
+
+
+def _module_path(module: torch.nn.Module) -> str | None:
+    """The path of `module` in the model of the stage running now, or None."""
+    model = PIPE.model
+    if model is None:
+        return None
+    paths = model.__dict__.get("_pp_module_paths")
+    if paths is None:
+        paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+        model.__dict__["_pp_module_paths"] = paths
+    return paths.get(id(module))
+
+
 class _TensorSlot:
     """Stands for a tensor inside a pickled structure of handed-over values."""
 
@@ -1661,6 +1791,10 @@ def _slots(value, tensors: list, seen: dict | None = None):
         return type(value)(_slots(v, tensors, seen) for v in value)
     if isinstance(value, dict):
         return _like(value, {k: _slots(v, tensors, seen) for k, v in value.items()})
+    if isinstance(value, torch.nn.Module) and _module_path(value) is not None:
+        return _ModuleRef(_module_path(value))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _Fields(type(value), {k: _slots(v, tensors, seen) for k, v in _attributes(value).items()})
     return value
 
 
@@ -1671,6 +1805,12 @@ def _filled(value, tensors: list):
         return type(value)(_filled(v, tensors) for v in value)
     if isinstance(value, dict):
         return _like(value, {k: _filled(v, tensors) for k, v in value.items()})
+    if isinstance(value, _ModuleRef):
+        if PIPE.model is None:
+            raise RuntimeError(f"a hand-off holds the module {value.path}, and no stage's model is set to read it from")
+        return PIPE.model.get_submodule(value.path)
+    if isinstance(value, _Fields):
+        return value.rebuilt({k: _filled(v, tensors) for k, v in value.fields.items()})
     return value
 
 
@@ -1766,9 +1906,12 @@ def shape_key(value):
 
 
 def _cacheable(structure) -> bool:
-    """Whether a hand-off's metadata can be cached: tensors, containers and plain values only."""
-    if isinstance(structure, (_TensorSlot, _PLAIN)):
+    """Whether a hand-off's metadata can be cached: tensors, containers, dataclasses, modules of the
+    model and plain values only."""
+    if isinstance(structure, (_TensorSlot, _ModuleRef, _PLAIN)):
         return True
+    if isinstance(structure, _Fields):
+        return _cacheable(structure.fields)
     if isinstance(structure, (tuple, list)):
         return all(_cacheable(v) for v in structure)
     if isinstance(structure, dict):
@@ -1788,6 +1931,8 @@ def _signature(value, tensors: list):
         return (type(value), tuple(_signature(v, tensors) for v in value))
     if isinstance(value, dict):
         return (dict, tuple((k, _signature(v, tensors)) for k, v in value.items()))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value), tuple((k, _signature(v, tensors)) for k, v in _attributes(value).items()))
     if isinstance(value, (float, complex)):
         return (type(value), repr(value))
     return (type(value), value)
@@ -1981,6 +2126,8 @@ def _slots_of(value, found: list):
     elif isinstance(value, dict):
         for v in value.values():
             _slots_of(v, found)
+    elif isinstance(value, _Fields):
+        _slots_of(value.fields, found)
     return value
 
 

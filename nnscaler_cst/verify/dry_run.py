@@ -287,8 +287,9 @@ class _Checker:
             _, inputs = self._batch(rank)
             micro = self._guard(lambda: package.micro_batches(inputs)[0], rank, "the micro-batch split")
             comm.PIPE.stages, comm.PIPE.stage = count, stage
-            comm.PIPE.inbox = inbox
             model = models[rank][module.PIPELINE_STAGES.index(stage)]
+            comm.PIPE.model = model
+            comm.PIPE.inbox = comm._received(*inbox) if inbox else ()    # modules handed over: this stage's
             what = f"stage {stage}'s forward"
             try:
                 output = _call(model, micro)
@@ -320,7 +321,8 @@ class _Checker:
 
     def _hand_over(self, rank: int, stage: int, values) -> tuple[tuple, list]:
         """What recv_values would hand the next stage: the structure pickled as send_values pickles
-        it, each tensor a fresh copy (needing gradients where the sent one did)."""
+        it and fresh copies of its tensors (needing gradients where the sent ones did), to be filled
+        in (comm._received) when the next stage's model runs: a module handed over is its own."""
         comm = self.comm
         tensors: list = []
         structure = comm._slots(values, tensors)
@@ -331,7 +333,7 @@ class _Checker:
                 raise self._internal(rank, f"stage {stage} hands the next stage a value that cannot be "
                                            f"sent ({type(exc).__name__}: {exc})") from exc
         received = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]   # values kept: ids
-        return comm._received(structure, received), received
+        return (structure, received), received
 
     # ---- checks ------------------------------------------------------------------------
     def _place(self, rank: int) -> None:
@@ -412,6 +414,19 @@ class _Checker:
         if isinstance(exc, self.unsupported):
             return _CannotRun(f"{what} of rank {rank}: {type(exc).__name__}: {_first_line(exc)}")
         location, generated = self._site(exc)
+        if isinstance(exc, self.comm.HandoffUnsendable):     # the model's values, not the tool's code
+            names = _handed_names(generated[2]) if generated is not None else []
+            if generated is not None:       # at the loop over the blocks, the line before the hand-off
+                lines = self.files.get(generated[0], "").splitlines()
+                loop = next((k for k in range(generated[1] - 1, -1, -1) if lines[k].lstrip().startswith("for ")
+                             and "# pipeline: " in lines[k]), None)
+                if loop is not None:
+                    location = _user_location(self.analysis, generated[0], lines, loop, None) or location
+            what = f"`{names[exc.index]}`" if exc.index < len(names) else "a value"
+            return UserError(f"the pipeline stages hand {what} on from stage to stage (it is set before or in the "
+                             f"loop over the blocks and read after the cut): {exc}", location,
+                             hint="carry tensors (or dataclasses, lists, dicts of them) across the loop, or use "
+                                  "--tp or --dp for this model")
         message = f"{what} raised {type(exc).__name__}: {_first_line(exc)}"
         error = self._internal(rank, message, location, generated)
         if what == "build()":
@@ -490,6 +505,15 @@ class _Checker:
         return location, (name, frame.lineno or 1, text)
 
 
+def _handed_names(text: str) -> list[str]:
+    """The names a generated `pp_handoff(a, b)` / `pp_hand_on(self, a, b)` line hands on."""
+    call = text.strip().split("  #")[0]
+    if not call.startswith(("pp_handoff(", "pp_hand_on(")) or not call.endswith(")"):
+        return []
+    names = [n.strip() for n in call[call.index("(") + 1:-1].split(",")]
+    return names[1:] if call.startswith("pp_hand_on(") else names
+
+
 def _single_device_name(name: str, package, module) -> str:
     """A state-dict key or module path of a rank's model as the single-device model names it
     (pipeline stages: `0.blocks.1.mlp` -> `blocks.<first block of stage 0 + 1>.mlp`)."""
@@ -545,7 +569,9 @@ def _user_location(analysis, name: str, generated: list[str], index: int, colno:
     aligned with that file only: another file's rewritten line may align as well as its own (DLA's
     dry run failure was put in timm's adaptive_avgmax_pool.py). None when no source lines up."""
     paths = [str(p) for p in analysis.trace.own_files] + [str(analysis.entry.path)]
-    paths = [p for p in paths if Path(p).resolve().as_posix().endswith("/" + name)] or paths
+    name = re.sub(r"_stage\d+\.py$", ".py", name)      # a pipeline stage's program of model.py
+    paths = [p for p in paths if Path(p).resolve().as_posix().endswith("/" + name)] or (
+        [p for p in paths if "site-packages" not in Path(p).parts] if name == "model.py" else []) or paths
     seen, best = set(), None
     target = [_normal(line) for line in generated]
     for path in paths:
