@@ -151,6 +151,8 @@ class Trace:
     # nn.Sequential calls whose calls run different lists of layers: their layers cannot be cut
     # apart in the one source line (containers holds the first call's leaves)
     mixed_containers: set[Span] = field(default_factory=set)
+    # bytes autograd keeps for backward, by the node whose op made each storage (each counted once)
+    saved: dict[int, int] = field(default_factory=dict)
 
     def module_type(self, path: str) -> str:
         """The class of the module at `path`, under any of its names ("" if none)."""
