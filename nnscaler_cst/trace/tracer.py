@@ -8,7 +8,8 @@ to the constructor call that created them.
 The trace runs under FakeTensorMode when it can (no real memory or compute), else on real
 CPU tensors. Backward records nothing; on real tensors it runs (a model that cannot train is
 refused here), on fake ones it is skipped: at a production shape it is a third of the trace,
-and `verify` runs it on real tensors. It must not rewrite anything.
+and `verify` runs it on real tensors. A saved_tensors_hooks pair around the forward records
+what autograd keeps for backward (the memory model's activations). It must not rewrite anything.
 """
 from __future__ import annotations
 
@@ -319,8 +320,11 @@ class Tracer(TorchFunctionMode):
         tid = len(self.tensors)
         self._tid_of[key] = tid
         self._keep.append(tensor)
+        storage = _storage(tensor)
         self.tensors[tid] = TensorInfo(tid, tuple(tensor.shape), str(tensor.dtype),
-                                       bool(tensor.requires_grad), stride=_strides(tensor), **info)
+                                       bool(tensor.requires_grad), stride=_strides(tensor),
+                                       storage=None if storage is None else (storage, tensor.untyped_storage().nbytes()),
+                                       **info)
         return tid
 
     # ---- the mode -----------------------------------------------------------------------
@@ -645,7 +649,8 @@ class Tracer(TorchFunctionMode):
                      loss_tid, {name: qualified_type(type(m)) for name, m in model.named_modules()}, batch,
                      self.size_queries, self.module_calls, self.containers, self.replays, self.state_writes,
                      self.module_runs, self.module_replays, self._module_aliases(model), self.mixed_containers,
-                     self._saved_by_node())
+                     self._saved_by_node(), {*self._saved_storages, *(
+                         storage for storage, maker in self._storage_maker.items() if maker is None)})
 
     def _saving(self, tensor: torch.Tensor) -> torch.Tensor:
         """autograd's pack hook: it fires, inside the op being run, for each tensor that op keeps
