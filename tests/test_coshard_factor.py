@@ -77,6 +77,37 @@ def test_the_plan_reports_the_memory_its_c_was_chosen_by(gpt_analysis, tmp_path)
     assert [r["memory_bytes"] for r in ranks] == [chosen[0].memory] * 2, ranks
 
 
+def test_coshard_frees_the_probabilities_and_the_mask_not_the_scores_or_its_inputs(gpt_analysis):
+    """What the regions free is what autograd keeps of the storages their statements make: each
+    block's softmax output and causal mask (masked_fill keeps it), and the copies the scores'
+    and `att @ v`'s matmuls take of q, k, v; the scaled and masked scores autograd never kept.
+    The pieces' checkpoints keep q, k, v instead: views of c_attn's output, which nothing kept
+    before, as large as those copies. Before, every output needing a gradient was counted
+    freed (the scores twice more), and the checkpoints' inputs not at all."""
+    from nnscaler_cst.plan import coshard
+
+    chosen = []
+    real = coshard.choose_chunks
+
+    def spy(*args, **kwargs):
+        chosen.append(real(*args, **kwargs))
+        return chosen[-1]
+
+    coshard.choose_chunks = spy
+    try:
+        _plan(gpt_analysis, 2)
+    finally:
+        coshard.choose_chunks = real
+    trace = gpt_analysis.trace
+    softmax = [n for n in gpt_analysis.graph.nodes if n.callee.endswith(".softmax")]
+    layers = len(softmax)
+    probs = trace.tensors[softmax[0].outputs[0]].nbytes                    # (B, H, T, T) float
+    mask = trace.tensors[next(t for n in gpt_analysis.graph.nodes if n.module_path == softmax[0].module_path
+                              for t in n.outputs if trace.tensors[t].dtype == "torch.bool")].nbytes
+    assert layers == 4 and probs == 8 * 4 * 16 * 16 * 4 and mask == 16 * 16
+    assert chosen[0].saved == layers * (probs + mask) / 2                   # split over --tp 2
+
+
 @pytest.mark.slow
 def test_without_a_budget_c_is_2_and_with_a_tighter_one_the_smallest_c_that_fits(gpt_analysis):
     from nnscaler_cst.plan import coshard

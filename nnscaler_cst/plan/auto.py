@@ -410,7 +410,7 @@ def _coshard_regions(graph: Graph, blocks: _Blocks, cost: _Regions, plan: AxisPl
     they keep for backward freed, one piece of one block's regions held while it runs, and their
     forward run again in backward. A UserError where C does not cut them."""
     from ..materialize.edits import plan_edits
-    from .coshard import region_bytes
+    from .coshard import freed_bytes, region_bytes
     # the regions (which statements run piece by piece) do not depend on C once C divides the
     # co-sharded dims (coshard_factors): cut once per split, at the first C tried
     found = plan.__dict__.setdefault("_coshard_regions", {})
@@ -428,10 +428,11 @@ def _coshard_regions(graph: Graph, blocks: _Blocks, cost: _Regions, plan: AxisPl
     _, peak = region_bytes(graph, regions, n)
     out = replace(cost, bw=list(cost.bw), fx=list(cost.fx), saved=list(cost.saved), held_once=peak / chunks)
     bw_dev, fx_dev = _split_devices(device)
-    for index in sorted({i for region in regions for i in region.nodes}):
+    freed = freed_bytes(graph, regions)
+    for index in sorted(freed):
         node, region = graph.nodes[index], blocks.region[index]
         ways = n if plan.node_choice.get(index, REPLICATE) != REPLICATE else 1
-        out.saved[region] -= saved_bytes(node, graph.trace) / ways
+        out.saved[region] -= freed[index] / ways
         for column, dev in ((out.bw, bw_dev), (out.fx, fx_dev)):
             column[region] += node_time(node, graph.dims.get(index), graph.trace, dev, ways,
                                         dims_of=graph.dims.get, forward_only=True)

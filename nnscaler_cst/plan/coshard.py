@@ -1,9 +1,10 @@
 """The co-shard factor C (pieces per device), and co-shard on one device.
 
 A table's `n = "C*|tp|"` leaves C to the memory model: the smallest C whose activation
-memory fits --memory-budget (C = 2 without a budget). Co-sharding frees what the region's
-statements keep for backward (scores, probabilities: every block's, for the whole step) and
-holds instead one piece's worth of them while that piece runs or is recomputed:
+memory fits --memory-budget (C = 2 without a budget). Co-sharding frees what autograd keeps of
+the storages the region's statements make (the probabilities, the copies a matmul takes of its
+operands: every block's, for the whole step; what they keep of tensors made outside the region
+stays) and holds instead one piece's worth of them while that piece runs or is recomputed:
 
     memory(C) = memory without co-shard - sum(region) / n + max(region of one block) / (n * C)
 
@@ -50,16 +51,37 @@ def repeated_forward(graph: Graph, choice: CoshardChoice, tp: int, device) -> fl
                          forward_only=True) for i in nodes)
 
 
+def freed_bytes(graph: Graph, regions: list) -> dict[int, float]:
+    """What co-shard frees, by region statement, before any split: what autograd keeps of the
+    storages the statement makes, less the storages of its inputs that only the pieces'
+    checkpoints keep (q, k, v: views of a projection's output that no op saved), each counted
+    at the first statement reading it."""
+    trace = graph.trace
+    freed: dict[int, float] = {}
+    held: set[int] = set()
+    for region in regions:
+        mine = set(region.nodes)
+        for index in region.nodes:
+            freed[index] = saved_bytes(graph.nodes[index], trace)
+            for tid in graph.nodes[index].inputs:
+                storage = trace.tensors[tid].storage
+                if trace.tensors[tid].producer not in mine and storage and \
+                        storage[0] not in trace.kept_storages and storage[0] not in held:
+                    held.add(storage[0])
+                    freed[index] -= storage[1]
+    return freed
+
+
 def region_bytes(graph: Graph, regions: list, n: int) -> tuple[float, float]:
-    """What the regions' statements keep for backward on one device without co-shard: in all,
-    and in the largest single instance (one block's region)."""
+    """What co-shard frees on one device (freed_bytes), in all; and what the largest single
+    instance of the regions (one block's) keeps of the storages its statements make: what one
+    piece's run holds C times over."""
     per_instance: dict[tuple, float] = {}
     for k, region in enumerate(regions):
         for index in region.nodes:
-            node = graph.nodes[index]
-            key = (k, node.module_path)
-            per_instance[key] = per_instance.get(key, 0.0) + saved_bytes(node, graph.trace) / n
-    return sum(per_instance.values()), max(per_instance.values(), default=0.0)
+            key = (k, graph.nodes[index].module_path)
+            per_instance[key] = per_instance.get(key, 0.0) + saved_bytes(graph.nodes[index], graph.trace) / n
+    return sum(freed_bytes(graph, regions).values()) / n, max(per_instance.values(), default=0.0)
 
 
 def choose_chunks(graph: Graph, n: int, base_memory: float, budget: float | None,

@@ -1,11 +1,12 @@
 """The memory model per device: training state by ZeRO stage, and the activations the schedule
 keeps in flight.
 
-Activations (`saved_bytes`): what autograd keeps of each op's outputs for backward. An output
-is kept when it requires a gradient; a view, or an input handed back unchanged, shares storage
-already counted and adds nothing. Outputs that need no gradient (masks, position tables, index
-tensors) are freed once their consumers ran. An upper bound still: some ops keep less than
-their output (a relu keeps a mask in its place in fused kernels).
+Activations (`saved_bytes`): what autograd keeps for backward, as the trace saw it save
+(trace/tracer.py, a saved_tensors_hooks pair around the forward): each storage once, counted at
+the node that made it. A matmul keeps its inputs, a softmax its output, a masked_fill its mask,
+a residual add nothing; a view shares its base's storage. Parameters are training state, not
+activations. The figure is the node's on one device before any split; the planner divides it
+by the ways the node is split.
 
 A device's peak (`device_memory`): its parameters, gradients and AdamW state (plan/zero.py,
 per ZeRO stage), plus one micro-batch's activations times the micro-batches its stage holds at
@@ -18,14 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..trace.records import Node, Trace
-from .cost import moves_no_bytes
 from .zero import state_bytes_per_device, units_in_flight
 
 
 def saved_bytes(node: Node, trace: Trace) -> float:
-    if moves_no_bytes(node, trace):
-        return 0.0
-    return float(sum(trace.tensors[t].nbytes for t in node.outputs if trace.tensors[t].requires_grad))
+    """Bytes of the storages `node` made that autograd keeps for backward."""
+    return float(trace.saved.get(node.index, 0))
 
 
 def micro_batches_in_flight(stage: int, stages: int, micro_batches: int, schedule: str = "1f1b") -> int:

@@ -9,14 +9,11 @@ either way. Decides and measures; rewrites nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
-
-import torch
-
 from ..errors import UserError
 from ..graph.graph import Graph
 from ..source.files import Span
 from .cost import DeviceSpec, compute_time, node_flops
+from .memory import saved_bytes
 from .pipeline import find_chain, find_trunk
 
 
@@ -71,18 +68,13 @@ def recompute_sites(graph: Graph) -> tuple[Span, ...]:
 
 def block_activations(graph: Graph) -> BlockActivations:
     """What one block (the first; the others run the same code on the same sizes) keeps for
-    backward: every tensor its ops produce that autograd tracks, views counted once (they share
-    their base's storage). With recompute it keeps only the tensors passed to it."""
+    backward: what autograd saved of the storages its ops made (plan/memory.py saved_bytes).
+    With recompute it keeps only the tensors passed to it."""
     trunk = find_trunk(graph)
     block = trunk.blocks[0]
     trace = graph.trace
     inside = [n for n in graph.nodes if n.module_path == block or n.module_path.startswith(block + ".")]
-    produced: set[int] = set()
-    for node in inside:
-        for op in (trace.ops[i] for i in node.ops):
-            if not _is_view(op.func):
-                produced.update(op.outputs)
-    saved = sum(trace.tensors[t].nbytes for t in produced if trace.tensors[t].requires_grad)
+    saved = int(sum(saved_bytes(n, trace) for n in inside))
     mine = {n.index for n in inside}
     passed = {t for n in inside for t in n.inputs if trace.tensors[t].producer not in mine
               and trace.tensors[t].param is None and trace.tensors[t].buffer is None}
@@ -90,21 +82,6 @@ def block_activations(graph: Graph) -> BlockActivations:
     # no gradient are kept once for all blocks, not per block)
     inputs = sum(trace.tensors[t].nbytes for t in passed if trace.tensors[t].requires_grad)
     return BlockActivations(trunk.container, len(trunk.blocks), saved, inputs, saved)
-
-
-@lru_cache(maxsize=None)
-def _is_view(func: str) -> bool:
-    """Whether a torch call returns a view of an input, read from its aten schema's alias
-    annotation (`Tensor(a) self -> Tensor(a)`): no new storage, nothing of its own to save."""
-    name = func.rsplit(".", 1)[-1]
-    packet = getattr(torch.ops.aten, name, None)
-    if not isinstance(packet, torch._ops.OpOverloadPacket):
-        return False
-    for overload in packet.overloads():
-        schema = getattr(packet, overload)._schema
-        if schema.returns and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
-            return True
-    return False
 
 
 def recompute_seconds(graph: Graph, split_ways: int, device: DeviceSpec) -> float:

@@ -41,6 +41,8 @@ class TensorInfo:
     # its strides in the trace, when they are not the contiguous ones of its shape (a transposed
     # view reshaped: `x.as_strided(x.size(), x.stride())` reads memory in that order)
     stride: tuple[int, ...] | None = None
+    # (address, bytes) of its storage in the trace, the same for every view of it
+    storage: tuple[int, int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -151,6 +153,11 @@ class Trace:
     # nn.Sequential calls whose calls run different lists of layers: their layers cannot be cut
     # apart in the one source line (containers holds the first call's leaves)
     mixed_containers: set[Span] = field(default_factory=set)
+    # bytes autograd keeps for backward, by the node whose op made each storage (each counted once)
+    saved: dict[int, int] = field(default_factory=dict)
+    # the storages alive from forward to backward anyway: those autograd saved, parameters,
+    # buffers and the inputs (a checkpoint keeping one of them adds nothing)
+    kept_storages: set[int] = field(default_factory=set)
 
     def module_type(self, path: str) -> str:
         """The class of the module at `path`, under any of its names ("" if none)."""

@@ -8,7 +8,8 @@ to the constructor call that created them.
 The trace runs under FakeTensorMode when it can (no real memory or compute), else on real
 CPU tensors. Backward records nothing; on real tensors it runs (a model that cannot train is
 refused here), on fake ones it is skipped: at a production shape it is a third of the trace,
-and `verify` runs it on real tensors. It must not rewrite anything.
+and `verify` runs it on real tensors. A saved_tensors_hooks pair around the forward records
+what autograd keeps for backward (the memory model's activations). It must not rewrite anything.
 """
 from __future__ import annotations
 
@@ -203,6 +204,10 @@ class Tracer(TorchFunctionMode):
         self._awaiting_modules: dict[int, Replay] = {}
         self.state_writes: list[StateWrite] = []
         self._callbacks: dict[int, tuple] = {}     # id(frame) -> (frame, whether library code called it back)
+        # what autograd keeps for backward (see _saved_by_node): storage -> the node whose op made
+        # it (None: parameters, buffers, inputs), and each storage saved -> (bytes, ops recorded before)
+        self._storage_maker: dict[int, int | None] = {}
+        self._saved_storages: dict[int, tuple[int, int]] = {}
 
     # ---- frames -------------------------------------------------------------------------
     def own_frame(self, frame):
@@ -315,8 +320,11 @@ class Tracer(TorchFunctionMode):
         tid = len(self.tensors)
         self._tid_of[key] = tid
         self._keep.append(tensor)
+        storage = _storage(tensor)
         self.tensors[tid] = TensorInfo(tid, tuple(tensor.shape), str(tensor.dtype),
-                                       bool(tensor.requires_grad), stride=_strides(tensor), **info)
+                                       bool(tensor.requires_grad), stride=_strides(tensor),
+                                       storage=None if storage is None else (storage, tensor.untyped_storage().nbytes()),
+                                       **info)
         return tid
 
     # ---- the mode -----------------------------------------------------------------------
@@ -435,6 +443,9 @@ class Tracer(TorchFunctionMode):
         for tensor in flat_out:
             self._tid_of.pop(id(tensor), None)   # an in-place result is a new version
             tid = self._tid(tensor, producer=node.index)
+            storage = _storage(tensor)
+            if storage is not None:
+                self._storage_maker.setdefault(storage, node.index)
             out_tids.append(tid)
             node.produced.append(tid)
         replay = self.replays.get(node.index)
@@ -601,13 +612,17 @@ class Tracer(TorchFunctionMode):
             for name, buf in model.named_buffers():
                 self._tid(buf, buffer=name)
             input_tids = self._inputs(inputs)
+            for tensor in [*model.parameters(), *model.buffers(), *tree_flatten(inputs)[0]]:
+                if isinstance(tensor, torch.Tensor) and _storage(tensor) is not None:
+                    self._storage_maker[_storage(tensor)] = None     # kept anyway: no activation
             model.train()
             self._recording = True
             hook = torch.nn.modules.module.register_module_forward_pre_hook(self._module_called)
             after = torch.nn.modules.module.register_module_forward_hook(self._module_returned)
             profiler = sys.getprofile()
             try:
-                with self, _StateWriteRecorder(self):
+                with self, _StateWriteRecorder(self), torch.autograd.graph.saved_tensors_hooks(
+                        self._saving, lambda tensor: tensor):
                     sys.setprofile(self._profile)
                     output = self._call_user(lambda: entry.call_model(model, inputs), "the model's forward")
                     loss = self._call_user(lambda: entry.loss(output), "loss()")
@@ -633,7 +648,33 @@ class Tracer(TorchFunctionMode):
         return Trace(mode, sorted(self.own_files), self.nodes, self.ops, self.tensors, params, input_tids,
                      loss_tid, {name: qualified_type(type(m)) for name, m in model.named_modules()}, batch,
                      self.size_queries, self.module_calls, self.containers, self.replays, self.state_writes,
-                     self.module_runs, self.module_replays, self._module_aliases(model), self.mixed_containers)
+                     self.module_runs, self.module_replays, self._module_aliases(model), self.mixed_containers,
+                     self._saved_by_node(), {*self._saved_storages, *(
+                         storage for storage, maker in self._storage_maker.items() if maker is None)})
+
+    def _saving(self, tensor: torch.Tensor) -> torch.Tensor:
+        """autograd's pack hook: it fires, inside the op being run, for each tensor that op keeps
+        for its backward (a matmul its inputs, a softmax its output, a masked_fill its mask)."""
+        storage = _storage(tensor)
+        if storage is not None and storage not in self._saved_storages:
+            self._saved_storages[storage] = (tensor.untyped_storage().nbytes(), len(self.ops))
+            self._keep.append(tensor)       # its storage address stays its own while the trace runs
+        return tensor
+
+    def _saved_by_node(self) -> dict[int, int]:
+        """Bytes autograd keeps from forward to backward, by node: each storage once (a view
+        saved shares its base's), counted at the node whose op made it; one made inside an op and
+        never returned (a fused kernel's temporary) at the node of the op that saved it.
+        Parameters, buffers and the inputs are held anyway and are not counted."""
+        saved: dict[int, int] = {}
+        for storage, (nbytes, ops_before) in self._saved_storages.items():
+            if storage in self._storage_maker:
+                node = self._storage_maker[storage]
+            else:       # the op that saved it is recorded next, as op number `ops_before`
+                node = self.ops[min(ops_before, len(self.ops) - 1)].node if self.ops else None
+            if node is not None:
+                saved[node] = saved.get(node, 0) + nbytes
+        return saved
 
     def _module_aliases(self, model: torch.nn.Module) -> dict[str, list[str]]:
         aliases: dict[str, list[str]] = {}
@@ -890,6 +931,14 @@ def _parameter_bytes_on_meta(entry: Entry) -> int | None:
 def _floating(dtype_name: str) -> bool:
     dtype = getattr(torch, dtype_name.removeprefix("torch."), None)
     return isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype.is_complex)
+
+
+def _storage(tensor: torch.Tensor) -> int | None:
+    """The address of the tensor's storage: the same for every view of it."""
+    try:
+        return tensor.untyped_storage()._cdata
+    except Exception:   # noqa: BLE001 - a tensor subclass without a storage
+        return None
 
 
 def _strides(tensor: torch.Tensor) -> tuple[int, ...] | None:
