@@ -557,6 +557,41 @@ RELATIVE_POSITION_BIAS = """
         return (torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1)),)
 """
 
+NESTED_SEQUENTIAL_FEED_FORWARD = """
+import torch
+from torch import nn
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        # x-transformers' style: the input projection is an nn.Sequential inside the nn.Sequential
+        self.ff = nn.Sequential(nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU()), nn.Dropout(0.0),
+                                nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        return self.ff(x)
+
+
+class Model(nn.Module):
+    def __init__(self, dim=16):
+        super().__init__()
+        self.blocks = nn.ModuleList(FeedForward(dim) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x.pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1)),)
+"""
+
 def cli(*args, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", *map(str, args)], cwd=cwd, env=env,
@@ -580,6 +615,19 @@ def test_torch_encoder_layers_split_their_feed_forward(tmp_path):
     assert "self.linear1 = Linear(d_model, dim_feedforward // 2, bias=bias, **factory_kwargs)" in mirror
     assert "tp_reduce(" in mirror and "class TransformerDecoderLayer" not in mirror
     assert "from ._torch.nn.modules.transformer import TransformerEncoderLayer" in (root / "out" / "model.py").read_text()
+
+
+def test_a_feed_forward_of_nested_sequentials_called_from_one_line_is_split(tmp_path):
+    """The inner nn.Sequential runs as a layer of the outer one's call, not as a call of its own from
+    the same line (which made every such line look like it ran different layers: kept whole)."""
+    root = written(tmp_path, NESTED_SEQUENTIAL_FEED_FORWARD)
+    result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    assert "keeps its weights whole" not in result.stderr, result.stderr
+    params = json.loads((root / "out" / "plan.json").read_text())["params"]
+    for block in (0, 1):
+        assert params[f"blocks.{block}.ff.0.0.weight"]["tp"] == "S(0)"
+        assert params[f"blocks.{block}.ff.2.weight"]["tp"] == "S(1)"
 
 
 def test_multihead_attention_is_split_by_heads(tmp_path):

@@ -374,10 +374,10 @@ class Tracer(TorchFunctionMode):
             span = self._span(own)
             if span is not None:
                 self.module_calls[path] = (span, len(self.nodes))
+                if any(path.startswith(c + ".") for c in self._container_paths.get(span, ())):
+                    return      # a layer (or nested container) that a container called from this line runs
                 if isinstance(module, _CONTAINERS):
                     self._container_paths.setdefault(span, []).append(path)
-                elif any(path.startswith(c + ".") for c in self._container_paths.get(span, ())):
-                    return      # a layer that a container called from this line runs, not a call of its own
                 # one line may call containers of different layers, or a container and another
                 # module (a loop over a model's children: IntermediateLayerGetter)
                 kinds = self._leaf_kinds(module) if isinstance(module, _CONTAINERS) else [((), type(module))]
