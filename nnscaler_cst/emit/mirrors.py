@@ -50,6 +50,7 @@ class Mirror:
     module_name: str                      # `timm.layers.attention`
     rewritten: cst.Module                 # the whole file after the edits
     members: list[int] = field(default_factory=list)    # indices of the top-level statements kept
+    reads: dict[int, set[str]] = field(default_factory=dict)    # per statement, the global names it reads
 
     @property
     def out_name(self) -> str:
@@ -236,9 +237,9 @@ def plan_mirrors(rewritten: dict[str, tuple[SourceFile, cst.Module]], model_clas
             raise UserError("internal error: the rewrite changed the top-level statements of a mirrored file",
                             hint="please report it")
         name, library[path] = _module_of(path)
-        mirror = mirrors[path] = Mirror(source, name, module)
-        namespace = vars(library[path])
         file_reads = _global_reads(source)
+        mirror = mirrors[path] = Mirror(source, name, module, reads=file_reads)
+        namespace = vars(library[path])
         for index, (old, new) in enumerate(zip(source.module.body, mirror.rewritten.body)):
             names = _statement_name(old)
             for name in names:
@@ -309,7 +310,7 @@ def render_mirror(mirror: Mirror, mirrors: list[Mirror], comm_names: set[str], n
     by_key = {(resolved(str(m.source.path)), _statement_name(m.source.module.body[i])[0]): m
               for m in mirrors for i in m.members if _statement_name(m.source.module.body[i])}
     own = {name for i in mirror.members for name in _statement_name(mirror.source.module.body[i])}
-    reads = _global_reads(mirror.source)
+    reads = mirror.reads
     needed = sorted({name for i in mirror.members for name in reads[i]} - own)
     from_library, from_mirrors = [], {}
     for name in needed:
