@@ -15,8 +15,8 @@ computed for real, when it is small, on the CPU, needs no gradient, and drew no 
 numbers. Everything else stays fake. It never changes what a call computes, only whether its
 values are known.
 
-torch's private fake-tensor API (`constant`, the converter, unset_fake_temporarily) is used
-here only.
+torch's private fake-tensor API (`constant`, its storage mapping, unset_fake_temporarily) is
+used here only.
 """
 from __future__ import annotations
 
@@ -50,7 +50,9 @@ class SmallConstants(TorchFunctionMode):
                 return out
         if type(real) is not torch.Tensor or real.shape != out.shape or real.dtype != out.dtype:
             return out
-        return self.fake_mode.fake_tensor_converter.from_real_tensor(self.fake_mode, real, make_constant=True)
+        out.constant = real     # as FakeTensorMode keeps torch.tensor(...)'s (its converter would import dynamo)
+        self.fake_mode.fake_tensor_converter.add_constant_storage_mapping(out)
+        return out
 
     def _small(self, out) -> bool:
         # (a view shares its operand's storage: FakeTensorMode keeps views fake, so do we)
