@@ -22,7 +22,7 @@ from .emit.output import generated_json
 from .emit.programs import programs
 from .emit.rewrite import StageSplit, rewrite_module
 from .errors import Location, UserError, display_path
-from .source.files import SourceFile, resolved
+from .source.files import resolved
 from .materialize.conversions import fused_collectives
 from .materialize.edits import Edits, data_parallel_edits, one_device_edits, plan_edits
 from .plan.ir import OpAssign, OpOrder, OpTrans, Plan
@@ -376,8 +376,7 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
     traced_library = any(module_name_of(p) in analysis.rules.traced_module_names for p in model_paths)
     if len(model_paths) > 1 or traced_library:  # a model in several files: mirrors, the entry as the program
         module, ctx = rewritten(entry_path)
-        module, mirrored, bases = _mirrored(analysis, module, {str(p): rewritten(p, False) for p in model_paths},
-                                            lambda p: rewritten(p, False))
+        module, mirrored, bases = _mirrored(analysis, module, {str(p): rewritten(p, False) for p in model_paths})
         if mirror_bases is not None:
             mirror_bases.update(bases)
     else:
@@ -449,7 +448,7 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
 
 
 def _mirrored(analysis: Analysis, entry_module: cst.Module,
-              rewritten: dict[str, tuple[cst.Module, object]], rewritten_of
+              rewritten: dict[str, tuple[cst.Module, object]]
               ) -> tuple[cst.Module, dict[str, str], dict[str, tuple[str, str]]]:
     """A model in several files: the entry's code as the program, importing from the mirrors; the
     mirrors of its files (emit/mirrors.py) and the package files between them, by output path;
@@ -468,11 +467,7 @@ def _mirrored(analysis: Analysis, entry_module: cst.Module,
             traced.setdefault(resolved(construction.file), set()).add(construction.line)
         for file, line in construction.route:
             traced.setdefault(file, set()).add(line)
-
-    def load(path: str) -> tuple[SourceFile, cst.Module]:
-        module, contexts[path] = rewritten_of(path)
-        return analysis.sources.get(path), module
-    mirrors = plan_mirrors(sources, model_classes, traced, load)
+    mirrors = plan_mirrors(sources, model_classes, traced)
     files: dict[str, str] = {}
     bases: dict[str, tuple[str, str]] = {}
     defined: dict[str, tuple[object, str, str]] = {}

@@ -392,9 +392,9 @@ def test_a_relative_import_inside_a_mirrored_definition_names_the_installed_modu
 
 
 # A layer looked up by its class in a table of another file, as timm's ConvNormAct passes its
-# norm_layer to get_norm_act_layer, which checks `norm_layer in _NORM_ACT_TYPES`: the block
-# names the rewritten class (its default argument), so the table and the lookup must hold the
-# rewritten class too, or the lookup refuses it (or a class-keyed dict misses it).
+# norm_layer to get_norm_act_layer, which checks `norm_layer in _NORM_ACT_TYPES`: the mirrored
+# block names the rewritten class (its default argument), the registered builder (not defined
+# again) the installed one; the library's lookup must find both.
 LOOKUP_PACKAGE = {
     "__init__.py": "",
     "mlps.py": """
@@ -442,6 +442,10 @@ LOOKUP_PACKAGE = {
         from .mlps import GatedMlp
 
 
+        def register(fn):
+            return fn
+
+
         class Block(nn.Module):
             def __init__(self, dim, mlp_layer=GatedMlp):
                 super().__init__()
@@ -453,28 +457,34 @@ LOOKUP_PACKAGE = {
 
 
         class Net(nn.Module):
-            def __init__(self, dim=16, depth=2):
+            def __init__(self, dim=16, mlp_layer=None):
                 super().__init__()
-                self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
+                self.blocks = nn.ModuleList([Block(dim), Block(dim, mlp_layer)])
 
             def forward(self, x):
                 for block in self.blocks:
                     x = block(x)
                 return x.pow(2).mean()
+
+
+        @register
+        def tiny():
+            return Net(mlp_layer=GatedMlp)
     """,
 }
 
 
-def test_a_table_of_classes_holding_a_rewritten_class_is_mirrored_with_its_lookup(tmp_path):
+def test_a_table_of_classes_holding_a_rewritten_class_holds_both_classes(tmp_path):
     for name, text in LOOKUP_PACKAGE.items():
         (tmp_path / "lookpkg" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "lookpkg" / name).write_text(textwrap.dedent(text).lstrip("\n"))
-    (tmp_path / "entry.py").write_text(textwrap.dedent(HELPER_ENTRY).replace("helperpkg.net", "lookpkg.net")
-                                       .lstrip("\n"))
+    entry = textwrap.dedent(HELPER_ENTRY).replace("from helperpkg.net import Net", "import lookpkg.net")
+    (tmp_path / "entry.py").write_text(entry.replace("return Net()", "return lookpkg.net.tiny()").lstrip("\n"))
     result = cli("entry.py", "--tp", "2", "-o", "out", cwd=tmp_path)     # its dry run builds the mirrors
     assert result.returncode == 0, result.stderr
-    lookup = (tmp_path / "out" / "lookpkg" / "lookup.py").read_text()
-    assert "from .mlps import GatedMlp" in lookup and "from lookpkg.lookup import PlainMlp, functools" in lookup
-    assert "_MLP_TYPES = {GatedMlp, PlainMlp}" in lookup and "def get_mlp_layer(layer):" in lookup
-    net = (tmp_path / "out" / "lookpkg" / "net.py").read_text()
-    assert "from .lookup import get_mlp_layer" in net
+    assert not (tmp_path / "out" / "lookpkg" / "lookup.py").exists()    # the library's own lookup serves
+    mlps = (tmp_path / "out" / "lookpkg" / "mlps.py").read_text()
+    assert 'importlib.import_module("lookpkg.lookup")._MLP_TYPES.add(GatedMlp)' in mlps
+    assert ('importlib.import_module("lookpkg.lookup")._MLP_ARGS[GatedMlp] = importlib.import_module('
+            '"lookpkg.lookup")._MLP_ARGS[importlib.import_module("lookpkg.mlps").GatedMlp]') in mlps
+    assert "PlainMlp" not in mlps.partition("import importlib")[2]          # unchanged: not registered

@@ -180,66 +180,30 @@ def _definition_key(value) -> tuple[str, str] | None:
     return resolved(file), qualname
 
 
-def _code_names(code: types.CodeType) -> set[str]:
-    """The global names a function's code and the code nested in it (comprehensions, lambdas) read."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _code_names(const)
-    return names
-
-
-def _reaches(function: types.FunctionType, kept: set[int]) -> bool:
-    """Whether a function looks one of `kept` (ids of the library's definitions the mirrors define
-    anew) up in a module-level table, directly or through the functions it calls: timm's
-    `norm_layer in _NORM_ACT_TYPES` and class-keyed dicts. The model's code calling it with a
-    rewritten class would meet the library's table, which holds the library's class. (A helper
-    that builds a layer or runs an op is mirrored already: it ran in the trace.)"""
-    seen, stack = set(), [function]
-    while stack:
-        current = stack.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        for name in _code_names(current.__code__):
-            value = current.__globals__.get(name)
-            if isinstance(value, types.FunctionType):
-                stack.append(value)
-            elif isinstance(value, (dict, list, tuple, set, frozenset)):
-                items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
-                if any(id(item) in kept for item in items):
-                    return True
-    return False
-
-
 def plan_mirrors(rewritten: dict[str, tuple[SourceFile, cst.Module]], model_classes: set[type],
-                 traced_lines: dict[str, set[int]], load=None) -> list[Mirror]:
+                 traced_lines: dict[str, set[int]]) -> list[Mirror]:
     """Which top-level statements of each file go into its mirror (see the module docstring).
 
     `rewritten`: resolved path -> (the file, the file after the edits); `model_classes`: the
-    classes of the model's modules; `traced_lines`: resolved path -> lines a traced op ran at;
-    `load(path)`: (the file, the file after the edits) of another file, for a function the
-    model's code calls there that reaches a mirrored definition (its lookup tables must hold the
-    rewritten classes; they are mirrored with it). Files with nothing to mirror are left out."""
+    classes of the model's modules; `traced_lines`: resolved path -> lines a traced op ran at.
+    Files with nothing to mirror are left out."""
     mirrors: dict[str, Mirror] = {}
     library: dict[str, types.ModuleType] = {}
-    # every statement: (path, index) -> the definitions it reads; candidates: those that are kept
-    # when they read a kept one
-    changed: set[tuple[str, int]] = set()
-    seeds: set[tuple[str, int]] = set()
-    reads: dict[tuple[str, int], set[tuple[str, str]]] = {}
-    outside: dict[tuple[str, str], types.FunctionType] = {}     # functions read in files not loaded
-    binds: dict[tuple[str, str], tuple[str, int]] = {}
-    model_keys = {_definition_key(cls) for cls in model_classes}
-
-    def add(path: str, source: SourceFile, module: cst.Module) -> None:
+    for path, (source, module) in rewritten.items():
         if len(module.body) != len(source.module.body):
             raise UserError("internal error: the rewrite changed the top-level statements of a mirrored file",
                             hint="please report it")
         name, library[path] = _module_of(path)
-        file_reads = _global_reads(source)
-        mirror = mirrors[path] = Mirror(source, name, module, reads=file_reads)
-        namespace = vars(library[path])
+        mirrors[path] = Mirror(source, name, module, reads=_global_reads(source))
+    # every candidate statement: (path, index) -> (names it binds, the definitions it reads)
+    changed: set[tuple[str, int]] = set()
+    candidate: set[tuple[str, int]] = set()
+    reads: dict[tuple[str, int], set[tuple[str, str]]] = {}
+    binds: dict[tuple[str, str], tuple[str, int]] = {}
+    model_keys = {_definition_key(cls) for cls in model_classes}
+    for path, mirror in mirrors.items():
+        source, namespace = mirror.source, vars(library[path])
+        file_reads = mirror.reads
         for index, (old, new) in enumerate(zip(source.module.body, mirror.rewritten.body)):
             names = _statement_name(old)
             for name in names:
@@ -253,49 +217,20 @@ def plan_mirrors(rewritten: dict[str, tuple[SourceFile, cst.Module]], model_clas
             ran = any(first <= line <= last for line in traced_lines.get(path, ()))
             if isinstance(old, cst.ClassDef) and (path, names[0]) in model_keys or ran and not _decorated_function(old) \
                     or not isinstance(old, _DEFS):
-                seeds.add(key)
+                candidate.add(key)
             reads[key] = set()
             for read in file_reads[index]:
                 if read in namespace:
                     target = _definition_key(namespace[read]) or (path, read)
                     reads[key].add(target)
-                    if isinstance(namespace[read], types.FunctionType):
-                        outside[target] = namespace[read]
-
-    for path, (source, module) in rewritten.items():
-        add(path, source, module)
-    while True:
-        # candidates: the seeds, and the undecorated functions a candidate calls (a helper that
-        # looks a rewritten class up must be the mirror's too)
-        candidate = set(seeds)
-        frontier = list(candidate)
-        while frontier:
-            for target in reads[frontier.pop()]:
-                key = binds.get(target)
-                if key is not None and key not in candidate and isinstance(
-                        mirrors[key[0]].source.module.body[key[1]], cst.FunctionDef) \
-                        and not _decorated_function(mirrors[key[0]].source.module.body[key[1]]):
-                    candidate.add(key)
-                    frontier.append(key)
-        kept = set(changed)
-        grown = True
-        while grown:        # definitions that name a kept one are kept: they must build or call it
-            grown = False
-            for key in candidate - kept:
-                if any(binds.get(target) in kept for target in reads[key]):
-                    kept.add(key)
-                    grown = True
-        if load is None:
-            break
-        kept_ids = {id(getattr(library[path], name, None)) for path, index in kept
-                    for name in _statement_name(mirrors[path].source.module.body[index])}
-        kept_ids.discard(id(None))
-        more = sorted({target[0] for key in candidate for target in reads[key]
-                       if target[0] not in mirrors and target in outside and _reaches(outside[target], kept_ids)})
-        if not more:
-            break
-        for path in more:
-            add(path, *load(path))
+    kept = set(changed)
+    grown = True
+    while grown:        # definitions that name a kept one are kept: they must build or call it
+        grown = False
+        for key in candidate - kept:
+            if any(binds.get(target) in kept for target in reads[key]):
+                kept.add(key)
+                grown = True
     for path, index in sorted(kept):
         mirrors[path].members.append(index)
     return [m for m in mirrors.values() if m.members]
@@ -345,7 +280,55 @@ def render_mirror(mirror: Mirror, mirrors: list[Mirror], comm_names: set[str], n
     if not original:
         body = [stmt.visit(_InnerImports(mirror, mirrors)) for stmt in body]
     body[0] = body[0].with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()])
-    return "\n".join(lines) + "\n" + module.with_changes(body=body, header=[], footer=[]).code
+    text = "\n".join(lines) + "\n" + module.with_changes(body=body, header=[], footer=[]).code
+    return text if original else text + _table_entries(mirror)
+
+
+def _identity_tables(mirror: Mirror) -> list[tuple[str, str, object, str]]:
+    """(module, name, table, class name) of each module-level set, list or class-keyed dict of
+    the mirrored module's package that holds the installed class of a class the mirror defines
+    anew. The library looks classes up there by identity (timm's get_norm_act_layer:
+    `norm_layer in _NORM_ACT_TYPES`), handed the rewritten class by the mirrored code or the
+    installed one by the library's own (a registered builder): both must be found."""
+    library = sys.modules[mirror.module_name]
+    classes = {}
+    for index in mirror.members:
+        stmt = mirror.source.module.body[index]
+        value = getattr(library, stmt.name.value, None) if isinstance(stmt, cst.ClassDef) else None
+        if isinstance(value, type):
+            classes[id(value)] = stmt.name.value
+    top = mirror.module_name.partition(".")[0]
+    found, seen = [], set()
+    for name, module in sorted(sys.modules.items()):
+        if name != top and not name.startswith(top + ".") or not isinstance(module, types.ModuleType):
+            continue
+        for attr, table in sorted(vars(module).items()):
+            if attr.startswith("__") or id(table) in seen or not isinstance(table, (set, list, dict)):
+                continue
+            held = sorted({classes[id(item)] for item in table if id(item) in classes})
+            if held:
+                seen.add(id(table))
+                found += [(name, attr, table, cls) for cls in held]
+    return found
+
+
+def _table_entries(mirror: Mirror) -> str:
+    """The lines that put each rewritten class into the library's tables beside its installed
+    class (_identity_tables), or nothing."""
+    tables = _identity_tables(mirror)
+    if not tables:
+        return ""
+    lines = ["", "", "# The installed library looks these classes up by identity in its own tables: they hold the",
+             "# rewritten classes too, beside the installed ones.", "import importlib", ""]
+    for module, attr, table, cls in tables:
+        where = f'importlib.import_module("{module}").{attr}'
+        if isinstance(table, set):
+            lines.append(f"{where}.add({cls})")
+        elif isinstance(table, list):
+            lines.append(f"{where}.append({cls})")
+        else:
+            lines.append(f'{where}[{cls}] = {where}[importlib.import_module("{mirror.module_name}").{cls}]')
+    return "\n".join(lines) + "\n"
 
 
 class _InnerImports(cst.CSTTransformer):
