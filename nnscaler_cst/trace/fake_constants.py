@@ -57,5 +57,5 @@ class SmallConstants(TorchFunctionMode):
     def _small(self, out) -> bool:
         # (a view shares its operand's storage: FakeTensorMode keeps views fake, so do we)
         return (isinstance(out, FakeTensor) and out.fake_mode is self.fake_mode and out.constant is None
-                and not out._is_view() and out.device.type == "cpu" and not out.requires_grad and out.numel() <= MAX_CONSTANT_NUMEL
-                and out.layout == torch.strided)
+                and not out._is_view() and out.device.type == "cpu" and not out.requires_grad
+                and out.numel() <= MAX_CONSTANT_NUMEL and out.layout == torch.strided)
