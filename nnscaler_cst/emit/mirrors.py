@@ -29,6 +29,7 @@ import importlib.util
 import sys
 import textwrap
 import types
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -297,18 +298,23 @@ def _identity_tables(mirror: Mirror) -> list[tuple[str, str, object, str]]:
         value = getattr(library, stmt.name.value, None) if isinstance(stmt, cst.ClassDef) else None
         if isinstance(value, type):
             classes[id(value)] = stmt.name.value
+    if not classes:
+        return []
     top = mirror.module_name.partition(".")[0]
     found, seen = [], set()
-    for name, module in sorted(sys.modules.items()):
-        if name != top and not name.startswith(top + ".") or not isinstance(module, types.ModuleType):
+    with warnings.catch_warnings():     # reading a deprecated module attribute warns (torch.distributed)
+        warnings.simplefilter("ignore")
+        modules = sorted(sys.modules.items())
+        tables = [(name, attr, table) for name, module in modules if isinstance(module, types.ModuleType)
+                  and (name == top or name.startswith(top + ".")) for attr, table in sorted(vars(module).items())
+                  if not attr.startswith("__") and isinstance(table, (set, list, dict))]
+    for name, attr, table in tables:
+        if id(table) in seen:
             continue
-        for attr, table in sorted(vars(module).items()):
-            if attr.startswith("__") or id(table) in seen or not isinstance(table, (set, list, dict)):
-                continue
-            held = sorted({classes[id(item)] for item in table if id(item) in classes})
-            if held:
-                seen.add(id(table))
-                found += [(name, attr, table, cls) for cls in held]
+        held = sorted({classes[id(item)] for item in table if id(item) in classes})
+        if held:
+            seen.add(id(table))
+            found += [(name, attr, table, cls) for cls in held]
     return found
 
 
