@@ -21,6 +21,12 @@ inside a kept definition (diffusers' `from .normalization import RMSNorm` in a c
 avoid a circular import) is resolved against the source's package: it names the mirror when
 that mirror defines every name it imports, else the installed module.
 
+A rewritten class is a new class object: where the library looks classes up by identity in
+tables of its own (timm's `norm_layer in _NORM_ACT_TYPES`), the mirror adds it to each
+module-level set, list or class-keyed dict of the package that holds the installed class, so
+the library's lookup finds both (the rewritten class named by mirrored code, the installed one
+handed by a registered builder that is not defined again).
+
 Decides and renders text; rewrites no model logic (emit/rewrite.py does) and writes no file.
 """
 from __future__ import annotations
