@@ -381,7 +381,7 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
         if rewriting:
             _refuse_inputs_early(out_dir, model_file)
         # the fork server imports torch for verify's processes while this process imports it and rewrites
-        with forkserver.started() as forks:
+        with forkserver.started(forkserver.installed_imports(model_file)) as forks:
             from .verify.equivalence import VerifyError, run_verify
             from .report.verify_view import verify_table
             if rewriting:

@@ -389,3 +389,102 @@ def test_a_relative_import_inside_a_mirrored_definition_names_the_installed_modu
     assert "from ..norms.gate import Gate" in mlp                    # rewritten: its mirror
     assert not (tmp_path / "out" / "localpkg" / "norms" / "act.py").exists()
     assert "self.proj = nn.Linear(dim // 2, dim)" in (tmp_path / "out" / "localpkg" / "norms" / "gate.py").read_text()
+
+
+# A layer looked up by its class in a table of another file, as timm's ConvNormAct passes its
+# norm_layer to get_norm_act_layer, which checks `norm_layer in _NORM_ACT_TYPES`: the mirrored
+# block names the rewritten class (its default argument), the registered builder (not defined
+# again) the installed one; the library's lookup must find both.
+LOOKUP_PACKAGE = {
+    "__init__.py": "",
+    "mlps.py": """
+        import torch
+        import torch.nn as nn
+
+
+        class GatedMlp(nn.Module):
+            def __init__(self, dim, hidden=32, gate=False):
+                super().__init__()
+                self.fc1 = nn.Linear(dim, hidden)
+                self.fc2 = nn.Linear(hidden, dim)
+                self.gate = gate
+
+            def forward(self, x):
+                h = self.fc1(x)
+                return self.fc2(h * torch.sigmoid(h) if self.gate else torch.relu(h))
+
+
+        class PlainMlp(nn.Module):
+            def __init__(self, dim):
+                super().__init__()
+                self.fc = nn.Linear(dim, dim)
+
+            def forward(self, x):
+                return self.fc(x)
+    """,
+    "lookup.py": """
+        import functools
+
+        from .mlps import GatedMlp, PlainMlp
+
+        _MLP_TYPES = {GatedMlp, PlainMlp}
+        _MLP_ARGS = {GatedMlp: dict(gate=True)}
+
+
+        def get_mlp_layer(layer):
+            assert layer in _MLP_TYPES, f"no mlp layer for {layer.__name__}"
+            return functools.partial(layer, **_MLP_ARGS.get(layer, {}))
+    """,
+    "net.py": """
+        import torch.nn as nn
+
+        from .lookup import get_mlp_layer
+        from .mlps import GatedMlp
+
+
+        def register(fn):
+            return fn
+
+
+        class Block(nn.Module):
+            def __init__(self, dim, mlp_layer=GatedMlp):
+                super().__init__()
+                self.norm = nn.LayerNorm(dim)
+                self.mlp = get_mlp_layer(mlp_layer)(dim)
+
+            def forward(self, x):
+                return x + self.mlp(self.norm(x))
+
+
+        class Net(nn.Module):
+            def __init__(self, dim=16, mlp_layer=None):
+                super().__init__()
+                self.blocks = nn.ModuleList([Block(dim), Block(dim, mlp_layer)])
+
+            def forward(self, x):
+                for block in self.blocks:
+                    x = block(x)
+                return x.pow(2).mean()
+
+
+        @register
+        def tiny():
+            return Net(mlp_layer=GatedMlp)
+    """,
+}
+
+
+def test_a_table_of_classes_holding_a_rewritten_class_holds_both_classes(tmp_path):
+    for name, text in LOOKUP_PACKAGE.items():
+        (tmp_path / "lookpkg" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "lookpkg" / name).write_text(textwrap.dedent(text).lstrip("\n"))
+    entry = textwrap.dedent(HELPER_ENTRY).replace("from helperpkg.net import Net", "import lookpkg.net")
+    (tmp_path / "entry.py").write_text(entry.replace("return Net()", "return lookpkg.net.tiny()").lstrip("\n"))
+    result = cli("entry.py", "--tp", "2", "-o", "out", cwd=tmp_path)     # its dry run builds the mirrors
+    assert result.returncode == 0, result.stderr
+    assert not (tmp_path / "out" / "lookpkg" / "lookup.py").exists()    # the library's own lookup serves
+    mlps = (tmp_path / "out" / "lookpkg" / "mlps.py").read_text()
+    assert 'importlib.import_module("lookpkg.lookup")._MLP_TYPES.add(GatedMlp)' in mlps
+    assert ('importlib.import_module("lookpkg.lookup")._MLP_ARGS[GatedMlp] = importlib.import_module('
+            '"lookpkg.lookup")._MLP_ARGS[importlib.import_module("lookpkg.mlps").GatedMlp]') in mlps
+    assert "PlainMlp" not in mlps.partition("import importlib")[2]          # unchanged: not registered

@@ -123,3 +123,35 @@ def test_ps_names_a_fork_by_the_worker_command_it_runs(tmp_path, monkeypatch):
             fork.kill()
             fork.wait(timeout=30)
     assert processes_mentioning(marker) == []
+
+
+# verify's forks find the installed libraries the entry imports at its top already imported by
+# the server (timm, transformers: seconds each per process); the entry itself is never imported
+# by the server, and a local module is never preloaded.
+SEES_PRELOADED = textwrap.dedent('''\
+    import sys
+    import torch
+    PRELOADED = "libcst" in sys.modules
+    def build():
+        open("seen.txt", "w").write(f"{PRELOADED} {'seen_once' in sys.modules}")
+        return torch.nn.Linear(2, 2)
+    def example_inputs():
+        return (torch.randn(4, 2),)
+    def loss(output):
+        return output.pow(2).mean()
+    ''')
+
+
+def test_the_server_imports_the_installed_libraries_the_entry_imports(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "seen_once.py").write_text("")
+    (tmp_path / "entry.py").write_text("import os\nimport libcst.metadata\nfrom seen_once import *\n"
+                                       + SEES_PRELOADED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert forkserver.installed_imports(tmp_path / "entry.py") == ["libcst"]
+    (tmp_path / "entry.py").write_text(SEES_PRELOADED)       # the check: no import of its own
+    with forkserver.started(["libcst"]) as server:
+        run_all([([sys.executable, WORKER, "reference", "entry.py", str(tmp_path), "--steps", "1"],
+                  process_env())], 120, server)
+        assert server.pids, "the reference run was no fork"
+    assert (tmp_path / "seen.txt").read_text() == "True False"

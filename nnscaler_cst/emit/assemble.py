@@ -29,14 +29,15 @@ from libcst.metadata import (ExpressionContext, ExpressionContextProvider, Globa
 from .. import __version__
 from ..errors import Location, UserError, display_path
 from ..source.entry import Construction, Entry
-from ..source.files import SourceFile, SourceSet
+from ..source.files import SourceFile, SourceSet, resolved
 
 
 def module_name_of(path: Path) -> str | None:
     """The importable dotted name of a file, from sys.modules (None for a loose script)."""
+    wanted = resolved(str(path))
     for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
-        if file and Path(file).resolve() == path.resolve() and not name.startswith("_nnscaler_entry_"):
+        if isinstance(file, str) and resolved(file) == wanted and not name.startswith("_nnscaler_entry_"):
             return name
     return None
 
@@ -104,10 +105,10 @@ def _library_objects(model_path: Path, defined: set[str]) -> dict[int, tuple[obj
     """id -> (object, name) of what the library's own module defines under the names the
     rewritten file defines anew: the objects whose uses must name the rewritten ones. (A file
     imported under two names is two modules with objects of their own: both count.)"""
-    resolved = Path(model_path).resolve()
+    wanted = resolved(str(model_path))
     modules = [module for name, module in sorted(sys.modules.items())
-               if not name.startswith("_nnscaler_entry_") and getattr(module, "__file__", None)
-               and Path(module.__file__).resolve() == resolved]
+               if not name.startswith("_nnscaler_entry_") and isinstance(getattr(module, "__file__", None), str)
+               and resolved(module.__file__) == wanted]
     found = {}
     for module in modules:
         for name in sorted(defined):

@@ -21,6 +21,12 @@ inside a kept definition (diffusers' `from .normalization import RMSNorm` in a c
 avoid a circular import) is resolved against the source's package: it names the mirror when
 that mirror defines every name it imports, else the installed module.
 
+A rewritten class is a new class object: where the library looks classes up by identity in
+tables of its own (timm's `norm_layer in _NORM_ACT_TYPES`), the mirror adds it to each
+module-level set, list or class-keyed dict of the package that holds the installed class, so
+the library's lookup finds both (the rewritten class named by mirrored code, the installed one
+handed by a registered builder that is not defined again).
+
 Decides and renders text; rewrites no model logic (emit/rewrite.py does) and writes no file.
 """
 from __future__ import annotations
@@ -29,6 +35,7 @@ import importlib.util
 import sys
 import textwrap
 import types
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +57,7 @@ class Mirror:
     module_name: str                      # `timm.layers.attention`
     rewritten: cst.Module                 # the whole file after the edits
     members: list[int] = field(default_factory=list)    # indices of the top-level statements kept
+    reads: dict[int, set[str]] = field(default_factory=dict)    # per statement, the global names it reads
 
     @property
     def out_name(self) -> str:
@@ -193,7 +201,7 @@ def plan_mirrors(rewritten: dict[str, tuple[SourceFile, cst.Module]], model_clas
             raise UserError("internal error: the rewrite changed the top-level statements of a mirrored file",
                             hint="please report it")
         name, library[path] = _module_of(path)
-        mirrors[path] = Mirror(source, name, module)
+        mirrors[path] = Mirror(source, name, module, reads=_global_reads(source))
     # every candidate statement: (path, index) -> (names it binds, the definitions it reads)
     changed: set[tuple[str, int]] = set()
     candidate: set[tuple[str, int]] = set()
@@ -202,7 +210,7 @@ def plan_mirrors(rewritten: dict[str, tuple[SourceFile, cst.Module]], model_clas
     model_keys = {_definition_key(cls) for cls in model_classes}
     for path, mirror in mirrors.items():
         source, namespace = mirror.source, vars(library[path])
-        file_reads = _global_reads(source)
+        file_reads = mirror.reads
         for index, (old, new) in enumerate(zip(source.module.body, mirror.rewritten.body)):
             names = _statement_name(old)
             for name in names:
@@ -244,7 +252,7 @@ def render_mirror(mirror: Mirror, mirrors: list[Mirror], comm_names: set[str], n
     by_key = {(resolved(str(m.source.path)), _statement_name(m.source.module.body[i])[0]): m
               for m in mirrors for i in m.members if _statement_name(m.source.module.body[i])}
     own = {name for i in mirror.members for name in _statement_name(mirror.source.module.body[i])}
-    reads = _global_reads(mirror.source)
+    reads = mirror.reads
     needed = sorted({name for i in mirror.members for name in reads[i]} - own)
     from_library, from_mirrors = [], {}
     for name in needed:
@@ -279,7 +287,60 @@ def render_mirror(mirror: Mirror, mirrors: list[Mirror], comm_names: set[str], n
     if not original:
         body = [stmt.visit(_InnerImports(mirror, mirrors)) for stmt in body]
     body[0] = body[0].with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()])
-    return "\n".join(lines) + "\n" + module.with_changes(body=body, header=[], footer=[]).code
+    text = "\n".join(lines) + "\n" + module.with_changes(body=body, header=[], footer=[]).code
+    return text if original else text + _table_entries(mirror)
+
+
+def _identity_tables(mirror: Mirror) -> list[tuple[str, str, object, str]]:
+    """(module, name, table, class name) of each module-level set, list or class-keyed dict of
+    the mirrored module's package that holds the installed class of a class the mirror defines
+    anew. The library looks classes up there by identity (timm's get_norm_act_layer:
+    `norm_layer in _NORM_ACT_TYPES`), handed the rewritten class by the mirrored code or the
+    installed one by the library's own (a registered builder): both must be found."""
+    library = sys.modules[mirror.module_name]
+    classes = {}
+    for index in mirror.members:
+        stmt = mirror.source.module.body[index]
+        value = getattr(library, stmt.name.value, None) if isinstance(stmt, cst.ClassDef) else None
+        if isinstance(value, type):
+            classes[id(value)] = stmt.name.value
+    if not classes:
+        return []
+    top = mirror.module_name.partition(".")[0]
+    found, seen = [], set()
+    with warnings.catch_warnings():     # reading a deprecated module attribute warns (torch.distributed)
+        warnings.simplefilter("ignore")
+        modules = sorted(sys.modules.items())
+        tables = [(name, attr, table) for name, module in modules if isinstance(module, types.ModuleType)
+                  and (name == top or name.startswith(top + ".")) for attr, table in sorted(vars(module).items())
+                  if not attr.startswith("__") and isinstance(table, (set, list, dict))]
+    for name, attr, table in tables:
+        if id(table) in seen:
+            continue
+        held = sorted({classes[id(item)] for item in table if id(item) in classes})
+        if held:
+            seen.add(id(table))
+            found += [(name, attr, table, cls) for cls in held]
+    return found
+
+
+def _table_entries(mirror: Mirror) -> str:
+    """The lines that put each rewritten class into the library's tables beside its installed
+    class (_identity_tables), or nothing."""
+    tables = _identity_tables(mirror)
+    if not tables:
+        return ""
+    lines = ["", "", "# The installed library looks these classes up by identity in its own tables: they hold the",
+             "# rewritten classes too, beside the installed ones.", "import importlib", ""]
+    for module, attr, table, cls in tables:
+        where = f'importlib.import_module("{module}").{attr}'
+        if isinstance(table, set):
+            lines.append(f"{where}.add({cls})")
+        elif isinstance(table, list):
+            lines.append(f"{where}.append({cls})")
+        else:
+            lines.append(f'{where}[{cls}] = {where}[importlib.import_module("{mirror.module_name}").{cls}]')
+    return "\n".join(lines) + "\n"
 
 
 class _InnerImports(cst.CSTTransformer):

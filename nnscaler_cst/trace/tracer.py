@@ -872,13 +872,14 @@ def _plain(value, depth=0):
 def quiet_fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from .deferred_dynamo import defer
+    from .fake_constants import SmallConstants     # `.item()` of a schedule made from numbers in build()
     defer()
     # FakeTensorMode logs a traceback of its own when a user op fails (shape mismatch); the
     # failure reaches the user as one UserError instead, so keep its logger quiet meanwhile.
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
     was_disabled, fake_log.disabled = fake_log.disabled, True
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, SmallConstants(fake_mode):
             yield
     finally:
         fake_log.disabled = was_disabled

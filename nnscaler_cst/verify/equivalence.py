@@ -198,8 +198,8 @@ def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1
     if getattr(package, "BATCH_STATISTICS_PER_MICRO_BATCH", False):    # the reference accumulates alike
         common += ["--micro-batches", str(package.MICRO_BATCHES), "--dp-shares", str(package.DP_SIZE)]
         common += [] if package.AVERAGE_SHARES else ["--summed-shares"]
-    with terminated_as_exit(), tempfile.TemporaryDirectory(prefix="nnscaler-verify-") as workdir, \
-            (nullcontext(forks) if forks is not None else forkserver.started()) as forks:
+    server = nullcontext(forks) if forks is not None else forkserver.started(forkserver.installed_imports(entry_file))
+    with terminated_as_exit(), tempfile.TemporaryDirectory(prefix="nnscaler-verify-") as workdir, server as forks:
         run = _Run(entry_file, out_dir, package, workdir, common, timeout, forks)
         result, ref = run.compare(tolerance)
         run.judge_later_steps(result, ref)

@@ -4,8 +4,10 @@ Every verify process (the reference run, each rank) used to be a fresh `python w
 each spent seconds importing torch before doing a few milliseconds of work. The server is one
 such process that imports torch (through worker.py) and then only forks: it never runs a torch
 op, never starts a thread and never joins a process group, so each fork starts as a fresh
-worker would, with torch loaded and nothing else. The code under test is still imported fresh
-in each fork (the server never imports it), and `nnscaler_cst` stays unimportable there.
+worker would, with torch loaded and the installed libraries the entry file imports at its top
+(`import timm`: seconds per process; installed_imports) and nothing else. The code under test
+is still imported fresh in each fork (the server never imports the entry, the output or the
+user's own modules), and `nnscaler_cst` stays unimportable there.
 
 Both ends live here: `ForkServer` (the launcher's side, imported as nnscaler_cst.verify.forkserver)
 and `serve()` (the server, run as a plain script next to worker.py). They talk over a Unix
@@ -53,15 +55,48 @@ def prestart_by_fork() -> None:
         _prestarted.append(ForkServer(WORKER, process_env(), by_fork=True))
 
 
+def installed_imports(entry_file) -> list[str]:
+    """The installed packages (in site-packages) that the entry file imports at its top level:
+    every process of verify imports them again (timm, transformers: seconds each), so the server
+    imports them once. The user's own modules and the standard library are never among them."""
+    import ast
+    import importlib.util
+    import site
+    try:
+        tree = ast.parse(open(entry_file, encoding="utf-8").read())
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return []
+    names = []
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Import):
+            names += [alias.name.partition(".")[0] for alias in stmt.names]
+        elif isinstance(stmt, ast.ImportFrom) and not stmt.level and stmt.module:
+            names.append(stmt.module.partition(".")[0])
+    roots = tuple(os.path.realpath(p) + os.sep for p in [*site.getsitepackages(), site.getusersitepackages()])
+    found = []
+    for name in dict.fromkeys(names):
+        if name == "torch":
+            continue                 # the worker's own import
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        origin = spec and (spec.origin or next(iter(spec.submodule_search_locations or ()), None))
+        if origin and os.path.realpath(origin).startswith(roots):
+            found.append(name)
+    return found
+
+
 @contextmanager
-def started():
+def started(preload: list[str] = ()):
     """A fork server for verify's processes, killed on the way out; None (fresh processes) where
-    forking is off or unsupported. Imports no torch here: a caller starts it first thing."""
+    forking is off or unsupported. Imports no torch here: a caller starts it first thing.
+    `preload`: installed packages the server imports for its forks (installed_imports)."""
     from .launch import process_env
     if not enabled():
         yield None
         return
-    server = _prestarted.pop() if _prestarted else ForkServer(WORKER, process_env())
+    server = _prestarted.pop() if _prestarted else ForkServer(WORKER, process_env(), preload=preload)
     try:
         yield server
     finally:
@@ -73,7 +108,7 @@ def started():
 class ForkServer:
     """One server process; `spawn` starts a worker process as its fork."""
 
-    def __init__(self, worker: str, env: dict, by_fork: bool = False):
+    def __init__(self, worker: str, env: dict, by_fork: bool = False, preload: list[str] = ()):
         """Start the server as `python forkserver.py`, or (`by_fork`) as a fork of this process,
         which must be single-threaded and have run no torch op yet (a prepared driver that runs
         many verifies: tests/fuzz/forked.py); it then needs no imports of its own."""
@@ -88,7 +123,8 @@ class ForkServer:
         if by_fork:
             self.proc = _ForkedServer(self, theirs, env)
         else:
-            self.proc = subprocess.Popen([sys.executable, __file__, str(theirs.fileno()), " " * TITLE_ROOM],
+            self.proc = subprocess.Popen([sys.executable, __file__, str(theirs.fileno()), ",".join(preload),
+                                          " " * TITLE_ROOM],
                                          env=env, stdin=subprocess.DEVNULL, stdout=self.log,
                                          stderr=subprocess.STDOUT, pass_fds=[theirs.fileno()],
                                          start_new_session=True)
@@ -266,10 +302,16 @@ class Forked:
 
 # ---- the server ----------------------------------------------------------------------------
 
-def serve(fd: int, worker=None) -> None:
+def serve(fd: int, worker=None, preload: list[str] = ()) -> None:
     if worker is None:
         import worker              # torch, and the worker's own set-up (ends with the launcher)
     worker.preload()
+    for name in preload:
+        try:
+            __import__(name)
+        except Exception:          # noqa: BLE001 -- each fork imports it as a fresh process would
+            import traceback
+            traceback.print_exc()
     sock = socket.socket(fileno=fd)
     me = os.getpid()
     threads = len(os.listdir("/proc/self/task"))
@@ -364,4 +406,4 @@ def _retitle(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]))
+    serve(int(sys.argv[1]), preload=[name for name in sys.argv[2].split(",") if name])
