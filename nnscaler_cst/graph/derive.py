@@ -360,7 +360,7 @@ class _Caller:
         modules = list(self.replay.module.modules()) if self.replay.module is not None else []
         saved = [dict(vars(m)) for m in modules]
         try:
-            with quiet_fake_mode():
+            with quiet_fake_mode(small_constants=False):
                 # made in the mode, not converted (FakeTensorMode.from_tensor imports the compiler)
                 result = self._run({tid: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
                                     for tid, t in (self.base if tensors is None else tensors).items()})

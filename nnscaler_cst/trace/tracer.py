@@ -869,7 +869,10 @@ def _plain(value, depth=0):
 
 
 @contextlib.contextmanager
-def quiet_fake_mode():
+def quiet_fake_mode(small_constants: bool = True):
+    """Fake tensors for a trace or a dry run; `small_constants=False` for a shape check of real
+    operands (the probe's sliced shapes): computing a constant for real there would run the real
+    kernel on the very shapes the check is for."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from .deferred_dynamo import defer
     from .fake_constants import SmallConstants     # `.item()` of a schedule made from numbers in build()
@@ -879,7 +882,8 @@ def quiet_fake_mode():
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
     was_disabled, fake_log.disabled = fake_log.disabled, True
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, SmallConstants(fake_mode):
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, \
+                (SmallConstants(fake_mode) if small_constants else contextlib.nullcontext()):
             yield
     finally:
         fake_log.disabled = was_disabled
