@@ -1700,8 +1700,9 @@ def test_a_parameter_built_whole_at_construction_trains_like_one_device_under_tp
 # One constructor call building layers the plan splits unalike (JetMoE's experts class, built
 # for the MLP's input and output and the attention's: the input split by its output size, the
 # output by its input size). The rewrite divides a size in that one call for every instance,
-# so it was refused ("instances of this constructor split weight differently"); the plan is
-# now solved again with those parameters whole, with a warning.
+# so it was refused ("instances of this constructor split weight differently"), then planned
+# again with those parameters whole; that call is now left as written, its layers built whole
+# and cut to each rank's share after build(), so the pair splits as Megatron's MLP does.
 ONE_CTOR_TWO_ROLES = '''
 import torch
 import torch.nn as nn
@@ -1739,13 +1740,20 @@ def example_inputs():
 '''
 
 
-def test_one_constructor_call_split_unalike_is_planned_whole_with_a_warning(tmp_path):
+def test_one_constructor_call_split_unalike_is_built_whole_and_cut_after_build(tmp_path):
     analysis = analyze(_write(tmp_path, ONE_CTOR_TWO_ROLES))
-    plan = rewrite(analysis, PlanRequest(tp=2)).plan
-    assert {plan.params[f"blocks.{b}.pair.{i}.weight"]["tp"] for b in (0, 1) for i in (0, 1)} == {"R"}
+    done = rewrite(analysis, PlanRequest(tp=2))
+    plan = done.plan
+    for b in (0, 1):
+        assert (plan.params[f"blocks.{b}.pair.0.weight"]["tp"], plan.params[f"blocks.{b}.pair.1.weight"]["tp"]) \
+            == ("S(0)", "S(1)")
     assert plan.params["blocks.0.up.weight"]["tp"].startswith("S")         # the rest still splits
-    line = _line_of(ONE_CTOR_TWO_ROLES, "self.pair = ")
-    assert any(f"model.py:{line}:" in w and "split weight differently" in w for w in plan.warnings), plan.warnings
+    assert not any("stays whole" in w for w in plan.warnings), plan.warnings
+    code = done.files["model.py"]
+    assert "self.pair = nn.ModuleList([nn.Linear(32, 32) for _ in range(2)])\n" in code      # as written
+    assert "self.up = nn.Linear(32, 64 // 2)" in code                       # divided where it is built
+    assert "    'blocks.0.pair.1.weight': (1, 1, ['in_features']),\n" in code
+    assert "'blocks.0.up.weight'" not in code.split("SPLIT_AFTER_BUILD")[1]
 
 
 # Falcon-Mamba and Nemotron-H initialize `dt_proj.bias` in their constructor from a value
