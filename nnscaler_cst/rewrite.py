@@ -25,6 +25,7 @@ from .errors import Location, UserError, display_path
 from .source.files import resolved
 from .materialize.conversions import fused_collectives
 from .materialize.edits import Edits, data_parallel_edits, one_device_edits, plan_edits
+from .materialize.state_keys import hooked_key_splits
 from .plan.ir import OpAssign, OpOrder, OpTrans, Plan
 from .plan.pipeline import StagePlan, plan_stages
 from .plan.recompute import recompute_seconds, recompute_site, recompute_sites
@@ -426,6 +427,9 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
             layout = edits.param_layout.get(name)
             if layout is not None and layout.kind == "S":
                 splits += "".join(f"    {alias!r}: ({layout.dim}, {layout.groups}),\n" for alias in info.aliases)
+        # keys a module's state_dict() hooks save in place of its parameters (a fused wqkv as wq, wk, wv)
+        for key, (dim, groups) in hooked_key_splits(analysis, edits.param_layout, edits.n).items():
+            splits += f"    {key!r}: ({dim}, {groups}),\n"
     aliases = "".join(f"    {alias!r}: {sorted(info.aliases)!r},\n" for info in analysis.trace.params.values()
                       if len(info.aliases) > 1 for alias in sorted(info.aliases))
     title = f"Parallel version of {source_label}: plan {plan.describe()}."

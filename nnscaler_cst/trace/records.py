@@ -151,6 +151,9 @@ class Trace:
     # nn.Sequential calls whose calls run different lists of layers: their layers cannot be cut
     # apart in the one source line (containers holds the first call's leaves)
     mixed_containers: set[Span] = field(default_factory=set)
+    # modules whose state_dict() hooks write other keys than their parameters' names (torchtitan's
+    # fused wqkv saved as wq, wk, wv): their keys' splits are probed (materialize/state_keys.py)
+    state_dict_hooked: list[str] = field(default_factory=list)
 
     def module_type(self, path: str) -> str:
         """The class of the module at `path`, under any of its names ("" if none)."""

@@ -633,7 +633,8 @@ class Tracer(TorchFunctionMode):
         return Trace(mode, sorted(self.own_files), self.nodes, self.ops, self.tensors, params, input_tids,
                      loss_tid, {name: qualified_type(type(m)) for name, m in model.named_modules()}, batch,
                      self.size_queries, self.module_calls, self.containers, self.replays, self.state_writes,
-                     self.module_runs, self.module_replays, self._module_aliases(model), self.mixed_containers)
+                     self.module_runs, self.module_replays, self._module_aliases(model), self.mixed_containers,
+                     [name for name, m in model.named_modules() if m._state_dict_hooks])
 
     def _module_aliases(self, model: torch.nn.Module) -> dict[str, list[str]]:
         aliases: dict[str, list[str]] = {}
