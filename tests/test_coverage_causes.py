@@ -1212,9 +1212,10 @@ def test_heads_merged_by_the_full_head_count_train_like_one_device_under_tp(tmp_
 # ConvBERT's separable convolution: a pointwise nn.Conv1d (kernel 1) between linear layers. No
 # [[ctor]] rule says how nn.Conv1d sizes its weight, so the rewrite cannot build it at a local
 # size; the search offered that split anyway and the rewrite refused the model ('no [[ctor]]
-# rule says how torch.nn.Conv1d sizes weight'). Such a weight is not a split option: it stays
-# whole, with a warning, and the rest of the block splits. nn.Conv1d has a [[ctor]] rule now
-# (a depthwise conv splits by channels); nn.ConvTranspose1d, of the same shape here, has none.
+# rule says how torch.nn.Conv1d sizes weight'). Such a weight then stayed whole, with a warning;
+# now the layer is built whole and cut to each rank's share after build() (SPLIT_AFTER_BUILD),
+# so it splits with the rest of the block. nn.Conv1d has a [[ctor]] rule now (a depthwise conv
+# splits by channels); nn.ConvTranspose1d, of the same shape here, has none.
 POINTWISE_CONV1D = '''
 import torch
 import torch.nn as nn
@@ -1253,12 +1254,17 @@ def example_inputs():
 '''
 
 
-def test_a_layer_without_a_ctor_rule_keeps_its_weight_whole_and_the_rest_splits(tmp_path):
+def test_a_layer_without_a_ctor_rule_is_built_whole_and_cut_after_build(tmp_path):
     analysis = analyze(_write(tmp_path, POINTWISE_CONV1D))
     assert analysis.graph.rules.ctor_for("torch.nn.ConvTranspose1d") is None     # else this tests nothing
-    params = rewrite(analysis, PlanRequest(tp=2)).plan.params     # the dry run of the ranks included
-    assert params["blocks.0.pointwise.weight"]["tp"] == "R"
+    done = rewrite(analysis, PlanRequest(tp=2))     # the dry run of the ranks included
+    params = done.plan.params
+    assert params["blocks.0.pointwise.weight"]["tp"].startswith("S")
     assert params["blocks.0.up.weight"]["tp"].startswith("S")
+    code = done.files["model.py"]
+    assert "self.pointwise = nn.ConvTranspose1d(32, 32, kernel_size=1)\n" in code      # as written
+    table = code.split("SPLIT_AFTER_BUILD = {")[1]
+    assert "'blocks.0.pointwise.weight'" in table and "'blocks.0.up.weight'" not in table
 
 
 # DeepSeek-V4's cache: `self.lazy_initialization(key_states, value_states)` on a library class,
