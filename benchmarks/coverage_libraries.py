@@ -349,15 +349,27 @@ def torchtitan_archs() -> list[LibraryArch]:
 
 
 def torchtitan_variants(model: str, flavor: str) -> list[tuple[str, str]]:
-    text = entry_text(
-        f"torchtitan's {model} {flavor} config from its model_registry, inner attention as causal SDPA",
-        ["import dataclasses", "", f"from torchtitan.models import {model}",
-         "from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention, VarlenAttention"],
-        [f"config = causal_sdpa({model}.model_registry({flavor!r}).model)", "model = config.build()",
-         "model.init_states()", "return model"],
-        [f"return (torch.randint(0, {VOCAB}, ({BATCH}, {SEQ})),)"], "output.float().pow(2).mean()",
-        helpers=TORCHTITAN_SDPA)
-    return [(f"{flavor}, causal SDPA", text)]
+    """In float32, else in bfloat16 as torchtitan trains (its mixed precision holds the
+    parameters in bfloat16: gpt_oss's experts compute in bfloat16 whatever they are given);
+    with torchtitan's default SPMD backend, else with "partial_dtensor", which its trainer
+    selects from the config (spmd_types' type assertions need a device mesh, which one device
+    has none of: muse_glimmer)."""
+    variants = []
+    for backend, cast in ((None, None), (None, "bfloat16"), ("partial_dtensor", None),
+                          ("partial_dtensor", "bfloat16")):
+        note = "".join([f", {backend} backend" if backend else "", f", {cast}" if cast else ""])
+        text = entry_text(
+            f"torchtitan's {model} {flavor} config from its model_registry, inner attention as causal SDPA{note}",
+            ["import dataclasses", "", f"from torchtitan.models import {model}",
+             "from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention, VarlenAttention",
+             *(["from torchtitan.distributed.utils import set_spmd_backend"] if backend else [])],
+            [*([f"set_spmd_backend({backend!r})"] if backend else []),
+             f"config = causal_sdpa({model}.model_registry({flavor!r}).model)", "model = config.build()",
+             "model.init_states()", *([f"model = model.to(torch.{cast})"] if cast else []), "return model"],
+            [f"return (torch.randint(0, {VOCAB}, ({BATCH}, {SEQ})),)"], "output.float().pow(2).mean()",
+            helpers=TORCHTITAN_SDPA)
+        variants.append((f"{flavor}, causal SDPA{note}", text))
+    return variants
 
 
 # --------------------------------------------------------------------------- litgpt

@@ -16,7 +16,7 @@ from . import __version__
 from .analysis import Analysis
 from .emit import templates
 from .emit.assemble import (add_comm_import, built_by_code_kept, content_hash, merge_entry, merge_entry_mirrored,
-                            model_files, module_name_of, with_header)
+                            model_files, module_name_of, split_after_build_section, with_header)
 from .emit.mirrors import library_decorated, plan_mirrors, render_mirror, statement_lines
 from .emit.output import generated_json
 from .emit.programs import programs
@@ -25,6 +25,7 @@ from .errors import Location, UserError, display_path
 from .source.files import resolved
 from .materialize.conversions import fused_collectives
 from .materialize.edits import Edits, data_parallel_edits, one_device_edits, plan_edits
+from .materialize.state_keys import hooked_key_splits
 from .plan.ir import OpAssign, OpOrder, OpTrans, Plan
 from .plan.pipeline import StagePlan, plan_stages
 from .plan.recompute import recompute_seconds, recompute_site, recompute_sites
@@ -430,8 +431,14 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
             ctx.needs_torch |= entry_ctx.needs_torch
             module = merge_entry(module, model_paths[0], entry_module, entry_path, analysis.entry,
                                  built_by_code_kept(kept, set(kept), analysis.sources))
+    after_build = edits.split_after_build if edits is not None else {}
+    if after_build:
+        ctx.used |= {"split_after_build", edits.axis.upper()}
     module = add_comm_import(module, ctx.used, ctx.needs_torch)
-    body = module.code
+    built_at = sorted({f"{display_path(info.ctor_span.path)}:{info.ctor_span.line}"
+                       for name, info in analysis.trace.params.items()
+                       if name in after_build and info.ctor_span is not None})
+    body = module.code + split_after_build_section(after_build, built_at, edits.axis.upper() if edits else "")
     files: dict[str, str] = {}
     micro = len([a for a in orders[0] if a.kind == "F" and a.cycle is None]) * (stages.stages // stages.per_pipeline) // stages.virtual \
         if orders else 0     # each micro-batch runs through one of the pipelines
@@ -456,6 +463,9 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
             layout = edits.param_layout.get(name)
             if layout is not None and layout.kind == "S":
                 splits += "".join(f"    {alias!r}: ({layout.dim}, {layout.groups}),\n" for alias in info.aliases)
+        # keys a module's state_dict() hooks save in place of its parameters (a fused wqkv as wq, wk, wv)
+        for key, (dim, groups) in hooked_key_splits(analysis, edits.param_layout, edits.n).items():
+            splits += f"    {key!r}: ({dim}, {groups}),\n"
     aliases = "".join(f"    {alias!r}: {sorted(info.aliases)!r},\n" for info in analysis.trace.params.values()
                       if len(info.aliases) > 1 for alias in sorted(info.aliases))
     title = f"Parallel version of {source_label}: plan {plan.describe()}."

@@ -745,6 +745,19 @@ def test_handoff_structure_change_is_refused_under_the_same_key_and_resent_under
     ranks.run(_check_handoff_structure_change, 2, pp=2)
 
 
+
+def test_vocab_parallel_embedding_takes_the_arguments_f_embedding_takes():
+    """torchtitan's Embedding calls F.embedding with every argument positional; the split call
+    takes them in the same order. Each rank's lookup needs no communication: the partial
+    results of both ranks, summed, are the whole table's."""
+    table, ids = _full(8, 3), torch.tensor([[0, 7, 2], [5, 3, 3]])
+    rest = (None, None, 2.0, False, False)     # padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse
+    parts = [_comm.vocab_parallel_embedding(ids, table.chunk(2)[r], _comm.Axis("tp", size=2, rank=r), *rest)
+             for r in range(2)]
+    assert_close(parts[0] + parts[1], F.embedding(ids, table, *rest))
+    with pytest.raises(ValueError, match="max_norm"):     # other ranks' ids would renormalize row 0
+        _comm.vocab_parallel_embedding(ids, table.chunk(2)[0], _comm.Axis("tp", size=2, rank=0), None, 1.0)
+
 # --------------------------------------------------------------------------
 # Size-1 axes: everything is the identity, in one plain process
 # --------------------------------------------------------------------------

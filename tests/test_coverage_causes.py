@@ -1212,9 +1212,10 @@ def test_heads_merged_by_the_full_head_count_train_like_one_device_under_tp(tmp_
 # ConvBERT's separable convolution: a pointwise nn.Conv1d (kernel 1) between linear layers. No
 # [[ctor]] rule says how nn.Conv1d sizes its weight, so the rewrite cannot build it at a local
 # size; the search offered that split anyway and the rewrite refused the model ('no [[ctor]]
-# rule says how torch.nn.Conv1d sizes weight'). Such a weight is not a split option: it stays
-# whole, with a warning, and the rest of the block splits. nn.Conv1d has a [[ctor]] rule now
-# (a depthwise conv splits by channels); nn.ConvTranspose1d, of the same shape here, has none.
+# rule says how torch.nn.Conv1d sizes weight'). Such a weight then stayed whole, with a warning;
+# now the layer is built whole and cut to each rank's share after build() (SPLIT_AFTER_BUILD),
+# so it splits with the rest of the block. nn.Conv1d has a [[ctor]] rule now (a depthwise conv
+# splits by channels); nn.ConvTranspose1d, of the same shape here, has none.
 POINTWISE_CONV1D = '''
 import torch
 import torch.nn as nn
@@ -1253,12 +1254,17 @@ def example_inputs():
 '''
 
 
-def test_a_layer_without_a_ctor_rule_keeps_its_weight_whole_and_the_rest_splits(tmp_path):
+def test_a_layer_without_a_ctor_rule_is_built_whole_and_cut_after_build(tmp_path):
     analysis = analyze(_write(tmp_path, POINTWISE_CONV1D))
     assert analysis.graph.rules.ctor_for("torch.nn.ConvTranspose1d") is None     # else this tests nothing
-    params = rewrite(analysis, PlanRequest(tp=2)).plan.params     # the dry run of the ranks included
-    assert params["blocks.0.pointwise.weight"]["tp"] == "R"
+    done = rewrite(analysis, PlanRequest(tp=2))     # the dry run of the ranks included
+    params = done.plan.params
+    assert params["blocks.0.pointwise.weight"]["tp"].startswith("S")
     assert params["blocks.0.up.weight"]["tp"].startswith("S")
+    code = done.files["model.py"]
+    assert "self.pointwise = nn.ConvTranspose1d(32, 32, kernel_size=1)\n" in code      # as written
+    table = code.split("SPLIT_AFTER_BUILD = {")[1]
+    assert "'blocks.0.pointwise.weight'" in table and "'blocks.0.up.weight'" not in table
 
 
 # DeepSeek-V4's cache: `self.lazy_initialization(key_states, value_states)` on a library class,
@@ -1700,8 +1706,9 @@ def test_a_parameter_built_whole_at_construction_trains_like_one_device_under_tp
 # One constructor call building layers the plan splits unalike (JetMoE's experts class, built
 # for the MLP's input and output and the attention's: the input split by its output size, the
 # output by its input size). The rewrite divides a size in that one call for every instance,
-# so it was refused ("instances of this constructor split weight differently"); the plan is
-# now solved again with those parameters whole, with a warning.
+# so it was refused ("instances of this constructor split weight differently"), then planned
+# again with those parameters whole; that call is now left as written, its layers built whole
+# and cut to each rank's share after build(), so the pair splits as Megatron's MLP does.
 ONE_CTOR_TWO_ROLES = '''
 import torch
 import torch.nn as nn
@@ -1739,13 +1746,20 @@ def example_inputs():
 '''
 
 
-def test_one_constructor_call_split_unalike_is_planned_whole_with_a_warning(tmp_path):
+def test_one_constructor_call_split_unalike_is_built_whole_and_cut_after_build(tmp_path):
     analysis = analyze(_write(tmp_path, ONE_CTOR_TWO_ROLES))
-    plan = rewrite(analysis, PlanRequest(tp=2)).plan
-    assert {plan.params[f"blocks.{b}.pair.{i}.weight"]["tp"] for b in (0, 1) for i in (0, 1)} == {"R"}
+    done = rewrite(analysis, PlanRequest(tp=2))
+    plan = done.plan
+    for b in (0, 1):
+        assert (plan.params[f"blocks.{b}.pair.0.weight"]["tp"], plan.params[f"blocks.{b}.pair.1.weight"]["tp"]) \
+            == ("S(0)", "S(1)")
     assert plan.params["blocks.0.up.weight"]["tp"].startswith("S")         # the rest still splits
-    line = _line_of(ONE_CTOR_TWO_ROLES, "self.pair = ")
-    assert any(f"model.py:{line}:" in w and "split weight differently" in w for w in plan.warnings), plan.warnings
+    assert not any("stays whole" in w for w in plan.warnings), plan.warnings
+    code = done.files["model.py"]
+    assert "self.pair = nn.ModuleList([nn.Linear(32, 32) for _ in range(2)])\n" in code      # as written
+    assert "self.up = nn.Linear(32, 64 // 2)" in code                       # divided where it is built
+    assert "    'blocks.0.pair.1.weight': (1, 1, ['in_features']),\n" in code
+    assert "'blocks.0.up.weight'" not in code.split("SPLIT_AFTER_BUILD")[1]
 
 
 # Falcon-Mamba and Nemotron-H initialize `dt_proj.bias` in their constructor from a value

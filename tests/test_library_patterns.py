@@ -34,6 +34,15 @@
   permuted to [1, heads, N, N] and passed to scaled_dot_product_attention as its mask: under TP
   the table is split by its heads column and the bias reaches the attention split by heads, as
   the queries are (no all-gather of it).
+- torchtitan's style: a Linear and an Embedding subclass take a config object and hand its fields
+  to `super().__init__(config.in_features, ...)`, so that one constructor line builds every
+  projection, column- and row-split alike (and no [[ctor]] rule names their sizes): that line is
+  left as it is, the layers are built whole, and the rank's build() keeps each one's share
+  (`SPLIT_AFTER_BUILD`, cut by _comm.split_after_build), their size attributes made local.
+- torchtitan's FusedQKVLinear style: a module holds a fused weight and its state_dict() hooks save
+  it as the unfused layer's keys (`w13` saved as `w1` and `w3`, fused again on load): the split
+  of each saved key is probed by running the hooks on each rank's share, and shard_state_dict /
+  merge_state_dicts slice and join those keys.
 Quick tests read the plan and the written code; the gloo runs are slow.
 """
 from __future__ import annotations
@@ -592,6 +601,138 @@ def example_inputs():
     return (torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1)),)
 """
 
+CONFIG_BUILT_LAYERS = """
+    from dataclasses import dataclass
+
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+
+    @dataclass
+    class LinearConfig:
+        in_features: int
+        out_features: int
+
+
+    @dataclass
+    class EmbeddingConfig:
+        num_embeddings: int
+        embedding_dim: int
+
+
+    class ConfigLinear(nn.Linear):
+        # one constructor line builds every projection: column- and row-split ones alike
+        def __init__(self, config: LinearConfig):
+            super().__init__(config.in_features, config.out_features, bias=False)
+
+
+    class ConfigEmbedding(nn.Embedding):
+        def __init__(self, config: EmbeddingConfig):
+            super().__init__(config.num_embeddings, config.embedding_dim)
+
+        def forward(self, ids):
+            return F.embedding(ids, self.weight, self.padding_idx, self.max_norm, self.norm_type,
+                               self.scale_grad_by_freq, self.sparse)
+
+
+    class Block(nn.Module):
+        def __init__(self, dim, hidden):
+            super().__init__()
+            self.w1 = ConfigLinear(LinearConfig(dim, hidden))
+            self.w2 = ConfigLinear(LinearConfig(hidden, dim))
+
+        def forward(self, x):
+            return x + self.w2(F.gelu(self.w1(x)))
+
+
+    class Model(nn.Module):
+        def __init__(self, vocab=64, dim=16, hidden=32, layers=2):
+            super().__init__()
+            self.tok = ConfigEmbedding(EmbeddingConfig(vocab, dim))
+            self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(layers))
+            self.head = ConfigLinear(LinearConfig(dim, vocab))
+
+        def forward(self, idx):
+            x = self.tok(idx)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+
+    def build():
+        return Model()
+
+
+    def example_inputs():
+        return (torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0)),)
+
+
+    def loss(output):
+        return output.float().pow(2).mean()
+"""
+
+HOOKED_STATE_KEYS = """
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+
+    class FusedGateUp(nn.Module):
+        # the gate and up projections as one fused weight, one gate row then one up row per hidden
+        # unit, saved as two (`w1`, `w3`) through state-dict hooks, as the unfused layer's checkpoints
+
+        def __init__(self, dim, hidden):
+            super().__init__()
+            self.w13 = nn.Linear(dim, 2 * hidden, bias=False)
+            self.register_state_dict_post_hook(self._split_on_save)
+            self.register_load_state_dict_pre_hook(self._fuse_on_load)
+
+        def forward(self, x):
+            gate, up = self.w13(x).unflatten(-1, (-1, 2)).unbind(-1)
+            return F.silu(gate) * up
+
+        @staticmethod
+        def _split_on_save(module, state_dict, prefix, local_metadata):
+            fused = state_dict.pop(f"{prefix}w13.weight")
+            pairs = fused.unflatten(0, (-1, 2))
+            state_dict[f"{prefix}w1.weight"], state_dict[f"{prefix}w3.weight"] = pairs[:, 0], pairs[:, 1]
+
+        @staticmethod
+        def _fuse_on_load(module, state_dict, prefix, *args):
+            w1, w3 = state_dict.pop(f"{prefix}w1.weight"), state_dict.pop(f"{prefix}w3.weight")
+            state_dict[f"{prefix}w13.weight"] = torch.stack([w1, w3], dim=1).flatten(0, 1)
+
+
+    class Block(nn.Module):
+        def __init__(self, dim=16, hidden=32):
+            super().__init__()
+            self.gate_up = FusedGateUp(dim, hidden)
+            self.down = nn.Linear(hidden, dim, bias=False)
+
+        def forward(self, x):
+            return x + self.down(self.gate_up(x))
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x.pow(2).mean()
+
+
+    def build():
+        return Model()
+
+
+    def example_inputs():
+        return (torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0)),)
+"""
+
 def cli(*args, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", *map(str, args)], cwd=cwd, env=env,
@@ -739,6 +880,35 @@ def test_convs_a_helper_builds_split_unalike_are_divided_at_the_helper_calls(tmp
     assert params["layer.0.conv1.weight"]["tp"] == "S(0)" and params["layer.0.conv2.weight"]["tp"] == "S(1)"
 
 
+
+def test_layers_one_constructor_line_builds_from_config_objects_are_cut_after_build(tmp_path):
+    root = written(tmp_path, CONFIG_BUILT_LAYERS)
+    result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    params = json.loads((root / "out" / "plan.json").read_text())["params"]
+    for b in (0, 1):        # Megatron's MLP, though one line builds both projections
+        assert params[f"blocks.{b}.w1.weight"]["tp"] == "S(0)" and params[f"blocks.{b}.w2.weight"]["tp"] == "S(1)"
+    assert params["tok.weight"]["tp"].startswith("S") and params["head.weight"]["tp"] == "S(0)"
+    code = (root / "out" / "model.py").read_text()
+    assert "super().__init__(config.in_features, config.out_features, bias=False)\n" in code     # as written
+    assert "    'blocks.0.w1.weight': (0, 1, ['out_features']),\n" in code
+    assert "    'blocks.0.w2.weight': (1, 1, ['in_features']),\n" in code
+    assert code.rstrip().endswith("build = split_after_build(build, SPLIT_AFTER_BUILD, TP)")
+
+
+
+def test_keys_a_state_dict_hook_saves_in_place_of_a_split_parameter_are_split_alike(tmp_path):
+    root = written(tmp_path, HOOKED_STATE_KEYS)
+    result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    params = json.loads((root / "out" / "plan.json").read_text())["params"]
+    assert params["blocks.0.gate_up.w13.weight"]["tp"] == "S(0)" and params["blocks.0.down.weight"]["tp"] == "S(1)"
+    package = (root / "out" / "__init__.py").read_text()
+    for b in (0, 1):        # each rank saves its hidden units' rows of both
+        assert f"    'blocks.{b}.gate_up.w1.weight': (0, 1),\n" in package
+        assert f"    'blocks.{b}.gate_up.w3.weight': (0, 1),\n" in package
+
+
 def test_a_conv_with_a_bias_splits_by_input_channels_and_adds_its_bias_once(tmp_path):
     root = written(tmp_path, CONV_BLOCKS_WITH_BIASES)
     result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)
@@ -806,10 +976,13 @@ def test_a_relative_position_bias_table_is_split_by_heads_with_the_attention(tmp
                                         (HELPER_BUILT_CONVS, ("--tp", "2")),
                                         (CONV_BLOCKS_WITH_BIASES, ("--tp", "2")),
                                         (RELATIVE_POSITION_BIAS, ("--tp", "2")),
-                                        (NESTED_LAYER_LISTS, ("--pp", "2", "--micro-batches", "2"))],
+                                        (NESTED_LAYER_LISTS, ("--pp", "2", "--micro-batches", "2")),
+                                        (CONFIG_BUILT_LAYERS, ("--tp", "2")),
+                                        (HOOKED_STATE_KEYS, ("--tp", "2"))],
                          ids=["torch-encoder-tp2", "multihead-attention-dp2xtp2", "torch-encoder-pp2",
                               "branched-vit-pp2", "mixed-blocks-dp2xtp2", "helper-built-convs-tp2",
-                              "conv-blocks-with-biases-tp2", "relative-position-bias-tp2", "nested-layer-lists-pp2"])
+                              "conv-blocks-with-biases-tp2", "relative-position-bias-tp2", "nested-layer-lists-pp2",
+                              "config-built-layers-tp2", "hooked-state-keys-tp2"])
 def test_verifies(tmp_path, model, mode):
     root = written(tmp_path, model)
     result = cli("verify", "model.py", *mode, "-o", "out", cwd=root)

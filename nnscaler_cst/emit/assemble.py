@@ -381,6 +381,23 @@ def _factory_section(classes: list[tuple[type, str]], entry: Entry, entry_path: 
     return body
 
 
+def split_after_build_section(shares: dict[str, tuple[int, int, list[str]]], built_at: list[str], axis: str) -> str:
+    """The text appended to a rank file whose layers are built whole and cut after build(): the
+    table of what each rank keeps, and build() wrapped to cut them (_comm.split_after_build)."""
+    if not shares:
+        return ""
+    where = ", ".join(built_at) if built_at else "library code"
+    text = (f"--- built whole, then cut: no one edit of the constructor call ({where}) builds every "
+            "layer made there at its own split (one call builds layers split unalike, or sizes them "
+            f"from a config object), so build() builds them whole and each {axis} rank keeps its share ---")
+    lines = ["", ""] + [f"# {line}" for line in textwrap.wrap(text, 96, break_long_words=False,
+                                                                 break_on_hyphens=False)]
+    lines.append("SPLIT_AFTER_BUILD = {  # parameter: (dim, fused blocks, the layer's attributes holding that size)")
+    lines += [f"    {name!r}: {share!r}," for name, share in shares.items()]
+    lines += ["}", f"build = split_after_build(build, SPLIT_AFTER_BUILD, {axis})", ""]
+    return "\n".join(lines)
+
+
 def merge_entry(model: cst.Module, model_path: Path, entry: cst.Module, entry_path: Path,
                 loaded: Entry | None = None, rewritten_code=None) -> cst.Module:
     """The model file followed by the entry file's own code (build(), example_inputs(), ...),

@@ -80,6 +80,8 @@ class Edits:
     regions: list[Region] = field(default_factory=list)   # co-sharded statements
     warnings: list[str] = field(default_factory=list)     # path:line:col: warning: ... (ops run whole)
     full_sizes: dict[Span, int] = field(default_factory=dict)   # `self.tok.embedding_dim` read -> times n
+    # parameters built whole and cut right after build(): name -> (dim, fused blocks, size attributes)
+    split_after_build: dict[str, tuple[int, int, list[str]]] = field(default_factory=dict)
 
     def site(self, span: Span) -> SiteEdit:
         return self.sites.setdefault(span, SiteEdit())
@@ -217,7 +219,8 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
     _check_biases_added(graph, edits)
     _check_unrollable(graph, edits)
     _ctor_edits(graph, edits)
-    edits.full_sizes = full_size_reads(graph, plan.param_layout, n)
+    edits.full_sizes = full_size_reads(graph, {name: layout for name, layout in plan.param_layout.items()
+                                               if name not in edits.split_after_build}, n)
     edits.regions = coshard_regions(graph, plan, edits.sites, lay, have, coshard_devices) if plan.chunks else []
     return edits
 
@@ -631,26 +634,44 @@ def _ctor_edits(graph: Graph, edits: Edits) -> None:
     """Divide the constructor argument behind each split dim of a parameter. Where the instances
     of one constructor call split unalike and the call sits in a helper that passes its own
     parameter through (torchvision's conv3x3 builds both convs of a block, one split by its
-    output, the other by its input), the helper's calls are divided instead."""
-    rules = graph.rules
-    by_span: dict[tuple[Span, str], dict[tuple, int]] = defaultdict(dict)   # (site, attr) -> {size: groups}
-    unalike = {key for key, found in _ctor_dims(graph, edits).items() if len(found) > 1}
-    lifted: set[Span] = set()       # helper calls divided in place of the constructor call inside
+    output, the other by its input), the helper's calls are divided instead. Where no one
+    edit of the source serves every instance (one constructor line builds layers split unalike
+    or whole, a layer sized from a config object, no [[ctor]] rule), that call is left as it is:
+    its layers are built whole and cut to each rank's share right after build()
+    (`edits.split_after_build`)."""
+    built_whole: set[Span] = set()
+    while True:
+        ctors = _divided_ctors(graph, edits, built_whole)
+        if isinstance(ctors, dict):
+            break
+        built_whole |= ctors
+    edits.ctors = ctors
+    sizes = graph.rules.size_attributes
     for name, info in graph.trace.params.items():
         layout = edits.param_layout.get(name, R)
-        if layout.kind != "S":
+        if layout.kind == "S" and (info.ctor_span is None or info.ctor_span in built_whole):
+            per_dim = sizes(info.module_type).get(info.attr, [])
+            attributes = sorted(per_dim[layout.dim]) if layout.dim < len(per_dim) else []
+            for alias in info.aliases:
+                edits.split_after_build[alias] = (layout.dim, layout.groups, attributes)
+
+
+def _divided_ctors(graph: Graph, edits: Edits, built_whole: set[Span]) -> dict[Span, list[CtorEdit]] | set[Span]:
+    """The constructor edits of the parameters not built whole (their call in `built_whole`),
+    or the constructor calls found that no one edit serves."""
+    rules = graph.rules
+    ctors: dict[Span, list[CtorEdit]] = {}
+    by_span: dict[tuple[Span, str], dict[tuple, int]] = defaultdict(dict)   # (site, attr) -> {size: groups}
+    unalike = {key for key, found in _ctor_dims(graph, edits).items() if len(found) > 1}
+    lifted: dict[Span, set[Span]] = defaultdict(set)    # helper call divided -> the constructor calls inside
+    for name, info in graph.trace.params.items():
+        layout = edits.param_layout.get(name, R)
+        if layout.kind != "S" or info.ctor_span is None or info.ctor_span in built_whole:
             continue
-        if info.ctor_span is None:
-            raise UserError(f"parameter {name} is split but was not created in the model's own files")
         rule = rules.ctor_for(info.module_type)
-        if rule is None:
-            raise UserError(f"no [[ctor]] rule says how {info.module_type} sizes {info.attr}; "
-                            f"cannot split {name}", info.ctor_span.start,
-                            hint="add a [[ctor]] entry to rules/ops/*.toml")
-        per_dim = rule.params.get(info.attr) or rule.params.get("*")
+        per_dim = (rule.params.get(info.attr) or rule.params.get("*")) if rule is not None else None
         if per_dim is None or (per_dim != [["*"]] and layout.dim >= len(per_dim)):
-            raise UserError(f"the [[ctor]] rule for {info.module_type} does not cover {info.attr}",
-                            info.ctor_span.start)
+            return {info.ctor_span}     # no rule says which argument sizes it
         factory = per_dim == [["*"]]
         aliases = [f"factory:{layout.dim}"] if factory else per_dim[layout.dim]
         note = f"dim {layout.dim} / {edits.n}" if factory else \
@@ -665,17 +686,17 @@ def _ctor_edits(graph: Graph, edits: Edits) -> None:
         span = info.ctor_span
         if (span, info.attr) in unalike:
             helper = [_helper_argument(graph, info, a) for a in [aliases, *companions]]
-            if any(h is None for h in helper):
-                raise _shared_ctor(graph, f"instances of this constructor split {info.attr} differently", span)
+            if any(h is None for h in helper) or info.ctor_caller in built_whole:
+                return {span}
             span, aliases, companions = info.ctor_caller, helper[0], helper[1:]
             note = f"{aliases[-1]} / {edits.n}"
-            lifted.add(span)
+            lifted[span].add(info.ctor_span)
         key = tuple(aliases)
         alike = by_span[(span, info.attr)]         # one divided size serves every instance
         if alike and alike != {key: layout.groups}:
-            raise _shared_ctor(graph, f"instances of this constructor split {info.attr} differently", span)
+            return {info.ctor_span, *lifted.get(span, ())}
         alike[key] = layout.groups
-        ctor_list = edits.ctors.setdefault(span, [])
+        ctor_list = ctors.setdefault(span, [])
         if all(e.aliases != aliases for e in ctor_list):
             ctor_list.append(CtorEdit(aliases, edits.n, note, len(info.shape) if factory else None))
         for other in companions:
@@ -684,17 +705,18 @@ def _ctor_edits(graph: Graph, edits: Edits) -> None:
                 ctor_list.append(CtorEdit(other, edits.n, f"{named} / {edits.n} with it"))
     # a constructor used for both split and whole parameters cannot be rewritten in place
     for name, info in graph.trace.params.items():
-        if info.ctor_caller in lifted and edits.param_layout.get(name, R).kind != "S":
-            raise _shared_ctor(graph, f"{name} stays whole but is built by a helper call divided for split "
-                               "parameters", info.ctor_caller)
-        if info.ctor_span in edits.ctors and edits.param_layout.get(name, R).kind != "S":
+        if edits.param_layout.get(name, R).kind == "S":
+            continue
+        if info.ctor_caller in lifted:
+            return lifted[info.ctor_caller]
+        if info.ctor_span in ctors:
             rule = rules.ctor_for(info.module_type)
             dims = (rule.params.get(info.attr) or rule.params.get("*", [])) if rule else []
-            touched = {a for e in edits.ctors[info.ctor_span] for a in e.aliases}
+            touched = {a for e in ctors[info.ctor_span] for a in e.aliases}
             factory = dims == [["*"]] and any(a.startswith("factory:") for a in touched)
             if factory or any(set(d) & touched for d in dims):
-                raise _shared_ctor(graph, f"{name} stays whole but shares its constructor with split parameters",
-                                   info.ctor_span)
+                return {info.ctor_span}
+    return ctors
 
 
 def _check_unrollable(graph: Graph, edits: Edits) -> None:
@@ -729,13 +751,3 @@ def _layer_holds(graph: Graph, param: str, aliases: list[str], size: int) -> boo
         if replay is not None and replay.module is not None:
             return any(getattr(replay.module, a, None) == size for a in aliases if a.isidentifier())
     return False
-
-
-def _shared_ctor(graph: Graph, message: str, span: Span) -> UserError:
-    """One constructor call in the source builds parameters the plan splits unalike: the
-    rewrite divides a size in that one call for every instance. rewrite.py plans again with
-    them whole (`misshapen_params`)."""
-    error = UserError(message, span.start)
-    error.misshapen_params = sorted(name for name, info in graph.trace.params.items()
-                                    if span in (info.ctor_span, info.ctor_caller))
-    return error

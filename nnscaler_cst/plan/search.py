@@ -180,9 +180,8 @@ def parameter_size_problem(graph: Graph, param: str | None, dim: int) -> str | N
     if info is None or info.ctor_span is None or graph.sources is None:
         return None
     rule = graph.rules.ctor_for(info.module_type)
-    if rule is None:        # the rewrite could not build it at its local size: not an option
-        return f"parameter {param} stays whole: no [[ctor]] rule says how {info.module_type} sizes {info.attr}"
-    if (rule.params.get(info.attr) or rule.params.get("*")) != [["*"]]:
+    # without a rule, the layer is built whole and cut after build() (materialize/edits.py)
+    if rule is None or (rule.params.get(info.attr) or rule.params.get("*")) != [["*"]]:
         return None
     rank = len(info.shape)
     dim %= max(rank, 1)

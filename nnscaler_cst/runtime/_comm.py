@@ -61,6 +61,7 @@ __all__ = [
     "setup", "teardown", "axis_ranks",
     "tp_copy", "tp_reduce", "tp_scatter", "tp_gather",
     "vocab_parallel_embedding", "vocab_parallel_cross_entropy", "tp_multi_head_attention_forward",
+    "split_after_build",
     "dp_batch_norm", "dp_functional_batch_norm", "dp_layers",
     "sync_grads", "GradBuckets", "overlap_grads", "wait_grad_buckets",
     "ZeroShards", "ZeroUnit", "zero_shards", "reduce_scatter_grads", "all_gather_params", "free_params",
@@ -397,6 +398,40 @@ def tp_all_gather(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------
+# Layers built whole, then cut to this rank's share
+# --------------------------------------------------------------------------
+
+def split_after_build(build, shares: dict, axis: Axis):
+    """``build`` as the entry file wrote it, then each parameter in ``shares`` cut to this
+    rank's slice on ``axis``: name -> (dim, fused blocks, the layer's attributes holding that
+    size). For layers one constructor call builds for instances split unalike, or sized from a
+    config object: they are built whole, and the rank then holds only its share, the layer's
+    size attributes (``out_features``) set to the local size as a divided constructor argument
+    would have. Local work only: no communication."""
+
+    def build_split(*args, **kwargs):
+        model = build(*args, **kwargs)
+        cut: dict[int, tuple] = {}     # id of a whole parameter -> (it, its share): tied ones cut once
+        for name, (dim, groups, attributes) in shares.items():
+            owner_name, _, attr = name.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            whole = getattr(owner, attr)
+            if id(whole) not in cut:
+                with torch.no_grad():
+                    local = _keep_slice(whole.detach(), axis, dim, groups)
+                cut[id(whole)] = whole, torch.nn.Parameter(local, requires_grad=whole.requires_grad)
+            local = cut[id(whole)][1]
+            setattr(owner, attr, local)
+            for size in attributes:
+                if getattr(owner, size, None) == whole.shape[dim]:
+                    setattr(owner, size, local.shape[dim])
+        return model
+
+    build_split.__wrapped__ = build
+    return build_split
+
+
+# --------------------------------------------------------------------------
 # Vocabulary parallelism
 # --------------------------------------------------------------------------
 
@@ -473,8 +508,11 @@ def dp_functional_batch_norm(input: torch.Tensor, axis: Axis, running_mean: torc
 
 
 def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, axis: Axis,
-                             padding_idx: int | None = None) -> torch.Tensor:
-    """Partial embedding lookup in a vocabulary-split table.
+                             padding_idx: int | None = None, max_norm: float | None = None,
+                             norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+                             sparse: bool = False) -> torch.Tensor:
+    """Partial embedding lookup in a vocabulary-split table; the arguments after ``axis`` are
+    ``F.embedding``'s.
 
     ``weight`` holds rows [axis.rank * V_local, (axis.rank + 1) * V_local) of the
     full table.  Rows for ids outside that range are zero; the caller sums the
@@ -482,7 +520,11 @@ def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, axis: Axis
     Differentiable w.r.t. ``weight`` through ordinary autograd.
     """
     if axis.size == 1:
-        return F.embedding(ids, weight, padding_idx)
+        return F.embedding(ids, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+    if max_norm is not None or scale_grad_by_freq:
+        # the ids of other ranks' rows are looked up as row 0 here: they would renormalize it,
+        # or count towards its frequency
+        raise ValueError("vocab_parallel_embedding: max_norm and scale_grad_by_freq need the whole table")
     v_local = weight.shape[0]
     start = axis.rank * v_local
     outside = (ids < start) | (ids >= start + v_local)
@@ -490,7 +532,7 @@ def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, axis: Axis
     local_pad = None
     if padding_idx is not None and start <= padding_idx < start + v_local:
         local_pad = padding_idx - start
-    out = F.embedding(local_ids, weight, local_pad)
+    out = F.embedding(local_ids, weight, local_pad, sparse=sparse)
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 

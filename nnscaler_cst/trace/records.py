@@ -158,6 +158,9 @@ class Trace:
     # the storages alive from forward to backward anyway: those autograd saved, parameters,
     # buffers and the inputs (a checkpoint keeping one of them adds nothing)
     kept_storages: set[int] = field(default_factory=set)
+    # modules whose state_dict() hooks write other keys than their parameters' names (torchtitan's
+    # fused wqkv saved as wq, wk, wv): their keys' splits are probed (materialize/state_keys.py)
+    state_dict_hooked: list[str] = field(default_factory=list)
 
     def module_type(self, path: str) -> str:
         """The class of the module at `path`, under any of its names ("" if none)."""

@@ -650,7 +650,8 @@ class Tracer(TorchFunctionMode):
                      self.size_queries, self.module_calls, self.containers, self.replays, self.state_writes,
                      self.module_runs, self.module_replays, self._module_aliases(model), self.mixed_containers,
                      self._saved_by_node(), {*self._saved_storages, *(
-                         storage for storage, maker in self._storage_maker.items() if maker is None)})
+                         storage for storage, maker in self._storage_maker.items() if maker is None)},
+                     [name for name, m in model.named_modules() if m._state_dict_hooks])
 
     def _saving(self, tensor: torch.Tensor) -> torch.Tensor:
         """autograd's pack hook: it fires, inside the op being run, for each tensor that op keeps
