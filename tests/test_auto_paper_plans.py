@@ -157,18 +157,19 @@ def vocab(tmp_path_factory):
 
 
 def test_where_memory_forces_recompute_the_search_co_shards_the_attention_core(attention):
-    """Under 1 GB per device every plan without co-shard keeps the scores unless it recomputes
+    """Under 800 MB per device every plan without co-shard keeps the scores unless it recomputes
     whole blocks; co-shard (C pieces of the heads per device, the core's forward run again) fits
-    and costs less than any recompute."""
-    choice = search_auto(attention, 2, H100, [], 1e9)
+    and costs less than any recompute (at 1 GB a Chimera pipeline keeps them all: activations are
+    counted as autograd keeps them, the softmax's output alone of the scores)."""
+    choice = search_auto(attention, 2, H100, [], 8e8)
     assert choice.config.kind == "co-shard" and choice.config.coshard >= 2 and not choice.config.recompute
     others = [e for e in choice.candidates if e.why_not is None and e.config.kind == "tp x dp"]
     assert others and all(e.config.recompute for e in others)
     assert all(e.seconds > choice.best.seconds for e in others)
     # the same split without co-shard does not fit: recompute is what the others pay for
-    plain = estimate_config(attention, Config(choice.config.tp, choice.config.dp), H100, [], 1e9)
+    plain = estimate_config(attention, Config(choice.config.tp, choice.config.dp), H100, [], 8e8)
     assert plain.why_not is not None
-    again = estimate_config(attention, choice.config, H100, [], 1e9)
+    again = estimate_config(attention, choice.config, H100, [], 8e8)
     assert again.seconds == pytest.approx(choice.best.seconds) and again.memory == choice.best.memory
 
 

@@ -129,7 +129,7 @@ def test_with_pipeline_stages_the_schedule_is_followed_by_the_same_zero_calls_on
     train = train_source(gpt_analysis, dp=2, pp=2, micro_batches=2, zero=stage)
     step = step_body(train)
     assert "overlap=False" in train        # several backwards a step: the reduce-scatters wait for them
-    schedule_at = step.index("for i, (kind, stage, m, cycle) in enumerate(actions):")
+    schedule_at = step.index("for i, (kind, stage, m, cycle, call) in enumerate(actions):")
     tied_at = step.index("_comm.sync_grads(tied, _comm.PP_ENDS, average=False)")
     reduce_at = step.index("_comm.reduce_scatter_grads(model.zero_shards, _comm.DP, average=AVERAGE_SHARES")
     assert schedule_at < tied_at < reduce_at < step.index("optimizer.step()")
