@@ -271,10 +271,36 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
         loop = _branches_over_blocks(source, loop, body, container)
     index = body.index(loop)
     function_span = source.span_of(function)
+    _check_work_above_cut(graph, blocks, container, function, function_span)
     handoff = handoff_variables(function, index)
     return Trunk(container, blocks, function, function_span, index, handoff,
                  _shared_loop_owner(graph, blocks, function, function_span, span),
                  unset=maybe_unset(function, index, handoff))
+
+
+def _check_work_above_cut(graph: Graph, blocks: list[str], container: str, function: cst.FunctionDef,
+                          function_span: Span) -> None:
+    """Refuse blocks whose cut would leave more of the model's work to every stage than it divides:
+    the code above the cut function runs on every stage up to its call (only the cut function's
+    own variables are handed on; a UNet's down path, whose skip connections its up path reads after
+    the cut function returns, is computed again on each stage)."""
+    trace = graph.trace
+    first = trace.module_calls[blocks[0]][1]
+    above = {n.index for n in graph.nodes[:first] if n.span is not None and _above_cut(graph, n, [function_span])}
+    work = {n.index: node_flops(n, graph.dims.get(n.index), trace) for n in graph.nodes}
+    repeated = sum(work[i] for i in above)
+    divided = sum(work[i] for i in node_blocks(graph, blocks))
+    if repeated <= divided:
+        return
+    where = graph.nodes[min(above)]
+    modules = sorted({m.split(".")[0] for i in above if (m := graph.nodes[i].callee_path or graph.nodes[i].module_path)})
+    total = sum(work.values()) or 1.0
+    raise UserError(f"pipeline stages would cut the blocks of {container}, in {function.name.value}(), and every "
+                    f"stage would also run the code above it ({', '.join(modules) or 'the model'}: "
+                    f"{repeated / total:.0%} of the model's work, more than the {divided / total:.0%} its blocks "
+                    "divide): it is not handed on but computed again on each stage", where.span.start,
+                    hint="pipelining cuts the block loop of the function that computes what later stages read; "
+                         "or use --tp or --dp for this model")
 
 
 def _nested_blocks_loop(graph: Graph, paths: list[str]) -> UserError | None:
@@ -1073,7 +1099,12 @@ def _runs_on_every_stage(graph: Graph, plan: StagePlan, node) -> bool:
         blocks = plan.trunk.__dict__["_block_set"] = set(plan.blocks)
     if any(m in blocks for m in (node.module_path, *_ancestors(node.module_path))):
         return False
-    cuts = [t.function_span for t in plan.trunks]
+    return _above_cut(graph, node, [t.function_span for t in plan.trunks])
+
+
+def _above_cut(graph: Graph, node, cuts: list[Span]) -> bool:
+    """Whether the op runs in code above the cut functions: reached from the model's forward
+    through calls none of which lies in one of them."""
     span, module = node.span, node.module_path
     seen = set()
     while span is not None and module not in seen:
@@ -1084,4 +1115,6 @@ def _runs_on_every_stage(graph: Graph, plan: StagePlan, node) -> bool:
         seen.add(module)
         call = graph.trace.module_calls.get(module)
         span, module = (call[0] if call else None), module.rpartition(".")[0]
+        while module and module not in graph.trace.module_calls:   # a ModuleList, never called: its
+            module = module.rpartition(".")[0]                     # children run from its holder's code
     return False

@@ -1,0 +1,88 @@
+"""Pipeline cuts whose block loop is not in the model's top forward (issue 26: diffusers' UNets).
+
+Code above the function holding the block loop runs on every stage up to that function's call.
+A module it reaches through a ModuleList (`for layer in self.down: ...`) is called there, so
+every stage must hold it (a shadow), never drop it; and a cut whose code above does more of the
+model's work than the blocks divide (a UNet's down path, its skip connections read after the
+block loop returns) is refused before anything is written, where that code begins.
+"""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from nnscaler_cst.errors import UserError
+
+UNET_LIKE = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+
+
+    class Block(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.fc = nn.Linear(d, d)
+
+        def forward(self, x):
+            return x + self.fc(x)
+
+
+    class Middle(nn.Module):
+        def __init__(self, d, n):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(d) for _ in range(n)])
+
+        def forward(self, x):
+            x = x * 2
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+
+    class Net(nn.Module):
+        def __init__(self, d=8, wide=WIDE):
+            super().__init__()
+            self.down = nn.ModuleList([nn.Linear(d, wide), nn.Sequential(nn.ReLU(), nn.Linear(wide, d))])
+            self.mid = Middle(d, 2)
+            self.up = nn.Linear(2 * d, d)
+
+        def forward(self, x):
+            skips = []
+            for layer in self.down:
+                x = layer(x)
+                skips.append(x)
+            x = self.mid(x)
+            return self.up(torch.cat([x, skips[-1]], dim=-1)).pow(2).mean()
+
+
+    def build():
+        return Net()
+
+
+    def example_inputs():
+        return (torch.randn(4, 8),)
+''')
+
+
+def analyze_with(tmp_path, wide: int):
+    from nnscaler_cst.analysis import analyze
+    path = tmp_path / "unet_like.py"
+    path.write_text(UNET_LIKE.replace("WIDE", str(wide)))
+    return analyze(path).graph
+
+
+def test_modules_code_above_the_cut_calls_through_a_module_list_are_held_by_every_stage(tmp_path):
+    from nnscaler_cst.plan.pipeline import plan_stages
+    plan = plan_stages(analyze_with(tmp_path, 2), 2)      # the down path: less work than the blocks
+    assert plan.block_ranges == [(0, 1), (1, 2)]
+    assert {"down.0", "down.1.1"} <= set(plan.shadow[1])
+    assert not {"down.0", "down.1", "down.1.1"} & set(plan.drop[1])
+
+
+def test_a_cut_leaving_more_work_to_every_stage_than_it_divides_is_refused_where_that_work_starts(tmp_path):
+    from nnscaler_cst.plan.pipeline import plan_stages
+    with pytest.raises(UserError) as refused:
+        plan_stages(analyze_with(tmp_path, 64), 2)        # the down path: more work than the blocks
+    assert "every stage would also run the code above it (down" in refused.value.message
+    assert refused.value.location.line == 37              # `x = layer(x)`, the down path's first op
