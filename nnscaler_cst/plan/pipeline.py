@@ -178,7 +178,9 @@ def find_trunk(graph: Graph) -> Trunk:
         # themselves), then a loop that calls no other blocks, then the longest
         paths = max(graph.blocks.values(), key=lambda group: (sum(p in calls for p in group) >= 2,
                                                               _loop_runs_once(group, calls), len(group)))
-        return _trunk_of(graph, paths)
+        trunk = _trunk_of(graph, paths)
+        _check_work_above_cut(graph, trunk)
+        return trunk
     except UserError as error:
         stages = _sequential_stages(graph)
         if not stages:
@@ -271,20 +273,19 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
         loop = _branches_over_blocks(source, loop, body, container)
     index = body.index(loop)
     function_span = source.span_of(function)
-    _check_work_above_cut(graph, blocks, container, function, function_span)
     handoff = handoff_variables(function, index)
     return Trunk(container, blocks, function, function_span, index, handoff,
                  _shared_loop_owner(graph, blocks, function, function_span, span),
                  unset=maybe_unset(function, index, handoff))
 
 
-def _check_work_above_cut(graph: Graph, blocks: list[str], container: str, function: cst.FunctionDef,
-                          function_span: Span) -> None:
+def _check_work_above_cut(graph: Graph, trunk: Trunk) -> None:
     """Refuse blocks whose cut would leave more of the model's work to every stage than it divides:
     the code above the cut function runs on every stage up to its call (only the cut function's
     own variables are handed on; a UNet's down path, whose skip connections its up path reads after
-    the cut function returns, is computed again on each stage)."""
-    trace = graph.trace
+    the cut function returns, is computed again on each stage). Chained trunks hand on between
+    their functions and are not asked."""
+    trace, blocks, function_span = graph.trace, trunk.blocks, trunk.function_span
     first = trace.module_calls[blocks[0]][1]
     above = {n.index for n in graph.nodes[:first] if n.span is not None and _above_cut(graph, n, [function_span])}
     work = {n.index: node_flops(n, graph.dims.get(n.index), trace) for n in graph.nodes}
@@ -295,8 +296,8 @@ def _check_work_above_cut(graph: Graph, blocks: list[str], container: str, funct
     where = graph.nodes[min(above)]
     modules = sorted({m.split(".")[0] for i in above if (m := graph.nodes[i].callee_path or graph.nodes[i].module_path)})
     total = sum(work.values()) or 1.0
-    raise UserError(f"pipeline stages would cut the blocks of {container}, in {function.name.value}(), and every "
-                    f"stage would also run the code above it ({', '.join(modules) or 'the model'}: "
+    raise UserError(f"pipeline stages would cut the blocks of {trunk.container}, in {trunk.function.name.value}(), "
+                    f"and every stage would also run the code above it ({', '.join(modules) or 'the model'}: "
                     f"{repeated / total:.0%} of the model's work, more than the {divided / total:.0%} its blocks "
                     "divide): it is not handed on but computed again on each stage", where.span.start,
                     hint="pipelining cuts the block loop of the function that computes what later stages read; "
