@@ -105,3 +105,63 @@ def test_a_cut_leaving_more_work_to_every_stage_than_it_divides_is_refused_where
     assert "every stage would also run the code above it (down" in refused.value.message
     first_op = UNET_LIKE.splitlines().index("        return torch.relu(self.fc(x))") + 1   # the down path's
     assert refused.value.location.line == first_op
+
+
+NAMED_LOOP = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+
+
+    class Block(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.fc = nn.Linear(d, d)
+
+        def forward(self, x):
+            return x + self.fc(x)
+
+
+    class LayerGetter(nn.ModuleDict):
+        """torchvision's IntermediateLayerGetter: runs its layers, keeps the outputs it names."""
+
+        def __init__(self, layers, keep):
+            super().__init__(layers)
+            self.keep = keep
+
+        def forward(self, x):
+            out = {}
+            for name, module in self.items():
+                x = module(x)
+                if name in self.keep:
+                    out[self.keep[name]] = x
+            return out
+
+
+    class Net(nn.Module):
+        def __init__(self, d=8):
+            super().__init__()
+            self.body = LayerGetter({str(i): Block(d) for i in range(4)}, {"1": "low", "3": "high"})
+
+        def forward(self, x):
+            out = self.body(x)
+            return (out["low"] + out["high"]).pow(2).mean()
+
+
+    def build():
+        return Net()
+
+
+    def example_inputs():
+        return (torch.randn(4, 8),)
+''')
+
+
+def test_a_block_loop_over_the_blocks_names_is_refused_at_the_loop(tmp_path):
+    from nnscaler_cst.analysis import analyze
+    from nnscaler_cst.plan.pipeline import plan_stages
+    path = tmp_path / "named.py"
+    path.write_text(NAMED_LOOP)
+    with pytest.raises(UserError) as refused:
+        plan_stages(analyze(path).graph, 2)
+    assert "iterates over their names (`self.items()`)" in refused.value.message
+    assert refused.value.location.line == NAMED_LOOP.splitlines().index("        for name, module in self.items():") + 1

@@ -242,6 +242,7 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
     span = calls[blocks[0]][0]
     source = graph.sources.get(span.path)
     node = source.node_at(span.line, span.col, span.end_line, span.end_col)
+    _refuse_named_iteration(source, node, container, span)
     if span in graph.trace.containers:     # `x = self.blocks(x)` on an nn.Sequential of the blocks
         children = _sequential_children(graph.trace, container)
         if len(children) != len(paths) and len(children) >= 2 and all(c in calls for c in children):
@@ -302,6 +303,34 @@ def _check_work_above_cut(graph: Graph, trunk: Trunk) -> None:
                     "divide): it is not handed on but computed again on each stage", where.span.start,
                     hint="pipelining cuts the block loop of the function that computes what later stages read; "
                          "or use --tp or --dp for this model")
+
+
+_NAMING = ("items", "named_children", "named_modules", "keys")
+
+
+def _refuse_named_iteration(source, node: cst.CSTNode, container: str, span: Span) -> None:
+    """Refuse a loop calling the blocks that iterates over their names (`for name, module in
+    self.items(): ...`, torchvision's IntermediateLayerGetter picking its outputs by name): each
+    stage holds its own blocks only, renamed from "0", so the names the loop reads would be wrong."""
+    loop = node
+    while loop is not None and not isinstance(loop, (cst.For, cst.FunctionDef)):
+        loop = source.parents.get(loop)
+    if not isinstance(loop, cst.For):
+        return
+    calls = [n for n in _calls_in(loop.iter) if isinstance(n.func, cst.Attribute) and n.func.attr.value in _NAMING]
+    if calls:
+        raise UserError(f"the loop calling the blocks of {container} iterates over their names "
+                        f"(`{cst.Module([]).code_for_node(calls[0])}`), and each pipeline stage holds only its "
+                        "blocks, renamed from the first", source.span_of(loop).start,
+                        hint="pipelining cuts a loop over the blocks themselves (`for block in self.blocks:`); "
+                             "or use --tp or --dp for this model")
+
+
+def _calls_in(node: cst.CSTNode):
+    if isinstance(node, cst.Call):
+        yield node
+    for child in node.children:
+        yield from _calls_in(child)
 
 
 def _nested_blocks_loop(graph: Graph, paths: list[str]) -> UserError | None:
