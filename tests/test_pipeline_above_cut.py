@@ -165,3 +165,13 @@ def test_a_block_loop_over_the_blocks_names_is_refused_at_the_loop(tmp_path):
         plan_stages(analyze(path).graph, 2)
     assert "iterates over their names (`self.items()`)" in refused.value.message
     assert refused.value.location.line == NAMED_LOOP.splitlines().index("        for name, module in self.items():") + 1
+
+
+def test_a_block_loop_leaving_the_names_unread_is_cut(tmp_path):
+    from nnscaler_cst.analysis import analyze
+    from nnscaler_cst.plan.pipeline import plan_stages
+    path = tmp_path / "unread.py"
+    unread = NAMED_LOOP.replace("            if name in self.keep:\n                out[self.keep[name]] = x\n",
+                                "            out[len(out)] = x\n")
+    path.write_text(unread.replace('out["low"] + out["high"]', "out[1] + out[3]"))
+    assert plan_stages(analyze(path).graph, 2).block_ranges == [(0, 2), (2, 4)]

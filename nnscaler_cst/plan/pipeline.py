@@ -305,20 +305,23 @@ def _check_work_above_cut(graph: Graph, trunk: Trunk) -> None:
                          "or use --tp or --dp for this model")
 
 
-_NAMING = ("items", "named_children", "named_modules", "keys")
+_NAMING = ("items", "named_children")
 
 
 def _refuse_named_iteration(source, node: cst.CSTNode, container: str, span: Span) -> None:
-    """Refuse a loop calling the blocks that iterates over their names (`for name, module in
-    self.items(): ...`, torchvision's IntermediateLayerGetter picking its outputs by name): each
-    stage holds its own blocks only, renamed from "0", so the names the loop reads would be wrong."""
+    """Refuse a loop calling the blocks that iterates over their names and reads them (`for name,
+    module in self.items(): ...`, torchvision's IntermediateLayerGetter picking its outputs by
+    name): each stage holds its own blocks only, renamed from "0", so the names read would be
+    wrong. A loop that leaves the names unread (DenseNet's dense block) is cut as any other."""
     loop = node
     while loop is not None and not isinstance(loop, (cst.For, cst.FunctionDef)):
         loop = source.parents.get(loop)
     if not isinstance(loop, cst.For):
         return
     calls = [n for n in _calls_in(loop.iter) if isinstance(n.func, cst.Attribute) and n.func.attr.value in _NAMING]
-    if calls:
+    target = loop.target
+    name = target.elements[0].value if isinstance(target, (cst.Tuple, cst.List)) and target.elements else None
+    if calls and isinstance(name, cst.Name) and name.value in names_in(list(loop.body.body), False):
         raise UserError(f"the loop calling the blocks of {container} iterates over their names "
                         f"(`{cst.Module([]).code_for_node(calls[0])}`), and each pipeline stage holds only its "
                         "blocks, renamed from the first", source.span_of(loop).start,
