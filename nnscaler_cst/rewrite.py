@@ -610,23 +610,15 @@ def _planned_again(analysis: Analysis, request: PlanRequest, every_size_read: bo
     the plan's, or by one constructor call the plan splits unalike) kept whole, each with the
     others its constructor call builds (a Linear's bias whole means its weight's rows whole);
     a plan solved so may fail on the next such parameter (one initializer after another), up to
-    MAX_REPLANS times; then once more with every layer of the constructor calls named so far whole.
-    `error`, the first failure, where no plan keeps them whole."""
+    MAX_REPLANS times. `error`, the first failure, where no plan keeps them whole."""
     params = analysis.trace.params
     kept: set[str] = set()
-    spans: set = set()            # the constructor calls named so far
     failure = error
-    for attempt in range(MAX_REPLANS + 1):
+    for _ in range(MAX_REPLANS):
         calls = {(params[n].ctor_span, n.rpartition(".")[0]) for n in getattr(failure, "misshapen_params", ())}
-        spans |= {span for span, _ in calls}
         named = {n for n, info in params.items() if (info.ctor_span, n.rpartition(".")[0]) in calls}
-        if attempt == MAX_REPLANS or named <= kept:
-            # one constructor line building many layers (torchvision's Conv2dNormActivation builds
-            # every conv of a MobileNet or a RAFT), each plan splitting other instances of it unalike:
-            # the last plan keeps every layer those lines build whole
-            named = {n for n, info in params.items() if info.ctor_span in spans}
-            if named <= kept:
-                break
+        if named <= kept:
+            break
         kept |= named
         try:
             again = rewrite(analysis, request, every_size_read, whole_params=tuple(sorted(kept)), replan=False)
