@@ -175,3 +175,18 @@ def test_a_block_loop_leaving_the_names_unread_is_cut(tmp_path):
                                 "            out[len(out)] = x\n")
     path.write_text(unread.replace('out["low"] + out["high"]', "out[1] + out[3]"))
     assert plan_stages(analyze(path).graph, 2).block_ranges == [(0, 2), (2, 4)]
+
+
+def test_code_after_the_block_loop_reading_the_block_list_is_refused_there(tmp_path):
+    """DiT's output conditioning reads `self.transformer_blocks[0].norm1.emb` after the loop."""
+    from nnscaler_cst.analysis import analyze
+    from nnscaler_cst.plan.pipeline import plan_stages
+    path = tmp_path / "epilogue.py"
+    loop = "        for block in self.blocks:\n            x = block(x)\n        return x\n"
+    assert loop in UNET_LIKE
+    path.write_text(UNET_LIKE.replace("WIDE", "2").replace(loop, loop.replace(
+        "return x\n", "return x + self.blocks[0].fc.bias\n")))
+    with pytest.raises(UserError) as refused:
+        plan_stages(analyze(path).graph, 2)
+    assert "the code after the loop over the blocks of mid.blocks reads the block list (`self.blocks[0]`)" \
+        in refused.value.message

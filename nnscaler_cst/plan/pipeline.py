@@ -180,6 +180,7 @@ def find_trunk(graph: Graph) -> Trunk:
                                                               _loop_runs_once(group, calls), len(group)))
         trunk = _trunk_of(graph, paths)
         _check_work_above_cut(graph, trunk)
+        _check_epilogue_reads_blocks(graph, trunk)
         return trunk
     except UserError as error:
         stages = _sequential_stages(graph)
@@ -278,6 +279,23 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
     return Trunk(container, blocks, function, function_span, index, handoff,
                  _shared_loop_owner(graph, blocks, function, function_span, span),
                  unset=maybe_unset(function, index, handoff))
+
+
+def _check_epilogue_reads_blocks(graph: Graph, trunk: Trunk) -> None:
+    """Refuse a cut whose code after the block loop reads the block list (DiT's
+    `self.transformer_blocks[0].norm1.emb(...)` for the output's conditioning): it runs on the last
+    stage, which holds only its own blocks, numbered from 0, so it would read another block."""
+    attr = trunk.container.rpartition(".")[2]
+    source = graph.sources.get(trunk.function_span.path)
+    for statement in trunk.function.body.body[trunk.loop_index + 1:]:
+        for node in _attributes(statement):
+            if isinstance(node.value, cst.Name) and node.value.value == "self" and node.attr.value == attr:
+                raise UserError(f"the code after the loop over the blocks of {trunk.container} reads the block list "
+                                f"(`{cst.Module([]).code_for_node(source.parents.get(node) or node)}`); it runs on "
+                                "the last pipeline stage, which holds only its own blocks, numbered from its first",
+                                source.span_of(node).start,
+                                hint="keep what the code after the blocks reads in a module of its own, outside the "
+                                     "block list; or use --tp or --dp for this model")
 
 
 def _check_work_above_cut(graph: Graph, trunk: Trunk) -> None:
