@@ -236,10 +236,11 @@ def timm_variants(name: str) -> list[tuple[str, str]]:
 TORCHVISION_TASKS = {  # task -> (torchvision.models submodule, input builder, loss)
     "classification": (None, "return (torch.randn({b}, 3, {s}, {s}),)", "output.float().pow(2).mean()"),
     "segmentation": ("segmentation", "return (torch.randn({b}, 3, {s}, {s}),)", 'output["out"].float().pow(2).mean()'),
-    "video": ("video", "return (torch.randn({b}, 3, 4, {s}, {s}),)", "output.float().pow(2).mean()"),
+    "video": ("video", "return (torch.randn({b}, 3, {t}, {s}, {s}),)", "output.float().pow(2).mean()"),
     "optical_flow": ("optical_flow", "return (torch.randn({b}, 3, {s}, {s}), torch.randn({b}, 3, {s}, {s}))",
                      "output[-1].float().pow(2).mean()"),
 }
+VIDEO_FRAMES = 4      # frames of a video input, or the fewest its weights accept (MViT's builder pins 16)
 
 
 def torchvision_archs() -> list[LibraryArch]:
@@ -282,9 +283,11 @@ def torchvision_variants(name: str, task: str) -> list[tuple[str, str]]:
         fixed_args["weights_backbone"] = None
     cls = built_class(lambda: models.get_model(name, **fixed_args))
     try:
-        min_size = max(models.get_model_weights(name).DEFAULT.meta.get("min_size", (1, 1)))
+        meta = models.get_model_weights(name).DEFAULT.meta
     except Exception:  # noqa: BLE001 - no weights metadata
-        min_size = 1
+        meta = {}
+    min_size = max(meta.get("min_size", (1, 1)))
+    frames = max(VIDEO_FRAMES, meta.get("min_temporal_size", 1))
     _, inputs, loss = TORCHVISION_TASKS[task]
     wanted = {k: v for k, v in IMAGE_TINY.items() if k != "num_classes" or task != "optical_flow"}
     tiny = tiny_kwargs(cls, wanted) if cls is not None else {}
@@ -303,7 +306,7 @@ def torchvision_variants(name: str, task: str) -> list[tuple[str, str]]:
         seen.append((kwargs, size))
         text = entry_text(f"torchvision's {name} ({task}) at {note}", ["import torchvision"],
                           [f"return torchvision.models.get_model({name!r}, {call_args({**fixed_args, **kwargs})})"],
-                          [inputs.format(b=BATCH, s=size)], loss)
+                          [inputs.format(b=BATCH, s=size, t=frames)], loss)
         variants.append((note, text))
     return variants
 

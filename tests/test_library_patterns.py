@@ -999,3 +999,50 @@ def test_a_loop_carried_object_holding_tensors_that_need_gradients_is_refused_at
     line = next(k for k, text in enumerate((root / "model.py").read_text().splitlines(), 1) if "for ind, (" in text)
     assert f"model.py:{line}:9: error: the pipeline stages hand `first_inter` on from stage to stage" in result.stderr
     assert "holds a Intermediates object with tensors that need gradients" in result.stderr, result.stderr
+
+
+# diffusers' FeedForward: `for module in self.net: hidden_states = module(hidden_states)` over a
+# list of torch's layers (a projection, an activation, a projection), one line for all of them.
+LOOP_OVER_LAYERS = '''
+import torch
+import torch.nn as nn
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.net = nn.ModuleList([nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)])
+
+    def forward(self, x):
+        for module in self.net:
+            x = module(x)
+        return x
+
+
+class Model(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.ff = FeedForward(d)
+
+    def forward(self, x):
+        return self.ff(x).pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 16),)
+'''
+
+
+@pytest.mark.slow     # a rewrite and its replan: over 10 s
+def test_a_line_whose_instances_need_their_argument_converted_unalike_plans_their_layers_whole(tmp_path):
+    root = written(tmp_path, LOOP_OVER_LAYERS)
+    result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    assert "model.py:12:17: warning: ff.net.0.bias (and 1 more) stays whole on every tensor-parallel rank: the plan " \
+           "that split it could not be written (instances of torch.nn.GELU need different conversions" in result.stderr
+    params = json.loads((root / "out" / "plan.json").read_text())["params"]
+    assert params["ff.net.0.weight"]["tp"] == "R"

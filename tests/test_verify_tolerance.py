@@ -211,3 +211,42 @@ assert torch.allclose(whole, x / 0.75) and torch.equal(torch.bernoulli(torch.ful
 def test_stochastic_depth_is_switched_off_so_a_batch_split_draws_the_same(tmp_path):
     result = subprocess.run([sys.executable, "-c", DROP_PATH], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+# Label dropout as diffusers' LabelEmbedding writes it: a uniform draw per sample inside the forward
+# decides which class labels to replace by the "no class" entry.
+LABEL_DROPOUT = """
+import torch
+from nnscaler_cst.verify.worker import switch_off_dropout
+
+
+class LabelEmbedding(torch.nn.Module):
+    def __init__(self, classes=10, dim=4, p=0.5):
+        super().__init__()
+        self.table = torch.nn.Embedding(classes + 1, dim)
+        self.classes, self.p = classes, p
+
+    def forward(self, labels):
+        drop = torch.rand(labels.shape[0]) < self.p
+        return self.table(torch.where(drop, self.classes, labels))
+
+
+switch_off_dropout()
+torch.manual_seed(0)
+embed = LabelEmbedding()
+labels = torch.randint(0, 10, (8,))
+assert torch.rand(1000).max() < 1 and torch.rand(1000).std() > 0.1     # outside a forward: drawn as ever
+torch.manual_seed(1)
+whole = embed(labels)
+shares = []
+for share in labels.chunk(2):      # each data-parallel rank draws from the same seed
+    torch.manual_seed(1)
+    shares.append(embed(share))
+assert torch.equal(whole, torch.cat(shares))
+assert torch.equal(whole, embed.table(labels))     # every label kept
+"""
+
+
+def test_uniform_draws_in_a_forward_keep_every_sample_so_a_batch_split_draws_the_same():
+    result = subprocess.run([sys.executable, "-c", LABEL_DROPOUT], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

@@ -172,6 +172,7 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
         by_output[key] += [(tid, consumer, path, steps) for consumer, path, steps in uses]
     prefixes = _producer_prefixes(graph, by_output)
     given: dict[tuple, list[Step]] = {}            # each argument's conversion, the same in every instance
+    given_by: dict[tuple, int] = {}                # ... and the tensor of the instance that set it
     raw: dict[tuple, set] = defaultdict(set)       # ... as each instance counts its dims
     for key, uses in by_output.items():
         prefix = prefixes[key]
@@ -186,10 +187,15 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
             argument = _argument(consumer, path)
             if argument is not None:
                 ended = steps_from_end(rest, len(tensors[tid].shape))
+                given_by.setdefault(argument, tid)
                 if given.setdefault(argument, ended) != ended:
-                    raise UserError(f"instances of {consumer.callee} need different conversions of their "
-                                    f"argument {_path_note(path)}: {_steps_note(given[argument]) or 'none'} and "
-                                    f"{_steps_note(rest) or 'none'} (please report it)", _loc(consumer))
+                    error = UserError(f"instances of {consumer.callee} need different conversions of their "
+                                      f"argument {_path_note(path)}: {_steps_note(given[argument]) or 'none'} and "
+                                      f"{_steps_note(rest) or 'none'} (please report it)", _loc(consumer))
+                    # the layers making those tensors split are planned again whole (rewrite.py), so that
+                    # every instance gets its argument alike
+                    error.misshapen_params = _split_makers(graph, [given_by[argument], tid], have)
+                    raise error
                 raw[argument].add(str(rest))
                 if len(raw[argument]) > 1:     # instances of several ranks: dims counted from the end
                     rest = ended
@@ -223,6 +229,26 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
                                                if name not in edits.split_after_build}, n)
     edits.regions = coshard_regions(graph, plan, edits.sites, lay, have, coshard_devices) if plan.chunks else []
     return edits
+
+
+def _split_makers(graph: Graph, tids: list[int], have: dict) -> list[str]:
+    """The parameters of the nearest layers making these tensors not whole: walking back from
+    each through ops without parameters (an add, a view) along inputs that are not whole."""
+    tensors = graph.trace.tensors
+    found, seen, frontier = set(), set(), [t for t in tids if have.get(t, R).kind != "R"]
+    while frontier and len(seen) < 200:
+        tid = frontier.pop()
+        producer = tensors[tid].producer
+        if tid in seen or producer is None:
+            continue
+        seen.add(tid)
+        params = graph.param_operands(producer)
+        if params:
+            found.update(tensors[t].param for _, t in params)
+            continue
+        frontier += [o.tid for o in graph.nodes[producer].operands
+                     if o.tid is not None and have.get(o.tid, R).kind != "R"]
+    return sorted(found)
 
 
 def _reaches_a_split_result(dims, name: str, wanted) -> bool:

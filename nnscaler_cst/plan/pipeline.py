@@ -203,7 +203,11 @@ def find_trunk(graph: Graph) -> Trunk:
         paths = max(graph.blocks.values(), key=lambda group: (
             sum(p in calls for p in group) >= 2 or _lists_of_modules(graph, group),
             _loop_runs_once(group, calls), len(group)))
-        return _trunk_of(graph, paths)
+        trunk = _trunk_of(graph, paths)
+        _check_work_above_cut(graph, trunk)
+        if not trunk.iterations:        # those stages keep the whole list: code after the loop may read it
+            _check_epilogue_reads_blocks(graph, trunk)
+        return trunk
     except UserError as error:
         stages = _sequential_stages(graph)
         if stages:
@@ -459,6 +463,7 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
     source = graph.sources.get(span.path)
     node = source.node_at(span.line, span.col, span.end_line, span.end_col)
     hoist = None
+    _refuse_named_iteration(source, node, container, span)
     if iterated is None and span in graph.trace.containers:     # `x = self.blocks(x)` on an nn.Sequential of the blocks
         children = _sequential_children(graph.trace, container)
         if len(children) != len(paths) and len(children) >= 2 and all(c in calls for c in children):
@@ -569,6 +574,79 @@ def _mentions(node: cst.CSTNode, name: str) -> int:
             return False
     node.visit(Count())
     return count
+
+
+def _check_epilogue_reads_blocks(graph: Graph, trunk: Trunk) -> None:
+    """Refuse a cut whose code after the block loop reads the block list (DiT's
+    `self.transformer_blocks[0].norm1.emb(...)` for the output's conditioning): it runs on the last
+    stage, which holds only its own blocks, numbered from 0, so it would read another block."""
+    attr = trunk.container.rpartition(".")[2]
+    source = graph.sources.get(trunk.function_span.path)
+    for statement in trunk.function.body.body[trunk.loop_index + 1:]:
+        for node in _attributes(statement):
+            if isinstance(node.value, cst.Name) and node.value.value == "self" and node.attr.value == attr:
+                raise UserError(f"the code after the loop over the blocks of {trunk.container} reads the block list "
+                                f"(`{cst.Module([]).code_for_node(source.parents.get(node) or node)}`); it runs on "
+                                "the last pipeline stage, which holds only its own blocks, numbered from its first",
+                                source.span_of(node).start,
+                                hint="keep what the code after the blocks reads in a module of its own, outside the "
+                                     "block list; or use --tp or --dp for this model")
+
+
+def _check_work_above_cut(graph: Graph, trunk: Trunk) -> None:
+    """Refuse blocks whose cut would leave more of the model's work to every stage than it divides:
+    the code above the cut function runs on every stage up to its call (only the cut function's
+    own variables are handed on; a UNet's down path, whose skip connections its up path reads after
+    the cut function returns, is computed again on each stage). Chained trunks hand on between
+    their functions and are not asked."""
+    trace, blocks, function_span = graph.trace, trunk.blocks, trunk.function_span
+    first = trace.module_calls[blocks[0]][1]
+    above = {n.index for n in graph.nodes[:first] if n.span is not None and _above_cut(graph, n, [function_span])}
+    work = {n.index: node_flops(n, graph.dims.get(n.index), trace) for n in graph.nodes}
+    repeated = sum(work[i] for i in above)
+    divided = sum(work[i] for i in node_blocks(graph, blocks))
+    if repeated <= divided:
+        return
+    where = graph.nodes[min(above)]
+    modules = sorted({m.split(".")[0] for i in above if (m := graph.nodes[i].callee_path or graph.nodes[i].module_path)})
+    total = sum(work.values()) or 1.0
+    raise UserError(f"pipeline stages would cut the blocks of {trunk.container}, in {trunk.function.name.value}(), "
+                    f"and every stage would also run the code above it ({', '.join(modules) or 'the model'}: "
+                    f"{repeated / total:.0%} of the model's work, more than the {divided / total:.0%} its blocks "
+                    "divide): it is not handed on but computed again on each stage", where.span.start,
+                    hint="pipelining cuts the block loop of the function that computes what later stages read; "
+                         "or use --tp or --dp for this model")
+
+
+_NAMING = ("items", "named_children")
+
+
+def _refuse_named_iteration(source, node: cst.CSTNode, container: str, span: Span) -> None:
+    """Refuse a loop calling the blocks that iterates over their names and reads them (`for name,
+    module in self.items(): ...`, torchvision's IntermediateLayerGetter picking its outputs by
+    name): each stage holds its own blocks only, renamed from "0", so the names read would be
+    wrong. A loop that leaves the names unread (DenseNet's dense block) is cut as any other."""
+    loop = node
+    while loop is not None and not isinstance(loop, (cst.For, cst.FunctionDef)):
+        loop = source.parents.get(loop)
+    if not isinstance(loop, cst.For):
+        return
+    calls = [n for n in _calls_in(loop.iter) if isinstance(n.func, cst.Attribute) and n.func.attr.value in _NAMING]
+    target = loop.target
+    name = target.elements[0].value if isinstance(target, (cst.Tuple, cst.List)) and target.elements else None
+    if calls and isinstance(name, cst.Name) and name.value in names_in(list(loop.body.body), False):
+        raise UserError(f"the loop calling the blocks of {container} iterates over their names "
+                        f"(`{cst.Module([]).code_for_node(calls[0])}`), and each pipeline stage holds only its "
+                        "blocks, renamed from the first", source.span_of(loop).start,
+                        hint="pipelining cuts a loop over the blocks themselves (`for block in self.blocks:`); "
+                             "or use --tp or --dp for this model")
+
+
+def _calls_in(node: cst.CSTNode):
+    if isinstance(node, cst.Call):
+        yield node
+    for child in node.children:
+        yield from _calls_in(child)
 
 
 def _iterated_blocks(graph: Graph, paths: list[str]) -> tuple[list[str], tuple[Span, int]] | None:
@@ -1405,7 +1483,12 @@ def _runs_on_every_stage(graph: Graph, plan: StagePlan, node) -> bool:
         blocks = plan.trunk.__dict__["_block_set"] = set(plan.blocks)
     if any(m in blocks for m in (node.module_path, *_ancestors(node.module_path))):
         return False
-    cuts = [t.function_span for t in plan.trunks]
+    return _above_cut(graph, node, [t.function_span for t in plan.trunks])
+
+
+def _above_cut(graph: Graph, node, cuts: list[Span]) -> bool:
+    """Whether the op runs in code above the cut functions: reached from the model's forward
+    through calls none of which lies in one of them."""
     span, module = node.span, node.module_path
     seen = set()
     while span is not None and module not in seen:
@@ -1416,4 +1499,6 @@ def _runs_on_every_stage(graph: Graph, plan: StagePlan, node) -> bool:
         seen.add(module)
         call = graph.trace.module_calls.get(module)
         span, module = (call[0] if call else None), module.rpartition(".")[0]
+        while module and module not in graph.trace.module_calls:   # a ModuleList, never called: its
+            module = module.rpartition(".")[0]                     # children run from its holder's code
     return False

@@ -126,6 +126,36 @@ def switch_off_dropout():
         return attention(*args, **kwargs)
 
     functional.scaled_dot_product_attention = attention_without_dropout
+    keep_uniform_draws()
+
+
+def keep_uniform_draws():
+    """A uniform draw in a forward decides what to drop as dropout does (diffusers' label dropout
+    drops a sample's class where `torch.rand(batch) < p`; stochastic depth keeps it where `keep +
+    torch.rand(...)` floors to 1), and a batch split over ranks draws other numbers for its
+    samples. Inside a module's forward both runs draw the largest float below 1, which keeps
+    everything in either form; outside (batches, initial weights) draws are left alone."""
+    depth = [0]
+
+    def enter(module, args):
+        depth[0] += 1
+
+    def leave(module, args, output):
+        depth[0] -= 1
+
+    torch.nn.modules.module.register_module_forward_pre_hook(enter)
+    torch.nn.modules.module.register_module_forward_hook(leave)
+
+    def kept(draw):
+        def uniform(*args, **kwargs):
+            out = draw(*args, **kwargs)
+            if depth[0] > 0 and isinstance(out, torch.Tensor) and out.is_floating_point():
+                out.fill_(1.0 - torch.finfo(out.dtype).eps / 2)
+            return out
+        return uniform
+
+    torch.rand = kept(torch.rand)
+    torch.rand_like = kept(torch.rand_like)
 
 
 def adamw(params, lr):

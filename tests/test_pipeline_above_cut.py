@@ -1,0 +1,192 @@
+"""Pipeline cuts whose block loop is not in the model's top forward (issue 26: diffusers' UNets).
+
+Code above the function holding the block loop runs on every stage up to that function's call.
+A module it reaches through a ModuleList (`for layer in self.down: ...`) is called there, so
+every stage must hold it (a shadow), never drop it; and a cut whose code above does more of the
+model's work than the blocks divide (a UNet's down path, its skip connections read after the
+block loop returns) is refused before anything is written, where that code begins.
+"""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from nnscaler_cst.errors import UserError
+
+UNET_LIKE = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+
+
+    class Block(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.fc = nn.Linear(d, d)
+
+        def forward(self, x):
+            return x + self.fc(x)
+
+
+    class Widen(nn.Module):
+        def __init__(self, d, wide):
+            super().__init__()
+            self.fc = nn.Linear(d, wide)
+
+        def forward(self, x):
+            return torch.relu(self.fc(x))
+
+
+    class Narrow(nn.Module):
+        def __init__(self, wide, d):
+            super().__init__()
+            self.fc = nn.Linear(wide, d)
+
+        def forward(self, x):
+            return self.fc(x)
+
+
+    class Middle(nn.Module):
+        def __init__(self, d, n):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(d) for _ in range(n)])
+
+        def forward(self, x):
+            x = x * 2
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+
+    class Net(nn.Module):
+        def __init__(self, d=8, wide=WIDE):
+            super().__init__()
+            self.down = nn.ModuleList([Widen(d, wide), Narrow(wide, d)])
+            self.mid = Middle(d, 2)
+            self.up = nn.Linear(2 * d, d)
+
+        def forward(self, x):
+            skips = []
+            for layer in self.down:
+                x = layer(x)
+                skips.append(x)
+            x = self.mid(x)
+            return self.up(torch.cat([x, skips[-1]], dim=-1)).pow(2).mean()
+
+
+    def build():
+        return Net()
+
+
+    def example_inputs():
+        return (torch.randn(4, 8),)
+''')
+
+
+def analyze_with(tmp_path, wide: int):
+    from nnscaler_cst.analysis import analyze
+    path = tmp_path / "unet_like.py"
+    path.write_text(UNET_LIKE.replace("WIDE", str(wide)))
+    return analyze(path).graph
+
+
+def test_modules_code_above_the_cut_calls_through_a_module_list_are_held_by_every_stage(tmp_path):
+    from nnscaler_cst.plan.pipeline import plan_stages
+    plan = plan_stages(analyze_with(tmp_path, 2), 2)      # the down path: less work than the blocks
+    assert plan.block_ranges == [(0, 1), (1, 2)]
+    assert {"down.0.fc", "down.1.fc"} <= set(plan.shadow[1])
+    assert not {"down.0.fc", "down.1.fc"} & set(plan.drop[1])
+
+
+def test_a_cut_leaving_more_work_to_every_stage_than_it_divides_is_refused_where_that_work_starts(tmp_path):
+    from nnscaler_cst.plan.pipeline import plan_stages
+    with pytest.raises(UserError) as refused:
+        plan_stages(analyze_with(tmp_path, 64), 2)        # the down path: more work than the blocks
+    assert "every stage would also run the code above it (down" in refused.value.message
+    first_op = UNET_LIKE.splitlines().index("        return torch.relu(self.fc(x))") + 1   # the down path's
+    assert refused.value.location.line == first_op
+
+
+NAMED_LOOP = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+
+
+    class Block(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.fc = nn.Linear(d, d)
+
+        def forward(self, x):
+            return x + self.fc(x)
+
+
+    class LayerGetter(nn.ModuleDict):
+        """torchvision's IntermediateLayerGetter: runs its layers, keeps the outputs it names."""
+
+        def __init__(self, layers, keep):
+            super().__init__(layers)
+            self.keep = keep
+
+        def forward(self, x):
+            out = {}
+            for name, module in self.items():
+                x = module(x)
+                if name in self.keep:
+                    out[self.keep[name]] = x
+            return out
+
+
+    class Net(nn.Module):
+        def __init__(self, d=8):
+            super().__init__()
+            self.body = LayerGetter({str(i): Block(d) for i in range(4)}, {"1": "low", "3": "high"})
+
+        def forward(self, x):
+            out = self.body(x)
+            return (out["low"] + out["high"]).pow(2).mean()
+
+
+    def build():
+        return Net()
+
+
+    def example_inputs():
+        return (torch.randn(4, 8),)
+''')
+
+
+def test_a_block_loop_over_the_blocks_names_is_refused_at_the_loop(tmp_path):
+    from nnscaler_cst.analysis import analyze
+    from nnscaler_cst.plan.pipeline import plan_stages
+    path = tmp_path / "named.py"
+    path.write_text(NAMED_LOOP)
+    with pytest.raises(UserError) as refused:
+        plan_stages(analyze(path).graph, 2)
+    assert "iterates over their names (`self.items()`)" in refused.value.message
+    assert refused.value.location.line == NAMED_LOOP.splitlines().index("        for name, module in self.items():") + 1
+
+
+def test_a_block_loop_leaving_the_names_unread_is_cut(tmp_path):
+    from nnscaler_cst.analysis import analyze
+    from nnscaler_cst.plan.pipeline import plan_stages
+    path = tmp_path / "unread.py"
+    unread = NAMED_LOOP.replace("            if name in self.keep:\n                out[self.keep[name]] = x\n",
+                                "            out[len(out)] = x\n")
+    path.write_text(unread.replace('out["low"] + out["high"]', "out[1] + out[3]"))
+    assert plan_stages(analyze(path).graph, 2).block_ranges == [(0, 2), (2, 4)]
+
+
+def test_code_after_the_block_loop_reading_the_block_list_is_refused_there(tmp_path):
+    """DiT's output conditioning reads `self.transformer_blocks[0].norm1.emb` after the loop."""
+    from nnscaler_cst.analysis import analyze
+    from nnscaler_cst.plan.pipeline import plan_stages
+    path = tmp_path / "epilogue.py"
+    loop = "        for block in self.blocks:\n            x = block(x)\n        return x\n"
+    assert loop in UNET_LIKE
+    path.write_text(UNET_LIKE.replace("WIDE", "2").replace(loop, loop.replace(
+        "return x\n", "return x + self.blocks[0].fc.bias\n")))
+    with pytest.raises(UserError) as refused:
+        plan_stages(analyze(path).graph, 2)
+    assert "the code after the loop over the blocks of mid.blocks reads the block list (`self.blocks[0]`)" \
+        in refused.value.message
