@@ -600,7 +600,8 @@ def _check_work_above_cut(graph: Graph, trunk: Trunk) -> None:
     the cut function returns, is computed again on each stage). Chained trunks hand on between
     their functions and are not asked."""
     trace, blocks, function_span = graph.trace, trunk.blocks, trunk.function_span
-    first = trace.module_calls[blocks[0]][1]
+    first = min(index for path, (_, index) in trace.module_calls.items()    # a list of modules: its first call
+                if path == blocks[0] or path.startswith(blocks[0] + "."))
     above = {n.index for n in graph.nodes[:first] if n.span is not None and _above_cut(graph, n, [function_span])}
     work = {n.index: node_flops(n, graph.dims.get(n.index), trace) for n in graph.nodes}
     repeated = sum(work[i] for i in above)
