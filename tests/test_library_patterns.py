@@ -990,17 +990,6 @@ def test_verifies(tmp_path, model, mode):
     assert "PASSED" in result.stdout
 
 
-def test_a_loop_carried_object_holding_tensors_that_need_gradients_is_refused_at_the_loop(tmp_path):
-    root = written(tmp_path, NESTED_LAYER_LISTS.replace("@dataclass\n    class Intermediates:\n        values: torch.Tensor",
-                                                        "class Intermediates:\n        def __init__(self, values):\n"
-                                                        "            self.values = values"))
-    result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
-    assert result.returncode == 2 and not (root / "out").exists()
-    line = next(k for k, text in enumerate((root / "model.py").read_text().splitlines(), 1) if "for ind, (" in text)
-    assert f"model.py:{line}:9: error: the pipeline stages hand `first_inter` on from stage to stage" in result.stderr
-    assert "holds a Intermediates object with tensors that need gradients" in result.stderr, result.stderr
-
-
 # diffusers' FeedForward: `for module in self.net: hidden_states = module(hidden_states)` over a
 # list of torch's layers (a projection, an activation, a projection), one line for all of them.
 LOOP_OVER_LAYERS = '''
