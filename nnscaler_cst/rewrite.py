@@ -174,7 +174,9 @@ def _choose_coshard(analysis: Analysis, request: PlanRequest, constraints: list,
         return search_axis(graph, "tp", ways, constraints, device, data_parallel=dp,
                            micro_batches=_micro_batches(request), every_size_read=every_size_read)
 
-    return plan_coshard(graph, constraints, tp, tp_plan, base, request.memory_budget, search)
+    # --plan auto chose C with the budget checked against recompute, ZeRO and the pipeline together
+    budget = None if request.auto is not None else request.memory_budget
+    return plan_coshard(graph, constraints, tp, tp_plan, base, budget, search)
 
 
 def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool = False,

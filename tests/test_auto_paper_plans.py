@@ -189,8 +189,9 @@ def test_a_huge_shared_vocabulary_makes_the_search_interlace_the_pipeline(vocab)
 
 @pytest.mark.slow             # about 30 s: the split of an Evoformer block solved for tp 2 and 4
 def test_a_recycling_trunk_under_a_tight_budget_is_pipelined_under_3f1b(tmp_path_factory):
+    # at 100 MB ZeRO-3 with recompute fits (activations counted as autograd keeps them) and wins
     graph = _fake(tmp_path_factory, "recycling", RECYCLING)
-    choice = search_auto(graph, 4, H100, [], 1e8)
+    choice = search_auto(graph, 4, H100, [], 6e7)
     assert choice.config.pp > 1 and choice.config.schedule == "3f1b", choice.config
     assert {e.config.schedule for e in choice.candidates if e.config.pp > 1} == {"3f1b"}
 
@@ -251,7 +252,7 @@ def _verify(tmp_path, text: str, *options) -> dict:
 @pytest.mark.slow
 def test_auto_co_shard_at_small_shapes_verifies(tmp_path):
     plan = _verify(tmp_path, ATTENTION.format(width=32, heads=4, seq=64, batch=2), "--devices", 2,
-                   "--memory-budget", 1e6)
+                   "--memory-budget", 5e5)       # at 1 MB a pipeline without recompute fits and wins
     assert "co-shard=" in plan["plan"], plan["plan"]
 
 

@@ -150,11 +150,23 @@ def test_a_pipeline_cuts_an_nn_sequential_of_blocks(tmp_path, fixtures_dir):
 
 
 @pytest.mark.slow
-def test_a_sequential_trunk_inside_a_larger_expression_is_refused(tmp_path, fixtures_dir):
+def test_a_sequential_trunk_inside_a_return_is_moved_onto_its_own_line_and_verifies(tmp_path, fixtures_dir):
     model = tmp_path / "model.py"
     model.write_text((fixtures_dir / "residual_mlp.py").read_text().replace(
         "        x = self.blocks(x)\n        return self.out(x).pow(2).mean()",
         "        return self.out(self.blocks(x)).pow(2).mean()"))
+    result = cli("verify", model, "--pp", "2", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    source = (tmp_path / "parallel" / "model_stage0.py").read_text()
+    assert "x = self.blocks(x)  # pipeline: this stage's blocks of blocks only" in source
+
+
+def test_a_sequential_trunk_whose_input_is_read_again_in_its_expression_is_refused(tmp_path, fixtures_dir):
+    # moving the call onto a line `x = self.blocks(x)` would change what the later `x` reads
+    model = tmp_path / "model.py"
+    model.write_text((fixtures_dir / "residual_mlp.py").read_text().replace(
+        "        x = self.blocks(x)\n        return self.out(x).pow(2).mean()",
+        "        return (self.out(self.blocks(x)) + x.sum()).pow(2).mean()"))
     result = cli("rewrite", model, "--pp", "2", "-o", tmp_path / "out", cwd=tmp_path)
     assert result.returncode == 2
     line = next(i for i, l in enumerate(model.read_text().splitlines(), 1) if "self.blocks(x)" in l)

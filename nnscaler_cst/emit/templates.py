@@ -512,7 +512,8 @@ def pipeline_forward_backward(stages, batch, module):
     for i, (kind, stage, m, cycle, call) in enumerate(actions):
         _comm.PIPE.stage = stage % length
         _comm.PIPE.cycle = cycle if passes > 1 else None
-        _comm.PIPE.model = stages[local[stage]]      # a module handed over is read from this stage's model
+        if stage in local:      # (a vocabulary step may be another rank's)
+            _comm.PIPE.model = stages[local[stage]]      # a module handed over is read from this stage's model
         before = rank_of(stage - 1) if not first(stage) else None
         after = rank_of(stage + 1) if not last(stage) else None
         sends = []
