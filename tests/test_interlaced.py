@@ -239,3 +239,59 @@ def test_interlaced_encoder_decoder_trains_like_the_single_device_run(tmp_path, 
     shards = [line for line in (tmp_path / "out" / "__init__.py").read_text().splitlines()
               if line.startswith("PP_VOCAB_SPLITS")]
     assert shards and "lm_head.weight" in shards[0]
+
+
+# a table far larger than the blocks: what a device holds is its 1/(tp x pp) piece of the table
+BIG_TABLE = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.fc(x)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16384, 16)
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.head = nn.Linear(16, 16384, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return {"ids": torch.randint(0, 16384, (2, 2))}
+'''
+
+
+def test_each_device_holds_its_piece_of_the_vocabulary_state(tmp_path):
+    """price's memory: the table's weight, gradient and optimizer state (16 bytes an element) on
+    one device is 1/(tp x pp) of it, whatever the tensor-parallel split kept whole (the vocabulary
+    modules are whole on tp: they were counted 1/pp before)."""
+    from nnscaler_cst.analysis import analyze
+    from nnscaler_cst.plan.auto import Config
+    from nnscaler_cst.plan.cost import load_cluster
+
+    entry = tmp_path / "big_table.py"
+    entry.write_text(BIG_TABLE)
+    graph = analyze(entry).graph
+    table_state = 16384 * 16 * 16
+    estimate, _, _ = interlaced.price(graph, Config(tp=2, dp=1, pp=2, micro_batches=2, schedule="interlaced"),
+                                      load_cluster("cpu-gloo"))
+    assert table_state / 4 <= estimate.memory < 0.3 * table_state

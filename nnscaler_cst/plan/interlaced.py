@@ -21,6 +21,7 @@ pipeline_seconds and estimate price it for the planner, from the same walk and s
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from pathlib import Path
 
@@ -425,15 +426,19 @@ def price(graph: Graph, config, cluster, constraints: list[Constraint] | None = 
     stage_seconds = [t - o for t, o in zip(base.stage_seconds, owned)]
     pipeline = pipeline_seconds(stage_seconds, vocab, micro, schedule_table)
     state = PARAM_BYTES + GRAD_BYTES + ADAMW_STATE_BYTES
-    held = []
+    held = []       # the vocabulary state 1F1B's pricing puts on each rank's devices (whole on tp: kept whole)
     for s in range(pp):
         params: dict[str, float] = {}
         for r, t in stage_of_region.items():
             if t == s:
                 params.update(cost.params[r])
         held.append(sum(e for p, e in params.items() if p in names) * state)
+    # what every device holds instead: its 1/(tp x pp) piece of each vocabulary weight (the whole
+    # weight's elements, whatever the tensor-parallel split left on one device)
+    piece = sum(math.prod(info.shape) for info in graph.trace.params.values() if set(info.aliases) & set(names)) \
+        * state / pieces
     activations = auto._stage_times(one_f_one_b, cost, blocks, cluster)[1]
-    memory = [m - h + max(held) * (1 if tp == 1 else tp) / pieces - a + a / min(pp - s, micro) * min(2 * (pp - 1 - s) + 1, micro)
+    memory = [m - h + piece - a + a / min(pp - s, micro) * min(2 * (pp - 1 - s) + 1, micro)
               for s, (m, h, a) in enumerate(zip(base.stage_memory, held, activations))]
     out = replace(base, config=config, seconds=pipeline + base.sync_seconds, memory=max(memory), stage_seconds=stage_seconds,
                   stage_memory=memory, pipeline_seconds=pipeline)
