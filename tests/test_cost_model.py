@@ -330,3 +330,38 @@ def test_attention_keeps_its_flops_when_the_search_refines_its_labels():
     dims = graph.dims[node.index]
     assert any("." in label for label in dims.sizes()), "no label was refined: this tests nothing"
     assert is_contraction(node, dims, graph.trace) and node_flops(node, dims, graph.trace) == before
+
+
+def test_an_embedding_lookup_costs_its_output_not_a_matmul_over_the_table(tmp_path):
+    """The vocabulary is summed over in an embedding's dims (a split of it gives partial sums), but
+    the ids pick one row per token: no contraction (is_contraction), so its FLOPs are the output's
+    elements. Counted as 2 · output · vocabulary, a 2,048,000-row table weighed as much as the LM
+    head in the stage balance, and 1F1B's cut left the embedding's stage nearly empty."""
+    path = tmp_path / "lookup.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        import torch.nn as nn
+
+
+        class Lookup(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = nn.Embedding(1000, 8)
+                self.proj = nn.Linear(8, 4)
+
+            def forward(self, ids):
+                return self.proj(self.embed(ids)).sum()
+
+
+        def build():
+            return Lookup()
+
+
+        def example_inputs():
+            return (torch.randint(0, 1000, (2, 3)),)
+    """))
+    graph = analyze(path, trace_mode="fake").graph
+    lookup = next(n for n in graph.nodes if n.callee == "torch.nn.Embedding")
+    linear = next(n for n in graph.nodes if n.callee == "torch.nn.Linear")
+    assert node_flops(lookup, graph.dims.get(lookup.index), graph.trace) == 2 * 3 * 8
+    assert node_flops(linear, graph.dims.get(linear.index), graph.trace) == 2 * (2 * 3 * 4) * 8

@@ -238,11 +238,13 @@ def is_contraction(node: Node, dims: OpDims | None, trace: Trace) -> bool:
 def node_flops(node: Node, dims: OpDims | None, trace: Trace) -> float:
     """Forward FLOPs of a contraction: 2 · output elements · the products each one sums, which is
     the fewest elements an operand carries beyond the output's dims (a matmul's k; a conv's
-    c·kh·kw, from its weight, not the c·h·w of its input); else elements touched."""
+    c·kh·kw, from its weight, not the c·h·w of its input); else elements touched. A lookup (an
+    integer operand picks the rows of a table only it carries: an embedding) is no contraction, as
+    is_contraction says: its output elements, not 2 · output · the table's rows."""
     ruled = _rule_flops(dims) if dims is not None else None
     if ruled is not None:
         return ruled
-    if dims is not None and dims.reduced:
+    if dims is not None and dims.reduced and not _looks_up(dims, trace):
         sizes = dims.sizes()
         kept = set().union(*(t.labels() for t in dims.outputs)) if dims.outputs else set()
         output = 1.0
@@ -253,6 +255,12 @@ def node_flops(node: Node, dims: OpDims | None, trace: Trace) -> float:
         return 2.0 * output * window
     sizes = [trace.tensors[t].nbytes / 4 for t in node.outputs] or [0.0]
     return max(sizes)
+
+
+def _looks_up(dims: OpDims, trace: Trace) -> bool:
+    """An integer operand beside a summed label no two floating operands share: a gather of rows."""
+    return any(trace.tensors[t.tid].dtype not in _ELEMENT_BYTES for t in dims.inputs.values()) and \
+        not is_contraction(None, dims, trace)
 
 
 def _rule_flops(dims: OpDims) -> float | None:
