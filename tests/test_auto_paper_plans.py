@@ -176,15 +176,17 @@ def test_where_memory_forces_recompute_the_search_co_shards_the_attention_core(a
 def test_a_huge_shared_vocabulary_makes_the_search_interlace_the_pipeline(vocab):
     """1F1B keeps the whole shared vocabulary weight on its first and on its last stage; the
     interlaced pipeline splits it (and the embedding's and head's work) over the pipeline ranks,
-    and is the fastest plan that fits 2.1 GB (1F1B fits too, with more micro-batches, and is slower)."""
+    and is the fastest plan that fits 2.1 GB, where no plan without it fits (an embedding lookup
+    costs its output, not a matmul over the table: the FLOP balance gives 1F1B's embedding stage
+    its share of blocks beside the table; before, 1F1B fitted with more micro-batches)."""
     choice = search_auto(vocab, 4, H100, [], 2.1e9)
     assert choice.config.pp > 1 and choice.config.schedule == "interlaced", choice.config
     same = Config(choice.config.tp, choice.config.dp, choice.config.pp, choice.config.micro_batches,
                   choice.config.zero, choice.config.recompute)
     one_f_one_b = estimate_config(vocab, same, H100, [], 2.1e9)
     assert one_f_one_b.memory > choice.best.memory and one_f_one_b.why_not is not None
-    fitting = [e for e in choice.candidates if e.config.schedule == "1f1b" and e.config.pp > 1 and e.why_not is None]
-    assert fitting and all(e.seconds > choice.best.seconds for e in fitting)
+    others = [e for e in choice.candidates if e.config.schedule != "interlaced"]
+    assert others and all(e.why_not is not None for e in others)
 
 
 @pytest.mark.slow             # about 30 s: the split of an Evoformer block solved for tp 2 and 4
