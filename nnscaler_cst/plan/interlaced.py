@@ -350,11 +350,11 @@ def estimate(graph: Graph, config, cluster, constraints: list[Constraint] | None
 
 
 def price(graph: Graph, config, cluster, constraints: list[Constraint] | None = None,
-          memory_budget: float | None = None, *, table: str = "megatron"):
+          memory_budget: float | None = None, *, table: str = "megatron", ranges: list[tuple[int, int]] | None = None):
     """(estimate, the vocabulary steps per owning stage, the stages' seconds without them). One interlaced configuration (config.pp > 1) priced as plan/auto.py prices 1F1B: the
     vocabulary modules whole on tp in the tensor-parallel split (`table`'s rules plus
     `constraints`), their weight split over all tp x pp devices; the stages balanced without
-    them; each call an SPMD step of every rank, its compute 1/(tp x pp) of the op's and its
+    them (or cut at `ranges`: per stage, its blocks a..b - 1 as (a, b)); each call an SPMD step of every rank, its compute 1/(tp x pp) of the op's and its
     collectives (the input broadcast along the pipeline lines, the embedding's all-reduce over
     tp x pp, the head's gather of the logits to the owner's tp peers and its scatter of their
     gradient, its input gradient's all-reduce over tp x pp); the step from
@@ -381,7 +381,7 @@ def price(graph: Graph, config, cluster, constraints: list[Constraint] | None = 
         moved[blocks.region[node.index]] += node_flops(node, graph.dims.get(node.index), graph.trace)
     blocks = replace(blocks, flops=[f - moved[r + 1] for r, f in enumerate(blocks.flops)],
                      prologue_flops=blocks.prologue_flops - moved[0], epilogue_flops=blocks.epilogue_flops - moved[-1],
-                     ranges={})
+                     ranges={pp: list(ranges)} if ranges else {})
     rules = (load_table(table).for_axis("tp") if table else []) + list(constraints or [])
     plan = None
     device = cluster.axis(1, tp)
