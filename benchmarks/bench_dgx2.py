@@ -253,6 +253,212 @@ def encoder_decoder(lines: list[str], entry: str, title: str, tp: int = 8, pp: i
 
 
 # ---------------------------------------------------------------------------------------------
+# T5 at the artifact's setting: interlaced against the best fitting 1F1B + Megatron TP, and a vocabulary sweep
+# ---------------------------------------------------------------------------------------------
+
+T5_VOCABS = (32_000, 128_000, 256_000, 512_000, 1_024_000, 2_048_000)     # the artifact's VOCAB_K x 1000
+T5_SHAPES = ((4, 8), (8, 4), (16, 2), (32, 1))      # tp x pp = 32 (the artifact's --max-dp 1: a 46B model)
+T5_MICRO = (256, 128)                               # micro-batches of 1 (the artifact's --mbs 1) and of 2
+
+
+def even_cut(count: int, pp: int) -> list[tuple[int, int]]:
+    """Megatron-LM's stages: the layers divided evenly (the artifact's megatron policy, mitr.divide)."""
+    sizes = [count // pp + (1 if s < count % pp else 0) for s in range(pp)]
+    ends = [sum(sizes[:s + 1]) for s in range(pp)]
+    return [(0 if s == 0 else ends[s - 1], ends[s]) for s in range(pp)]
+
+
+def fits_first(estimate) -> tuple:
+    return (0, estimate.seconds) if estimate.memory <= BUDGET else (1, estimate.memory)
+
+
+def cut_search(price_at, count: int, pp: int, seeds, limit: int = 10_000) -> tuple[list[tuple[int, int]], object, int]:
+    """The fastest stage cut that fits (else the one needing least memory): from each seed cut, move
+    one cut point by 1, 2, 4 or 8 blocks while that improves, at most `limit` cuts priced;
+    `price_at(ranges)` is the estimate."""
+    def ranges_of(points):
+        edges = [0, *points, count]
+        return [(edges[s], edges[s + 1]) for s in range(pp)]
+    best, tried = None, {}
+
+    def priced_at(points):
+        if points not in tried:
+            tried[points] = price_at(ranges_of(points))
+        return tried[points]
+    for seed in seeds:
+        points = tuple(b for _, b in seed[:-1])
+        current = priced_at(points)
+        improved = True
+        while improved and len(tried) < limit:
+            improved = False
+            for i in range(pp - 1):
+                for step in (1, -1, 2, -2, 4, -4, 8, -8):
+                    moved = list(points)
+                    moved[i] += step
+                    edges = [0, *moved, count]
+                    if any(edges[s + 1] <= edges[s] for s in range(pp)) or len(tried) >= limit:
+                        continue
+                    candidate = priced_at(tuple(moved))
+                    if fits_first(candidate) < fits_first(current):
+                        points, current, improved = tuple(moved), candidate, True
+        if best is None or fits_first(current) < fits_first(best[1]):
+            best = (ranges_of(points), current)
+    return best[0], best[1], len(tried)
+
+
+def megatron_1f1b(graph, blocks, tp: int, pp: int, micro: int, recompute: bool) -> list[tuple[str, object, str]]:
+    """1F1B + Megatron TP at one (tp, pp, micro-batches, recompute) under each stage cut: auto's FLOP
+    balance, Megatron's even split, and the fastest cut that fits (cut_search)."""
+    config = Config(tp=tp, dp=1, pp=pp, micro_batches=micro, recompute=recompute)
+    estimate, _, cost = priced_with(graph, config, blocks, load_table("megatron").for_axis("tp"))
+    if pp == 1:
+        return [("", estimate, "")]
+
+    def at(ranges):
+        for key in ("_stages", "_parts"):
+            cost.__dict__.pop(key, None)
+        return auto._estimate(config, cost, replace(blocks, ranges={pp: ranges}), graph.trace.batch_size, CLUSTER,
+                              BUDGET)
+    flop_cut = auto._stage_ranges(blocks, pp)
+    even = even_cut(blocks.count, pp)
+    searched, found, tried = cut_search(at, blocks.count, pp, [even, flop_cut])
+    return [("FLOP-balanced cut", at(flop_cut), f"cut {flop_cut}"), ("Megatron's even cut", at(even), f"cut {even}"),
+            ("searched cut", found, f"cut {searched} ({tried} cuts priced)")]
+
+
+def interlaced_at(graph, blocks, tp: int, pp: int, micro: int, recompute: bool):
+    """Interlaced at one configuration: the tool's cut (FLOPs without the vocabulary ops) and, where that
+    does not fit, the fastest cut that fits, as the baseline gets (each cut a whole price: the simulator's
+    walk, slow enough on this machine to search only where needed)."""
+    from nnscaler_cst.plan import interlaced
+    config = Config(tp=tp, dp=1, pp=pp, micro_batches=micro, recompute=recompute, schedule="interlaced")
+    base, vocab, _ = interlaced.price(graph, config, CLUSTER, [], BUDGET)
+    rows = [("tool's cut", base, vocab, "")]
+    if base.memory <= BUDGET:
+        return rows
+    searched, found, tried = cut_search(lambda r: interlaced.price(graph, config, CLUSTER, [], BUDGET, ranges=r)[0],
+                                        blocks.count, pp, [interlaced.stage_cut(graph, pp, tp * pp)], limit=60)
+    rows.append(("searched cut", found, interlaced.price(graph, config, CLUSTER, [], BUDGET, ranges=searched)[1],
+                 f"cut {searched} ({tried} cuts priced)"))
+    return rows
+
+
+def vocab_compute_seconds(graph, tp: int, pp: int, micro: int) -> float:
+    """The vocabulary calls' compute per micro-batch on one of the tp x pp devices (what their steps
+    cost without their collectives)."""
+    from nnscaler_cst.plan import interlaced
+    from nnscaler_cst.plan.cost import node_time
+    from nnscaler_cst.plan.pipeline import cut_blocks
+    table = interlaced.load_schedule("interlaced")
+    modules, _ = interlaced.vocab_modules(graph, cut_blocks(graph), tp * pp, table.vocab, table.location)
+    device = CLUSTER.axis(1, tp)
+    return sum(node_time(n, graph.dims.get(n.index), graph.trace, device, 1, dims_of=graph.dims.get)
+               for n in interlaced.vocab_calls(graph, modules)) / (micro * tp * pp)
+
+
+def t5_best(graph, shapes=T5_SHAPES, micros=T5_MICRO, log=print, interlaced_shapes=T5_SHAPES):
+    """Every 1F1B + Megatron TP and interlaced configuration priced; (rows, best fitting 1F1B, best fitting
+    interlaced), rows as (label, estimate, note, vocabulary steps or None)."""
+    blocks = auto._blocks(graph)
+    rows = []
+    for tp, pp in shapes:
+        for recompute in (False, True):
+            for micro in micros:
+                for cut, estimate, note in megatron_1f1b(graph, blocks, tp, pp, micro, recompute):
+                    label = "1F1B + Megatron TP" + (" + recompute" if recompute else "") + (f", {cut}" if cut else "")
+                    rows.append((label, estimate, note, None))
+                    log(label, estimate.config.describe(), f"{estimate.seconds:.2f}", f"{estimate.memory / GIB:.1f}")
+                if pp > 1 and micro == micros[0] and (tp, pp) in interlaced_shapes:      # more micro-batches of 1: fewer in flight, less memory
+                    for cut, estimate, vocab, note in interlaced_at(graph, blocks, tp, pp, micro, recompute):
+                        label = "interlaced" + (" + recompute" if recompute else "") + f", {cut}"
+                        rows.append((label, estimate, note, vocab))
+                        log(label, estimate.config.describe(), f"{estimate.seconds:.2f}", f"{estimate.memory / GIB:.1f}")
+    base = best([(r[0], r[1]) for r in rows if r[0].startswith("1F1B")])
+    paper = best([(r[0], r[1]) for r in rows if r[0].startswith("interlaced")])
+    return rows, base, paper
+
+
+def t5_artifact(lines: list[str]) -> dict:
+    import gc
+    graph, trace_seconds = traced("dgx2_t5_artifact.py")
+    start = time.perf_counter()
+    rows, base, paper = t5_best(graph, log=lambda *a: print(*a, flush=True))
+    search_seconds = time.perf_counter() - start
+    # the table: per (configuration, cut kind), the fitting rows and the best of those that do not fit
+    shown = [r for r in rows if r[1].memory <= BUDGET]
+    for label in dict.fromkeys(r[0] for r in rows):
+        if not any(r[0] == label for r in shown):
+            shown.append(min((r for r in rows if r[0] == label), key=lambda r: r[1].memory))
+    shown.sort(key=lambda r: (r[1].memory > BUDGET, r[1].seconds))
+    blocks = auto._blocks(graph)
+    lines += ["## T5 at the artifact's setting: interlaced against the best fitting 1F1B + Megatron TP", "",
+              f"`benchmarks/dgx2_t5_artifact.py` (traced in {trace_seconds:.0f} s, {len(graph.nodes)} ops): transformers' "
+              "T5 at the nnScaler artifact's T5 (cupilot/evaluation/t5_32gpus.sh, examples/t5/train.py): 32 encoder and "
+              "32 decoder layers, hidden 6144, 96 heads of 64, d_ff 24576, sequence 1024, vocabulary 2,048,000, one "
+              "weight for both embeddings and the head; global batch 256; 46 billion parameters, 12.6 billion of "
+              "them the table. Every configuration of tp x pp = 32 (dp 1, the artifact's --max-dp 1: a second "
+              f"replica of the model does not fit) at {' and '.join(str(m) for m in T5_MICRO)} micro-batches, with and "
+              "without recompute; 1F1B under auto's FLOP-balanced cut, Megatron-LM's even cut (the artifact's megatron "
+              "policy) and a searched cut (a local search over the cut points from those two, each cut priced by the "
+              "planner: the fastest that fits, else the one needing least memory; beyond what Megatron-LM offered the "
+              "paper), interlaced under the tool's cut and, where that does not fit, the same search from the tool's cut (at most 60 cuts, "
+              "each a whole interlaced price). {len(rows)} configurations priced in {search_seconds:.0f} s. The table: the fitting ones, "
+              "fastest first, then for each kind that never fits its least-memory configuration.", "", *TABLE_HEAD]
+    lines += [row(label, estimate, note) for label, estimate, note, _ in shown]
+    lines.append("")
+    if base and paper:
+        p, b = paper[1], base[1]
+        vocab = next(r[3] for r in rows if r[1] is p)
+        steps = sum(sum(v.forward) + sum(v.backward) for v in vocab.values())
+        compute = vocab_compute_seconds(graph, p.config.tp, p.config.pp, p.config.micro_batches)
+        lines += [f"Best fitting: interlaced {p.config.describe()} at {p.seconds:.2f} s, 1F1B + Megatron TP "
+                  f"{b.config.describe()} at {b.seconds:.2f} s: **{b.seconds / p.seconds:.2f}x** (paper: 2.2x). "
+                  f"Interlaced's stages take {', '.join(f'{t:.3f}' for t in p.stage_seconds)} s per micro-batch "
+                  f"without the vocabulary; its vocabulary steps {1e3 * steps:.1f} ms per micro-batch on every device, of "
+                  f"which {1e3 * compute:.1f} ms compute and the rest collectives (the head's logits, 1024 x "
+                  f"{int(os.environ.get('DGX2_T5_VOCAB', 2_048_000)):,} per micro-batch, gathered to the "
+                  "owner's tp peers and their gradient scattered back). 1F1B's stages take "
+                  f"{', '.join(f'{t:.3f}' for t in b.stage_seconds)} s, peak {b.memory / GIB:.1f} GiB.", ""]
+    del graph
+    gc.collect()
+    return {"base": base, "paper": paper, "rows": rows}
+
+
+def t5_vocab_sweep(lines: list[str]) -> list:
+    """The artifact's T5 at each vocabulary of T5_VOCABS: the best fitting of each side (1F1B at tp x pp
+    of 8 x 4 and 16 x 2, interlaced at 8 x 4, 256 micro-batches: t5_artifact's winners at 2M)."""
+    import gc
+    out = []
+    for vocab in T5_VOCABS:
+        os.environ["DGX2_T5_VOCAB"] = str(vocab)
+        graph, trace_seconds = traced("dgx2_t5_artifact.py")
+        start = time.perf_counter()
+        _, base, paper = t5_best(graph, shapes=((8, 4), (16, 2)), micros=(256,), log=lambda *a: None,
+                                 interlaced_shapes=((8, 4),))
+        out.append((vocab, base, paper, trace_seconds + time.perf_counter() - start))
+        print("vocab", vocab, base and base[1].config.describe(), base and f"{base[1].seconds:.2f}",
+              paper and paper[1].config.describe(), paper and f"{paper[1].seconds:.2f}", flush=True)
+        del graph
+        gc.collect()
+    os.environ.pop("DGX2_T5_VOCAB")
+    wins = next((v for v, b, p, _ in out if p and (not b or b[1].seconds > p[1].seconds)), None)
+    lines += ["### The vocabulary at which interlaced starts to win", "",
+              "The same T5 (hidden 6144, 32 + 32 layers, batch 256) at each vocabulary (`DGX2_T5_VOCAB`), each side "
+              "at its best fitting configuration (1F1B + Megatron TP over tp x pp in {8 x 4, 16 x 2}, interlaced at 8 x 4), "
+              "256 micro-batches, recompute or not, the cuts as above.", "",
+              "| vocabulary | 1F1B + Megatron TP | est. step s | interlaced | est. step s | speedup | s to trace and price |",
+              "|---|---|---|---|---|---|---|"]
+    for vocab, base, paper, seconds in out:
+        b = f"{base[0]}: {base[1].config.describe()} | {base[1].seconds:.2f}" if base else "none fits | "
+        p = f"{paper[0]}: {paper[1].config.describe()} | {paper[1].seconds:.2f}" if paper else "none fits | "
+        speed = f"{base[1].seconds / paper[1].seconds:.2f}x" if base and paper else ("only interlaced fits" if paper else "-")
+        lines.append(f"| {vocab:,} | {b} | {p} | {speed} | {seconds:.0f} |")
+    lines += ["", f"Interlaced starts to win at a vocabulary of {wins:,} (of those priced)." if wins else
+              "Interlaced wins at none of these vocabularies.", ""]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # AlphaFold2: 3F1B against tensor parallelism over the pair dims + data parallelism
 # ---------------------------------------------------------------------------------------------
 
@@ -389,8 +595,60 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
 """
 
 
+T5_KEY = "T5 at the artifact's setting (vocabulary 2,048,000, hidden 6144): interlaced vs 1F1B + TP"
+
+
+def summary_line(key: str, paper, base, reported: str) -> str:
+    if paper is None or base is None:
+        return (f"| {key} | {'none fits' if paper is None else paper[0] + ': ' + paper[1].config.describe()} | "
+                f"{'' if paper is None else f'{paper[1].seconds:.2f}'} | "
+                f"{'none fits' if base is None else base[0] + ': ' + base[1].config.describe()} | "
+                f"{'' if base is None else f'{base[1].seconds:.2f}'} | "
+                f"{'only the paper' + chr(39) + 's plan fits' if base is None and paper else ''} | {reported} |")
+    return (f"| {key} | {paper[0]}: {paper[1].config.describe()} | {paper[1].seconds:.2f} | {base[0]}: "
+            f"{base[1].config.describe()} | {base[1].seconds:.2f} | {base[1].seconds / paper[1].seconds:.2f}x | "
+            f"{reported} |")
+
+
+def t5_sections(body: list[str]) -> tuple:
+    out = t5_artifact(body)
+    t5_vocab_sweep(body)
+    return out["paper"], out["base"], "2.2x (the issue's reading of the paper; the artifact's T5 setting)"
+
+
+def only_t5(started: float, load_before: str) -> None:
+    """`--only t5-artifact`: the T5 sections and the findings rewritten in the BENCH_DGX2.md there is,
+    the other sections left as they were measured."""
+    path = ROOT / "benchmarks" / "BENCH_DGX2.md"
+    text = path.read_text()
+    body = [f"Measured at {revision()} by `python benchmarks/bench_dgx2.py --only t5-artifact` (this section and "
+            f"its sweep only; load {load_before} at the start).", ""]
+    paper, base, reported = t5_sections(body)
+    section = "\n".join(["## T5 at the artifact's setting: interlaced against the best fitting 1F1B + Megatron TP", "",
+                         *body[:2], *body[4:]]) + "\n"
+    start = text.find("## T5 at the artifact's setting")
+    end = text.index("## AlphaFold2")
+    text = text[:start if start >= 0 else end] + section + text[end:]
+    line = summary_line(T5_KEY, paper, base, reported)
+    lines = text.split("\n")
+    at = next((i for i, l in enumerate(lines) if l.startswith(f"| {T5_KEY}")), None)
+    if at is None:
+        at = next(i for i, l in enumerate(lines) if l.startswith("| mBART-large")) + 1
+        lines.insert(at, line)
+    else:
+        lines[at] = line
+    text = "\n".join(lines)
+    text = text[:text.index("## Findings")] + FINDINGS + \
+        f"T5 sections: {time.perf_counter() - started:.0f} s wall, load {load_before} at the start and {load()} at the end.\n"
+    path.write_text(text)
+    print("wrote benchmarks/BENCH_DGX2.md (T5 at the artifact's setting)")
+
+
 def main() -> None:
     started, load_before = time.perf_counter(), load()
+    if sys.argv[1:] == ["--only", "t5-artifact"]:
+        only_t5(started, load_before)
+        return
     lines = ["# The nnScaler paper's comparison on its DGX-2 cluster, priced by this tool's cost model", "",
              f"Measured at {revision()} on this machine (2 cores shared with other sessions; load {load_before} at the "
              "start). `python benchmarks/bench_dgx2.py`. Cluster `rules/devices/dgx2-v100x32.toml` (32 V100: 16 per "
@@ -408,6 +666,7 @@ def main() -> None:
     for entry, title in (("dgx2_t5_3b.py", "T5-3B"), ("dgx2_mbart.py", "mBART-large")):
         out = encoder_decoder(body, entry, title)
         results[f"{title}: interlaced vs 1F1B + TP"] = (out["paper"], out["base"], "not found")
+    results[T5_KEY] = t5_sections(body)
     out = alphafold2(body)
     results["AlphaFold2: 3F1B vs TP + DP (DAP-like)"] = (out["paper"], out["base"],
                                                          "up to 3.5x (abstract, with Swin); 3F1B vs DAP: not found")
@@ -415,14 +674,7 @@ def main() -> None:
     lines += ["## Summary: the fastest plan that fits 32 GB on each side", "",
               "| model: comparison | paper's plan | est. step s | baseline | est. step s | est. speedup | paper's reported |",
               "|---|---|---|---|---|---|---|"]
-    for key, (paper, base, reported) in results.items():
-        if paper is None or base is None:
-            lines.append(f"| {key} | {'none fits' if paper is None else paper[1].config.describe()} | | "
-                         f"{'none fits' if base is None else base[1].config.describe()} | | | {reported} |")
-            continue
-        lines.append(f"| {key} | {paper[0]}: {paper[1].config.describe()} | {paper[1].seconds:.2f} | {base[0]}: "
-                     f"{base[1].config.describe()} | {base[1].seconds:.2f} | {base[1].seconds / paper[1].seconds:.2f}x | "
-                     f"{reported} |")
+    lines += [summary_line(key, paper, base, reported) for key, (paper, base, reported) in results.items()]
     lines += ["", *body, FINDINGS,
               f"Whole benchmark: {time.perf_counter() - started:.0f} s wall, load {load_before} at the start and {load()} "
               "at the end.", ""]

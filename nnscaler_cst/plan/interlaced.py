@@ -343,6 +343,30 @@ def pipeline_seconds(stage_seconds: list[float], vocab: dict[int, VocabSteps], m
                              orders_for=lambda m: orders(table, ranks, m, place, vocab, forward), vocab=vocab)
 
 
+def _without_calls(graph: Graph, calls: list):
+    """plan/auto.py's blocks with the vocabulary calls' FLOPs taken out of their regions (a fresh
+    copy: its stage cuts balance the stages without them)."""
+    from dataclasses import replace
+
+    from . import auto
+    blocks = auto._blocks(graph)
+    moved = [0.0] * (blocks.count + 2)
+    for node in calls:
+        moved[blocks.region[node.index]] += node_flops(node, graph.dims.get(node.index), graph.trace)
+    return replace(blocks, flops=[f - moved[r + 1] for r, f in enumerate(blocks.flops)],
+                   prologue_flops=blocks.prologue_flops - moved[0], epilogue_flops=blocks.epilogue_flops - moved[-1],
+                   ranges={})
+
+
+def stage_cut(graph: Graph, pp: int, ranks: int) -> list[tuple[int, int]]:
+    """The cut `price` uses by default: auto's FLOP balance of the blocks without the vocabulary
+    calls (split over `ranks` = tp x pp devices)."""
+    from . import auto
+    table = load_schedule("interlaced")
+    modules, _ = vocab_modules(graph, cut_blocks(graph), ranks, table.vocab, table.location)
+    return auto._stage_ranges(_without_calls(graph, vocab_calls(graph, modules)), pp)
+
+
 def estimate(graph: Graph, config, cluster, constraints: list[Constraint] | None = None,
              memory_budget: float | None = None, *, table: str = "megatron"):
     """One interlaced configuration priced (an auto.Estimate): price's, below."""
@@ -375,13 +399,9 @@ def price(graph: Graph, config, cluster, constraints: list[Constraint] | None = 
     pieces = tp * pp
     modules, names = vocab_modules(graph, cut_blocks(graph), pieces, schedule_table.vocab, schedule_table.location)
     calls = vocab_calls(graph, modules)
-    blocks = auto._blocks(graph)
-    moved = [0.0] * (blocks.count + 2)
-    for node in calls:
-        moved[blocks.region[node.index]] += node_flops(node, graph.dims.get(node.index), graph.trace)
-    blocks = replace(blocks, flops=[f - moved[r + 1] for r, f in enumerate(blocks.flops)],
-                     prologue_flops=blocks.prologue_flops - moved[0], epilogue_flops=blocks.epilogue_flops - moved[-1],
-                     ranges={pp: list(ranges)} if ranges else {})
+    blocks = _without_calls(graph, calls)
+    if ranges:
+        blocks.ranges[pp] = list(ranges)
     rules = (load_table(table).for_axis("tp") if table else []) + list(constraints or [])
     plan = None
     device = cluster.axis(1, tp)
