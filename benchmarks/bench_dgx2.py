@@ -440,6 +440,18 @@ def t5_artifact(lines: list[str]) -> dict:
     return {"base": base, "paper": paper, "rows": rows}
 
 
+def win_sentence(out) -> str:
+    """Where interlaced starts to win in the sweep, and whether by time or because 1F1B no longer fits."""
+    wins = next(((v, b) for v, b, p, _ in out if p and (not b or b[1].seconds > p[1].seconds)), None)
+    if wins is None:
+        return "Interlaced wins at none of these vocabularies."
+    before = [(v, b[1].seconds / p[1].seconds) for v, b, p, _ in out if v < wins[0] and b and p]
+    return (f"Interlaced starts to win at a vocabulary of {wins[0]:,} (of those priced)"
+            + (": there 1F1B + Megatron TP no longer fits 32 GB" if wins[1] is None else " (faster)")
+            + ("; below it 1F1B fits and is faster (interlaced's speedups " + ", ".join(f"{r:.2f}x" for _, r in before)
+               + ")" if before else "") + ".")
+
+
 def t5_vocab_sweep(lines: list[str]) -> list:
     """The artifact's T5 at each vocabulary of T5_VOCABS: the best fitting of each side (1F1B at tp x pp
     of 8 x 4 and 16 x 2, interlaced at 8 x 4, 256 micro-batches: t5_artifact's winners at 2M)."""
@@ -457,7 +469,6 @@ def t5_vocab_sweep(lines: list[str]) -> list:
         del graph
         gc.collect()
     os.environ.pop("DGX2_T5_VOCAB")
-    wins = next((v for v, b, p, _ in out if p and (not b or b[1].seconds > p[1].seconds)), None)
     lines += ["### The vocabulary at which interlaced starts to win", "",
               "The same T5 (hidden 6144, 32 + 32 layers, batch 256) at each vocabulary (`DGX2_T5_VOCAB`), each side "
               "at its best fitting configuration (1F1B + Megatron TP over tp x pp in {8 x 4, 16 x 2}, interlaced at 8 x 4), "
@@ -469,8 +480,7 @@ def t5_vocab_sweep(lines: list[str]) -> list:
         p = f"{paper[0]}: {paper[1].config.describe()} | {paper[1].seconds:.2f}" if paper else "none fits | "
         speed = f"{base[1].seconds / paper[1].seconds:.2f}x" if base and paper else ("only interlaced fits" if paper else "-")
         lines.append(f"| {vocab:,} | {b} | {p} | {speed} | {seconds:.0f} |")
-    lines += ["", f"Interlaced starts to win at a vocabulary of {wins:,} (of those priced)." if wins else
-              "Interlaced wins at none of these vocabularies.", ""]
+    lines += ["", win_sentence(out), ""]
     return out
 
 
