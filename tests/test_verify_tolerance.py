@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from nnscaler_cst.verify.equivalence import VerifyResult, gradient_error, noise_driven, rounding_of
+from nnscaler_cst.verify.equivalence import (VerifyResult, derived_tolerance, gradient_error, noise_driven,
+                                             rounding_of)
 
 
 def test_rounding_noise_on_a_zero_true_gradient_is_no_error():
@@ -84,6 +85,54 @@ def test_a_reference_whose_one_summation_order_lands_next_to_float64_is_judged_b
     assert gradient_error(expected, merged, rounding_of(expected, exact, reordered))[0] > tolerance
     empty = {"none": torch.zeros(0)}            # MobileBERT has a parameter with no elements
     assert rounding_of(empty, {"none": torch.zeros(0, dtype=torch.float64)}, empty) == {}
+
+
+FLOAT32 = {"param_atol": 5e-4, "loss_atol": 1e-4, "rtol": 1e-4, "grad_rtol": 1e-3}   # verify's defaults
+
+
+def _bfloat16_gradients():
+    """A small MLP built in bfloat16 (as torchtitan's gpt_oss is swept): its first gradients on the
+    whole batch, and as data parallelism makes them, the mean of two halves' gradients, each
+    rounded to bfloat16 and summed in it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16)).to(torch.bfloat16)
+    x = torch.randn(8, 8, 16, dtype=torch.bfloat16)
+
+    def grads(batch):
+        model.zero_grad()
+        model(batch).float().pow(2).mean().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+    whole, first, second = grads(x), grads(x[:4]), grads(x[4:])
+    return whole, {name: (first[name] + second[name]) / 2 for name in whole}
+
+
+def test_a_bfloat16_models_rounding_is_judged_by_bfloat16s_tolerances_and_a_wrong_gradient_still_fails():
+    """gpt_oss built in bfloat16 was called wrong at DP=2 by float32's tolerances: its gradients
+    0.7% apart (about 2**-8, bfloat16's rounding), its parameters 4e-3 (a unit in bfloat16's last
+    place). The tolerances follow the dtype the reference's parameters are held in; a doubled
+    bias gradient (a tp_copy too many) is still an error."""
+    whole, data_parallel = _bfloat16_gradients()
+    precision, tolerance = derived_tolerance(FLOAT32, None, whole, steps=3, lr=1e-3)
+    assert precision == "bf16"
+    error, _ = gradient_error(whole, data_parallel)
+    assert FLOAT32["grad_rtol"] < error <= tolerance["grad_rtol"]
+    wrong = {**data_parallel, "2.bias": 2 * data_parallel["2.bias"]}
+    assert gradient_error(whole, wrong) == (pytest.approx(1.0, abs=0.05), "2.bias")
+    assert gradient_error(whole, wrong)[0] > tolerance["grad_rtol"]
+    # parameters stored in bfloat16 round each AdamW step (lr 1e-3) to their dtype: 4·lr·K
+    assert tolerance["param_atol"] == pytest.approx(4 * 1e-3 * 3)
+
+
+def test_tolerances_follow_the_parameters_dtype_and_the_autocast():
+    params32 = {"w": torch.zeros(2), "b": torch.zeros(2)}
+    assert derived_tolerance(FLOAT32, None, params32, 3, 1e-3) == ("fp32", FLOAT32)
+    # autocast keeps float32 master weights: their steps are not rounded
+    precision, tolerance = derived_tolerance(FLOAT32, "bf16", params32, 3, 1e-3)
+    assert precision == "bf16" and tolerance["param_atol"] == pytest.approx(2 * 1e-3 * 3)
+    # one parameter in fp16 beside bf16 ones: the coarser, bf16, decides
+    mixed = {"w": torch.zeros(2, dtype=torch.bfloat16), "b": torch.zeros(2, dtype=torch.float16)}
+    assert derived_tolerance(FLOAT32, None, mixed, 3, 1e-3)[0] == "bf16"
+    assert derived_tolerance(FLOAT32, None, {"w": torch.zeros(2, dtype=torch.float16)}, 3, 1e-3)[0] == "fp16"
 
 
 # --------------------------------------------------------------------------------------------
