@@ -299,3 +299,66 @@ assert torch.equal(whole, embed.table(labels))     # every label kept
 def test_uniform_draws_in_a_forward_keep_every_sample_so_a_batch_split_draws_the_same():
     result = subprocess.run([sys.executable, "-c", LABEL_DROPOUT], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+BFLOAT16_MLP = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+E = 16
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(E, 4 * E)
+        self.down = nn.Linear(4 * E, E)
+
+    def forward(self, x):
+        x = x.to(torch.bfloat16)       # computes in bfloat16 whatever it is given: no float64 run
+        return x + self.down(F.gelu(self.up(x)))
+
+
+def build():
+    return MLP().to(torch.bfloat16)
+
+
+def example_inputs():
+    return (torch.randn(8, 8, E),)
+
+
+def loss(output):
+    return output.float().pow(2).mean()
+'''
+
+
+@pytest.mark.slow
+def test_a_bfloat16_model_verifies_and_a_wrong_bfloat16_output_still_fails(tmp_path):
+    """A model built in bfloat16 at TP=2: its first gradients land about 2**-8 apart, past
+    float32's tolerance (1e-3), so verify called it wrong; judged by bfloat16's, it passes. The
+    same output with its row-parallel bias's gradient all-reduced (a tp_copy too many: twice
+    the gradient) still fails."""
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "bf16_mlp.py").write_text(BFLOAT16_MLP.lstrip())
+
+    def verify(*args):
+        result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "verify", "bf16_mlp.py", "-o", "out",
+                                 "--json", *args], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert result.stdout.find("{") >= 0, result.stdout + result.stderr
+        return result.returncode, json.loads(result.stdout[result.stdout.find("{"):])
+
+    code, outcome = verify("--tp", "2")
+    assert code == 0 and outcome["passed"] and outcome["precision"] == "bf16", outcome
+    assert outcome["max_grad_error"] > 1e-3, outcome        # float32's tolerance would have failed it
+    model = tmp_path / "out" / "model.py"
+    text = model.read_text()
+    assert text.count(" + self.down.bias)") == 1 and "from ._comm import TP, tp_reduce\n" in text
+    model.write_text(text.replace(" + self.down.bias)", " + tp_copy(self.down.bias, TP))").replace(
+        "from ._comm import TP, tp_reduce\n", "from ._comm import TP, tp_copy, tp_reduce\n"))
+    code, outcome = verify()                                  # as it is: hand-edited, not rewritten
+    assert code == 1 and not outcome["passed"] and outcome["worst_grad"] == "down.bias", outcome
+    assert outcome["max_grad_error"] > 0.5, outcome
