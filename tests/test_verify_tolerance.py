@@ -123,6 +123,24 @@ def test_a_bfloat16_models_rounding_is_judged_by_bfloat16s_tolerances_and_a_wron
     assert tolerance["param_atol"] == pytest.approx(4 * 1e-3 * 3)
 
 
+def test_without_float64_a_half_precision_models_nudged_twin_is_the_yardstick():
+    """gpt_oss runs in bfloat16 only (no float64 run): a sum in another order moves a router's
+    scores near a tie, a token picks another expert, and the router's bias gradient moves 20-35%.
+    The reference with its weights nudged by one unit in their last place (worker.py) moves it as
+    much: that distance is rounding's reach there. A parameter it barely moves is judged as before."""
+    expected = {"router.bias": torch.tensor([1.0, -0.5]), "wo.bias": torch.tensor([0.5, 0.25])}
+    nudged = {"router.bias": torch.tensor([0.7, -0.5]), "wo.bias": torch.tensor([0.505, 0.25])}
+    rounding = rounding_of(expected, None, nudged)
+    assert rounding == pytest.approx({"router.bias": 0.3, "wo.bias": 0.005})
+    parallel = {"router.bias": torch.tensor([0.8, -0.5]), "wo.bias": torch.tensor([0.5, 0.25])}
+    assert gradient_error(expected, parallel, None, 0.03)[0] > 0.03          # 20% off: past bf16's 8u alone
+    assert gradient_error(expected, parallel, rounding, 0.03)[0] <= 0.03     # within the twin's reach
+    doubled = {**parallel, "wo.bias": 2 * expected["wo.bias"]}
+    error, name = gradient_error(expected, doubled, rounding, 0.03)
+    assert name == "wo.bias" and error > 5 * 0.03
+    assert rounding_of(expected, None, None) == {}
+
+
 def test_tolerances_follow_the_parameters_dtype_and_the_autocast():
     params32 = {"w": torch.zeros(2), "b": torch.zeros(2)}
     assert derived_tolerance(FLOAT32, None, params32, 3, 1e-3) == ("fp32", FLOAT32)
@@ -361,4 +379,4 @@ def test_a_bfloat16_model_verifies_and_a_wrong_bfloat16_output_still_fails(tmp_p
         "from ._comm import TP, tp_reduce\n", "from ._comm import TP, tp_copy, tp_reduce\n"))
     code, outcome = verify()                                  # as it is: hand-edited, not rewritten
     assert code == 1 and not outcome["passed"] and outcome["worst_grad"] == "down.bias", outcome
-    assert outcome["max_grad_error"] > 0.5, outcome
+    assert outcome["max_grad_error"] > 4 * outcome["tolerance"]["grad_rtol"], outcome

@@ -365,13 +365,17 @@ def gradient_error(expected_grads: dict, merged: dict, rounding: dict[str, float
 def rounding_of(expected_grads: dict, exact_grads: dict | None, reordered: dict | None = None) -> dict[str, float]:
     """Per parameter, how far the float32 reference's first gradient is from rounding-free: its
     distance from the float64 gradient (`exact_grads`), or from the same float32 step summed in
-    another order (`reordered`), whichever is larger. Empty without float64 gradients."""
+    another order (`reordered`), whichever is larger. Without float64 gradients, the distance
+    from `reordered` alone (a half precision model's, its weights nudged: worker.py); empty
+    without either."""
     rounding = {}
+    if exact_grads is None and reordered is None:
+        return rounding
     for name, expected in expected_grads.items():
         exact = (exact_grads or {}).get(name)
-        if exact is None or exact.shape != expected.shape or not expected.numel():
+        if exact_grads is not None and (exact is None or exact.shape != expected.shape) or not expected.numel():
             continue
-        rounding[name] = (expected.double() - exact).abs().max().item()
+        rounding[name] = (expected.double() - exact).abs().max().item() if exact is not None else 0.0
         again = (reordered or {}).get(name)
         if again is not None and again.shape == expected.shape:
             rounding[name] = max(rounding[name], (expected.double() - again.double()).abs().max().item())
