@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nnscaler_cst.verify.equivalence import (VerifyResult, derived_tolerance, gradient_error, noise_driven,
-                                             rounding_of)
+                                             nothing_to_compare, rounding_of)
 
 
 def test_rounding_noise_on_a_zero_true_gradient_is_no_error():
@@ -139,6 +139,25 @@ def test_without_float64_a_half_precision_models_nudged_twin_is_the_yardstick():
     error, name = gradient_error(expected, doubled, rounding, 0.03)
     assert name == "wo.bias" and error > 5 * 0.03
     assert rounding_of(expected, None, None) == {}
+
+
+def test_a_reference_whose_first_gradients_are_all_zero_compares_nothing():
+    """torchtitan's muse_glimmer zero-initializes its final norm's gain: its output is zero, the
+    square of the output has no gradient there, no weight ever moves, and DP=2 "passed" with every
+    error 0.0. Such a check cannot fail: verify says so instead of passing it."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 4)
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.zeros_(head.bias)
+    body = torch.nn.Linear(8, 8)
+    x = torch.randn(3, 8)
+    head(body(x)).pow(2).mean().backward()
+    grads = {name: p.grad for name, p in [*body.named_parameters("body"), *head.named_parameters("head")]}
+    assert nothing_to_compare(grads)
+    for p in (*body.parameters(), *head.parameters()):
+        p.grad = None
+    (head(body(x)) - 1).pow(2).mean().backward()        # a loss with a gradient at the zero output
+    assert not nothing_to_compare({name: p.grad for name, p in [*head.named_parameters("head")]})
 
 
 def test_tolerances_follow_the_parameters_dtype_and_the_autocast():
