@@ -832,6 +832,62 @@ def test_a_row_split_linear_indexed_where_it_is_made_verifies(tmp_path):
     verifies_at_tp2(tmp_path, "time_embedding.py", TIME_EMBEDDING.lstrip())
 
 
+SCALED_BIAS = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+E = 16
+
+
+class ScaledBiasLinear(nn.Linear):
+    """A row-parallel layer whose bias the model scales itself (by a tensor-parallel degree)."""
+
+    def __init__(self, i, o):
+        super().__init__(i, o)
+        self.degree = 1
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias / self.degree)
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(E, 4 * E)
+        self.down = ScaledBiasLinear(4 * E, E)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+
+
+def build():
+    return MLP()
+
+
+def example_inputs():
+    return (torch.randn(4, 8, E),)
+
+
+def loss(output):
+    return output.pow(2).mean()
+'''
+
+
+def test_a_bias_computed_in_the_model_is_added_once_without_summing_its_gradient(tmp_path):
+    """`F.linear(x, self.weight, self.bias / self.degree)` split by rows: the bias is added to the
+    reduced, whole result, so its gradient is complete on every rank. A `tp_copy` on it (as on a
+    whole input of a split op) all-reduced that gradient: twice the bias's gradient at TP=2
+    (torchtitan's ScaledBiasRowwiseLinear, gpt_oss's attention output)."""
+    from nnscaler_cst.rewrite import PlanRequest, rewrite
+
+    path = tmp_path / "scaled_bias.py"
+    path.write_text(SCALED_BIAS.lstrip())
+    files = rewrite(analyze(path), PlanRequest(tp=2)).files
+    assert "return tp_reduce(torch.nn.functional.linear(x, self.weight), TP) + self.bias / self.degree  #" \
+        in files["model.py"]
+
+
 def test_a_row_split_linear_whose_result_is_stored_is_not_offered(tmp_path):
     """Stored in an attribute where it is made, the result cannot carry the reduction that its
     bias must follow: the plan never offers that split, and the rewrite writes the plan it made."""

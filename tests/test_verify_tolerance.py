@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from nnscaler_cst.verify.equivalence import VerifyResult, gradient_error, noise_driven, rounding_of
+from nnscaler_cst.verify.equivalence import (VerifyResult, derived_tolerance, gradient_error, noise_driven,
+                                             nothing_to_compare, rounding_of)
 
 
 def test_rounding_noise_on_a_zero_true_gradient_is_no_error():
@@ -84,6 +85,91 @@ def test_a_reference_whose_one_summation_order_lands_next_to_float64_is_judged_b
     assert gradient_error(expected, merged, rounding_of(expected, exact, reordered))[0] > tolerance
     empty = {"none": torch.zeros(0)}            # MobileBERT has a parameter with no elements
     assert rounding_of(empty, {"none": torch.zeros(0, dtype=torch.float64)}, empty) == {}
+
+
+FLOAT32 = {"param_atol": 5e-4, "loss_atol": 1e-4, "rtol": 1e-4, "grad_rtol": 1e-3}   # verify's defaults
+
+
+def _bfloat16_gradients():
+    """A small MLP built in bfloat16 (as torchtitan's gpt_oss is swept): its first gradients on the
+    whole batch, and as data parallelism makes them, the mean of two halves' gradients, each
+    rounded to bfloat16 and summed in it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16)).to(torch.bfloat16)
+    x = torch.randn(8, 8, 16, dtype=torch.bfloat16)
+
+    def grads(batch):
+        model.zero_grad()
+        model(batch).float().pow(2).mean().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+    whole, first, second = grads(x), grads(x[:4]), grads(x[4:])
+    return whole, {name: (first[name] + second[name]) / 2 for name in whole}
+
+
+def test_a_bfloat16_models_rounding_is_judged_by_bfloat16s_tolerances_and_a_wrong_gradient_still_fails():
+    """gpt_oss built in bfloat16 was called wrong at DP=2 by float32's tolerances: its gradients
+    0.7% apart (about 2**-8, bfloat16's rounding), its parameters 4e-3 (a unit in bfloat16's last
+    place). The tolerances follow the dtype the reference's parameters are held in; a doubled
+    bias gradient (a tp_copy too many) is still an error."""
+    whole, data_parallel = _bfloat16_gradients()
+    precision, tolerance = derived_tolerance(FLOAT32, None, whole, steps=3, lr=1e-3)
+    assert precision == "bf16"
+    error, _ = gradient_error(whole, data_parallel)
+    assert FLOAT32["grad_rtol"] < error <= tolerance["grad_rtol"]
+    wrong = {**data_parallel, "2.bias": 2 * data_parallel["2.bias"]}
+    assert gradient_error(whole, wrong) == (pytest.approx(1.0, abs=0.05), "2.bias")
+    assert gradient_error(whole, wrong)[0] > tolerance["grad_rtol"]
+    # parameters stored in bfloat16 round each AdamW step (lr 1e-3) to their dtype: 4·lr·K
+    assert tolerance["param_atol"] == pytest.approx(4 * 1e-3 * 3)
+
+
+def test_without_float64_a_half_precision_models_nudged_twin_is_the_yardstick():
+    """gpt_oss runs in bfloat16 only (no float64 run): a sum in another order moves a router's
+    scores near a tie, a token picks another expert, and the router's bias gradient moves 20-35%.
+    The reference with its weights nudged by one unit in their last place (worker.py) moves it as
+    much: that distance is rounding's reach there. A parameter it barely moves is judged as before."""
+    expected = {"router.bias": torch.tensor([1.0, -0.5]), "wo.bias": torch.tensor([0.5, 0.25])}
+    nudged = {"router.bias": torch.tensor([0.7, -0.5]), "wo.bias": torch.tensor([0.505, 0.25])}
+    rounding = rounding_of(expected, None, nudged)
+    assert rounding == pytest.approx({"router.bias": 0.3, "wo.bias": 0.005})
+    parallel = {"router.bias": torch.tensor([0.8, -0.5]), "wo.bias": torch.tensor([0.5, 0.25])}
+    assert gradient_error(expected, parallel, None, 0.03)[0] > 0.03          # 20% off: past bf16's 8u alone
+    assert gradient_error(expected, parallel, rounding, 0.03)[0] <= 0.03     # within the twin's reach
+    doubled = {**parallel, "wo.bias": 2 * expected["wo.bias"]}
+    error, name = gradient_error(expected, doubled, rounding, 0.03)
+    assert name == "wo.bias" and error > 5 * 0.03
+    assert rounding_of(expected, None, None) == {}
+
+
+def test_a_reference_whose_first_gradients_are_all_zero_compares_nothing():
+    """torchtitan's muse_glimmer zero-initializes its final norm's gain: its output is zero, the
+    square of the output has no gradient there, no weight ever moves, and DP=2 "passed" with every
+    error 0.0. Such a check cannot fail: verify says so instead of passing it."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 4)
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.zeros_(head.bias)
+    body = torch.nn.Linear(8, 8)
+    x = torch.randn(3, 8)
+    head(body(x)).pow(2).mean().backward()
+    grads = {name: p.grad for name, p in [*body.named_parameters("body"), *head.named_parameters("head")]}
+    assert nothing_to_compare(grads)
+    for p in (*body.parameters(), *head.parameters()):
+        p.grad = None
+    (head(body(x)) - 1).pow(2).mean().backward()        # a loss with a gradient at the zero output
+    assert not nothing_to_compare({name: p.grad for name, p in [*head.named_parameters("head")]})
+
+
+def test_tolerances_follow_the_parameters_dtype_and_the_autocast():
+    params32 = {"w": torch.zeros(2), "b": torch.zeros(2)}
+    assert derived_tolerance(FLOAT32, None, params32, 3, 1e-3) == ("fp32", FLOAT32)
+    # autocast keeps float32 master weights: their steps are not rounded
+    precision, tolerance = derived_tolerance(FLOAT32, "bf16", params32, 3, 1e-3)
+    assert precision == "bf16" and tolerance["param_atol"] == pytest.approx(2 * 1e-3 * 3)
+    # one parameter in fp16 beside bf16 ones: the coarser, bf16, decides
+    mixed = {"w": torch.zeros(2, dtype=torch.bfloat16), "b": torch.zeros(2, dtype=torch.float16)}
+    assert derived_tolerance(FLOAT32, None, mixed, 3, 1e-3)[0] == "bf16"
+    assert derived_tolerance(FLOAT32, None, {"w": torch.zeros(2, dtype=torch.float16)}, 3, 1e-3)[0] == "fp16"
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,3 +336,66 @@ assert torch.equal(whole, embed.table(labels))     # every label kept
 def test_uniform_draws_in_a_forward_keep_every_sample_so_a_batch_split_draws_the_same():
     result = subprocess.run([sys.executable, "-c", LABEL_DROPOUT], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+BFLOAT16_MLP = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+E = 16
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(E, 4 * E)
+        self.down = nn.Linear(4 * E, E)
+
+    def forward(self, x):
+        x = x.to(torch.bfloat16)       # computes in bfloat16 whatever it is given: no float64 run
+        return x + self.down(F.gelu(self.up(x)))
+
+
+def build():
+    return MLP().to(torch.bfloat16)
+
+
+def example_inputs():
+    return (torch.randn(8, 8, E),)
+
+
+def loss(output):
+    return output.float().pow(2).mean()
+'''
+
+
+@pytest.mark.slow
+def test_a_bfloat16_model_verifies_and_a_wrong_bfloat16_output_still_fails(tmp_path):
+    """A model built in bfloat16 at TP=2: its first gradients land about 2**-8 apart, past
+    float32's tolerance (1e-3), so verify called it wrong; judged by bfloat16's, it passes. The
+    same output with its row-parallel bias's gradient all-reduced (a tp_copy too many: twice
+    the gradient) still fails."""
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "bf16_mlp.py").write_text(BFLOAT16_MLP.lstrip())
+
+    def verify(*args):
+        result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "verify", "bf16_mlp.py", "-o", "out",
+                                 "--json", *args], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert result.stdout.find("{") >= 0, result.stdout + result.stderr
+        return result.returncode, json.loads(result.stdout[result.stdout.find("{"):])
+
+    code, outcome = verify("--tp", "2")
+    assert code == 0 and outcome["passed"] and outcome["precision"] == "bf16", outcome
+    assert outcome["max_grad_error"] > 1e-3, outcome        # float32's tolerance would have failed it
+    model = tmp_path / "out" / "model.py"
+    text = model.read_text()
+    assert text.count(" + self.down.bias)") == 1 and "from ._comm import TP, tp_reduce\n" in text
+    model.write_text(text.replace(" + self.down.bias)", " + tp_copy(self.down.bias, TP))").replace(
+        "from ._comm import TP, tp_reduce\n", "from ._comm import TP, tp_copy, tp_reduce\n"))
+    code, outcome = verify()                                  # as it is: hand-edited, not rewritten
+    assert code == 1 and not outcome["passed"] and outcome["worst_grad"] == "down.bias", outcome
+    assert outcome["max_grad_error"] > 4 * outcome["tolerance"]["grad_rtol"], outcome

@@ -135,8 +135,9 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
             info = tensors[operand.tid]
             if _arrives_as_is(graph.dims.get(node.index), operand.name, have.get(operand.tid, R)):
                 continue
-            steps = conversion(have.get(operand.tid, R), wanted.inputs[operand.name],
-                               consumer_split=_reaches_a_split_result(graph.dims.get(node.index), operand.name, wanted),
+            split = _reaches_a_split_result(graph.dims.get(node.index), operand.name, wanted) and \
+                not _added_once(graph, node, plan.node_choice[node.index], operand.name)
+            steps = conversion(have.get(operand.tid, R), wanted.inputs[operand.name], consumer_split=split,
                                requires_grad=grad_at.get((node.span, operand.path), info.requires_grad))
             if steps is None:
                 raise UserError(f"{node.callee} would need a partial sum as input", _loc(node))
@@ -260,6 +261,16 @@ def _reaches_a_split_result(dims, name: str, wanted) -> bool:
     if dims is None or name not in dims.feeds:
         return True
     return any(k >= len(wanted.outputs) or wanted.outputs[k].kind != "R" for k in dims.feeds[name])
+
+
+def _added_once(graph: Graph, node: Node, choice: str, name: str) -> bool:
+    """The bias a split on a summed label (or a split implementation) adds once to the reduced,
+    whole result: its gradient is that result's, complete on every rank, so it takes no `copy`
+    (a bias computed in the model, `bias / tp_degree`, would get its gradient summed twice)."""
+    dims = graph.dims.get(node.index)
+    if dims is None or (choice not in dims.reduced and choice not in dims.impl):
+        return False
+    return graph.partial_bias(node.index) == name
 
 
 def _arrives_as_is(dims, name: str, have: Layout) -> bool:

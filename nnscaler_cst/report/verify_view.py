@@ -27,6 +27,9 @@ def verify_table(result: VerifyResult) -> Group:
                                                         if len(result.noise_driven) > 4 else "")
         drift += Text(f"first gradients that are rounding (zero in float64): {names}; AdamW steps them by "
                       "noise, so their values are not compared, their gradients are\n")
+    if result.precision in ("bf16", "fp16"):
+        drift += Text(f"the reference computes in {result.precision} (its parameters or its autocast): "
+                      f"tolerances for its rounding\n")
     summary = Text(_errors(result) + f"; dropout off in both runs; {result.seconds:.1f}s  ")
     wide = result.float64
     if wide is not None:

@@ -3,9 +3,11 @@
 Same initial weights (the single-device state dict, sharded by the output's own
 shard_state_dict), same batches, K AdamW steps; per-step losses and the merged parameters
 after the last step are compared. An output rewritten with --precision bf16 or fp16 runs its
-forward under autocast, and so does the reference; half_precision_tolerance says what
-tolerances that takes and why. With --max-grad-norm both runs clip the gradients' global
-norm before each step, and the first gradients are compared after clipping.
+forward under autocast, and so does the reference; a model built in bf16 or fp16 holds and
+steps its parameters in it. derived_tolerance picks the tolerances of the dtypes the reference
+computes in; half_precision_tolerance says what a half precision takes and why. With
+--max-grad-norm both runs clip the gradients' global norm before each step, and the first
+gradients are compared after clipping.
 
 Every process runs under a deadline: a rank that dies or hangs ends the run with an error,
 never a hang. verify writes only into a temporary folder,
@@ -57,6 +59,7 @@ class VerifyResult:
     noise_driven: list[str] = field(default_factory=list)   # first gradient is rounding: values not compared
     exact_first_loss: float | None = None    # the first loss in float64, where the model runs in it
     float64: VerifyResult | None = None      # the same check with both runs in float64, when float32 failed
+    precision: str = "fp32"          # the dtype the tolerances are for (derived_tolerance)
 
     @property
     def loss_errors(self) -> list[float]:
@@ -101,7 +104,7 @@ class VerifyResult:
                 "loss_errors": self.loss_errors, "max_abs_error": self.max_abs_error,
                 "max_rel_error": self.max_rel_error, "worst_param": self.worst_param,
                 "max_grad_error": self.max_grad_error, "worst_grad": self.worst_grad,
-                "tolerance": self.tolerance, "loss_tolerances": self.loss_tolerances(),
+                "precision": self.precision, "tolerance": self.tolerance, "loss_tolerances": self.loss_tolerances(),
                 "param_tolerance": self.param_tolerance(), "twin": self.twin, "seconds": round(self.seconds, 2),
                 "noise_driven": self.noise_driven,
                 "float64": self.float64.to_json() if self.float64 is not None else None,
@@ -133,10 +136,12 @@ HALF_PRECISIONS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}   # half a unit in the last place: 8 and 11 significant bits
 
 
-def half_precision_tolerance(precision: str, steps: int, lr: float) -> dict[str, float]:
+def half_precision_tolerance(precision: str, steps: int, lr: float, stored: bool = False) -> dict[str, float]:
     """Tolerances for an output rewritten with --precision bf16 or fp16, against the reference
-    under the same autocast. Both runs round every matmul's output to `precision` (relative
-    error up to u: 2**-8 for bf16's 8 significant bits, 2**-11 for fp16's 11), but at other
+    under the same autocast, or for a model whose parameters are `stored` in `precision` (built
+    in bfloat16: its whole forward and backward run in it). Both runs round every matmul's
+    output to `precision` (relative error up to u: 2**-8 for bf16's 8 significant bits, 2**-11
+    for fp16's 11), but at other
     points: a contraction split over tensor-parallel ranks rounds each rank's partial sum, then
     their sum, where one device rounds the whole sum once. So:
 
@@ -149,15 +154,39 @@ def half_precision_tolerance(precision: str, steps: int, lr: float) -> dict[str,
     - parameters after K steps: 2·lr·K. AdamW moves an element by about lr per step whatever
       the gradient's size (its update m/sqrt(v) is near ±1); an element whose gradient is
       below the precision's resolution of the terms summed into it moves by lr either way
-      in either run, so two correct runs end up to 2·lr apart per step. This check only
-      catches a run that diverges; the losses and the first gradients carry the proof.
+      in either run, so two correct runs end up to 2·lr apart per step. Stored in `precision`,
+      an element's step is rounded to its dtype: none below half a unit in the last place, up
+      to twice the step above it, so 4·lr·K. This check only catches a run that diverges; the
+      losses and the first gradients carry the proof.
 
     Where the reference's own rounding (its distance from float64, rounding_of) is larger,
     gradients and the first loss are judged against ten times that, as in float32. fp16 scales
     its loss dynamically; both runs start from worker.py's VERIFY_LOSS_SCALE, so that both take
     (or skip) the same steps."""
     u = UNIT_ROUNDOFF[precision]
-    return {"param_atol": 2 * lr * steps, "loss_atol": 1e-4, "rtol": 2 * u, "grad_rtol": 8 * u}
+    return {"param_atol": (4 if stored else 2) * lr * steps, "loss_atol": 1e-4, "rtol": 2 * u, "grad_rtol": 8 * u}
+
+
+def stored_precision(params: dict) -> str | None:
+    """The half precision ("bf16", "fp16") the reference's parameters (or their gradients, of the
+    same dtypes) are held in, the coarser where it holds both; None where every one is float32 or
+    wider. Buffers are not asked: a bf16 mask beside float32 weights rounds nothing trained."""
+    dtypes = {t.dtype for t in params.values() if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    found = [HALF_PRECISIONS[d] for d in dtypes if d in HALF_PRECISIONS]
+    return max(found, key=UNIT_ROUNDOFF.get) if found else None
+
+
+def derived_tolerance(given: dict[str, float], autocast: str | None, params: dict, steps: int,
+                      lr: float) -> tuple[str, dict[str, float]]:
+    """(precision, tolerances) for the dtypes the reference computes in: the float32 ones given,
+    unless it runs under autocast in a half precision or holds its parameters in one (a model
+    built in bfloat16); then half_precision_tolerance's for the coarser of the two. A float32
+    tolerance on a bfloat16 model calls its rounding (2**-8 relative) a wrong result."""
+    stored = stored_precision(params)
+    precision = max(filter(None, (autocast, stored)), key=UNIT_ROUNDOFF.get, default=None)
+    if precision is None:
+        return "fp32", given
+    return precision, half_precision_tolerance(precision, steps, lr, stored=stored is not None)
 
 
 GRAD_SCALE_FLOOR = 1e-3   # share of the largest gradient below which a gradient's own scale is noise
@@ -175,7 +204,8 @@ def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1
     torch import overlaps the caller's own work; else run_verify starts one. `max_grad_norm`:
     both runs clip their gradients' global norm to it. An output rewritten with --precision
     bf16 or fp16 is compared with the reference under the same autocast, within the
-    tolerances half_precision_tolerance derives (they replace the float32 ones given)."""
+    tolerances half_precision_tolerance derives (they replace the float32 ones given), as is one
+    whose reference holds its parameters in bf16 or fp16 (derived_tolerance)."""
     out_dir = Path(out_dir).resolve()
     started = time.monotonic()
     sys.path.insert(0, str(out_dir.parent))
@@ -190,8 +220,6 @@ def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1
     fixed_port()                    # a bad $NNSCALER_VERIFY_PORT is refused before any process starts
     tolerance = {"param_atol": param_atol, "loss_atol": loss_atol, "rtol": rtol, "grad_rtol": grad_rtol}
     precision = HALF_PRECISIONS.get(getattr(package, "PRECISION", None))
-    if precision is not None:
-        tolerance = half_precision_tolerance(precision, steps, lr)
     common = ["--steps", str(steps), "--lr", str(lr), "--seed", str(seed)]
     common += ["--max-grad-norm", repr(max_grad_norm)] if max_grad_norm is not None else []
     common += ["--precision", precision] if precision is not None else []
@@ -200,11 +228,11 @@ def run_verify(entry_file: Path, out_dir: Path, *, steps: int = 3, lr: float = 1
         common += [] if package.AVERAGE_SHARES else ["--summed-shares"]
     server = nullcontext(forks) if forks is not None else forkserver.started(forkserver.installed_imports(entry_file))
     with terminated_as_exit(), tempfile.TemporaryDirectory(prefix="nnscaler-verify-") as workdir, server as forks:
-        run = _Run(entry_file, out_dir, package, workdir, common, timeout, forks)
+        run = _Run(entry_file, out_dir, package, workdir, common, timeout, forks, precision, lr)
         result, ref = run.compare(tolerance)
         run.judge_later_steps(result, ref)
         if not result.passed and ref.get("exact_grads") is not None:     # the model runs in float64
-            tighter = {name: value * FLOAT64_TIGHTENING for name, value in tolerance.items()}
+            tighter = {name: value * FLOAT64_TIGHTENING for name, value in result.tolerance.items()}
             wide, wide_ref = run.compare(tighter, float64=True)
             if wide is not None:
                 run.judge_later_steps(wide, wide_ref, float64=True)
@@ -223,6 +251,8 @@ class _Run:
     common: list[str]
     timeout: float
     forks: object
+    autocast: str | None = None      # the forward's half precision (--precision), if any
+    lr: float = 1e-3
 
     def _folder(self, float64: bool) -> Path:
         workdir = Path(self.workdir) / "float64" if float64 else Path(self.workdir)
@@ -234,7 +264,8 @@ class _Run:
 
     def compare(self, tolerance: dict[str, float], float64: bool = False) -> tuple[VerifyResult | None, dict]:
         """Run both sides and compare them; (None, {}) for a float64 run of a model that names
-        float32 itself."""
+        float32 itself. In float32, `tolerance` is for the dtypes the reference computes in
+        (derived_tolerance); a float64 run's is as given."""
         workdir, args = self._folder(float64), self._args(float64)
         world = self.package.WORLD_SIZE
         precision = "float64" if float64 else "float32"
@@ -254,6 +285,15 @@ class _Run:
                 return None, {}
             raise VerifyError(str(err)) from None
         ref = torch.load(workdir / "reference.pt")
+        if nothing_to_compare(ref["grads"]):
+            raise VerifyError("every first gradient of the single-device run is zero: the loss is flat at the "
+                              "initial weights (an output layer initialized to zero under a loss of the output's "
+                              "square?), so no step moves a weight and the check would compare nothing; give the "
+                              "entry's loss a gradient there (e.g. the square of output - 1)")
+        dtype = "fp64"
+        if not float64:
+            dtype, tolerance = derived_tolerance(tolerance, self.autocast, ref["grads"], len(ref["losses"]),
+                                                 self.lr)
         ranks = [torch.load(workdir / f"rank{r}.pt") for r in range(world)]
         merged = self.package.merge_state_dicts([r["state"] for r in ranks])
         max_abs, max_rel, worst = 0.0, 0.0, ""
@@ -274,7 +314,8 @@ class _Run:
         max_grad, worst_grad = gradient_error(ref["grads"], grads, rounding, tolerance["grad_rtol"])
         result = VerifyResult(world, len(ref["losses"]), ref["losses"], ranks[0]["losses"], max_abs, max_rel,
                               worst, max_grad, worst_grad, tolerance, 0.0, [r["counters"] for r in ranks],
-                              noise_driven=sorted(unmeasured), exact_first_loss=ref.get("exact_loss"))
+                              noise_driven=sorted(unmeasured), exact_first_loss=ref.get("exact_loss"),
+                              precision=dtype)
         return result, ref
 
     def judge_later_steps(self, result: VerifyResult, ref: dict, float64: bool = False) -> None:
@@ -303,6 +344,12 @@ class _Run:
                        "max_abs_error": drift}
 
 
+def nothing_to_compare(first_grads: dict) -> bool:
+    """Whether the reference's first gradients are all zero (none at all counts too): both runs
+    then step nothing and agree whatever the rewrite does, a check that cannot fail."""
+    return not any(g.numel() and bool(g.any()) for g in first_grads.values())
+
+
 def gradient_error(expected_grads: dict, merged: dict, rounding: dict[str, float] | None = None,
                    grad_rtol: float = 1e-3) -> tuple[float, str]:
     """(largest relative error, its parameter) of the parallel run's first gradients.
@@ -329,13 +376,17 @@ def gradient_error(expected_grads: dict, merged: dict, rounding: dict[str, float
 def rounding_of(expected_grads: dict, exact_grads: dict | None, reordered: dict | None = None) -> dict[str, float]:
     """Per parameter, how far the float32 reference's first gradient is from rounding-free: its
     distance from the float64 gradient (`exact_grads`), or from the same float32 step summed in
-    another order (`reordered`), whichever is larger. Empty without float64 gradients."""
+    another order (`reordered`), whichever is larger. Without float64 gradients, the distance
+    from `reordered` alone (a half precision model's, its weights nudged: worker.py); empty
+    without either."""
     rounding = {}
+    if exact_grads is None and reordered is None:
+        return rounding
     for name, expected in expected_grads.items():
         exact = (exact_grads or {}).get(name)
-        if exact is None or exact.shape != expected.shape or not expected.numel():
+        if exact_grads is not None and (exact is None or exact.shape != expected.shape) or not expected.numel():
             continue
-        rounding[name] = (expected.double() - exact).abs().max().item()
+        rounding[name] = (expected.double() - exact).abs().max().item() if exact is not None else 0.0
         again = (reordered or {}).get(name)
         if again is not None and again.shape == expected.shape:
             rounding[name] = max(rounding[name], (expected.double() - again.double()).abs().max().item())

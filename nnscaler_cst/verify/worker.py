@@ -267,17 +267,26 @@ def exact_first_step(entry, model, seed, max_grad_norm=None):
                          for name, param in exact.named_parameters(remove_duplicate=False) if param.grad is not None}
 
 
-def reordered_first_gradients(entry, model, seed, precision=None, max_grad_norm=None):
+def reordered_first_gradients(entry, model, seed, precision=None, max_grad_norm=None, nudge_weights=False):
     """The first step's float32 gradients again, summed in another order (twice the intra-op
     threads: the kernels split their reductions differently): the same arithmetic, so how far
     they land from the reference's is rounding too. A reference whose one order happens to land
     next to float64 (a grouped conv through BatchNorm: 1e-4 there, 0.6% with two threads) would
-    otherwise make the parallel run's own order look like an error. None when it cannot run."""
+    otherwise make the parallel run's own order look like an error. None when it cannot run.
+
+    `nudge_weights` (a model held in bf16 or fp16 that does not run in float64): also every half
+    precision weight moved by one unit in its last place, in a seeded random direction -- the
+    size of the rounding that storing it, and a parallel run's other order of each sum, make.
+    How far that carries is this model's own reach of rounding: another order of a sum moves
+    scores near a tie, and a top-k routing picks another expert for a token (gpt_oss: 35% of a
+    router's bias gradient, the wrong gradient of a tp_copy too many: 100% of a bias's)."""
     import copy
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2 * threads)
         again = copy.deepcopy(model)
+        if nudge_weights:
+            nudge_half_weights(again)
         again.train()
         scaler = loss_scaler(precision)
         step_loss(entry, again, batch_for(entry, 0, seed), precision, scaler)
@@ -295,6 +304,21 @@ def reordered_first_gradients(entry, model, seed, precision=None, max_grad_norm=
 
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def held_in_half(model) -> bool:
+    return any(p.dtype in AUTOCAST.values() for p in model.parameters())
+
+
+def nudge_half_weights(model):
+    """Move each bf16 / fp16 parameter element by one unit in its last place, up or down."""
+    signs = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dtype in AUTOCAST.values() and param.numel():
+                up = torch.rand(param.shape, generator=signs) < 0.5
+                target = torch.where(up, float("inf"), float("-inf")).to(param.dtype)
+                param.copy_(torch.nextafter(param, target))
 
 
 # (M, D, average) with --micro-batches M --dp-shares D [--summed-shares]: each step accumulates
@@ -370,6 +394,9 @@ def reference(args):
     # float64's own rounding: the yardstick for gradients that are rounding there too
     reordered = reordered_first_gradients(entry, model, args.seed, args.precision, args.max_grad_norm) \
         if exact is not None or args.float64 else None
+    if yardsticks and exact is None and held_in_half(model):     # no float64: rounding's reach, measured
+        reordered = reordered_first_gradients(entry, model, args.seed, args.precision, args.max_grad_norm,
+                                              nudge_weights=True)
     model.train()
     optimizer = adamw(model.parameters(), args.lr)
     grads = capture_first_gradients(model, optimizer, args.nudge)
