@@ -1,8 +1,11 @@
 """Starting rank processes: the rendezvous port, and a world that loses its port to another program."""
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -60,3 +63,28 @@ def test_a_run_past_its_deadline_names_the_rank_and_the_call_it_waits_in():
         launch.run_world([sys.executable, "-c", STUCK], 2, timeout=3)
     message = str(caught.value)
     assert "rank(s) 1 " in message and "rank 1 is in wait_for_the_peer" in message, message
+
+
+# Spends CPU_S of CPU time on one core, then ends; SPIN spins on that core until killed.
+CPU_S = 0.6
+WORK = ("import os, sys, time\n"
+        "os.sched_setaffinity(0, {int(sys.argv[1])})\n"
+        f"while time.process_time() < {CPU_S}:\n"
+        "    pass\n")
+SPIN = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    pass\n"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux's CPU affinity and schedstat")
+def test_time_spent_waiting_for_a_cpu_does_not_count_against_the_deadline():
+    """Three spinning processes share the run's core: it gets a quarter of it and needs about
+    four times its CPU time in wall time, past the deadline, yet it is slow, not hung."""
+    core = str(min(os.sched_getaffinity(0)))
+    spinners = [subprocess.Popen([sys.executable, "-c", SPIN, core]) for _ in range(3)]
+    try:
+        started = time.monotonic()
+        launch.run_all([([sys.executable, "-c", WORK, core], launch.process_env())], timeout=CPU_S * 1.5)
+        assert time.monotonic() - started > CPU_S * 1.5    # it did run past the deadline
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()

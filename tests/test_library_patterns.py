@@ -788,6 +788,18 @@ def test_multihead_attention_is_split_by_heads(tmp_path):
     assert "F.multi_head_attention_forward(" not in mirror
 
 
+# timm's EVA style: per-block embeddings computed before the blocks (`rope[i]`), read in a branch
+# that counts the blocks; each stage counts from its first block.
+COUNTING_VIT = BRANCHED_VIT.replace(
+    "self.grad_checkpointing = False",
+    "self.grad_checkpointing = False\n            self.block_scale = nn.Parameter(torch.linspace(-2.0, 2.0, depth))").replace(
+    "if scale is not None:\n                for blk in self.blocks:\n                    x = blk(x, scale)",
+    "scale = self.block_scale.sigmoid() * 2 if scale is None else scale\n"
+    "            if scale is not None:\n                for i, blk in enumerate(self.blocks):\n"
+    "                    x = blk(x, scale[i])")
+assert COUNTING_VIT.count("enumerate(self.blocks)") == 1 and "block_scale = nn.Parameter" in COUNTING_VIT
+
+
 def test_cloned_layers_keep_their_constructor_sites_on_real_tensors(tmp_path):
     """nn.TransformerEncoder deep-copies its layer; traced on real tensors (where the fake trace
     fails) the copies' parameters are made where the original's were, so they split alike."""
@@ -836,11 +848,22 @@ def test_blocks_run_in_branches_and_model_parameters_stay_on_the_first_stage(tmp
     assert "TIED_PARAMETERS = []" in first and "TIED_PARAMETERS = []" in last   # cls_token: stage 0 only
 
 
-def test_a_branch_that_counts_the_blocks_is_refused(tmp_path):
-    root = written(tmp_path, BRANCHED_VIT.replace("for blk in self.blocks:", "for i, blk in enumerate(self.blocks):"))
+def test_a_branch_that_counts_the_blocks_counts_from_the_stages_first_block(tmp_path):
+    root = written(tmp_path, COUNTING_VIT)
+    result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    for stage in (0, 1):
+        code = (root / "out" / f"model_stage{stage}.py").read_text()
+        assert "for i, blk in enumerate(self.blocks, pp_first_block(STAGE_BLOCKS)):" in code
+        assert "for blk in self.blocks:" not in code and "x = self.blocks(x)" in code
+
+
+def test_a_branch_that_does_more_than_run_the_blocks_is_refused(tmp_path):
+    root = written(tmp_path, COUNTING_VIT.replace(
+        "for i, blk in enumerate(self.blocks):", "x = x * 2\n                for i, blk in enumerate(self.blocks):"))
     result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
     assert result.returncode == 2
-    line = (root / "model.py").read_text().splitlines().index("            for i, blk in enumerate(self.blocks):") + 1
+    line = (root / "model.py").read_text().splitlines().index("            x = x * 2") + 1
     assert f"model.py:{line}:13: error:" in result.stderr and "not nested" in result.stderr
     assert not (root / "out").exists()
 
@@ -972,6 +995,7 @@ def test_a_relative_position_bias_table_is_split_by_heads_with_the_attention(tmp
                                         (MULTIHEAD, ("--tp", "2", "--dp", "2")),
                                         (TORCH_ENCODER, ("--pp", "2", "--micro-batches", "2")),
                                         (BRANCHED_VIT, ("--pp", "2", "--micro-batches", "2")),
+                                        (COUNTING_VIT, ("--pp", "2", "--micro-batches", "2")),
                                         (MIXED_BLOCKS, ("--dp", "2", "--tp", "2")),
                                         (HELPER_BUILT_CONVS, ("--tp", "2")),
                                         (CONV_BLOCKS_WITH_BIASES, ("--tp", "2")),
@@ -980,7 +1004,7 @@ def test_a_relative_position_bias_table_is_split_by_heads_with_the_attention(tmp
                                         (CONFIG_BUILT_LAYERS, ("--tp", "2")),
                                         (HOOKED_STATE_KEYS, ("--tp", "2"))],
                          ids=["torch-encoder-tp2", "multihead-attention-dp2xtp2", "torch-encoder-pp2",
-                              "branched-vit-pp2", "mixed-blocks-dp2xtp2", "helper-built-convs-tp2",
+                              "branched-vit-pp2", "counting-vit-pp2", "mixed-blocks-dp2xtp2", "helper-built-convs-tp2",
                               "conv-blocks-with-biases-tp2", "relative-position-bias-tp2", "nested-layer-lists-pp2",
                               "config-built-layers-tp2", "hooked-state-keys-tp2"])
 def test_verifies(tmp_path, model, mode):

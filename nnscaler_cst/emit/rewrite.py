@@ -448,18 +448,18 @@ class SplitStages:
             head = [cst.parse_statement(f"if {later_stage}:\n    {names} = pp_receive()\n")]
         mark = cst.TrailingWhitespace(whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(
             f"# pipeline: this stage's blocks of {split.container} only"))
+        blocks = "STAGE_BLOCKS" if self.ctx.in_program else ""    # a mirror is shared by the stages
+        offset = f"(pp_first_block({blocks}) if pp_cuts(self) else 0)" if split.owned \
+            else f"pp_first_block({blocks})"
         if isinstance(loop, cst.For) and split.iterations:
             loop = self._iterations(loop, mark, split.container, split.owned)
         elif isinstance(loop, cst.For):
-            blocks = "STAGE_BLOCKS" if self.ctx.in_program else ""    # a mirror is shared by the stages
-            offset = f"(pp_first_block({blocks}) if pp_cuts(self) else 0)" if split.owned \
-                else f"pp_first_block({blocks})"
             loop = loop.with_changes(iter=self._count_from_first_block(loop.iter, offset, "pp_first_block"),
                                      body=loop.body.with_changes(header=mark))
         elif isinstance(loop, cst.If):      # branches, each running the blocks in its own way
-            loop = loop.with_changes(leading_lines=[*loop.leading_lines, cst.EmptyLine(
-                indent=True, comment=cst.Comment(f"# pipeline: each branch runs this stage's blocks of "
-                                                 f"{split.container} only"))])
+            loop = self._count_branches_from_first_block(loop, offset).with_changes(leading_lines=[
+                *loop.leading_lines, cst.EmptyLine(indent=True, comment=cst.Comment(
+                    f"# pipeline: each branch runs this stage's blocks of {split.container} only"))])
         elif loop.trailing_whitespace.comment is None:      # `x = self.blocks(x)` on an nn.Sequential
             loop = loop.with_changes(trailing_whitespace=mark)
         given = ", ".join([*handed, *(["pp_replays(self)"] if calls else [])])
@@ -617,6 +617,22 @@ class SplitStages:
         return loop.with_changes(iter=cst.Call(cst.Name("pp_iterations"), args), body=loop.body.with_changes(
             header=mark.with_changes(comment=cst.Comment(f"# pipeline: the iterations of this stage's blocks of "
                                                          f"{blocks} only"))))
+
+    def _count_branches_from_first_block(self, branches: cst.If, offset_code: str) -> cst.If:
+        """Each branch's `for i, blk in enumerate(self.blocks):` counts from the stage's first block."""
+        orelse = branches.orelse
+        if isinstance(orelse, cst.If):
+            orelse = self._count_branches_from_first_block(orelse, offset_code)
+        elif isinstance(orelse, cst.Else):
+            orelse = orelse.with_changes(body=self._count_block_loop(orelse.body, offset_code))
+        return branches.with_changes(body=self._count_block_loop(branches.body, offset_code), orelse=orelse)
+
+    def _count_block_loop(self, block: cst.BaseSuite, offset_code: str) -> cst.BaseSuite:
+        loop = block.body[0] if isinstance(block, cst.IndentedBlock) and len(block.body) == 1 else None
+        if not isinstance(loop, cst.For):
+            return block
+        return block.with_changes(body=[loop.with_changes(
+            iter=self._count_from_first_block(loop.iter, offset_code, "pp_first_block"))])
 
     def _count_from_first_block(self, iterable: cst.BaseExpression, offset_code: str,
                                 name: str) -> cst.BaseExpression:

@@ -689,8 +689,10 @@ def _branches_over_blocks(source, loop: cst.CSTNode, body: list, container: str)
     """The `if` statement of the function's body whose branches each run the blocks in one way,
     the traced `loop` among them (timm: `for blk in self.blocks: ...` with a mask, else
     `checkpoint_seq(self.blocks, x)`, else `x = self.blocks(x)`): each stage holds only its
-    blocks, so every branch runs this stage's. Refused when a branch does anything else, or
-    counts the blocks (`enumerate`), which a stage would count from 0."""
+    blocks, so every branch runs this stage's. A branch's `for i, blk in enumerate(self.blocks)`
+    (timm's EVA reading per-block embeddings `rope[i]`) counts from the stage's first block, as a
+    loop of the body does. Refused when a branch does anything else, or counts the blocks another
+    way, which a stage would count from 0."""
     statement = loop
     while statement is not None and statement not in body:
         statement = source.parents.get(statement)
@@ -704,7 +706,11 @@ def _branches_over_blocks(source, loop: cst.CSTNode, body: list, container: str)
             yield node.body
 
     def runs_blocks(block) -> bool:
-        text = cst.Module([]).code_for_node(block.body[0]) if len(block.body) == 1 else ""
+        if len(block.body) != 1:
+            return False
+        statement = block.body[0]
+        counted = _counting_loop(statement)
+        text = cst.Module([]).code_for_node(counted.iter.args[0] if counted is not None else statement)
         return f"self.{attr}" in text and "enumerate(" not in text
 
     wrong = next((block for block in branches(statement) if not runs_blocks(block)), None) \
@@ -715,6 +721,15 @@ def _branches_over_blocks(source, loop: cst.CSTNode, body: list, container: str)
                         hint=f"pipelining cuts a loop over self.{attr} in the function's body, or an `if` whose "
                              f"branches each run self.{attr} in one statement")
     return statement
+
+
+def _counting_loop(statement: cst.CSTNode) -> cst.For | None:
+    """`for i, blk in enumerate(BLOCKS):` (the emitter counts it from the stage's first block), else None."""
+    iterable = statement.iter if isinstance(statement, cst.For) else None
+    if isinstance(iterable, cst.Call) and isinstance(iterable.func, cst.Name) and iterable.func.value == "enumerate" \
+            and iterable.args and iterable.args[0].keyword is None and not iterable.args[0].star:
+        return statement
+    return None
 
 
 @_once_per_graph

@@ -147,11 +147,24 @@ def run_all(commands: list[tuple[list[str], dict]], timeout: float, forks=None) 
             if all(code == 0 for code in states):
                 return
             if time.monotonic() > deadline:
-                raise LaunchError(_hang_report([p for p in procs if p.popen.poll() is None], timeout))
+                running = [p for p in procs if p.popen.poll() is None]
+                waited = max((_cpu_wait_s(p.popen.pid) for p in running), default=0.0)
+                if time.monotonic() > deadline + waited:
+                    raise LaunchError(_hang_report(running, timeout, waited))
             time.sleep(0.05)
     finally:
         for p in procs:
             p.stop()
+
+
+def _cpu_wait_s(pid: int) -> float:
+    """Seconds the process's main thread has waited for a CPU while it could run (Linux's
+    schedstat; 0 elsewhere). The deadline does not count them: on a machine with more runnable
+    processes than cores a run is slow, not hung, and one waiting in a deadlock sleeps."""
+    try:
+        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def _failure_report(procs: list[_Process], failed: list[int]) -> str:
@@ -184,11 +197,12 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def _hang_report(stuck: list[_Process], timeout: float) -> str:
+def _hang_report(stuck: list[_Process], timeout: float, waited: float = 0.0) -> str:
     places = _where_stuck(stuck)
     ranks = [p.name.removeprefix("rank ") for p in stuck if p.name.startswith("rank ")]
     waiting = f"rank(s) {', '.join(ranks)}" if ranks else " and ".join(p.name for p in stuck)
-    lines = [f"timed out after {timeout:.0f}s waiting for {waiting} (a deadlock or a hang)"]
+    queued = f", past the {waited:.0f}s spent waiting for a CPU on a loaded machine" if waited >= 1 else ""
+    lines = [f"timed out after {timeout:.0f}s waiting for {waiting} (a deadlock or a hang){queued}"]
     in_collective = [_in_collective(place) for place in places]
     if any(in_collective) and not all(in_collective):
         lines.append(f"  the others wait for {', '.join(p.name for p, c in zip(stuck, in_collective) if not c)}, "
