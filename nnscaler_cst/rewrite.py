@@ -465,6 +465,8 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
             layout = edits.param_layout.get(name)
             if layout is not None and layout.kind == "S":
                 splits += "".join(f"    {alias!r}: ({layout.dim}, {layout.groups}),\n" for alias in info.aliases)
+        for name, layout in edits.buffer_layout.items():
+            splits += f"    {name!r}: ({layout.dim}, {layout.groups}),\n"
         # keys a module's state_dict() hooks save in place of its parameters (a fused wqkv as wq, wk, wv)
         for key, (dim, groups) in hooked_key_splits(analysis, edits.param_layout, edits.n).items():
             splits += f"    {key!r}: ({dim}, {groups}),\n"
