@@ -129,6 +129,28 @@ def test_the_lstm_probe_finds_the_batch_dim_of_a_batch_first_layer(tmp_path):
     assert batch and dims.outputs[0].dims[0] == batch        # tokens (b, s, d) -> (b, s, d)
 
 
+def test_a_sequential_subclass_built_from_its_own_arguments_is_cut_layer_by_layer(tmp_path, fixtures_dir):
+    """Slicing an nn.Sequential builds its class anew from the layers (`type(self)(OrderedDict)`):
+    a subclass whose __init__ takes other arguments (torchvision's BasicStem) cannot be sliced, and
+    the cut `self.features[:3](images)` failed the dry run. Its layers are called one by one."""
+    text = (fixtures_dir / "convnet.py").read_text()
+    text = text.replace("class ConvNet(", """class Features(nn.Sequential):
+    def __init__(self):
+        super().__init__(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1))
+
+
+class ConvNet(""")
+    start = text.index("        self.features = nn.Sequential(")
+    text = text[:start] + "        self.features = Features()\n" + text[text.index("        self.fc1"):]
+    root = written(tmp_path, text)
+    result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    code = (root / "out" / "model.py").read_text()
+    assert "self.features[2](self.features[1](self.features[0](images)))" in code
+    assert "self.features[:" not in code and "self.features[3:]" not in code
+
+
 @pytest.mark.slow
 def test_a_conv_block_split_with_its_batchnorm_statistics_verifies(tmp_path):
     """Running statistics are compared with the parameters: each rank updates its channels' share."""
