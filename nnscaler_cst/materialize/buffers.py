@@ -36,10 +36,9 @@ def buffer_split_problem(graph, index: int, inputs: dict[str, Layout], params: d
 def _built_split(graph, buffer: str, param_layout: dict[str, Layout]) -> Layout | None:
     """The layout the layer's divided constructor builds `buffer` in, or None (whole)."""
     owner, _, attr = buffer.rpartition(".")
-    prefix = f"{owner}." if owner else ""
-    for param, info in graph.trace.params.items():
+    for param, info in _params_by_owner(graph).get(owner, []):
         layout = param_layout.get(param)
-        if layout is None or layout.kind != "S" or not param.startswith(prefix) or "." in param[len(prefix):]:
+        if layout is None or layout.kind != "S":
             continue
         rule = graph.rules.ctor_for(info.module_type)
         held, divided = (rule.params.get(attr), rule.params.get(info.attr)) if rule is not None else (None, None)
@@ -49,3 +48,15 @@ def _built_split(graph, buffer: str, param_layout: dict[str, Layout]) -> Layout 
         if dim is not None:
             return shard(dim, layout.groups)
     return None
+
+
+def _params_by_owner(graph) -> dict[str, list]:
+    """Module path -> its own parameters (name, ParamInfo); made once per graph (the search asks
+    per node and candidate split)."""
+    known = graph.__dict__.get("_params_by_owner")
+    if known is None:
+        known = {}
+        for param, info in graph.trace.params.items():
+            known.setdefault(param.rpartition(".")[0], []).append((param, info))
+        graph.__dict__["_params_by_owner"] = known
+    return known
