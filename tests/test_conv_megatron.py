@@ -3,7 +3,7 @@ channels, the per-channel BatchNorm and activation on those channels, the next c
 channels, one all-reduce. BatchNorm's running statistics are buffers its constructor builds from
 num_features with its weight: they are built split where the weight is, sliced and joined by the
 output's state-dict helpers, and a BatchNorm without a weight keeps its channels whole. And the
-probe of a recurrent layer: nn.LSTM's results at half the batch differ from the whole batch's by
+probe of a recurrent layer: nn.LSTM's and nn.GRU's results at half the batch differ from the whole batch's by
 float32 rounding alone, which the probe asks again in float64."""
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ class RecurrentLM(nn.Module):
     def __init__(self, vocab=128, dim=64):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.rnn = nn.LSTM(dim, dim, num_layers=2, batch_first=True)
+        self.rnn = nn.CELL(dim, dim, num_layers=2, batch_first=True)
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, tokens):
@@ -119,36 +119,15 @@ def test_a_conv_block_splits_output_channels_then_input_channels_with_its_batchn
     assert "'norm.running_mean'" not in init
 
 
-def test_the_lstm_probe_finds_the_batch_dim_of_a_batch_first_layer(tmp_path):
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+def test_the_probe_finds_the_batch_dim_of_a_batch_first_recurrent_layer(tmp_path, cell):
     from nnscaler_cst.analysis import analyze
-    analysis = analyze(written(tmp_path, RECURRENT) / "model.py")
+    analysis = analyze(written(tmp_path, RECURRENT.replace("CELL", cell)) / "model.py")
     graph = analysis.graph
-    node = next(n for n in graph.nodes if n.callee == "torch.nn.LSTM")
+    node = next(n for n in graph.nodes if n.callee == f"torch.nn.{cell}")
     dims = graph.dims[node.index]
     batch = dims.inputs["arg0"].dims[0]
     assert batch and dims.outputs[0].dims[0] == batch        # tokens (b, s, d) -> (b, s, d)
-
-
-def test_a_sequential_subclass_built_from_its_own_arguments_is_cut_layer_by_layer(tmp_path, fixtures_dir):
-    """Slicing an nn.Sequential builds its class anew from the layers (`type(self)(OrderedDict)`):
-    a subclass whose __init__ takes other arguments (torchvision's BasicStem) cannot be sliced, and
-    the cut `self.features[:3](images)` failed the dry run. Its layers are called one by one."""
-    text = (fixtures_dir / "convnet.py").read_text()
-    text = text.replace("class ConvNet(", """class Features(nn.Sequential):
-    def __init__(self):
-        super().__init__(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1))
-
-
-class ConvNet(""")
-    start = text.index("        self.features = nn.Sequential(")
-    text = text[:start] + "        self.features = Features()\n" + text[text.index("        self.fc1"):]
-    root = written(tmp_path, text)
-    result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)
-    assert result.returncode == 0, result.stderr
-    code = (root / "out" / "model.py").read_text()
-    assert "self.features[2](self.features[1](self.features[0](images)))" in code
-    assert "self.features[:" not in code and "self.features[3:]" not in code
 
 
 @pytest.mark.slow

@@ -660,11 +660,12 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _roughly_close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Within a thousandth of the largest value: float32 rounding, not another computation."""
+    """Within a hundredth of the largest value: float32 rounding (a GRU over 16 steps drifts 2e-3),
+    or another computation, which float64 then tells apart."""
     if a.shape != b.shape or a.dtype != b.dtype or not (a.is_floating_point() and a.dtype == torch.float32):
         return False
     scale = b.abs().nan_to_num(0.0, posinf=0.0, neginf=0.0).max().item()
-    return bool(((a - b).abs().nan_to_num(0.0) <= 1e-3 * scale).all()) and bool(torch.equal(a.isnan(), b.isnan()))
+    return bool(((a - b).abs().nan_to_num(0.0) <= 1e-2 * scale).all()) and bool(torch.equal(a.isnan(), b.isnan()))
 
 
 # ---- one invocation's labels --------------------------------------------------------------
