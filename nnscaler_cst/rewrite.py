@@ -409,7 +409,8 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
 
     def rewritten(path, in_program=True):
         return rewrite_module(analysis.sources.get(path), edits or empty, split, analysis.trace.containers,
-                              recompute, chain, in_program, analysis.trace.mixed_containers)
+                              recompute, chain, in_program, analysis.trace.mixed_containers,
+                              analysis.trace.sliceless_containers)
 
     mirrored: dict[str, str] = {}
     traced_library = any(module_name_of(p) in analysis.rules.traced_module_names for p in model_paths)
@@ -465,6 +466,8 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
             layout = edits.param_layout.get(name)
             if layout is not None and layout.kind == "S":
                 splits += "".join(f"    {alias!r}: ({layout.dim}, {layout.groups}),\n" for alias in info.aliases)
+        for name, layout in edits.buffer_layout.items():
+            splits += f"    {name!r}: ({layout.dim}, {layout.groups}),\n"
         # keys a module's state_dict() hooks save in place of its parameters (a fused wqkv as wq, wk, wv)
         for key, (dim, groups) in hooked_key_splits(analysis, edits.param_layout, edits.n).items():
             splits += f"    {key!r}: ({dim}, {groups}),\n"

@@ -32,7 +32,7 @@ TP_SIZE = {tp}  # rank = (pp_rank * DP_SIZE + dp_rank) * TP_SIZE + tp_rank: tp v
 DP_SIZE = {dp}
 PP_SIZE = {pp}
 
-# Parameters split over the tensor-parallel axis: name -> (dim, groups). A dim with
+# Parameters (and the buffers built with them) split over the tensor-parallel axis: name -> (dim, groups). A dim with
 # groups > 1 holds that many fused blocks (q|k|v), each split alike. All others are whole.
 TP_SPLITS = {{
 {splits}}}

@@ -25,6 +25,7 @@ from ..graph.graph import Graph
 from ..plan.batch import batch_factors, batch_labels, data_parallel_impl
 from ..plan.layouts import REPLICATE, R, Layout, layouts_for, shard
 from ..plan.search import AxisChoices
+from .buffers import buffer_layouts
 from .size_args import SIZE_ARGUMENTS, SPLIT_SIZES, dims_sized_by_read, expand_broadcasts, locate_size_argument
 from .size_reads import full_size_reads
 from ..source.files import Span
@@ -82,6 +83,8 @@ class Edits:
     full_sizes: dict[Span, int] = field(default_factory=dict)   # `self.tok.embedding_dim` read -> times n
     # parameters built whole and cut right after build(): name -> (dim, fused blocks, size attributes)
     split_after_build: dict[str, tuple[int, int, list[str]]] = field(default_factory=dict)
+    # buffers split with their layer's parameters, built split by its divided constructor
+    buffer_layout: dict[str, Layout] = field(default_factory=dict)
 
     def site(self, span: Span) -> SiteEdit:
         return self.sites.setdefault(span, SiteEdit())
@@ -101,7 +104,8 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
     n = plan.n
     trace = graph.trace
     tensors = trace.tensors
-    edits = Edits(plan.axis, n, {}, {}, plan.param_layout, plan.partial_grad_params)
+    edits = Edits(plan.axis, n, {}, {}, plan.param_layout, plan.partial_grad_params,
+                  buffer_layout=buffer_layouts(graph, plan.param_layout))
     layout = {}
     # a fused dim (batch heads) split by heads is in batch / slices groups on each device
     local = {index: dict.fromkeys(labels, plan.batch_slices) for index, labels in batch_factors(graph).items()} \
@@ -133,6 +137,8 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
             if operand.tid is None or tensors[operand.tid].param is not None:
                 continue
             info = tensors[operand.tid]
+            if info.buffer is not None and wanted.inputs.get(operand.name) == edits.buffer_layout.get(info.buffer, R):
+                continue        # a layer's buffer, built as its constructor divides it
             if _arrives_as_is(graph.dims.get(node.index), operand.name, have.get(operand.tid, R)):
                 continue
             split = _reaches_a_split_result(graph.dims.get(node.index), operand.name, wanted) and \
@@ -691,6 +697,10 @@ def _ctor_edits(graph: Graph, edits: Edits) -> None:
             attributes = sorted(per_dim[layout.dim]) if layout.dim < len(per_dim) else []
             for alias in info.aliases:
                 edits.split_after_build[alias] = (layout.dim, layout.groups, attributes)
+            owner = name.rpartition(".")[0]
+            for buffer, held in edits.buffer_layout.items():    # its layer's buffers are cut with it
+                if buffer.rpartition(".")[0] == owner:
+                    edits.split_after_build[buffer] = (held.dim, held.groups, [])
 
 
 def _divided_ctors(graph: Graph, edits: Edits, built_whole: set[Span]) -> dict[Span, list[CtorEdit]] | set[Span]:

@@ -22,6 +22,7 @@ import z3
 from ..errors import Location, UserError
 from ..graph.graph import Graph
 from ..materialize.conversions import conversion, conversion_time
+from ..materialize.buffers import buffer_split_problem
 from ..materialize.size_args import SIZE_ARGUMENTS, factory_size, locate_size_argument, shape_names
 from ..sizes import format_bytes
 from .batch import batch_labels
@@ -155,6 +156,11 @@ def _split_problem(graph: Graph, index: int, label: str, read_whole: dict[int, s
             problem = parameter_size_problem(graph, graph.trace.tensors[tid].param, layout.dim)
             if problem:
                 return problem
+    params = {graph.trace.tensors[tid].param: layouts.inputs[name] for name, tid in graph.param_operands(index)
+              if name in layouts.inputs}
+    problem = buffer_split_problem(graph, index, layouts.inputs, params)
+    if problem:
+        return problem
     bias = graph.partial_bias(index) if label in dims.reduced else None
     if bias is not None and node.operand(bias) is not None and node.operand(bias).tid is not None and \
             not graph.result_wrappable(node):

@@ -402,7 +402,7 @@ def tp_all_gather(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
 # --------------------------------------------------------------------------
 
 def split_after_build(build, shares: dict, axis: Axis):
-    """``build`` as the entry file wrote it, then each parameter in ``shares`` cut to this
+    """``build`` as the entry file wrote it, then each parameter or buffer in ``shares`` cut to this
     rank's slice on ``axis``: name -> (dim, fused blocks, the layer's attributes holding that
     size). For layers one constructor call builds for instances split unalike, or sized from a
     config object: they are built whole, and the rank then holds only its share, the layer's
@@ -419,7 +419,9 @@ def split_after_build(build, shares: dict, axis: Axis):
             if id(whole) not in cut:
                 with torch.no_grad():
                     local = _keep_slice(whole.detach(), axis, dim, groups)
-                cut[id(whole)] = whole, torch.nn.Parameter(local, requires_grad=whole.requires_grad)
+                if isinstance(whole, torch.nn.Parameter):
+                    local = torch.nn.Parameter(local, requires_grad=whole.requires_grad)
+                cut[id(whole)] = whole, local       # a buffer (running statistics) stays one
             local = cut[id(whole)][1]
             setattr(owner, attr, local)
             for size in attributes:
