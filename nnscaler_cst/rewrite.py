@@ -409,7 +409,8 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
 
     def rewritten(path, in_program=True):
         return rewrite_module(analysis.sources.get(path), edits or empty, split, analysis.trace.containers,
-                              recompute, chain, in_program, analysis.trace.mixed_containers)
+                              recompute, chain, in_program, analysis.trace.mixed_containers,
+                              analysis.trace.unsliceable_containers)
 
     mirrored: dict[str, str] = {}
     traced_library = any(module_name_of(p) in analysis.rules.traced_module_names for p in model_paths)

@@ -196,6 +196,7 @@ class Tracer(TorchFunctionMode):
         self.containers: dict[Span, list[tuple[str, ...]]] = {}   # container call -> its leaves, in order
         self._container_kinds: dict[Span, list[tuple[tuple[str, ...], type]]] = {}   # ... and their classes
         self.mixed_containers: set[Span] = set()    # container calls whose calls run different layers
+        self.unsliceable_containers: set[Span] = set()  # container calls whose class cannot be sliced
         self._container_paths: dict[Span, list[str]] = {}   # container call -> the containers it called
         self.replays: dict[int, Replay] = {}   # node index -> how to call it again
         self._entry_args: dict[int, tuple] = {}    # id(frame) -> (code, parameter values) as the call began
@@ -385,6 +386,8 @@ class Tracer(TorchFunctionMode):
                     self.mixed_containers.add(span)
                 if isinstance(module, _CONTAINERS):
                     self.containers.setdefault(span, [via for via, _ in kinds])
+                    if type(module).__init__ is not torch.nn.Sequential.__init__:
+                        self.unsliceable_containers.add(span)
 
     def _record_module_call(self, module, path: str) -> None:
         """The module's first call as a whole, from the frame of nn.Module's call that holds its
@@ -651,7 +654,8 @@ class Tracer(TorchFunctionMode):
                      self.module_runs, self.module_replays, self._module_aliases(model), self.mixed_containers,
                      self._saved_by_node(), {*self._saved_storages, *(
                          storage for storage, maker in self._storage_maker.items() if maker is None)},
-                     [name for name, m in model.named_modules() if m._state_dict_hooks])
+                     [name for name, m in model.named_modules() if m._state_dict_hooks],
+                     self.unsliceable_containers)
 
     def _saving(self, tensor: torch.Tensor) -> torch.Tensor:
         """autograd's pack hook: it fires, inside the op being run, for each tensor that op keeps
