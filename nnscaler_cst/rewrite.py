@@ -641,9 +641,12 @@ def rewrite(analysis: Analysis, request: PlanRequest, every_size_read: bool = Fa
     try:
         plan.warnings += dry_run(analysis, files).warnings    # ladder step 2: the emitted code runs, unwritten
     except UserError as error:
-        # parameters whose constructor the edits did divide, and something else resized
+        # parameters whose constructor the edits did divide, and something else resized; or whose
+        # layer-building helper's call they divided, in code the installed library ran instead
+        # (a method of a class build() constructs by a route the output cannot name)
         misshapen = [name for name in getattr(error, "misshapen_params", ())
-                     if edits is not None and analysis.trace.params[name].ctor_span in edits.ctors]
+                     if edits is not None and ({analysis.trace.params[name].ctor_span,
+                                                analysis.trace.params[name].ctor_caller} & set(edits.ctors))]
         if misshapen:
             error.misshapen_params = misshapen
             if not replan:

@@ -5,6 +5,12 @@
   from a dict of layers, which that constructor does not take, so its layers are called one by
   one (was: internal error, the dry run raised "Head.__init__() missing 1 required positional
   argument");
+- a backbone that calls its children in a loop and keeps some outputs (torchvision's
+  IntermediateLayerGetter: `for name, module in self.items(): x = module(x)`): each call from the
+  loop's one line is a node of its own (was: consecutive calls from one instruction were merged
+  into one node, the stem's conv with its BatchNorm), and the layers that line calls run whole,
+  since one line holds one conversion of their input for layers of every class (was: "instances
+  of torch.nn.ReLU need different conversions of their argument");
 
 Quick tests rewrite in process (the rewrite's dry run runs the emitted code).
 """
@@ -55,3 +61,69 @@ def test_a_sequential_subclass_with_its_own_constructor_is_cut_layer_by_layer(tm
     text = rewrite(analyze(_write(tmp_path, SEQUENTIAL_HEAD)), PlanRequest(dp=2)).files["model.py"]
     assert "self.head[3](self.head[2](dp_batch_norm(self.head[0](" in text
     assert "self.head[2:]" not in text
+
+
+GETTER = '''
+from collections import OrderedDict
+
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, 2 * c, 3, padding=1)
+        self.conv2 = nn.Conv2d(2 * c, c, 3, padding=1)
+
+    def forward(self, x):
+        return x + self.conv2(torch.relu(self.conv1(x)))
+
+
+class Getter(nn.ModuleDict):
+    def __init__(self, layers, keep):
+        super().__init__(layers)
+        self.keep = keep
+
+    def forward(self, x):
+        out = OrderedDict()
+        for name, module in self.items():
+            x = module(x)
+            if name in self.keep:
+                out[self.keep[name]] = x
+        return out
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.backbone = Getter(OrderedDict(stem=nn.Conv2d(3, 8, 3, padding=1), norm=nn.BatchNorm2d(8),
+                                           act=nn.ReLU(), layer1=nn.Sequential(Block(8), Block(8)),
+                                           layer2=nn.Sequential(Block(8))), {"layer1": "aux", "layer2": "out"})
+        self.head = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        features = self.backbone(x)
+        return (self.head(features["out"]) + features["aux"].mean()).pow(2).mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 3, 8, 8),)
+'''
+
+
+def test_each_call_of_a_loop_over_a_models_children_is_a_node_of_its_own(tmp_path):
+    graph = analyze(_write(tmp_path, GETTER)).graph
+    called = [node.callee_path for node in graph.nodes if node.callee_kind == "module"]
+    assert called[:3] == ["backbone.stem", "backbone.norm", "backbone.act"]
+
+
+def test_a_loop_over_a_models_children_runs_the_layers_it_calls_whole_and_splits_the_blocks(tmp_path):
+    result = rewrite(analyze(_write(tmp_path, GETTER)), PlanRequest(tp=2))
+    assert result.plan.params["backbone.stem.weight"]["tp"] == "R"
+    assert "self.conv1 = nn.Conv2d(c, 2 * c // 2, 3, padding=1)" in result.files["model.py"]
+    assert any("calls layers of different classes in turn" in w for w in result.plan.warnings)

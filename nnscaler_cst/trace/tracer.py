@@ -434,7 +434,11 @@ class Tracer(TorchFunctionMode):
         # The frame itself, not its id: two lambdas called one after the other (`lambda:
         # create_causal_mask(...)`, then `lambda: create_sliding_window_causal_mask(...)`) may run
         # in frames at the same address, at the same instruction; holding the open one keeps it apart.
-        key = (own, own.f_lasti, contained and id(contained[1].f_locals["self"])) if own is not None else None
+        # The outermost frame below the own one is the call the own frame made: a loop calling a
+        # module per iteration from one instruction (`x = layer(x)` over a ModuleList, or over a
+        # model's children) makes a new one each time, so each call is a node of its own.
+        key = (own, own.f_lasti, chain[-1] if chain else None,
+               contained and id(contained[1].f_locals["self"])) if own is not None else None
         # A torch function the own frame calls itself is one invocation per call: a loop whose body
         # makes just that call (`parts.append(x[i])`) repeats the key and still gets a node per
         # iteration. Calls made below a helper or module share the key of the own frame's call.
