@@ -11,6 +11,10 @@
   into one node, the stem's conv with its BatchNorm), and the layers that line calls run whole,
   since one line holds one conversion of their input for layers of every class (was: "instances
   of torch.nn.ReLU need different conversions of their argument");
+- a forward that keeps a list of tensors on the module (RAFT's `self.corr_pyramid =
+  [corr_volume]`): the trace's check whether the attribute changed compared the old list with the
+  new by ==, which ran Tensor.__eq__, recorded as the model's op at that line (was: "the rewrite
+  found no node for a planned edit here").
 
 Quick tests rewrite in process (the rewrite's dry run runs the emitted code).
 """
@@ -127,3 +131,36 @@ def test_a_loop_over_a_models_children_runs_the_layers_it_calls_whole_and_splits
     assert result.plan.params["backbone.stem.weight"]["tp"] == "R"
     assert "self.conv1 = nn.Conv2d(c, 2 * c // 2, 3, padding=1)" in result.files["model.py"]
     assert any("calls layers of different classes in turn" in w for w in result.plan.warnings)
+
+
+KEPT_LIST = '''
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 32)
+        self.down = nn.Linear(32, 8)
+        self.levels = []
+
+    def forward(self, x):
+        h = self.up(x)
+        self.levels = [h]
+        self.levels = [h * 2]
+        return self.down(self.levels[0]).pow(2).mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 8),)
+'''
+
+
+def test_a_list_of_tensors_kept_on_the_module_is_no_op_of_the_model(tmp_path):
+    graph = analyze(_write(tmp_path, KEPT_LIST)).graph
+    assert [node.callee for node in graph.nodes if node.span.line == 16] == ["Tensor.mul"]

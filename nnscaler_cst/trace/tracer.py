@@ -137,7 +137,9 @@ class _StateWriteRecorder:
 def _changed(old, new) -> bool:
     if old is new:
         return False
-    if isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor):
+    # tensors, also inside a list or dict (RAFT's `self.corr_pyramid = [corr_volume]`): compared
+    # with ==, they would run a Tensor.__eq__ the trace records as the model's op at that line
+    if any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten((old, new))[0]):
         return True
     try:
         return not bool(old == new)
