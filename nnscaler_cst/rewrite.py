@@ -410,7 +410,7 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
     def rewritten(path, in_program=True):
         return rewrite_module(analysis.sources.get(path), edits or empty, split, analysis.trace.containers,
                               recompute, chain, in_program, analysis.trace.mixed_containers,
-                              analysis.trace.sliceless_containers)
+                              analysis.trace.unsliceable_containers)
 
     mirrored: dict[str, str] = {}
     traced_library = any(module_name_of(p) in analysis.rules.traced_module_names for p in model_paths)
@@ -643,9 +643,12 @@ def rewrite(analysis: Analysis, request: PlanRequest, every_size_read: bool = Fa
     try:
         plan.warnings += dry_run(analysis, files).warnings    # ladder step 2: the emitted code runs, unwritten
     except UserError as error:
-        # parameters whose constructor the edits did divide, and something else resized
+        # parameters whose constructor the edits did divide, and something else resized; or whose
+        # layer-building helper's call they divided, in code the installed library ran instead
+        # (a method of a class build() constructs by a route the output cannot name)
         misshapen = [name for name in getattr(error, "misshapen_params", ())
-                     if edits is not None and analysis.trace.params[name].ctor_span in edits.ctors]
+                     if edits is not None and ({analysis.trace.params[name].ctor_span,
+                                                analysis.trace.params[name].ctor_caller} & set(edits.ctors))]
         if misshapen:
             error.misshapen_params = misshapen
             if not replan:

@@ -1055,7 +1055,7 @@ def test_a_line_whose_instances_need_their_argument_converted_unalike_plans_thei
     root = written(tmp_path, LOOP_OVER_LAYERS)
     result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)
     assert result.returncode == 0, result.stderr
-    assert "model.py:12:17: warning: ff.net.0.bias (and 1 more) stays whole on every tensor-parallel rank: the plan " \
-           "that split it could not be written (instances of torch.nn.GELU need different conversions" in result.stderr
+    assert "model.py:12:17: warning: torch.nn.Linear keeps its weights whole on every tensor-parallel rank: its " \
+           "line model.py:12:17 calls layers of different classes in turn" in result.stderr
     params = json.loads((root / "out" / "plan.json").read_text())["params"]
     assert params["ff.net.0.weight"]["tp"] == "R"

@@ -59,7 +59,7 @@ class Context:
     visited: set[Span] = field(default_factory=set)               # expression spans the concerns saw
     containers: dict[Span, list[tuple[str, ...]]] = field(default_factory=dict)  # nn.Sequential call -> leaves
     mixed: frozenset = frozenset()      # nn.Sequential calls whose calls run different layers
-    sliceless: frozenset = frozenset()  # nn.Sequential calls whose container cannot be sliced (Trace)
+    unsliceable: frozenset = frozenset()    # nn.Sequential calls whose class a slice cannot rebuild
     before: list[cst.SimpleStatementLine] = field(default_factory=list)  # go before the current statement
     after: list[cst.SimpleStatementLine] = field(default_factory=list)   # go after the current statement
     assigned: dict[Span, list] = field(default_factory=dict)     # `x[i] = v` target span -> steps for v
@@ -794,9 +794,8 @@ class FileRewriter(cst.CSTTransformer):
         """The container's layers cut where an edit must go between them: a layer whose input is
         converted starts a run, one whose result is converted ends it, a replaced one stands alone."""
         layers = self.ctx.containers[span]
-        if span in self.ctx.sliceless or any(len(via) > 1 or not via[0].isdigit() for via in layers):
-            # nested, named, or a subclass that slicing cannot rebuild: one by one
-            return [[via] for via in layers]
+        if span in self.ctx.unsliceable or any(len(via) > 1 or not via[0].isdigit() for via in layers):
+            return [[via] for via in layers]    # nested, named, or a class a slice cannot rebuild: one by one
         runs: list[list[tuple[str, ...]]] = [[]]
         for via in layers:
             edit = self._layer_edit(span, via)
@@ -945,10 +944,10 @@ def rewrite_module(source: SourceFile, edits: Edits, split: StageSplit | None = 
                    containers: dict[Span, list[tuple[str, ...]]] | None = None,
                    recompute: tuple[Span, ...] = (), chain: tuple[StageSplit, ...] = (),
                    in_program: bool = True, mixed: frozenset = frozenset(),
-                   sliceless: frozenset = frozenset()) -> tuple[cst.Module, Context]:
+                   unsliceable: frozenset = frozenset()) -> tuple[cst.Module, Context]:
     ctx = Context(edits, split if split is not None and split.function.path == str(source.path) else None,
                   chain=tuple(c for c in chain if c.function.path == str(source.path)),
-                  containers=containers or {}, mixed=frozenset(mixed), sliceless=frozenset(sliceless),
+                  containers=containers or {}, mixed=frozenset(mixed), unsliceable=frozenset(unsliceable),
                   recompute=recompute, in_program=in_program)
     wrapper = MetadataWrapper(source.module)
     module = wrapper.visit(FileRewriter(source, ctx))

@@ -116,6 +116,20 @@ def in_mixed_container(graph: Graph, span) -> bool:
     return bool(span.via) and dataclasses.replace(span, via=()) in graph.trace.mixed_containers
 
 
+def runs_unlike_layers(graph: Graph, span) -> bool:
+    """A line that calls layers of different classes from one call (a loop over a model's
+    children, `for name, module in self.items(): x = module(x)`): its argument can take only one
+    conversion, and a split layer and a whole one need different ones, so its layers run whole."""
+    cache = _search_cache(graph)
+    if "unlike_lines" not in cache:
+        callees: dict = defaultdict(set)
+        for node in graph.nodes:
+            if node.span is not None and not node.span.via and node.callee_kind == "module":
+                callees[node.span].add(node.callee)
+        cache["unlike_lines"] = {line for line, kinds in callees.items() if len(kinds) > 1}
+    return span in cache["unlike_lines"]
+
+
 def option_valid(graph: Graph, index: int, label: str, n: int, local_batch: dict[int, tuple[str, int]],
                  read_whole: dict[int, set]) -> str | None:
     """Why `label` cannot split this invocation n ways, or None when it can. `local_batch`:
@@ -299,7 +313,8 @@ def _site_candidates(graph: Graph, every_size_read: bool) -> dict[SiteId, tuple[
         grouped[site_id(graph, node.index)].append(node.index)
     result = {}
     for sid, nodes in grouped.items():
-        splittable = sid[0] != "node" and all(i in graph.dims for i in nodes) and not in_mixed_container(graph, sid[0])
+        splittable = sid[0] != "node" and all(i in graph.dims for i in nodes) and not in_mixed_container(graph, sid[0]) \
+            and not runs_unlike_layers(graph, sid[0])
         operands = set.intersection(*(set(_operand_names(graph, i)) for i in nodes))
         outputs = min(len(graph.nodes[i].outputs) for i in nodes)
         groups: dict[tuple, list[int]] = {}      # instances with the same candidates (a block's repeats)
@@ -364,6 +379,9 @@ def _unwritable(graph: Graph, sid: SiteId) -> str | None:
     if in_mixed_container(graph, sid[0]):
         return (f"it runs in an nn.Sequential called at {sid[0].start} whose calls run different layers, which "
                 "one line cannot split apart")
+    if runs_unlike_layers(graph, sid[0]):
+        return (f"its line {sid[0].start} calls layers of different classes in turn (a loop over a model's "
+                "children), and one line holds one conversion of their input for all of them")
     return None
 
 

@@ -161,9 +161,9 @@ class Trace:
     # modules whose state_dict() hooks write other keys than their parameters' names (torchtitan's
     # fused wqkv saved as wq, wk, wv): their keys' splits are probed (materialize/state_keys.py)
     state_dict_hooked: list[str] = field(default_factory=list)
-    # nn.Sequential calls of a subclass whose __init__ takes other arguments (torchvision's
-    # BasicStem): slicing one builds its class anew and fails, so its layers are called one by one
-    sliceless_containers: set[Span] = field(default_factory=set)
+    # nn.Sequential calls on a subclass with its own constructor (torchvision's FCNHead): a slice
+    # `head[2:]` rebuilds the class from a dict of layers, which its constructor does not take
+    unsliceable_containers: set[Span] = field(default_factory=set)
 
     def module_type(self, path: str) -> str:
         """The class of the module at `path`, under any of its names ("" if none)."""

@@ -137,7 +137,9 @@ class _StateWriteRecorder:
 def _changed(old, new) -> bool:
     if old is new:
         return False
-    if isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor):
+    # tensors, also inside a list or dict (RAFT's `self.corr_pyramid = [corr_volume]`): compared
+    # with ==, they would run a Tensor.__eq__ the trace records as the model's op at that line
+    if any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten((old, new))[0]):
         return True
     try:
         return not bool(old == new)
@@ -196,7 +198,7 @@ class Tracer(TorchFunctionMode):
         self.containers: dict[Span, list[tuple[str, ...]]] = {}   # container call -> its leaves, in order
         self._container_kinds: dict[Span, list[tuple[tuple[str, ...], type]]] = {}   # ... and their classes
         self.mixed_containers: set[Span] = set()    # container calls whose calls run different layers
-        self.sliceless_containers: set[Span] = set()    # see Trace.sliceless_containers
+        self.unsliceable_containers: set[Span] = set()  # container calls whose class cannot be sliced
         self._container_paths: dict[Span, list[str]] = {}   # container call -> the containers it called
         self.replays: dict[int, Replay] = {}   # node index -> how to call it again
         self._entry_args: dict[int, tuple] = {}    # id(frame) -> (code, parameter values) as the call began
@@ -387,7 +389,7 @@ class Tracer(TorchFunctionMode):
                 if isinstance(module, _CONTAINERS):
                     self.containers.setdefault(span, [via for via, _ in kinds])
                     if type(module).__init__ is not torch.nn.Sequential.__init__:
-                        self.sliceless_containers.add(span)
+                        self.unsliceable_containers.add(span)
 
     def _record_module_call(self, module, path: str) -> None:
         """The module's first call as a whole, from the frame of nn.Module's call that holds its
@@ -434,7 +436,11 @@ class Tracer(TorchFunctionMode):
         # The frame itself, not its id: two lambdas called one after the other (`lambda:
         # create_causal_mask(...)`, then `lambda: create_sliding_window_causal_mask(...)`) may run
         # in frames at the same address, at the same instruction; holding the open one keeps it apart.
-        key = (own, own.f_lasti, contained and id(contained[1].f_locals["self"])) if own is not None else None
+        # The outermost frame below the own one is the call the own frame made: a loop calling a
+        # module per iteration from one instruction (`x = layer(x)` over a ModuleList, or over a
+        # model's children) makes a new one each time, so each call is a node of its own.
+        key = (own, own.f_lasti, chain[-1] if chain else None,
+               contained and id(contained[1].f_locals["self"])) if own is not None else None
         # A torch function the own frame calls itself is one invocation per call: a loop whose body
         # makes just that call (`parts.append(x[i])`) repeats the key and still gets a node per
         # iteration. Calls made below a helper or module share the key of the own frame's call.
@@ -648,15 +654,14 @@ class Tracer(TorchFunctionMode):
         if not self.leaf_types:
             self.role_layers = self._role_layers(model)
         batch = next((self.tensors[t].shape[0] for t in input_tids.values() if self.tensors[t].shape), None)
-        trace = Trace(mode, sorted(self.own_files), self.nodes, self.ops, self.tensors, params, input_tids,
-                      loss_tid, {name: qualified_type(type(m)) for name, m in model.named_modules()}, batch,
-                      self.size_queries, self.module_calls, self.containers, self.replays, self.state_writes,
-                      self.module_runs, self.module_replays, self._module_aliases(model), self.mixed_containers,
-                      self._saved_by_node(), {*self._saved_storages, *(
-                          storage for storage, maker in self._storage_maker.items() if maker is None)},
-                      [name for name, m in model.named_modules() if m._state_dict_hooks])
-        trace.sliceless_containers = self.sliceless_containers
-        return trace
+        return Trace(mode, sorted(self.own_files), self.nodes, self.ops, self.tensors, params, input_tids,
+                     loss_tid, {name: qualified_type(type(m)) for name, m in model.named_modules()}, batch,
+                     self.size_queries, self.module_calls, self.containers, self.replays, self.state_writes,
+                     self.module_runs, self.module_replays, self._module_aliases(model), self.mixed_containers,
+                     self._saved_by_node(), {*self._saved_storages, *(
+                         storage for storage, maker in self._storage_maker.items() if maker is None)},
+                     [name for name, m in model.named_modules() if m._state_dict_hooks],
+                     self.unsliceable_containers)
 
     def _saving(self, tensor: torch.Tensor) -> torch.Tensor:
         """autograd's pack hook: it fires, inside the op being run, for each tensor that op keeps
