@@ -431,7 +431,11 @@ class Tracer(TorchFunctionMode):
         # The frame itself, not its id: two lambdas called one after the other (`lambda:
         # create_causal_mask(...)`, then `lambda: create_sliding_window_causal_mask(...)`) may run
         # in frames at the same address, at the same instruction; holding the open one keeps it apart.
-        key = (own, own.f_lasti, contained and id(contained[1].f_locals["self"])) if own is not None else None
+        # The frame the own frame's call runs in is part of it: a loop calling torch's layers one
+        # after the other from one line (`for module in self.net: h = module(h)`: a dropout, then a
+        # linear) repeats the instruction, and each call is a node of its own.
+        key = (own, own.f_lasti, contained and id(contained[1].f_locals["self"]), chain[-1] if chain else None) \
+            if own is not None else None
         # A torch function the own frame calls itself is one invocation per call: a loop whose body
         # makes just that call (`parts.append(x[i])`) repeats the key and still gets a node per
         # iteration. Calls made below a helper or module share the key of the own frame's call.
