@@ -831,6 +831,24 @@ def test_a_handoff_sends_a_module_as_the_receiving_stages_own_and_a_dataclass_fi
     assert_close(inter.values, values)
 
 
+def test_a_cached_handoff_holding_a_tensor_twice_sends_it_once_as_its_header_says():
+    """Without a process group: a UNet's down path hands on its list of skips and the last of them
+    again (`res_samples`). The first hand-off's header has one slot for it; a later micro-batch,
+    checked against the cached header, must send as many tensors as that header's slots (one more
+    left the receiver short and the sender waiting forever), and a tensor handed twice in another
+    place differs from the cached hand-off."""
+    skips = [torch.randn(2, 3) for _ in range(3)]
+    handed = (skips[0], tuple(skips), skips[1:])
+    slots: list = []
+    _comm._slots_of(_comm._slots(handed, []), slots)
+    tensors: list = []
+    signature = _comm._signature(handed, tensors)
+    assert len(tensors) == len(slots) == 3 and all(a is b for a, b in zip(tensors, skips))
+    other = [torch.randn(2, 3) for _ in range(3)]
+    assert _comm._signature((other[0], tuple(other), other[1:]), []) == signature
+    assert _comm._signature((other[1], tuple(other), other[1:]), []) != signature
+
+
 def test_a_loop_over_lists_of_modules_runs_this_stages_iterations_and_counts_them_all():
     try:
         _comm.PIPE.stage, _comm.PIPE.iterations, _comm.PIPE.iteration_count = 1, {1: (2, 4)}, 4

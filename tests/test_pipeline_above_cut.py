@@ -98,13 +98,37 @@ def test_modules_code_above_the_cut_calls_through_a_module_list_are_held_by_ever
     assert not {"down.0.fc", "down.1.fc"} & set(plan.drop[1])
 
 
+def test_blocks_under_more_work_than_they_divide_give_way_to_a_cut_between_the_statements_above(tmp_path):
+    """A UNet's up blocks run after its down path: cut between the top forward's statements
+    instead, the down path on the first stage, its skips handed on."""
+    from nnscaler_cst.plan.pipeline import plan_stages
+    plan = plan_stages(analyze_with(tmp_path, 64), 2)     # the down path: more work than the blocks
+    assert plan.trunk.container == "Net.forward" and plan.trunk.statements is not None
+    assert plan.block_ranges == [(0, 1), (1, 3)]          # the down loop | mid, then the up path
+    assert plan.trunk.statements.crossing[plan.trunk.statements.starts[1]] == ["skips", "x"]
+
+
 def test_a_cut_leaving_more_work_to_every_stage_than_it_divides_is_refused_where_that_work_starts(tmp_path):
+    """No cut between statements divides the work either (the down path runs 94% of it)."""
     from nnscaler_cst.plan.pipeline import plan_stages
     with pytest.raises(UserError) as refused:
-        plan_stages(analyze_with(tmp_path, 64), 2)        # the down path: more work than the blocks
+        plan_stages(analyze_with(tmp_path, 256), 2)
     assert "every stage would also run the code above it (down" in refused.value.message
     first_op = UNET_LIKE.splitlines().index("        return torch.relu(self.fc(x))") + 1   # the down path's
     assert refused.value.location.line == first_op
+
+
+@pytest.mark.slow
+def test_a_cut_between_statements_above_the_blocks_trains_like_one_device(tmp_path):
+    import subprocess
+    import sys
+    path = tmp_path / "unet_like.py"
+    path.write_text(UNET_LIKE.replace("WIDE", "64"))
+    result = subprocess.run([sys.executable, "-m", "nnscaler_cst", "verify", str(path), "--pp", "2",
+                             "--micro-batches", "2", "-o", str(tmp_path / "out")],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "if pp_stage() == 0:" in (tmp_path / "out" / "model_stage0.py").read_text()
 
 
 NAMED_LOOP = textwrap.dedent('''
@@ -178,15 +202,22 @@ def test_a_block_loop_leaving_the_names_unread_is_cut(tmp_path):
 
 
 def test_code_after_the_block_loop_reading_the_block_list_is_refused_there(tmp_path):
-    """DiT's output conditioning reads `self.transformer_blocks[0].norm1.emb` after the loop."""
+    """DiT's output conditioning reads `self.transformer_blocks[0].norm1.emb` after the loop; no
+    cut between statements divides the work (the model runs the blocks' module alone)."""
     from nnscaler_cst.analysis import analyze
     from nnscaler_cst.plan.pipeline import plan_stages
     path = tmp_path / "epilogue.py"
     loop = "        for block in self.blocks:\n            x = block(x)\n        return x\n"
     assert loop in UNET_LIKE
-    path.write_text(UNET_LIKE.replace("WIDE", "2").replace(loop, loop.replace(
-        "return x\n", "return x + self.blocks[0].fc.bias\n")))
+    whole = UNET_LIKE.replace("WIDE", "2").replace(loop, loop.replace(
+        "return x\n", "return x + self.blocks[0].fc.bias\n"))
+    path.write_text(whole.replace(UNET_LIKE[UNET_LIKE.index("        skips = []"):UNET_LIKE.index("\n\n\ndef build")],
+                                  "        return self.mid(x).pow(2).mean()"))
     with pytest.raises(UserError) as refused:
         plan_stages(analyze(path).graph, 2)
     assert "the code after the loop over the blocks of mid.blocks reads the block list (`self.blocks[0]`)" \
         in refused.value.message
+
+    path.write_text(whole)          # the down path before them: cut after it, the block list whole
+    plan = plan_stages(analyze(path).graph, 2)
+    assert plan.trunk.container == "Net.forward" and plan.block_ranges == [(0, 2), (2, 3)]

@@ -212,10 +212,17 @@ def find_trunk(graph: Graph) -> Trunk:
         stages = _sequential_stages(graph)
         if stages:
             return _trunk_of(graph, stages)
-        # only without repeated blocks: blocks whose loop cannot be cut are refused at it, and a layer
-        # called again and again with its weights shared (ALBERT) is the work no stage can split
-        chain = _statement_chain(graph) if not graph.blocks and not error.message.startswith(_SHARED_LAYER) \
-            else None
+        # without repeated blocks, or with blocks no cut can divide (a UNet's blocks run late, under the
+        # down path every stage would compute again): the statements of a function; a layer called
+        # again and again with its weights shared (ALBERT) is the work no stage can split
+        if error.message.startswith(_SHARED_LAYER):
+            raise error
+        try:
+            chain = _statement_chain(graph, _DIVIDES if graph.blocks else 1.0)
+        except UserError:
+            if not graph.blocks:
+                raise
+            chain = None            # the blocks' refusal says more than why no statement can be cut
         if chain is None:
             raise error
         return chain
@@ -253,12 +260,18 @@ def _sequential_stages(graph: Graph) -> list[str]:
     return best
 
 
-def _statement_chain(graph: Graph) -> Trunk | None:
+# blocks no cut can divide give way to a cut between statements only where it divides the work: its
+# busier stage runs at most this share of it (a stage left nearly idle is no pipeline)
+_DIVIDES = 0.9
+
+
+def _statement_chain(graph: Graph, most: float = 1.0) -> Trunk | None:
     """The function written as a chain of statements whose best cut in two leaves the least work
     on the busier side, counting the code run before the function on every stage (DLA's
     `forward_features`: `x = self.level0(x)`, `x = self.level1(x)`, ...): its trunk, the units
     between the statements where a cut is valid (_valid_cuts). Candidates are the functions
-    holding a call of a module; each must run once per step. None if none has a cut."""
+    holding a call of a module; each must run once per step. None if none has a cut whose busier
+    side runs at most `most` of the work."""
     trace = graph.trace
     work = [node_flops(n, graph.dims.get(n.index), trace) for n in graph.nodes]
     total = sum(work)
@@ -295,7 +308,7 @@ def _statement_chain(graph: Graph) -> Trunk | None:
         before = sum(work[:first])
         inside = [sum(work[i] for i, u in block_of.items() if u < k) for k in range(1, len(starts))]
         key = before + min(max(a, total - before - a) for a in inside)
-        if best_key is None or key < best_key:
+        if key <= most * total and (best_key is None or key < best_key):
             crossing = {start: _crossing(body, start) for start in cuts}
             best_key, best = key, (path, function, span, starts, crossing, block_of)
     if best is None and blocked:
