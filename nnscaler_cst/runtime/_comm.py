@@ -1960,20 +1960,25 @@ def _cacheable(structure) -> bool:
     return False
 
 
-def _signature(value, tensors: list):
+def _signature(value, tensors: list, seen: dict | None = None):
     """The metadata of handed-over values as a tuple to compare with ==, collecting their tensors
     on the way.  The sender checks each hand-off against the cached header with it: cheaper than
     pickling the structure each time.  Types are part of it, so 1, 1.0 and True differ (as in the
-    pickled header); floats compare by repr, so a NaN matches itself."""
+    pickled header); floats compare by repr, so a NaN matches itself.  A tensor met twice is
+    collected once, as _slots sends it (a block's output tuple handed on beside its first item)."""
+    seen = {} if seen is None else seen
     if isinstance(value, torch.Tensor):
+        if id(value) in seen:
+            return (torch.Tensor, seen[id(value)])
+        seen[id(value)] = len(seen)
         tensors.append(value)
         return (torch.Tensor, tuple(value.shape), value.dtype, value.requires_grad)
     if isinstance(value, (tuple, list)):
-        return (type(value), tuple(_signature(v, tensors) for v in value))
+        return (type(value), tuple(_signature(v, tensors, seen) for v in value))
     if isinstance(value, dict):
-        return (dict, tuple((k, _signature(v, tensors)) for k, v in value.items()))
+        return (dict, tuple((k, _signature(v, tensors, seen)) for k, v in value.items()))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return (type(value), tuple((k, _signature(v, tensors)) for k, v in _attributes(value).items()))
+        return (type(value), tuple((k, _signature(v, tensors, seen)) for k, v in _attributes(value).items()))
     if isinstance(value, (float, complex)):
         return (type(value), repr(value))
     return (type(value), value)
