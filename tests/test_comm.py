@@ -620,6 +620,25 @@ def test_handoff_metadata_is_sent_once_per_input_shape_then_one_message_per_tens
     ranks.run(_check_handoff_metadata_once, 2, pp=2)
 
 
+def test_a_tensor_handed_on_twice_is_one_message_after_the_header_too():
+    """A block's output tuple handed on beside its first item (`layer_outputs = blk(h); h =
+    layer_outputs[0]`): the receiver reads that tensor once, so every hand-off sends it once,
+    not only the first one, whose header the later ones reuse (they sent it twice: a send no
+    receive ever matched, and the first stage hung). A world of one over gloo builds the ops."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        _comm._clear_handoff_cache()
+        key = _comm.shape_key(torch.zeros(2, 5))
+        for m in range(3):
+            hidden = _full(2, 3, seed=m).requires_grad_() * 2
+            ops = _comm.activation_sends((hidden, (hidden,), None), 1, 1, m, key)
+            assert len(ops) == (2 if m == 0 else 0) + 1, m        # the header's two messages, then the tensor
+    finally:
+        _comm._clear_handoff_cache()
+        dist.destroy_process_group()
+
+
 class _Opaque:
     """An object a stage hands on that is not plain metadata (like a transformers DynamicCache)."""
 

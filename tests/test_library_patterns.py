@@ -15,7 +15,9 @@
   list of hiddens and an attention's intermediates (a dataclass) carried from layer to layer: the
   loop is cut by iterations (`pp_iterations`), every stage keeping the whole list, the other
   stages' blocks hollow; the tuple of lists zipped (modules among them) is handed on as the next
-  stage's own modules. A loop running the layers in another order is refused at the loop.
+  stage's own modules. A loop running the layers in another order is refused at the loop. So is
+  a loop zipping blocks called as modules with other lists (a hierarchical model's downsamplers
+  beside its lists of blocks: PoolFormer, PVT).
 - timm's ViT style: the blocks run in one branch of an `if` whose other branches run them
   another way (`checkpoint_seq(self.blocks, x)`, a loop with a mask), and the model holds
   parameters of its own (`cls_token`, `pos_embed`) that only the first stage reads.
@@ -167,6 +169,55 @@ MULTIHEAD = """
     def example_inputs():
         torch.manual_seed(1)
         return torch.randn(4, 8, 16), torch.randn(4, 6, 12), torch.randn(4, 8, 4)
+"""
+
+HIERARCHICAL_STAGES = """
+    import torch
+    import torch.nn as nn
+
+
+    class Block(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.norm = nn.LayerNorm(width)
+            self.fc = nn.Linear(width, width)
+
+        def forward(self, x):
+            return x + self.fc(self.norm(x))
+
+
+    class Downsample(nn.Module):
+        def __init__(self, width_in, width_out):
+            super().__init__()
+            self.proj = nn.Linear(width_in, width_out)
+
+        def forward(self, x):
+            return self.proj(x)
+
+
+    class Model(nn.Module):
+        def __init__(self, widths=(8, 16, 24, 32)):
+            super().__init__()
+            self.downsamples = nn.ModuleList(Downsample(a, b) for a, b in zip((4, *widths[:-1]), widths))
+            self.stages = nn.ModuleList(nn.ModuleList(Block(w) for _ in range(2)) for w in widths)
+            self.head = nn.Linear(widths[-1], 3)
+
+        def forward(self, x, labels):
+            for downsample, blocks in zip(self.downsamples, self.stages):
+                x = downsample(x)
+                for block in blocks:
+                    x = block(x)
+            return nn.functional.cross_entropy(self.head(x).mean(1), labels)
+
+
+    def build():
+        torch.manual_seed(0)
+        return Model()
+
+
+    def example_inputs():
+        torch.manual_seed(1)
+        return torch.randn(4, 5, 4), torch.randint(0, 3, (4,))
 """
 
 NESTED_LAYER_LISTS = """
@@ -955,6 +1006,19 @@ def test_layers_that_are_lists_of_modules_are_pipelined_by_the_iterations_of_the
     assert "STAGE_DROPS = {1: ['attn_layers.layers.0', 'attn_layers.layers.1']}" in last
     assert "STAGE_DROPS = {0: ['attn_layers.final_norm', 'head', 'attn_layers.layers.2', 'attn_layers.layers.3']}" \
         in first
+
+
+def test_a_loop_zipping_the_blocks_with_the_lists_of_a_hierarchical_model_is_pipelined_by_its_iterations(tmp_path):
+    """PoolFormer's and PVT's style: each stage of growing width a downsampler and a list of blocks,
+    zipped in one loop. A stage holding only its downsamplers, renumbered from 0, paired them with
+    the first lists of blocks (the dry run read another stage's weights: an internal error)."""
+    root = written(tmp_path, HIERARCHICAL_STAGES)
+    result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    last = (root / "out" / "model_stage1.py").read_text()
+    assert "for downsample, blocks in pp_iterations(zip(self.downsamples, self.stages)):" in last
+    assert "PIPELINE_ITERATIONS = 4" in last and "STAGE_BLOCKS = {1: (3, 4)}" in last
+    assert "'downsamples.0', 'downsamples.1', 'downsamples.2']}" in last      # hollow: the whole list stays
 
 
 def test_an_encoders_and_a_decoders_lists_of_modules_run_by_one_wrapper_class_are_cut_as_one_chain(tmp_path):

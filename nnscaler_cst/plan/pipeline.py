@@ -527,7 +527,22 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
                                          "in the function's body")
     return Trunk(container, blocks, function, function_span, index, handoff,
                  _shared_loop_owner(graph, blocks, function, function_span, span, first),
-                 unset=maybe_unset(function, index, handoff), hoist=hoist, iterations=iterated is not None)
+                 unset=maybe_unset(function, index, handoff), hoist=hoist,
+                 iterations=iterated is not None or _zipped_in_order(loop, blocks))
+
+
+def _zipped_in_order(loop: cst.CSTNode, blocks: list[str]) -> bool:
+    """Whether a `for` loop calls the blocks zipped with other sequences (`for embed, layers in
+    zip(self.embeddings, self.stages)`: a hierarchical model's downsampling layers beside its lists
+    of blocks), one block per iteration in the order they are numbered: its stages run the loop's
+    iterations of their own blocks (Trunk.iterations), so that the sequences zipped with the blocks
+    stay the whole model's; a stage holding only its blocks, renumbered from 0, would pair them with
+    the first entries of the others."""
+    if not isinstance(loop, cst.For) or not any(isinstance(c.func, cst.Name) and c.func.value == "zip"
+                                               for c in _calls_in(loop.iter)):
+        return False
+    numbers = [p.rpartition(".")[2] for p in blocks]
+    return all(n.isdigit() for n in numbers) and [int(n) for n in numbers] == list(range(len(blocks)))
 
 
 def _hoisted_input(source, statement: cst.SimpleStatementLine, call: cst.Call, container: str, span: Span) -> str:
