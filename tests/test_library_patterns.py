@@ -909,14 +909,16 @@ def test_a_branch_that_counts_the_blocks_counts_from_the_stages_first_block(tmp_
         assert "for blk in self.blocks:" not in code and "x = self.blocks(x)" in code
 
 
-def test_a_branch_that_does_more_than_run_the_blocks_is_refused(tmp_path):
+def test_a_branch_that_does_more_than_run_the_blocks_is_cut_between_statements_instead(tmp_path):
+    # the blocks cannot be cut inside a branch doing more than running them: the forward's
+    # statements are (verified by hand: `verify --pp 2 --micro-batches 2` passes)
     root = written(tmp_path, COUNTING_VIT.replace(
         "for i, blk in enumerate(self.blocks):", "x = x * 2\n                for i, blk in enumerate(self.blocks):"))
     result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
-    assert result.returncode == 2
-    line = (root / "model.py").read_text().splitlines().index("            x = x * 2") + 1
-    assert f"model.py:{line}:13: error:" in result.stderr and "not nested" in result.stderr
-    assert not (root / "out").exists()
+    assert result.returncode == 0, result.stderr
+    code = (root / "out" / "model_stage0.py").read_text()
+    assert "if pp_stage() == 0:  # pipeline: stage 0 runs these statements" in code
+    assert "for i, blk in enumerate(self.blocks):" in code and "pp_first_block" not in code
 
 
 @pytest.mark.slow     # over 10 s: keeps the quick subset under 3 minutes
