@@ -111,10 +111,10 @@ def site_id(graph: Graph, index: int) -> SiteId:
 
 
 def in_mixed_container(graph: Graph, span) -> bool:
-    """A layer of an nn.Sequential whose calls from this line run different layers, or a layer a
-    line calls in a loop over different layers (`for module in self.net: h = module(h)`): no edit
-    can be written for one of them (there is one source line for all), so it runs whole."""
-    return dataclasses.replace(span, via=()) in graph.trace.mixed_containers
+    """A layer of an nn.Sequential whose calls from this line run different layers: no edit can
+    be written between its layers (there is one source line for all), so it runs whole (a loop
+    calling different layers from one line: runs_unlike_layers)."""
+    return bool(span.via) and dataclasses.replace(span, via=()) in graph.trace.mixed_containers
 
 
 def runs_unlike_layers(graph: Graph, span) -> bool:

@@ -199,7 +199,7 @@ class Tracer(TorchFunctionMode):
         self._container_kinds: dict[Span, list[tuple[tuple[str, ...], type]]] = {}   # ... and their classes
         self.mixed_containers: set[Span] = set()    # container calls whose calls run different layers
         self.unsliceable_containers: set[Span] = set()  # container calls whose class cannot be sliced
-        self._container_paths: dict[Span, list[str]] = {}   # container call -> the containers it called
+        self._called_paths: dict[Span, list[str]] = {}   # module call line -> the modules it called
         self.replays: dict[int, Replay] = {}   # node index -> how to call it again
         self._entry_args: dict[int, tuple] = {}    # id(frame) -> (code, parameter values) as the call began
         self._awaiting: dict[int, Replay] = {}     # id(frame or module) -> replay whose results are not yet seen
@@ -377,10 +377,9 @@ class Tracer(TorchFunctionMode):
             span = self._span(own)
             if span is not None:
                 self.module_calls[path] = (span, len(self.nodes))
-                if any(path.startswith(c + ".") for c in self._container_paths.get(span, ())):
-                    return      # a layer (or nested container) that a container called from this line runs
-                if isinstance(module, _CONTAINERS):
-                    self._container_paths.setdefault(span, []).append(path)
+                if any(path.startswith(c + ".") for c in self._called_paths.get(span, ())):
+                    return      # a layer (or nested container) that a module called from this line runs
+                self._called_paths.setdefault(span, []).append(path)
                 # one line may call containers of different layers, or a container and another
                 # module (a loop over a model's children: IntermediateLayerGetter)
                 kinds = self._leaf_kinds(module) if isinstance(module, _CONTAINERS) else [((), type(module))]
