@@ -323,6 +323,7 @@ def test_the_estimate_of_a_configuration_is_the_one_the_search_ranks(blocks):
     assert again.seconds == pytest.approx(choice.best.seconds) and again.memory == choice.best.memory
 
 
+@pytest.mark.slow     # over 5 s: keeps the quick subset under 3 minutes
 def test_a_trunk_run_in_a_recycling_loop_is_pipelined_under_3f1b():
     """The evoformer runs its blocks 3 times per forward (AlphaFold2's recycling): 1F1B cannot
     pipeline it, 3F1B can, so the search's pipeline configurations name that schedule (they were

@@ -102,6 +102,7 @@ def written(tmp_path: Path, text: str) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow     # over 5 s: keeps the quick subset under 3 minutes
 def test_a_conv_block_splits_output_channels_then_input_channels_with_its_batchnorms(tmp_path):
     root = written(tmp_path, CONV_BLOCKS)
     result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)
@@ -120,6 +121,7 @@ def test_a_conv_block_splits_output_channels_then_input_channels_with_its_batchn
 
 
 @pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+@pytest.mark.slow     # over 5 s: keeps the quick subset under 3 minutes
 def test_the_probe_finds_the_batch_dim_of_a_batch_first_recurrent_layer(tmp_path, cell):
     from nnscaler_cst.analysis import analyze
     analysis = analyze(written(tmp_path, RECURRENT.replace("CELL", cell)) / "model.py")

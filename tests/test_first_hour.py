@@ -138,6 +138,7 @@ def error_lines(stderr: str) -> list[str]:
 
 # 1 ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow     # over 5 s: keeps the quick subset under 3 minutes
 def test_1_an_output_folder_holding_an_input_or_foreign_files_is_refused_with_or_without_force(tmp_path):
     model = project(tmp_path)
     (tmp_path / "dot3" / "helper.py").write_text("SCALE = 2\n")
@@ -244,6 +245,7 @@ def test_4_sequence_parallel_that_moves_no_norm_is_refused_saying_why(tmp_path):
 
 # 5 ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow     # over 5 s: keeps the quick subset under 3 minutes
 def test_5_warnings_are_what_a_user_can_act_on_and_name_the_weight_and_its_sizes(tmp_path):
     project(tmp_path, DECODER)
     run = cli(["dot3/model.py", "--tp", "2", "--dp", "2", "-o", "out"], tmp_path)
@@ -276,6 +278,7 @@ LIBRARY = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow     # over 5 s: keeps the quick subset under 3 minutes
 def test_6_tables_fit_80_columns_with_package_relative_sites_and_json_errors(tmp_path):
     site = tmp_path / "site"
     (site / "deeplib" / "layers").mkdir(parents=True)
@@ -343,6 +346,7 @@ def run_on_a_terminal(args: list[str], cwd: Path) -> str:
     return b"".join(chunks).decode(errors="replace")
 
 
+@pytest.mark.slow     # over 5 s: keeps the quick subset under 3 minutes
 def test_7_progress_shows_on_a_terminal_and_nothing_extra_when_piped(tmp_path):
     project(tmp_path)
     shown = run_on_a_terminal(["dot3/model.py", "--tp", "2", "-o", "out"], tmp_path)
@@ -354,6 +358,7 @@ def test_7_progress_shows_on_a_terminal_and_nothing_extra_when_piped(tmp_path):
 
 # 8 ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow     # over 5 s: keeps the quick subset under 3 minutes
 def test_8_output_folders_and_files_take_the_umask_also_on_regeneration(tmp_path):
     project(tmp_path)
     for _ in range(2):          # the first write, then a regeneration over the folder

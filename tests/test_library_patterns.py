@@ -795,6 +795,7 @@ def written(tmp_path: Path, text: str) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow     # over 5 s: keeps the quick subset under 3 minutes
 def test_torch_encoder_layers_split_their_feed_forward(tmp_path):
     root = written(tmp_path, TORCH_ENCODER)
     result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)
@@ -822,6 +823,7 @@ def test_a_feed_forward_of_nested_sequentials_called_from_one_line_is_split(tmp_
         assert params[f"blocks.{block}.ff.2.weight"]["tp"] == "S(1)"
 
 
+@pytest.mark.slow     # over 5 s: keeps the quick subset under 3 minutes
 def test_multihead_attention_is_split_by_heads(tmp_path):
     root = written(tmp_path, MULTIHEAD)
     result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)
@@ -863,6 +865,7 @@ def test_cloned_layers_keep_their_constructor_sites_on_real_tensors(tmp_path):
         assert (info.ctor_span.line, info.module_type) == (line, "torch.nn.Linear")
 
 
+@pytest.mark.slow     # over 5 s: keeps the quick subset under 3 minutes
 def test_torch_encoder_loop_is_cut_into_stages(tmp_path):
     root = written(tmp_path, TORCH_ENCODER)
     result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
@@ -997,6 +1000,7 @@ def test_a_conv_with_a_bias_splits_by_input_channels_and_adds_its_bias_once(tmp_
            "self.conv2.bias[:, None, None])" in code
 
 
+@pytest.mark.slow     # over 5 s: keeps the quick subset under 3 minutes
 def test_layers_that_are_lists_of_modules_are_pipelined_by_the_iterations_of_their_loop(tmp_path):
     root = written(tmp_path, NESTED_LAYER_LISTS)
     result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
@@ -1023,6 +1027,7 @@ def test_a_loop_zipping_the_blocks_with_the_lists_of_a_hierarchical_model_is_pip
     assert "'downsamples.0', 'downsamples.1', 'downsamples.2']}" in last      # hollow: the whole list stays
 
 
+@pytest.mark.slow     # over 5 s: keeps the quick subset under 3 minutes
 def test_an_encoders_and_a_decoders_lists_of_modules_run_by_one_wrapper_class_are_cut_as_one_chain(tmp_path):
     root = written(tmp_path, NESTED_LAYER_LISTS_ENCODER_DECODER)
     result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)

@@ -203,6 +203,7 @@ def test_data_parallel_alone_mirrors_nothing(project):
     assert generated(project / "out") == {"__init__.py", "_comm.py", "model.py", "train.py"}
 
 
+@pytest.mark.slow     # over 5 s: keeps the quick subset under 3 minutes
 def test_diff_shows_each_mirror_against_its_source_definitions(project):
     result = cli("entry.py", "--tp", "2", "-o", "out", "--diff", "0", cwd=project)
     assert result.returncode == 0, result.stderr

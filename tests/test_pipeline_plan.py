@@ -714,6 +714,7 @@ print("ok")
 '''
 
 
+@pytest.mark.slow     # over 5 s: keeps the quick subset under 3 minutes
 def test_a_stage_reads_the_dtype_of_a_module_another_stage_holds(tmp_path):
     """Code above the cut function runs on every stage and reads `self.head.weight.dtype`; the
     first stage does not hold the head. It keeps the head's dtype, shape and device (no storage,
