@@ -33,6 +33,29 @@ def qualified_type(obj_type: type) -> str:
     return f"{obj_type.__module__}.{obj_type.__qualname__}"
 
 
+# what a subclass may define beside its torch layer's methods and still run that layer's forward
+_LAYER_PRESERVING = frozenset({"__init__", "extra_repr", "reset_parameters"})
+
+
+def layer_type(obj_type: type) -> type:
+    """The torch.nn layer a subclass runs as, for splitting: a library's `class Conv3DSimple(
+    nn.Conv3d)` that only fixes the constructor's arguments runs nn.Conv3d's forward on nn.Conv3d's
+    parameters, so it splits as nn.Conv3d does. A subclass overriding any method the layer has
+    (forward, `_conv_forward`, a property) is its own op; torch's own subclasses (the
+    parametrized layers weight norm makes) and containers (nn.Sequential) are theirs."""
+    if obj_type.__module__.split(".")[0] == "torch":
+        return obj_type
+    base = next((b for b in obj_type.__mro__[1:] if b.__module__.startswith("torch.nn.modules.")), None)
+    if base is None or base.__module__ in ("torch.nn.modules.module", "torch.nn.modules.container"):
+        return obj_type
+    for cls in obj_type.__mro__[:obj_type.__mro__.index(base)]:
+        for name, value in vars(cls).items():
+            if name not in _LAYER_PRESERVING and hasattr(base, name) and (
+                    callable(value) or isinstance(value, (property, staticmethod, classmethod))):
+                return obj_type
+    return base
+
+
 def short_type(qualified: str) -> str:
     """torch.nn.modules.linear.Linear -> torch.nn.Linear; others unchanged."""
     if qualified.startswith("torch.nn.modules."):

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 from ..errors import Location, UserError, display_path
 from ..source.entry import Entry, user_frame_location
 from ..source.files import SourceSet, Span, resolved
-from .naming import qualified_type, short_type, torch_func_name, traced_split
+from .naming import layer_type, qualified_type, short_type, torch_func_name, traced_split
 from .records import UNKNOWN, Node, OpCall, Operand, ParamInfo, StateWrite, TensorInfo, TensorList, Trace
 from .replay import Replay, arguments_at_entry, call_arguments, function_of, with_refs
 
@@ -294,10 +294,10 @@ class Tracer(TorchFunctionMode):
             return torch_func_name(func), "torch", None
         if contained is not None:
             child_frame = contained[1]
-            return short_type(qualified_type(type(child_frame.f_locals["self"]))), "module", child_frame
+            return short_type(qualified_type(layer_type(type(child_frame.f_locals["self"])))), "module", child_frame
         outer = chain[-1]
         if outer.f_code.co_name in _MODULE_CALL and isinstance(outer.f_locals.get("self"), torch.nn.Module):
-            return short_type(qualified_type(type(outer.f_locals["self"]))), "module", outer
+            return short_type(qualified_type(layer_type(type(outer.f_locals["self"])))), "module", outer
         if outer.f_code.co_filename.startswith(_TORCH_DIR):
             return torch_func_name(func), "torch", None
         i = len(chain) - 1
@@ -382,7 +382,7 @@ class Tracer(TorchFunctionMode):
                 self._called_paths.setdefault(span, []).append(path)
                 # one line may call containers of different layers, or a container and another
                 # module (a loop over a model's children: IntermediateLayerGetter)
-                kinds = self._leaf_kinds(module) if isinstance(module, _CONTAINERS) else [((), type(module))]
+                kinds = self._leaf_kinds(module) if isinstance(module, _CONTAINERS) else [((), layer_type(type(module)))]
                 if self._container_kinds.setdefault(span, kinds) != kinds:
                     self.mixed_containers.add(span)
                 if isinstance(module, _CONTAINERS):
@@ -414,7 +414,7 @@ class Tracer(TorchFunctionMode):
         def leaves(module):
             return [m for child in module.children()
                     for m in (leaves(child) if isinstance(child, _CONTAINERS) else [child])]
-        return [(self._via(container, m), type(m)) for m in leaves(container)]
+        return [(self._via(container, m), layer_type(type(m))) for m in leaves(container)]
 
     def _record_size_query(self, args, kwargs):
         """`x.size(-1)` / `x.shape`: where a size came from, so a rewrite never divides it twice."""
