@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
 import torch
 
 from nnscaler_cst.analysis import analyze
@@ -97,6 +98,7 @@ def test_a_subclass_fixing_only_constructor_arguments_is_its_torch_layer():
     assert layer_type(torch.nn.Linear) is torch.nn.Linear
 
 
+@pytest.mark.slow     # over 5 s: keeps the quick subset under 3 minutes
 def test_blocks_built_with_different_conv_subclasses_split_their_conv_pairs(tmp_path):
     path = tmp_path / "builder_blocks.py"
     path.write_text(BUILDER_BLOCKS)
