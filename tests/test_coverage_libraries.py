@@ -57,3 +57,15 @@ def test_tiny_settings_go_only_to_scalar_arguments_the_class_takes():
             pass
 
     assert libraries.tiny_kwargs(Model, libraries.IMAGE_TINY) == {"num_classes": 10, "depth": 2, "embed_dim": 64}
+
+
+def test_the_split_share_of_a_model_without_repeated_layers_is_over_every_parameter(tmp_path):
+    """DLA's `level0.0.weight` is an nn.Sequential's conv, not a block: with no repeated layers the
+    share was of the numbered paths (stems and projections, 5% of dla34's parameters)."""
+    coverage = load(BENCHMARKS / "bench_coverage.py", "bench_coverage_under_test")
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"params": {"level0.0.weight": {"shape": [4, 4], "tp": "R"}, '
+                    '"level2.tree1.conv1.weight": {"shape": [60, 2], "tp": "S(0)"}}}')
+    assert coverage.split_share(plan, coverage.block_patterns({}))["share"] == 0.8824
+    blocks = coverage.block_patterns({"Block (level2.*)": 2})
+    assert coverage.split_share(plan, blocks) == {"share": None, "block_params": 0}    # no `level2.N.` path
