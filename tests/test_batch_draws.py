@@ -1,8 +1,6 @@
-"""A router in PhiMoE's pattern: `scores.max(dim=-1)` returns the indices beside the values, each
-row's from its own sample, so a slice of the batch computes its own rows' (was: "Tensor.max
-computes a value inside the call that the code after it reads", refused under --dp and
-micro-batches); a random draw shaped by the batch (its Gumbel sampling, `rand_like(best)`) is
-what no slice of the batch can match, refused at its line.
+"""A random draw shaped by the batch (PhiMoE's Gumbel sampling of experts, `rand_like(best)`):
+one generator fills the whole batch on one device, so no slice of the batch draws the numbers
+its samples get there; refused at its line under --dp and micro-batches.
 """
 from __future__ import annotations
 
@@ -24,9 +22,8 @@ ROUTER = textwrap.dedent('''
 
         def forward(self, x):
             scores = torch.softmax(self.router(x), dim=-1)
-            chosen = scores.argmax(dim=-1, keepdim=True)
-            best, best_ind = scores.max(dim=-1, keepdim=True)
-            agree = (chosen == best_ind).float()
+            best = scores.amax(dim=-1, keepdim=True)
+            agree = (best > 0.5).float()
             return (self.out(x) * best * agree).pow(2).mean()
 
 
@@ -47,12 +44,12 @@ def _problem(tmp_path, source):
     return batch_split_problem(analyze(path).graph, "data parallel (--dp 2)")
 
 
-def test_the_indices_of_a_max_over_a_row_keep_the_samples_apart(tmp_path):
+def test_the_router_without_a_draw_splits(tmp_path):
     assert _problem(tmp_path, ROUTER) is None
 
 
 def test_a_random_draw_shaped_by_the_batch_is_refused_at_its_line(tmp_path):
-    anchor = "        agree = (chosen == best_ind).float()\n"
+    anchor = "        agree = (best > 0.5).float()\n"
     problem = _problem(tmp_path, ROUTER.replace(anchor, anchor + DRAW + "\n"))
     assert problem is not None and "torch.rand_like draws random numbers" in problem.message
     assert problem.location.line == ROUTER.replace(anchor, anchor + DRAW + "\n").splitlines().index(DRAW) + 1

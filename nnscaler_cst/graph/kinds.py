@@ -358,10 +358,7 @@ def reduce(call: Call, summing: bool) -> OpDims:
     keepdim = bool(call.arg("arg2", "keepdim", default=False))
     out_dims = [() if k in reduced else in_dims[k] for k in range(len(src)) if keepdim or k not in reduced]
     labels = {f.label for k in reduced for f in in_dims[k]}
-    # max/min over a dim return the indices beside the values, of the same shape and split alike
-    outputs = [TensorDims(tid, out_dims) for tid, shape in zip(call.out_tids, call.out_shapes)
-               if shape == call.out_shapes[0]]
-    op = OpDims({name: TensorDims(call.tids[name], in_dims)}, outputs)
+    op = OpDims({name: TensorDims(call.tids[name], in_dims)}, [TensorDims(call.out_tids[0], out_dims)])
     if summing:
         op.reduced |= labels
     else:
