@@ -144,6 +144,65 @@ def test_layers_sharing_one_module_are_refused_at_the_shared_call(tmp_path):
         "            x = torch.tanh(self.layer(x))") + 1)
 
 
+NESTED_SHARED = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.tanh(self.fc(x))
+
+
+    class Group(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Layer()])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+
+    class Shared(nn.Module):
+        # ALBERT's shape: a group of layers, its weights shared, called once per depth
+        def __init__(self):
+            super().__init__()
+            self.groups = nn.ModuleList([Group()])
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x):
+            for i in range(4):
+                x = self.groups[0](x)
+            return self.head(x).sum()
+
+
+    def build():
+        return Shared()
+
+
+    def example_inputs():
+        return {"x": torch.randn(4, 8)}
+""")
+
+
+def test_a_shared_group_of_layers_is_refused_where_the_loop_calls_it(tmp_path):
+    """Not at the linear inside it that runs as often: the loop's call is where weights are shared."""
+    from nnscaler_cst.analysis import analyze
+    from nnscaler_cst.plan.pipeline import find_trunk
+    (tmp_path / "nested.py").write_text(NESTED_SHARED)
+    with pytest.raises(UserError, match="calls groups.0 4 times") as refused:
+        find_trunk(analyze(tmp_path / "nested.py").graph)
+    where = refused.value.location
+    assert (Path(where.path).name, where.line) == ("nested.py", NESTED_SHARED.splitlines().index(
+        "            x = self.groups[0](x)") + 1)
+
+
 FORWARD_CALLED = textwrap.dedent("""
     import torch
     from torch import nn

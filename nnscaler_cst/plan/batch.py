@@ -193,6 +193,9 @@ def _mixing(graph: Graph, node: Node, batched: dict[int, int], reduced: dict[int
     if all(not tensors[t].shape for t in node.outputs or node.produced):   # a loss or metric: DP averages it
         reduced.update(dict.fromkeys(node.produced, _reducer_kind(node, trace)))
         return None
+    draw = next((trace.ops[i].func for i in node.ops if trace.ops[i].func.rsplit(".", 1)[-1] in _DRAWS), None)
+    if draw is not None:
+        return _DRAWS_PER_SAMPLE
     dims = graph.dims.get(node.index)
     problem = _leaked_inside_value(graph, node, dims, [tid for _, tid in inputs])
     if problem is not None:
@@ -295,7 +298,14 @@ _REDUCED_MEETS_BATCH = "combines a value reduced over the batch with the batch i
 _PRODUCT_OF_REDUCED = "multiplies values each reduced over the whole batch (the product of the batch's means " \
     "is not the mean of each slice's product)"
 _NEEDS_WHOLE_BATCH = "needs the whole batch"
-_SURELY_MIXES = (_REDUCED_MEETS_BATCH, _PRODUCT_OF_REDUCED, _NEEDS_WHOLE_BATCH)
+# a random draw shaped by the batch (PhiMoE's Gumbel sampling of experts, `rand_like(scores)`): one
+# generator fills the whole batch on one device, so a slice of it draws other numbers for its
+# samples. Dropout is not one of these: verify turns it off in both runs.
+_DRAWS = {"rand_like", "randn_like", "randint_like", "bernoulli", "bernoulli_", "multinomial", "exponential_",
+          "uniform_", "normal_", "random_", "geometric_", "cauchy_", "log_normal_", "poisson"}
+_DRAWS_PER_SAMPLE = "draws random numbers for the samples of the batch (a slice draws other numbers for its " \
+    "samples than one device gives them)"
+_SURELY_MIXES = (_REDUCED_MEETS_BATCH, _PRODUCT_OF_REDUCED, _NEEDS_WHOLE_BATCH, _DRAWS_PER_SAMPLE)
 
 
 def _multiplies_reduced(node: Node, reduced: dict[int, str], trace) -> bool:

@@ -881,9 +881,14 @@ def _no_blocks(graph: Graph) -> UserError:
     shared = max(calls.items(), key=lambda item: len(item[1]), default=(None, []))
     if len(shared[1]) > 1:
         path, nodes = shared
-        return UserError(f"{_SHARED_LAYER}; this model calls {path} {len(nodes)} times "
-                         "(its layers share one set of weights), so no stage could hold its own layers",
-                         nodes[0].span.start,
+        # the outermost module run as often that holds it, where the model's code calls it (ALBERT's
+        # layer group, in the encoder's loop), is where the weights are shared, not the layer inside
+        runs, module_calls = graph.trace.module_runs, graph.trace.module_calls
+        outer = next((a for a in (*_ancestors(path), path)
+                      if a in module_calls and runs.get(a, 0) >= len(nodes)), None)
+        where = module_calls[outer][0].start if outer is not None else nodes[0].span.start
+        return UserError(f"{_SHARED_LAYER}; this model calls {outer or path} {len(nodes)} times "
+                         "(its layers share one set of weights), so no stage could hold its own layers", where,
                          hint="pipelining cuts a ModuleList of one block class, called in a loop, into stages")
     first = next((n.span.start for n in graph.nodes if n.span is not None and n.mapped), None)
     return UserError("pipeline stages need a model built from repeated blocks (a ModuleList of one block "

@@ -357,8 +357,10 @@ class Tracer(TorchFunctionMode):
                 self._record_size_query(args, kwargs)
         return out
 
-    def _module_called(self, module, args):
-        """Where the model's own code calls each module (the loop over blocks, for pipelining)."""
+    def _module_called(self, module, args, caller=None):
+        """Where the model's own code calls each module (the loop over blocks, for pipelining).
+        `caller`: the frame of a direct `module.forward(x)` call (else the hook's caller's)."""
+        caller = caller if caller is not None else sys._getframe(1)
         path = self._module_names.get(id(module))
         if path is not None:
             self.module_runs[path] = self.module_runs.get(path, 0) + 1
@@ -366,13 +368,13 @@ class Tracer(TorchFunctionMode):
             self._current = None    # each call of a leaf layer is a node, in a loop too
         if path is None:
             return
-        if self._leaf_ids and self._own_and_leaf(sys._getframe(1))[1] and id(module) not in self._leaf_ids:
+        if self._leaf_ids and self._own_and_leaf(caller)[1] and id(module) not in self._leaf_ids:
             return                  # a module a leaf layer calls: part of that op
         if path not in self.module_replays and id(module) not in self._leaf_ids:
             self._record_module_call(module, path)
         if path in self.module_calls:
             return
-        own = self.own_frame(sys._getframe(1))
+        own = self.own_frame(caller)
         if own is not None and own.f_locals.get("self") is not module:
             span = self._span(own)
             if span is not None:
@@ -538,12 +540,26 @@ class Tracer(TorchFunctionMode):
         if event == "call":
             back = frame.f_back
             code = frame.f_code
+            if code.co_name == "forward" and back is not None and back.f_code.co_filename in self.own_files:
+                self._forward_called(frame, back)
             if back is not None and (back.f_code.co_filename in self.own_files or _wraps(back, code)) \
                     and code.co_filename not in self.own_files and not code.co_filename.startswith(_TORCH_DIR):
                 self._entry_args[id(frame)] = (code, arguments_at_entry(frame))
         elif event == "return":
             if self._entry_args.pop(id(frame), None) is not None:
                 self._returned(id(frame), arg)
+
+    def _forward_called(self, frame, caller) -> None:
+        """`block.forward(x)` written in the model's own code (SqueezeBERT's loop over its layers)
+        bypasses nn.Module's call and its hooks: it is a call of the block all the same, from that
+        line. Not one: nn.Module's call running the forward, a forward calling its base class's
+        (`super().forward(x)`, self the same module), a decorator's wrapper calling the forward."""
+        module = frame.f_locals.get("self")
+        if not isinstance(module, torch.nn.Module) or id(module) not in self._module_names \
+                or caller.f_locals.get("self") is module or _wraps(caller, frame.f_code) \
+                or frame.f_code.co_filename not in self.own_files:
+            return
+        self._module_called(module, (), caller)
 
     def _operands(self, func, kind, callee_frame, args, kwargs, call=None) -> list[Operand]:
         """Name every input of the invocation and where it sits in the user's call (`call`, its

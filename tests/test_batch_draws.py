@@ -1,0 +1,55 @@
+"""A random draw shaped by the batch (PhiMoE's Gumbel sampling of experts, `rand_like(best)`):
+one generator fills the whole batch on one device, so no slice of the batch draws the numbers
+its samples get there; refused at its line under --dp and micro-batches.
+"""
+from __future__ import annotations
+
+import textwrap
+
+from nnscaler_cst.analysis import analyze
+from nnscaler_cst.plan.batch import batch_split_problem
+
+ROUTER = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = nn.Linear(8, 4)
+            self.out = nn.Linear(8, 8)
+
+        def forward(self, x):
+            scores = torch.softmax(self.router(x), dim=-1)
+            best = scores.amax(dim=-1, keepdim=True)
+            agree = (best > 0.5).float()
+            return (self.out(x) * best * agree).pow(2).mean()
+
+
+    def build():
+        return Net()
+
+
+    def example_inputs():
+        return (torch.randn(4, 8),)
+''')
+
+DRAW = "        agree = agree * (torch.rand_like(best) > 0.75)"
+
+
+def _problem(tmp_path, source):
+    path = tmp_path / "router.py"
+    path.write_text(source)
+    return batch_split_problem(analyze(path).graph, "data parallel (--dp 2)")
+
+
+def test_the_router_without_a_draw_splits(tmp_path):
+    assert _problem(tmp_path, ROUTER) is None
+
+
+def test_a_random_draw_shaped_by_the_batch_is_refused_at_its_line(tmp_path):
+    anchor = "        agree = (best > 0.5).float()\n"
+    problem = _problem(tmp_path, ROUTER.replace(anchor, anchor + DRAW + "\n"))
+    assert problem is not None and "torch.rand_like draws random numbers" in problem.message
+    assert problem.location.line == ROUTER.replace(anchor, anchor + DRAW + "\n").splitlines().index(DRAW) + 1
