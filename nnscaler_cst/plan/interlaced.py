@@ -455,7 +455,8 @@ def price(graph: Graph, config, cluster, constraints: list[Constraint] | None = 
     maxima, then the exp sums and target logits stacked); the step from
     pipeline_seconds; memory as 1F1B's, less the owners' vocabulary state, plus 1/(tp x pp) of
     it on every device, and the lock-step warm-up's activations (2 (D - 1 - i) + 1 micro-batches
-    in flight on stage i instead of D - i). Returns an auto.Estimate."""
+    in flight on stage i instead of D - i); a fused head's loss adds one micro-batch's softmax
+    slice and input on every device. Returns an auto.Estimate."""
     from dataclasses import replace
 
     from ..materialize.conversions import fused_collectives
@@ -481,11 +482,10 @@ def price(graph: Graph, config, cluster, constraints: list[Constraint] | None = 
             plan = search_axis(graph, "tp", tp, keep_whole_on_tp(graph, schedule_table, pp, rules), device,
                                data_parallel=dp * micro)
     runs = _with_losses(graph, modules)
-    # a fused head's views and loss run in its step: out of the stages (their saved activations,
-    # each device's slice, kept spread over the stages)
+    # a fused head's views and loss run in its step, not in a stage's (their memory: `softmax` below)
     losses = frozenset(i for chain in runs.values() for i in chain[1:])
     cost = auto._regions(graph, blocks, plan, tp, device, losses)
-    cost = replace(cost, shared=(0.0, 0.0, cost.shared[2], {}), shared_hidden=[])
+    cost = replace(cost, shared=(0.0, 0.0, 0.0, {}), shared_hidden=[])
     one_f_one_b = replace(config, schedule="1f1b")      # its stage times and memory, priced as 1F1B's
     base = auto._estimate(one_f_one_b, cost, blocks, graph.trace.batch_size or 1, cluster, budget)
     ranges = auto._stage_ranges(blocks, pp)
@@ -545,8 +545,15 @@ def price(graph: Graph, config, cluster, constraints: list[Constraint] | None = 
     # weight's elements, whatever the tensor-parallel split left on one device)
     piece = sum(math.prod(info.shape) for info in graph.trace.params.values() if set(info.aliases) & set(names)) \
         * state / pieces
+    # a fused head's step keeps, on every device, its fp32 softmax slice and its input for the
+    # step's backward, which follows on the owner's B of the same micro-batch: one micro-batch's
+    tensors, sizes = graph.trace.tensors, element_bytes(graph.trace, graph.dims.get, device.precision)
+    softmax = sum(fraction * (_numel(tensors[graph.nodes[c].outputs[0]].shape) * 4 / pieces +
+                              sum(_numel(tensors[t].shape) * sizes[t] for t in graph.nodes[c].inputs
+                                  if tensors[t].param is None))
+                  for c, chain in runs.items() if len(chain) > 1)
     activations = auto._stage_times(one_f_one_b, cost, blocks, cluster)[1]
-    memory = [m - h + piece - a + a / min(pp - s, micro) * min(2 * (pp - 1 - s) + 1, micro)
+    memory = [m - h + piece + softmax - a + a / min(pp - s, micro) * min(2 * (pp - 1 - s) + 1, micro)
               for s, (m, h, a) in enumerate(zip(base.stage_memory, held, activations))]
     out = replace(base, config=config, seconds=pipeline + base.sync_seconds, memory=max(memory), stage_seconds=stage_seconds,
                   stage_memory=memory, pipeline_seconds=pipeline)
