@@ -389,9 +389,9 @@ def t5_breakdown(graph, rows, paper, base) -> str:
     text = (f"Best fitting interlaced: {paper[0]}, {p.config.describe()}, {p.seconds:.2f} s, {p.memory / GIB:.1f} GiB. Its "
             f"stages take {', '.join(f'{t:.3f}' for t in p.stage_seconds)} s per micro-batch without the vocabulary; its "
             f"vocabulary steps {1e3 * steps:.1f} ms per micro-batch on every device, of which {1e3 * compute:.1f} ms "
-            f"compute and the rest collectives (mostly the head's logits, 1024 x "
-            f"{int(os.environ.get('DGX2_T5_VOCAB', 2_048_000)):,} per micro-batch, gathered to the owner's tp peers and "
-            "their gradient scattered back). ")
+            "compute and the rest collectives (the head runs with its cross entropy as one vocabulary-parallel step: "
+            "its input and targets broadcast along the pipeline lines, the loss's token-sized all-reduces over all "
+            "32 devices, the input's gradient all-reduced; no logits gathered). ")
     if base:
         b = base[1]
         return text + (f"Best fitting 1F1B + Megatron TP: {base[0]}, {b.config.describe()}, {b.seconds:.2f} s "
@@ -616,11 +616,11 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
 - **T5-3B and mBART, interlaced**: the interlaced pipeline moves the vocabulary's work off the first and last
   stages and spreads it over all 32 devices; at 32k (T5-3B) and 250k (mBART) tokens that work is small next to
   the layers, and what decides the comparison is communication the vocabulary steps add on every rank: this
-  tool's head gathers the whole logits to the owner's tp peers (along the pipeline lines, over InfiniBand
-  between the two nodes, then within the owner's node) and scatters their gradient back, because the loss runs
-  unchanged in the owner's code. Megatron's 1F1B + TP keeps the logits split on the vocabulary and runs a
-  vocabulary-parallel cross entropy (rules/ops), moving no logits. The paper's interlaced pipeline counts the
-  loss among the vocabulary ops (split too); this tool does not split the loss inside the step yet. A call in
+  tool's vocabulary steps broadcast each call's input along the pipeline lines and all-reduce the embedding's
+  rows and the head's input gradient over all 32 devices. The head's logits are no longer gathered: where only
+  a cross entropy takes them, the head and the loss run as one vocabulary-parallel step (plan/interlaced.py
+  `fused_losses`, runtime `vocab_cross_entropy`: the row maxima, then the exp sums and target logits,
+  all-reduced over all devices, as Megatron's 1F1B + TP does over its tp group). A call in
   the middle of a stage's step (the decoder's embedding, after encoder layers on the same stage) also holds
   every rank until the owner reaches it (the notes' "calls at").
 - **T5 at the artifact's setting** (2,048,000 tokens, hidden 6144): as the paper says, Megatron's 1F1B + TP
@@ -633,11 +633,13 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
   model with fairseq's Adam (examples/adam.py: fp16 weights and gradients, fp32 moments: 12 bytes), under
   which 1F1B + TP at tp 16 x pp 2 or tp 32 with recompute would fit by arithmetic on the table's figures
   (4 bytes fewer a parameter: 5-8 GiB less per device) and be the baseline (not priced: the state bytes are
-  the tool's, not changed for this comparison). Time: the interlaced step pays for its head's
-  collectives, the whole logits (1024 x 2,048,000 per micro-batch) gathered to the owner's tp peers and their
-  gradient scattered back, several times the head's compute on each device (the section's breakdown); the
-  paper's head runs the loss split on the vocabulary and moves no logits. This tool's runtime does not split
-  the loss inside the vocabulary step yet, so that saving is not priced.
+  the tool's, not changed for this comparison: they are what the tool's own training code holds under
+  `--precision fp16`, autocast over fp32 parameters, fp32 gradients and AdamW's two fp32 moments, the same
+  16 bytes as Megatron-LM's mixed precision, fp16 weights and gradients plus fp32 master weights and moments).
+  Time: the head runs with its cross entropy as one vocabulary-parallel step (the section's breakdown), so
+  no logits move; before that fusion (measured at e17b524: 114.26 s for the best fitting interlaced) the whole
+  logits (1024 x 2,048,000 per micro-batch) were gathered to the owner's tp peers and their gradient
+  scattered back.
 - **AlphaFold2, 3F1B**: with block recompute, plain DP fits in 5.6 GiB per device in this memory model and is the
   fastest; the fixture has no triangle attention (N_res^3 scores per head), extra-MSA stack or structure module,
   whose memory is what forces DAP in practice, and this model prices AlphaFold2's many small ops at full matmul

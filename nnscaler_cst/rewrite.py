@@ -24,7 +24,7 @@ from .emit.rewrite import StageSplit, rewrite_module
 from .errors import Location, UserError, display_path
 from .source.files import resolved
 from .materialize.conversions import fused_collectives
-from .materialize.edits import Edits, data_parallel_edits, one_device_edits, plan_edits
+from .materialize.edits import Edits, data_parallel_edits, one_device_edits, plan_edits, vocab_loss_edits
 from .materialize.state_keys import hooked_key_splits
 from .plan.ir import OpAssign, OpOrder, OpTrans, Plan
 from .plan.pipeline import StagePlan, plan_stages
@@ -345,6 +345,8 @@ def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: in
                 f"VOCAB_DEFERRED = {deferred}  # backward calls (embeddings) whose steps run after the B, "
                 "from the output gradient it keeps"]
                if stages.vocab_modules else []),
+             *([f"VOCAB_LOSSES = {stages.vocab_heads}  # heads whose step is their cross entropy's "
+                "(vocab_cross_entropy): no logits formed or moved"] if stages.vocab_heads else []),
              f'SCHEDULE = "{" ".join(map(str, orders[pp_rank]))}"  # this rank\'s order']
     return "\n".join(lines) + "\n"
 
@@ -635,6 +637,8 @@ def rewrite(analysis: Analysis, request: PlanRequest, every_size_read: bool = Fa
         edits = one_device_edits(analysis.graph, plan.coshard_stand_in)
     if plan.mesh["dp"] > 1:
         edits = data_parallel_edits(analysis.graph, edits)
+    if stages is not None and stages.vocab_losses:     # interlaced: a head fused with its cross entropy
+        edits = vocab_loss_edits(analysis.graph, stages.vocab_losses, edits)
     if edits is not None:
         plan.warnings += edits.warnings
     label = display_path(analysis.entry.path)

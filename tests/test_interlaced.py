@@ -295,3 +295,61 @@ def test_each_device_holds_its_piece_of_the_vocabulary_state(tmp_path):
     estimate, _, _ = interlaced.price(graph, Config(tp=2, dp=1, pp=2, micro_batches=2, schedule="interlaced"),
                                       load_cluster("cpu-gloo"))
     assert table_state / 4 <= estimate.memory < 0.3 * table_state
+
+
+# --- a head fused with its cross entropy (issue 29): the loss runs split on the vocabulary in the
+# head's step, so no logits are gathered; priced as such and written as vocab_cross_entropy ---
+
+UNFUSED = BIG_TABLE.replace("return nn.functional.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())",
+                            "logits = self.head(x)\n"
+                            "        return nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()) + "
+                            "logits.mean()")
+
+
+def _priced(tmp_path, text):
+    from nnscaler_cst.analysis import analyze
+    from nnscaler_cst.plan.auto import Config
+    from nnscaler_cst.plan.cost import load_cluster
+
+    entry = tmp_path / "model.py"
+    entry.write_text(text.replace("(2, 2)", "(8, 64)"))
+    graph = analyze(entry).graph
+    return graph, interlaced.price(graph, Config(tp=2, dp=1, pp=2, micro_batches=2, schedule="interlaced"),
+                                   load_cluster("cpu-gloo"))
+
+
+def test_a_head_only_a_cross_entropy_takes_runs_the_loss_in_its_step_and_moves_no_logits(tmp_path, monkeypatch):
+    """The head's logits (8 x 64 x 16384) go only to a cross entropy: the head and the loss are
+    one step, priced with the loss's compute over all devices and its token-sized all-reduces
+    instead of the logits gathered to the owner and their gradient scattered back (the same model
+    priced without the fusion); a head whose logits something else reads (their mean) is not fused."""
+    graph, (fused, steps, stages) = _priced(tmp_path, BIG_TABLE)
+    assert list(interlaced.fused_losses(graph, ["embed", "head"]).values()) == [[5, 6, 8]]   # head, flatten, loss
+    assert interlaced.fused_heads(graph, ["embed", "head"]) == ["head"]
+    monkeypatch.setattr(interlaced, "fused_losses", lambda graph, modules: {})
+    _, (gathered, gathered_steps, gathered_stages) = _priced(tmp_path, BIG_TABLE)
+    assert fused.seconds < 0.5 * gathered.seconds
+    assert steps[1].forward[0] < 0.5 * gathered_steps[1].forward[0]           # no logits gathered
+    assert stages[1] < gathered_stages[1]                                      # the loss is no longer the owner's
+    monkeypatch.undo()
+    other, _ = _priced(tmp_path, UNFUSED)
+    assert not interlaced.fused_losses(other, ["embed", "head"])
+
+
+@pytest.mark.slow
+def test_a_tied_head_fused_with_its_cross_entropy_trains_like_the_single_device_run(tmp_path):
+    """PP 2 (the vocabulary over 2 devices), a tied embedding and head, a cross entropy with an
+    ignore_index (one micro-batch: a mean over the tokens it keeps): the written code runs the
+    loss as vocab_cross_entropy, and verify passes."""
+    model = tmp_path / "model.py"
+    model.write_text(BIG_TABLE.replace("16384", "64").replace("(2, 2)", "(2, 8)").replace(
+        "ids.flatten())", "ids.flatten().masked_fill(ids.flatten() < 32, -1), ignore_index=-1)"))
+    result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "verify", str(model), "--pp", "2",
+                             "--micro-batches", "1", "--schedule", "interlaced", "-o", str(tmp_path / "out"), "--json"],
+                            capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"})
+    start = result.stdout.find("{")
+    assert start >= 0, result.stdout + result.stderr
+    assert result.returncode == 0 and json.loads(result.stdout[start:])["passed"] is True, result.stdout + result.stderr
+    last = (tmp_path / "out" / "model_stage1.py").read_text()
+    assert "return vocab_cross_entropy(self.head(x).flatten(0, 1), " in last and "VOCAB_LOSSES = ['head']" in last

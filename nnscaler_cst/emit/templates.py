@@ -79,7 +79,7 @@ def build(rank):
     if getattr(module, "VOCAB_MODULES", None):   # interlaced: split on the vocabulary over tp x pp
         from ._comm import vocab_split
         for stage in stages:
-            vocab_split(stage, module.VOCAB_MODULES)
+            vocab_split(stage, module.VOCAB_MODULES, getattr(module, "VOCAB_LOSSES", ()))
     return stages
 
 

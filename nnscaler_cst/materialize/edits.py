@@ -319,6 +319,22 @@ def data_parallel_edits(graph: Graph, edits: Edits | None) -> Edits:
     return edits
 
 
+def vocab_loss_edits(graph: Graph, losses: list[int], edits: Edits | None) -> Edits:
+    """Interlaced: each cross entropy of a vocabulary-split head's logits (`losses`, node indices:
+    plan/interlaced.py fused_losses) calls vocab_cross_entropy, which runs the head and the loss as
+    one vocabulary-parallel step; an nn.CrossEntropyLoss module is passed along for its options."""
+    edits = edits if edits is not None else Edits("tp", 1, {}, {}, {}, [])
+    for index in losses:
+        node = graph.nodes[index]
+        module = node.callee_kind == "module"
+        site = edits.site(node.span)
+        _same(site, "replace", "vocab_cross_entropy({arg0}, {arg1}, loss={self})" if module
+              else "vocab_cross_entropy({arg0}, {arg1}{kwargs})", node)
+        _note(site, "with the head: its slice of the logits on every tp x pp device, the loss from "
+                    "token-sized all-reduces")
+    return edits
+
+
 def _producer_prefixes(graph: Graph, by_output: dict) -> dict[tuple, list[Step]]:
     """Per producer output, the steps written on the producer: those all its uses share. An
     argument written once but fed by several producers (a block's input: the embedding first,

@@ -96,6 +96,63 @@ def vocab_calls(graph: Graph, modules: list[str]) -> list:
         node.callee in ("torch.nn.functional.embedding", "torch.nn.functional.linear") and node.module_path in modules)]
 
 
+_RESHAPES = ("Tensor.view", "Tensor.reshape", "Tensor.flatten", "torch.flatten", "torch.reshape",
+             "Tensor.contiguous")
+_CROSS_ENTROPY = ("torch.nn.functional.cross_entropy", "torch.nn.CrossEntropyLoss")
+
+
+def fused_losses(graph: Graph, modules: list[str]) -> dict[int, list[int]]:
+    """The head calls whose logits only a cross entropy takes (through views: `logits.view(-1, V)`),
+    by the loss node's index: head call, the views, the loss. Such a head and its loss run as one
+    vocabulary-parallel step (runtime: vocab_cross_entropy): every device its slice of the logits,
+    the loss from token-sized all-reduces, no logits moved. Only heads all of whose calls are such;
+    a loss given class weights or a third positional argument is left as the source has it."""
+    consumers: dict[int, list] = {}
+    for node in graph.nodes:
+        for tid in set(node.inputs):
+            consumers.setdefault(tid, []).append(node)
+    chains: dict[str, list[list[int]]] = {}
+    unfused: set[str] = set()
+    for call in vocab_calls(graph, modules):
+        if is_embedding(graph, call):
+            continue
+        module = call.callee_path if call.callee_kind == "module" else call.module_path
+        chain, tid = [call.index], call.outputs[0] if len(call.outputs) == 1 else None
+        while tid is not None:
+            after = consumers.get(tid, [])
+            if len(after) != 1 or after[0].span is None:
+                tid = None
+            elif after[0].callee in _RESHAPES:
+                chain.append(after[0].index)
+                tid = after[0].outputs[0] if len(after[0].outputs) == 1 else None
+            elif after[0].callee in _CROSS_ENTROPY and _takes_plain_logits(after[0], tid):
+                chain.append(after[0].index)
+                break
+            else:
+                tid = None
+        if tid is None:
+            unfused.add(module)
+        else:
+            chains.setdefault(module, []).append(chain)
+    return {c[-1]: c for module, found in chains.items() if module not in unfused for c in found}
+
+
+def _takes_plain_logits(node, tid: int) -> bool:
+    """A cross entropy of `tid` as its logits (the first argument) and a target, no class weights."""
+    operands = {op.name: op.tid for op in node.operands}
+    return operands.get("arg0") == tid and operands.get("arg1") is not None and "arg2" not in operands and \
+        operands.get("weight") is None
+
+
+def fused_heads(graph: Graph, modules: list[str]) -> list[str]:
+    """The head modules fused_losses fuses with their cross entropy (the runtime's `losses`)."""
+    heads = set()
+    for chain in fused_losses(graph, modules).values():
+        call = graph.nodes[chain[0]]
+        heads.add(call.callee_path if call.callee_kind == "module" else call.module_path)
+    return sorted(heads)
+
+
 def is_embedding(graph: Graph, node) -> bool:
     """A vocabulary call that looks rows up (an embedding): its backward returns no gradient to its
     input, so its step runs after the owner's backward step (runtime: `deferred`)."""
@@ -133,16 +190,24 @@ def apply(graph: Graph, stages: StagePlan, table: ScheduleTable, tp: int = 1) ->
     stages.shared = [group for group in stages.shared if not set(group) & set(names)]
     stages.vocab_modules, stages.vocab_params, stages.vocab_stages = modules, names, sorted(owners)
     stages.vocab_calls = dict(sorted(calls.items()))
+    fused = fused_losses(graph, modules)
+    stages.vocab_heads, stages.vocab_losses = fused_heads(graph, modules), sorted(fused)
     stages.vocab_steps = steps(graph, stages, modules, stages.ranks * tp)
     for stage, flops in _call_flops(graph, stages, modules).items():
         stages.stage_seconds[stage] -= flops        # the owner's step without its calls: they are steps of their own
 
 
+def _with_losses(graph: Graph, modules: list[str]) -> dict[int, list[int]]:
+    """Per vocabulary call, the nodes its step runs: itself, and a fused head's views and loss."""
+    chains = {chain[0]: chain for chain in fused_losses(graph, modules).values()}
+    return {node.index: chains.get(node.index, [node.index]) for node in vocab_calls(graph, modules)}
+
+
 def _call_flops(graph: Graph, stages: StagePlan, modules: list[str]) -> dict[int, float]:
     out: dict[int, float] = {}
-    for node in vocab_calls(graph, modules):
-        stage = stages.node_stage[node.index]
-        out[stage] = out.get(stage, 0.0) + node_flops(node, graph.dims.get(node.index), graph.trace)
+    for call, runs in _with_losses(graph, modules).items():
+        stage = stages.node_stage[call]
+        out[stage] = out.get(stage, 0.0) + sum(node_flops(graph.nodes[i], graph.dims.get(i), graph.trace) for i in runs)
     return out
 
 
@@ -151,12 +216,16 @@ def steps(graph: Graph, stages: StagePlan, modules: list[str], pieces: int,
     """Per owning stage, where each vocabulary call comes in its forward (the fraction of the
     stage's other work before it, in trace order) and its SPMD step's length: `seconds(node)`
     gives a call's (forward, backward) on one device of the n = `pieces` it is split over
-    (default: FLOPs / n, the backward twice the forward, the unit of stage_seconds)."""
-    calls = {node.index for node in vocab_calls(graph, modules)}
+    (default: FLOPs / n, the backward twice the forward, the unit of stage_seconds). A head
+    fused with its cross entropy (fused_losses): its views and loss are part of its step."""
+    runs = _with_losses(graph, modules)
+    calls = set(runs)
+    in_step = {i for chain in runs.values() for i in chain[1:]}     # a fused head's views and loss
     out = {}
     for stage in sorted({stages.node_stage[i] for i in calls}):
-        work = [(node.index in calls, node, node_flops(node, graph.dims.get(node.index), graph.trace))
-                for node in graph.nodes if stages.node_stage.get(node.index) == stage]
+        work = [(node.index in calls, node, sum(node_flops(graph.nodes[i], graph.dims.get(i), graph.trace)
+                                               for i in runs.get(node.index, [node.index])))
+                for node in graph.nodes if stages.node_stage.get(node.index) == stage and node.index not in in_step]
         total = sum(f for is_call, _, f in work if not is_call) or 1.0
         at, forward, backward, deferred, before = [], [], [], [], 0.0
         for is_call, node, flops in work:
@@ -381,10 +450,13 @@ def price(graph: Graph, config, cluster, constraints: list[Constraint] | None = 
     them (or cut at `ranges`: per stage, its blocks a..b - 1 as (a, b)); each call an SPMD step of every rank, its compute 1/(tp x pp) of the op's and its
     collectives (the input broadcast along the pipeline lines, the embedding's all-reduce over
     tp x pp, the head's gather of the logits to the owner's tp peers and its scatter of their
-    gradient, its input gradient's all-reduce over tp x pp); the step from
+    gradient, its input gradient's all-reduce over tp x pp; a head fused with its cross entropy
+    instead the loss's compute / (tp x pp) and two all-reduces of token-sized fp32 values: the row
+    maxima, then the exp sums and target logits stacked); the step from
     pipeline_seconds; memory as 1F1B's, less the owners' vocabulary state, plus 1/(tp x pp) of
     it on every device, and the lock-step warm-up's activations (2 (D - 1 - i) + 1 micro-batches
-    in flight on stage i instead of D - i). Returns an auto.Estimate."""
+    in flight on stage i instead of D - i); a fused head's loss adds one micro-batch's softmax
+    slice and input on every device. Returns an auto.Estimate."""
     from dataclasses import replace
 
     from ..materialize.conversions import fused_collectives
@@ -409,7 +481,11 @@ def price(graph: Graph, config, cluster, constraints: list[Constraint] | None = 
         with fused_collectives(bool(table) and load_table(table).fused_collectives):
             plan = search_axis(graph, "tp", tp, keep_whole_on_tp(graph, schedule_table, pp, rules), device,
                                data_parallel=dp * micro)
-    cost = auto._regions(graph, blocks, plan, tp, device)
+    runs = _with_losses(graph, modules)
+    # a fused head's views and loss run in its step, not in a stage's (their memory: `softmax` below)
+    losses = frozenset(i for chain in runs.values() for i in chain[1:])
+    cost = auto._regions(graph, blocks, plan, tp, device, losses)
+    cost = replace(cost, shared=(0.0, 0.0, 0.0, {}), shared_hidden=[])
     one_f_one_b = replace(config, schedule="1f1b")      # its stage times and memory, priced as 1F1B's
     base = auto._estimate(one_f_one_b, cost, blocks, graph.trace.batch_size or 1, cluster, budget)
     ranges = auto._stage_ranges(blocks, pp)
@@ -423,10 +499,14 @@ def price(graph: Graph, config, cluster, constraints: list[Constraint] | None = 
 
     def seconds(node) -> tuple[float, float]:
         """A call's forward and backward steps on one of the tp x pp devices, per micro-batch."""
-        whole = fraction * node_time(node, graph.dims.get(node.index), graph.trace, device, 1, dims_of=graph.dims.get)
-        ahead = fraction * node_time(node, graph.dims.get(node.index), graph.trace, device, 1, dims_of=graph.dims.get,
-                                     forward_only=True)
-        owned[stage_of_region[blocks.region[node.index]]] += whole
+        whole = ahead = 0.0
+        for i in runs[node.index]:      # the call, and a fused head's views and loss
+            whole += fraction * node_time(graph.nodes[i], graph.dims.get(i), graph.trace, device, 1,
+                                          dims_of=graph.dims.get)
+            ahead += fraction * node_time(graph.nodes[i], graph.dims.get(i), graph.trace, device, 1,
+                                          dims_of=graph.dims.get, forward_only=True)
+            if i == node.index:         # what the stage priced (the loss is apart: `losses`)
+                owned[stage_of_region[blocks.region[node.index]]] += whole
         tensors, sizes = graph.trace.tensors, element_bytes(graph.trace, graph.dims.get, device.precision)
         given = fraction * sum(_numel(tensors[t].shape) * sizes[t] for t in node.inputs if tensors[t].param is None)
         made = fraction * sum(_numel(tensors[t].shape) * sizes[t] for t in node.outputs)   # as the step runs them
@@ -434,6 +514,14 @@ def price(graph: Graph, config, cluster, constraints: list[Constraint] | None = 
         if is_embedding(graph, node):     # the ids out, the rows' sums over all; the output's gradient out
             f = all_gather_time(given, pp, pp_line) + all_reduce_time(made, pieces, everyone)
             b = all_gather_time(made, pp, pp_line)
+        elif len(runs[node.index]) > 1:     # a head fused with its loss (runtime vocab_cross_entropy): its
+            # input and targets out, the row maxima all-reduced, then the sums of exp and the target
+            # logits (fp32, one value per token each); the loss's gradient out, the input's summed over all
+            out = tensors[node.outputs[0]].shape
+            tokens = fraction * _numel(out) / out[-1]
+            f = all_gather_time(given, pp, pp_line) + all_gather_time(8 * tokens, pp, pp_line) + \
+                all_reduce_time(4 * tokens, pieces, everyone) + all_reduce_time(2 * 4 * tokens, pieces, everyone)
+            b = all_gather_time(4 * tokens, pp, pp_line) + all_reduce_time(given, pieces, everyone)
         else:   # a head: its input out, the logits' slices gathered along the line to the owner's tp peers,
             # then all-gathered among them; the logits' gradient scattered back, the input's summed over all
             f = all_gather_time(given, pp, pp_line) + all_gather_time(made / tp, pp, pp_line) + \
@@ -457,8 +545,15 @@ def price(graph: Graph, config, cluster, constraints: list[Constraint] | None = 
     # weight's elements, whatever the tensor-parallel split left on one device)
     piece = sum(math.prod(info.shape) for info in graph.trace.params.values() if set(info.aliases) & set(names)) \
         * state / pieces
+    # a fused head's step keeps, on every device, its fp32 softmax slice and its input for the
+    # step's backward, which follows on the owner's B of the same micro-batch: one micro-batch's
+    tensors, sizes = graph.trace.tensors, element_bytes(graph.trace, graph.dims.get, device.precision)
+    softmax = sum(fraction * (_numel(tensors[graph.nodes[c].outputs[0]].shape) * 4 / pieces +
+                              sum(_numel(tensors[t].shape) * sizes[t] for t in graph.nodes[c].inputs
+                                  if tensors[t].param is None))
+                  for c, chain in runs.items() if len(chain) > 1)
     activations = auto._stage_times(one_f_one_b, cost, blocks, cluster)[1]
-    memory = [m - h + piece - a + a / min(pp - s, micro) * min(2 * (pp - 1 - s) + 1, micro)
+    memory = [m - h + piece + softmax - a + a / min(pp - s, micro) * min(2 * (pp - 1 - s) + 1, micro)
               for s, (m, h, a) in enumerate(zip(base.stage_memory, held, activations))]
     out = replace(base, config=config, seconds=pipeline + base.sync_seconds, memory=max(memory), stage_seconds=stage_seconds,
                   stage_memory=memory, pipeline_seconds=pipeline)

@@ -126,6 +126,8 @@ class StagePlan:
     vocab_params: list[str] = field(default_factory=list)
     vocab_stages: list[int] = field(default_factory=list)
     vocab_calls: dict[int, int] = field(default_factory=dict)   # stage -> their calls in one step
+    vocab_heads: list[str] = field(default_factory=list)     # heads fused with their cross entropy
+    vocab_losses: list[int] = field(default_factory=list)    # those cross entropies' nodes
     vocab_steps: dict = field(default_factory=dict)   # stage -> VocabSteps: where its calls come, how long
     # chained trunks (an encoder's blocks, then a decoder's): every trunk in call order, the blocks
     # counted over all of them; per stage, the part each trunk plays there (ChainRole)

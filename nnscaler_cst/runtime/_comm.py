@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
+import struct
 from typing import Iterable
 
 import torch
@@ -72,7 +73,7 @@ __all__ = [
     "activation_sends", "activation_recvs", "grad_sends", "grad_recvs", "post_p2p",
     "wait_activations", "wait_grads", "shape_key", "HandoffMismatch",
     "COUNTERS", "reset_counters",
-    "vocab_split", "vocab_begin", "vocab_end", "vocab_share", "vocab_deferred",
+    "vocab_split", "vocab_begin", "vocab_end", "vocab_share", "vocab_deferred", "vocab_cross_entropy",
 ]
 
 
@@ -613,78 +614,80 @@ def tp_multi_head_attention_forward(query, key, value, embed_dim_to_check, num_h
     return out, weights                                         # this rank's heads
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross entropy over logits split on the vocabulary (last) dim.
+def _cross_entropy_pieces(x: torch.Tensor, t: torch.Tensor, start: int, vocab: int, axis: Axis,
+                          ignore_index: int, label_smoothing: float):
+    """Per-token cross entropy of logits whose columns [start, start + x.shape[-1]) of `vocab`
+    this rank holds (x: (tokens, local) in fp32, t: (tokens,) global ids). Communication: one
+    all-reduce(max) of the row maxima, one all-reduce(sum) of [sum exp, target logit, (sum
+    logits)] stacked, over ``axis``. Returns (loss per token, ignored rows, what the gradient
+    needs: softmax, rows holding their target here, their local column)."""
+    def reduce(t, op=dist.ReduceOp.SUM):
+        return _all_reduce(t.contiguous(), axis, op) if axis.size > 1 else t
 
-    Forward communication: one all-reduce(max) of the row maxima and one
-    all-reduce(sum) of [sum exp, target logit, (sum logits)] stacked together.
-    Backward is local: softmax - (1 - eps) * onehot - eps / V, scaled.
-    """
+    row_max = reduce(x.max(dim=-1).values, dist.ReduceOp.MAX)
+    x = x - row_max.unsqueeze(-1)        # numerically stable: the global row maximum
+    v_local = x.shape[-1]
+    ignored = t == ignore_index
+    local = (t >= start) & (t < start + v_local) & ~ignored
+    local_t = (t - start).masked_fill(~local, 0)
+    target_logit = x.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~local, 0.0)
+    exp = x.exp()
+    stats = [exp.sum(dim=-1), target_logit]
+    if label_smoothing > 0:
+        stats.append(x.sum(dim=-1))
+    stats = reduce(torch.stack(stats))
+    log_z = stats[0].log()
+    loss = (1.0 - label_smoothing) * (log_z - stats[1])
+    if label_smoothing > 0:
+        loss = loss + label_smoothing * (log_z - stats[2] / vocab)
+    softmax = exp.div_(stats[0].unsqueeze(-1))
+    return loss.masked_fill(ignored, 0.0), ignored, (softmax, local, local_t)
+
+
+def _reduced(loss: torch.Tensor, ignored: torch.Tensor, reduction: str, shape) -> torch.Tensor:
+    if reduction == "none":
+        return loss.view(shape)
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (~ignored).sum()    # mean over non-ignored targets (0/0 = nan when all are, as torch)
+
+
+def _cross_entropy_grad(saved, ignored: torch.Tensor, grad_out: torch.Tensor, reduction: str,
+                        label_smoothing: float, vocab: int) -> torch.Tensor:
+    """The local logits' gradient: (softmax - (1 - eps) * onehot - eps / V) * d loss, local only."""
+    softmax, local, local_t = saved
+    grad = softmax
+    rows = torch.arange(grad.shape[0], device=grad.device)
+    grad[rows, local_t] -= (1.0 - label_smoothing) * local.to(grad.dtype)
+    if label_smoothing > 0:
+        grad -= label_smoothing / vocab
+    grad.masked_fill_(ignored.unsqueeze(-1), 0.0)
+    g = grad_out.to(grad.dtype)
+    if reduction == "none":
+        return grad.mul_(g.reshape(-1, 1))
+    return grad.mul_(g if reduction == "sum" else g / (~ignored).sum())
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross entropy over logits split on the vocabulary (last) dim (_cross_entropy_pieces);
+    backward is local."""
 
     @staticmethod
     def forward(ctx, logits, target, axis, ignore_index, reduction, label_smoothing):
-        out_dtype = logits.dtype
         v_local = logits.shape[-1]
         vocab = v_local * axis.size
-        x = logits.reshape(-1, v_local)
-        if x.dtype in (torch.float16, torch.bfloat16):
-            x = x.float()
-        t = target.reshape(-1)
-
-        # Numerically stable: subtract the global row maximum.
-        row_max = _all_reduce(x.max(dim=-1).values.contiguous(), axis, dist.ReduceOp.MAX)
-        x = x - row_max.unsqueeze(-1)
-
-        start = axis.rank * v_local
-        ignored = t == ignore_index
-        local = (t >= start) & (t < start + v_local) & ~ignored
-        local_t = (t - start).masked_fill(~local, 0)
-        target_logit = x.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~local, 0.0)
-
-        exp = x.exp()
-        stats = [exp.sum(dim=-1), target_logit]
-        if label_smoothing > 0:
-            stats.append(x.sum(dim=-1))
-        stats = _all_reduce(torch.stack(stats), axis)
-        log_z = stats[0].log()
-
-        loss = (1.0 - label_smoothing) * (log_z - stats[1])
-        if label_smoothing > 0:
-            loss = loss + label_smoothing * (log_z - stats[2] / vocab)
-        loss = loss.masked_fill(ignored, 0.0)
-
-        n_valid = (~ignored).sum()
-        if reduction == "none":
-            out = loss.view(target.shape)
-        elif reduction == "sum":
-            out = loss.sum()
-        else:  # mean over non-ignored targets (0/0 = nan when all ignored, as torch)
-            out = loss.sum() / n_valid
-
-        softmax = exp.div_(stats[0].unsqueeze(-1))
-        ctx.save_for_backward(softmax, local, local_t, ignored, n_valid)
-        ctx.shape, ctx.dtype = logits.shape, out_dtype
+        x = logits.reshape(-1, v_local).float()
+        loss, ignored, saved = _cross_entropy_pieces(x, target.reshape(-1), axis.rank * v_local, vocab, axis,
+                                                     ignore_index, label_smoothing)
+        ctx.save_for_backward(ignored, *saved)
+        ctx.shape, ctx.dtype = logits.shape, logits.dtype
         ctx.reduction, ctx.label_smoothing, ctx.vocab = reduction, label_smoothing, vocab
-        return out.to(out_dtype)
+        return _reduced(loss, ignored, reduction, target.shape).to(logits.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        softmax, local, local_t, ignored, n_valid = ctx.saved_tensors
-        eps = ctx.label_smoothing
-        grad = softmax
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, local_t] -= (1.0 - eps) * local.to(grad.dtype)
-        if eps > 0:
-            grad -= eps / ctx.vocab
-        grad.masked_fill_(ignored.unsqueeze(-1), 0.0)
-
-        g = grad_out.to(grad.dtype)
-        if ctx.reduction == "none":
-            grad *= g.reshape(-1, 1)
-        elif ctx.reduction == "sum":
-            grad *= g
-        else:
-            grad *= g / n_valid
+        ignored, *saved = ctx.saved_tensors
+        grad = _cross_entropy_grad(saved, ignored, grad_out, ctx.reduction, ctx.label_smoothing, ctx.vocab)
         return grad.view(ctx.shape).to(ctx.dtype), None, None, None, None, None
 
 
@@ -2204,8 +2207,9 @@ def recv_grads(outputs: list, src: int, stage: int, micro: int) -> list:
 # owner to its own line); every device computes its rows and the pieces are summed (embedding)
 # or gathered (head) over PP_TP. The other ranks run it between two of their own steps.
 
-_V_EMBED, _V_LINEAR, _V_EMBED_GRAD, _V_LINEAR_GRAD = 1, 2, 3, 4
-_V_HEADER = 8
+_V_EMBED, _V_LINEAR, _V_EMBED_GRAD, _V_LINEAR_GRAD, _V_LOSS, _V_LOSS_GRAD = 1, 2, 3, 4, 5, 6
+_V_HEADER = 12
+_REDUCTIONS = ("mean", "sum", "none")
 
 
 class VocabState:
@@ -2222,6 +2226,7 @@ class VocabState:
         self.queue: list = []
         self.saved: dict = {}
         self.stash: dict = {}
+        self.pending: dict = {}     # a fused head's placeholder logits (id of their base) -> (module, input, call)
 
 
 VOCAB = VocabState()
@@ -2378,16 +2383,21 @@ class VocabLinear(torch.nn.Linear):
 
     def forward(self, x):
         VOCAB.calls += 1
+        if getattr(self, "vocab_loss", False):      # its step runs at the loss (vocab_cross_entropy)
+            return _pending_logits(self, x, VOCAB.calls - 1)
         return _VocabLinear.apply(x, self.weight, self.vocab_index, VOCAB.calls - 1)
 
 
-def vocab_split(model: torch.nn.Module, paths: list[str]) -> None:
+def vocab_split(model: torch.nn.Module, paths: list[str], losses: Iterable[str] = ()) -> None:
     """Turn the modules at `paths` into their vocabulary-parallel kind: the weight (one parameter
-    however many modules share it) keeps this device's rows, dim 0 split over PP_TP."""
+    however many modules share it) keeps this device's rows, dim 0 split over PP_TP. `losses`:
+    the heads whose every call feeds a cross entropy (vocab_cross_entropy): their logits are
+    never formed, their step is the loss's."""
     shards: dict[int, torch.nn.Parameter] = {}
     VOCAB.modules = []
     for path in paths:
         module = model.get_submodule(path)
+        module.vocab_loss = path in losses
         if any(module is done for done in VOCAB.modules):
             continue                    # one module under two names (`shared`, `encoder.embed`): split once
         base = VocabEmbedding if isinstance(module, torch.nn.Embedding) else VocabLinear
@@ -2443,6 +2453,10 @@ def vocab_end(expected: int) -> None:
     plan's count), else they would wait on."""
     made = VOCAB.calls if VOCAB.grads == 0 else VOCAB.grads
     VOCAB.step = None
+    if VOCAB.pending:
+        VOCAB.pending.clear()
+        raise RuntimeError("a head whose calls the plan fuses with their cross entropy made logits that no "
+                           "vocab_cross_entropy took: the other ranks wait for its step")
     if made != expected or VOCAB.queue:
         raise RuntimeError(f"this pipeline step made {made} calls of vocabulary-split modules, the other "
                            f"ranks serve {expected} (VOCAB_CALLS)" +
@@ -2473,8 +2487,8 @@ def vocab_share(kind: str, stage: int, micro: int, src: int) -> None:
     Reads the owner's header (which call, which module, what shape), computes this device's rows;
     a forward keeps its input for the call's backward."""
     device = _vocab_device()
-    what, call, index, ndim, *shape = _header([], src, device)
-    shape = shape[:ndim]
+    what, call, index, ndim, *rest = _header([], src, device)
+    shape = rest[:ndim]
     module = VOCAB.modules[index]
     weight = module.weight
     if what == _V_EMBED:
@@ -2485,6 +2499,19 @@ def vocab_share(kind: str, stage: int, micro: int, src: int) -> None:
         x = _broadcast(torch.empty(shape, dtype=weight.dtype, device=device), src, PP)
         _gather(F.linear(x, weight.detach()), src, PP)       # to the owner's tp peer on this line
         VOCAB.saved[(stage, micro, call)] = x
+    elif what == _V_LOSS:
+        ignore_index, reduction, smoothing = _loss_options(rest[ndim:])
+        x = _broadcast(torch.empty(shape, dtype=weight.dtype, device=device), src, PP)
+        target = _broadcast(torch.empty(shape[:-1], dtype=torch.long, device=device), src, PP)
+        _, ignored, saved = _head_loss(x, weight.detach(), target, ignore_index, smoothing)
+        VOCAB.saved[(stage, micro, call)] = (x, ignored, saved, reduction, smoothing)
+    elif what == _V_LOSS_GRAD:
+        x, ignored, saved, reduction, smoothing = VOCAB.saved.pop((stage, micro, call))
+        grad_out = _broadcast(torch.empty(shape, dtype=torch.float32, device=device), src, PP)
+        gw, gx = _head_loss_grads(x, weight.detach(), ignored, saved, grad_out, reduction, smoothing)
+        _all_reduce(gx, PP_TP)
+        if weight.requires_grad:
+            weight.grad = gw if weight.grad is None else weight.grad + gw
     else:
         saved = VOCAB.saved.pop((stage, micro, call))
         if what == _V_EMBED_GRAD:
@@ -2497,3 +2524,95 @@ def vocab_share(kind: str, stage: int, micro: int, src: int) -> None:
             _all_reduce(gx, PP_TP)
         if weight.requires_grad:
             weight.grad = gw if weight.grad is None else weight.grad + gw
+
+
+# A head and its cross entropy fused (Megatron-LM's vocabulary-parallel cross entropy, over PP_TP):
+# the head's call returns a placeholder instead of its logits and runs no step; the loss's call
+# (vocab_cross_entropy, which the rewrite puts where the source computes the loss) is the step.
+# The input and the targets go to every device along its pipeline line; each computes its slice
+# of the logits, and the loss takes one all-reduce(max) and one all-reduce(sum) of token-sized
+# tensors over PP_TP (_cross_entropy_pieces); no logits move. Backward: the loss's gradient
+# along the lines, each device its slice's gradient, the input's summed over PP_TP.
+
+def _pending_logits(module, x: torch.Tensor, call: int) -> torch.Tensor:
+    """The fused head's output: NaN of the logits' shape (one element, expanded: nothing
+    allocated), which only vocab_cross_entropy takes; any other use shows as NaN."""
+    vocab = module.weight.shape[0] * PP_TP.size
+    element = torch.full((), float("nan"), dtype=x.dtype, device=x.device)
+    VOCAB.pending[id(element)] = (module, x, call, element)      # every view of it has it as its _base
+    return element.expand(*x.shape[:-1], vocab)
+
+
+def _loss_options(values: list[int]) -> tuple[int, str, float]:
+    ignore_index, reduction, smoothing = values[:3]
+    return ignore_index, _REDUCTIONS[reduction], struct.unpack("<d", struct.pack("<q", smoothing))[0]
+
+
+def _head_loss(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int, smoothing: float):
+    """This device's slice of the logits and the loss per token from it (_cross_entropy_pieces over PP_TP)."""
+    start, rows = _vocab_rows(weight)
+    logits = F.linear(x.reshape(-1, x.shape[-1]), weight).float()
+    return _cross_entropy_pieces(logits, target.reshape(-1), start, rows * PP_TP.size, PP_TP, ignore_index, smoothing)
+
+
+def _head_loss_grads(x, weight, ignored, saved, grad_out, reduction: str, smoothing: float):
+    """The weight rows' gradient and this device's part of the input's, from the loss's gradient."""
+    grad = _cross_entropy_grad(saved, ignored, grad_out, reduction, smoothing, weight.shape[0] * PP_TP.size)
+    return _linear_grads(x, grad.to(weight.dtype).view(*x.shape[:-1], weight.shape[0]), weight)
+
+
+class _VocabHeadLoss(torch.autograd.Function):
+    """The owner's part of a fused head and loss step (see above)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, target, index, call, ignore_index, reduction, smoothing):
+        x = x.to(weight.dtype).contiguous()
+        target = target.reshape(x.shape[:-1]).long().contiguous()
+        _serve_queue()
+        bits = struct.unpack("<q", struct.pack("<d", smoothing))[0]
+        _header([_V_LOSS, call, index, x.dim(), *x.shape, ignore_index, _REDUCTIONS.index(reduction), bits],
+                GLOBAL_RANK, x.device)
+        _broadcast(x, GLOBAL_RANK, PP)
+        _broadcast(target, GLOBAL_RANK, PP)
+        loss, ignored, saved = _head_loss(x, weight, target, ignore_index, smoothing)
+        ctx.save_for_backward(x, weight, ignored, *saved)
+        ctx.meta = (index, call, reduction, smoothing)
+        return _reduced(loss, ignored, reduction, target.shape).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, ignored, *saved = ctx.saved_tensors
+        index, call, reduction, smoothing = ctx.meta
+        VOCAB.grads += 1
+        grad_out = grad_out.float().contiguous()
+        _serve_queue()
+        _owner_header(_V_LOSS_GRAD, call, index, grad_out)
+        _broadcast(grad_out, GLOBAL_RANK, PP)
+        gw, gx = _head_loss_grads(x, weight, ignored, saved, grad_out, reduction, smoothing)
+        return _all_reduce(gx, PP_TP) if PP_TP.size > 1 else gx, gw, None, None, None, None, None, None
+
+
+def vocab_cross_entropy(logits: torch.Tensor, target: torch.Tensor, loss: torch.nn.Module | None = None, *,
+                        weight=None, ignore_index: int = -100, reduction: str = "mean",
+                        label_smoothing: float = 0.0, **legacy) -> torch.Tensor:
+    """F.cross_entropy(logits, target, ...), or ``loss(logits, target)`` for an nn.CrossEntropyLoss
+    `loss`, where `logits` may be a fused head's output (any view of it): then the head's step and
+    the loss run as one vocabulary-parallel step over PP_TP (its result: the loss on the owner).
+    Any other logits: the loss as the source computes it."""
+    options = dict(weight=weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                   **legacy)
+    if loss is not None:
+        options = dict(weight=loss.weight, ignore_index=loss.ignore_index, reduction=loss.reduction,
+                       label_smoothing=loss.label_smoothing)
+    entry = VOCAB.pending.pop(id(logits._base), None) if VOCAB.pending and logits._base is not None else None
+    if entry is None:
+        return F.cross_entropy(logits, target, **options)
+    module, x, call, _ = entry
+    if options["weight"] is not None or legacy or options["reduction"] not in _REDUCTIONS or \
+            logits.shape[-1] != module.weight.shape[0] * PP_TP.size or logits.numel() // logits.shape[-1] != \
+            target.numel():
+        raise ValueError("vocab_cross_entropy: a fused head's logits take the cross entropy over their last dim "
+                         "without class weights, one target per row")
+    out = _VocabHeadLoss.apply(x, module.weight, target, module.vocab_index, call, int(options["ignore_index"]),
+                               options["reduction"], float(options["label_smoothing"]))
+    return out.view(target.shape) if options["reduction"] == "none" else out
