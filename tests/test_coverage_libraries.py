@@ -57,3 +57,16 @@ def test_tiny_settings_go_only_to_scalar_arguments_the_class_takes():
             pass
 
     assert libraries.tiny_kwargs(Model, libraries.IMAGE_TINY) == {"num_classes": 10, "depth": 2, "embed_dim": 64}
+
+
+def test_torchtitan_entries_loss_has_a_gradient_at_an_all_zero_output():
+    # a zero-initialized final norm makes the output all zero at init: the loss must still
+    # give every output element a gradient, else verify's gradient check compares nothing
+    import ast
+    for note, text in libraries.torchtitan_variants("llama3", "debugmodel"):
+        [fn] = [n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == "loss"]
+        scope = {"torch": torch}
+        exec(compile(ast.Module([fn], []), "loss", "exec"), scope)
+        output = torch.zeros(libraries.BATCH, libraries.SEQ, libraries.VOCAB, requires_grad=True)
+        scope["loss"](output).backward()
+        assert (output.grad != 0).all(), note
