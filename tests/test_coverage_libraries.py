@@ -69,3 +69,16 @@ def test_the_split_share_of_a_model_without_repeated_layers_is_over_every_parame
     assert coverage.split_share(plan, coverage.block_patterns({}))["share"] == 0.8824
     blocks = coverage.block_patterns({"Block (level2.*)": 2})
     assert coverage.split_share(plan, blocks) == {"share": None, "block_params": 0}    # no `level2.N.` path
+
+
+def test_torchtitan_entries_loss_has_a_gradient_at_an_all_zero_output():
+    # a zero-initialized final norm makes the output all zero at init: the loss must still
+    # give every output element a gradient, else verify's gradient check compares nothing
+    import ast
+    for note, text in libraries.torchtitan_variants("llama3", "debugmodel"):
+        [fn] = [n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == "loss"]
+        scope = {"torch": torch}
+        exec(compile(ast.Module([fn], []), "loss", "exec"), scope)
+        output = torch.zeros(libraries.BATCH, libraries.SEQ, libraries.VOCAB, requires_grad=True)
+        scope["loss"](output).backward()
+        assert (output.grad != 0).all(), note

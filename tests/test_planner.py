@@ -1174,3 +1174,83 @@ def test_a_call_line_building_layers_with_and_without_a_bias_plans(tmp_path):
     path.write_text(CONVS_WITH_AND_WITHOUT_BIAS.lstrip())
     plan = search_axis(analyze(path).graph, "tp", 2, load_table("megatron").for_axis("tp"))
     assert plan.param_layout
+
+
+ROPE_OF_A_HANDED_BACK_TENSOR = """import torch
+import torch.nn.functional as F
+from torch import nn
+
+HEADS, HEAD_DIM, WIDTH, SEQ = 4, 8, 32, 8
+
+
+def rotate(query, key, cache):
+    xq_ = torch.view_as_complex(query.float().reshape(*query.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(key.float().reshape(*key.shape[:-1], -1, 2))
+    xq_out = torch.view_as_real(xq_ * cache).flatten(3)
+    xk_out = torch.view_as_real(xk_ * cache).flatten(3)
+    return xq_out.type_as(query), xk_out.type_as(key)
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wq = nn.Linear(WIDTH, HEADS * HEAD_DIM, bias=False)
+        self.wk = nn.Linear(WIDTH, HEADS * HEAD_DIM, bias=False)
+        self.wv = nn.Linear(WIDTH, HEADS * HEAD_DIM, bias=False)
+        self.wo = nn.Linear(HEADS * HEAD_DIM, WIDTH, bias=False)
+        angles = torch.outer(torch.arange(SEQ).float(), torch.arange(HEAD_DIM // 2).float() / HEAD_DIM)
+        self.register_buffer("cache", torch.polar(torch.ones_like(angles), angles), persistent=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, -1, HEAD_DIM)
+        k = self.wk(x).view(b, t, -1, HEAD_DIM)
+        v = self.wv(x).view(b, t, -1, HEAD_DIM)
+        q, k = F.rms_norm(q, (HEAD_DIM,)), F.rms_norm(k, (HEAD_DIM,))
+        v = v * torch.sigmoid(k)
+        q, k = rotate(q, k, self.cache[:t].view(1, t, 1, HEAD_DIM // 2))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, WIDTH)
+        self.layers = nn.ModuleList([Attention() for _ in range(2)])
+        self.head = nn.Linear(WIDTH, 64)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randint(0, 64, (2, SEQ)),)
+
+
+def loss(output):
+    return (output - 1).pow(2).mean()
+"""
+
+
+@pytest.mark.slow     # two plans and two dry runs: over 5 s
+def test_a_view_sized_by_a_tensor_a_call_hands_back_is_never_fed_the_local_size(tmp_path):
+    """torchtitan's complex RoPE: `key.float().reshape(*key.shape[:-1], -1, 2)` on a float32 key.
+    float() hands key back, so the trace saw the view sized by its own input; but the plan may run
+    the rotation whole while key is split by heads (another split consumer keeps it so), and the
+    gather then goes before `.float()` while `key.shape` still reads the local heads: the view
+    folded the gathered heads into the last dim (the dry run's broadcast error at the rotation).
+    Its first plan's dry run fails; the plan solved again keeps key whole where its size is read."""
+    from nnscaler_cst.rewrite import PlanRequest, rewrite
+
+    path = tmp_path / "rope_model.py"
+    path.write_text(ROPE_OF_A_HANDED_BACK_TENSOR)
+    files = rewrite(analyze(path), PlanRequest(tp=2)).files     # the dry run passes
+    assert "xk_ = torch.view_as_complex(key.float().reshape(*key.shape[:-1], -1, 2))\n" in files["model.py"]

@@ -24,8 +24,20 @@ def dims_read_whole(graph: Graph, every_read: bool = False) -> dict[int, set[int
     `every_read`, also sizes assigned to names (`B, T, C = x.shape`), whose uses the trace
     cannot follow: the cautious answer when the first plan's dry run failed."""
     at_span = {n.span: n for n in graph.nodes if n.span is not None}
+    handed_back = _handed_back(graph) if every_read else {}
     out: dict[int, set[int | None]] = defaultdict(set)
     for span, tid, dim in graph.trace.size_queries:
+        # `key.float().reshape(*key.shape[:-1], -1, 2)` on a float32 key: float() hands key back,
+        # so the trace sees the view's own input read, but the source reads `key`, which the
+        # rewrite may convert before the call (`tp_gather(key, ...).float()`): the size is then
+        # key's, local, where the view runs whole. Cautiously, the tensors handed back are read.
+        earlier = _earlier(handed_back, tid)
+        if earlier:
+            rank = len(graph.trace.tensors[tid].shape)
+            dims = {dim % rank} if isinstance(dim, int) and rank else _indexed_dims(graph, span, rank)
+            for t in (tid, *earlier):
+                out[t].update(dims)
+            continue
         around = [s for s in at_span if s != span and s.contains(span)]
         # the innermost call around the read: it starts last, and of those ends first
         consumer = max(around, key=lambda s: (s.line, s.col, -s.end_line, -s.end_col), default=None)
@@ -48,6 +60,28 @@ def dims_read_whole(graph: Graph, every_read: bool = False) -> dict[int, set[int
         else:
             out[tid].update(_indexed_dims(graph, span, rank))
     return dict(out)
+
+
+def _handed_back(graph: Graph) -> dict[int, int]:
+    """Result tensor id -> the input a call handed back as that result, unmodified (`x.float()` of
+    a float32 x, `x.contiguous()` of a contiguous one): one object under two ids in the trace."""
+    tensors = graph.trace.tensors
+    out = {}
+    for op in graph.trace.ops:
+        if op.returns_input and len(op.outputs) == 1:
+            same = [t for t in op.inputs if tensors[t].shape == tensors[op.outputs[0]].shape]
+            if len(same) == 1:
+                out[op.outputs[0]] = same[0]
+    return out
+
+
+def _earlier(handed_back: dict[int, int], tid: int) -> list[int]:
+    """The ids `tid`'s object had before calls handed it back, latest first."""
+    chain = []
+    while tid in handed_back and handed_back[tid] not in chain:
+        tid = handed_back[tid]
+        chain.append(tid)
+    return chain
 
 
 def _expanded_read_dims(graph: Graph, view: Node, span, rank: int, dim: int | None) -> set[int] | None:
