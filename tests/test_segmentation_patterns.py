@@ -167,6 +167,53 @@ def test_the_pipelined_loop_over_a_models_children_verifies(tmp_path):
     assert "PASSED" in result.stdout
 
 
+# a ModuleList of a stem layer, then the blocks, whose loop keeps outputs by their index
+STEM_IN_LIST = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class Net(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, d), Block(d), Block(d), Block(d), Block(d)])
+        self.keep = (2, 4)
+
+    def forward(self, x):
+        outs = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i in self.keep:
+                outs.append(x)
+        return (outs[0] * outs[1]).pow(2).mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 4),)
+'''
+
+
+def test_pipeline_stages_cut_a_list_holding_a_stem_and_the_blocks_between_its_layers(tmp_path):
+    """The stages hold layers of the list, stem included, not the blocks counted from the list's
+    start (was: internal error, the sharded state dict named a block the stage did not hold)."""
+    result = rewrite(analyze(_write(tmp_path, STEM_IN_LIST)), PlanRequest(pp=2))    # its dry run runs each stage
+    assert "for i, layer in pp_iterations(enumerate(self.layers)):" in result.files["model_stage0.py"]
+    assert "STAGE_DROPS = {1: ['layers.0', 'layers.1', 'layers.2']}" in result.files["model_stage1.py"]
+
+
 KEPT_LIST = '''
 import torch
 import torch.nn as nn
