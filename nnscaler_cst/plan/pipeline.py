@@ -492,7 +492,8 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
                             hint="pipelining cuts a loop over the blocks themselves (`for block in self.blocks:`), "
                                  "or over all the children of one module, each called once; or use --tp or --dp "
                                  "for this model")
-    if iterated is None and children is None and span in graph.trace.containers:     # `x = self.blocks(x)` on an nn.Sequential of the blocks
+    # `x = self.blocks(x)` on an nn.Sequential of the blocks
+    if iterated is None and children is None and span in graph.trace.containers:
         children = _sequential_children(graph.trace, container)
         if len(children) != len(paths) and len(children) >= 2 and all(c in calls for c in children):
             # it holds other stages too (a stem, a stage of another class): the stages cut its children
