@@ -180,11 +180,26 @@ NAMED_LOOP = textwrap.dedent('''
 ''')
 
 
-def test_a_block_loop_over_the_blocks_names_is_refused_at_the_loop(tmp_path):
+def test_a_block_loop_over_the_blocks_names_is_cut_by_its_iterations(tmp_path):
+    """Each stage keeps the whole ModuleDict (the other stages' blocks hollow) and runs its
+    iterations, so the names the loop picks its outputs by are the whole model's."""
     from nnscaler_cst.analysis import analyze
     from nnscaler_cst.plan.pipeline import plan_stages
     path = tmp_path / "named.py"
     path.write_text(NAMED_LOOP)
+    plan = plan_stages(analyze(path).graph, 2)
+    assert plan.trunk.iterations and plan.trunk.container == "body"
+    assert plan.block_ranges == [(0, 2), (2, 4)] and plan.drop[1] == ["body.0", "body.1"]
+
+
+def test_a_block_loop_over_names_skipping_a_block_is_refused_at_the_loop(tmp_path):
+    from nnscaler_cst.analysis import analyze
+    from nnscaler_cst.plan.pipeline import plan_stages
+    path = tmp_path / "skipping.py"
+    skipping = NAMED_LOOP.replace("            x = module(x)\n", "            if name != \"2\":\n"
+                                  "                x = module(x)\n")
+    assert skipping != NAMED_LOOP
+    path.write_text(skipping)
     with pytest.raises(UserError) as refused:
         plan_stages(analyze(path).graph, 2)
     assert "iterates over their names (`self.items()`)" in refused.value.message

@@ -111,13 +111,15 @@ def keep_stage(model, stage, module):
         for path, count in getattr(module, "PIPELINE_ITERATIONS", {{}}).items():   # its loop's iterations in all
             if path.startswith(owner + "."):
                 trunk.pp_iteration_count = count
+    iterated = getattr(module, "PIPELINE_ITERATIONS", {{}})     # lists whose loop counts every entry
+    iterated = iterated if isinstance(iterated, dict) else {{module.PIPELINE_BLOCKS: iterated}}
     for path in module.STAGE_DROPS[stage]:
         if not path:      # the model's own parameters (a cls_token), not its submodules
             hollow(model, path, own_only=True)
             continue
         owner_name, _, attr = path.rpartition(".")
         owner = model.get_submodule(owner_name)
-        if isinstance(owner, torch.nn.ModuleDict):
+        if isinstance(owner, torch.nn.ModuleDict) and owner_name not in iterated:
             del owner[attr]
         elif shared_outside(model, path):     # a module object also registered elsewhere: unlink only
             setattr(owner, attr, None)

@@ -478,8 +478,24 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
     source = graph.sources.get(span.path)
     node = source.node_at(span.line, span.col, span.end_line, span.end_col)
     hoist = None
-    _refuse_named_iteration(source, node, container, span)
-    if iterated is None and span in graph.trace.containers:     # `x = self.blocks(x)` on an nn.Sequential of the blocks
+    naming = _named_iteration(source, node)
+    children = _children_loop(graph, span, paths) if iterated is None else None
+    if children is not None and (naming is not None or set(children) != set(paths)):
+        # the loop runs a module's children, other layers than the blocks among them, or picks its
+        # outputs by their names: the stages cut between the children, by the loop's iterations
+        blocks, container = children, children[0].rpartition(".")[0]
+        first = calls[blocks[0]][1]
+    else:
+        children = None
+        if naming is not None:
+            raise UserError(f"the loop calling the blocks of {container} iterates over their names "
+                            f"(`{cst.Module([]).code_for_node(naming[1])}`), and each pipeline stage holds only its "
+                            "blocks, renamed from the first", source.span_of(naming[0]).start,
+                            hint="pipelining cuts a loop over the blocks themselves (`for block in self.blocks:`), "
+                                 "or over all the children of one module, each called once; or use --tp or --dp "
+                                 "for this model")
+    # `x = self.blocks(x)` on an nn.Sequential of the blocks
+    if iterated is None and children is None and span in graph.trace.containers:
         children = _sequential_children(graph.trace, container)
         if len(children) != len(paths) and len(children) >= 2 and all(c in calls for c in children):
             # it holds other stages too (a stem, a stage of another class): the stages cut its children
@@ -523,14 +539,37 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
             body=[*body[:index], split, rest, *body[index + 1:]])), index)
     else:
         handoff = handoff_variables(function, index)
-    if iterated is not None and not isinstance(loop, cst.For):
+    if (iterated is not None or children is not None) and not isinstance(loop, cst.For):
         raise UserError("the loop over the blocks must be a statement of the function's body, not nested",
                         span.start, hint=f"pipelining cuts a loop over self.{container.rpartition('.')[2]} "
                                          "in the function's body")
     return Trunk(container, blocks, function, function_span, index, handoff,
                  _shared_loop_owner(graph, blocks, function, function_span, span, first),
                  unset=maybe_unset(function, index, handoff), hoist=hoist,
-                 iterations=iterated is not None or _zipped_in_order(loop, blocks))
+                 iterations=iterated is not None or children is not None or _zipped_in_order(loop, blocks))
+
+
+def _children_loop(graph: Graph, span: Span, paths: list[str]) -> list[str] | None:
+    """The children of one module, in call order, when the line at `span` calls each of them once
+    and nothing else, and the blocks `paths` are among them or inside them (torchvision's
+    IntermediateLayerGetter: `for name, module in self.items(): x = module(x)`, which keeps the
+    outputs it names, over a stem, then nn.Sequential stages of blocks). The stages cut between
+    these children, by the loop's iterations (Trunk.iterations): every stage keeps the container
+    whole, the other stages' children hollow, so the names and positions the loop reads, and
+    what it collects from earlier iterations, stay the whole model's. None otherwise."""
+    trace = graph.trace
+    calls, runs = trace.module_calls, trace.module_runs
+    here = {p for p, (s, _) in calls.items() if s == span}
+    top = [p for p in here if p.rpartition(".")[0] not in here]     # (an nn.Sequential's blocks share its line)
+    parent = top[0].rpartition(".")[0] if top else ""
+    if len(top) < 2 or not parent or any(p.rpartition(".")[0] != parent for p in top):
+        return None
+    prefix = parent + "."
+    owned = {p for p in trace.module_types if p.startswith(prefix) and "." not in p[len(prefix):]}
+    if owned != set(top) or any(runs.get(p, 1) != 1 for p in top) \
+            or not all(p in owned or any(a in owned for a in _ancestors(p)) for p in paths):
+        return None
+    return sorted(top, key=lambda p: calls[p][1])
 
 
 def _zipped_in_order(loop: cst.CSTNode, blocks: list[str]) -> bool:
@@ -652,25 +691,21 @@ def _check_work_above_cut(graph: Graph, trunk: Trunk) -> None:
 _NAMING = ("items", "named_children")
 
 
-def _refuse_named_iteration(source, node: cst.CSTNode, container: str, span: Span) -> None:
-    """Refuse a loop calling the blocks that iterates over their names and reads them (`for name,
-    module in self.items(): ...`, torchvision's IntermediateLayerGetter picking its outputs by
-    name): each stage holds its own blocks only, renamed from "0", so the names read would be
-    wrong. A loop that leaves the names unread (DenseNet's dense block) is cut as any other."""
+def _named_iteration(source, node: cst.CSTNode) -> tuple[cst.For, cst.Call] | None:
+    """The `for` loop around `node` and its call naming the modules (`for name, module in
+    self.items(): ...`, torchvision's IntermediateLayerGetter picking its outputs by name) when the
+    loop body reads the names; None otherwise (DenseNet's dense block leaves them unread)."""
     loop = node
     while loop is not None and not isinstance(loop, (cst.For, cst.FunctionDef)):
         loop = source.parents.get(loop)
     if not isinstance(loop, cst.For):
-        return
+        return None
     calls = [n for n in _calls_in(loop.iter) if isinstance(n.func, cst.Attribute) and n.func.attr.value in _NAMING]
     target = loop.target
     name = target.elements[0].value if isinstance(target, (cst.Tuple, cst.List)) and target.elements else None
     if calls and isinstance(name, cst.Name) and name.value in names_in(list(loop.body.body), False):
-        raise UserError(f"the loop calling the blocks of {container} iterates over their names "
-                        f"(`{cst.Module([]).code_for_node(calls[0])}`), and each pipeline stage holds only its "
-                        "blocks, renamed from the first", source.span_of(loop).start,
-                        hint="pipelining cuts a loop over the blocks themselves (`for block in self.blocks:`); "
-                             "or use --tp or --dp for this model")
+        return loop, calls[0]
+    return None
 
 
 def _calls_in(node: cst.CSTNode):
@@ -801,6 +836,8 @@ def find_chain(graph: Graph) -> list[Trunk]:
             trunk = _trunk_of(graph, paths)
         except UserError:
             return []
+        if any(t.container == trunk.container for t in chain):
+            continue                                    # one loop over the children holding both lists
         attr = trunk.container.rpartition(".")[2]
         loop = trunk.function.body.body[trunk.loop_index]
         params = trunk.function.params.params
@@ -810,7 +847,7 @@ def find_chain(graph: Graph) -> list[Trunk]:
         trunk.owner = owner
         trunk.unset = maybe_unset(trunk.function, trunk.loop_index, trunk.handoff, one_pass=False)
         chain.append(trunk)
-    return chain
+    return chain if len(chain) >= 2 else []
 
 
 def _called_in_loop(graph: Graph, span: Span) -> bool:
