@@ -307,7 +307,7 @@ class _Run:
                 continue
             err = diff.max().item() if diff.numel() else 0.0
             rel = (diff / expected.double().abs().clamp_min(1e-6)).max().item() if diff.numel() else 0.0
-            if err > max_abs:
+            if err > max_abs or not worst:     # an exact match still names what it compared
                 max_abs, worst = err, name
             max_rel = max(max_rel, rel)
         grads = self.package.merge_state_dicts([r["grads"] for r in ranks])
@@ -368,7 +368,7 @@ def gradient_error(expected_grads: dict, merged: dict, rounding: dict[str, float
         scale = max(expected.float().abs().max().item(), floor)
         scale = max(scale, ROUNDING_MARGIN * (rounding or {}).get(name, 0.0) / grad_rtol)
         err = _difference(name, merged, expected).max().item() / scale
-        if err > worst:
+        if err > worst or not worst_name:
             worst, worst_name = err, name
     return worst, worst_name
 
