@@ -53,3 +53,47 @@ def test_a_random_draw_shaped_by_the_batch_is_refused_at_its_line(tmp_path):
     problem = _problem(tmp_path, ROUTER.replace(anchor, anchor + DRAW + "\n"))
     assert problem is not None and "torch.rand_like draws random numbers" in problem.message
     assert problem.location.line == ROUTER.replace(anchor, anchor + DRAW + "\n").splitlines().index(DRAW) + 1
+
+
+INSIDE_A_ROUTER = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+
+
+    class Router(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(8, 4)
+
+        def forward(self, x):
+            scores = self.gate(x)
+            top = scores.max(dim=-1).indices
+            jitter = torch.rand_like(scores)
+            pick = (scores + jitter).argmax(dim=-1)
+            return x * (pick == top).float().unsqueeze(-1)
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = Router()
+            self.out = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.out(self.router(x)).pow(2).mean()
+
+
+    def build():
+        return Net()
+
+
+    def example_inputs():
+        return (torch.randn(4, 8),)
+''')
+
+
+def test_a_draw_inside_a_module_the_probe_finds_keeps_samples_apart_is_still_refused(tmp_path):
+    """The batch probe runs the module on half the batch with the same seed: the first half of the
+    same numbers, which no second rank or micro-batch draws (PhiMoE PP=2 verified wrong)."""
+    problem = _problem(tmp_path, INSIDE_A_ROUTER)
+    assert problem is not None and "torch.rand_like draws random numbers" in problem.message

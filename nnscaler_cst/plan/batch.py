@@ -193,8 +193,7 @@ def _mixing(graph: Graph, node: Node, batched: dict[int, int], reduced: dict[int
     if all(not tensors[t].shape for t in node.outputs or node.produced):   # a loss or metric: DP averages it
         reduced.update(dict.fromkeys(node.produced, _reducer_kind(node, trace)))
         return None
-    draw = next((trace.ops[i].func for i in node.ops if trace.ops[i].func.rsplit(".", 1)[-1] in _DRAWS), None)
-    if draw is not None:
+    if _draws(trace, node):
         return _DRAWS_PER_SAMPLE
     dims = graph.dims.get(node.index)
     problem = _leaked_inside_value(graph, node, dims, [tid for _, tid in inputs])
@@ -250,7 +249,9 @@ def _enclosing_module_kept_apart(graph: Graph, node: Node) -> tuple[dict[int, in
             returned = set(graph.trace.module_replays[path].outputs)
             leaked = any(consumer not in inside for n in inside for tid in graph.nodes[n].produced
                          if tid not in returned for consumer, _ in graph.consumers.get(tid, ()))
-            if leaked:
+            # a random draw inside: the probe's half batch draws the first half of the same numbers,
+            # which another rank or micro-batch does not (PhiMoE's Gumbel routing)
+            if leaked or any(_draws(graph.trace, graph.nodes[n]) for n in inside):
                 return None
             return kept, max(inside) + 1
         path = path.rpartition(".")[0]
@@ -306,6 +307,10 @@ _DRAWS = {"rand_like", "randn_like", "randint_like", "bernoulli", "bernoulli_", 
 _DRAWS_PER_SAMPLE = "draws random numbers for the samples of the batch (a slice draws other numbers for its " \
     "samples than one device gives them)"
 _SURELY_MIXES = (_REDUCED_MEETS_BATCH, _PRODUCT_OF_REDUCED, _NEEDS_WHOLE_BATCH, _DRAWS_PER_SAMPLE)
+
+
+def _draws(trace, node: Node) -> bool:
+    return any(trace.ops[i].func.rsplit(".", 1)[-1] in _DRAWS for i in node.ops)
 
 
 def _multiplies_reduced(node: Node, reduced: dict[int, str], trace) -> bool:
