@@ -45,6 +45,10 @@
   it as the unfused layer's keys (`w13` saved as `w1` and `w3`, fused again on load): the split
   of each saved key is probed by running the hooks on each rank's share, and shard_state_dict /
   merge_state_dicts slice and join those keys.
+- diffusers' UNet style: skips kept in a list and concatenated by one line in the up blocks'
+  loop, one of them handed back by `x = x.contiguous()` in a block that splits its shortcut:
+  a call handing back its operand converts nothing, so the object keeps one layout under both
+  names and every instance of the concatenation reads it alike.
 Quick tests read the plan and the written code; the gloo runs are slow.
 """
 from __future__ import annotations
@@ -1061,6 +1065,71 @@ def test_a_relative_position_bias_table_is_split_by_heads_with_the_attention(tmp
     assert "self.bias_table = nn.Parameter(torch.randn(2 * tokens - 1, heads // 2) * 0.5)" in code
     assert "tp_gather(" not in code and "F.scaled_dot_product_attention(q, k, v, attn_mask=bias)" in code
 
+
+# diffusers' UNet style: the down blocks' outputs are kept in a list of skips, and the up blocks
+# concatenate them one by one on one line in a loop. A block with a shortcut layer hands its
+# input on through `x = x.contiguous()` (pinned split here, as the search may choose it), which
+# gives back the very object kept in the list: the trace sees the later read of the list as a
+# read of the contiguous result, which must have the object's one layout.
+SKIP_LIST_UNET = '''
+import torch
+import torch.nn as nn
+
+
+class Res(nn.Module):
+    def __init__(self, cin, cout):
+        super().__init__()
+        self.fc1 = nn.Linear(cin, 4 * cout)
+        self.fc2 = nn.Linear(4 * cout, cout)
+        self.shortcut = nn.Linear(cin, cout) if cin != cout else None
+
+    def forward(self, x):
+        h = self.fc2(torch.relu(self.fc1(x)))
+        if self.shortcut is not None:
+            x = x.contiguous()  # nnscaler: tp=split
+            x = self.shortcut(x)
+        return x + h
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.down = nn.ModuleList([Res(16, 16), Res(16, 32)])
+        self.up = nn.ModuleList([Res(64, 32), Res(48, 16)])
+
+    def forward(self, x):
+        h = self.inp(x)
+        skips = []
+        for block in self.down:
+            h = block(h)
+            skips.append(h)
+        for block in self.up:
+            h = torch.cat([h, skips.pop()], dim=-1)
+            h = block(h)
+        return h.pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 16),)
+'''
+
+
+def test_a_skip_read_again_after_a_call_handed_it_back_keeps_its_one_layout(tmp_path):
+    root = written(tmp_path, SKIP_LIST_UNET)
+    result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    code = (root / "out" / "model.py").read_text()
+    assert "            h = torch.cat([h, skips.pop()], dim=-1)\n" in code
+    assert "x = x.contiguous()  # nnscaler: tp=split\n" in code       # converted nowhere on this line
+    params = json.loads((root / "out" / "plan.json").read_text())["params"]
+    assert params["down.1.shortcut.weight"]["tp"] == "S(1)" and params["up.1.fc1.weight"]["tp"] == "S(0)"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model,mode", [(TORCH_ENCODER, ("--tp", "2")),
                                         (MULTIHEAD, ("--tp", "2", "--dp", "2")),
@@ -1073,11 +1142,12 @@ def test_a_relative_position_bias_table_is_split_by_heads_with_the_attention(tmp
                                         (RELATIVE_POSITION_BIAS, ("--tp", "2")),
                                         (NESTED_LAYER_LISTS, ("--pp", "2", "--micro-batches", "2")),
                                         (CONFIG_BUILT_LAYERS, ("--tp", "2")),
-                                        (HOOKED_STATE_KEYS, ("--tp", "2"))],
+                                        (HOOKED_STATE_KEYS, ("--tp", "2")),
+                                        (SKIP_LIST_UNET, ("--tp", "2"))],
                          ids=["torch-encoder-tp2", "multihead-attention-dp2xtp2", "torch-encoder-pp2",
                               "branched-vit-pp2", "counting-vit-pp2", "mixed-blocks-dp2xtp2", "helper-built-convs-tp2",
                               "conv-blocks-with-biases-tp2", "relative-position-bias-tp2", "nested-layer-lists-pp2",
-                              "config-built-layers-tp2", "hooked-state-keys-tp2"])
+                              "config-built-layers-tp2", "hooked-state-keys-tp2", "skip-list-unet-tp2"])
 def test_verifies(tmp_path, model, mode):
     root = written(tmp_path, model)
     result = cli("verify", "model.py", *mode, "-o", "out", cwd=root)
@@ -1130,3 +1200,4 @@ def test_a_line_whose_instances_need_their_argument_converted_unalike_plans_thei
            "line model.py:12:17 calls layers of different classes in turn" in result.stderr
     params = json.loads((root / "out" / "plan.json").read_text())["params"]
     assert params["ff.net.0.weight"]["tp"] == "R"
+

@@ -705,7 +705,7 @@ def _to_dims(probed: _Probed, node: Node, trace: Trace, replay: Replay) -> OpDim
     outputs = []
     for tid in node.outputs:
         if tid not in replay.outputs:
-            operand = _handed_back(tid, node, trace, operand_names)
+            operand = handed_back(tid, node, trace, operand_names)
             if operand is None:
                 return None
             name = operand_names[operand][0]
@@ -717,8 +717,8 @@ def _to_dims(probed: _Probed, node: Node, trace: Trace, replay: Replay) -> OpDim
                   free={name: set(dims) for name, dims in probed.free.items()})
 
 
-def _handed_back(tid: int, node: Node, trace: Trace, operand_names: dict[int, list[str]]) -> int | None:
-    """The operand a result of the call that it does not return is: ops inside handed that
+def handed_back(tid: int, node: Node, trace: Trace, operand_names: dict[int, list[str]]) -> int | None:
+    """The operand a result of the call is the very object of: ops inside handed that
     operand back unmodified (`position_bias.contiguous()` of a contiguous tensor, which the next
     layer reads), so the result is split as the operand is. None for any other result."""
     produced_by = {out: trace.ops[i] for i in node.ops for out in trace.ops[i].outputs}

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 
 from ..errors import UserError
+from ..graph.derive import handed_back
 from ..graph.graph import Graph
 from ..plan.batch import batch_factors, batch_labels, data_parallel_impl
 from ..plan.layouts import REPLICATE, R, Layout, layouts_for, shard
@@ -122,10 +123,14 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
     # what each consumer needs of each tensor
     needs: dict[int, list[tuple[Node | None, tuple | None, list[Step]]]] = defaultdict(list)
     have: dict[int, Layout] = {}
+    passed = {node.index: _passes_through(graph, node) for node in graph.nodes}
+    passed = {index: tid for index, tid in passed.items() if tid is not None}
     for node in graph.nodes:
         for k, tid in enumerate(node.outputs):
             outs = lay(node).outputs
             have[tid] = outs[k] if k < len(outs) else R
+        if node.index in passed:    # the same object, so the same layout, whatever the plan chose here
+            have[node.outputs[0]] = have.get(passed[node.index], R)
         if node.callee == "Tensor.expand" and node.outputs and have[node.outputs[0]] == R:
             sized = _dim_sized_by_a_split_tensor(graph, node, have)
             if sized is not None:       # planned whole, but built at the size a split tensor has
@@ -134,7 +139,7 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
     for node in graph.nodes:
         wanted = lay(node)
         for operand in node.operands:
-            if operand.tid is None or tensors[operand.tid].param is not None:
+            if operand.tid is None or tensors[operand.tid].param is not None or operand.tid == passed.get(node.index):
                 continue
             info = tensors[operand.tid]
             if info.buffer is not None and wanted.inputs.get(operand.name) == edits.buffer_layout.get(info.buffer, R):
@@ -169,6 +174,13 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
     if trace.loss is not None:
         needs[trace.loss].append((None, None, conversion(have.get(trace.loss, R), R, consumer_split=False,
                                                           requires_grad=False)))
+    for tid in list(needs):     # a handed-back object's reads are its producer's: converted there, once
+        producer, original = tensors[tid].producer, tid
+        while producer is not None and producer in passed:
+            original = passed[producer]
+            producer = tensors[original].producer
+        if original != tid:
+            needs[original] += needs.pop(tid)
 
     # steps shared by every use of every instance of a producer's output go on the producer
     by_output: dict[tuple, list[tuple[int, Node | None, tuple | None, list[Step]]]] = defaultdict(list)
@@ -256,6 +268,21 @@ def _split_makers(graph: Graph, tids: list[int], have: dict) -> list[str]:
         frontier += [o.tid for o in graph.nodes[producer].operands
                      if o.tid is not None and have.get(o.tid, R).kind != "R"]
     return sorted(found)
+
+
+def _passes_through(graph: Graph, node: Node) -> int | None:
+    """The operand a call hands back as its one result, unmodified (`x.contiguous()` of a
+    contiguous tensor, `.float()` of a float one). The trace gives the result a tensor of its
+    own, and every later read of the object (`skips[-1]`, kept from before the call) reads that
+    one; the rewrite converts nothing here, and converts the object's reads under either name
+    as reads of the operand, so that the object has one layout under every name."""
+    if len(node.outputs) != 1:
+        return None
+    operand_names = defaultdict(list)
+    for operand in node.operands:
+        if operand.tid is not None:
+            operand_names[operand.tid].append(operand.name)
+    return handed_back(node.outputs[0], node, graph.trace, operand_names)
 
 
 def _reaches_a_split_result(dims, name: str, wanted) -> bool:
