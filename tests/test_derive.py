@@ -441,3 +441,48 @@ def test_a_weight_normed_conv_pipelines_like_one_device(weight_norm_model, tmp_p
                             capture_output=True, text=True, timeout=600)
     outcome = json.loads(result.stdout[result.stdout.find("{"):])
     assert result.returncode == 0 and outcome["passed"] is True, result.stdout + result.stderr
+
+
+
+ONEDNN_MODEL = '''
+import torch
+from torch import nn
+
+SEEN = []      # (layer, whether oneDNN was on) each time a layer ran
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.rnn = nn.LSTM(8, 8, batch_first=True)
+
+    def forward(self, x):
+        y = self.conv(x).flatten(2).transpose(1, 2)
+        return self.rnn(y)[0].sum()
+
+
+def build():
+    net = Net()
+    for name in ("conv", "rnn"):
+        getattr(net, name).register_forward_pre_hook(
+            lambda module, args, name=name: SEEN.append((name, torch.backends.mkldnn.enabled)))
+    return net
+
+
+def example_inputs():
+    return (torch.randn(4, 8, 4, 4),)
+'''
+
+
+def test_the_probe_runs_convs_on_onednn_and_recurrent_layers_on_torchs_own_kernels(tmp_path):
+    """oneDNN's depthwise convolutions are many times faster than torch's own (a third of a
+    ConvNeXt's rewrite went into its probes), while its inference LSTM takes seconds per call
+    on some CPUs: only a call running a recurrent layer turns oneDNN off."""
+    path = tmp_path / "onednn.py"
+    path.write_text(ONEDNN_MODEL.lstrip())
+    seen = analyze(path).entry.module.SEEN
+    conv = [on for name, on in seen if name == "conv"]
+    rnn = [on for name, on in seen if name == "rnn"]
+    assert len(conv) > 3 and len(rnn) > 3         # the trace's calls, then the probes'
+    assert all(conv) and not any(rnn[1:])       # the first: the trace

@@ -27,6 +27,10 @@
   class-attention blocks): the last stage holds it and the first drops it; a stage dropping the
   model's own parameters hollows those only (was: every stage dropped them and none hollowed them,
   so the first stage's stale copy was merged back: a WRONG result that only verify caught);
+- the model's own parameters read on different stages (CaiT: pos_embed before the blocks,
+  cls_token after them): both stages hold both, tied, and each has no gradient for the one it
+  does not read; it sums a zero there (was: each stage's bucket of tied gradients left out a
+  different one, and gloo aborted both ranks on the size mismatch);
 - BatchNorm under a pipeline's micro-batches: each micro-batch is normalised by its own statistics
   (GPipe's and torch.distributed.pipelining's semantics), with a warning at the BatchNorm line;
   the output says so (BATCH_STATISTICS_PER_MICRO_BATCH) and verify compares it with one device
@@ -160,8 +164,10 @@ def test_batch_norm_under_micro_batches_normalises_each_by_its_own_statistics(tm
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, plan", [("MIXED", ("--dp", "2")), ("MIXED", ("--pp", "2", "--micro-batches", "2")),
-                                        ("PROJECTED", ("--dp", "2")), ("CLS_AFTER_BLOCKS", ("--pp", "2"))],
-                         ids=["dp2", "pp2", "dp2-sequential-or-identity", "pp2-cls-token-after-the-blocks"])
+                                        ("PROJECTED", ("--dp", "2")), ("CLS_AFTER_BLOCKS", ("--pp", "2")),
+                                        ("POS_BEFORE_CLS_AFTER", ("--pp", "2"))],
+                         ids=["dp2", "pp2", "dp2-sequential-or-identity", "pp2-cls-token-after-the-blocks",
+                              "pp2-tied-parameters-each-stage-uses-one-of"])
 def test_cnns_with_batch_norm_train_like_one_device(tmp_path, name, plan):
     model = _write(tmp_path, globals()[name])
     result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "verify", str(model), *plan,
@@ -442,6 +448,15 @@ def build():
 def example_inputs():
     return (torch.randn(4, 6, 8),)
 '''
+
+
+# CaiT's shape: a position embedding of the model itself read before the blocks, a class token
+# read after them. The model's own parameters go together: both stages hold both, tied.
+POS_BEFORE_CLS_AFTER = CLS_AFTER_BLOCKS.replace(
+    "        self.cls_token = nn.Parameter(torch.randn(1, 1, 16))\n",
+    "        self.cls_token = nn.Parameter(torch.randn(1, 1, 16))\n"
+    "        self.pos_embed = nn.Parameter(torch.randn(1, 6, 16))\n").replace(
+    "        x = self.embed(x)\n", "        x = self.embed(x) + self.pos_embed\n")
 
 
 def test_the_models_own_parameter_read_after_the_blocks_is_held_by_the_last_stage(tmp_path):

@@ -581,6 +581,7 @@ def pipeline_grads(stages, module):
         replica_grads(stages, module)
     else:
         tied = [p for key, p in stages.named_parameters() if key.partition(".")[2] in module.TIED_PARAMETERS]
+        _comm.fill_missing_grads(tied, _comm.PP_ENDS)     # a stage holding one it does not use
         _comm.sync_grads(tied, _comm.PP_ENDS, average=False)    # the embedding and the head tied across stages
     shared_grads(stages, module)    # modules every stage runs and computes with: summed over the pipeline
 '''

@@ -337,9 +337,10 @@ class _Caller:
     def _run(self, tensors: dict[int, torch.Tensor]):
         args, kwargs = substitute(self.replay.args, tensors), substitute(self.replay.kwargs, tensors)
         torch.manual_seed(0)
-        # torch's own kernels, not oneDNN's: its inference LSTM and GRU take seconds per call on
-        # some CPUs, and a probe replays a call hundreds of times
-        with torch.no_grad(), torch.backends.mkldnn.flags(enabled=False):
+        # a recurrent layer runs torch's own kernels, not oneDNN's: oneDNN's inference LSTM and
+        # GRU take seconds per call on some CPUs, and a probe replays a call hundreds of times.
+        # Every other call keeps oneDNN, whose depthwise convolutions are many times faster.
+        with torch.no_grad(), torch.backends.mkldnn.flags(enabled=not self.replay.recurrent):
             module = self.replay.module
             if module is None:
                 return self.replay.fn(*args, **kwargs)

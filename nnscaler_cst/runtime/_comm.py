@@ -810,6 +810,20 @@ def sync_grads(params: Iterable[torch.nn.Parameter], axis: Axis, *, average: boo
 # parameters), waits for every bucket in issue order and averages. Every rank runs the same
 # backward, so the buckets are issued in the same order on every rank.
 
+def fill_missing_grads(params: list[torch.nn.Parameter], axis: Axis) -> None:
+    """Give a zero ``.grad`` to each parameter that has none on this rank but has one on another
+    rank of ``axis`` (a pipeline stage holds a parameter of the model's root that only another
+    stage computes with), so that sync_grads reduces the same buckets on every rank; one that
+    no rank computed a gradient for keeps None, as on one device."""
+    if axis.size == 1 or not params:
+        return
+    held = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
+    _all_reduce(held, axis)
+    for p, anywhere in zip(params, held.tolist()):
+        if p.grad is None and anywhere:
+            p.grad = torch.zeros_like(p)
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 

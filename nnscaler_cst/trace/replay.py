@@ -34,6 +34,17 @@ class Replay:
     def module(self) -> torch.nn.Module | None:
         return self.fn if isinstance(self.fn, torch.nn.Module) else None
 
+    @property
+    def recurrent(self) -> bool:
+        """Does the call run one of torch's recurrent layers (nn.LSTM, nn.GRU, nn.RNN, or their
+        functions)?"""
+        if self.module is not None:
+            return any(isinstance(m, torch.nn.RNNBase) for m in self.module.modules())
+        return any(self.fn is f for f in _RECURRENT_FUNCTIONS)
+
+
+_RECURRENT_FUNCTIONS = (torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu)
+
 
 def with_refs(value: Any, tid_of: Callable[[torch.Tensor], int], depth: int = 0) -> Any:
     """`value` with tensors replaced by TensorRef, through tuples, lists and dicts."""
