@@ -479,14 +479,16 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
     node = source.node_at(span.line, span.col, span.end_line, span.end_col)
     hoist = None
     naming = _named_iteration(source, node)
-    children = _children_loop(graph, span, paths) if iterated is None else None
-    if children is not None and (naming is not None or set(children) != set(paths)):
+    looped = _children_loop(graph, span, paths) if iterated is None else None
+    if looped is not None and _calls_module(node, looped[0].rpartition(".")[0]):
+        looped = None       # `x = self.blocks(x)` on an nn.Sequential: cut below, by slicing it
+    if looped is not None and (naming is not None or set(looped) != set(paths)):
         # the loop runs a module's children, other layers than the blocks among them, or picks its
         # outputs by their names: the stages cut between the children, by the loop's iterations
-        blocks, container = children, children[0].rpartition(".")[0]
+        blocks, container = looped, looped[0].rpartition(".")[0]
         first = calls[blocks[0]][1]
     else:
-        children = None
+        looped = None
         if naming is not None:
             raise UserError(f"the loop calling the blocks of {container} iterates over their names "
                             f"(`{cst.Module([]).code_for_node(naming[1])}`), and each pipeline stage holds only its "
@@ -495,7 +497,7 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
                                  "or over all the children of one module, each called once; or use --tp or --dp "
                                  "for this model")
     # `x = self.blocks(x)` on an nn.Sequential of the blocks
-    if iterated is None and children is None and span in graph.trace.containers:
+    if iterated is None and looped is None and span in graph.trace.containers:
         children = _sequential_children(graph.trace, container)
         if len(children) != len(paths) and len(children) >= 2 and all(c in calls for c in children):
             # it holds other stages too (a stem, a stage of another class): the stages cut its children
@@ -539,14 +541,20 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
             body=[*body[:index], split, rest, *body[index + 1:]])), index)
     else:
         handoff = handoff_variables(function, index)
-    if (iterated is not None or children is not None) and not isinstance(loop, cst.For):
+    if (iterated is not None or looped is not None) and not isinstance(loop, cst.For):
         raise UserError("the loop over the blocks must be a statement of the function's body, not nested",
                         span.start, hint=f"pipelining cuts a loop over self.{container.rpartition('.')[2]} "
                                          "in the function's body")
     return Trunk(container, blocks, function, function_span, index, handoff,
                  _shared_loop_owner(graph, blocks, function, function_span, span, first),
                  unset=maybe_unset(function, index, handoff), hoist=hoist,
-                 iterations=iterated is not None or children is not None or _zipped_in_order(loop, blocks))
+                 iterations=iterated is not None or looped is not None or _zipped_in_order(loop, blocks))
+
+
+def _calls_module(node: cst.CSTNode, path: str) -> bool:
+    """Is `node` a call of the module at `path` by its attribute (`self.blocks(x)`)?"""
+    return isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) \
+        and node.func.attr.value == path.rpartition(".")[2]
 
 
 def _children_loop(graph: Graph, span: Span, paths: list[str]) -> list[str] | None:
