@@ -431,12 +431,46 @@ def multi_head_attention(call: Call) -> OpDims:
                 known={"d": embed_dim // heads})
 
 
+def recurrent(call: Call) -> OpDims:
+    """nn.RNN / nn.LSTM / nn.GRU called as a module (its parameters `self.weight_ih_l{k}[_reverse]`,
+    ...): split by hidden units `u`. torch stacks the gates' rows gate-major ([i|f|g|o] x H for an
+    LSTM, [r|z|n] for a GRU), so a rank's rows are `(G u)`, strided per gate, in every layer and
+    direction; the gate count G is the rows of weight_hh_l0 over its columns. The input, the
+    initial state and the results are whole on every rank: the split implementation gathers the
+    hidden state at every step. A projected LSTM (proj_size, weight_hr_l*) and a packed sequence
+    (no tensor input) are not described: the layer stays whole."""
+    weights = {n: s for n, s in call.shapes.items() if n.startswith("self.")}
+    if "arg0" not in call.shapes:
+        raise DimsError("a packed sequence (or no tensor input) is not split by hidden units")
+    if "self.weight_hh_l0" not in weights:
+        raise DimsError("no weight_hh_l0: not a recurrent layer")
+    if any(n.startswith("self.weight_hr_l") for n in weights):
+        raise DimsError("proj_size: an LSTM with projections is not split by hidden units")
+    rows, hidden = weights["self.weight_hh_l0"]
+    if rows % hidden:
+        raise DimsError(f"weight_hh_l0 of {rows} rows is no whole number of gates of {hidden} units")
+    gates = rows // hidden
+    rows_dims = (Factor(str(gates), gates), Factor("u", hidden)) if gates > 1 else (Factor("u", hidden),)
+    inputs = {}
+    for name, shape in call.shapes.items():
+        if name not in weights:
+            inputs[name] = TensorDims(call.tids[name], [])
+        elif shape[0] != rows:
+            raise DimsError(f"{name} of {shape[0]} rows, not the {rows} of weight_hh_l0")
+        else:
+            inputs[name] = TensorDims(call.tids[name], [rows_dims] + [()] * (len(shape) - 1))
+    for name, tids in call.lists.items():
+        inputs.update({f"{name}[{i}]": TensorDims(t, []) for i, t in enumerate(tids)})
+    return OpDims(inputs, [TensorDims(t, []) for t in call.out_tids])
+
+
 # kinds that describe a layer holding weight matrices (not a structural op reading a table)
-LAYER_KINDS = frozenset({"multi_head_attention"})
+LAYER_KINDS = frozenset({"multi_head_attention", "recurrent"})
 
 KINDS: dict[str, Callable[..., OpDims]] = {
     "elementwise": elementwise, "replicate": replicate, "reshape": reshape, "transpose": transpose,
     "permute": permute, "split": split, "unbind": unbind, "cat": cat, "stack": lambda c: cat(c, new_dim=True),
     "getitem": getitem, "setitem": setitem, "expand": expand, "complex_view": complex_view, "sum": lambda c: reduce(c, True), "reduce": lambda c: reduce(c, False),
     "passthrough": passthrough, "einsum": einsum, "multi_head_attention": multi_head_attention,
+    "recurrent": recurrent,
 }

@@ -61,7 +61,7 @@ __all__ = [
     "Axis", "TP", "DP", "PP",
     "setup", "teardown", "axis_ranks",
     "tp_copy", "tp_reduce", "tp_scatter", "tp_gather",
-    "vocab_parallel_embedding", "vocab_parallel_cross_entropy", "tp_multi_head_attention_forward",
+    "vocab_parallel_embedding", "vocab_parallel_cross_entropy", "tp_multi_head_attention_forward", "tp_recurrent",
     "split_after_build",
     "dp_batch_norm", "dp_functional_batch_norm", "dp_layers",
     "sync_grads", "GradBuckets", "overlap_grads", "wait_grad_buckets",
@@ -612,6 +612,89 @@ def tp_multi_head_attention_forward(query, key, value, embed_dim_to_check, num_h
     if average_attn_weights:
         return out, tp_reduce(weights.sum(dim=1) / num_heads, axis)
     return out, weights                                         # this rank's heads
+
+
+def _recurrent_step(mode: str, gx: torch.Tensor, gh: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None):
+    """One time step of one layer on this rank's units: gx, gh the input's and the hidden state's
+    gate pre-activations (this rank's rows of each gate), h and c its units' state."""
+    if mode == "LSTM":
+        i, f, g, o = (gx + gh).chunk(4, dim=-1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        return torch.sigmoid(o) * torch.tanh(c), c
+    if mode == "GRU":
+        (r_x, z_x, n_x), (r_h, z_h, n_h) = gx.chunk(3, dim=-1), gh.chunk(3, dim=-1)
+        r, z = torch.sigmoid(r_x + r_h), torch.sigmoid(z_x + z_h)
+        n = torch.tanh(n_x + r * n_h)
+        return (1 - z) * n + z * h, None
+    return (torch.tanh(gx + gh) if mode == "RNN_TANH" else torch.relu(gx + gh)), None
+
+
+def _recurrent_direction(rnn, suffix: str, x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None,
+                         reverse: bool, from_caller: bool, axis: Axis):
+    """One layer and direction over the sequence x (T, B, features), whole; h0 / c0 (B, H) whole.
+    Returns the whole output (T, B, H), and the last h and c, whole."""
+    units = rnn.hidden_size // axis.size
+    mine = slice(axis.rank * units, (axis.rank + 1) * units)
+    w_ih, w_hh = getattr(rnn, f"weight_ih{suffix}"), getattr(rnn, f"weight_hh{suffix}")
+    b_ih = getattr(rnn, f"bias_ih{suffix}") if rnn.bias else None
+    b_hh = getattr(rnn, f"bias_hh{suffix}") if rnn.bias else None
+    # the input projection of every step at once: this rank's rows. An input gathered here (a
+    # lower layer's output) gets this rank's partial gradient summed by tp_copy; the caller's own
+    # input, and h0, arrive with the caller's tp_copy, which sums it
+    gates_x = F.linear(x if from_caller else tp_copy(x, axis), w_ih, b_ih)
+    h_whole, h, c = h0, h0[..., mine], (c0[..., mine] if c0 is not None else None)
+    outputs: list = [None] * x.shape[0]
+    for step, t in enumerate(range(x.shape[0] - 1, -1, -1) if reverse else range(x.shape[0])):
+        gh = F.linear(h_whole if step == 0 else tp_copy(h_whole, axis), w_hh, b_hh)
+        h, c = _recurrent_step(rnn.mode, gates_x[t], gh, h, c)
+        h_whole = outputs[t] = tp_gather(h, axis, dim=-1)   # the next step reads every unit
+    return torch.stack(outputs), h_whole, (tp_gather(c, axis, dim=-1) if c is not None else None)
+
+
+def tp_recurrent(rnn: torch.nn.Module, input: torch.Tensor, hx=None, *, axis: Axis):
+    """``rnn(input, hx)`` for an nn.RNN, nn.LSTM or nn.GRU holding this rank's hidden units: its
+    ``weight_ih_l{k}``, ``weight_hh_l{k}`` and biases hold this rank's rows of every gate block
+    ([i_r | f_r | g_r | o_r], as ``tp_scatter`` with groups=4 keeps them), the hidden size whole.
+
+    The input and ``hx`` arrive whole (the caller's ``tp_copy`` sums their gradients); the input
+    projection of all steps is one local matmul; every step all-gathers the new hidden units
+    (``tp_gather``: bwd keeps this rank's slice) because the next step's gates read all of them,
+    and the gathered states are the layer's output, whole, as are h_n and c_n. In backward each
+    step's gathered state all-reduces its partial gradient (``tp_copy``). Dropout between layers
+    draws on the whole output (the same seed on every tp rank). Not for a projected LSTM
+    (proj_size) or a packed sequence."""
+    if rnn.proj_size or not isinstance(input, torch.Tensor):
+        raise ValueError("tp_recurrent: a projected LSTM or a packed sequence is not split by hidden units")
+    batched = input.dim() == 3
+    lstm = rnn.mode == "LSTM"
+    x = input.transpose(0, 1) if batched and rnn.batch_first else input if batched else input.unsqueeze(1)
+    directions = 2 if rnn.bidirectional else 1
+    if hx is None:
+        zeros = x.new_zeros(rnn.num_layers * directions, x.shape[1], rnn.hidden_size)
+        hx = (zeros, zeros) if lstm else zeros
+    h0, c0 = hx if lstm else (hx, None)
+    if not batched:
+        h0, c0 = h0.unsqueeze(1), (c0.unsqueeze(1) if c0 is not None else None)
+    hs, cs = [], []
+    for layer in range(rnn.num_layers):
+        outs = []
+        for d in range(directions):
+            k = layer * directions + d
+            out, h, c = _recurrent_direction(rnn, f"_l{layer}{'_reverse' if d else ''}", x, h0[k],
+                                             c0[k] if c0 is not None else None, d == 1, layer == 0, axis)
+            outs.append(out)
+            hs.append(h)
+            cs.append(c)
+        x = outs[0] if directions == 1 else torch.cat(outs, dim=-1)
+        if rnn.dropout and rnn.training and layer < rnn.num_layers - 1:
+            x = F.dropout(x, rnn.dropout, True)
+    h_n = torch.stack(hs)
+    c_n = torch.stack(cs) if lstm else None
+    if not batched:
+        x, h_n, c_n = x.squeeze(1), h_n.squeeze(1), (c_n.squeeze(1) if lstm else None)
+    elif rnn.batch_first:
+        x = x.transpose(0, 1)
+    return x, ((h_n, c_n) if lstm else h_n)
 
 
 def _cross_entropy_pieces(x: torch.Tensor, t: torch.Tensor, start: int, vocab: int, axis: Axis,
