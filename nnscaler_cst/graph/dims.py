@@ -63,6 +63,10 @@ class OpDims:
     # i); an operand missing here may reach every result
     feeds: dict[str, set[int]] = field(default_factory=dict)
     flops: tuple[tuple[str, ...], ...] = ()     # a fused op's multiply-adds (OpRule.flops)
+    # what a split implementation (impl) communicates inside itself, per run of the op:
+    # (collective, elements of the whole tensor, calls, whether in backward); a recurrent layer
+    # all-gathers its hidden state at every step
+    collectives: tuple[tuple[str, int, int, bool], ...] = ()
 
     def sizes(self) -> dict[str, int]:
         out: dict[str, int] = {}

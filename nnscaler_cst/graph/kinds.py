@@ -451,17 +451,57 @@ def recurrent(call: Call) -> OpDims:
         raise DimsError(f"weight_hh_l0 of {rows} rows is no whole number of gates of {hidden} units")
     gates = rows // hidden
     rows_dims = (Factor(str(gates), gates), Factor("u", hidden)) if gates > 1 else (Factor("u", hidden),)
+    shape = call.shapes["arg0"]
+    if len(shape) not in (2, 3):
+        raise DimsError(f"an input of {len(shape)} dims")
+    # the steps and the batch: batch_first is the layer's setting (`self.batch_first`); 2-d: unbatched
+    batch_first = call.arg("self.batch_first", default=False)
+    steps, batch = (shape[0], 1) if len(shape) == 2 else (shape[1], shape[0]) if batch_first else shape[:2]
+    layers = sum(1 for n in weights if n.startswith("self.weight_hh_l") and not n.endswith("_reverse"))
+    runs = layers * (2 if "self.weight_hh_l0_reverse" in weights else 1)      # layers x directions
+    # the batch `b` (data parallelism) where a tensor has one: the sequences at dim 0 (batch_first)
+    # or 1, the states (layers x directions, batch, hidden) at dim 1
+    sequence = (batch, steps) if batch_first else (steps, batch)
+    b = Factor("b", batch)
+
+    def batched(tid: int, dims: tuple[int, ...], state: bool) -> TensorDims:
+        if len(shape) == 2 or batch == 1:
+            return TensorDims(tid, [])
+        at = 1 if state or not batch_first else 0
+        return TensorDims(tid, [(b,) if d == at else () for d in range(len(dims))])
+
     inputs = {}
-    for name, shape in call.shapes.items():
-        if name not in weights:
-            inputs[name] = TensorDims(call.tids[name], [])
-        elif shape[0] != rows:
-            raise DimsError(f"{name} of {shape[0]} rows, not the {rows} of weight_hh_l0")
+    for name, dims in call.shapes.items():
+        if name in weights:
+            if dims[0] != rows:
+                raise DimsError(f"{name} of {dims[0]} rows, not the {rows} of weight_hh_l0")
+            inputs[name] = TensorDims(call.tids[name], [rows_dims] + [()] * (len(dims) - 1))
         else:
-            inputs[name] = TensorDims(call.tids[name], [rows_dims] + [()] * (len(shape) - 1))
+            inputs[name] = batched(call.tids[name], dims, name != "arg0")
     for name, tids in call.lists.items():
-        inputs.update({f"{name}[{i}]": TensorDims(t, []) for i, t in enumerate(tids)})
-    return OpDims(inputs, [TensorDims(t, []) for t in call.out_tids])
+        shapes = call.values[f"{name}.shapes"]
+        inputs.update({f"{name}[{i}]": batched(t, s, True) for i, (t, s) in enumerate(zip(tids, shapes))})
+    outputs = []
+    for tid, dims in zip(call.out_tids, call.out_shapes):
+        # the output sequence, or h_n / c_n: told apart by shape where they differ in their batch's place
+        is_state = dims[:len(dims) - 1] == ((runs, batch) if len(shape) == 3 else (runs,))
+        is_sequence = dims[:len(dims) - 1] == sequence[:len(dims) - 1]
+        if is_state and is_sequence and batch_first and len(shape) == 3 and batch > 1:
+            raise DimsError("the output sequence and the final state have one shape: which is which is unknown")
+        outputs.append(batched(tid, dims, is_state))
+    state = batch * hidden
+    # per step, a rank's new units all-gathered (forward) and the gathered state's partial gradient
+    # all-reduced (backward); an LSTM's last cell state gathered once per run; a layer above the
+    # first all-reduces its input's gradient
+    collectives = [("all_gather", state, steps * runs, False), ("all_reduce", state, (steps - 1) * runs, True)]
+    if gates == 4:
+        collectives.append(("all_gather", state, runs, False))
+    if layers > 1:
+        collectives.append(("all_reduce", steps * state * runs // layers, runs - runs // layers, True))
+    # every weight matrix's rows (G u) times its columns, at every step of every sample
+    flops = tuple((str(steps * batch * gates * s[1]), "u") for n, s in weights.items()
+                  if n.startswith("self.weight_") and len(s) == 2)
+    return OpDims(inputs, outputs, flops=flops, collectives=tuple(collectives))
 
 
 # kinds that describe a layer holding weight matrices (not a structural op reading a table)

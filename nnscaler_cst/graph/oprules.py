@@ -46,7 +46,7 @@ class OpRule:
         else:
             dims = KINDS[self.kind](call, **self.options)
         dims.impl = dict(self.impl)
-        dims.flops = self.flops
+        dims.flops = self.flops or dims.flops      # a kind may count its own (a recurrent layer's steps)
         return dims
 
 
@@ -247,6 +247,11 @@ def call_of(node: Node, trace: Trace) -> Call:
             values[f"{operand.name}.shapes"] = [trace.tensors[t].shape for t in operand.value]
         else:
             values[operand.name] = operand.value
+    replay = trace.replays.get(node.index)
+    module = replay.module if replay is not None else None
+    if module is not None:      # a layer's plain settings, as `self.NAME` (nn.LSTM's batch_first)
+        values.update({f"self.{name}": value for name, value in vars(module).items()
+                       if not name.startswith("_") and type(value) in (bool, int, float, str)})
     return Call(shapes, tids, values, [trace.tensors[t].shape for t in node.outputs], list(node.outputs), lists)
 
 

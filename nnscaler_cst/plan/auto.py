@@ -323,7 +323,7 @@ def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, de
         """The op's compute and the conversions of its operands, forward and backward and forward alone."""
         index = node.index
         dims = graph.dims.get(index)
-        total = [node_time(node, dims, trace, dev, ways, dims_of=graph.dims.get, forward_only=fwd)
+        total = [node_time(node, dims, trace, dev, ways, dims_of=graph.dims.get, forward_only=fwd, label=label)
                  for fwd in (False, True) for dev in (bw_dev, fx_dev)]
         if split:
             wanted = _layout(graph, index, label)

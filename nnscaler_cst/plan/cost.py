@@ -278,6 +278,8 @@ def _rule_flops(dims: OpDims) -> float | None:
                 product *= _product(bound)
             elif label in sizes:
                 product *= sizes[label]
+            elif label.isdigit():           # a count a kind works out (a recurrent layer's steps x batch)
+                product *= int(label)
             else:
                 return None
         total += product
@@ -356,15 +358,19 @@ def _numel(shape) -> int:
 
 
 def node_time(node: Node, dims: OpDims | None, trace: Trace, device: DeviceSpec, ways: int = 1, *,
-              dims_of=None, forward_only: bool = False) -> float:
+              dims_of=None, forward_only: bool = False, label: str | None = None) -> float:
     """Seconds of one device's forward and backward of `node` split `ways` ways (forward only
     when asked: what recompute or co-shard repeats, and for an op none of whose outputs needs a
     gradient: masks, indices, a recycling pass under no_grad have no backward). `dims_of(index)`
-    gives any node's dims, for the autocast dtypes; without it, the traced dtypes."""
+    gives any node's dims, for the autocast dtypes; without it, the traced dtypes. `label`: the
+    split's label, whose split implementation's own collectives are added."""
     if moves_no_bytes(node, trace):
         return 0.0
     if node.outputs and not any(trace.tensors[t].requires_grad for t in node.outputs):
         forward_only = True
+    if ways > 1 and dims is not None and dims.collectives and label in dims.impl:
+        inside = _collectives_time(node, dims, trace, device, ways, forward_only)
+        return inside + node_time(node, dims, trace, device, ways, dims_of=dims_of, forward_only=forward_only)
     if is_contraction(node, dims, trace):
         dtype = contraction_dtype(node, trace, device.precision)
         rate = device.matmul_rate(dtype)
@@ -382,6 +388,20 @@ def node_time(node: Node, dims: OpDims | None, trace: Trace, device: DeviceSpec,
     moved = sum(_numel(trace.tensors[t].shape) * sizes[t] for t in {*node.inputs, *node.outputs})
     forward = device.op_overhead + moved / ways / device.bytes_per_second
     return forward * (1.0 if forward_only else 1.0 + MEMORY_BOUND_BACKWARD)
+
+
+def _collectives_time(node: Node, dims: OpDims, trace: Trace, device: DeviceSpec, ways: int,
+                      forward_only: bool) -> float:
+    """What a split implementation communicates inside itself (OpDims.collectives), in the
+    element size of its first result."""
+    size = _ELEMENT_BYTES.get(trace.tensors[node.outputs[0]].dtype, 4) if node.outputs else 4
+    total = 0.0
+    for op, elements, calls, backward in dims.collectives:
+        if backward and forward_only:
+            continue
+        price = all_reduce_time if op == "all_reduce" else all_gather_time
+        total += calls * price(elements * size, ways, device)
+    return total
 
 
 def optimizer_time(params: float, device: DeviceSpec) -> float:

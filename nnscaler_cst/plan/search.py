@@ -1049,7 +1049,7 @@ def _cost_tables(graph: Graph, options, n: int, device: DeviceSpec, data_paralle
         if key not in priced:
             ways = n if label != REPLICATE else 1
             seconds = node_time(graph.nodes[index], graph.dims.get(index), graph.trace, device, ways,
-                                dims_of=graph.dims.get)
+                                dims_of=graph.dims.get, label=label)
             if graph.dims.get(index) is not None and leaves_partial_param_grad(graph, index, label):
                 seconds += sum(all_reduce_time(tensors[tid].nbytes, n, device)
                                for _, tid in _param_operands(graph, index))
