@@ -455,7 +455,7 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(8, 8, 3, padding=1, groups=8)
-        self.rnn = nn.LSTM(8, 8, batch_first=True)
+        self.rnn = nn.LSTM(8, 16, batch_first=True, proj_size=8)    # projected: no rule splits it, the probe runs
 
     def forward(self, x):
         y = self.conv(x).flatten(2).transpose(1, 2)

@@ -10,7 +10,7 @@ rewrite cuts the call into runs of the container (`self.features[3:](tp_copy(...
 the state dict keys. Data parallelism and micro-batches slice the batch, which is refused at
 the op that would mix samples (a value reduced over the batch meeting the batch; BatchNorm under
 micro-batches: data-parallel ranks sum its statistics, see test_coverage_causes.py).
-A layer holding weights that no rule splits (a recurrent nn.GRU) stays whole on every
+A layer holding weights that no rule splits (an nn.LSTM with projections) stays whole on every
 tensor-parallel rank, with a warning at its call, instead of making the plan unsatisfiable.
 
 The gloo runs are marked slow.
@@ -310,7 +310,7 @@ def loss(out):
 def recurrent_model(tmp_path) -> Path:
     model = tmp_path / "model.py"
     model.write_text(ATTENTION.lstrip("\n").replace(
-        "nn.MultiheadAttention(d, h, batch_first=True)", "nn.GRU(d, d, batch_first=True)").replace(
+        "nn.MultiheadAttention(d, h, batch_first=True)", "nn.LSTM(d, 2 * d, batch_first=True, proj_size=d)").replace(
         "self.attn(y, y, y, need_weights=False)", "self.attn(y)"))
     return model
 
@@ -323,7 +323,7 @@ def test_a_layer_no_rule_splits_stays_whole_with_a_warning(recurrent_model, tmp_
     lines = recurrent_model.read_text().splitlines()
     number = next(i for i, l in enumerate(lines, 1) if "self.attn(" in l)
     where = f"model.py:{number}:{lines[number - 1].index('self.attn(') + 1}"
-    assert f"{where}: warning: torch.nn.GRU is replicated" in result.stderr, result.stderr
+    assert f"{where}: warning: torch.nn.LSTM is replicated" in result.stderr, result.stderr
     plan = json.loads((out / "plan.json").read_text())
     assert any(w.startswith(where) for w in plan["warnings"])
     layouts = {name: info["tp"] for name, info in plan["params"].items()}
