@@ -665,6 +665,56 @@ def test_a_line_calling_layers_that_agree_on_no_split_runs_them_whole_with_a_war
         plan.left_whole
 
 
+ONE_BLOCK_CLASS_FOR_UNLIKE_CONVS = '''
+import torch
+from torch import nn
+
+
+class ConvBN(nn.Module):
+    def __init__(self, cin, cout, k=1, groups=1):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, k, padding=k // 2, groups=groups, bias=False)
+        self.bn = nn.BatchNorm2d(cout)
+
+    def forward(self, x):
+        x = self.conv(x)
+        return torch.relu(self.bn(x))
+
+
+class Net(nn.Module):
+    def __init__(self, c=8, hidden=16):
+        super().__init__()
+        self.dw = ConvBN(c, c, 3, groups=c)
+        self.pw = ConvBN(c, hidden)
+
+    def forward(self, x):
+        return self.pw(self.dw(x)).square().mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(2, 8, 6, 6),)
+'''
+
+
+def test_a_block_line_left_whole_for_unlike_instances_names_each_instance_and_its_splits(tmp_path):
+    """One block class (timm's ConvNormAct) serves a depthwise and a pointwise conv from one
+    `x = self.conv(x)`: each alone splits by channels, but no split of the depthwise conv is one of
+    the pointwise conv's, so the line runs whole. The warning names each instance and the layouts
+    it could take, so that the user sees which instances disagree and how."""
+    (tmp_path / "convbn.py").write_text(ONE_BLOCK_CLASS_FOR_UNLIKE_CONVS)
+    graph = analyze(tmp_path / "convbn.py").graph
+    plan = search_axis(graph, "tp", 2, load_table("megatron").for_axis("tp"))
+    assert plan.param_layout["dw.conv.weight"].kind == "R" and plan.param_layout["pw.conv.weight"].kind == "R"
+    warnings = [w for w in plan.left_whole if re.match(r".*convbn\.py:13:\d+: warning: torch\.nn\.Conv2d ", w)]
+    assert len(warnings) == 1, plan.left_whole
+    assert "its instances need different layouts: dw.conv splits arg0 S(1) -> S(1); " \
+           "pw.conv splits arg0 S(1) -> P or arg0 R -> S(1)" in warnings[0], warnings[0]
+
+
 def test_a_constraint_naming_the_layer_still_refuses_a_split_that_cannot_be_made(tmp_path):
     table = tmp_path / "mine.toml"
     table.write_text(textwrap.dedent("""\

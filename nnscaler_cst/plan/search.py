@@ -51,6 +51,7 @@ class SiteOptions:
     why: dict[str, str] = field(default_factory=dict)   # option -> why it is not possible
     mixed: bool = False         # its instances run layers that split differently (options dropped)
     whole_because: str | None = None    # why the site cannot split at all, whatever its sizes
+    unlike_instances: str | None = None  # its instances' own splits, where they share none (one line, unlike layers)
 
 
 @dataclass
@@ -363,11 +364,41 @@ def site_options(graph: Graph, n: int, batch_slices: int = 1, every_size_read: b
                                        "(they run different layers)")
         labels = {id(allowed): [allowed[s] for s in common] for allowed in distinct}
         whole_because = _unwritable(graph, sid)
+        unlike = _instance_layouts(graph, nodes, per_node, common) if len(distinct) > 1 and not whole_because else None
         result[sid] = SiteOptions(sid, nodes, [first[s] for s in common],
                                   {i: labels[id(per_node[i])] for i in nodes}, why,
                                   mixed=whole_because is not None or len(common) < len(first),
-                                  whole_because=whole_because)
+                                  whole_because=whole_because, unlike_instances=unlike)
     return result
+
+
+def _instance_layouts(graph: Graph, nodes: list[int], per_node: dict[int, dict], common: list) -> str | None:
+    """`dw.conv splits x S(1) -> S(1); pw.conv splits x R -> S(1) or x S(1) -> P`: the splits each
+    kind of instance of one line could take, where some split of one is no split of another (one
+    ConvBN class's `self.conv(x)` running a depthwise and a pointwise conv). None where every
+    instance's splits are shared by all (nothing is lost to the line)."""
+    kinds: dict[int, list[int]] = {}
+    for i in nodes:
+        kinds.setdefault(id(per_node[i]), []).append(i)
+    described = []
+    for members in kinds.values():
+        allowed = per_node[members[0]]
+        own = [label for sig, label in allowed.items() if label != REPLICATE and sig not in common]
+        if not own and len(allowed) == len(common):
+            continue
+        paths = [graph.nodes[i].callee_path or graph.nodes[i].module_path or "the model" for i in members]
+        who = paths[0] + (f" (and {len(paths) - 1} more like it)" if len(paths) > 1 else "")
+        splits = " or ".join(_layout_note(graph, members[0], label) for label in own) or "none (runs whole)"
+        described.append(f"{who} splits {splits}")
+    return "; ".join(described) if len(described) > 1 or (described and len(kinds) > 1) else None
+
+
+def _layout_note(graph: Graph, index: int, label: str) -> str:
+    """`x S(1) -> S(1)`: the layouts of an invocation's tensor operands and results under a split."""
+    lay = _layout(graph, index, label)
+    ins = ", ".join(f"{name} {lay.inputs[name]}" for name in _operand_names(graph, index)
+                    if graph.trace.tensors[graph.nodes[index].operand(name).tid].param is None)
+    return f"{ins} -> {', '.join(map(str, lay.outputs))}"
 
 
 def _unwritable(graph: Graph, sid: SiteId) -> str | None:
@@ -699,6 +730,11 @@ def _left_whole_warning(graph: Graph, options, sid: SiteId, n: int) -> str:
         sizes = " x ".join(map(str, tensor.shape))
         named.append(f"{tensor.param} ({sizes})" + (f": {'; '.join(reasons)}" if reasons else ""))
     others = f" (so do its {len(opts.nodes) - 1} more calls from this line)" if len(opts.nodes) > 1 else ""
+    if opts.unlike_instances:
+        return (f"{where}: warning: {sid[1]} keeps its weights whole on every tensor-parallel rank: its "
+                f"instances need different layouts: {opts.unlike_instances}; one source line holds one "
+                "conversion of its input and result for all of them (docs/per-instance-splits.md): "
+                + ", ".join(named) + others)
     if opts.whole_because:
         callee = graph.nodes[index].callee
         return (f"{'' if where == '?' else f'{where}: '}warning: {callee} keeps its weights whole on every "
