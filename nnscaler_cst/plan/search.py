@@ -380,17 +380,20 @@ def _instance_layouts(graph: Graph, nodes: list[int], per_node: dict[int, dict],
     kinds: dict[int, list[int]] = {}
     for i in nodes:
         kinds.setdefault(id(per_node[i]), []).append(i)
-    described = []
+    by_splits: dict[str, list[int]] = {}     # instances of other sizes that split alike are one kind
     for members in kinds.values():
         allowed = per_node[members[0]]
         own = [label for sig, label in allowed.items() if label != REPLICATE and sig not in common]
-        if not own and len(allowed) == len(common):
-            continue
+        splits = " or ".join(_layout_note(graph, members[0], label) for label in own) or "only as all the others do"
+        by_splits.setdefault(splits, []).extend(members)
+    if len(by_splits) < 2:
+        return None
+    described = []
+    for splits, members in by_splits.items():
         paths = [graph.nodes[i].callee_path or graph.nodes[i].module_path or "the model" for i in members]
         who = paths[0] + (f" (and {len(paths) - 1} more like it)" if len(paths) > 1 else "")
-        splits = " or ".join(_layout_note(graph, members[0], label) for label in own) or "none (runs whole)"
         described.append(f"{who} splits {splits}")
-    return "; ".join(described) if len(described) > 1 or (described and len(kinds) > 1) else None
+    return "; ".join(described)
 
 
 def _layout_note(graph: Graph, index: int, label: str) -> str:
