@@ -373,7 +373,7 @@ def site_options(graph: Graph, n: int, batch_slices: int = 1, every_size_read: b
 
 
 def _instance_layouts(graph: Graph, nodes: list[int], per_node: dict[int, dict], common: list) -> str | None:
-    """`dw.conv splits x S(1) -> S(1); pw.conv splits x R -> S(1) or x S(1) -> P`: the splits each
+    """`dw.conv splits arg0 S(1) -> S(1); pw.conv splits arg0 R -> S(1) or ...`: the splits each
     kind of instance of one line could take, where some split of one is no split of another (one
     ConvBN class's `self.conv(x)` running a depthwise and a pointwise conv). None where every
     instance's splits are shared by all (nothing is lost to the line)."""
@@ -397,7 +397,7 @@ def _instance_layouts(graph: Graph, nodes: list[int], per_node: dict[int, dict],
 
 
 def _layout_note(graph: Graph, index: int, label: str) -> str:
-    """`x S(1) -> S(1)`: the layouts of an invocation's tensor operands and results under a split."""
+    """`arg0 S(1) -> S(1)`: the layouts of an invocation's tensor operands and results under a split."""
     lay = _layout(graph, index, label)
     ins = ", ".join(f"{name} {lay.inputs[name]}" for name in _operand_names(graph, index)
                     if graph.trace.tensors[graph.nodes[index].operand(name).tid].param is None)
