@@ -117,7 +117,7 @@ def test_a_block_module_read_through_a_helper_after_the_loop_is_refused_where_it
     assert text != DIT_LIKE
     with pytest.raises(UserError) as refused:
         plan_of(tmp_path, text)
-    assert "pipeline stage 1 reads the parameters of blocks.0.norm1.emb.fc, which stage 0 holds" \
+    assert "pipeline stage 1 reads blocks.0.norm1.emb.fc.bias, which stage 0 holds" \
         in refused.value.message
     assert refused.value.location.line == text.splitlines().index("        return self.fc(torch.sin(t))") + 1
 

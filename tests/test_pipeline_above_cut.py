@@ -252,6 +252,6 @@ def test_code_after_an_nn_sequential_call_of_the_blocks_reading_them_is_refused_
         "        return self.mid(x).pow(2).mean()"))
     with pytest.raises(UserError) as refused:
         plan_stages(analyze(path).graph, 2)
-    assert "pipeline stage 1 reads the parameters of mid.blocks.0.fc, which stage 0 holds" in refused.value.message
+    assert "pipeline stage 1 reads mid.blocks.0.fc.bias, which stage 0 holds" in refused.value.message
     assert refused.value.location.line == sequential.splitlines().index(
         "        return x + self.blocks[0].fc.bias") + 1

@@ -1122,18 +1122,21 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
 
 
 def _check_reads_held(graph: Graph, plan: StagePlan, first: int) -> None:
-    """Refuse a stage whose code, from the first block on, reads parameters of a block that the
-    stage does not hold: a list cut apart is renumbered on each stage, so the read would take
-    another block's parameters, or a hollow block's, and no run would say so."""
-    blocks = set(plan.blocks)
+    """Refuse a stage whose code, from the first block on, reads a parameter of a block that the
+    stage holds under none of its names: a list cut apart is renumbered on each stage, so the read
+    would take another block's parameter, or a hollow block's, and no run would say so."""
+    blocks, trace = set(plan.blocks), graph.trace
     for node in graph.nodes[first:]:
         stage = plan.node_stage[node.index]
-        for module in _read_owners(graph, node):
-            if not any(m in blocks for m in (module, *_ancestors(module))):
-                continue
-            holders = _holders(plan, module)
+        read = {trace.tensors[o.tid].param for o in node.operands if o.tid is not None} | {
+            trace.tensors[t].param for o in node.operands if isinstance(o.value, TensorList) for t in o.value}
+        for param in sorted(filter(None, read)):
+            owners = [alias.rpartition(".")[0] for alias in trace.params[param].aliases]
+            if not all(any(m in blocks for m in (owner, *_ancestors(owner))) for owner in owners):
+                continue        # also held outside the blocks
+            holders = set().union(*(_holders(plan, owner) for owner in owners))
             if stage not in holders:
-                raise UserError(f"pipeline stage {stage} reads the parameters of {module}, which "
+                raise UserError(f"pipeline stage {stage} reads {param}, which "
                                 f"{'stage' if len(holders) == 1 else 'stages'} "
                                 f"{', '.join(map(str, sorted(holders)))} hold{'s' if len(holders) == 1 else ''}: "
                                 "each stage holds only its own blocks, numbered from its first",
