@@ -1551,7 +1551,7 @@ def _computed_on_later_stages(graph: Graph, plan: StagePlan, shadows: set[str]) 
 def _holders(plan: StagePlan, module: str) -> set[int]:
     """The stages whose program holds this module (a block of a list cut apart: its own stage only;
     of a list every stage keeps whole: where it is not hollow)."""
-    cut_apart = [b for trunk in plan.trunks if not trunk.iterations for b in trunk.blocks]
+    cut_apart = {b for trunk in plan.trunks if not trunk.iterations for b in trunk.blocks}
     for b, block in enumerate(plan.blocks):
         if block in cut_apart and (module == block or module.startswith(block + ".")):
             return {s for s, (a, z) in enumerate(plan.block_ranges) if a <= b < z}
