@@ -216,9 +216,10 @@ def test_a_block_loop_leaving_the_names_unread_is_cut(tmp_path):
     assert plan_stages(analyze(path).graph, 2).block_ranges == [(0, 2), (2, 4)]
 
 
-def test_code_after_the_block_loop_reading_the_block_list_is_refused_there(tmp_path):
-    """DiT's output conditioning reads `self.transformer_blocks[0].norm1.emb` after the loop; no
-    cut between statements divides the work (the model runs the blocks' module alone)."""
+def test_code_after_the_block_loop_reading_the_block_list_cuts_the_loop_by_its_iterations(tmp_path):
+    """DiT's output conditioning reads `self.transformer_blocks[0].norm1.emb` after the loop, on the
+    last stage: every stage keeps the whole list, numbered as the model's, and the last stage holds
+    block 0's layer too, tied with the first (tests/test_block_read_after_loop.py trains one)."""
     from nnscaler_cst.analysis import analyze
     from nnscaler_cst.plan.pipeline import plan_stages
     path = tmp_path / "epilogue.py"
@@ -228,11 +229,29 @@ def test_code_after_the_block_loop_reading_the_block_list_is_refused_there(tmp_p
         "return x\n", "return x + self.blocks[0].fc.bias\n"))
     path.write_text(whole.replace(UNET_LIKE[UNET_LIKE.index("        skips = []"):UNET_LIKE.index("\n\n\ndef build")],
                                   "        return self.mid(x).pow(2).mean()"))
+    plan = plan_stages(analyze(path).graph, 2)
+    assert plan.trunk.container == "mid.blocks" and plan.trunk.iterations
+    assert "mid.blocks.0" not in plan.drop[1] and "mid.blocks.1" in plan.drop[0]
+    assert sorted(plan.tied) == [["mid.blocks.0.fc.bias"], ["mid.blocks.0.fc.weight"]]
+
+
+def test_code_after_an_nn_sequential_call_of_the_blocks_reading_them_is_refused_there(tmp_path):
+    """The blocks called as one nn.Sequential (`x = self.blocks(x)`) are cut by slicing it: each stage
+    holds only its blocks, numbered from its first, and the code after the call would read another
+    (refused at the read: the stages of an nn.Sequential are found without the check of the code
+    after a loop)."""
+    from nnscaler_cst.analysis import analyze
+    from nnscaler_cst.plan.pipeline import plan_stages
+    path = tmp_path / "epilogue.py"
+    loop = "        for block in self.blocks:\n            x = block(x)\n        return x\n"
+    sequential = UNET_LIKE.replace("WIDE", "2").replace(
+        "nn.ModuleList([Block(d) for _ in range(n)])", "nn.Sequential(*[Block(d) for _ in range(n)])").replace(
+        loop, "        x = self.blocks(x)\n        return x + self.blocks[0].fc.bias\n")
+    path.write_text(sequential.replace(
+        UNET_LIKE[UNET_LIKE.index("        skips = []"):UNET_LIKE.index("\n\n\ndef build")],
+        "        return self.mid(x).pow(2).mean()"))
     with pytest.raises(UserError) as refused:
         plan_stages(analyze(path).graph, 2)
-    assert "the code after the loop over the blocks of mid.blocks reads the block list (`self.blocks[0]`)" \
-        in refused.value.message
-
-    path.write_text(whole)          # the down path before them: cut after it, the block list whole
-    plan = plan_stages(analyze(path).graph, 2)
-    assert plan.trunk.container == "Net.forward" and plan.block_ranges == [(0, 2), (2, 3)]
+    assert "pipeline stage 1 reads mid.blocks.0.fc.bias, which stage 0 holds" in refused.value.message
+    assert refused.value.location.line == sequential.splitlines().index(
+        "        return x + self.blocks[0].fc.bias") + 1

@@ -51,7 +51,8 @@ class Trunk:
     # the blocks are lists of modules (`ModuleList([norm, block, residual])` per layer) that the
     # loop's iterations run, one block per iteration: every stage keeps the whole list (the other
     # stages' blocks hollow) and runs the iterations of its own blocks, so that the sequences zipped
-    # with the blocks and the layer index stay those of the whole model
+    # with the blocks and the layer index stay those of the whole model (also when code after the
+    # loop reads the list: DiT's `self.transformer_blocks[0].norm1.emb`, held by the last stage too)
     iterations: bool = False
 
 
@@ -208,7 +209,7 @@ def find_trunk(graph: Graph) -> Trunk:
         trunk = _trunk_of(graph, paths)
         _check_work_above_cut(graph, trunk)
         if not trunk.iterations:        # those stages keep the whole list: code after the loop may read it
-            _check_epilogue_reads_blocks(graph, trunk)
+            _check_epilogue_reads_blocks(graph, trunk)      # (and may cut this loop so too)
         return trunk
     except UserError as error:
         stages = _sequential_stages(graph)
@@ -590,8 +591,7 @@ def _zipped_in_order(loop: cst.CSTNode, blocks: list[str]) -> bool:
     if not isinstance(loop, cst.For) or not any(isinstance(c.func, cst.Name) and c.func.value == "zip"
                                                for c in _calls_in(loop.iter)):
         return False
-    numbers = [p.rpartition(".")[2] for p in blocks]
-    return all(n.isdigit() for n in numbers) and [int(n) for n in numbers] == list(range(len(blocks)))
+    return _numbered_in_order(blocks)
 
 
 def _hoisted_input(source, statement: cst.SimpleStatementLine, call: cst.Call, container: str, span: Span) -> str:
@@ -654,20 +654,34 @@ def _mentions(node: cst.CSTNode, name: str) -> int:
 
 
 def _check_epilogue_reads_blocks(graph: Graph, trunk: Trunk) -> None:
-    """Refuse a cut whose code after the block loop reads the block list (DiT's
-    `self.transformer_blocks[0].norm1.emb(...)` for the output's conditioning): it runs on the last
-    stage, which holds only its own blocks, numbered from 0, so it would read another block."""
+    """Code after the block loop that reads the block list (DiT's `self.transformer_blocks[0].norm1.emb(...)`
+    for the output's conditioning) runs on the last stage. A `for` loop over the blocks numbered in
+    order is then cut by its iterations: every stage keeps the whole list, numbered as the model's,
+    and the last stage holds what it reads of another stage's block (tied: its gradients summed,
+    see _ownership). Refused otherwise: the last stage would hold only its own blocks, numbered
+    from 0, and read another block."""
     attr = trunk.container.rpartition(".")[2]
     source = graph.sources.get(trunk.function_span.path)
     for statement in trunk.function.body.body[trunk.loop_index + 1:]:
         for node in _attributes(statement):
             if isinstance(node.value, cst.Name) and node.value.value == "self" and node.attr.value == attr:
-                raise UserError(f"the code after the loop over the blocks of {trunk.container} reads the block list "
-                                f"(`{cst.Module([]).code_for_node(source.parents.get(node) or node)}`); it runs on "
-                                "the last pipeline stage, which holds only its own blocks, numbered from its first",
+                if _numbered_in_order(trunk.blocks) and isinstance(trunk.function.body.body[trunk.loop_index],
+                                                                   cst.For):
+                    trunk.iterations = True
+                    return
+                raise UserError(f"the code after the loop over the blocks of {trunk.container} reads the block "
+                                f"list (`{cst.Module([]).code_for_node(source.parents.get(node) or node)}`); it runs "
+                                "on the last pipeline stage, which holds only its own blocks, numbered from its first",
                                 source.span_of(node).start,
-                                hint="keep what the code after the blocks reads in a module of its own, outside the "
-                                     "block list; or use --tp or --dp for this model")
+                                hint="loop over the blocks with `for block in self.blocks:`; or keep what the code "
+                                     "after the blocks reads in a module of its own, outside the block list; or use "
+                                     "--tp or --dp for this model")
+
+
+def _numbered_in_order(blocks: list[str]) -> bool:
+    """Whether the blocks are a list's entries 0, 1, ..., in the order they run."""
+    numbers = [p.rpartition(".")[2] for p in blocks]
+    return all(n.isdigit() for n in numbers) and [int(n) for n in numbers] == list(range(len(blocks)))
 
 
 def _check_work_above_cut(graph: Graph, trunk: Trunk) -> None:
@@ -1035,7 +1049,8 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
                         hint=f"use fewer stages: --pp {max(n_blocks // virtual, 1)} or less"
                         + (f", or a schedule with fewer virtual stages per rank than {virtual} (--schedule 1f1b)"
                            if virtual > 1 else ""))
-    block_of = trunk.statements.block_of if trunk.statements is not None else node_blocks(graph, blocks)
+    block_of = trunk.statements.block_of if trunk.statements is not None else _within_runs(
+        graph, blocks, node_blocks(graph, blocks))
     first = min(block_of) if block_of else 0
     last = max(block_of) if block_of else 0
     cost = [0.0] * n_blocks
@@ -1101,8 +1116,34 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
                      placement=tuple(placement.ranks) if placement is not None else (), chain=chain,
                      roles=_chain_roles(chain, ranges) if chain else {})
     _ownership(graph, plan)
+    _check_reads_held(graph, plan, first)
     _check_state_writes(graph, plan)
     return plan
+
+
+def _check_reads_held(graph: Graph, plan: StagePlan, first: int) -> None:
+    """Refuse a stage whose code, from the first block on, reads a parameter of a block that the
+    stage holds under none of its names: a list cut apart is renumbered on each stage, so the read
+    would take another block's parameter, or a hollow block's, and no run would say so."""
+    blocks, trace = set(plan.blocks), graph.trace
+    for node in graph.nodes[first:]:
+        stage = plan.node_stage[node.index]
+        read = {trace.tensors[o.tid].param for o in node.operands if o.tid is not None} | {
+            trace.tensors[t].param for o in node.operands if isinstance(o.value, TensorList) for t in o.value}
+        for param in sorted(filter(None, read)):
+            owners = [alias.rpartition(".")[0] for alias in trace.params[param].aliases]
+            if not all(any(m in blocks for m in (owner, *_ancestors(owner))) for owner in owners):
+                continue        # also held outside the blocks
+            holders = set().union(*(_holders(plan, owner) for owner in owners))
+            if stage not in holders:
+                raise UserError(f"pipeline stage {stage} reads {param}, which "
+                                f"{'stage' if len(holders) == 1 else 'stages'} "
+                                f"{', '.join(map(str, sorted(holders)))} hold{'s' if len(holders) == 1 else ''}: "
+                                "each stage holds only its own blocks, numbered from its first",
+                                node.span.start if node.span is not None else trunk_location(graph, plan),
+                                hint="read a block's modules only from its own forward (or in a `for` loop over "
+                                     "the blocks); keep what other code reads in a module outside the block "
+                                     "list; or use --tp or --dp for this model")
 
 
 def find_recycle(graph: Graph, trunk: Trunk) -> Recycle:
@@ -1334,6 +1375,19 @@ def node_blocks(graph: Graph, blocks: list[str]) -> dict[int, int]:
     return block_of
 
 
+def _within_runs(graph: Graph, blocks: list[str], block_of: dict[int, int]) -> dict[int, int]:
+    """`block_of` less the ops of a block's modules that run after the next block began (blocks
+    called once, in order): the code after the loop calling one (DiT's output conditioning runs
+    `self.transformer_blocks[0].norm1.emb` again) runs on the stage that runs that code, not on
+    the block's."""
+    calls, runs = graph.trace.module_calls, graph.trace.module_runs
+    starts = [calls[path][1] if path in calls else None for path in blocks]
+    stop = {b: starts[b + 1] for b in range(len(blocks) - 1)
+            if None not in (starts[b], starts[b + 1]) and starts[b] < starts[b + 1]
+            and runs.get(blocks[b], 1) == 1 and runs.get(blocks[b + 1], 1) == 1}
+    return {index: b for index, b in block_of.items() if b not in stop or index < stop[b]}
+
+
 def _ancestors(path: str) -> list[str]:
     """"a.b.c" -> ["a", "a.b"]: the modules a path lies strictly inside."""
     parts = path.split(".")
@@ -1367,8 +1421,8 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
 
     blocks = plan.blocks
     block_set = set(blocks)
-    owners = sorted({alias.rpartition(".")[0] for info in trace.params.values() for alias in info.aliases})
-    owners = [m for m in owners if not (m in block_set or any(a in block_set for a in _ancestors(m)))]
+    every_owner = sorted({alias.rpartition(".")[0] for info in trace.params.values() for alias in info.aliases})
+    owners = [m for m in every_owner if not (m in block_set or any(a in block_set for a in _ancestors(m)))]
     for stage in range(plan.stages):
         drop, shadow = [], []
         dropped: set[str] = set()
@@ -1382,10 +1436,16 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
         for trunk in plan.trunks:      # lists of modules: the whole list stays, the others' blocks hollow
             if trunk.iterations:
                 first, stop = plan.local_ranges(stage)[trunk.container]
-                drop += [b for k, b in enumerate(trunk.blocks) if not first <= k < stop]
+                for k, block in enumerate(trunk.blocks):
+                    if not first <= k < stop:
+                        drop += _unused_parts(block, stage, used, every_owner)
         plan.drop[stage], plan.shadow[stage] = drop, shadow
-    not_held = [set(plan.drop[s]) | set(plan.shadow[s]) | block_set for s in range(plan.stages)]
+    # a block of a list each stage keeps whole is held where it is not hollow: its own stage, and a
+    # stage whose code reads some of it (tied); one of a list cut apart, on its own stage only
+    cut_apart = {b for trunk in plan.trunks if not trunk.iterations for b in trunk.blocks}
+    not_held = [set(plan.drop[s]) | set(plan.shadow[s]) | cut_apart for s in range(plan.stages)]
     live = _computed_on_later_stages(graph, plan, {m for s in plan.shadow.values() for m in s})
+    tied_ranks = None       # the pipeline ranks holding the tied parameters: one group for all of them
     for info in trace.params.values():
         if any(a in live for alias in info.aliases for a in _ancestors(alias)):
             plan.shared.append(sorted(info.aliases))    # every stage holds it: summed over all of them
@@ -1396,14 +1456,34 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
         if len(holders) > 1:
             plan.tied.append(sorted(info.aliases))
             ranks = sorted({plan.rank_of(s) for s in holders})
-            if plan.chain and plan.tied_ranks and ranks != plan.tied_ranks:
-                names = ", ".join(info.aliases)
+            names = ", ".join(info.aliases)
+            if len(ranks) < len(holders):
+                raise UserError(f"parameters tied across pipeline stages ({names}) are held by two stages of one "
+                                f"rank (stages {sorted(holders)} on ranks {ranks}); their gradients are summed "
+                                "between ranks", trunk_location(graph, plan),
+                                hint="use another number of stages (--pp), or cut them with --stages")
+            if tied_ranks is not None and ranks != tied_ranks:
                 raise UserError(f"parameters tied across pipeline stages are held by different stages ({names} on "
-                                f"ranks {ranks}, others on {plan.tied_ranks}); their gradients are summed over one "
+                                f"ranks {ranks}, others on {tied_ranks}); their gradients are summed over one "
                                 "group of ranks", trunk_location(graph, plan),
                     hint="use fewer stages (--pp), or cut them with --stages so one set of stages holds them")
-            if plan.chain:
+            tied_ranks = ranks
+            if plan.chain or ranks != [0, plan.ranks - 1]:    # not the default: the first and the last
                 plan.tied_ranks = ranks
+
+
+def _unused_parts(block: str, stage: int, used: dict[str, set[int]], owners: list[str]) -> list[str]:
+    """What a stage drops of another stage's block: all of it, or, when its code reads some of it
+    (DiT's last stage runs block 0's `norm1.emb` after the loop), the modules under it holding
+    parameters that the stage does not run."""
+    if stage not in used.get(block, ()):
+        return [block]
+    dropped: list[str] = []
+    for module in owners:
+        if module.startswith(block + ".") and stage not in used.get(module, ()) \
+                and not any(a in dropped for a in _ancestors(module)):
+            dropped.append(module)
+    return dropped
 
 
 def trunk_location(graph: Graph, plan: StagePlan):
@@ -1469,9 +1549,11 @@ def _computed_on_later_stages(graph: Graph, plan: StagePlan, shadows: set[str]) 
 
 
 def _holders(plan: StagePlan, module: str) -> set[int]:
-    """The stages whose program holds this module (a block: its own stage only)."""
+    """The stages whose program holds this module (a block of a list cut apart: its own stage only;
+    of a list every stage keeps whole: where it is not hollow)."""
+    cut_apart = {b for trunk in plan.trunks if not trunk.iterations for b in trunk.blocks}
     for b, block in enumerate(plan.blocks):
-        if module == block or module.startswith(block + "."):
+        if block in cut_apart and (module == block or module.startswith(block + ".")):
             return {s for s, (a, z) in enumerate(plan.block_ranges) if a <= b < z}
     return {s for s in range(plan.stages)
             if not any(module == d or module.startswith(d + ".") for d in plan.drop.get(s, []))}
