@@ -23,8 +23,14 @@
   parameters of its own (`cls_token`, `pos_embed`) that only the first stage reads.
 - torchvision's MobileNet style: one line (`self.block(x)`) calls an nn.Sequential whose layers
   differ from block to block (with and without an expansion layer). Its layers cannot be cut
-  apart in that line: under TP they run whole, with a warning saying why; under DP its
-  BatchNorm layers sum their statistics over the ranks as the container runs.
+  apart in that line: under TP they split only where no conversion falls between them (raft's
+  conv-norm-act built with and without a norm: each conv split by its output channels, the
+  conversions written around the call); where every split would need one (MobileNet's
+  expansion, depthwise and projection convs) they run whole, with a warning saying why; under
+  DP its BatchNorm layers sum their statistics over the ranks as the container runs.
+- torchvision's MNASNet style: a layer's _load_from_state_dict reads the `version` its state
+  dict's metadata records; each rank's share (shard_state_dict) keeps the metadata of every
+  module it holds, renamed with a pipeline stage's blocks.
 - torchvision's ResNet style: both convs of a block are built by one helper (`conv3x3(in_planes,
   out_planes)`), the first split by its output channels, the second by its input: the helper's
   one `nn.Conv2d(...)` cannot be divided for both, so its calls are (`conv3x3(c, c // 2)`).
@@ -450,6 +456,97 @@ MIXED_BLOCKS = """
 
     def example_inputs():
         return (torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(1)),)
+"""
+
+
+CONV_NORM_ACT = """
+    import torch
+    from torch import nn
+
+
+    class ConvNormAct(nn.Sequential):
+        def __init__(self, cin, cout, norm=True):
+            layers = [nn.Conv2d(cin, cout, 3, padding=1)]
+            if norm:
+                layers.append(nn.BatchNorm2d(cout))
+            layers.append(nn.ReLU())
+            super().__init__(*layers)
+
+
+    class Block(nn.Module):
+        def __init__(self, c, norm):
+            super().__init__()
+            self.conv1 = ConvNormAct(c, 2 * c, norm)
+            self.conv2 = ConvNormAct(2 * c, c, norm)
+
+        def forward(self, x):
+            y = self.conv1(x)
+            return x + self.conv2(y)
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.features = Block(4, True)
+            self.context = Block(4, False)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.features(x) + self.context(x)
+            return self.head(h.mean((2, 3))).square().mean()
+
+
+    def build():
+        torch.manual_seed(0)
+        return Model()
+
+
+    def example_inputs():
+        return (torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(1)),)
+"""
+
+
+VERSIONED_LAYERS = """
+    import torch
+    from torch import nn
+
+
+    class Versioned(nn.Module):
+        # mnasnet's style: a layer whose loading reads the version its state dict was saved at
+        _version = 2
+
+        def __init__(self, c):
+            super().__init__()
+            self.fc1 = nn.Linear(c, 4 * c)
+            self.fc2 = nn.Linear(4 * c, c)
+
+        def forward(self, x):
+            return x + self.fc2(torch.relu(self.fc1(x)))
+
+        def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args):
+            if local_metadata.get("version") != 2:
+                raise ValueError(f"version should be 2, not {local_metadata.get('version')}")
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Versioned(8) for _ in range(2))
+
+        def forward(self, x):
+            for blk in self.blocks:
+                x = blk(x)
+            return x.square().mean()
+
+
+    def build():
+        torch.manual_seed(0)
+        return Model()
+
+
+    def example_inputs():
+        return (torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(1)),)
 """
 
 
@@ -948,6 +1045,34 @@ def test_a_line_calling_a_sequential_and_another_module_in_a_loop_is_not_cut_by_
     assert result.returncode == 0, result.stderr
     code = (root / "dp" / "model.py").read_text()
     assert "x = dp_layers(module, x, DP)" in code and "module[1]" not in code
+
+
+@pytest.mark.slow     # over 10 s: keeps the quick subset under 3 minutes
+def test_a_line_calling_sequentials_built_differently_splits_them_with_conversions_around_the_call(tmp_path):
+    # raft's style: a conv-norm-act nn.Sequential built with a norm layer in one encoder and
+    # without in the other, called from one line (verified by hand: `verify --tp 2` passes)
+    from nnscaler_cst.analysis import analyze
+    from nnscaler_cst.rewrite import PlanRequest, rewrite
+    out = rewrite(analyze(written(tmp_path, CONV_NORM_ACT) / "model.py"), PlanRequest(plan="megatron", tp=2))
+    assert not [w for w in out.plan.warnings if "keeps its weights whole" in w], out.plan.warnings
+    for name in ("features.conv1.0.weight", "context.conv1.0.weight", "features.conv2.0.weight"):
+        assert out.plan.params[name]["tp"] == "S(0)", out.plan.params[name]
+    code = out.files["model.py"]
+    assert "layers = [nn.Conv2d(cin, cout // 2, 3, padding=1)]  # out_channels / 2" in code
+    assert "y = tp_copy(tp_gather(self.conv1(x), TP, dim=1), TP)" in code      # around the call, not inside
+    assert "self.conv1[" not in code and "self.conv2[" not in code
+
+
+@pytest.mark.slow     # over 10 s: keeps the quick subset under 3 minutes
+def test_a_layer_that_reads_its_saved_version_loads_its_share(tmp_path):
+    # torchvision's MNASNet style: _load_from_state_dict refuses a state dict without the
+    # `version` its metadata records; a rank's share keeps each module's metadata, renamed with
+    # its blocks on a pipeline stage (the dry run loads every rank's share)
+    from nnscaler_cst.analysis import analyze
+    from nnscaler_cst.rewrite import PlanRequest, rewrite
+    analysis = analyze(written(tmp_path, VERSIONED_LAYERS) / "model.py")
+    assert "tp_" in rewrite(analysis, PlanRequest(plan="megatron", tp=2)).files["model.py"]
+    assert rewrite(analysis, PlanRequest(pp=2, micro_batches=2)).stages is not None
 
 
 def test_convs_a_helper_builds_split_unalike_are_divided_at_the_helper_calls(tmp_path):

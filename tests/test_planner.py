@@ -445,6 +445,41 @@ def test_a_tensor_whose_size_builds_positions_is_never_split_on_that_dim(tmp_pat
     assert "split dim 1" in " ".join(options.why.values())      # the seq split is refused
 
 
+LAYER_READING_A_SIZE = """import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 8, 3, padding=1)
+        self.norm = nn.InstanceNorm2d(8)     # its forward compares the input's channels with 8
+
+    def forward(self, x):
+        return self.norm(self.conv(x)).square().mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(2, 4, 6, 6),)
+"""
+
+
+def test_a_size_a_library_layer_reads_in_its_own_forward_is_no_read_of_the_model(tmp_path):
+    """torch's InstanceNorm2d reads its input's channels (to warn when they are not num_features):
+    that is inside the layer, one op whose rule is derived whole, so the conv's channels may split."""
+    from nnscaler_cst.plan.search import site_options
+    from nnscaler_cst.plan.whole_sizes import dims_read_whole
+    (tmp_path / "norm.py").write_text(LAYER_READING_A_SIZE)
+    graph = analyze(tmp_path / "norm.py").graph
+    assert not dims_read_whole(graph)
+    conv = next(o for sid, o in site_options(graph, 2).items() if sid[1] == "torch.nn.Conv2d")
+    assert "o" in conv.options, conv.why
+
+
 SHAPE_INDEXED = """import torch
 import torch.nn as nn
 

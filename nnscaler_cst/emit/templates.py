@@ -21,6 +21,7 @@ merged_state_dict(model)                the single-device state dict, on every r
 """
 import importlib
 import os
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
@@ -229,16 +230,31 @@ def shard_state_dict(state_dict, rank):
             return t.chunk(PP_SIZE * TP_SIZE, dim=0)[vocab_piece(rank)].clone()
         return shard(t, *TP_SPLITS[name], tp_rank) if name in TP_SPLITS else t.clone()
 
+    # each module's entry of the state dict's metadata (its `version`, which a layer's own
+    # _load_from_state_dict may require) goes with it
+    metadata = getattr(state_dict, "_metadata", None)
     if PP_SIZE == 1:
-        return {{name: share(name, t) for name, t in state_dict.items()}}
+        out = OrderedDict((name, share(name, t)) for name, t in state_dict.items())
+        if metadata is not None:
+            out._metadata = OrderedDict(metadata)
+        return out
     module = rank_module(rank)
-    out = {{}}
+    out = OrderedDict()
+    if metadata is not None:
+        out._metadata = OrderedDict()
     for local, stage in enumerate(module.PIPELINE_STAGES):
         for name, t in state_dict.items():
             for alias in PARAMETER_ALIASES.get(name, [name]):
                 key = stage_key(alias, stage, module)
                 if key is not None:
                     out[f"{{local}}.{{key}}"] = share(name, t)
+        for prefix, meta in (metadata or {{}}).items():
+            try:    # a module's path is a parameter's, less its last name
+                key = stage_key(f"{{prefix}}.x" if prefix else "x", stage, module)
+            except ValueError:      # a list of blocks itself: named alike on every stage
+                key = f"{{prefix}}.x"
+            if key is not None:
+                out._metadata[f"{{local}}.{{key[:-2]}}" if key != "x" else str(local)] = meta
     return out
 
 

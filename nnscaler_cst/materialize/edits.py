@@ -23,6 +23,7 @@ import libcst as cst
 from ..errors import UserError
 from ..graph.derive import handed_back
 from ..graph.graph import Graph
+from ..graph.mixed import mixed_edges
 from ..plan.batch import batch_factors, batch_labels, data_parallel_impl
 from ..plan.layouts import REPLICATE, R, Layout, layouts_for, shard
 from ..plan.search import AxisChoices
@@ -813,17 +814,44 @@ def _check_unrollable(graph: Graph, edits: Edits) -> None:
     """An edit between the layers of an nn.Sequential is written by unrolling its call
     (`self.main[1:](tp_copy(self.main[0](x)))`); a call line that runs unlike modules in different
     instances of its class (an nn.Sequential of other layers, or no nn.Sequential: timm's LowFormer
-    ResidualBlock over an MLP, an attention or an MBConv) has no one unrolling. The parameters of
-    the layers it runs are named for the plan to be solved again with them whole (rewrite.py)."""
+    ResidualBlock over an MLP, an attention or an MBConv) has no one unrolling. The conversions of
+    its input and its result, the same for every call (the planner's _mixed_facts), move onto the
+    line itself (`tp_gather(self.block(tp_copy(x)))`); for any other edit, the parameters of the
+    layers it runs are named for the plan to be solved again with them whole (rewrite.py)."""
     mixed = graph.trace.mixed_containers
-    spans = {dataclasses.replace(span, via=()) for span, site in edits.sites.items()
-             if span.via and dataclasses.replace(span, via=()) in mixed
-             and (site.result or site.args or site.sizes or site.replace)}
-    if not spans:
+    children: dict[Span, list[Span]] = defaultdict(list)
+    for span, site in edits.sites.items():
+        if span.via and dataclasses.replace(span, via=()) in mixed and \
+                (site.result or site.args or site.sizes or site.replace):
+            children[dataclasses.replace(span, via=())].append(span)
+    if not children:
         return
-    span = min(spans)
+    ends = mixed_edges(graph)
+    unwritable = []
+    for line, spans in sorted(children.items()):
+        firsts = {graph.nodes[v].span for v, _ in ends.entries.get(line, [])}
+        lasts = {graph.nodes[u].span for u, _ in ends.exits.get(line, [])}
+        sites = [edits.sites[span] for span in spans]
+        args = [site.args for span, site in zip(spans, sites) if site.args]
+        results = [site.result for span, site in zip(spans, sites) if site.result]
+        if any(site.sizes or site.replace or site.bias or site.writes for site in sites) \
+                or any(site.args and span not in firsts for span, site in zip(spans, sites)) \
+                or any(site.result and span not in lasts for span, site in zip(spans, sites)) \
+                or any(a != args[0] for a in args) or any(r != results[0] for r in results) \
+                or (args and any(len(path) != 2 or path[0] != "pos" for path in args[0])):
+            unwritable.append(line)
+            continue
+        around = edits.site(line)
+        around.args.update(args[0] if args else {})
+        around.result = list(results[0]) if results else []
+        _note(around, "conversions around the nn.Sequential, the same for every layer list it runs")
+        for span in spans:
+            del edits.sites[span]
+    if not unwritable:
+        return
+    span = min(unwritable)
     params = sorted({graph.trace.tensors[tid].param for n in graph.nodes
-                     if n.span is not None and n.span.via and dataclasses.replace(n.span, via=()) in spans
+                     if n.span is not None and n.span.via and dataclasses.replace(n.span, via=()) in unwritable
                      for _, tid in graph.param_operands(n.index)})
     error = UserError("this call runs an nn.Sequential whose layers need collectives between them, and other "
                       "modules in other instances of its class, so no one rewrite of the line serves them all",

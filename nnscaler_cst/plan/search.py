@@ -21,6 +21,7 @@ import z3
 
 from ..errors import Location, UserError
 from ..graph.graph import Graph
+from ..graph.mixed import mixed_edges
 from ..materialize.conversions import conversion, conversion_time
 from ..materialize.buffers import buffer_split_problem
 from ..materialize.size_args import SIZE_ARGUMENTS, factory_size, locate_size_argument, shape_names
@@ -113,8 +114,9 @@ def site_id(graph: Graph, index: int) -> SiteId:
 
 def in_mixed_container(graph: Graph, span) -> bool:
     """A layer of an nn.Sequential whose calls from this line run different layers: no edit can
-    be written between its layers (there is one source line for all), so it runs whole (a loop
-    calling different layers from one line: runs_unlike_layers)."""
+    be written between its layers (there is one source line for all), only around the call, so
+    it splits only where its layers need no conversion between them (_mixed_facts), else runs
+    whole (a loop calling different layers from one line: runs_unlike_layers)."""
     return bool(span.via) and dataclasses.replace(span, via=()) in graph.trace.mixed_containers
 
 
@@ -315,8 +317,7 @@ def _site_candidates(graph: Graph, every_size_read: bool) -> dict[SiteId, tuple[
         grouped[site_id(graph, node.index)].append(node.index)
     result = {}
     for sid, nodes in grouped.items():
-        splittable = sid[0] != "node" and all(i in graph.dims for i in nodes) and not in_mixed_container(graph, sid[0]) \
-            and not runs_unlike_layers(graph, sid[0])
+        splittable = sid[0] != "node" and all(i in graph.dims for i in nodes) and not runs_unlike_layers(graph, sid[0])
         operands = set.intersection(*(set(_operand_names(graph, i)) for i in nodes))
         outputs = min(len(graph.nodes[i].outputs) for i in nodes)
         groups: dict[tuple, list[int]] = {}      # instances with the same candidates (a block's repeats)
@@ -333,10 +334,12 @@ def _site_candidates(graph: Graph, every_size_read: bool) -> dict[SiteId, tuple[
     return result
 
 
-def site_options(graph: Graph, n: int, batch_slices: int = 1, every_size_read: bool = False) -> dict[SiteId, SiteOptions]:
+def site_options(graph: Graph, n: int, batch_slices: int = 1, every_size_read: bool = False,
+                 mixed_whole: bool = False) -> dict[SiteId, SiteOptions]:
     """Every valid way to split each site n ways (constraints of the plan come later), on a
     batch cut in `batch_slices` by data parallelism and micro-batches; `every_size_read`: see
-    dims_read_whole."""
+    dims_read_whole; `mixed_whole`: the layers of nn.Sequentials whose calls from one line run
+    different layers say why they run whole (search_axis's second try)."""
     result = {}
     for sid, (nodes, groups) in _site_candidates(graph, every_size_read).items():
         why: dict[str, str] = {}
@@ -363,7 +366,7 @@ def site_options(graph: Graph, n: int, batch_slices: int = 1, every_size_read: b
             why.setdefault(first[sig], f"the {len(nodes)} calls from this line do not all split this way "
                                        "(they run different layers)")
         labels = {id(allowed): [allowed[s] for s in common] for allowed in distinct}
-        whole_because = _unwritable(graph, sid)
+        whole_because = _unwritable(graph, sid, mixed_whole)
         unlike = _instance_layouts(graph, nodes, per_node, common) if len(distinct) > 1 and not whole_because else None
         result[sid] = SiteOptions(sid, nodes, [first[s] for s in common],
                                   {i: labels[id(per_node[i])] for i in nodes}, why,
@@ -404,16 +407,17 @@ def _layout_note(graph: Graph, index: int, label: str) -> str:
     return f"{ins} -> {', '.join(map(str, lay.outputs))}"
 
 
-def _unwritable(graph: Graph, sid: SiteId) -> str | None:
+def _unwritable(graph: Graph, sid: SiteId, mixed_whole: bool = False) -> str | None:
     """Why no split of a site could be written in the source, whatever its sizes: the site runs
     whole (its weights too, with a warning) rather than making a blanket split unsatisfiable."""
     if sid[0] == "node":
         node = graph.nodes[sid[1]]
         return (f"its call (in {node.module_path or 'the model'}) is at no place in the model's source that the "
                 "rewrite can edit")
-    if in_mixed_container(graph, sid[0]):
+    if mixed_whole and in_mixed_container(graph, sid[0]):
         return (f"it runs in an nn.Sequential called at {sid[0].start} whose calls run different layers, which "
-                "one line cannot split apart")
+                "one line cannot split apart: no split of them needs conversions only around the call, where "
+                "that line can hold them")
     if runs_unlike_layers(graph, sid[0]):
         return (f"its line {sid[0].start} calls layers of different classes in turn (a loop over a model's "
                 "children), and one line holds one conversion of their input for all of them")
@@ -430,7 +434,7 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
     only needs to know). Megatron's layout of the blocks (splitting-the-residual) is kept where
     it fits: when no plan has it together with the other constraints, the plan is solved without
     it, with a warning saying why."""
-    solve = functools.partial(_search_axis, graph, axis, n, device=device, memory_budget=memory_budget,
+    solve = functools.partial(_solve_mixed_first, graph, axis, n, device=device, memory_budget=memory_budget,
                               data_parallel=data_parallel, micro_batches=micro_batches,
                               every_size_read=every_size_read, explain=explain)
     layout = [c for c in constraints if c.forbid == "splitting-the-residual"]
@@ -448,12 +452,28 @@ def search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
         return plan
 
 
+def _solve_mixed_first(graph: Graph, axis: str, n: int, constraints: list[Constraint], **kwargs) -> AxisPlan:
+    """The layers of nn.Sequentials whose calls from one line run different layers split where
+    their conversions fit around the call; when no plan does that together with the constraints
+    (a blanket split of every weight, and a block whose every split needs a conversion between
+    its layers), the plan is solved again with those layers whole, each with a warning."""
+    if not mixed_edges(graph).calls:
+        return _search_axis(graph, axis, n, constraints, mixed_whole=False, **kwargs)
+    try:
+        return _search_axis(graph, axis, n, constraints, mixed_whole=False, **{**kwargs, "explain": False})
+    except UserError as exc:
+        if not exc.message.startswith(f"no {axis} plan on {n} devices"):
+            raise
+    return _search_axis(graph, axis, n, constraints, mixed_whole=True, **kwargs)
+
+
 def _search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint], *, device: DeviceSpec,
                  memory_budget: float | None, data_parallel: int, micro_batches: int, every_size_read: bool,
-                 explain: bool) -> AxisPlan:
+                 explain: bool, mixed_whole: bool) -> AxisPlan:
+    """`mixed_whole`: the layers of every mixed nn.Sequential call (graph/mixed.py) run whole."""
     _refined(graph)
     tensors = graph.trace.tensors
-    options = site_options(graph, n, data_parallel * micro_batches, every_size_read)
+    options = site_options(graph, n, data_parallel * micro_batches, every_size_read, mixed_whole)
     sids = list(options)
     var = {sid: z3.Int(f"site{k}") for k, sid in enumerate(sids)}
     restricted: dict[str, list[SiteId]] = defaultdict(list)
@@ -464,6 +484,9 @@ def _search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
         if not options[sid].options:        # never expected: replicating fits every instance
             raise UserError(f"internal error: the calls of {sid[1]} here agree on no layout, not even whole "
                             "(please report it)", _site_location(graph, options, sid))
+    # the second try (_solve_mixed_first): the layers of mixed calls have only their whole option
+    whole_only = {sid: {k for k, label in enumerate(options[sid].options) if label == REPLICATE} for sid in sids
+                  if mixed_whole and sid[0] != "node" and in_mixed_container(graph, sid[0])}
     for constraint in constraints:
         selects, allows = _constraint_answers(graph, constraint)
         narrowed = []
@@ -471,8 +494,8 @@ def _search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
             opts = options[sid]
             selected = [i for i in opts.nodes if selects(i)]
             if selected:
-                narrowed.append((sid, [k for k in range(len(opts.options))
-                                       if all(allows(i, opts.labels[i][k]) for i in selected)]))
+                narrowed.append((sid, [k for k in range(len(opts.options)) if k in whole_only.get(sid, (k,))
+                                       and all(allows(i, opts.labels[i][k]) for i in selected)]))
         # a blanket split that fits some weights leaves the others whole; one that fits none
         # stays hard, so that the unsat core says which sizes do not divide (unless a line's
         # calls split differently: no size would help there)
@@ -501,6 +524,10 @@ def _search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
     allowed_by = {sid: set(range(len(options[sid].options))) for sid in sids}
     for sid, allowed, _ in narrowed_to:
         allowed_by[sid] &= set(allowed)
+    for sid, whole in whole_only.items():
+        allowed_by[sid] &= whole
+        narrowed_to.append((sid, sorted(allowed_by[sid]), Constraint(
+            "mixed-whole", _site_location(graph, options, sid), axis, {}, forbid="splitting")))
     picked = _eliminated(graph, options, var, tables, uses, allowed_by)
     if picked is INFEASIBLE:
         if not explain:
@@ -1057,6 +1084,33 @@ def _graph_edges(graph: Graph):
     return cache["edges"]
 
 
+def _mixed_facts(graph: Graph, options, mixed, lay, rank_in, rank_out, impossible) -> None:
+    """The calls of one line that run different layers (graph/mixed.py) take their input in one
+    layout and hand over their result in one layout, whichever layers take and give it: the
+    conversions around the call are written once, on the line. Pairs of options of their first
+    (last) layers that disagree go into `impossible`."""
+    def agree(ends: list[tuple[SiteId, object]]) -> None:
+        for (s1, ways1), (s2, ways2) in ((x, y) for i, x in enumerate(ends) for y in ends[i + 1:]):
+            bad = [(a, b) for a, w1 in enumerate(ways1) for b, w2 in enumerate(ways2) if w1 != w2]
+            if bad:
+                impossible[(s1, s2)] = sorted(set(impossible.get((s1, s2), [])) | set(bad))
+
+    for line, entries in mixed.entries.items():
+        ends = {}
+        for v, name in entries:
+            sv = site_id(graph, v)
+            ends.setdefault(sv, [(from_end(lay(v, label).inputs[name], rank_in(v, name)), lay(v, label).split)
+                                 for label in options[sv].labels[v]])
+        agree(list(ends.items()))
+    for line, exits in mixed.exits.items():
+        ends = {}
+        for u, k in exits:
+            su = site_id(graph, u)
+            ends.setdefault(su, [from_end(outs[k], rank_out(u, k)) if k < len(outs) else R
+                                 for outs in (lay(u, label).outputs for label in options[su].labels[u])])
+        agree(list(ends.items()))
+
+
 def _cost_tables(graph: Graph, options, n: int, device: DeviceSpec, data_parallel: int, uses) -> _Tables:
     """The step time (ns), the memory per device (bytes), and the pairs of choices no collective
     sequence can connect, per site option and pair of options."""
@@ -1137,6 +1191,8 @@ def _cost_tables(graph: Graph, options, n: int, device: DeviceSpec, data_paralle
             found = seconds_of[key] = conversion_time(steps, nbytes, n, device)
         return found
 
+    mixed = mixed_edges(graph)
+    inside = {(site_id(graph, u), site_id(graph, v)) for u, v in mixed.inside}
     for key, count in edges.items():
         su, k, sv, name, nbytes, requires_grad, _ = key
         v = consumer_of[key]
@@ -1156,7 +1212,7 @@ def _cost_tables(graph: Graph, options, n: int, device: DeviceSpec, data_paralle
                 continue
             for a, have in enumerate(haves):
                 steps = convert(have, need, wanted.split, requires_grad)
-                if steps is None:
+                if steps is None or (steps and (su, sv) in inside):     # between a mixed call's layers
                     table[(a, b)] = None
                 elif table.get((a, b), 0.0) is not None:
                     table[(a, b)] = table.get((a, b), 0.0) + count * seconds(steps, nbytes)
@@ -1189,6 +1245,8 @@ def _cost_tables(graph: Graph, options, n: int, device: DeviceSpec, data_paralle
                     unary[su][a] += ns(cost)
                 else:
                     pairs[(su, sv)][(a, b)] = ns(cost)
+
+    _mixed_facts(graph, options, mixed, lay, rank_in, rank_out, impossible)
 
     # weights, gradients and optimizer state, counted at the first site that uses each parameter
     for param, ((sid, layouts), *_) in uses.items():

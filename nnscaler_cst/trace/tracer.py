@@ -420,13 +420,25 @@ class Tracer(TorchFunctionMode):
 
     def _record_size_query(self, args, kwargs):
         """`x.size(-1)` / `x.shape`: where a size came from, so a rewrite never divides it twice."""
-        own, inside = self._own_and_leaf(sys._getframe(3)) if self._leaf_ids else (self.own_frame(sys._getframe(3)), False)
-        if own is None or inside:
+        reader = sys._getframe(3)
+        own, inside = self._own_and_leaf(reader) if self._leaf_ids else (self.own_frame(reader), False)
+        if own is None or inside or self._in_library_layer(reader, own):
             return
         span = self._span(own)
         if span is not None:
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
             self.size_queries.append((span, self._tid(args[0]), dim if isinstance(dim, int) else None))
+
+    @staticmethod
+    def _in_library_layer(frame, own) -> bool:
+        """Whether a size read happens in the forward of a module the trace does not follow
+        (torch's InstanceNorm2d compares its input's channels with its num_features): the layer
+        is one op, its rule derived as a whole, and the model's line reads no size."""
+        while frame is not None and frame is not own:
+            if frame.f_code.co_name in _MODULE_CALL:
+                return True
+            frame = frame.f_back
+        return False
 
     def _record(self, func, args, kwargs, flat_out, returns_input: bool = False):
         caller = sys._getframe(3)

@@ -1,0 +1,89 @@
+"""The calls of an nn.Sequential from a line whose calls run different layers (blocks built
+with and without a norm layer, a conv helper called with and without an activation): each call's
+layers in order, and which tensors stay inside one call. The line is one piece of source for all
+of them, so a conversion can only go around the call (its input, its result), never between its
+layers. Finds these; decides nothing (plan/search.py keeps conversions out of the calls,
+materialize/edits.py moves the ones around them onto the line)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ..source.files import Span
+from .graph import Graph
+
+
+@dataclass
+class MixedCall:
+    line: Span                  # the call's line (its span without `via`)
+    instance: str               # module path of the nn.Sequential called
+    layers: list[int] = field(default_factory=list)     # its layers' nodes, in call order
+
+    def holds(self, graph: Graph, index: int) -> bool:
+        """Whether node `index` runs inside this call: one of its layers, or code of a module under it."""
+        node = graph.nodes[index]
+        return index in self.layers or node.module_path == self.instance or \
+            node.module_path.startswith(self.instance + ".")
+
+
+@dataclass
+class MixedEdges:
+    calls: list[MixedCall]
+    inside: set[tuple[int, int]]            # (producer, consumer) nodes of one call: no conversion between
+    entries: dict[Span, list[tuple[int, str]]]      # line -> (layer node, operand name) taking the call's input
+    exits: dict[Span, list[tuple[int, int]]]        # line -> (layer node, output k) handing over its result
+
+
+def mixed_calls(graph: Graph) -> list[MixedCall]:
+    mixed = graph.trace.mixed_containers
+    calls: dict[tuple[Span, str], MixedCall] = {}
+    for node in graph.nodes:
+        span = node.span
+        if span is None or not span.via or node.callee_path is None:
+            continue
+        line = dataclasses.replace(span, via=())
+        if line not in mixed:
+            continue
+        parts = node.callee_path.split(".")
+        if len(parts) <= len(span.via):
+            continue
+        instance = ".".join(parts[:-len(span.via)])
+        calls.setdefault((line, instance), MixedCall(line, instance)).layers.append(node.index)
+    return list(calls.values())
+
+
+def mixed_edges(graph: Graph) -> MixedEdges:
+    """Every edge touching a layer of a mixed call, sorted: inside one call, into it, out of it."""
+    cached = graph.__dict__.get("_mixed_edges")      # per graph: the planner asks per axis and size
+    if cached is not None:
+        return cached
+    tensors = graph.trace.tensors
+    calls = mixed_calls(graph)
+    result = MixedEdges(calls, set(), {}, {})
+    if calls:
+        consumers: dict[int, list[int]] = {}
+        for node in graph.nodes:
+            for operand in node.operands:
+                if operand.tid is not None:
+                    consumers.setdefault(operand.tid, []).append(node.index)
+        for call in calls:
+            for index in call.layers:
+                node = graph.nodes[index]
+                for operand in node.operands:
+                    if operand.tid is None or tensors[operand.tid].param is not None or \
+                            tensors[operand.tid].buffer is not None:
+                        continue        # a layer's own state, not what the call hands it
+                    producer = tensors[operand.tid].producer
+                    if producer is not None and call.holds(graph, producer):
+                        result.inside.add((producer, index))
+                    else:
+                        result.entries.setdefault(call.line, []).append((index, operand.name))
+                for k, tid in enumerate(node.outputs):
+                    users = consumers.get(tid, [])
+                    for user in users:
+                        if call.holds(graph, user):
+                            result.inside.add((index, user))
+                    if tid == graph.trace.loss or any(not call.holds(graph, user) for user in users):
+                        result.exits.setdefault(call.line, []).append((index, k))
+    graph.__dict__["_mixed_edges"] = result
+    return result
