@@ -344,17 +344,30 @@ def torchtitan_archs() -> list[LibraryArch]:
     for model in sorted(zoo._supported_models):
         try:
             module = importlib.import_module(f"torchtitan.models.{model}")
-        except Exception:  # noqa: BLE001 - its debugmodel is tried: the plain check reports why it fails
-            module = None
-        tables = [v for k, v in vars(module).items() if k.endswith("_configs") and isinstance(v, dict)] \
-            if module else [{"debugmodel": None}]
-        flavors = sorted(f for t in tables for f in t if f.startswith("debugmodel"))
+            tables = [list(v) for k, v in vars(module).items() if k.endswith("_configs") and isinstance(v, dict)]
+        except Exception:  # noqa: BLE001 - its flavors are read from its source: the plain check reports why it fails
+            tables = [configs_in_source(Path(importlib.util.find_spec(f"torchtitan.models.{model}").origin))]
+        # the debug flavors, however spelled (`debugmodel_moe`, flux's `flux-debug`)
+        flavors = sorted(f for t in tables for f in t if "debug" in f)
         for flavor in flavors:
-            name = model if flavor == "debugmodel" else f"{model}:{flavor[len('debugmodel_'):]}"
+            name = model if flavor == "debugmodel" else f"{model}:{flavor.removeprefix('debugmodel_')}"
             by_family.setdefault(model, []).append(LibraryArch(
                 "torchtitan", name, model, f"torchtitan.models.{model} {flavor}",
                 lambda model=model, flavor=flavor: torchtitan_variants(model, flavor)))
     return round_robin(by_family, "torchtitan")
+
+
+def configs_in_source(path: Path) -> list[str]:
+    """The keys of the module-level `*_configs = {...}` dicts of a model package that does not
+    import here (a dependency missing): its flavors are listed all the same, and their plain
+    check says why they cannot run."""
+    import ast
+    keys = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict) and any(
+                isinstance(t, ast.Name) and t.id.endswith("_configs") for t in node.targets):
+            keys += [k.value for k in node.value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+    return keys
 
 
 def torchtitan_variants(model: str, flavor: str) -> list[tuple[str, str]]:

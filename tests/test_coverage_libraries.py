@@ -82,3 +82,14 @@ def test_torchtitan_entries_loss_has_a_gradient_at_an_all_zero_output():
         output = torch.zeros(libraries.BATCH, libraries.SEQ, libraries.VOCAB, requires_grad=True)
         scope["loss"](output).backward()
         assert (output.grad != 0).all(), note
+
+
+def test_a_model_package_that_does_not_import_has_its_flavors_read_from_its_source(tmp_path):
+    # torchtitan's qwen3_5 needs flash-linear-attention, flux needs `datasets`: their flavors
+    # (debugmodel_moe, flux-debug) are still listed, and skipped with the import's reason
+    package = tmp_path / "__init__.py"
+    package.write_text("import a_missing_dependency\n\n"
+                       "def _debug():\n    pass\n\n"
+                       "zoo_configs = {\n    'debugmodel': _debug,\n    'debugmodel_moe': _debug,\n    '8B': _debug,\n}\n"
+                       "other = {'not_a_flavor': 1}\n")
+    assert libraries.configs_in_source(package) == ["debugmodel", "debugmodel_moe", "8B"]

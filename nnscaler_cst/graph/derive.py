@@ -209,32 +209,31 @@ def _divided(shapes: dict[int, tuple[int, ...]], divisible: list[int], trace: Tr
     """(shapes, {size: divided size}) with the fewest of the largest sizes divided (by one
     factor) that brings every tensor to SMALL_PROBE_ELEMENTS; failing that, the smallest
     shapes within the probe's limits."""
-    fallback = None
+    fallback = []
     for k in range(1, len(divisible) + 1):
         chosen = divisible[:k]
-        factor = _common_factor(chosen)
-        if factor == 1:
-            continue
-        small = {tid: tuple(s // factor if s in chosen else s for s in shape) for tid, shape in shapes.items()}
-        renamed = {s: s // factor for s in chosen}
-        if all(_numel(shape) <= SMALL_PROBE_ELEMENTS for shape in small.values()):
-            yield small, renamed
-            return
-        if not any(_numel(shape) > (MAX_PROBE_ELEMENTS if trace.tensors[tid].param is None else MAX_PROBE_PARAM_ELEMENTS)
-                   for tid, shape in small.items()):
-            fallback = small, renamed
-    if fallback is not None:
-        yield fallback
+        # the largest factor first; smaller ones after it, for kernels that refuse the smallest
+        # shapes (`torch._grouped_mm` wants rows of a multiple of 16 bytes: 4 bfloat16 are 8)
+        for n, factor in enumerate(_common_factors(chosen)):
+            small = {tid: tuple(s // factor if s in chosen else s for s in shape) for tid, shape in shapes.items()}
+            renamed = {s: s // factor for s in chosen}
+            if all(_numel(shape) <= SMALL_PROBE_ELEMENTS for shape in small.values()):
+                yield small, renamed
+            elif n == 0 and not any(_numel(shape) > (MAX_PROBE_ELEMENTS if trace.tensors[tid].param is None
+                                                     else MAX_PROBE_PARAM_ELEMENTS) for tid, shape in small.items()):
+                fallback.append((small, renamed))
+    yield from fallback[-1:]
 
 
-def _common_factor(sizes: list[int]) -> int:
-    """The largest factor dividing every size to an even quotient of at least SMALL_PROBE_SIZE."""
+def _common_factors(sizes: list[int]) -> list[int]:
+    """The factors > 1 dividing every size to an even quotient of at least SMALL_PROBE_SIZE,
+    largest first."""
     if not sizes:
-        return 1
+        return []
     g = math.gcd(*sizes) // 2          # a factor of it leaves every quotient even
     divisors = {k for d in range(1, math.isqrt(g) + 1) if g % d == 0 for k in (d, g // d)}
     smallest = min(sizes)
-    return max((d for d in divisors if smallest // d >= SMALL_PROBE_SIZE), default=1)
+    return sorted((d for d in divisors if d > 1 and smallest // d >= SMALL_PROBE_SIZE), reverse=True)
 
 
 def _with_sizes(replay: Replay, renamed: dict[int, int]) -> Replay:
@@ -644,12 +643,31 @@ def _all_equal(xs, ys) -> bool:
 
 def _close_to_scale(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal up to rounding of a reordered sum: within 1e-5 of the largest value (a partial sum
-    over 60 experts of random weights loses the last digits of small entries)."""
+    over 60 experts of random weights loses the last digits of small entries); in a narrower
+    float, within its own rounding (_narrow_rounding)."""
     if a.shape != b.shape or a.dtype != b.dtype or not b.numel():
         return False
-    scale = b.abs().nan_to_num(0.0, posinf=0.0, neginf=0.0).max().item()
-    return bool(((a - b).abs().nan_to_num(0.0) <= 1e-5 * scale + 1e-6).all()) and bool(
+    narrow = _narrow_rounding(b.dtype)
+    scale = max(_largest(a), _largest(b)) if narrow else _largest(b)
+    return bool(((a - b).abs().nan_to_num(0.0) <= (narrow or 1e-5) * scale + 1e-6).all()) and bool(
         torch.equal(a.isnan(), b.isnan()))
+
+
+def _largest(t: torch.Tensor) -> float:
+    return t.abs().nan_to_num(0.0, posinf=0.0, neginf=0.0).max().item() if t.numel() else 0.0
+
+
+def _narrow_rounding(dtype: torch.dtype) -> float | None:
+    """For a float narrower than float32 (bfloat16, float16), the distance from the largest value
+    within which two results of the same computation are equal; None for other dtypes, whose
+    fixed tolerances hold. A call computing in bfloat16 (an expert bank's `_grouped_mm` in
+    bfloat16) rounds each half's result to it (half an eps of values up to the largest), their
+    sum once more and the whole result once: within 2 eps of the largest value. 4 eps allows for
+    halves larger than their sum; a wrong split misses by a sizeable part of the values (random
+    operands), tens of eps."""
+    if not dtype.is_floating_point or torch.finfo(dtype).eps <= torch.finfo(torch.float32).eps:
+        return None
+    return 4 * torch.finfo(dtype).eps
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -657,6 +675,8 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if not (a.is_floating_point() or a.is_complex()):
         return bool(torch.equal(a, b))
+    if _narrow_rounding(a.dtype):
+        return _close_to_scale(a, b)
     return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True))
 
 

@@ -271,8 +271,17 @@ def _indexed(call: Call) -> tuple[str, list[tuple[Factor, ...]], list[tuple[Fact
         elif ix is None:
             selected.append(())
         elif isinstance(ix, slice):
-            if ix.start in (None, 0) and ix.stop is None and ix.step in (None, 1):
+            step = ix.step if isinstance(ix.step, int) else 1
+            start = ix.start or 0
+            if start == 0 and ix.stop is None and step == 1:
                 selected.append(in_dims[d])
+            elif isinstance(start, int) and 0 <= start < step and ix.stop is None and src[d] % step == 0:
+                # every step-th element from one of the first step (gpt-oss's interleaved gate and
+                # linear halves, `x[..., ::2]`, `x[..., 1::2]`): x split in pieces of whole steps
+                # gives each device its piece of the result
+                label = in_dims[d][0].label
+                in_dims[d] = (Factor(label, src[d] // step), Factor(str(step), step))
+                selected.append((Factor(label, src[d] // step),))
             else:
                 fixed |= {f.label for f in in_dims[d]}
                 selected.append(())

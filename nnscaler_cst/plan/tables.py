@@ -156,8 +156,34 @@ def _matrices(graph: Graph, index: int) -> list[str]:
     rule = graph.node_rule.get(index)
     if rule is not None and rule.kind is not None and rule.kind not in LAYER_KINDS:
         return []
-    return [name for name, tid in graph.param_operands(index)
-            if sum(size > 1 for size in graph.trace.tensors[tid].shape) >= 2]
+    views = _weight_views(graph)
+    return [op.name for op in graph.nodes[index].operands if op.tid is not None
+            and (graph.trace.tensors[op.tid].param is not None or op.tid in views)
+            and sum(size > 1 for size in graph.trace.tensors[op.tid].shape) >= 2]
+
+
+# Calls that hand on their one tensor operand's values in another layout or dtype
+_LAYOUT_KINDS = frozenset({"transpose", "permute"})
+_CASTS = frozenset({"Tensor.bfloat16", "Tensor.half", "Tensor.float", "Tensor.double", "Tensor.to",
+                    "Tensor.type_as", "Tensor.contiguous"})
+
+
+def _weight_views(graph: Graph) -> set[int]:
+    """Tensors that are a parameter transposed or cast (`w.transpose(-2, -1).bfloat16()`, as an
+    expert bank is handed to `torch._grouped_mm`): the op reading one holds that weight as a layer
+    does, though no parameter is its operand."""
+    cache = graph.__dict__.get("_weight_views")
+    if cache is not None:
+        return cache
+    tensors, views = graph.trace.tensors, set()
+    for node in graph.nodes:
+        rule = graph.node_rule.get(node.index)
+        inputs = node.inputs
+        if len(inputs) == 1 and len(node.outputs) == 1 and (tensors[inputs[0]].param is not None or inputs[0] in views) \
+                and ((rule is not None and rule.kind in _LAYOUT_KINDS) or node.callee in _CASTS):
+            views.add(node.outputs[0])
+    graph.__dict__["_weight_views"] = views
+    return views
 
 
 def can_split_weights(graph: Graph, index: int) -> bool:
