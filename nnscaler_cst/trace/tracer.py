@@ -211,6 +211,7 @@ class Tracer(TorchFunctionMode):
         # it (None: parameters, buffers, inputs), and each storage saved -> (bytes, ops recorded before)
         self._storage_maker: dict[int, int | None] = {}
         self._saved_storages: dict[int, tuple[int, int]] = {}
+        self._sites: dict[tuple, tuple] = {}    # (code, instruction) -> (span, source node): see _site
 
     # ---- frames -------------------------------------------------------------------------
     def own_frame(self, frame):
@@ -343,10 +344,14 @@ class Tracer(TorchFunctionMode):
             sys.setprofile(profiler)
 
     def _run_and_record(self, func, args, kwargs):
-        versions = {id(t): t._version for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)} \
-            if self._recording else {}
+        if not self._recording:
+            return func(*args, **kwargs)
+        # Recording reads tensors' shapes, strides and storages: with torch functions off, those
+        # reads skip the modes below this one (SmallConstants), a Python call each per tensor read.
+        with torch._C.DisableTorchFunction():
+            versions = {id(t): t._version for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         out = func(*args, **kwargs)
-        if self._recording:
+        with torch._C.DisableTorchFunction():
             result = args[0] if func is _SETITEM else out
             flat_out = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
             if flat_out:
@@ -474,16 +479,27 @@ class Tracer(TorchFunctionMode):
         line, end_line, col, end_col = pos
         return Span(str(source.path), line, source.char_col(line, col), end_line, source.char_col(end_line, end_col))
 
-    def _open_node(self, func, args, kwargs, caller, own, contained=None):
-        span, mapped, found = None, False, None
-        if own is not None:
-            span = self._span(own)
+    def _site(self, own) -> tuple[Span | None, Any]:
+        """(the span of the own frame's current call, its source node or None), once per code
+        position: a block's lines run once per layer."""
+        key = (own.f_code, own.f_lasti)
+        known = self._sites.get(key)
+        if known is None:
+            span, found = self._span(own), None
             if span is not None:
                 source = self.sources.get(span.path)
                 found = source.node_at(span.line, span.col, span.end_line, span.end_col)
-                mapped = found is not None
-                if mapped:      # a method chain over lines starts its bytecode range at `.meth`
+                if found is not None:      # a method chain over lines starts its bytecode range at `.meth`
                     span = source.span_of(found)
+            known = self._sites[key] = (span, found)
+        return known
+
+    def _open_node(self, func, args, kwargs, caller, own, contained=None):
+        span, mapped, found = None, False, None
+        if own is not None:
+            span, found = self._site(own)
+            if span is not None:
+                mapped = found is not None
                 if contained is not None:
                     container, child_frame = contained
                     span = dataclasses.replace(span, via=self._via(container, child_frame.f_locals["self"]))
