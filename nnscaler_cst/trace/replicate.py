@@ -60,6 +60,7 @@ class Template:
     outputs: Any                          # (spec, leaves): ("b", boundary index) | ("t", tid) | ("v", value)
     log: list
     reads: dict | None                    # (relative module name, attribute) -> value; None: all of them
+    rebound: list = dataclasses.field(default_factory=list)   # (boundary index, the tid it has after the call)
 
 
 def _same(a, b) -> bool:
@@ -255,10 +256,15 @@ class Replicator:
             after = ([tracer._tid_of.get(id(b)) for b in boundary], [b._version for b in boundary], self._rng(),
                      len(tracer.state_writes), set(tracer._awaiting), set(tracer._awaiting_modules),
                      set(tracer._entry_args))
-            same = before[:2] == after[:2] and before[3:] == after[3:] and all(
+            # an op handing an input back unmodified (dropout at p=0) gives it a new tensor id
+            rebound = [(i, t) for i, (s, t) in enumerate(zip(before[0], after[0])) if s != t]
+            same = all(t is not None and t >= t0 for _, t in rebound) and before[1:2] == after[1:2] \
+                and before[3:] == after[3:] and all(
                 x == y for x, y in zip(before[2], after[2]))
             template = self._template(module, out, boundary, before[0], (n0, o0, t0, q0), log,
                                       None if dict_read[0] else reads, last, last_sizes) if same else None
+            if template is not None:
+                template.rebound = rebound
             if template is None:
                 self.refused.add(key)
             else:
@@ -434,6 +440,8 @@ class Replicator:
                     s = storage(event[1])
                     if s not in tracer._saved_storages:
                         tracer._saved_storages[s] = (event[2], p0 + event[3] - o0)
+            for i, t in template.rebound:
+                tracer._tid_of[id(boundary[i])] = tid(t)
             tracer._current = None
             self.copies += 1
             return tree_unflatten(out_leaves, spec)
