@@ -33,6 +33,7 @@ from ..source.files import SourceSet, Span, resolved
 from .naming import layer_type, qualified_type, short_type, torch_func_name, traced_split
 from .records import UNKNOWN, Node, OpCall, Operand, ParamInfo, StateWrite, TensorInfo, TensorList, Trace
 from .replay import Replay, arguments_at_entry, call_arguments, function_of, with_refs
+from .replicate import Replicator
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _OUR_DIR = str(Path(__file__).resolve().parents[1])
@@ -94,6 +95,33 @@ class _CtorRecorder:
     def __exit__(self, *exc):
         torch.nn.Parameter.__new__ = self._original
         copy.deepcopy = self._deepcopy
+        return False
+
+
+class _CopiedBlocks:
+    """While the forward runs: nn.Module's call of a repeated block goes through the Replicator."""
+
+    def __init__(self, replicator):
+        self.replicator = replicator
+        self._original = None
+
+    def __enter__(self):
+        replicator = self.replicator
+        if replicator is None or not replicator.candidates:
+            return self
+        original = self._original = torch.nn.Module._call_impl
+        candidates = replicator.candidates
+
+        def calling(module, *args, **kwargs):
+            if id(module) in candidates and not replicator.busy:
+                return replicator.call(original, module, args, kwargs)
+            return original(module, *args, **kwargs)
+        torch.nn.Module._call_impl = calling
+        return self
+
+    def __exit__(self, *exc):
+        if self._original is not None:
+            torch.nn.Module._call_impl = self._original
         return False
 
 
@@ -171,8 +199,10 @@ def _position(frame) -> tuple | None:
 
 class Tracer(TorchFunctionMode):
     def __init__(self, sources: SourceSet, entry: Entry, library_modules: tuple[str, ...] = (),
-                 leaf_types: frozenset = frozenset(), traced_modules: tuple[str, ...] = ()):
+                 leaf_types: frozenset = frozenset(), traced_modules: tuple[str, ...] = (), replicate: bool = True):
         super().__init__()
+        self.replicate = replicate      # copy the records of repeated blocks (trace/replicate.py)
+        self.replicator: Replicator | None = None
         self.sources = sources
         self.entry = entry
         self.library_modules = tuple(library_modules)
@@ -211,6 +241,10 @@ class Tracer(TorchFunctionMode):
         # it (None: parameters, buffers, inputs), and each storage saved -> (bytes, ops recorded before)
         self._storage_maker: dict[int, int | None] = {}
         self._saved_storages: dict[int, tuple[int, int]] = {}
+        self._sites: dict[tuple, tuple] = {}    # (code, instruction) -> (span, source node): see _site
+        # while a repeated block's first call runs: what the records above were given in order
+        # (trace/replicate.py plays it again for the block's copies); None otherwise
+        self._log: list | None = None
 
     # ---- frames -------------------------------------------------------------------------
     def own_frame(self, frame):
@@ -343,10 +377,14 @@ class Tracer(TorchFunctionMode):
             sys.setprofile(profiler)
 
     def _run_and_record(self, func, args, kwargs):
-        versions = {id(t): t._version for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)} \
-            if self._recording else {}
+        if not self._recording:
+            return func(*args, **kwargs)
+        # Recording reads tensors' shapes, strides and storages: with torch functions off, those
+        # reads skip the modes below this one (SmallConstants), a Python call each per tensor read.
+        with torch._C.DisableTorchFunction():
+            versions = {id(t): t._version for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         out = func(*args, **kwargs)
-        if self._recording:
+        with torch._C.DisableTorchFunction():
             result = args[0] if func is _SETITEM else out
             flat_out = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
             if flat_out:
@@ -362,35 +400,49 @@ class Tracer(TorchFunctionMode):
         `caller`: the frame of a direct `module.forward(x)` call (else the hook's caller's)."""
         caller = caller if caller is not None else sys._getframe(1)
         path = self._module_names.get(id(module))
+        log = self._log
         if path is not None:
             self.module_runs[path] = self.module_runs.get(path, 0) + 1
+            if log is not None:
+                log.append(("run", module))
         if id(module) in self._leaf_ids:
             self._current = None    # each call of a leaf layer is a node, in a loop too
         if path is None:
             return
         if self._leaf_ids and self._own_and_leaf(caller)[1] and id(module) not in self._leaf_ids:
             return                  # a module a leaf layer calls: part of that op
-        if path not in self.module_replays and id(module) not in self._leaf_ids:
-            self._record_module_call(module, path)
+        if id(module) not in self._leaf_ids:
+            present = path in self.module_replays
+            if not present:
+                self._record_module_call(module, path)
+            if log is not None:
+                log.append(("replay", module, "present" if present else self.module_replays.get(path, "unset")))
         if path in self.module_calls:
+            if log is not None:
+                log.append(("call", module, "present"))
             return
         own = self.own_frame(caller)
-        if own is not None and own.f_locals.get("self") is not module:
-            span = self._span(own)
-            if span is not None:
-                self.module_calls[path] = (span, len(self.nodes))
-                if any(path.startswith(c + ".") for c in self._called_paths.get(span, ())):
-                    return      # a layer (or nested container) that a module called from this line runs
-                self._called_paths.setdefault(span, []).append(path)
-                # one line may call containers of different layers, or a container and another
-                # module (a loop over a model's children: IntermediateLayerGetter)
-                kinds = self._leaf_kinds(module) if isinstance(module, _CONTAINERS) else [((), layer_type(type(module)))]
-                if self._container_kinds.setdefault(span, kinds) != kinds:
-                    self.mixed_containers.add(span)
-                if isinstance(module, _CONTAINERS):
-                    self.containers.setdefault(span, [via for via, _ in kinds])
-                    if type(module).__init__ is not torch.nn.Sequential.__init__:
-                        self.unsliceable_containers.add(span)
+        span = self._span(own) if own is not None and own.f_locals.get("self") is not module else None
+        if log is not None:
+            log.append(("call", module, span, len(self.nodes)))
+        if span is not None:
+            self._first_call(module, path, span, len(self.nodes))
+
+    def _first_call(self, module, path: str, span: Span, node: int) -> None:
+        """The first call of the module at `path`, from the own line at `span`, before node `node`."""
+        self.module_calls[path] = (span, node)
+        if any(path.startswith(c + ".") for c in self._called_paths.get(span, ())):
+            return      # a layer (or nested container) that a module called from this line runs
+        self._called_paths.setdefault(span, []).append(path)
+        # one line may call containers of different layers, or a container and another
+        # module (a loop over a model's children: IntermediateLayerGetter)
+        kinds = self._leaf_kinds(module) if isinstance(module, _CONTAINERS) else [((), layer_type(type(module)))]
+        if self._container_kinds.setdefault(span, kinds) != kinds:
+            self.mixed_containers.add(span)
+        if isinstance(module, _CONTAINERS):
+            self.containers.setdefault(span, [via for via, _ in kinds])
+            if type(module).__init__ is not torch.nn.Sequential.__init__:
+                self.unsliceable_containers.add(span)
 
     def _record_module_call(self, module, path: str) -> None:
         """The module's first call as a whole, from the frame of nn.Module's call that holds its
@@ -468,6 +520,8 @@ class Tracer(TorchFunctionMode):
             storage = _storage(tensor)
             if storage is not None:
                 self._storage_maker.setdefault(storage, node.index)
+                if self._log is not None:
+                    self._log.append(("made", storage, node.index))
             out_tids.append(tid)
             node.produced.append(tid)
         replay = self.replays.get(node.index)
@@ -486,16 +540,27 @@ class Tracer(TorchFunctionMode):
         line, end_line, col, end_col = pos
         return Span(str(source.path), line, source.char_col(line, col), end_line, source.char_col(end_line, end_col))
 
-    def _open_node(self, func, args, kwargs, caller, own, contained=None):
-        span, mapped, found = None, False, None
-        if own is not None:
-            span = self._span(own)
+    def _site(self, own) -> tuple[Span | None, Any]:
+        """(the span of the own frame's current call, its source node or None), once per code
+        position: a block's lines run once per layer."""
+        key = (own.f_code, own.f_lasti)
+        known = self._sites.get(key)
+        if known is None:
+            span, found = self._span(own), None
             if span is not None:
                 source = self.sources.get(span.path)
                 found = source.node_at(span.line, span.col, span.end_line, span.end_col)
-                mapped = found is not None
-                if mapped:      # a method chain over lines starts its bytecode range at `.meth`
+                if found is not None:      # a method chain over lines starts its bytecode range at `.meth`
                     span = source.span_of(found)
+            known = self._sites[key] = (span, found)
+        return known
+
+    def _open_node(self, func, args, kwargs, caller, own, contained=None):
+        span, mapped, found = None, False, None
+        if own is not None:
+            span, found = self._site(own)
+            if span is not None:
+                mapped = found is not None
                 if contained is not None:
                     container, child_frame = contained
                     span = dataclasses.replace(span, via=self._via(container, child_frame.f_locals["self"]))
@@ -656,8 +721,10 @@ class Tracer(TorchFunctionMode):
             hook = torch.nn.modules.module.register_module_forward_pre_hook(self._module_called)
             after = torch.nn.modules.module.register_module_forward_hook(self._module_returned)
             profiler = sys.getprofile()
+            if mode == "fake" and self.replicate:
+                self.replicator = Replicator(self, model)
             try:
-                with self, _StateWriteRecorder(self), torch.autograd.graph.saved_tensors_hooks(
+                with self, _StateWriteRecorder(self), _CopiedBlocks(self.replicator), torch.autograd.graph.saved_tensors_hooks(
                         self._saving, lambda tensor: tensor):
                     sys.setprofile(self._profile)
                     output = self._call_user(lambda: entry.call_model(model, inputs), "the model's forward")
@@ -694,6 +761,8 @@ class Tracer(TorchFunctionMode):
         """autograd's pack hook: it fires, inside the op being run, for each tensor that op keeps
         for its backward (a matmul its inputs, a softmax its output, a masked_fill its mask)."""
         storage = _storage(tensor)
+        if storage is not None and self._log is not None:
+            self._log.append(("saved", storage, tensor.untyped_storage().nbytes(), len(self.ops)))
         if storage is not None and storage not in self._saved_storages:
             self._saved_storages[storage] = (tensor.untyped_storage().nbytes(), len(self.ops))
             self._keep.append(tensor)       # its storage address stays its own while the trace runs
@@ -928,16 +997,16 @@ def quiet_fake_mode(small_constants: bool = True):
 
 
 def trace_model(entry: Entry, sources: SourceSet, *, library_modules=(), mode: str = "auto",
-                batch_slices: int = 1, traced_modules=()) -> Trace:
+                batch_slices: int = 1, traced_modules=(), replicate: bool = True) -> Trace:
     """Trace under fake tensors; fall back to real CPU tensors when fake mode cannot run.
     When the trace finds layer classes called from several places (Tracer._role_layers), the
     model is traced again with each of their calls one op."""
     def run(how: str) -> Trace:
-        tracer = Tracer(sources, entry, library_modules, traced_modules=traced_modules)
+        tracer = Tracer(sources, entry, library_modules, traced_modules=traced_modules, replicate=replicate)
         trace = tracer.run(how, batch_slices)
         if tracer.role_layers:
             return Tracer(sources, entry, library_modules, tracer.role_layers,
-                          traced_modules=traced_modules).run(how, batch_slices)
+                          traced_modules=traced_modules, replicate=replicate).run(how, batch_slices)
         return trace
 
     if mode in ("auto", "fake"):
