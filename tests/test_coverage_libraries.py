@@ -61,8 +61,9 @@ def test_the_smallest_named_member_of_a_family_is_read_from_its_size_word():
     assert pick(["convnext_base", "convnext_atto", "convnext_femto", "convnext_tiny"]) == "convnext_atto"
     assert pick(["efficientformer_l7", "efficientformer_l1", "efficientformer_l3"]) == "efficientformer_l1"
     assert pick(["vit_large_patch16_224", "vit_base_patch16_224", "vit_huge_patch14_224"]) == "vit_base_patch16_224"
-    # no size word: the shortest name; "s" inside a word is no size word
-    assert pick(["resnet50", "resnet18s", "resnet18"]) == "resnet18"
+    assert pick(["coat_mini", "coat_tiny", "coat_lite_mini"]) == "coat_tiny"
+    # after a number a letter is no size word (a stride); no size word: the shortest name
+    assert pick(["levit_384_s8", "levit_128", "levit_256"]) == "levit_128"
 
 
 def test_tiny_settings_go_only_to_scalar_arguments_the_class_takes():
