@@ -738,6 +738,19 @@ def test_a_line_whose_call_in_one_block_has_no_split_rule_runs_whole_and_the_blo
         r"the one in narrow\.0\.attn has no split rule at its sizes", w)], plan.left_whole
 
 
+def test_a_line_whose_first_call_has_no_split_rule_says_why_its_weights_stay_whole(tmp_path):
+    """The block with no split rule runs first: its table's dims carry no reason of their own,
+    and the warning gives the line's (it named the table and no reason)."""
+    (tmp_path / "relbias.py").write_text(ONE_LINE_INDEXES_TABLES_OF_DIFFERENT_SIZES.replace(
+        "return self.narrow(self.wide(x)[:, :1]).square().mean()",
+        "return self.wide(x + self.narrow(x[:, :1])).square().mean()"))
+    plan = search_axis(analyze(tmp_path / "relbias.py").graph, "tp", 2, load_table("megatron").for_axis("tp"))
+    assert plan.param_layout["narrow.0.attn.table"].kind == "R"
+    assert [w for w in plan.left_whole if re.match(
+        r".*relbias\.py:21:\d+: warning: Tensor\.__getitem__ keeps its weights whole .*"
+        r"narrow\.0\.attn\.table \(1 x 2\): the 4 calls from this line do not all split this way", w)], plan.left_whole
+
+
 def test_a_constraint_naming_the_layer_still_refuses_a_split_that_cannot_be_made(tmp_path):
     table = tmp_path / "mine.toml"
     table.write_text(textwrap.dedent("""\

@@ -712,8 +712,12 @@ def _left_whole_warning(graph: Graph, options, sid: SiteId, n: int) -> str:
         callee = graph.nodes[index].callee
         return (f"{'' if where == '?' else f'{where}: '}warning: {callee} keeps its weights whole on every "
                 f"tensor-parallel rank: {opts.whole_because}: " + ", ".join(named) + others)
+    # the first call's weights carry no dim the others split (Swin's 3-head table): the site's reasons
+    unnamed = "" if not named or not opts.why or any(": " in entry for entry in named) else \
+        f": {'; '.join(sorted(set(opts.why.values())))}"
     return (f"{where}: warning: {sid[1]} keeps its weights whole on every tensor-parallel rank, "
-            f"no split of them works {n} ways: " + ", ".join(named or sorted(set(opts.why.values()))) + others)
+            f"no split of them works {n} ways: " + ", ".join(named or sorted(set(opts.why.values()))) + unnamed
+            + others)
 
 
 def _weights_named(graph: Graph, index: int) -> str:
