@@ -33,6 +33,7 @@ import importlib.util
 import inspect
 import os
 import random
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,18 +180,29 @@ def call_args(kwargs: dict) -> str:
 
 # --------------------------------------------------------------------------- timm
 
-SIZE_WORDS = ("atto", "femto", "pico", "nano", "tiny", "small")
+# size words, smallest first; the words of one group name about the same size
+SIZE_WORDS = (("atto",), ("femto",), ("pico",), ("nano",), ("micro",), ("tiny", "ti", "t", "xxs"), ("mini",),
+              ("xs", "xsmall"), ("small", "s"), ("medium", "m"), ("base", "b"), ("large", "l"),
+              ("xl", "xlarge"), ("xxl", "xxlarge"), ("huge", "h"), ("giant", "g"), ("gigantic",))
 IMAGE_TINY = {"num_classes": 10, "img_size": 32, "image_size": 32, "depth": 2, "embed_dim": 64,
               "num_heads": 4, "drop_rate": 0.0, "drop_path_rate": 0.0, "attn_drop_rate": 0.0,
               "proj_drop_rate": 0.0, "dropout": 0.0, "attention_dropout": 0.0, "stochastic_depth_prob": 0.0}
 
 
 def smallest_named(names: list[str]) -> str:
-    """The member of a family whose name says it is smallest (atto ... small), else the
-    shortest name."""
+    """The member of a family whose name says it is smallest: by its size word (a `_`-separated
+    token, digits after it allowed: cait_xxs24_224 before cait_s24_224 before cait_m36_384;
+    only before a token that is a number: levit_384_s8's s8 is a stride; a name without one
+    counts as base size), then the number after the word, then the shortest name."""
+    rank_of = {word: rank for rank, words in enumerate(SIZE_WORDS) for word in words}
+    base = rank_of["base"]
+
     def rank(name):
-        words = [i for i, w in enumerate(SIZE_WORDS) if w in name]
-        return (words[0] if words else len(SIZE_WORDS), len(name), name)
+        tokens = name.lower().split("_")
+        tokens = tokens[:next((k for k, token in enumerate(tokens) if token.isdigit()), len(tokens))]
+        sizes = [(rank_of[m.group(1)], int(m.group(2) or 0))
+                 for m in (re.fullmatch(r"([a-z]+)(\d*)", token) for token in tokens) if m and m.group(1) in rank_of]
+        return (*min(sizes, default=(base, 0)), len(name), name)
     return min(names, key=rank)
 
 

@@ -51,6 +51,21 @@ def test_round_robin_takes_one_from_each_family_before_a_second():
     assert ordered == libraries.round_robin({"c": ["c1", "c2"], "a": ["a1", "a2", "a3"], "b": ["b1"]}, "lib")
 
 
+def test_the_smallest_named_member_of_a_family_is_read_from_its_size_word():
+    """timm's size words are tokens of the name, with digits after them (pit_ti_224, cait_xxs24):
+    pit_b_224 and cait_m36_384 were picked for being shorter."""
+    pick = libraries.smallest_named
+    assert pick(["pit_b_224", "pit_s_224", "pit_ti_224", "pit_xs_224", "pit_b_distilled_224"]) == "pit_ti_224"
+    assert pick(["cait_m36_384", "cait_s24_224", "cait_xxs36_224", "cait_xxs24_224", "cait_xs24_384"]) \
+        == "cait_xxs24_224"
+    assert pick(["convnext_base", "convnext_atto", "convnext_femto", "convnext_tiny"]) == "convnext_atto"
+    assert pick(["efficientformer_l7", "efficientformer_l1", "efficientformer_l3"]) == "efficientformer_l1"
+    assert pick(["vit_large_patch16_224", "vit_base_patch16_224", "vit_huge_patch14_224"]) == "vit_base_patch16_224"
+    assert pick(["coat_mini", "coat_tiny", "coat_lite_mini"]) == "coat_tiny"
+    # after a number a letter is no size word (a stride); no size word: the shortest name
+    assert pick(["levit_384_s8", "levit_128", "levit_256"]) == "levit_128"
+
+
 def test_tiny_settings_go_only_to_scalar_arguments_the_class_takes():
     class Model:
         def __init__(self, num_classes=1000, depth=12, depths=(2, 2, 6, 2), embed_dim=768, **kwargs):

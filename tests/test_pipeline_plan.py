@@ -1004,3 +1004,65 @@ def test_a_value_set_under_a_flag_before_the_loop_verifies(tmp_path, use_prompt)
     (tmp_path / "flag.py").write_text(SET_UNDER_A_FLAG.format(use_prompt=use_prompt))
     result = run_cli("verify", tmp_path / "flag.py", "--pp", 2, "--micro-batches", 2, "-o", tmp_path / "out")
     assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr
+
+
+SHARED_BY_THE_EARLY_BLOCKS = '''
+import torch
+from torch import nn
+
+
+class PosConv(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + self.proj(x)
+
+
+class Pre(nn.Module):
+    def __init__(self, dim, shared_pos):
+        super().__init__()
+        self.pos = shared_pos          # one module object under every early block's name (CoaT's cpe)
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + self.fc(self.pos(x))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pos = PosConv(8)
+        self.pre = nn.ModuleList([Pre(8, self.pos) for _ in range(2)])
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
+
+    def forward(self, x):
+        for layer in self.pre:
+            x = layer(x)
+        for block in self.blocks:
+            x = x + torch.relu(block(x))
+        return x.square().mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 8),)
+'''
+
+
+def test_a_module_shared_by_the_blocks_before_the_cut_is_dropped_once_by_later_stages(tmp_path):
+    """One module object sits at the model's top and in every early block (CoaT's shared
+    convolutional position encoding); only the early blocks call it, before the pipelined
+    blocks. The later stage drops it under all its names: it was taken for code above the cut
+    (its top-level name's holder is the model), kept as a shadow and also dropped, and the
+    second name's unlink raised in build() (`proj` is not an nn.Module)."""
+    from nnscaler_cst.analysis import analyze
+    (tmp_path / "shared_early.py").write_text(SHARED_BY_THE_EARLY_BLOCKS)
+    plan = stages(analyze(tmp_path / "shared_early.py").graph, 2)
+    assert plan.shadow[1] == [] and {"pos.proj", "pre.0.pos.proj", "pre.1.pos.proj"} <= set(plan.drop[1])
+    result = run_cli(tmp_path / "shared_early.py", "--pp", 2, "--micro-batches", 2, "-o", tmp_path / "out")
+    assert result.returncode == 0, result.stdout + result.stderr

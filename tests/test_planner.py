@@ -750,6 +750,92 @@ def test_a_block_line_left_whole_for_unlike_instances_names_each_instance_and_it
            "pw.conv splits arg0 S(1) -> P or arg0 R -> S(1)" in warnings[0], warnings[0]
 
 
+ONE_LINE_INDEXES_TABLES_OF_DIFFERENT_SIZES = '''
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads, window):
+        super().__init__()
+        self.heads = heads
+        self.area = window * window
+        self.table = nn.Parameter(torch.randn((2 * window - 1) ** 2, heads) * 0.02)
+        coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")).flatten(1)
+        rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + (window - 1)
+        self.register_buffer("index", rel[..., 0] * (2 * window - 1) + rel[..., 1], persistent=False)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        bias = self.table[self.index.view(-1)].view(self.area, self.area, -1).permute(2, 0, 1)
+        attn = (q @ k.transpose(-2, -1) + bias).softmax(-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(b, n, c))
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads, window):
+        super().__init__()
+        self.attn = Attention(dim, heads, window)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        # the last stage's window is one token (a feature map shrunk to 1x1): a 1-row table
+        self.wide = nn.Sequential(Block(8, 2, 2), Block(8, 2, 2))
+        self.narrow = nn.Sequential(Block(8, 2, 1), Block(8, 2, 1))
+
+    def forward(self, x):
+        return self.narrow(self.wide(x)[:, :1]).square().mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(2, 4, 8),)
+'''
+
+
+def test_a_line_whose_call_in_one_block_has_no_split_rule_runs_whole_and_the_blocks_stay_split(tmp_path):
+    """One line indexes each block's relative-position table; in the blocks whose window is one
+    token the table has one row and no split rule is derived there (Swin's last stage at a small
+    image). That line's tables run whole, with a warning, and every block's matrices keep
+    Megatron's split; the whole plan was unsatisfiable."""
+    (tmp_path / "relbias.py").write_text(ONE_LINE_INDEXES_TABLES_OF_DIFFERENT_SIZES)
+    plan = search_axis(analyze(tmp_path / "relbias.py").graph, "tp", 2, load_table("megatron").for_axis("tp"))
+    assert plan.param_layout["wide.0.attn.table"].kind == "R"
+    for block in ("wide.0", "narrow.1"):
+        assert plan.param_layout[f"{block}.attn.qkv.weight"].kind == "S"
+        assert plan.param_layout[f"{block}.fc2.weight"].kind == "S"
+    assert [w for w in plan.left_whole if re.match(
+        r".*relbias\.py:21:\d+: warning: Tensor\.__getitem__ keeps its weights whole .*"
+        r"the one in narrow\.0\.attn has no split rule at its sizes", w)], plan.left_whole
+
+
+def test_a_line_whose_first_call_has_no_split_rule_says_why_its_weights_stay_whole(tmp_path):
+    """The block with no split rule runs first: its table's dims carry no reason of their own,
+    and the warning gives the line's (it named the table and no reason)."""
+    (tmp_path / "relbias.py").write_text(ONE_LINE_INDEXES_TABLES_OF_DIFFERENT_SIZES.replace(
+        "return self.narrow(self.wide(x)[:, :1]).square().mean()",
+        "return self.wide(x + self.narrow(x[:, :1])).square().mean()"))
+    plan = search_axis(analyze(tmp_path / "relbias.py").graph, "tp", 2, load_table("megatron").for_axis("tp"))
+    assert plan.param_layout["narrow.0.attn.table"].kind == "R"
+    assert [w for w in plan.left_whole if re.match(
+        r".*relbias\.py:21:\d+: warning: Tensor\.__getitem__ keeps its weights whole .*"
+        r"narrow\.0\.attn\.table \(1 x 2\): the 4 calls from this line do not all split this way", w)], plan.left_whole
+
+
 def test_a_constraint_naming_the_layer_still_refuses_a_split_that_cannot_be_made(tmp_path):
     table = tmp_path / "mine.toml"
     table.write_text(textwrap.dedent("""\

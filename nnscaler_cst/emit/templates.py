@@ -114,18 +114,26 @@ def keep_stage(model, stage, module):
                 trunk.pp_iteration_count = count
     iterated = getattr(module, "PIPELINE_ITERATIONS", {{}})     # lists whose loop counts every entry
     iterated = iterated if isinstance(iterated, dict) else {{module.PIPELINE_BLOCKS: iterated}}
+    # each dropped path resolved before any is unlinked: one object can sit under several of
+    # them (a module shared by blocks, under each block's name), and is dropped once
+    drops = {{path: (model.get_submodule(path.rpartition(".")[0]), model.get_submodule(path))
+             for path in module.STAGE_DROPS[stage] if path}}
+    dropped = set()
     for path in module.STAGE_DROPS[stage]:
         if not path:      # the model's own parameters (a cls_token), not its submodules
             hollow(model, path, own_only=True)
             continue
         owner_name, _, attr = path.rpartition(".")
-        owner = model.get_submodule(owner_name)
+        owner, sub = drops[path]
+        if id(sub) in dropped:
+            continue
+        dropped.add(id(sub))
         if isinstance(owner, torch.nn.ModuleDict) and owner_name not in iterated:
             del owner[attr]
         elif shared_outside(model, path):     # a module object also registered elsewhere: unlink only
             setattr(owner, attr, None)
         else:
-            hollow(model.get_submodule(path), path)
+            hollow(sub, path)
     for path in getattr(module, "STAGE_SHADOWS", {{}}).get(stage, []):   # run here, trained where owned
         # "": the model's own parameters (a pos_embedding read above the cut function), not its submodules'
         for name, param in model.get_submodule(path).named_parameters(prefix=path, recurse=bool(path)):

@@ -1667,8 +1667,10 @@ def _runs_on_every_stage(graph: Graph, plan: StagePlan, node) -> bool:
 def _above_cut(graph: Graph, node, cuts: list[Span]) -> bool:
     """Whether the op runs in code above the cut functions: reached from the model's forward
     through calls none of which lies in one of them."""
-    span, module = node.span, node.module_path
-    seen = set()
+    return _reached_above(graph, node.span, node.module_path, cuts, set())
+
+
+def _reached_above(graph: Graph, span: Span | None, module: str, cuts: list[Span], seen: set[str]) -> bool:
     while span is not None and module not in seen:
         if any(span.path == cut.path and cut.contains(span) for cut in cuts):
             return False
@@ -1676,7 +1678,19 @@ def _above_cut(graph: Graph, node, cuts: list[Span]) -> bool:
             return True
         seen.add(module)
         call = graph.trace.module_calls.get(module)
-        span, module = (call[0] if call else None), module.rpartition(".")[0]
-        while module and module not in graph.trace.module_calls:   # a ModuleList, never called: its
-            module = module.rpartition(".")[0]                     # children run from its holder's code
+        span = call[0] if call else None
+        names = [module, *graph.trace.module_aliases.get(module, ())]
+        if len(names) > 1:      # one object under several names (CoaT's shared cpe): which holder called
+            # it is unknown, so it runs above the cut only if it does under every name
+            return all(_reached_above(graph, span, _holder(graph, name), cuts, seen | set(names)) for name in names)
+        module = _holder(graph, module)
     return False
+
+
+def _holder(graph: Graph, module: str) -> str:
+    """The nearest called module holding `module` (a ModuleList, never called: its children run
+    from its holder's code)."""
+    module = module.rpartition(".")[0]
+    while module and module not in graph.trace.module_calls:
+        module = module.rpartition(".")[0]
+    return module

@@ -317,13 +317,16 @@ def _site_candidates(graph: Graph, every_size_read: bool) -> dict[SiteId, tuple[
         grouped[site_id(graph, node.index)].append(node.index)
     result = {}
     for sid, nodes in grouped.items():
-        splittable = sid[0] != "node" and all(i in graph.dims for i in nodes) and not runs_unlike_layers(graph, sid[0])
+        # an instance with no derived rule (a 1x1 window's one-row table) runs whole; the
+        # site's options are those every instance has, so the others run whole too
+        splittable = sid[0] != "node" and not runs_unlike_layers(graph, sid[0])
         operands = set.intersection(*(set(_operand_names(graph, i)) for i in nodes))
         outputs = min(len(graph.nodes[i].outputs) for i in nodes)
         groups: dict[tuple, list[int]] = {}      # instances with the same candidates (a block's repeats)
         for i in nodes:
-            labels = [REPLICATE, *(graph.dims[i].splittable() if splittable else [])]
-            sizes = graph.dims[i].sizes() if splittable else {}
+            derived = splittable and i in graph.dims
+            labels = [REPLICATE, *(graph.dims[i].splittable() if derived else [])]
+            sizes = graph.dims[i].sizes() if derived else {}
             candidates = tuple(_Candidate(label, _signature(graph, i, label, operands, outputs), sizes.get(label),
                                           label == batch.get(i),
                                           _split_problem(graph, i, label, read_whole) if label != REPLICATE else None)
@@ -362,15 +365,21 @@ def site_options(graph: Graph, n: int, batch_slices: int = 1, every_size_read: b
         # a block's repeats share one `allowed` (AlphaFold2: 144 instances a site): ask each once
         distinct = list({id(allowed): allowed for allowed in per_node.values()}.values())
         common = [sig for sig in first if all(sig in allowed for allowed in distinct)]
-        for sig in first.keys() - set(common):     # one line calling layers that split differently
-            why.setdefault(first[sig], f"the {len(nodes)} calls from this line do not all split this way "
-                                       "(they run different layers)")
+        # one line calling layers that split differently; a split the first instance lacks is
+        # named too, so that the blanket split leaves the line whole rather than unsatisfiable
+        union = {sig: label for allowed in reversed(distinct) for sig, label in allowed.items()}
+        union.update(first)
+        for sig in union.keys() - set(common):
+            lacking = next(i for i in nodes if sig not in per_node[i])
+            why.setdefault(union[sig], f"the {len(nodes)} calls from this line do not all split this way " + (
+                "(they run different layers)" if lacking in graph.dims else
+                f"(the one in {graph.nodes[lacking].module_path or 'the model'} has no split rule at its sizes)"))
         labels = {id(allowed): [allowed[s] for s in common] for allowed in distinct}
         whole_because = _unwritable(graph, sid, mixed_whole)
         unlike = _instance_layouts(graph, nodes, per_node, common) if len(distinct) > 1 and not whole_because else None
         result[sid] = SiteOptions(sid, nodes, [first[s] for s in common],
                                   {i: labels[id(per_node[i])] for i in nodes}, why,
-                                  mixed=whole_because is not None or len(common) < len(first),
+                                  mixed=whole_because is not None or len(common) < len(union),
                                   whole_because=whole_because, unlike_instances=unlike)
     return result
 
@@ -769,8 +778,12 @@ def _left_whole_warning(graph: Graph, options, sid: SiteId, n: int) -> str:
         callee = graph.nodes[index].callee
         return (f"{'' if where == '?' else f'{where}: '}warning: {callee} keeps its weights whole on every "
                 f"tensor-parallel rank: {opts.whole_because}: " + ", ".join(named) + others)
+    # the first call's weights carry no dim the others split (Swin's 3-head table): the site's reasons
+    unnamed = "" if not named or not opts.why or any(": " in entry for entry in named) else \
+        f": {'; '.join(sorted(set(opts.why.values())))}"
     return (f"{where}: warning: {sid[1]} keeps its weights whole on every tensor-parallel rank, "
-            f"no split of them works {n} ways: " + ", ".join(named or sorted(set(opts.why.values()))) + others)
+            f"no split of them works {n} ways: " + ", ".join(named or sorted(set(opts.why.values()))) + unnamed
+            + others)
 
 
 def _weights_named(graph: Graph, index: int) -> str:
