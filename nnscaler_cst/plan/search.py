@@ -376,7 +376,9 @@ def site_options(graph: Graph, n: int, batch_slices: int = 1, every_size_read: b
                 f"(the one in {graph.nodes[lacking].module_path or 'the model'} has no split rule at its sizes)"))
         labels = {id(allowed): [allowed[s] for s in common] for allowed in distinct}
         whole_because = _unwritable(graph, sid, mixed_whole)
-        unlike = _instance_layouts(graph, nodes, per_node, common) if len(distinct) > 1 and not whole_because else None
+        # an instance with no rule at its sizes is named by `why`, not as a layout of its own
+        unlike = _instance_layouts(graph, nodes, per_node, common) \
+            if len(distinct) > 1 and not whole_because and all(i in graph.dims for i in nodes) else None
         result[sid] = SiteOptions(sid, nodes, [first[s] for s in common],
                                   {i: labels[id(per_node[i])] for i in nodes}, why,
                                   mixed=whole_because is not None or len(common) < len(union),
