@@ -184,3 +184,15 @@ def test_the_indices_of_a_max_over_a_dim_keep_the_samples_apart(tmp_path):
     path = tmp_path / "argmax.py"
     path.write_text(ARGMAX)
     assert batch_split_problem(analyze(path).graph, "data parallel (--dp 2)") is None
+
+
+def test_a_stochastic_depth_mask_drawn_into_a_tensor_shaped_like_the_batch_still_splits(tmp_path):
+    """timm's DropPath, `x.new_empty((b, 1)).bernoulli_(keep)`: a dropout, switched off in both runs
+    of a verify, not a draw the batch check refuses."""
+    path = tmp_path / "drop_path.py"
+    path.write_text(ARGMAX.replace(
+        "        return self.out(x * best * keep).pow(2).mean()\n",
+        "        drop = x.new_empty((x.shape[0], 1)).bernoulli_(0.9)\n"
+        "        return self.out(x * best * keep * drop).pow(2).mean()\n"))
+    assert "bernoulli_" in path.read_text()
+    assert batch_split_problem(analyze(path).graph, "data parallel (--dp 2)") is None

@@ -186,7 +186,7 @@ def _mixing(graph: Graph, node: Node, batched: dict[int, int], reduced: dict[int
     if not inputs:
         # `torch.empty_like(scores).exponential_()`: the draw fills a tensor that only has the
         # batch's shape, and is the op to name (not a later op reading the numbers)
-        if _draws(trace, node) and shaped.intersection(node.inputs):
+        if _draws(trace, node, _DRAWS - _KEEP_MASKS) and shaped.intersection(node.inputs):
             return _DRAWS_PER_SAMPLE
         if mixes and _multiplies_reduced(node, reduced, trace):
             return _PRODUCT_OF_REDUCED
@@ -326,8 +326,13 @@ _DRAWS_PER_SAMPLE = "draws random numbers for the samples of the batch (a slice 
 _SURELY_MIXES = (_REDUCED_MEETS_BATCH, _PRODUCT_OF_REDUCED, _NEEDS_WHOLE_BATCH, _DRAWS_PER_SAMPLE)
 
 
-def _draws(trace, node: Node) -> bool:
-    return any(trace.ops[i].func.rsplit(".", 1)[-1] in _DRAWS for i in node.ops)
+# stochastic depth's per-sample keep mask (timm's `x.new_empty((b, 1)).bernoulli_(keep)`): a
+# dropout, switched off in both runs of a verify (verify/worker.py: switch_off_dropout)
+_KEEP_MASKS = {"bernoulli", "bernoulli_"}
+
+
+def _draws(trace, node: Node, draws: set[str] = _DRAWS) -> bool:
+    return any(trace.ops[i].func.rsplit(".", 1)[-1] in draws for i in node.ops)
 
 
 def _multiplies_reduced(node: Node, reduced: dict[int, str], trace) -> bool:
