@@ -1517,8 +1517,9 @@ def test_a_module_holding_a_tensor_of_the_fake_trace_is_refused_not_crashed(tmp_
 def test_a_moe_layer_whose_capacity_is_a_share_of_the_whole_batch_mixes_samples(tmp_path):
     text = SORTED_MOE.replace("CAPACITY", "0.1")
     problem = batch_split_problem(analyze(_write(tmp_path, text)).graph, "data parallel (--dp 2)")
-    # refused where the first op mixing the rows sits, as before
-    assert problem is not None and problem.location.line == _line_of(text, "weight, expert = "), problem
+    # refused where the first op mixing the rows sits: the sort of all tokens by expert (the max over
+    # experts before it keeps each token's row, its indices included)
+    assert problem is not None and problem.location.line == _line_of(text, "order = expert.argsort"), problem
 
 
 # transformers 5.24 put `create_causal_mask` (and the decoders' forwards) under

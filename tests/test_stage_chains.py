@@ -48,6 +48,7 @@ import sys
 import pytest
 
 from nnscaler_cst.analysis import analyze
+from nnscaler_cst.errors import UserError
 from nnscaler_cst.plan.pipeline import plan_stages
 from nnscaler_cst.rewrite import PlanRequest, rewrite
 
@@ -475,3 +476,49 @@ def test_an_activation_called_twice_is_not_called_shared_weights(tmp_path):
     # one ReLU called twice holds no weights to share (DLA's tree1.relu): the statements are cut
     plan = plan_stages(analyze(_write(tmp_path, ACTIVATION_CALLED_TWICE)).graph, 2)
     assert plan.trunk.statements is not None and not plan.tied
+
+
+# ALBERT's shape: one layer whose weights every iteration of a loop shares
+SHARED_IN_A_LOOP = '''
+import torch
+import torch.nn as nn
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.layer = Layer()
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for _ in range(4):
+            h = self.layer(h)
+        return self.head(h).pow(2).mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 8),)
+'''
+
+
+def test_a_loop_calling_one_shared_layer_is_refused_at_the_loop_with_what_it_needs(tmp_path):
+    with pytest.raises(UserError) as error:
+        plan_stages(analyze(_write(tmp_path, SHARED_IN_A_LOOP)).graph, 2)
+    assert error.value.location.line == SHARED_IN_A_LOOP.lstrip().splitlines().index("        for _ in range(4):") + 1
+    assert "this loop calls layer 4 times" in error.value.message
+    assert "gradient summed over the stages like a tied parameter" in error.value.message

@@ -367,7 +367,9 @@ def reduce(call: Call, summing: bool) -> OpDims:
     keepdim = bool(call.arg("arg2", "keepdim", default=False))
     out_dims = [() if k in reduced else in_dims[k] for k in range(len(src)) if keepdim or k not in reduced]
     labels = {f.label for k in reduced for f in in_dims[k]}
-    op = OpDims({name: TensorDims(call.tids[name], in_dims)}, [TensorDims(call.out_tids[0], out_dims)])
+    # max/min over a dim return (values, indices), both of the reduced shape
+    outputs = [TensorDims(t, out_dims) for t, shape in zip(call.out_tids, call.out_shapes) if len(shape) == len(out_dims)]
+    op = OpDims({name: TensorDims(call.tids[name], in_dims)}, outputs or [TensorDims(call.out_tids[0], out_dims)])
     if summing:
         op.reduced |= labels
     else:

@@ -150,11 +150,12 @@ def _first_mixing_op(graph: Graph, labels: dict[int, str] | None = None, kinds: 
     batched = {tid: 0 for tid in trace.inputs.values()
                if trace.tensors[tid].shape and trace.tensors[tid].shape[0] == batch}
     reduced: dict[int, str] = {}       # values computed across the batch: "sum" or "mean" of the samples
+    shaped: set[int] = set()           # values shaped like the batch but not made of it (`empty_like(x)`)
     resume = 0                         # nodes before it ran inside a module found to keep samples apart
     for node in graph.nodes:
         if node.index < resume:
             continue
-        problem = _mixing(graph, node, batched, reduced, labels, across_ranks)
+        problem = _mixing(graph, node, batched, reduced, shaped, labels, across_ranks)
         if problem is None:
             continue
         claim = _enclosing_module_kept_apart(graph, node)
@@ -172,15 +173,21 @@ def _first_mixing_op(graph: Graph, labels: dict[int, str] | None = None, kinds: 
     return unsure
 
 
-def _mixing(graph: Graph, node: Node, batched: dict[int, int], reduced: dict[int, str],
+def _mixing(graph: Graph, node: Node, batched: dict[int, int], reduced: dict[int, str], shaped: set[int],
             labels: dict[int, str] | None, across_ranks: bool) -> str | None:
-    """Why `node` mixes the samples, or None; follows the batch dim (`batched`) and the values
-    reduced over the batch (`reduced`) through it."""
+    """Why `node` mixes the samples, or None; follows the batch dim (`batched`), the values
+    reduced over the batch (`reduced`) and those that only take the batch's shape (`shaped`)
+    through it."""
     trace = graph.trace
     tensors = trace.tensors
     inputs = list(_batched_operands(node, batched))
     mixes = any(t in reduced for t in node.inputs)
+    _follow_shape(graph, node, batched, shaped)
     if not inputs:
+        # `torch.empty_like(scores).exponential_()`: the draw fills a tensor that only has the
+        # batch's shape, and is the op to name (not a later op reading the numbers)
+        if _draws(trace, node, _DRAWS - _KEEP_MASKS) and shaped.intersection(node.inputs):
+            return _DRAWS_PER_SAMPLE
         if mixes and _multiplies_reduced(node, reduced, trace):
             return _PRODUCT_OF_REDUCED
         if mixes:
@@ -233,6 +240,16 @@ def _mixing(graph: Graph, node: Node, batched: dict[int, int], reduced: dict[int
             if place is not None and place[1] == 1:
                 batched[out.tid] = place[0]
     return None
+
+
+def _follow_shape(graph: Graph, node: Node, batched: dict[int, int], shaped: set[int]) -> None:
+    """An op that reads only the shape of a batched value (`empty_like`, an in-place fill)
+    returns a value shaped like the batch: no sample's data, but a draw into it is per sample."""
+    dims = graph.dims.get(node.index)
+    if dims is None or not dims.shape_only:
+        return
+    if any(o.name in dims.shape_only and (o.tid in batched or o.tid in shaped) for o in node.operands):
+        shaped.update(t for t in node.produced if t not in batched)
 
 
 def _enclosing_module_kept_apart(graph: Graph, node: Node) -> tuple[dict[int, int], int] | None:
@@ -309,8 +326,13 @@ _DRAWS_PER_SAMPLE = "draws random numbers for the samples of the batch (a slice 
 _SURELY_MIXES = (_REDUCED_MEETS_BATCH, _PRODUCT_OF_REDUCED, _NEEDS_WHOLE_BATCH, _DRAWS_PER_SAMPLE)
 
 
-def _draws(trace, node: Node) -> bool:
-    return any(trace.ops[i].func.rsplit(".", 1)[-1] in _DRAWS for i in node.ops)
+# stochastic depth's per-sample keep mask (timm's `x.new_empty((b, 1)).bernoulli_(keep)`): a
+# dropout, switched off in both runs of a verify (verify/worker.py: switch_off_dropout)
+_KEEP_MASKS = {"bernoulli", "bernoulli_"}
+
+
+def _draws(trace, node: Node, draws: set[str] = _DRAWS) -> bool:
+    return any(trace.ops[i].func.rsplit(".", 1)[-1] in draws for i in node.ops)
 
 
 def _multiplies_reduced(node: Node, reduced: dict[int, str], trace) -> bool:

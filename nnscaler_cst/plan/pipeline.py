@@ -874,13 +874,18 @@ def find_chain(graph: Graph) -> list[Trunk]:
 
 def _called_in_loop(graph: Graph, span: Span) -> bool:
     """Whether the call at `span` sits in a `for` or `while` of its function (a stack per pass)."""
-    source = graph.sources.get(span.path)
-    node = source.node_at(span.line, span.col, span.end_line, span.end_col)
+    return _enclosing_loop(graph, span) is not None
+
+
+def _enclosing_loop(graph: Graph, span: Span) -> Span | None:
+    """The span of the innermost `for` or `while` of its function around the call at `span`."""
+    source = graph.sources.get(span.path) if graph.sources is not None else None
+    node = source.node_at(span.line, span.col, span.end_line, span.end_col) if source is not None else None
     while node is not None and not isinstance(node, cst.FunctionDef):
         if isinstance(node, (cst.For, cst.While)):
-            return True
+            return source.span_of(node)
         node = source.parents.get(node)
-    return False
+    return None
 
 
 def _chain_roles(chain: list[Trunk], ranges: list[tuple[int, int]]) -> dict[int, dict[str, ChainRole]]:
@@ -947,9 +952,19 @@ def _no_blocks(graph: Graph) -> UserError:
         runs, module_calls = graph.trace.module_runs, graph.trace.module_calls
         outer = next((a for a in (*_ancestors(path), path)
                       if a in module_calls and runs.get(a, 0) >= len(nodes)), None)
-        where = module_calls[outer][0].start if outer is not None else nodes[0].span.start
+        call = module_calls[outer][0] if outer is not None else nodes[0].span
+        loop = _enclosing_loop(graph, call)
+        if loop is not None:
+            # stages cut between the loop's iterations would each run the one module: each would hold
+            # its weights and the stages' gradients would be summed, as for a tied parameter
+            return UserError(f"{_SHARED_LAYER}; this loop calls {outer or path} {len(nodes)} times, one module "
+                             "whose weights every iteration shares, so a pipeline over its iterations would need "
+                             "that module on every stage with its gradient summed over the stages like a tied "
+                             "parameter's, which is not supported yet", loop.start,
+                             hint="run it without --pp, or give each iteration its own layer (a ModuleList of "
+                                  "one block class, called in a loop) for the stages to divide")
         return UserError(f"{_SHARED_LAYER}; this model calls {outer or path} {len(nodes)} times "
-                         "(its layers share one set of weights), so no stage could hold its own layers", where,
+                         "(its layers share one set of weights), so no stage could hold its own layers", call.start,
                          hint="pipelining cuts a ModuleList of one block class, called in a loop, into stages")
     first = next((n.span.start for n in graph.nodes if n.span is not None and n.mapped), None)
     return UserError("pipeline stages need a model built from repeated blocks (a ModuleList of one block "
