@@ -125,7 +125,8 @@ def keep_stage(model, stage, module):
             continue
         owner_name, _, attr = path.rpartition(".")
         owner, sub = drops[path]
-        if id(sub) in dropped:
+        if id(sub) in dropped:      # dropped under another name already: unlink this name too
+            setattr(owner, attr, None)
             continue
         dropped.add(id(sub))
         if isinstance(owner, torch.nn.ModuleDict) and owner_name not in iterated:
