@@ -141,7 +141,7 @@ def test_layers_sharing_one_module_are_refused_at_the_loop_calling_it(tmp_path):
         find_trunk(analyze(tmp_path / "shared.py").graph)
     where = refused.value.location
     assert (Path(where.path).name, where.line) == ("shared.py", SHARED_LAYERS.splitlines().index(
-        "            for _ in range(4):") + 1)
+        "        for _ in range(4):") + 1)
 
 
 NESTED_SHARED = textwrap.dedent("""
@@ -200,7 +200,7 @@ def test_a_shared_group_of_layers_is_refused_where_the_loop_calls_it(tmp_path):
         find_trunk(analyze(tmp_path / "nested.py").graph)
     where = refused.value.location
     assert (Path(where.path).name, where.line) == ("nested.py", NESTED_SHARED.splitlines().index(
-        "            for i in range(4):") + 1)
+        "        for i in range(4):") + 1)
 
 
 FORWARD_CALLED = textwrap.dedent("""
