@@ -199,7 +199,7 @@ def _position(frame) -> tuple | None:
 
 class Tracer(TorchFunctionMode):
     def __init__(self, sources: SourceSet, entry: Entry, library_modules: tuple[str, ...] = (),
-                 leaf_types: frozenset = frozenset(), traced_modules: tuple[str, ...] = (), replicate: bool = True):
+                 leaf_types: frozenset = frozenset(), traced_modules: tuple[str, ...] = (), replicate: bool = False):
         super().__init__()
         self.replicate = replicate      # copy the records of repeated blocks (trace/replicate.py)
         self.replicator: Replicator | None = None
@@ -997,10 +997,17 @@ def quiet_fake_mode(small_constants: bool = True):
 
 
 def trace_model(entry: Entry, sources: SourceSet, *, library_modules=(), mode: str = "auto",
-                batch_slices: int = 1, traced_modules=(), replicate: bool = True) -> Trace:
+                batch_slices: int = 1, traced_modules=(), replicate: bool | None = None) -> Trace:
     """Trace under fake tensors; fall back to real CPU tensors when fake mode cannot run.
+    `replicate` (default: the environment's NNSCALER_COPY_BLOCKS=1) traces each repeated block
+    once and copies its records (trace/replicate.py); off by default until a copied block's
+    container calls are recorded as a traced one's (tests/test_layer_subclasses.py's builder
+    blocks come out as one line calling unlike layers with it on).
     When the trace finds layer classes called from several places (Tracer._role_layers), the
     model is traced again with each of their calls one op."""
+    if replicate is None:
+        replicate = os.environ.get("NNSCALER_COPY_BLOCKS") == "1"
+
     def run(how: str) -> Trace:
         tracer = Tracer(sources, entry, library_modules, traced_modules=traced_modules, replicate=replicate)
         trace = tracer.run(how, batch_slices)
