@@ -47,6 +47,10 @@ _WRAPPER_NAMES = {"wrapper", "inner", "wrapped", "decorate_context", "_fn", "new
 # Containers whose forward only calls their children in order: a call to one from the model's
 # file is recorded as calls to each child, so a rewrite can unroll it and work between them.
 _CONTAINERS = (torch.nn.Sequential,)
+# `MyFunction.apply(a, b)`: a custom autograd Function is one op of the line that applies it.
+# Its forward's torch calls are that op's parts (its backward may read any input, which no
+# traced op does), so the node takes every tensor argument of the apply.
+_APPLY = torch.autograd.Function.apply.__func__.__code__
 
 
 class _CtorRecorder:
@@ -285,8 +289,9 @@ class Tracer(TorchFunctionMode):
         if known is not None and known[0] is frame:
             return known[1]
         caller = frame.f_back
-        answer = caller is not None and frame.f_code.co_name != "forward" \
-            and not _model_or_torch_frame(caller, self.own_files) and not _holds_function(caller, frame.f_code)
+        answer = caller is not None and (caller.f_code is _APPLY or frame.f_code.co_name != "forward"
+                                         and not _model_or_torch_frame(caller, self.own_files)
+                                         and not _holds_function(caller, frame.f_code))
         self._callbacks[id(frame)] = (frame, answer)     # the frame is kept, so its id is not reused
         return answer
 
@@ -330,6 +335,9 @@ class Tracer(TorchFunctionMode):
             child_frame = contained[1]
             return short_type(qualified_type(layer_type(type(child_frame.f_locals["self"])))), "module", child_frame
         outer = chain[-1]
+        if outer.f_code is _APPLY:
+            function = outer.f_locals["cls"]
+            return f"{function.__module__}.{function.__qualname__}.apply", "function", outer
         if outer.f_code.co_name in _MODULE_CALL and isinstance(outer.f_locals.get("self"), torch.nn.Module):
             return short_type(qualified_type(layer_type(type(outer.f_locals["self"])))), "module", outer
         if outer.f_code.co_filename.startswith(_TORCH_DIR):
@@ -487,7 +495,7 @@ class Tracer(TorchFunctionMode):
         (torch's InstanceNorm2d compares its input's channels with its num_features): the layer
         is one op, its rule derived as a whole, and the model's line reads no size."""
         while frame is not None and frame is not own:
-            if frame.f_code.co_name in _MODULE_CALL:
+            if frame.f_code.co_name in _MODULE_CALL or frame.f_code is _APPLY:
                 return True
             frame = frame.f_back
         return False
@@ -625,6 +633,18 @@ class Tracer(TorchFunctionMode):
         elif event == "return":
             if self._entry_args.pop(id(frame), None) is not None:
                 self._returned(id(frame), arg)
+            if frame.f_code is _APPLY:
+                self._applied(arg)
+
+    def _applied(self, result) -> None:
+        """A custom Function's forward runs with grad off: its results, recorded there as needing
+        no gradient, need one once apply attaches its backward (a planner that believed them
+        constant would split their consumers without reducing the gradient they send back)."""
+        with torch._C.DisableTorchFunction():
+            for t in tree_flatten(result)[0]:
+                tid = self._tid_of.get(id(t)) if isinstance(t, torch.Tensor) else None
+                if tid is not None:
+                    self.tensors[tid].requires_grad = bool(t.requires_grad)
 
     def _forward_called(self, frame, caller) -> None:
         """`block.forward(x)` written in the model's own code (SqueezeBERT's loop over its layers)
@@ -653,6 +673,12 @@ class Tracer(TorchFunctionMode):
                 operands.append(Operand(f"self.{name}", None, tid=self._tid(param)))
             for name, buf in module.named_buffers(recurse=True):
                 operands.append(Operand(f"self.{name}", None, tid=self._tid(buf)))
+        elif kind == "function" and callee_frame.f_code is _APPLY:
+            values = callee_frame.f_locals
+            for i, value in enumerate(values.get("args", ())):
+                operands.append(self._operand(f"arg{i}", ("pos", i), value))
+            for name, value in (values.get("kwargs") or {}).items():
+                operands.append(self._operand(name, ("kw", name), value))
         elif kind == "function":
             code = callee_frame.f_code
             values = self._arguments(callee_frame)
