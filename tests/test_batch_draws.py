@@ -55,24 +55,8 @@ def test_a_random_draw_shaped_by_the_batch_is_refused_at_its_line(tmp_path):
     assert problem.location.line == ROUTER.replace(anchor, anchor + DRAW + "\n").splitlines().index(DRAW) + 1
 
 
-INSIDE_A_ROUTER = textwrap.dedent('''
-    import torch
-    import torch.nn as nn
-
-
-    class Router(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gate = nn.Linear(8, 4)
-
-        def forward(self, x):
-            scores = self.gate(x)
-            top = scores.max(dim=-1).indices
-            jitter = torch.rand_like(scores)
-            pick = (scores + jitter).argmax(dim=-1)
-            return x * (pick == top).float().unsqueeze(-1)
-
-
+# the network every router model here sits in: the router, then a Linear and a loss
+NET_AROUND_ROUTER = textwrap.dedent('''
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
@@ -90,6 +74,26 @@ INSIDE_A_ROUTER = textwrap.dedent('''
     def example_inputs():
         return (torch.randn(4, 8),)
 ''')
+
+
+INSIDE_A_ROUTER = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+
+
+    class Router(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(8, 4)
+
+        def forward(self, x):
+            scores = self.gate(x)
+            top = scores.max(dim=-1).indices
+            jitter = torch.rand_like(scores)
+            pick = (scores + jitter).argmax(dim=-1)
+            return x * (pick == top).float().unsqueeze(-1)
+
+''') + NET_AROUND_ROUTER
 
 
 def test_a_draw_inside_a_module_the_probe_finds_keeps_samples_apart_is_still_refused(tmp_path):
@@ -119,24 +123,7 @@ GUMBEL = textwrap.dedent('''
             keep = torch.logical_or(picked == best_at, torch.rand_like(best) > 0.75)
             return x * gates.gather(-1, picked) * keep.float()
 
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.router = Router()
-            self.out = nn.Linear(8, 8)
-
-        def forward(self, x):
-            return self.out(self.router(x)).pow(2).mean()
-
-
-    def build():
-        return Net()
-
-
-    def example_inputs():
-        return (torch.randn(4, 8),)
-''')
+''') + NET_AROUND_ROUTER
 
 
 def test_a_draw_into_a_tensor_only_shaped_like_the_batch_is_refused_at_its_line(tmp_path):
