@@ -427,6 +427,18 @@ def _check_vocab_parallel_cross_entropy(rank, world):
         (ref * upstream).sum().backward()
         assert_close(local.grad, full.grad[..., cols], msg=f"grad {reduction}, smoothing {smoothing}")
 
+    # under autocast torch's cross_entropy runs in float32, whatever the logits' dtype: so do the pieces
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        local = logits_full[..., cols].bfloat16().requires_grad_()
+        loss = _comm.vocab_parallel_cross_entropy(local, target, TP, ignore_index=ignore)
+        full = logits_full.bfloat16().requires_grad_()
+        ref = F.cross_entropy(full.view(-1, vocab), target.view(-1), ignore_index=ignore)
+    assert loss.dtype == ref.dtype == torch.float32
+    assert_close(loss, ref)
+    loss.backward()
+    ref.backward()
+    assert_close(local.grad, full.grad[..., cols])
+
 
 @pytest.mark.slow
 def test_vocab_parallel_cross_entropy_matches_full_cross_entropy_and_grad(ranks):

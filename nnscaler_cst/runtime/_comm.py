@@ -791,6 +791,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, axi
     if target.shape != logits.shape[:-1]:
         raise ValueError(f"target shape {tuple(target.shape)} must be logits shape "
                          f"{tuple(logits.shape)} without the last (vocabulary) dim")
+    if torch.is_autocast_enabled(logits.device.type):
+        logits = logits.float()  # autocast runs cross_entropy in float32: its vocabulary pieces too
     if axis.size == 1:
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
                                ignore_index=ignore_index, reduction=reduction,
@@ -1919,6 +1921,16 @@ class _TensorSlot:
     def __init__(self, index: int, tensor: torch.Tensor):
         self.index = index
         self.shape, self.dtype, self.requires_grad = tuple(tensor.shape), tensor.dtype, tensor.requires_grad
+        self.device_type = tensor.device.type
+
+
+def _landed(buffer: torch.Tensor, slot: _TensorSlot) -> torch.Tensor:
+    """A received buffer on the kind of device its slot's tensor lives on: gloo receives into
+    host memory, but a stage on a GPU computes with (and takes gradients for) CUDA tensors."""
+    if buffer.device.type == slot.device_type:
+        return buffer
+    index = torch.cuda.current_device() if slot.device_type == "cuda" else None
+    return buffer.to(torch.device(slot.device_type, index))
 
 
 def _slots(value, tensors: list, seen: dict | None = None):
@@ -2233,7 +2245,8 @@ def wait_activations(incoming: Incoming) -> tuple[tuple, list]:
     for request in incoming.requests:
         request.wait()
     _record("recv", None)
-    tensors = [b.requires_grad_() if s.requires_grad else b for b, s in zip(incoming.buffers, incoming.slots)]
+    landed = [_landed(b, s) for b, s in zip(incoming.buffers, incoming.slots)]
+    tensors = [b.requires_grad_() if s.requires_grad else b for b, s in zip(landed, incoming.slots)]
     return _received(incoming.structure, tensors), tensors
 
 
@@ -2242,7 +2255,7 @@ def wait_grads(incoming: Incoming) -> list:
     for request in incoming.requests:
         request.wait()
         _record("recv", None)
-    return incoming.buffers
+    return [_landed(b, s) for b, s in zip(incoming.buffers, incoming.slots)]
 
 
 def send_values(values: tuple, dst: int, stage: int, micro: int, key=()) -> list:
