@@ -111,7 +111,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, load_file, revision  # noqa: E402
-from coverage_libraries import LIBRARIES, LibraryArch, library_archs, library_version, results_name  # noqa: E402
+from coverage_libraries import LIBRARIES, LibraryArch, library_archs, library_version, mean_square, results_name  # noqa: E402
 
 FAMILIES = ("decoder", "encoder", "encoder-decoder", "vision", "moe")
 KIND_FAMILY = {"causal": "decoder", "masked": "encoder", "seq2seq": "encoder-decoder", "image": "vision"}
@@ -311,7 +311,7 @@ def entry_source(arch: Arch, with_loss: bool = False) -> str:
             f"def example_inputs():\n{body}\n")
     if with_loss:
         text += ("\n\ndef loss(output):\n    # the output carries no loss: the mean square of its first tensor\n"
-                 "    return output[0].float().pow(2).mean()\n")
+                 f"    return {mean_square('output[0]')}\n")
     return text
 
 

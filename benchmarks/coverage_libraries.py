@@ -115,6 +115,17 @@ def shim_site(work: Path) -> Path | None:
 SHIM_GLOBALS: dict = {}    # keeps the shim's torch.library.Library alive: its schemas go with it
 
 
+def widened(expr: str) -> str:
+    """Source for `expr` in at least float32: a half output is summed in float32, and the float64
+    run that verify asks for a second opinion keeps float64 (`.float()` rounded its loss back)."""
+    return f"{expr}.to(torch.promote_types({expr}.dtype, torch.float32))"
+
+
+def mean_square(expr: str) -> str:
+    """Source for the mean square of `expr`, in at least float32."""
+    return widened(expr) + ".pow(2).mean()"
+
+
 def entry_text(arch_doc: str, imports: list[str], build: list[str], inputs: list[str], loss: str,
                helpers: str = "", loss_doc: str = "the mean square of the output, the same for every sample") -> str:
     """An entry file: docstring, imports (torch first), optional helpers, build(),
@@ -238,7 +249,7 @@ def timm_variants(name: str) -> list[tuple[str, str]]:
             f"timm's {name} ({cls.__name__ if cls else '?'}) at {note}",
             ["import timm"], [f"return timm.create_model({name!r}, {call_args(kw)})"],
             [f"return (torch.randn({BATCH}, {channels}, {hw[0]}, {hw[1]}),)"],
-            "output.float().pow(2).mean()")
+            mean_square("output"))
         variants.append((note, text))
     return variants
 
@@ -246,11 +257,11 @@ def timm_variants(name: str) -> list[tuple[str, str]]:
 # --------------------------------------------------------------------------- torchvision
 
 TORCHVISION_TASKS = {  # task -> (torchvision.models submodule, input builder, loss)
-    "classification": (None, "return (torch.randn({b}, 3, {s}, {s}),)", "output.float().pow(2).mean()"),
-    "segmentation": ("segmentation", "return (torch.randn({b}, 3, {s}, {s}),)", 'output["out"].float().pow(2).mean()'),
-    "video": ("video", "return (torch.randn({b}, 3, {t}, {s}, {s}),)", "output.float().pow(2).mean()"),
+    "classification": (None, "return (torch.randn({b}, 3, {s}, {s}),)", mean_square("output")),
+    "segmentation": ("segmentation", "return (torch.randn({b}, 3, {s}, {s}),)", mean_square('output["out"]')),
+    "video": ("video", "return (torch.randn({b}, 3, {t}, {s}, {s}),)", mean_square("output")),
     "optical_flow": ("optical_flow", "return (torch.randn({b}, 3, {s}, {s}), torch.randn({b}, 3, {s}, {s}))",
-                     "output[-1].float().pow(2).mean()"),
+                     mean_square("output[-1]")),
 }
 VIDEO_FRAMES = 4      # frames of a video input, or the fewest its weights accept (MViT's builder pins 16)
 
@@ -400,7 +411,7 @@ def torchtitan_variants(model: str, flavor: str) -> list[tuple[str, str]]:
             [*([f"set_spmd_backend({backend!r})"] if backend else []),
              f"config = causal_sdpa({model}.model_registry({flavor!r}).model)", "model = config.build()",
              "model.init_states()", *([f"model = model.to(torch.{cast})"] if cast else []), "return model"],
-            [f"return (torch.randint(0, {VOCAB}, ({BATCH}, {SEQ})),)"], "(output.float() - 1).pow(2).mean()",
+            [f"return (torch.randint(0, {VOCAB}, ({BATCH}, {SEQ})),)"], f"({widened('output')} - 1).pow(2).mean()",
             helpers=TORCHTITAN_SDPA, loss_doc=TORCHTITAN_LOSS_DOC)
         variants.append((f"{flavor}, causal SDPA{note}", text))
     return variants
@@ -443,7 +454,7 @@ def litgpt_variants(name: str) -> list[tuple[str, str]]:
         text = entry_text(f"litgpt's {name} at {note}", ["from litgpt.config import Config", "from litgpt.model import GPT"],
                           [f"return GPT(Config.from_name({name!r}, {call_args(kwargs)}))"],
                           [f"return (torch.randint(0, {VOCAB}, ({BATCH}, {SEQ})),)"],
-                          "output.float().pow(2).mean()")
+                          mean_square("output"))
         variants.append((note, text))
     return variants
 
@@ -451,7 +462,7 @@ def litgpt_variants(name: str) -> list[tuple[str, str]]:
 # --------------------------------------------------------------------------- fixed tables
 
 def fixed(library: str, name: str, family: str, model_class: str, imports: list[str], build: str,
-          inputs: str, loss: str = "output.float().pow(2).mean()", helpers: str = "") -> LibraryArch:
+          inputs: str, loss: str = mean_square("output"), helpers: str = "") -> LibraryArch:
     text = entry_text(f"{library}'s {model_class} ({family}) at a tiny config", imports, [f"return {build}"],
                       [f"return {inputs}"], loss, helpers=helpers)
     return LibraryArch(library, name, family, model_class, lambda: [("tiny", text)])
@@ -487,7 +498,7 @@ def diffusers_archs() -> list[LibraryArch]:
               'block_out_channels=(32, 64), down_block_types=("DownBlock2D", "AttnDownBlock2D"), '
               'up_block_types=("AttnUpBlock2D", "UpBlock2D"), norm_num_groups=8, attention_head_dim=8)',
               f'{{"sample": torch.randn({BATCH}, 3, 32, 32), "timestep": {timestep}}}',
-              "output.sample.float().pow(2).mean()"),
+              mean_square("output.sample")),
         fixed("diffusers", "unet2d_condition", "unet", "UNet2DConditionModel", ["from diffusers import UNet2DConditionModel"],
               'UNet2DConditionModel(sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, '
               'block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), '
@@ -495,18 +506,18 @@ def diffusers_archs() -> list[LibraryArch]:
               'norm_num_groups=8)',
               f'{{"sample": torch.randn({BATCH}, 4, 16, 16), "timestep": {timestep}, '
               f'"encoder_hidden_states": torch.randn({BATCH}, 8, 32)}}',
-              "output.sample.float().pow(2).mean()"),
+              mean_square("output.sample")),
         fixed("diffusers", "dit", "transformer", "DiTTransformer2DModel", ["from diffusers import DiTTransformer2DModel"],
               "DiTTransformer2DModel(num_attention_heads=4, attention_head_dim=16, in_channels=4, num_layers=2, "
               "sample_size=8, patch_size=2, num_embeds_ada_norm=1000)",
               f'{{"hidden_states": torch.randn({BATCH}, 4, 8, 8), "timestep": {timestep}, '
               f'"class_labels": torch.randint(0, 1000, ({BATCH},))}}',
-              "output.sample.float().pow(2).mean()"),
+              mean_square("output.sample")),
         fixed("diffusers", "autoencoder_kl", "vae", "AutoencoderKL", ["from diffusers import AutoencoderKL"],
               'AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D", '
               '"DownEncoderBlock2D"), up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"), '
               "block_out_channels=(32, 64), latent_channels=4, norm_num_groups=8, sample_size=32)",
-              f'{{"sample": torch.randn({BATCH}, 3, 32, 32)}}', "output.sample.float().pow(2).mean()"),
+              f'{{"sample": torch.randn({BATCH}, 3, 32, 32)}}', mean_square("output.sample")),
     ]
 
 

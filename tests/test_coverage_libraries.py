@@ -108,3 +108,17 @@ def test_a_model_package_that_does_not_import_has_its_flavors_read_from_its_sour
                        "zoo_configs = {\n    'debugmodel': _debug,\n    'debugmodel_moe': _debug,\n    '8B': _debug,\n}\n"
                        "other = {'not_a_flavor': 1}\n")
     assert libraries.configs_in_source(package) == ["debugmodel", "debugmodel_moe", "8B"]
+
+
+def test_entries_loss_keeps_a_float64_run_in_float64_and_sums_half_outputs_in_float32():
+    # verify's second opinion runs both sides in float64: a loss cast to float32 rounded it back,
+    # and efficientnet_b0 missed by one float32 ulp of its loss while float64 params agreed to 6e-9
+    import ast
+    texts = [text for arch in libraries.torch_nn_archs() for _, text in arch.variants()]
+    texts += [text for _, text in libraries.torchtitan_variants("llama3", "debugmodel")]
+    for text in texts:
+        [fn] = [n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == "loss"]
+        scope = {"torch": torch}
+        exec(compile(ast.Module([fn], []), "loss", "exec"), scope)
+        assert scope["loss"](torch.randn(2, 3, dtype=torch.float64)).dtype == torch.float64
+        assert scope["loss"](torch.randn(2, 3, dtype=torch.bfloat16)).dtype == torch.float32

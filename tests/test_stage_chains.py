@@ -465,6 +465,67 @@ def test_the_models_own_parameter_read_after_the_blocks_is_held_by_the_last_stag
     assert plan.drop == {0: ["", "head"], 1: ["embed"]}
 
 
+
+# torchvision's ConvNeXt and Swin: one nn.Sequential called once, `x = self.features(x)`, over a stem,
+# groups of blocks (each an nn.Sequential) and a norm + conv downsample between them; the most
+# repeated blocks are the second group's, inside the outer nn.Sequential
+NESTED_GROUPS = '''
+import torch
+import torch.nn as nn
+
+
+class ChannelNorm(nn.LayerNorm):
+    def forward(self, x):
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.conv = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + self.fc(self.conv(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class Net(nn.Module):
+    def __init__(self, dims=(4, 8), depths=(1, 5)):
+        super().__init__()
+        layers = [nn.Sequential(nn.Conv2d(3, dims[0], 2, stride=2), ChannelNorm(dims[0]))]
+        for i, (dim, depth) in enumerate(zip(dims, depths)):
+            if i:
+                layers.append(nn.Sequential(ChannelNorm(dims[i - 1]), nn.Conv2d(dims[i - 1], dim, 2, stride=2)))
+            layers.append(nn.Sequential(*[Block(dim) for _ in range(depth)]))
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(dims[-1], 10)
+
+    def forward(self, x):
+        x = self.features(x)
+        return self.head(x.mean((2, 3))).pow(2).mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(2, 3, 8, 8),)
+'''
+
+
+def test_blocks_grouped_in_a_sequential_inside_the_one_called_are_cut_between_its_children(tmp_path):
+    """Cutting the blocks' own nn.Sequential left each stage running the whole outer one: stage 0
+    ran the downsample's norm after its blocks, whose weights stage 1 held (the dry run raised
+    "native_layer_norm computes with features.2.0.weight, which another pipeline stage holds")."""
+    analysis = analyze(_write(tmp_path, NESTED_GROUPS))
+    plan = plan_stages(analysis.graph, 2)
+    assert plan.trunk.container == "features"
+    assert plan.blocks == ["features.0", "features.1", "features.2", "features.3"]
+    assert plan.drop[0] == ["head"]
+    rewrite(analysis, PlanRequest(pp=2))        # the dry run: each stage holds what its forward reads
+
+
 ACTIVATION_CALLED_TWICE = STATEMENTS.replace(
     "        self.layer2 = nn.Conv2d(8, 8, 3, padding=1)\n",
     "        self.layer2 = nn.Conv2d(8, 8, 3, padding=1)\n        self.act = nn.ReLU()\n").replace(

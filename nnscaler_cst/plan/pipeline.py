@@ -499,6 +499,9 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
                                  "for this model")
     # `x = self.blocks(x)` on an nn.Sequential of the blocks
     if iterated is None and looped is None and span in graph.trace.containers:
+        outer = _enclosing_sequential(graph.trace, span, container)
+        if outer is not None:
+            return _trunk_of(graph, outer)
         children = _sequential_children(graph.trace, container)
         if len(children) != len(paths) and len(children) >= 2 and all(c in calls for c in children):
             # it holds other stages too (a stem, a stage of another class): the stages cut its children
@@ -550,6 +553,22 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
                  _shared_loop_owner(graph, blocks, function, function_span, span, first),
                  unset=maybe_unset(function, index, handoff), hoist=hoist,
                  iterations=iterated is not None or looped is not None or _zipped_in_order(loop, blocks))
+
+
+def _enclosing_sequential(trace, span: Span, container: str) -> list[str] | None:
+    """The children of the nn.Sequential the line at `span` calls, when it holds the nn.Sequential
+    of the blocks among its children (torchvision's ConvNeXt and Swin: `x = self.features(x)` over a
+    stem, nn.Sequential groups of blocks and the downsampling layers between them). Cutting the
+    blocks' own nn.Sequential would leave each stage running the whole outer one, the layers of the
+    other stages included: the stages cut the outer one's children instead. None otherwise."""
+    calls, runs = trace.module_calls, trace.module_runs
+    called = [p for p, (s, _) in calls.items() if s == span and container.startswith(p + ".")]
+    if not called:
+        return None
+    children = _sequential_children(trace, min(called, key=len))
+    if len(children) < 2 or any(c not in calls or runs.get(c, 1) != 1 for c in children):
+        return None
+    return children
 
 
 def _calls_module(node: cst.CSTNode, path: str) -> bool:
