@@ -122,3 +122,58 @@ def test_the_evoformer_trunk_copies_its_blocks(fixtures_dir):
     copied, made = _trace(fixtures_dir / "evoformer.py", replicate=True)
     assert made == 4            # 2 blocks x 3 recycles: one template with and one without grad
     assert _records(copied) == _records(full)
+
+
+SUBCLASS_BLOCKS = '''
+import torch
+import torch.nn as nn
+
+
+class RowConv(nn.Conv2d):           # a library's subclass fixing only the constructor's arguments
+    def __init__(self, c):
+        super().__init__(c, c, (1, 3), padding=(0, 1), bias=False)
+
+
+class FullConv(nn.Conv2d):
+    def __init__(self, c):
+        super().__init__(c, c, 3, padding=1, bias=False)
+
+
+class Block(nn.Module):
+    def __init__(self, c, conv):
+        super().__init__()
+        self.conv = nn.Sequential(conv(c), nn.GroupNorm(2, c))
+
+    def forward(self, x):
+        return torch.relu(self.conv(x) + x)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(4, FullConv), Block(4, FullConv), Block(4, RowConv), Block(4, RowConv)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(2, 4, 5, 5),)
+'''
+
+
+def test_a_traced_template_sees_its_layer_subclasses_as_their_torch_layers(tmp_path):
+    """The line calling a block's Sequential of a conv subclass (nn.Conv2d's forward) and a norm
+    runs the same layers in every block, templates and copies alike: no mixed container."""
+    path = tmp_path / "subclass_blocks.py"
+    path.write_text(SUBCLASS_BLOCKS)
+    full, _ = _trace(path, replicate=False)
+    copied, made = _trace(path, replicate=True)
+    assert made == 1 and not full.mixed_containers      # block 3 copies block 2 (block 1 takes the input)
+    assert _records(copied) == _records(full)

@@ -35,6 +35,9 @@ def qualified_type(obj_type: type) -> str:
 
 # what a subclass may define beside its torch layer's methods and still run that layer's forward
 _LAYER_PRESERVING = frozenset({"__init__", "extra_repr", "reset_parameters"})
+# set on a function the tracer puts on a class for the length of one call (trace/replicate.py
+# watches the attributes a block's forward reads): not the class's own method
+TRACER_PROBE = "__nnscaler_tracer_probe__"
 
 
 def layer_type(obj_type: type) -> type:
@@ -50,7 +53,7 @@ def layer_type(obj_type: type) -> type:
         return obj_type
     for cls in obj_type.__mro__[:obj_type.__mro__.index(base)]:
         for name, value in vars(cls).items():
-            if name not in _LAYER_PRESERVING and hasattr(base, name) and (
+            if name not in _LAYER_PRESERVING and hasattr(base, name) and not hasattr(value, TRACER_PROBE) and (
                     callable(value) or isinstance(value, (property, staticmethod, classmethod))):
                 return obj_type
     return base

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .naming import TRACER_PROBE
 from .records import Node, OpCall, Operand, TensorList
 from .replay import Replay, TensorRef
 
@@ -241,6 +242,7 @@ class Replicator:
                 elif name not in _INTERNALS and (rel, name) not in reads:
                     reads[(rel, name)] = get(obj, "__dict__").get(name, _MISSING)
             return get(obj, name)
+        setattr(reading, TRACER_PROBE, True)     # layer_type() sees the class as it is outside this call
 
         classes = {type(sub) for sub in module.modules()}
         self.busy, tracer._log = True, []

@@ -1023,17 +1023,11 @@ def quiet_fake_mode(small_constants: bool = True):
 
 
 def trace_model(entry: Entry, sources: SourceSet, *, library_modules=(), mode: str = "auto",
-                batch_slices: int = 1, traced_modules=(), replicate: bool | None = None) -> Trace:
+                batch_slices: int = 1, traced_modules=(), replicate: bool = True) -> Trace:
     """Trace under fake tensors; fall back to real CPU tensors when fake mode cannot run.
-    `replicate` (default: the environment's NNSCALER_COPY_BLOCKS=1) traces each repeated block
-    once and copies its records (trace/replicate.py); off by default until a copied block's
-    container calls are recorded as a traced one's (tests/test_layer_subclasses.py's builder
-    blocks come out as one line calling unlike layers with it on).
+    `replicate` traces each repeated block once and copies its records (trace/replicate.py).
     When the trace finds layer classes called from several places (Tracer._role_layers), the
     model is traced again with each of their calls one op."""
-    if replicate is None:
-        replicate = os.environ.get("NNSCALER_COPY_BLOCKS") == "1"
-
     def run(how: str) -> Trace:
         tracer = Tracer(sources, entry, library_modules, traced_modules=traced_modules, replicate=replicate)
         trace = tracer.run(how, batch_slices)
