@@ -292,8 +292,10 @@ def first_tensor(output):
 
 
 def torchvision_loss(task: str) -> str:
-    """The task's loss source, taken on first_tensor(output) (FIRST_TENSOR, a helper of the entry)."""
-    return re.sub(r"\boutput\b", "first_tensor(output)", TORCHVISION_TASKS[task][2])
+    """The task's loss source, taken on first_tensor(output) (FIRST_TENSOR, a helper of the entry)
+    less 1: ViT's head is zero-initialized, where the output's mean square has no gradient at all
+    (TORCHTITAN_LOSS_DOC)."""
+    return re.sub(r"\boutput(\[[^\]]*\])?", r"(first_tensor(output)\1 - 1)", TORCHVISION_TASKS[task][2])
 
 
 def torchvision_variants(name: str, task: str) -> list[tuple[str, str]]:
@@ -332,7 +334,8 @@ def torchvision_variants(name: str, task: str) -> list[tuple[str, str]]:
         seen.append((kwargs, size))
         text = entry_text(f"torchvision's {name} ({task}) at {note}", ["import torchvision"],
                           [f"return torchvision.models.get_model({name!r}, {call_args({**fixed_args, **kwargs})})"],
-                          [inputs.format(b=BATCH, s=size, t=frames)], loss, helpers=FIRST_TENSOR)
+                          [inputs.format(b=BATCH, s=size, t=frames)], loss, helpers=FIRST_TENSOR,
+                          loss_doc=TORCHTITAN_LOSS_DOC)
         variants.append((note, text))
     return variants
 
