@@ -673,6 +673,49 @@ LOOP_OVER_CHILDREN = """
 """
 
 
+# deeplabv3's ASPP: one line runs branches that are nn.Sequentials, one of them with a forward of
+# its own (pooling, then upsampling back to the input's size)
+BRANCHES_WITH_A_POOLING_SEQUENTIAL = """
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+
+    class Pooling(nn.Sequential):
+        def __init__(self, c):
+            super().__init__(nn.AdaptiveAvgPool2d(1), nn.Conv2d(c, c, 1, bias=False), nn.BatchNorm2d(c))
+
+        def forward(self, x):
+            size = x.shape[-2:]
+            for mod in self:
+                x = mod(x)
+            return F.interpolate(x, size=size, mode="bilinear", align_corners=False)
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.branches = nn.ModuleList([nn.Sequential(nn.Conv2d(3, 3, 1, bias=False), nn.BatchNorm2d(3)),
+                                           Pooling(3)])
+            self.head = nn.Linear(6, 4)
+
+        def forward(self, x):
+            res = []
+            for branch in self.branches:
+                res.append(branch(x))
+            return self.head(torch.cat(res, dim=1).mean((2, 3))).square().mean()
+
+
+    def build():
+        torch.manual_seed(0)
+        return Model()
+
+
+    def example_inputs():
+        return (torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(1)),)
+"""
+
+
 RELATIVE_POSITION_BIAS = """
     import torch
     import torch.nn as nn
@@ -1045,6 +1088,18 @@ def test_a_line_calling_a_sequential_and_another_module_in_a_loop_is_not_cut_by_
     assert result.returncode == 0, result.stderr
     code = (root / "dp" / "model.py").read_text()
     assert "x = dp_layers(module, x, DP)" in code and "module[1]" not in code
+
+
+def test_a_line_calling_a_sequential_with_a_forward_of_its_own_runs_that_forward(tmp_path):
+    # dp_layers unrolled the pooling branch's layers and skipped its upsampling: the dry run's
+    # torch.cat met a 1x1 branch (deeplabv3_mobilenet_v3_large, --dp 2)
+    from nnscaler_cst.analysis import analyze
+    from nnscaler_cst.rewrite import PlanRequest, rewrite
+    out = rewrite(analyze(written(tmp_path, BRANCHES_WITH_A_POOLING_SEQUENTIAL) / "model.py"),
+                  PlanRequest(plan="dp", dp=2))
+    code = out.files["model.py"]
+    assert "res.append(dp_layers(branch, x, DP))" in code
+    assert "x = dp_batch_norm(x, mod, DP)" in code
 
 
 @pytest.mark.slow     # over 10 s: keeps the quick subset under 3 minutes
