@@ -841,6 +841,9 @@ def _check_unrollable(graph: Graph, edits: Edits) -> None:
                 or (args and any(len(path) != 2 or path[0] != "pos" for path in args[0])):
             unwritable.append(line)
             continue
+        if not _own_forwards_converted(graph, edits, line, ends, results[0] if results else []):
+            unwritable.append(line)
+            continue
         around = edits.site(line)
         around.args.update(args[0] if args else {})
         around.result = list(results[0]) if results else []
@@ -858,6 +861,34 @@ def _check_unrollable(graph: Graph, edits: Edits) -> None:
                       span.start, hint="call the nn.Sequential's layers on lines of their own")
     error.misshapen_params = params
     raise error
+
+
+def _own_forwards_converted(graph: Graph, edits: Edits, line: Span, ends, result: list) -> bool:
+    """Whether the conversions moved onto `line` serve the modules it runs through a forward of
+    their own (graph/mixed.py) too: the planner gave their input and result the layer lists'
+    layouts, so a conversion of the result written in that forward is the one now on the line and
+    is dropped; a conversion of their input, or one of the result unlike the line's, is not
+    written twice (False)."""
+    own = [call for call in ends.own_forward if call.line == line]
+    if not own:
+        return True
+    held = lambda index: any(call.holds(graph, index) for call in own)  # noqa: E731
+    for v, _ in ends.entries.get(line, []):
+        site = edits.sites.get(graph.nodes[v].span) if held(v) else None
+        if site is not None and site.args:
+            return False
+    drop = []
+    for u, _ in ends.exits.get(line, []):
+        site = edits.sites.get(graph.nodes[u].span) if held(u) else None
+        if site is None or not site.result:
+            continue
+        everyone = all(held(n.index) for n in graph.nodes if n.span == graph.nodes[u].span)
+        if site.result != result or not everyone:
+            return False
+        drop.append(site)
+    for site in drop:
+        site.result = []
+    return True
 
 
 def _layer_holds(graph: Graph, param: str, aliases: list[str], size: int) -> bool:
