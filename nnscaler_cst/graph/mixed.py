@@ -34,6 +34,10 @@ class MixedEdges:
     entries: dict[Span, list[tuple[int, str]]]      # line -> (layer node, operand name) taking the call's input
     exits: dict[Span, list[tuple[int, int]]]        # line -> (layer node, output k) handing over its result
     own_forward: list[MixedCall] = field(default_factory=list)  # the lines' other modules (_own_forward_calls)
+    # line -> (node, operand name) of those modules taking the line's input: their conversions are
+    # written in their own forward, so the planner leaves them free; only one the line holds too
+    # must be theirs (materialize/edits.py)
+    own_entries: dict[Span, list[tuple[int, str]]] = field(default_factory=dict)
 
 
 def mixed_calls(graph: Graph) -> list[MixedCall]:
@@ -57,8 +61,8 @@ def mixed_calls(graph: Graph) -> list[MixedCall]:
 def _own_forward_calls(graph: Graph, calls: list[MixedCall]) -> list[MixedCall]:
     """The other modules a line of `calls` runs, each through a forward of its own (deeplabv3's
     ASPP pooling branch beside its conv branches), as calls without layers: their code is their
-    own to convert inside, but they take the line's input and hand over its result as the layer
-    lists do, whatever conversion the line holds."""
+    own to convert inside, but they hand over the line's result as the layer lists do, whatever
+    conversion the line holds."""
     lines = {call.line for call in calls}
     instances = [call.instance for call in calls]
     found = []
@@ -92,7 +96,8 @@ def mixed_edges(graph: Graph) -> MixedEdges:
                         if not own_forward:
                             result.inside.add((producer, index))
                     else:
-                        result.entries.setdefault(call.line, []).append((index, operand.name))
+                        (result.own_entries if own_forward else result.entries).setdefault(call.line, []).append(
+                            (index, operand.name))
                 for k, tid in enumerate(node.outputs):
                     users = [user for user, _ in graph.consumers.get(tid, ())]   # a list's items (torch.cat) too
                     if not own_forward:

@@ -841,7 +841,8 @@ def _check_unrollable(graph: Graph, edits: Edits) -> None:
                 or (args and any(len(path) != 2 or path[0] != "pos" for path in args[0])):
             unwritable.append(line)
             continue
-        if not _own_forwards_converted(graph, edits, line, ends, results[0] if results else []):
+        if not _own_forwards_converted(graph, edits, line, ends, args[0] if args else {},
+                                       results[0] if results else []):
             unwritable.append(line)
             continue
         around = edits.site(line)
@@ -863,31 +864,40 @@ def _check_unrollable(graph: Graph, edits: Edits) -> None:
     raise error
 
 
-def _own_forwards_converted(graph: Graph, edits: Edits, line: Span, ends, result: list) -> bool:
+def _own_forwards_converted(graph: Graph, edits: Edits, line: Span, ends, args: dict, result: list) -> bool:
     """Whether the conversions moved onto `line` serve the modules it runs through a forward of
-    their own (graph/mixed.py) too: the planner gave their input and result the layer lists'
-    layouts, so a conversion of the result written in that forward is the one now on the line and
-    is dropped; a conversion of their input, or one of the result unlike the line's, is not
-    written twice (False)."""
+    their own (graph/mixed.py) too: the conversion that forward's own line has planned for the
+    line's input, or for its result, must be the one now on the line (it is dropped there, not
+    written twice); with nothing on the line, each converts inside as it planned. False where a
+    module would get a conversion it did not plan (a whole pooling branch's input under the conv
+    branches' tp_copy: its full gradient summed twice)."""
     own = [call for call in ends.own_forward if call.line == line]
     if not own:
         return True
     held = lambda index: any(call.holds(graph, index) for call in own)  # noqa: E731
-    for v, _ in ends.entries.get(line, []):
-        site = edits.sites.get(graph.nodes[v].span) if held(v) else None
-        if site is not None and site.args:
-            return False
-    drop = []
-    for u, _ in ends.exits.get(line, []):
-        site = edits.sites.get(graph.nodes[u].span) if held(u) else None
-        if site is None or not site.result:
-            continue
-        everyone = all(held(n.index) for n in graph.nodes if n.span == graph.nodes[u].span)
-        if site.result != result or not everyone:
-            return False
-        drop.append(site)
-    for site in drop:
-        site.result = []
+    moved = {k: list(v) for k, v in args.items()}
+    if len(moved) > 1:
+        return False
+    drops = []
+    for pairs, planned, of_args in ((ends.own_entries.get(line, []), next(iter(moved.values()), []), True),
+                                    (ends.exits.get(line, []), result, False)):
+        for index, which in pairs:
+            if not held(index):
+                continue
+            span = graph.nodes[index].span
+            site = edits.sites.get(span)
+            key = graph.nodes[index].operand(which).path if of_args else None
+            steps = (site.args.get(key, []) if of_args else site.result) if site is not None else []
+            if not planned:
+                continue                        # the line holds nothing: the module's own lines convert
+            if list(steps) != planned or not all(held(n.index) for n in graph.nodes if n.span == span):
+                return False
+            drops.append((site, key, of_args))
+    for site, key, of_args in drops:
+        if of_args:
+            site.args.pop(key, None)
+        else:
+            site.result = []
     return True
 
 
