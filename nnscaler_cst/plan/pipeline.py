@@ -499,6 +499,12 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
                                  "for this model")
     # `x = self.blocks(x)` on an nn.Sequential of the blocks
     if iterated is None and looped is None and span in graph.trace.containers:
+        outer = next((a for a in _ancestors(container) if a in calls and calls[a][0] == span), None)
+        if outer is not None:
+            # swin3d's `x = self.features(x)` runs the blocks' stage (features.4) and the layers after
+            # it: a stage cut there would run them too; find_trunk cuts the children of `outer` instead
+            raise UserError(f"the blocks of {container} run inside the call of {outer}, an nn.Sequential holding "
+                            "them", span.start, hint="pipelining cuts an nn.Sequential called from the model's code")
         children = _sequential_children(graph.trace, container)
         if len(children) != len(paths) and len(children) >= 2 and all(c in calls for c in children):
             # it holds other stages too (a stem, a stage of another class): the stages cut its children
