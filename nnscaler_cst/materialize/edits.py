@@ -875,12 +875,13 @@ def _own_forwards_converted(graph: Graph, edits: Edits, line: Span, ends, args: 
     if not own:
         return True
     held = lambda index: any(call.holds(graph, index) for call in own)  # noqa: E731
-    moved = {k: list(v) for k, v in args.items()}
-    if len(moved) > 1:
+    if len(args) > 1:
         return False
     drops = []
-    for pairs, planned, of_args in ((ends.own_entries.get(line, []), next(iter(moved.values()), []), True),
+    for pairs, planned, of_args in ((ends.own_entries.get(line, []), next(iter(args.values()), []), True),
                                     (ends.exits.get(line, []), result, False)):
+        if not planned:
+            continue                            # the line holds nothing: the modules' own lines convert
         for index, which in pairs:
             if not held(index):
                 continue
@@ -888,9 +889,7 @@ def _own_forwards_converted(graph: Graph, edits: Edits, line: Span, ends, args: 
             site = edits.sites.get(span)
             key = graph.nodes[index].operand(which).path if of_args else None
             steps = (site.args.get(key, []) if of_args else site.result) if site is not None else []
-            if not planned:
-                continue                        # the line holds nothing: the module's own lines convert
-            if list(steps) != planned or not all(held(n.index) for n in graph.nodes if n.span == span):
+            if list(steps) != list(planned) or not all(held(n.index) for n in graph.nodes if n.span == span):
                 return False
             drops.append((site, key, of_args))
     for site, key, of_args in drops:
