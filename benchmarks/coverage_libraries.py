@@ -294,6 +294,21 @@ def num_params(models, name: str) -> float:
         return float("inf")
 
 
+FIRST_TENSOR = '''
+def first_tensor(output):
+    """The output, or the first tensor of a tuple output: a classifier with auxiliary heads
+    (GoogLeNet, Inception v3) returns its logits first in a namedtuple while training."""
+    return output[0] if isinstance(output, tuple) else output
+'''
+
+
+def torchvision_loss(task: str) -> str:
+    """The task's loss source, taken on first_tensor(output) (FIRST_TENSOR, a helper of the entry)
+    less 1: ViT's head is zero-initialized, where the output's mean square has no gradient at all
+    (TORCHTITAN_LOSS_DOC)."""
+    return re.sub(r"\boutput(\[[^\]]*\])?", r"(first_tensor(output)\1 - 1)", TORCHVISION_TASKS[task][2])
+
+
 def torchvision_variants(name: str, task: str) -> list[tuple[str, str]]:
     """Tiny settings the class takes; then only the size, classes and dropouts (a builder that
     passes the widths itself refuses them twice); then its own sizes, with and without the
@@ -311,7 +326,8 @@ def torchvision_variants(name: str, task: str) -> list[tuple[str, str]]:
         meta = {}
     min_size = max(meta.get("min_size", (1, 1)))
     frames = max(VIDEO_FRAMES, meta.get("min_temporal_size", 1))
-    _, inputs, loss = TORCHVISION_TASKS[task]
+    _, inputs, _ = TORCHVISION_TASKS[task]
+    loss = torchvision_loss(task)
     wanted = {k: v for k, v in IMAGE_TINY.items() if k != "num_classes" or task != "optical_flow"}
     tiny = tiny_kwargs(cls, wanted) if cls is not None else {}
     side = 128 if task == "optical_flow" else 64 if task == "segmentation" else 32
@@ -329,7 +345,8 @@ def torchvision_variants(name: str, task: str) -> list[tuple[str, str]]:
         seen.append((kwargs, size))
         text = entry_text(f"torchvision's {name} ({task}) at {note}", ["import torchvision"],
                           [f"return torchvision.models.get_model({name!r}, {call_args({**fixed_args, **kwargs})})"],
-                          [inputs.format(b=BATCH, s=size, t=frames)], loss)
+                          [inputs.format(b=BATCH, s=size, t=frames)], loss, helpers=FIRST_TENSOR,
+                          loss_doc=TORCHTITAN_LOSS_DOC)
         variants.append((note, text))
     return variants
 

@@ -43,6 +43,34 @@ def test_torch_nn_entries_build_run_and_train(tmp_path):
         assert all(p.grad is not None for p in model.parameters())
 
 
+def test_torchvision_losses_take_the_logits_of_a_namedtuple_output_and_have_a_gradient_at_zero():
+    # GoogLeNet returns GoogLeNetOutputs(logits, aux_logits2, aux_logits1) while training: the
+    # entry called .float() on the namedtuple; ViT's zero-initialized head outputs all zeros
+    import collections
+    import ast
+    Outputs = collections.namedtuple("Outputs", "logits aux2 aux1")
+    logits = torch.randn(2, 3)
+    for task in ("classification", "video"):
+        text = libraries.entry_text(task, [], ["pass"], ["pass"], libraries.torchvision_loss(task),
+                                    helpers=libraries.FIRST_TENSOR)
+        scope = {"torch": torch}
+        exec(compile(ast.parse(text), "entry", "exec"), scope)
+        expected = (logits - 1).pow(2).mean()
+        assert torch.equal(scope["loss"](Outputs(logits, torch.ones(2, 3), torch.ones(2, 3))), expected), task
+        assert torch.equal(scope["loss"](logits), expected), task
+        zero = torch.zeros(2, 3, requires_grad=True)
+        scope["loss"](zero).backward()
+        assert (zero.grad != 0).all(), task
+    segmentation = libraries.entry_text("s", [], ["pass"], ["pass"], libraries.torchvision_loss("segmentation"),
+                                        helpers=libraries.FIRST_TENSOR)
+    exec(compile(ast.parse(segmentation), "entry", "exec"), scope)
+    assert torch.equal(scope["loss"]({"out": logits, "aux": torch.ones(2, 3)}), (logits - 1).pow(2).mean())
+    flow = libraries.entry_text("f", [], ["pass"], ["pass"], libraries.torchvision_loss("optical_flow"),
+                                helpers=libraries.FIRST_TENSOR)
+    exec(compile(ast.parse(flow), "entry", "exec"), scope)
+    assert torch.equal(scope["loss"]([torch.ones(2, 3), logits]), (logits - 1).pow(2).mean())
+
+
 def test_round_robin_takes_one_from_each_family_before_a_second():
     ordered = libraries.round_robin({"a": ["a1", "a2", "a3"], "b": ["b1"], "c": ["c1", "c2"]}, "lib")
     assert sorted(ordered) == ["a1", "a2", "a3", "b1", "c1", "c2"]

@@ -673,6 +673,61 @@ LOOP_OVER_CHILDREN = """
 """
 
 
+# deeplabv3's ASPP: one line runs branches that are nn.Sequentials, one of them with a forward of
+# its own (pooling, then upsampling back to the input's size)
+BRANCHES_WITH_A_POOLING_SEQUENTIAL = """
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+
+    class Branch(nn.Sequential):
+        def __init__(self, c, o, d):
+            super().__init__(nn.Conv2d(c, o, 3, padding=d, dilation=d, bias=False), nn.BatchNorm2d(o), nn.ReLU())
+
+
+    class Pooling(nn.Sequential):
+        def __init__(self, c, o):
+            super().__init__(nn.AdaptiveAvgPool2d(1), nn.Conv2d(c, o, 1, bias=False), nn.BatchNorm2d(o), nn.ReLU())
+
+        def forward(self, x):
+            size = x.shape[-2:]
+            for mod in self:
+                x = mod(x)
+            return F.interpolate(x, size=size, mode="bilinear", align_corners=False)
+
+
+    class ASPP(nn.Module):
+        def __init__(self, c=8, o=16):
+            super().__init__()
+            self.stem = nn.Conv2d(3, c, 3, padding=1)
+            self.convs = nn.ModuleList([nn.Sequential(nn.Conv2d(c, o, 1, bias=False), nn.BatchNorm2d(o), nn.ReLU()),
+                                        Branch(c, o, 2), Branch(c, o, 12), Pooling(c, o)])
+            self.project = nn.Sequential(nn.Conv2d(4 * o, o, 1, bias=False), nn.BatchNorm2d(o), nn.ReLU())
+
+        def forward(self, x):
+            x = self.stem(x)
+            _res = []
+            for conv in self.convs:
+                _res.append(conv(x))
+            res = torch.cat(_res, dim=1)
+            return self.project(res)
+
+
+    def build():
+        torch.manual_seed(0)
+        return ASPP()
+
+
+    def example_inputs():
+        return (torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1)),)
+
+
+    def loss(output):
+        return (output - 1).pow(2).mean()
+"""
+
+
 RELATIVE_POSITION_BIAS = """
     import torch
     import torch.nn as nn
@@ -1047,6 +1102,18 @@ def test_a_line_calling_a_sequential_and_another_module_in_a_loop_is_not_cut_by_
     assert "x = dp_layers(module, x, DP)" in code and "module[1]" not in code
 
 
+def test_a_line_calling_a_sequential_with_a_forward_of_its_own_runs_that_forward(tmp_path):
+    # dp_layers unrolled the pooling branch's layers and skipped its upsampling: the dry run's
+    # torch.cat met a 1x1 branch (deeplabv3_mobilenet_v3_large, --dp 2)
+    from nnscaler_cst.analysis import analyze
+    from nnscaler_cst.rewrite import PlanRequest, rewrite
+    out = rewrite(analyze(written(tmp_path, BRANCHES_WITH_A_POOLING_SEQUENTIAL) / "model.py"),
+                  PlanRequest(plan="dp", dp=2))
+    code = out.files["model.py"]
+    assert "_res.append(dp_layers(conv, x, DP))" in code
+    assert "x = dp_batch_norm(x, mod, DP)" in code
+
+
 @pytest.mark.slow     # over 10 s: keeps the quick subset under 3 minutes
 def test_a_line_calling_sequentials_built_differently_splits_them_with_conversions_around_the_call(tmp_path):
     # raft's style: a conv-norm-act nn.Sequential built with a norm layer in one encoder and
@@ -1268,11 +1335,13 @@ def test_a_skip_read_again_after_a_call_handed_it_back_keeps_its_one_layout(tmp_
                                         (NESTED_LAYER_LISTS, ("--pp", "2", "--micro-batches", "2")),
                                         (CONFIG_BUILT_LAYERS, ("--tp", "2")),
                                         (HOOKED_STATE_KEYS, ("--tp", "2")),
-                                        (SKIP_LIST_UNET, ("--tp", "2"))],
+                                        (SKIP_LIST_UNET, ("--tp", "2")),
+                                        (BRANCHES_WITH_A_POOLING_SEQUENTIAL, ("--tp", "2"))],
                          ids=["torch-encoder-tp2", "multihead-attention-dp2xtp2", "torch-encoder-pp2",
                               "branched-vit-pp2", "counting-vit-pp2", "mixed-blocks-dp2xtp2", "helper-built-convs-tp2",
                               "conv-blocks-with-biases-tp2", "relative-position-bias-tp2", "nested-layer-lists-pp2",
-                              "config-built-layers-tp2", "hooked-state-keys-tp2", "skip-list-unet-tp2"])
+                              "config-built-layers-tp2", "hooked-state-keys-tp2", "skip-list-unet-tp2",
+                              "branches-with-a-pooling-sequential-tp2"])
 def test_verifies(tmp_path, model, mode):
     root = written(tmp_path, model)
     result = cli("verify", "model.py", *mode, "-o", "out", cwd=root)

@@ -583,3 +583,64 @@ def test_a_loop_calling_one_shared_layer_is_refused_at_the_loop_with_what_it_nee
     assert error.value.location.line == SHARED_IN_A_LOOP.lstrip().splitlines().index("        for _ in range(4):") + 1
     assert "this loop calls layer 4 times" in error.value.message
     assert "gradient summed over the stages like a tied parameter" in error.value.message
+
+
+# swin3d's `x = self.features(x)`: an nn.Sequential of stages (Sequentials of blocks) and patch
+# merging layers, the largest stage's blocks nested inside it
+BLOCKS_NESTED_IN_STAGES = '''
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x))
+
+
+class Merge(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.proj = nn.Linear(d, 2 * d)
+
+    def forward(self, x):
+        return self.proj(self.norm(x))
+
+
+class Model(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.features = nn.Sequential(nn.Sequential(Block(d), Block(d)), Merge(d),
+                                      nn.Sequential(*[Block(2 * d) for _ in range(4)]), Merge(2 * d),
+                                      nn.Sequential(Block(4 * d)))
+        self.head = nn.Linear(4 * d, 3)
+
+    def forward(self, x):
+        x = self.features(x)
+        return self.head(x)
+
+
+def build():
+    torch.manual_seed(0)
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 5, 8, generator=torch.Generator().manual_seed(1)),)
+
+
+def loss(output):
+    return (output - 1).pow(2).mean()
+'''
+
+
+def test_blocks_nested_in_a_sequential_of_stages_are_cut_between_its_children(tmp_path):
+    """A cut between the nested blocks ran the layers after them on the first stage too, whose
+    weights the next stage holds (was: internal error, the dry run's layer norm met hollow weights)."""
+    result = rewrite(analyze(_write(tmp_path, BLOCKS_NESTED_IN_STAGES)), PlanRequest(pp=2, micro_batches=2))
+    assert 'PIPELINE_BLOCKS = "features"' in result.files["model_stage0.py"]

@@ -17,7 +17,8 @@ from .graph import Graph
 class MixedCall:
     line: Span                  # the call's line (its span without `via`)
     instance: str               # module path of the nn.Sequential called
-    layers: list[int] = field(default_factory=list)     # its layers' nodes, in call order
+    layers: list[int] = field(default_factory=list)     # its layers' nodes, in call order; none: a module
+                                                        # with a forward of its own (_own_forward_calls)
 
     def holds(self, graph: Graph, index: int) -> bool:
         """Whether node `index` runs inside this call: one of its layers, or code of a module under it."""
@@ -32,6 +33,11 @@ class MixedEdges:
     inside: set[tuple[int, int]]            # (producer, consumer) nodes of one call: no conversion between
     entries: dict[Span, list[tuple[int, str]]]      # line -> (layer node, operand name) taking the call's input
     exits: dict[Span, list[tuple[int, int]]]        # line -> (layer node, output k) handing over its result
+    own_forward: list[MixedCall] = field(default_factory=list)  # the lines' other modules (_own_forward_calls)
+    # line -> (node, operand name) of those modules taking the line's input: their conversions are
+    # written in their own forward, so the planner leaves them free; only one the line holds too
+    # must be theirs (materialize/edits.py)
+    own_entries: dict[Span, list[tuple[int, str]]] = field(default_factory=dict)
 
 
 def mixed_calls(graph: Graph) -> list[MixedCall]:
@@ -52,6 +58,21 @@ def mixed_calls(graph: Graph) -> list[MixedCall]:
     return list(calls.values())
 
 
+def _own_forward_calls(graph: Graph, calls: list[MixedCall]) -> list[MixedCall]:
+    """The other modules a line of `calls` runs, each through a forward of its own (deeplabv3's
+    ASPP pooling branch beside its conv branches), as calls without layers: their code is their
+    own to convert inside, but they hand over the line's result as the layer lists do, whatever
+    conversion the line holds."""
+    lines = {call.line for call in calls}
+    instances = [call.instance for call in calls]
+    found = []
+    for path, (span, _) in graph.trace.module_calls.items():
+        if span in lines and not any(path == i or path.startswith(i + ".") or i.startswith(path + ".")
+                                     for i in instances):
+            found.append(MixedCall(span, path))
+    return found
+
+
 def mixed_edges(graph: Graph) -> MixedEdges:
     """Every edge touching a layer of a mixed call, sorted: inside one call, into it, out of it."""
     cached = graph.__dict__.get("_mixed_edges")      # per graph: the planner asks per axis and size
@@ -61,13 +82,10 @@ def mixed_edges(graph: Graph) -> MixedEdges:
     calls = mixed_calls(graph)
     result = MixedEdges(calls, set(), {}, {})
     if calls:
-        consumers: dict[int, list[int]] = {}
-        for node in graph.nodes:
-            for operand in node.operands:
-                if operand.tid is not None:
-                    consumers.setdefault(operand.tid, []).append(node.index)
-        for call in calls:
-            for index in call.layers:
+        result.own_forward = _own_forward_calls(graph, calls)
+        for call in [*calls, *result.own_forward]:
+            own_forward = not call.layers
+            for index in call.layers or [n.index for n in graph.nodes if call.holds(graph, n.index)]:
                 node = graph.nodes[index]
                 for operand in node.operands:
                     if operand.tid is None or tensors[operand.tid].param is not None or \
@@ -75,14 +93,15 @@ def mixed_edges(graph: Graph) -> MixedEdges:
                         continue        # a layer's own state, not what the call hands it
                     producer = tensors[operand.tid].producer
                     if producer is not None and call.holds(graph, producer):
-                        result.inside.add((producer, index))
+                        if not own_forward:
+                            result.inside.add((producer, index))
                     else:
-                        result.entries.setdefault(call.line, []).append((index, operand.name))
+                        (result.own_entries if own_forward else result.entries).setdefault(call.line, []).append(
+                            (index, operand.name))
                 for k, tid in enumerate(node.outputs):
-                    users = consumers.get(tid, [])
-                    for user in users:
-                        if call.holds(graph, user):
-                            result.inside.add((index, user))
+                    users = [user for user, _ in graph.consumers.get(tid, ())]   # a list's items (torch.cat) too
+                    if not own_forward:
+                        result.inside.update((index, user) for user in users if call.holds(graph, user))
                     if tid == graph.trace.loss or any(not call.holds(graph, user) for user in users):
                         result.exits.setdefault(call.line, []).append((index, k))
     graph.__dict__["_mixed_edges"] = result

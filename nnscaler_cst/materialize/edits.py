@@ -841,6 +841,10 @@ def _check_unrollable(graph: Graph, edits: Edits) -> None:
                 or (args and any(len(path) != 2 or path[0] != "pos" for path in args[0])):
             unwritable.append(line)
             continue
+        if not _own_forwards_converted(graph, edits, line, ends, args[0] if args else {},
+                                       results[0] if results else []):
+            unwritable.append(line)
+            continue
         around = edits.site(line)
         around.args.update(args[0] if args else {})
         around.result = list(results[0]) if results else []
@@ -858,6 +862,42 @@ def _check_unrollable(graph: Graph, edits: Edits) -> None:
                       span.start, hint="call the nn.Sequential's layers on lines of their own")
     error.misshapen_params = params
     raise error
+
+
+def _own_forwards_converted(graph: Graph, edits: Edits, line: Span, ends, args: dict, result: list) -> bool:
+    """Whether the conversions moved onto `line` serve the modules it runs through a forward of
+    their own (graph/mixed.py) too: the conversion that forward's own line has planned for the
+    line's input, or for its result, must be the one now on the line (it is dropped there, not
+    written twice); with nothing on the line, each converts inside as it planned. False where a
+    module would get a conversion it did not plan (a whole pooling branch's input under the conv
+    branches' tp_copy: its full gradient summed twice)."""
+    own = [call for call in ends.own_forward if call.line == line]
+    if not own:
+        return True
+    held = lambda index: any(call.holds(graph, index) for call in own)  # noqa: E731
+    if len(args) > 1:
+        return False
+    drops = []
+    for pairs, planned, of_args in ((ends.own_entries.get(line, []), next(iter(args.values()), []), True),
+                                    (ends.exits.get(line, []), result, False)):
+        if not planned:
+            continue                            # the line holds nothing: the modules' own lines convert
+        for index, which in pairs:
+            if not held(index):
+                continue
+            span = graph.nodes[index].span
+            site = edits.sites.get(span)
+            key = graph.nodes[index].operand(which).path if of_args else None
+            steps = (site.args.get(key, []) if of_args else site.result) if site is not None else []
+            if list(steps) != list(planned) or not all(held(n.index) for n in graph.nodes if n.span == span):
+                return False
+            drops.append((site, key, of_args))
+    for site, key, of_args in drops:
+        if of_args:
+            site.args.pop(key, None)
+        else:
+            site.result = []
+    return True
 
 
 def _layer_holds(graph: Graph, param: str, aliases: list[str], size: int) -> bool:

@@ -474,8 +474,10 @@ def dp_layers(module: torch.nn.Module, x: torch.Tensor, axis: Axis) -> torch.Ten
     """A module run on this rank's slice of the batch with every BatchNorm of it that an
     nn.Sequential calls (nested ones too) normalised by the whole batch's statistics
     (dp_batch_norm); any other layer runs as it is. For a line that calls an nn.Sequential holding
-    a BatchNorm in some instances of its class and other modules (nn.Identity) in others."""
-    if isinstance(module, torch.nn.Sequential):
+    a BatchNorm in some instances of its class and other modules (nn.Identity) in others. An
+    nn.Sequential with a forward of its own (pooling, then upsampling back) runs that forward: its
+    lines are the model's own, rewritten where they call a BatchNorm."""
+    if isinstance(module, torch.nn.Sequential) and type(module).forward is torch.nn.Sequential.forward:
         for layer in module:
             x = dp_layers(layer, x, axis)
         return x
