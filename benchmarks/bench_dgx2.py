@@ -258,6 +258,7 @@ def encoder_decoder(lines: list[str], entry: str, title: str, tp: int = 8, pp: i
 
 T5_VOCABS = (32_000, 128_000, 256_000, 512_000, 1_024_000, 2_048_000)     # the artifact's VOCAB_K x 1000
 T5_SHAPES = ((4, 8), (8, 4), (16, 2), (32, 1))      # tp x pp = 32 (the artifact's --max-dp 1: a 46B model)
+SWEEP_SHAPES = ((4, 8), (8, 4), (16, 2))             # the vocabulary sweep's, both sides
 T5_MICRO = (256, 128)                               # micro-batches of 1 (the artifact's --mbs 1) and of 2
 
 
@@ -429,7 +430,7 @@ def t5_artifact(lines: list[str]) -> dict:
               "policy) and a searched cut (a local search over the cut points from those two, each cut priced by the "
               "planner: the fastest that fits, else the one needing least memory; beyond what Megatron-LM offered the "
               "paper), interlaced under the tool's cut and, where that does not fit, the same search from the tool's cut (at most 60 cuts, "
-              "each a whole interlaced price). {len(rows)} configurations priced in {search_seconds:.0f} s. The table: the fitting ones, "
+              f"each a whole interlaced price). {len(rows)} configurations priced in {search_seconds:.0f} s. The table: the fitting ones, "
               "fastest first, then for each kind that never fits its least-memory configuration.", "", *TABLE_HEAD]
     lines += [row(label, estimate, note) for label, estimate, note, _ in shown]
     lines.append("")
@@ -453,16 +454,16 @@ def win_sentence(out) -> str:
 
 
 def t5_vocab_sweep(lines: list[str]) -> list:
-    """The artifact's T5 at each vocabulary of T5_VOCABS: the best fitting of each side (1F1B at tp x pp
-    of 8 x 4 and 16 x 2, interlaced at 8 x 4, 256 micro-batches: t5_artifact's winners at 2M)."""
+    """The artifact's T5 at each vocabulary of T5_VOCABS: the best fitting of each side, both at tp x pp
+    of 4 x 8, 8 x 4 and 16 x 2 and 256 micro-batches (t5_artifact's winners and runners-up at 2M)."""
     import gc
     out = []
     for vocab in T5_VOCABS:
         os.environ["DGX2_T5_VOCAB"] = str(vocab)
         graph, trace_seconds = traced("dgx2_t5_artifact.py")
         start = time.perf_counter()
-        _, base, paper = t5_best(graph, shapes=((8, 4), (16, 2)), micros=(256,), log=lambda *a: None,
-                                 interlaced_shapes=((8, 4),))
+        _, base, paper = t5_best(graph, shapes=SWEEP_SHAPES, micros=(256,), log=lambda *a: None,
+                                 interlaced_shapes=SWEEP_SHAPES)
         out.append((vocab, base, paper, trace_seconds + time.perf_counter() - start))
         print("vocab", vocab, base and base[1].config.describe(), base and f"{base[1].seconds:.2f}",
               paper and paper[1].config.describe(), paper and f"{paper[1].seconds:.2f}", flush=True)
@@ -471,7 +472,7 @@ def t5_vocab_sweep(lines: list[str]) -> list:
     os.environ.pop("DGX2_T5_VOCAB")
     lines += ["### The vocabulary at which interlaced starts to win", "",
               "The same T5 (hidden 6144, 32 + 32 layers, batch 256) at each vocabulary (`DGX2_T5_VOCAB`), each side "
-              "at its best fitting configuration (1F1B + Megatron TP over tp x pp in {8 x 4, 16 x 2}, interlaced at 8 x 4), "
+              "at its best fitting configuration over tp x pp in {4 x 8, 8 x 4, 16 x 2}, "
               "256 micro-batches, recompute or not, the cuts as above.", "",
               "| vocabulary | 1F1B + Megatron TP | est. step s | interlaced | est. step s | speedup | s to trace and price |",
               "|---|---|---|---|---|---|---|"]
