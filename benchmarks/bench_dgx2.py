@@ -605,6 +605,15 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
    what 1F1B's split leaves on one device (the whole table: the vocabulary modules are whole on tp) times tp
    over tp x pp; every device holds 1/(tp x pp) of it. At 2M and tp 8 x pp 4 that was 47 GiB per device
    instead of 5.9.
+11. **`--plan auto` priced interlaced otherwise than the runtime runs it** (fixed): the search's analytic form
+   (plan/auto.py `_regions`' shared part) ran 1/pp of each vocabulary call on each pipeline rank, kept its
+   state at 1/pp per device, left the fused head's cross entropy whole on the last stage and cut the stages
+   with the table's ops on the end stages; the runtime splits every step over all tp x pp devices. Now each
+   step (the calls and a fused loss) costs 1/(tp x pp) of the op on every device, its hidden state
+   all-reduced over them, the stages cut without them: on a small tied-vocabulary model it agrees with
+   plan/interlaced.py `estimate` (the walk this section uses) within 4%, where it was up to 1.63x its step
+   and 1.84x its memory
+   (tests/test_auto_paper_plans.py `test_the_searchs_interlaced_price_is_the_walks`).
 
 ## Why these estimates are below the paper's
 
