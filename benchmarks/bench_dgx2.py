@@ -635,21 +635,27 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
   every rank until the owner reaches it (the notes' "calls at").
 - **T5 at the artifact's setting** (2,048,000 tokens, hidden 6144): as the paper says, Megatron's 1F1B + TP
   does not fit: no tp x pp, micro-batch count, recompute or stage cut brings its embedding and head stages
-  under 32 GB, because 1F1B keeps the whole table (12.6 billion parameters, 16 bytes of state each in this
-  memory model) on the first and the last stage's tp group; interlaced spreads it over all 32 devices and fits
-  with recompute. There is no fitting baseline to divide by, so no speedup is written; the sweep gives the
-  vocabulary where interlaced starts to win. Two terms decide the figures. Memory: the state is priced at
-  16 bytes a parameter (plan/zero.py: fp32 weights and gradients, AdamW's moments); the artifact trains an fp16
-  model with fairseq's Adam (examples/adam.py: fp16 weights and gradients, fp32 moments: 12 bytes), under
-  which 1F1B + TP at tp 16 x pp 2 or tp 32 with recompute would fit by arithmetic on the table's figures
-  (4 bytes fewer a parameter: 5-8 GiB less per device) and be the baseline (not priced: the state bytes are
-  the tool's, not changed for this comparison: they are what the tool's own training code holds under
-  `--precision fp16`, autocast over fp32 parameters, fp32 gradients and AdamW's two fp32 moments, the same
-  16 bytes as Megatron-LM's mixed precision, fp16 weights and gradients plus fp32 master weights and moments).
-  Time: the head runs with its cross entropy as one vocabulary-parallel step (the section's breakdown), so
-  no logits move; before that fusion (measured at e17b524: 114.26 s for the best fitting interlaced) the whole
-  logits (1024 x 2,048,000 per micro-batch) were gathered to the owner's tp peers and their gradient
-  scattered back.
+  under 32 GB (the least memory: 16 x 2 + recompute, searched cut, 33.4 GiB at 129.06 s), because 1F1B keeps
+  the whole table (12.6 billion parameters, 16 bytes of state each: fp32 weights and gradients and AdamW's
+  two moments, the same 16 bytes as Megatron-LM's fp16 weights and gradients plus fp32 masters and moments)
+  on the first and the last stage's tp group; interlaced spreads it over all 32 devices and fits at 4 x 8
+  with recompute (67.01 s). Against the nearest 1F1B that does not fit that is 1.93x; against the fastest
+  1F1B with memory not counted (8 x 4, 128 micro-batches, 131 GiB) 72.25 / 67.01 = 1.08x. **The term that
+  decides is memory, not time**: in this cost model the vocabulary's work on 1F1B's end stages is small
+  (the head's matmul at 100 TFLOP/s over tp, its cross entropy vocabulary-parallel at 600 GB/s), so 1F1B
+  loses only where its table's state pushes it off its fastest shape, 4 x 8. The sweep shows it: 1F1B at
+  4 x 8 fits at 256,000 tokens and is faster there; from 1,024,000 it falls back to 8 x 4 with recompute
+  (89.56 s) and interlaced wins, 1.41x, below the paper's 2.2x and the issue's 1.5x. On the interlaced
+  side, at 32,000 tokens its step is 1.25x 1F1B's at the same 4 x 8 (60.24 s against 48.33 s, 46 ms a
+  micro-batch): its vocabulary steps' collectives (17.6 ms a micro-batch at 2M, sized by the hidden state
+  and the tokens, not the vocabulary: each embedding's rows all-reduced and the head's input broadcast and
+  its gradient all-reduced over all 32 devices, across InfiniBand) and the lock-step walk's waits (the
+  decoder's embedding, called in the middle of a stage's step, holds every rank until its owner reaches it;
+  the warm-up keeps 2 (D - 1 - i) + 1 micro-batches in flight instead of D - i). The paper's
+  2.2x would need 1F1B's fitting step near 2.2 x 63.57 = 140 s at 1,024,000 tokens; this model's Megatron
+  is 89.56 s there. The state bytes are the tool's own (plan/zero.py), not changed for this comparison; the
+  artifact trains with fairseq's Adam (examples/adam.py: fp16 weights and gradients, fp32 moments, 12 bytes
+  a parameter), under which 1F1B would fit at larger vocabularies and the crossover move up.
 - **AlphaFold2, 3F1B**: with block recompute, plain DP fits in 5.6 GiB per device in this memory model and is the
   fastest; the fixture has no triangle attention (N_res^3 scores per head), extra-MSA stack or structure module,
   whose memory is what forces DAP in practice, and this model prices AlphaFold2's many small ops at full matmul
