@@ -644,7 +644,7 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
   decides is memory, not time**: in this cost model the vocabulary's work on 1F1B's end stages is small
   (the head's matmul at 100 TFLOP/s over tp, its cross entropy vocabulary-parallel at 600 GB/s), so 1F1B
   loses only where its table's state pushes it off its fastest shape, 4 x 8. The sweep shows it: 1F1B at
-  4 x 8 fits at 256,000 tokens and is faster there; from 1,024,000 it falls back to 8 x 4 with recompute
+  4 x 8 fits up to 512,000 tokens and is faster there (0.80-0.87x); from 1,024,000 it falls back to 8 x 4 with recompute
   (89.56 s) and interlaced wins, 1.41x, below the paper's 2.2x and the issue's 1.5x. On the interlaced
   side, at 32,000 tokens its step is 1.25x 1F1B's at the same 4 x 8 (60.24 s against 48.33 s, 46 ms a
   micro-batch): its vocabulary steps' collectives (17.6 ms a micro-batch at 2M, sized by the hidden state
