@@ -229,8 +229,10 @@ class _Regions:
     saved: list[float]
     params: list[dict[str, float]]
     partial_seconds: list[float]        # all-reduce of partial tensor-parallel weight gradients, per step
-    # interlaced: the vocabulary ops, apart from their regions; every pipeline rank runs 1/pp of them
-    # (bw, fx, saved, {param: elements}) and all-reduces each call's hidden state over the pipeline
+    # interlaced: the vocabulary steps' ops (the calls, a fused head's views and loss), apart from
+    # their regions: every one of the tp x pp devices runs each step on its 1/(tp x pp) of the
+    # vocabulary (bw, saved and {param: elements} here are 1/tp of the op's; _stages takes 1/pp)
+    # and all-reduces each call's hidden state over those devices
     shared: tuple = field(default_factory=lambda: (0.0, 0.0, 0.0, {}))
     shared_hidden: list[float] = field(default_factory=list)     # bytes, per vocabulary call
     held_once: float = 0.0              # co-shard: bytes one piece of one block's regions holds while it runs
@@ -353,12 +355,17 @@ def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, de
         if costs is None:
             costs = priced[key] = price(node, fact, label, ways)
         if index in apart:
+            # the runtime splits the step's op on the vocabulary over tp too, whatever its label on
+            # tp: its bandwidth terms, what it saves and its weight are 1/n of the whole op's; its
+            # per-call fixed cost is paid whole; its hand-offs are the shares (_stage_times)
+            whole_bw = node_time(node, graph.dims.get(index), trace, bw_dev, 1, dims_of=graph.dims.get)
+            whole_fx = node_time(node, graph.dims.get(index), trace, fx_dev, 1, dims_of=graph.dims.get)
             shared_bw, shared_fx, shared_saved, shared_params = out.shared
             for param, elements in fact.params:
-                layout = layouts.get(param)
-                shared_params[param] = elements / (n if layout is not None and layout.kind == "S" else 1)
-            out.shared = (shared_bw + costs[0], shared_fx + costs[1], shared_saved + fact.saved / ways, shared_params)
-            out.shared_hidden.append(_hidden_bytes(node, trace))
+                shared_params[param] = elements / n
+            out.shared = (shared_bw + whole_bw / n, shared_fx + whole_fx, shared_saved + fact.saved / n, shared_params)
+            if fact.params:             # a vocabulary call (a fused loss's views and loss read no weight)
+                out.shared_hidden.append(_hidden_bytes(node, trace))
             continue
         bw[region] += costs[0]
         fx[region] += costs[1]
@@ -374,7 +381,7 @@ def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, de
             held[param] = elements / (n if layout is not None and layout.kind == "S" else 1)
     loss = trace.loss
     producer = _search_cache(graph)["producers"] if split and loss is not None else {}
-    if loss in producer:
+    if loss in producer and producer[loss][0] not in apart:     # a loss apart is whole on its step's devices
         u, k = producer[loss]
         outs = _layout(graph, u, choice.get(u, REPLICATE)).outputs
         steps = conversion(outs[k] if k < len(outs) else R, R, consumer_split=False, requires_grad=False) or []
@@ -492,7 +499,8 @@ def search_auto(graph: Graph, devices: int, cluster: ClusterSpec, constraints: l
     regions: dict[tuple, _Regions | UserError] = {}
     tables: dict[str, list[Constraint]] = {}
     anchors: set[int] = set()
-    vocab: list = []                   # interlaced: the vocabulary calls, or why there are none
+    vocab: list = []                   # interlaced: the vocabulary steps' nodes, or why there are none
+    vocab_blocks: list = []            # interlaced: `blocks` without those nodes' FLOPs (its stage cuts)
 
     def table_of(variant: str) -> list[Constraint]:
         if variant not in tables:
@@ -537,10 +545,19 @@ def search_auto(graph: Graph, devices: int, cluster: ClusterSpec, constraints: l
             try:
                 table = load_schedule(INTERLACED)
                 modules, _ = interlaced.vocab_modules(graph, cut_blocks(graph), 1, table.vocab, table.location)
-                vocab.append(frozenset(n.index for n in interlaced.vocab_calls(graph, modules)))
+                vocab.append(interlaced.step_nodes(graph, modules))
             except UserError as exc:
                 vocab.append(exc)
         return vocab[0]
+
+    def blocks_for(order: str) -> _Blocks:
+        """The stages of an interlaced pipeline are balanced without its vocabulary steps' ops."""
+        if order != INTERLACED or isinstance(vocab_nodes(), UserError):
+            return blocks
+        if not vocab_blocks:
+            from . import interlaced
+            vocab_blocks.append(interlaced._without_calls(graph, [graph.nodes[i] for i in sorted(vocab_nodes())]))
+        return vocab_blocks[0]
 
     def priced(tp: int, variant: str, slices: int, chunks: int = 1) -> _Regions | UserError:
         key = (tp, variant, slices, chunks)
@@ -566,7 +583,7 @@ def search_auto(graph: Graph, devices: int, cluster: ClusterSpec, constraints: l
                 config = Config(tp, dp, pp, schedule=order)
                 why = _refusal(config, batch, mixing, blocks, fixed)
                 if why is None and order == INTERLACED:
-                    why = _vocab_refusal(graph, vocab_nodes(), pp)
+                    why = _vocab_refusal(graph, vocab_nodes(), tp * pp)
                 if why:
                     estimates.append(Estimate(config, why_not=why))
                     continue
@@ -606,7 +623,7 @@ def search_auto(graph: Graph, devices: int, cluster: ClusterSpec, constraints: l
                                     evaluated += 1
                                     estimate = _estimate(Config(tp, dp, pp, micro, zero, recompute,
                                                                 variant == "sequence_parallel", order, chunks),
-                                                         cost, blocks, batch, cluster, budget)
+                                                         cost, blocks_for(order), batch, cluster, budget)
                                     family.append(estimate)
                                     if estimate.why_not is None:
                                         break
@@ -680,14 +697,14 @@ def _micro_problem(order: str, pp: int, micro: int) -> bool:
     return (table.virtual_stages > 1 and table.pipelines == 1 and micro % pp != 0) or micro % table.pipelines != 0
 
 
-def _vocab_refusal(graph: Graph, vocab, pp: int) -> str | None:
-    """Why the interlaced pipeline cannot split this model's vocabulary over `pp` ranks."""
+def _vocab_refusal(graph: Graph, vocab, devices: int) -> str | None:
+    """Why the interlaced pipeline cannot split this model's vocabulary over its tp x pp `devices`."""
     if isinstance(vocab, UserError):
         return vocab.message
     rows = {graph.trace.params[graph.trace.tensors[tid].param].shape[0]
             for i in vocab for _, tid in graph.param_operands(i) if graph.trace.tensors[tid].param is not None}
-    bad = sorted(r for r in rows if r % pp)
-    return f"a vocabulary of {bad[0]} rows is not divisible by {pp} pipeline ranks" if bad else None
+    bad = sorted(r for r in rows if r % devices)
+    return f"a vocabulary of {bad[0]} rows is not divisible by the {devices} devices (tp x pp)" if bad else None
 
 
 def _space_size(devices: int, batch: int, blocks: _Blocks, variants: tuple[str, ...]) -> int:
@@ -827,7 +844,7 @@ def _batch_sizes(graph: Graph) -> dict[int, tuple[str, int | None]]:
 @dataclass
 class _Stages:
     """Per model stage (of one pipeline: D·V/P of them), sums over its regions (see _Regions), one
-    list entry per stage; interlaced's shared vocabulary ops in equal parts on every stage."""
+    list entry per stage; interlaced's vocabulary steps on every stage (_Regions.shared)."""
 
     bw: list[float]
     fx: list[float]
@@ -863,7 +880,7 @@ def _stages(cost: _Regions, blocks: _Blocks, pp: int) -> _Stages:
             params.update(cost.params[r])
             if not 0 < r < last:
                 outside.update(cost.params[r])
-        rows.append((sum(cost.bw[r] for r in regions) + shared_bw / pp, sum(cost.fx[r] for r in regions) + shared_fx / pp,
+        rows.append((sum(cost.bw[r] for r in regions) + shared_bw / pp, sum(cost.fx[r] for r in regions) + shared_fx,
                      sum(cost.forward_bw[r] for r in inside), sum(cost.forward_fx[r] for r in inside),
                      sum(cost.saved[r] for r in regions) + shared_saved / pp,
                      sum(cost.saved[r] for r in regions if not 0 < r < last) + shared_saved / pp,
@@ -951,9 +968,10 @@ def _stage_times(config: Config, cost: _Regions, blocks: _Blocks, cluster: Clust
       P pipelines (Chimera, P = 2)                (D - P) / P max_s t_s         (its bubble formula)
     Activations: stage s of a pipeline keeps min(D·V/P - s, M/P) micro-batches (1F1B's warm-up);
     interleaved keeps the forwards its table's warm-up W runs before the first backward, W + 1
-    chunks of 1/V of the rank's stages. Interlaced: each rank runs 1/D of the vocabulary ops and
-    all-reduces each call's hidden state over the pipeline (the analytic price of the shares, as
-    the paper schedules them: no rank waits in another's step)."""
+    chunks of 1/V of the rank's stages. Interlaced: every device runs each vocabulary step (the
+    calls, a fused head's loss) on its 1/(tp x pp) of the vocabulary and all-reduces each call's
+    hidden state over the tp x pp devices (the analytic price of the steps, as the paper schedules
+    them: no rank waits in another's step; plan/interlaced.py `price` walks their order)."""
     tp, dp, pp, micro = config.tp, config.dp, config.pp, config.micro_batches
     table = _table(config.schedule)
     V, P = (table.virtual_stages, table.pipelines) if pp > 1 else (1, 1)
@@ -963,7 +981,8 @@ def _stage_times(config: Config, cost: _Regions, blocks: _Blocks, cluster: Clust
     hidden = blocks.input_bytes / (tp if config.sequence_parallel else 1)
     st = _stages(cost, blocks, length)
     hand_off = pp_link.latency + fraction * hidden / pp_link.bandwidth if pp > 1 else 0.0
-    shares = sum(all_reduce_time(fraction * h, pp, pp_link) for h in cost.shared_hidden) if pp > 1 else 0.0
+    # each call's hidden state all-reduced over its step's tp x pp devices, whose slowest link is the pipeline's
+    shares = sum(all_reduce_time(fraction * h, tp * pp, pp_link) for h in cost.shared_hidden) if pp > 1 else 0.0
     chunk, kept = [], []
     for s in range(length):
         seconds = fraction * st.bw[s] + st.fx[s] + shares
@@ -1076,8 +1095,10 @@ def estimate_config(graph: Graph, config: Config, cluster: ClusterSpec, constrai
         from . import interlaced
         from .pipeline import cut_blocks
         schedule = _table(INTERLACED)
-        modules, _ = interlaced.vocab_modules(graph, cut_blocks(graph), config.pp, schedule.vocab, schedule.location)
-        apart = frozenset(n.index for n in interlaced.vocab_calls(graph, modules))
+        modules, _ = interlaced.vocab_modules(graph, cut_blocks(graph), config.tp * config.pp, schedule.vocab,
+                                              schedule.location)
+        apart = interlaced.step_nodes(graph, modules)
+        blocks = interlaced._without_calls(graph, [graph.nodes[i] for i in sorted(apart)])
         rules = interlaced.keep_whole_on_tp(graph, schedule, config.pp, rules)
     plan = None
     if config.tp > 1:

@@ -203,6 +203,11 @@ def _with_losses(graph: Graph, modules: list[str]) -> dict[int, list[int]]:
     return {node.index: chains.get(node.index, [node.index]) for node in vocab_calls(graph, modules)}
 
 
+def step_nodes(graph: Graph, modules: list[str]) -> frozenset[int]:
+    """Every node the vocabulary steps run: the calls, and a fused head's views and loss."""
+    return frozenset(i for chain in _with_losses(graph, modules).values() for i in chain)
+
+
 def _call_flops(graph: Graph, stages: StagePlan, modules: list[str]) -> dict[int, float]:
     out: dict[int, float] = {}
     for call, runs in _with_losses(graph, modules).items():
@@ -413,8 +418,9 @@ def pipeline_seconds(stage_seconds: list[float], vocab: dict[int, VocabSteps], m
 
 
 def _without_calls(graph: Graph, calls: list):
-    """plan/auto.py's blocks with the vocabulary calls' FLOPs taken out of their regions (a fresh
-    copy: its stage cuts balance the stages without them)."""
+    """plan/auto.py's blocks with the FLOPs of `calls` (the vocabulary calls; auto's estimate: every
+    node of the vocabulary steps) taken out of their regions (a fresh copy: its stage cuts balance
+    the stages without them)."""
     from dataclasses import replace
 
     from . import auto
