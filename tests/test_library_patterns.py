@@ -34,6 +34,9 @@
 - torchvision's ResNet style: both convs of a block are built by one helper (`conv3x3(in_planes,
   out_planes)`), the first split by its output channels, the second by its input: the helper's
   one `nn.Conv2d(...)` cannot be divided for both, so its calls are (`conv3x3(c, c // 2)`).
+- timm's ConvNeXt style: a library helper builds the depthwise conv (`create_conv2d(c, c, 3,
+  depthwise=True)` setting groups=c inside it): the line passes no groups to divide, so the
+  conv is built whole and cut to each rank's share after build().
 - diffusers' ResnetBlock2D style: two convs with biases in a block, split as Megatron splits an
   MLP: the first by its output channels, the second by its input channels, its partial sums
   reduced and its bias added once after, broadcast over the spatial dims (`bias[:, None, None]`).
@@ -885,6 +888,56 @@ HOOKED_STATE_KEYS = """
         return (torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0)),)
 """
 
+# a helper in a library file (no module classes: not one of the model's own files)
+CONV_LIBRARY = """
+    from torch import nn
+
+
+    def make_conv(cin, cout, k, depthwise=False, **kwargs):
+        groups = cin if depthwise else kwargs.pop("groups", 1)
+        return nn.Conv2d(cin, cout, k, padding=k // 2, groups=groups, **kwargs)
+"""
+
+LIBRARY_BUILT_DEPTHWISE = """
+    import torch
+    from torch import nn
+
+    from convlib import make_conv
+
+
+    class Block(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.conv_dw = make_conv(c, c, 3, depthwise=True)
+            self.fc1 = nn.Linear(c, 2 * c)
+            self.fc2 = nn.Linear(2 * c, c)
+
+        def forward(self, x):
+            y = self.conv_dw(x).permute(0, 2, 3, 1)
+            y = self.fc2(torch.relu(self.fc1(y))).permute(0, 3, 1, 2)
+            return x + y
+
+
+    class Model(nn.Module):
+        def __init__(self, c=8):
+            super().__init__()
+            self.stem = nn.Conv2d(3, c, 3, padding=1)
+            self.blocks = nn.Sequential(Block(c), Block(c))
+
+        def forward(self, x):
+            return self.blocks(self.stem(x)).square().mean()
+
+
+    def build():
+        torch.manual_seed(0)
+        return Model()
+
+
+    def example_inputs():
+        return (torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(1)),)
+"""
+
+
 def cli(*args, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", *map(str, args)], cwd=cwd, env=env,
@@ -1087,6 +1140,16 @@ def test_convs_a_helper_builds_split_unalike_are_divided_at_the_helper_calls(tmp
     params = json.loads((root / "out" / "plan.json").read_text())["params"]
     assert params["layer.0.conv1.weight"]["tp"] == "S(0)" and params["layer.0.conv2.weight"]["tp"] == "S(1)"
 
+
+
+def test_a_depthwise_conv_a_library_helper_builds_is_cut_after_build(tmp_path):
+    root = written(tmp_path, LIBRARY_BUILT_DEPTHWISE)
+    (root / "convlib.py").write_text(textwrap.dedent(CONV_LIBRARY).lstrip("\n"))
+    result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    code = (root / "out" / "model.py").read_text()
+    assert "self.conv_dw = make_conv(c, c, 3, depthwise=True)\n" in code      # as written
+    assert "    'blocks.0.conv_dw.weight': (0, 1, ['groups', 'in_channels', 'out_channels']),\n" in code
 
 
 def test_layers_one_constructor_line_builds_from_config_objects_are_cut_after_build(tmp_path):
