@@ -40,6 +40,8 @@
 - timm's EfficientNet style: a norm layer's `x = self.act(x)` runs nn.SiLU in some instances and
   nn.Identity (no torch call: no node of the graph) in others; the conversion written at that
   line runs in every one of them, so its layers run whole, with a warning.
+- timm's ResNet style: the stages (nn.Sequentials of blocks) run as a chain of statements in the
+  `else` of `if self.grad_checkpointing:`; --pp is refused at the chain, naming it and what to write.
 - diffusers' ResnetBlock2D style: two convs with biases in a block, split as Megatron splits an
   MLP: the first by its output channels, the second by its input channels, its partial sums
   reduced and its bias added once after, broadcast over the spatial dims (`bias[:, None, None]`).
@@ -1034,6 +1036,48 @@ IDENTITY_IN_SOME_NORMS = """
 """
 
 
+STAGES_CHAINED_IN_A_BRANCH = """
+    import torch
+    from torch import nn
+
+
+    class Block(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.fc = nn.Linear(c, c)
+
+        def forward(self, x):
+            return x + torch.relu(self.fc(x))
+
+
+    class Model(nn.Module):
+        def __init__(self, c=8):
+            super().__init__()
+            self.stem = nn.Linear(4, c)
+            self.layer1 = nn.Sequential(Block(c), Block(c))
+            self.layer2 = nn.Sequential(Block(c), Block(c))
+            self.grad_checkpointing = False
+
+        def forward(self, x):
+            x = self.stem(x)
+            if self.grad_checkpointing:
+                x = torch.utils.checkpoint.checkpoint_sequential([self.layer1, self.layer2], 2, x, use_reentrant=False)
+            else:
+                x = self.layer1(x)
+                x = self.layer2(x)
+            return x.square().mean()
+
+
+    def build():
+        torch.manual_seed(0)
+        return Model()
+
+
+    def example_inputs():
+        return (torch.randn(4, 4),)
+"""
+
+
 def cli(*args, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", *map(str, args)], cwd=cwd, env=env,
@@ -1253,6 +1297,14 @@ def test_a_line_calling_identity_in_some_instances_runs_its_layers_whole(tmp_pat
     result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)     # the dry run of the output passes
     assert result.returncode == 0, result.stderr
     assert "        x = self.act(x)\n" in (root / "out" / "model.py").read_text()     # no conversion there
+
+
+def test_stages_chained_in_a_branch_are_refused_naming_the_chain(tmp_path):
+    root = written(tmp_path, STAGES_CHAINED_IN_A_BRANCH)
+    result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
+    assert result.returncode == 2 and not (root / "out").exists()
+    assert "model.py:27:13: error: the stages of blocks (self.layer1 and the calls after it) run as a chain of " \
+           "2 statements inside a branch of an `if`" in result.stderr
 
 
 def test_layers_one_constructor_line_builds_from_config_objects_are_cut_after_build(tmp_path):
