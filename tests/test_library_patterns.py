@@ -34,6 +34,14 @@
 - torchvision's ResNet style: both convs of a block are built by one helper (`conv3x3(in_planes,
   out_planes)`), the first split by its output channels, the second by its input: the helper's
   one `nn.Conv2d(...)` cannot be divided for both, so its calls are (`conv3x3(c, c // 2)`).
+- timm's ConvNeXt style: a library helper builds the depthwise conv (`create_conv2d(c, c, 3,
+  depthwise=True)` setting groups=c inside it): the line passes no groups to divide, so the
+  conv is built whole and cut to each rank's share after build().
+- timm's EfficientNet style: a norm layer's `x = self.act(x)` runs nn.SiLU in some instances and
+  nn.Identity (no torch call: no node of the graph) in others; the conversion written at that
+  line runs in every one of them, so its layers run whole, with a warning.
+- timm's ResNet style: the stages (nn.Sequentials of blocks) run as a chain of statements in the
+  `else` of `if self.grad_checkpointing:`; --pp is refused at the chain, naming it and what to write.
 - diffusers' ResnetBlock2D style: two convs with biases in a block, split as Megatron splits an
   MLP: the first by its output channels, the second by its input channels, its partial sums
   reduced and its bias added once after, broadcast over the spatial dims (`bias[:, None, None]`).
@@ -940,6 +948,191 @@ HOOKED_STATE_KEYS = """
         return (torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0)),)
 """
 
+# a helper in a library file (no module classes: not one of the model's own files)
+CONV_LIBRARY = """
+    from torch import nn
+
+
+    def make_conv(cin, cout, k, depthwise=False, **kwargs):
+        groups = cin if depthwise else kwargs.pop("groups", 1)
+        return nn.Conv2d(cin, cout, k, padding=k // 2, groups=groups, **kwargs)
+"""
+
+LIBRARY_BUILT_DEPTHWISE = """
+    import torch
+    from torch import nn
+
+    from convlib import make_conv
+
+
+    class Block(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.conv_dw = make_conv(c, c, 3, depthwise=True)
+            self.fc1 = nn.Linear(c, 2 * c)
+            self.fc2 = nn.Linear(2 * c, c)
+
+        def forward(self, x):
+            y = self.conv_dw(x).permute(0, 2, 3, 1)
+            y = self.fc2(torch.relu(self.fc1(y))).permute(0, 3, 1, 2)
+            return x + y
+
+
+    class Model(nn.Module):
+        def __init__(self, c=8):
+            super().__init__()
+            self.stem = nn.Conv2d(3, c, 3, padding=1)
+            self.blocks = nn.Sequential(Block(c), Block(c))
+
+        def forward(self, x):
+            return self.blocks(self.stem(x)).square().mean()
+
+
+    def build():
+        torch.manual_seed(0)
+        return Model()
+
+
+    def example_inputs():
+        return (torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(1)),)
+"""
+
+
+IDENTITY_IN_SOME_NORMS = """
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+
+    class NormAct(nn.BatchNorm2d):
+        def __init__(self, c, apply_act=True):
+            super().__init__(c)
+            self.act = nn.SiLU() if apply_act else nn.Identity()
+
+        def forward(self, x):
+            x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training, 0.1, self.eps)
+            x = self.act(x)
+            return x
+
+
+    class SqueezeExcite(nn.Module):
+        def __init__(self, c, r=4):
+            super().__init__()
+            self.reduce = nn.Conv2d(c, c // r, 1)
+            self.expand = nn.Conv2d(c // r, c, 1)
+
+        def forward(self, x):
+            s = self.expand(torch.relu(self.reduce(x.mean((2, 3), keepdim=True))))
+            return x * s.sigmoid()
+
+
+    class DepthwiseSeparable(nn.Module):
+        def __init__(self, c, cout):
+            super().__init__()
+            self.conv_dw = nn.Conv2d(c, c, 3, padding=1, groups=c, bias=False)
+            self.bn1 = NormAct(c)
+            self.se = SqueezeExcite(c)
+            self.conv_pw = nn.Conv2d(c, cout, 1, bias=False)
+            self.bn2 = NormAct(cout, apply_act=False)
+
+        def forward(self, x):
+            x = self.conv_dw(x)
+            x = self.bn1(x)
+            x = self.se(x)
+            x = self.conv_pw(x)
+            x = self.bn2(x)
+            return x
+
+
+    class InvertedResidual(nn.Module):
+        def __init__(self, c, expand=4):
+            super().__init__()
+            mid = c * expand
+            self.conv_pw = nn.Conv2d(c, mid, 1, bias=False)
+            self.bn1 = NormAct(mid)
+            self.conv_dw = nn.Conv2d(mid, mid, 3, padding=1, groups=mid, bias=False)
+            self.bn2 = NormAct(mid)
+            self.se = SqueezeExcite(mid)
+            self.conv_pwl = nn.Conv2d(mid, c, 1, bias=False)
+            self.bn3 = NormAct(c, apply_act=False)
+
+        def forward(self, x):
+            shortcut = x
+            x = self.conv_pw(x)
+            x = self.bn1(x)
+            x = self.conv_dw(x)
+            x = self.bn2(x)
+            x = self.se(x)
+            x = self.conv_pwl(x)
+            x = self.bn3(x)
+            return x + shortcut
+
+
+    class Model(nn.Module):
+        def __init__(self, c=8):
+            super().__init__()
+            self.stem = nn.Conv2d(3, c, 3, padding=1, bias=False)
+            self.bn = NormAct(c)
+            self.blocks = nn.Sequential(DepthwiseSeparable(c, c), InvertedResidual(c))
+            self.head = nn.Linear(c, 4)
+
+        def forward(self, x):
+            x = self.blocks(self.bn(self.stem(x)))
+            return self.head(x.mean((2, 3))).square().mean()
+
+
+    def build():
+        torch.manual_seed(0)
+        return Model()
+
+
+    def example_inputs():
+        return (torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(1)),)
+"""
+
+
+STAGES_CHAINED_IN_A_BRANCH = """
+    import torch
+    from torch import nn
+
+
+    class Block(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.fc = nn.Linear(c, c)
+
+        def forward(self, x):
+            return x + torch.relu(self.fc(x))
+
+
+    class Model(nn.Module):
+        def __init__(self, c=8):
+            super().__init__()
+            self.stem = nn.Linear(4, c)
+            self.layer1 = nn.Sequential(Block(c), Block(c))
+            self.layer2 = nn.Sequential(Block(c), Block(c))
+            self.grad_checkpointing = False
+
+        def forward(self, x):
+            x = self.stem(x)
+            if self.grad_checkpointing:
+                x = torch.utils.checkpoint.checkpoint_sequential([self.layer1, self.layer2], 2, x, use_reentrant=False)
+            else:
+                x = self.layer1(x)
+                x = self.layer2(x)
+            return x.square().mean()
+
+
+    def build():
+        torch.manual_seed(0)
+        return Model()
+
+
+    def example_inputs():
+        return (torch.randn(4, 4),)
+"""
+
+
 def cli(*args, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", *map(str, args)], cwd=cwd, env=env,
@@ -1154,6 +1347,31 @@ def test_convs_a_helper_builds_split_unalike_are_divided_at_the_helper_calls(tmp
     params = json.loads((root / "out" / "plan.json").read_text())["params"]
     assert params["layer.0.conv1.weight"]["tp"] == "S(0)" and params["layer.0.conv2.weight"]["tp"] == "S(1)"
 
+
+
+def test_a_depthwise_conv_a_library_helper_builds_is_cut_after_build(tmp_path):
+    root = written(tmp_path, LIBRARY_BUILT_DEPTHWISE)
+    (root / "convlib.py").write_text(textwrap.dedent(CONV_LIBRARY).lstrip("\n"))
+    result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    code = (root / "out" / "model.py").read_text()
+    assert "self.conv_dw = make_conv(c, c, 3, depthwise=True)\n" in code      # as written
+    assert "    'blocks.0.conv_dw.weight': (0, 1, ['groups', 'in_channels', 'out_channels']),\n" in code
+
+
+def test_a_line_calling_identity_in_some_instances_runs_its_layers_whole(tmp_path):
+    root = written(tmp_path, IDENTITY_IN_SOME_NORMS)
+    result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)     # the dry run of the output passes
+    assert result.returncode == 0, result.stderr
+    assert "        x = self.act(x)\n" in (root / "out" / "model.py").read_text()     # no conversion there
+
+
+def test_stages_chained_in_a_branch_are_refused_naming_the_chain(tmp_path):
+    root = written(tmp_path, STAGES_CHAINED_IN_A_BRANCH)
+    result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
+    assert result.returncode == 2 and not (root / "out").exists()
+    assert "model.py:27:13: error: the stages of blocks (self.layer1 and the calls after it) run as a chain of " \
+           "2 statements inside a branch of an `if`" in result.stderr
 
 
 def test_layers_one_constructor_line_builds_from_config_objects_are_cut_after_build(tmp_path):

@@ -676,6 +676,30 @@ def _ctor_dims(graph: Graph, edits: Edits) -> dict[tuple[Span, str], set[tuple]]
     return found
 
 
+def _passed(call: cst.Call, aliases: list[str]) -> cst.BaseExpression | None:
+    """The value the call writes for an argument (positional "argN" or keyword names), or None."""
+    positional = [a for a in call.args if a.keyword is None and not a.star]
+    for alias in aliases:
+        if re.fullmatch(r"arg\d+", alias):
+            value = positional[int(alias[3:])].value if int(alias[3:]) < len(positional) else None
+        else:
+            value = next((a.value for a in call.args if a.keyword and a.keyword.value == alias), None)
+        if value is not None:
+            return value
+    return None
+
+
+def _writes_arguments(graph: Graph, span: Span, alias_lists: list[list[str]]) -> bool:
+    """Whether the constructor call at `span` writes out every argument to divide. A library
+    helper building the layer (`create_conv2d(c, c, 3, depthwise=True)` setting groups=c inside)
+    leaves one to the helper: no edit of that line can divide it."""
+    if graph.sources is None:
+        return True
+    call = graph.sources.get(span.path).node_at(span.line, span.col, span.end_line, span.end_col)
+    return not isinstance(call, cst.Call) or all(
+        a[0].startswith("factory:") or _passed(call, a) is not None for a in alias_lists)
+
+
 def _helper_argument(graph: Graph, info, aliases: list[str]) -> list[str] | None:
     """A layer built in a helper from the helper's own parameter (`def conv3x3(in_planes,
     out_planes): return nn.Conv2d(in_planes, out_planes, 3)`): the helper's parameter, as the
@@ -688,15 +712,7 @@ def _helper_argument(graph: Graph, info, aliases: list[str]) -> list[str] | None
     call = source.node_at(span.line, span.col, span.end_line, span.end_col)
     if not isinstance(call, cst.Call):
         return None
-    value = None
-    for alias in aliases:
-        positional = [a for a in call.args if a.keyword is None and not a.star]
-        if re.fullmatch(r"arg\d+", alias):
-            value = positional[int(alias[3:])].value if int(alias[3:]) < len(positional) else None
-        else:
-            value = next((a.value for a in call.args if a.keyword and a.keyword.value == alias), None)
-        if value is not None:
-            break
+    value = _passed(call, aliases)
     if not isinstance(value, cst.Name):
         return None
     helper = None
@@ -782,6 +798,8 @@ def _divided_ctors(graph: Graph, edits: Edits, built_whole: set[Span]) -> dict[S
             span, aliases, companions = info.ctor_caller, helper[0], helper[1:]
             note = f"{aliases[-1]} / {edits.n}"
             lifted[span].add(info.ctor_span)
+        if not _writes_arguments(graph, span, [aliases, *companions]):
+            return {info.ctor_span, *lifted.get(span, ())}     # built whole, cut after build()
         key = tuple(aliases)
         alike = by_span[(span, info.attr)]         # one divided size serves every instance
         if alike and alike != {key: layout.groups}:

@@ -821,6 +821,14 @@ def _branches_over_blocks(source, loop: cst.CSTNode, body: list, container: str)
 
     wrong = next((block for block in branches(statement) if not runs_blocks(block)), None) \
         if isinstance(statement, cst.If) else loop
+    if isinstance(wrong, cst.IndentedBlock) and len(wrong.body) > 1:
+        # timm's ResNet: `if self.grad_checkpointing: checkpoint_seq([...]) else: x = self.layer1(x) ...`
+        raise UserError(f"the stages of blocks (self.{attr} and the calls after it) run as a chain of "
+                        f"{len(wrong.body)} statements inside a branch of an `if`; pipelining cuts such a "
+                        "chain only where it is written in the function's body",
+                        source.span_of(wrong.body[0]).start,
+                        hint="write the chain of stage calls in the function's body (as torchvision's ResNet "
+                             "does), or run the stages in one statement in each branch")
     if wrong is not None:
         raise UserError("the loop over the blocks must be a statement of the function's body, not nested",
                         source.span_of(wrong.body[0] if isinstance(wrong, cst.IndentedBlock) else wrong).start,
