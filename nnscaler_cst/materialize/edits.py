@@ -126,6 +126,9 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
     have: dict[int, Layout] = {}
     passed = {node.index: _passes_through(graph, node) for node in graph.nodes}
     passed = {index: tid for index, tid in passed.items() if tid is not None}
+    # expands run whole but built at a split tensor's local size: each rank broadcasts the whole
+    # input into its own share, so the input's gradient is a partial sum (a `copy`)
+    broadcast_split: set[int] = set()
     for node in graph.nodes:
         for k, tid in enumerate(node.outputs):
             outs = lay(node).outputs
@@ -136,6 +139,7 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
             sized = _dim_sized_by_a_split_tensor(graph, node, have)
             if sized is not None:       # planned whole, but built at the size a split tensor has
                 have[node.outputs[0]] = shard(sized)
+                broadcast_split.add(node.index)
     grad_at = _grad_at_argument(graph)
     for node in graph.nodes:
         wanted = lay(node)
@@ -147,7 +151,8 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
                 continue        # a layer's buffer, built as its constructor divides it
             if _arrives_as_is(graph.dims.get(node.index), operand.name, have.get(operand.tid, R)):
                 continue
-            split = _reaches_a_split_result(graph.dims.get(node.index), operand.name, wanted) and \
+            split = node.index in broadcast_split or \
+                _reaches_a_split_result(graph.dims.get(node.index), operand.name, wanted) and \
                 not _added_once(graph, node, plan.node_choice[node.index], operand.name)
             steps = conversion(have.get(operand.tid, R), wanted.inputs[operand.name], consumer_split=split,
                                requires_grad=grad_at.get((node.span, operand.path), info.requires_grad))

@@ -35,8 +35,11 @@ from .records import UNKNOWN, Node, OpCall, Operand, ParamInfo, StateWrite, Tens
 from .replay import Replay, arguments_at_entry, call_arguments, function_of, with_refs
 from .replicate import Replicator
 
-_TORCH_DIR = str(Path(torch.__file__).parent)
-_OUR_DIR = str(Path(__file__).resolve().parents[1])
+# Folders as prefixes of a code's file name, ending in the separator: without it, `.../torch`
+# also begins `.../torchtitan/...` and `.../torch_einops_utils/...`, libraries whose helpers are
+# not torch's own code.
+_TORCH_DIR = os.path.join(str(Path(torch.__file__).parent), "")
+_OUR_DIR = os.path.join(str(Path(__file__).resolve().parents[1]), "")
 _MODULE_CALL = {"_wrapped_call_impl", "_call_impl"}
 _SIZE_QUERIES = {"Tensor.size", "Tensor.shape"}
 _SETITEM = torch._C.TensorBase.__setitem__   # returns None; its result is the new version of x
