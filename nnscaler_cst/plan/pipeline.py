@@ -1004,6 +1004,14 @@ def _shared_trunk(graph: Graph, module: str, runs: int) -> Trunk:
                         "per iteration", span.start,
                         hint="call the shared layer once in the body of a `for` loop of the function "
                              "(`for _ in range(n): x = self.layer(x)`), or run it without --pp")
+    others = sorted(p for p, (s, _) in graph.trace.module_calls.items()
+                    if s == span and p != module and not p.startswith(module + "."))
+    if others:      # ALBERT with several layer groups: `self.albert_layer_groups[group_idx](...)`
+        raise UserError(f"{_SHARED_LAYER}; the loop calls {module} {runs} times and, from the same line, "
+                        f"{', '.join(others)}: pipeline stages divide the iterations of a loop calling one "
+                        "layer whose weights every iteration shares", span.start,
+                        hint="call one shared layer in the loop, or give each iteration its own layer (a "
+                             "ModuleList of one block class, called in a loop); or run it without --pp")
     _runs(graph, module, runs)          # each iteration runs the same ops: refused otherwise
     trunk = _trunk_of(graph, [module] * runs)
     trunk.container, trunk.iterations = module, True
