@@ -516,9 +516,8 @@ def example_inputs():
 '''
 
 
-def test_a_loop_calling_one_shared_layer_is_refused_at_the_loop_with_what_it_needs(tmp_path):
-    with pytest.raises(UserError) as error:
-        plan_stages(analyze(_write(tmp_path, SHARED_IN_A_LOOP)).graph, 2)
-    assert error.value.location.line == SHARED_IN_A_LOOP.lstrip().splitlines().index("        for _ in range(4):") + 1
-    assert "this loop calls layer 4 times" in error.value.message
-    assert "gradient summed over the stages like a tied parameter" in error.value.message
+def test_a_loop_calling_one_shared_layer_is_cut_between_its_iterations(tmp_path):
+    # (tests/test_shared_layer_loop.py: the rank files and a gloo run)
+    plan = plan_stages(analyze(_write(tmp_path, SHARED_IN_A_LOOP)).graph, 2)
+    assert plan.trunk.blocks == ["layer"] * 4 and plan.block_ranges == [(0, 2), (2, 4)]
+    assert sorted(name for group in plan.shared for name in group) == ["layer.fc.bias", "layer.fc.weight"]
