@@ -3,8 +3,10 @@ encoder runs one layer group again and again; a universal transformer's one laye
 
 The blocks are the loop's iterations, block k the layer's k-th run: each stage runs its range
 of iterations (`pp_iterations`), every stage holds the layer, and its parameters' gradients are
-summed over the stages (SHARED_PARAMETERS), so that the copies stay equal. A loop calling the
-layer twice per iteration is refused: its iterations are not the layer's runs.
+summed over the stages (SHARED_PARAMETERS), so that the copies stay equal. Layers of a list that
+the loop runs in turn (ALBERT's several layer groups) are held by the stages running their
+iterations. A loop calling the layer twice per iteration is refused: its iterations are not the
+layer's runs.
 """
 from __future__ import annotations
 
@@ -103,6 +105,42 @@ def test_a_loop_calling_the_shared_layer_twice_per_iteration_is_refused_at_the_c
     assert "calling it once per iteration" in refused.value.message
     assert refused.value.location.line == text.splitlines().index(
         "            x = self.layer(self.layer(x)) * (1.0 + 0.1 * step)") + 1
+
+
+GROUPS = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+
+    class Groups(nn.Module):
+        # ALBERT with two layer groups: each runs half the iterations, in turn
+        def __init__(self):
+            super().__init__()
+            self.groups = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x):
+            for i in range(4):
+                x = torch.tanh(self.groups[i // 2](x))
+            return self.head(x).sum()
+
+
+    def build():
+        return Groups()
+
+
+    def example_inputs():
+        return {"x": torch.randn(4, 8)}
+''')
+
+
+def test_layers_a_loop_runs_in_turn_are_held_by_the_stages_running_their_iterations(tmp_path):
+    from nnscaler_cst.plan.pipeline import plan_stages
+    plan = plan_stages(analyzed(tmp_path, GROUPS).graph, 2)
+    assert plan.trunk.iterations and plan.trunk.blocks == ["groups.0", "groups.0", "groups.1", "groups.1"]
+    assert plan.block_ranges == [(0, 2), (2, 4)]
+    assert "groups.1" in plan.drop[0] and "groups.0" in plan.drop[1]
+    assert plan.shared == [] and plan.tied == []
 
 
 @pytest.mark.slow

@@ -207,6 +207,9 @@ def find_trunk(graph: Graph) -> Trunk:
             sum(p in calls for p in group) >= 2 or _lists_of_modules(graph, group),
             _loop_runs_once(group, calls), len(group)))
         trunk = _trunk_of(graph, paths)
+        turns = _runs_in_turn(graph, trunk)
+        if turns is not None:       # the stages divide the iterations, the blocks kept whole
+            trunk.blocks, trunk.iterations = turns, True
         _check_work_above_cut(graph, trunk)
         if not trunk.iterations:        # those stages keep the whole list: code after the loop may read it
             _check_epilogue_reads_blocks(graph, trunk)      # (and may cut this loop so too)
@@ -987,18 +990,7 @@ def _shared_trunk(graph: Graph, module: str, runs: int) -> Trunk:
     Every stage holds the module and runs its own range of the iterations (Trunk.iterations:
     `pp_iterations`); the module's parameters are summed over the stages (StagePlan.shared)."""
     span = graph.trace.module_calls[module][0]
-    source = graph.sources.get(span.path)
-    call = source.node_at(span.line, span.col, span.end_line, span.end_col)
-    loop = call
-    while loop is not None and not isinstance(loop, cst.For):
-        if loop is not call and isinstance(loop, (cst.While, cst.FunctionDef, cst.BaseComp)):
-            loop = None
-            break
-        loop = source.parents.get(loop)
-    callee = cst.Module([]).code_for_node(call.func) if isinstance(call, cst.Call) else None
-    same = [c for c in _calls_in(loop) if cst.Module([]).code_for_node(c.func) == callee] \
-        if loop is not None and callee is not None else []
-    if len(same) != 1:
+    if not _called_once_per_iteration(graph, span):
         raise UserError(f"{_SHARED_LAYER}; the model calls {module} {runs} times, one module whose weights every "
                         "call shares, and pipeline stages divide the iterations of a `for` loop calling it once "
                         "per iteration", span.start,
@@ -1016,6 +1008,42 @@ def _shared_trunk(graph: Graph, module: str, runs: int) -> Trunk:
     trunk = _trunk_of(graph, [module] * runs)
     trunk.container, trunk.iterations = module, True
     return trunk
+
+
+def _called_once_per_iteration(graph: Graph, span: Span) -> bool:
+    """Whether the call at `span` is the only call of its callee (`self.layer`, `self.groups[i]`)
+    in the innermost `for` loop around it, outside any loop nested in that one: each iteration
+    then runs it once."""
+    source = graph.sources.get(span.path)
+    call = source.node_at(span.line, span.col, span.end_line, span.end_col)
+    if not isinstance(call, cst.Call):
+        return False
+    loop = source.parents.get(call)
+    while loop is not None and not isinstance(loop, cst.For):
+        if isinstance(loop, (cst.While, cst.FunctionDef, cst.BaseComp)):
+            return False
+        loop = source.parents.get(loop)
+    callee = cst.Module([]).code_for_node(call.func)
+    return loop is not None and [c for c in _calls_in(loop) if cst.Module([]).code_for_node(c.func) == callee] == [call]
+
+
+def _runs_in_turn(graph: Graph, trunk: Trunk) -> list[str] | None:
+    """The blocks one per iteration when the trunk's loop runs each block for several iterations
+    in a row, calling it once per iteration (ALBERT's layer groups: `self.albert_layer_groups[
+    int(i / per_group)](x)`): each block listed for each of its runs, in order. None when the
+    blocks run once, or not in turns (their loop run again as a whole: recycling)."""
+    runs = graph.trace.module_runs
+    if trunk.statements is not None or trunk.hoist is not None or any(runs.get(b, 1) < 2 for b in trunk.blocks) \
+            or not isinstance(trunk.function.body.body[trunk.loop_index], cst.For) \
+            or not _called_once_per_iteration(graph, graph.trace.module_calls[trunk.blocks[0]][0]):
+        return None
+    try:
+        order = [b for _, b in sorted((run[0], b) for b in trunk.blocks for run in _runs(graph, b, runs[b]))]
+    except UserError:
+        return None
+    if any(order[k] != order[k - 1] and order[k] in order[:k] for k in range(1, len(order))):
+        return None
+    return order
 
 
 def _runs(graph: Graph, module: str, count: int) -> list[list[int]]:
