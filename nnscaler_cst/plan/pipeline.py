@@ -1031,9 +1031,10 @@ def _runs_in_turn(graph: Graph, trunk: Trunk) -> list[str] | None:
     """The blocks one per iteration when the trunk's loop runs each block for several iterations
     in a row, calling it once per iteration (ALBERT's layer groups: `self.albert_layer_groups[
     int(i / per_group)](x)`): each block listed for each of its runs, in order. None when the
-    blocks run once, or not in turns (their loop run again as a whole: recycling)."""
+    blocks run once, or not in turns (their loop run again as a whole: recycling). (Some may run
+    once: 5 layers over 3 groups.)"""
     runs = graph.trace.module_runs
-    if trunk.statements is not None or trunk.hoist is not None or any(runs.get(b, 1) < 2 for b in trunk.blocks) \
+    if trunk.statements is not None or trunk.hoist is not None or all(runs.get(b, 1) < 2 for b in trunk.blocks) \
             or not isinstance(trunk.function.body.body[trunk.loop_index], cst.For) \
             or not _called_once_per_iteration(graph, graph.trace.module_calls[trunk.blocks[0]][0]):
         return None
