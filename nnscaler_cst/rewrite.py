@@ -308,6 +308,12 @@ def _pipeline_section(stages: StagePlan, orders: list[list[Action]], pp_rank: in
                   f"STAGE_BLOCKS = {{{', '.join(f'{s}: {{}}' for s in mine)}}}  # no block list: STAGE_DROPS says "
                   f"what each stage holds; its statements of {stages.trunk.container}: "
                   + ", ".join(f"stage {s} lines {runs[s][0]}-{runs[s][1]}" for s in mine)]
+    elif len(set(stages.trunk.blocks)) == 1:      # one layer the loop calls in every iteration
+        blocks = [f'PIPELINE_BLOCKS = "{stages.trunk.container}"  # one layer a loop calls again and again, its '
+                  "weights shared: every stage holds it (SHARED_PARAMETERS)",
+                  f"STAGE_BLOCKS = {{{', '.join(f'{s}: {stages.block_ranges[s]}' for s in mine)}}}  "
+                  f"# per stage, the iterations of that loop it runs",
+                  f"PIPELINE_ITERATIONS = {len(stages.trunk.blocks)}  # the loop's iterations in all"]
     else:
         blocks = [f'PIPELINE_BLOCKS = "{stages.trunk.container}"',
                   f"STAGE_BLOCKS = {{{', '.join(f'{s}: {stages.block_ranges[s]}' for s in mine)}}}  "

@@ -133,15 +133,13 @@ SHARED_LAYERS = textwrap.dedent("""
 """)
 
 
-def test_layers_sharing_one_module_are_refused_at_the_loop_calling_it(tmp_path):
+def test_layers_sharing_one_module_are_cut_between_the_loops_iterations(tmp_path):
+    # (tests/test_shared_layer_loop.py: the stages, the rank files, a gloo run)
     from nnscaler_cst.analysis import analyze
     from nnscaler_cst.plan.pipeline import find_trunk
     (tmp_path / "shared.py").write_text(SHARED_LAYERS)
-    with pytest.raises(UserError, match="calls layer 4 times") as refused:
-        find_trunk(analyze(tmp_path / "shared.py").graph)
-    where = refused.value.location
-    assert (Path(where.path).name, where.line) == ("shared.py", SHARED_LAYERS.splitlines().index(
-        "        for _ in range(4):") + 1)
+    trunk = find_trunk(analyze(tmp_path / "shared.py").graph)
+    assert trunk.iterations and trunk.container == "layer" and trunk.blocks == ["layer"] * 4
 
 
 NESTED_SHARED = textwrap.dedent("""
@@ -191,16 +189,16 @@ NESTED_SHARED = textwrap.dedent("""
 """)
 
 
-def test_a_shared_group_of_layers_is_refused_where_the_loop_calls_it(tmp_path):
-    """Not at the linear inside it that runs as often: the loop calling the group is where weights are shared."""
+def test_a_shared_group_of_layers_is_cut_where_the_loop_calls_it(tmp_path):
+    """Not at the linear inside it that runs as often: the loop calling the group runs the iterations."""
     from nnscaler_cst.analysis import analyze
-    from nnscaler_cst.plan.pipeline import find_trunk
+    from nnscaler_cst.plan.pipeline import plan_stages
     (tmp_path / "nested.py").write_text(NESTED_SHARED)
-    with pytest.raises(UserError, match="calls groups.0 4 times") as refused:
-        find_trunk(analyze(tmp_path / "nested.py").graph)
-    where = refused.value.location
-    assert (Path(where.path).name, where.line) == ("nested.py", NESTED_SHARED.splitlines().index(
-        "        for i in range(4):") + 1)
+    plan = plan_stages(analyze(tmp_path / "nested.py").graph, 2)
+    assert plan.trunk.container == "groups.0" and plan.trunk.blocks == ["groups.0"] * 4
+    assert plan.block_ranges == [(0, 2), (2, 4)]
+    assert sorted(name for group in plan.shared for name in group) == [
+        "groups.0.layers.0.fc.bias", "groups.0.layers.0.fc.weight"]
 
 
 FORWARD_CALLED = textwrap.dedent("""

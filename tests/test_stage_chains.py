@@ -644,3 +644,10 @@ def test_blocks_nested_in_a_sequential_of_stages_are_cut_between_its_children(tm
     weights the next stage holds (was: internal error, the dry run's layer norm met hollow weights)."""
     result = rewrite(analyze(_write(tmp_path, BLOCKS_NESTED_IN_STAGES)), PlanRequest(pp=2, micro_batches=2))
     assert 'PIPELINE_BLOCKS = "features"' in result.files["model_stage0.py"]
+
+
+def test_a_loop_calling_one_shared_layer_is_cut_between_its_iterations(tmp_path):
+    # (tests/test_shared_layer_loop.py: the rank files and a gloo run)
+    plan = plan_stages(analyze(_write(tmp_path, SHARED_IN_A_LOOP)).graph, 2)
+    assert plan.trunk.blocks == ["layer"] * 4 and plan.block_ranges == [(0, 2), (2, 4)]
+    assert sorted(name for group in plan.shared for name in group) == ["layer.fc.bias", "layer.fc.weight"]

@@ -156,7 +156,7 @@ def _blocks(graph: Graph) -> _Blocks:
     cache = _search_cache(graph)
     if "blocks" in cache:
         return cache["blocks"]
-    from .pipeline import find_chain, find_recycle, find_trunk, node_blocks
+    from .pipeline import find_chain, find_recycle, find_trunk, node_blocks, trunk_passes
     from .recompute import block_activations, recompute_site
     n = len(graph.nodes)
     try:
@@ -164,7 +164,7 @@ def _blocks(graph: Graph) -> _Blocks:
     except UserError as exc:
         cache["blocks"] = _Blocks(0, [0] * n, [], 0.0, 0.0, exc.message, exc.message)
         return cache["blocks"]
-    passes = graph.trace.module_runs.get(trunk.blocks[0], 1)
+    passes = trunk_passes(graph, trunk)
     if passes > 1:                          # a trunk run in a recycling loop pipelines under 3F1B;
         try:                                # one run again otherwise is refused per pp (_stages_problem)
             find_recycle(graph, trunk)

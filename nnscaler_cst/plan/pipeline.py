@@ -207,6 +207,9 @@ def find_trunk(graph: Graph) -> Trunk:
             sum(p in calls for p in group) >= 2 or _lists_of_modules(graph, group),
             _loop_runs_once(group, calls), len(group)))
         trunk = _trunk_of(graph, paths)
+        turns = _runs_in_turn(graph, trunk)
+        if turns is not None:       # the stages divide the iterations, the blocks kept whole
+            trunk.blocks, trunk.iterations = turns, True
         _check_work_above_cut(graph, trunk)
         if not trunk.iterations:        # those stages keep the whole list: code after the loop may read it
             _check_epilogue_reads_blocks(graph, trunk)      # (and may cut this loop so too)
@@ -215,9 +218,15 @@ def find_trunk(graph: Graph) -> Trunk:
         stages = _sequential_stages(graph)
         if stages:
             return _trunk_of(graph, stages)
-        # without repeated blocks, or with blocks no cut can divide (a UNet's blocks run late, under the
-        # down path every stage would compute again): the statements of a function; a layer called
-        # again and again with its weights shared (ALBERT) is the work no stage can split
+        # one layer a loop calls again and again, its weights shared (ALBERT, a universal transformer):
+        # the stages divide the loop's iterations; without repeated blocks, or with blocks no cut can
+        # divide (a UNet's blocks run late, under the down path every stage would compute again): the
+        # statements of a function; a layer called again and again outside a loop no stage can split
+        shared = _shared_layer(graph) if not graph.blocks else None
+        if shared is not None and shared[0] in calls and _enclosing_loop(graph, shared[2]) is not None:
+            trunk = _shared_trunk(graph, shared[0], shared[1])
+            _check_work_above_cut(graph, trunk)
+            return trunk
         if error.message.startswith(_SHARED_LAYER):
             raise error
         try:
@@ -963,36 +972,36 @@ def _shared_loop_owner(graph: Graph, blocks: list[str], function: cst.FunctionDe
 _SHARED_LAYER = "pipeline stages need repeated blocks"
 
 
-def _no_blocks(graph: Graph) -> UserError:
-    """No repeated blocks to cut: say where, pointing at a layer called more than once (a model
-    whose layers share one set of weights, like ALBERT's) when there is one. Only a call reading
-    weights counts: an activation called twice (DLA's relu) shares none."""
+def _shared_layer(graph: Graph) -> tuple[str, int, Span] | None:
+    """The module the model calls most often that reads weights, when more than once (a model
+    whose layers share one set of weights, like ALBERT's): the outermost module run as often that
+    holds it, where the model's code calls it (ALBERT's layer group, in the encoder's loop, not the
+    layer inside), with its runs and its call site. Only a call reading weights counts: an
+    activation called twice (DLA's relu) shares none."""
     calls: dict[str, list] = {}
     for node in graph.nodes:
         if node.callee_path is not None and node.span is not None and graph.param_operands(node.index):
             calls.setdefault(node.callee_path, []).append(node)
-    shared = max(calls.items(), key=lambda item: len(item[1]), default=(None, []))
-    if len(shared[1]) > 1:
-        path, nodes = shared
-        # the outermost module run as often that holds it, where the model's code calls it (ALBERT's
-        # layer group, in the encoder's loop), is where the weights are shared, not the layer inside
-        runs, module_calls = graph.trace.module_runs, graph.trace.module_calls
-        outer = next((a for a in (*_ancestors(path), path)
-                      if a in module_calls and runs.get(a, 0) >= len(nodes)), None)
-        call = module_calls[outer][0] if outer is not None else nodes[0].span
-        loop = _enclosing_loop(graph, call)
-        if loop is not None:
-            # stages cut between the loop's iterations would each run the one module: each would hold
-            # its weights and the stages' gradients would be summed, as for a tied parameter
-            return UserError(f"{_SHARED_LAYER}; this loop calls {outer or path} {len(nodes)} times, one module "
-                             "whose weights every iteration shares, so a pipeline over its iterations would need "
-                             "that module on every stage with its gradient summed over the stages like a tied "
-                             "parameter's, which is not supported yet", loop.start,
-                             hint="run it without --pp, or give each iteration its own layer (a ModuleList of "
-                                  "one block class, called in a loop) for the stages to divide")
-        return UserError(f"{_SHARED_LAYER}; this model calls {outer or path} {len(nodes)} times "
+    path, nodes = max(calls.items(), key=lambda item: len(item[1]), default=(None, []))
+    if len(nodes) < 2:
+        return None
+    runs, module_calls = graph.trace.module_runs, graph.trace.module_calls
+    outer = next((a for a in (*_ancestors(path), path) if a in module_calls and runs.get(a, 0) >= len(nodes)), None)
+    if outer is None:
+        return path, len(nodes), nodes[0].span
+    return outer, runs[outer], module_calls[outer][0]
+
+
+def _no_blocks(graph: Graph) -> UserError:
+    """No repeated blocks to cut: say where, pointing at a layer called more than once outside a
+    loop when there is one."""
+    shared = _shared_layer(graph)
+    if shared is not None:
+        path, count, call = shared
+        return UserError(f"{_SHARED_LAYER}; this model calls {path} {count} times "
                          "(its layers share one set of weights), so no stage could hold its own layers", call.start,
-                         hint="pipelining cuts a ModuleList of one block class, called in a loop, into stages")
+                         hint="pipelining cuts a ModuleList of one block class, called in a loop, into stages, "
+                              "or the iterations of a `for` loop calling one layer")
     first = next((n.span.start for n in graph.nodes if n.span is not None and n.mapped), None)
     return UserError("pipeline stages need a model built from repeated blocks (a ModuleList of one block "
                      "class called in a loop), an nn.Sequential called once whose children run most of its "
@@ -1000,6 +1009,87 @@ def _no_blocks(graph: Graph) -> UserError:
                      "`x = self.layer2(x)`) with a place between two of them to cut; this model has none of these",
                      first, hint="put the stages in an nn.Sequential called once, or write the forward as a chain of "
                                  "statements each calling a layer")
+
+
+def _shared_trunk(graph: Graph, module: str, runs: int) -> Trunk:
+    """A `for` loop whose every iteration calls one module (a universal transformer's one layer,
+    ALBERT's layer group): the blocks are the loop's iterations, block k the module's k-th run.
+    Every stage holds the module and runs its own range of the iterations (Trunk.iterations:
+    `pp_iterations`); the module's parameters are summed over the stages (StagePlan.shared)."""
+    span = graph.trace.module_calls[module][0]
+    if not _called_once_per_iteration(graph, span):
+        raise UserError(f"{_SHARED_LAYER}; the model calls {module} {runs} times, one module whose weights every "
+                        "call shares, and pipeline stages divide the iterations of a `for` loop calling it once "
+                        "per iteration", span.start,
+                        hint="call the shared layer once in the body of a `for` loop of the function "
+                             "(`for _ in range(n): x = self.layer(x)`), or run it without --pp")
+    others = sorted(p for p, (s, _) in graph.trace.module_calls.items()
+                    if s == span and p != module and not p.startswith(module + "."))
+    if others:      # ALBERT with several layer groups: `self.albert_layer_groups[group_idx](...)`
+        raise UserError(f"{_SHARED_LAYER}; the loop calls {module} {runs} times and, from the same line, "
+                        f"{', '.join(others)}: pipeline stages divide the iterations of a loop calling one "
+                        "layer whose weights every iteration shares", span.start,
+                        hint="call one shared layer in the loop, or give each iteration its own layer (a "
+                             "ModuleList of one block class, called in a loop); or run it without --pp")
+    _runs(graph, module, runs)          # each iteration runs the same ops: refused otherwise
+    trunk = _trunk_of(graph, [module] * runs)
+    trunk.container, trunk.iterations = module, True
+    return trunk
+
+
+def _called_once_per_iteration(graph: Graph, span: Span) -> bool:
+    """Whether the call at `span` is the only call of its callee (`self.layer`, `self.groups[i]`)
+    in the innermost `for` loop around it, outside any loop nested in that one: each iteration
+    then runs it once."""
+    source = graph.sources.get(span.path)
+    call = source.node_at(span.line, span.col, span.end_line, span.end_col)
+    if not isinstance(call, cst.Call):
+        return False
+    loop = source.parents.get(call)
+    while loop is not None and not isinstance(loop, cst.For):
+        if isinstance(loop, (cst.While, cst.FunctionDef, cst.BaseComp)):
+            return False
+        loop = source.parents.get(loop)
+    callee = cst.Module([]).code_for_node(call.func)
+    return loop is not None and [c for c in _calls_in(loop) if cst.Module([]).code_for_node(c.func) == callee] == [call]
+
+
+def _runs_in_turn(graph: Graph, trunk: Trunk) -> list[str] | None:
+    """The blocks one per iteration when the trunk's loop runs each block for several iterations
+    in a row, calling it once per iteration (ALBERT's layer groups: `self.albert_layer_groups[
+    int(i / per_group)](x)`): each block listed for each of its runs, in order. None when the
+    blocks run once, or not in turns (their loop run again as a whole: recycling). (Some may run
+    once: 5 layers over 3 groups.)"""
+    runs = graph.trace.module_runs
+    if trunk.statements is not None or trunk.hoist is not None or all(runs.get(b, 1) < 2 for b in trunk.blocks) \
+            or not isinstance(trunk.function.body.body[trunk.loop_index], cst.For) \
+            or not _called_once_per_iteration(graph, graph.trace.module_calls[trunk.blocks[0]][0]):
+        return None
+    try:
+        order = [b for _, b in sorted((run[0], b) for b in trunk.blocks for run in _runs(graph, b, runs[b]))]
+    except UserError:
+        return None
+    if any(order[k] != order[k - 1] and order[k] in order[:k] for k in range(1, len(order))):
+        return None
+    return order
+
+
+def _runs(graph: Graph, module: str, count: int) -> list[list[int]]:
+    """The node indices of each of the `count` runs of one module (ALBERT's shared layer group),
+    in order: its ops from its first call on, in `count` equal runs that start at one call site.
+    Refused when its runs differ (a branch on the iteration inside it)."""
+    start = graph.trace.module_calls[module][1]
+    inside = [n.index for n in graph.nodes[start:]
+              if any(p == module or p.startswith(module + ".") for p in (n.module_path, n.callee_path or ""))]
+    size, rest = divmod(len(inside), count)
+    runs = [inside[k * size:(k + 1) * size] for k in range(count)]
+    if rest or not size or len({graph.nodes[run[0]].span for run in runs}) != 1:
+        span = graph.trace.module_calls[module][0]
+        raise UserError(f"{_SHARED_LAYER}; the loop calls {module} {count} times, one module whose weights every "
+                        f"iteration shares, and its runs do not all run the same ops ({len(inside)} ops in "
+                        f"{count} runs), so the stages cannot tell its iterations apart", span.start,
+                        hint="run the same code in every iteration of the shared layer, or run it without --pp")
+    return runs
 
 
 def _loop_runs_once(group: list[str], calls: dict) -> bool:
@@ -1077,7 +1167,7 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
         return plan
     chain = [] if recycling else find_chain(graph)
     trunk = chain[0] if chain else find_trunk(graph)
-    if recycling and graph.trace.module_runs.get(trunk.blocks[0], 1) > 1:
+    if recycling and trunk_passes(graph, trunk) > 1:
         trunk.recycle = find_recycle(graph, trunk)
     else:
         _check_blocks_run_once(graph, trunk)
@@ -1318,13 +1408,19 @@ def _calls_of_function(graph: Graph, span: Span, recycle: Recycle) -> list[Span]
 def _check_blocks_run_once(graph: Graph, trunk: Trunk) -> None:
     """Each stage runs its blocks once per micro-batch, then hands on: a trunk the forward runs
     again (recycling) would need its last stage to hand back to its first."""
-    runs = graph.trace.module_runs.get(trunk.blocks[0], 1)
+    runs = trunk_passes(graph, trunk)
     if runs > 1:
         raise UserError(f"the blocks of {trunk.container} run {runs} times in one forward (the loop over them is "
                         "itself run again: recycling, or a trunk called in a loop), and pipeline stages run "
                         "their blocks once per micro-batch", graph.trace.module_calls[trunk.blocks[0]][0].start,
                         hint="--schedule 3f1b pipelines a trunk run again in a loop (recycling); "
                              "or use --tp or --dp for this model")
+
+
+def trunk_passes(graph: Graph, trunk: Trunk) -> int:
+    """How often one forward runs the trunk's loop: its first block's runs, over the iterations
+    that run that block (a loop calling one shared layer runs it once per iteration)."""
+    return graph.trace.module_runs.get(trunk.blocks[0], 1) // trunk.blocks.count(trunk.blocks[0])
 
 
 def chain_container(chain: list[Trunk], block: int) -> str:
@@ -1401,11 +1497,13 @@ def _balanced(cost: list[float], stages: int, pro: float, epi: float,
 
 def node_blocks(graph: Graph, blocks: list[str]) -> dict[int, int]:
     """Node index -> the block it belongs to: a block's own ops, or the call of a leaf block
-    (nn.Linear); the last block in order when both its module and its callee are blocks.
+    (nn.Linear); the last block in order when both its module and its callee are blocks; of a
+    module listed for several blocks (one layer a loop runs again and again), its k-th run's ops.
     Ops traced before a block is first called are not its own: the prologue may reach into the
     blocks through a method (BigBird's set_attention_type rebuilds each layer's attention) and
     such ops run where the prologue runs, not on the block's stage."""
-    index = {path: b for b, path in enumerate(blocks)}
+    repeated = {path for path in blocks if blocks.count(path) > 1}
+    index = {path: b for b, path in enumerate(blocks) if path not in repeated}
     calls = graph.trace.module_calls
     first_op = {path: calls[path][1] if path in calls else 0 for path in blocks}
     block_of: dict[int, int] = {}
@@ -1414,6 +1512,10 @@ def node_blocks(graph: Graph, blocks: list[str]) -> dict[int, int]:
                  for m in (path, *_ancestors(path)) if m in index and node.index >= first_op[m]]
         if found:
             block_of[node.index] = max(found)
+    for path in sorted(repeated):       # one module the loop's iterations run: its k-th run, block k
+        positions = [b for b, p in enumerate(blocks) if p == path]
+        for b, run in zip(positions, _runs(graph, path, len(positions))):
+            block_of.update(dict.fromkeys(run, b))
     return block_of
 
 
@@ -1480,7 +1582,7 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
                 first, stop = plan.local_ranges(stage)[trunk.container]
                 for k, block in enumerate(trunk.blocks):
                     if not first <= k < stop:
-                        drop += _unused_parts(block, stage, used, every_owner)
+                        drop += [m for m in _unused_parts(block, stage, used, every_owner) if m not in drop]
         plan.drop[stage], plan.shadow[stage] = drop, shadow
     # a block of a list each stage keeps whole is held where it is not hollow: its own stage, and a
     # stage whose code reads some of it (tied); one of a list cut apart, on its own stage only
@@ -1488,6 +1590,9 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
     not_held = [set(plan.drop[s]) | set(plan.shadow[s]) | cut_apart for s in range(plan.stages)]
     live = _computed_on_later_stages(graph, plan, {m for s in plan.shadow.values() for m in s})
     tied_ranks = None       # the pipeline ranks holding the tied parameters: one group for all of them
+    # a module several iterations of the loop run (one layer whose weights they share): every stage
+    # holding it computes with it, like a shadow read by later stages
+    looped = {b for trunk in plan.trunks for b in trunk.blocks if trunk.blocks.count(b) > 1}
     for info in trace.params.values():
         if any(a in live for alias in info.aliases for a in _ancestors(alias)):
             plan.shared.append(sorted(info.aliases))    # every stage holds it: summed over all of them
@@ -1495,6 +1600,9 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
         # a parameter of the model itself (ViT's cls_token) is dropped with the module "" that owns it
         holders = {s for inside in ((*_ancestors(a), *([""] if "." not in a else [])) for a in info.aliases)
                    for s in range(plan.stages) if not any(a in not_held[s] for a in inside)}
+        if len(holders) == plan.stages and any(a in looped for alias in info.aliases for a in _ancestors(alias)):
+            plan.shared.append(sorted(info.aliases))
+            continue
         if len(holders) > 1:
             plan.tied.append(sorted(info.aliases))
             ranks = sorted({plan.rank_of(s) for s in holders})

@@ -14,7 +14,7 @@ from ..graph.graph import Graph
 from ..source.files import Span
 from .cost import DeviceSpec, compute_time, node_flops
 from .memory import saved_bytes
-from .pipeline import find_chain, find_trunk
+from .pipeline import find_chain, find_trunk, node_blocks
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,9 @@ def block_activations(graph: Graph) -> BlockActivations:
     block = trunk.blocks[0]
     trace = graph.trace
     inside = [n for n in graph.nodes if n.module_path == block or n.module_path.startswith(block + ".")]
+    if trunk.blocks.count(block) > 1:       # one layer every iteration runs: its first run
+        first = {index for index, b in node_blocks(graph, trunk.blocks).items() if b == 0}
+        inside = [n for n in inside if n.index in first]
     saved = int(sum(saved_bytes(n, trace) for n in inside))
     mine = {n.index for n in inside}
     passed = {t for n in inside for t in n.inputs if trace.tensors[t].producer not in mine
