@@ -577,14 +577,6 @@ def example_inputs():
 '''
 
 
-def test_a_loop_calling_one_shared_layer_is_refused_at_the_loop_with_what_it_needs(tmp_path):
-    with pytest.raises(UserError) as error:
-        plan_stages(analyze(_write(tmp_path, SHARED_IN_A_LOOP)).graph, 2)
-    assert error.value.location.line == SHARED_IN_A_LOOP.lstrip().splitlines().index("        for _ in range(4):") + 1
-    assert "this loop calls layer 4 times" in error.value.message
-    assert "gradient summed over the stages like a tied parameter" in error.value.message
-
-
 # swin3d's `x = self.features(x)`: an nn.Sequential of stages (Sequentials of blocks) and patch
 # merging layers, the largest stage's blocks nested inside it
 BLOCKS_NESTED_IN_STAGES = '''
