@@ -1613,3 +1613,54 @@ def test_a_line_whose_instances_need_their_argument_converted_unalike_plans_thei
     params = json.loads((root / "out" / "plan.json").read_text())["params"]
     assert params["ff.net.0.weight"]["tp"] == "R"
 
+
+
+# transformers' Mamba reference scan: `dt + delta_bias.to(dt.dtype)[..., None]`, where the bias is
+# split with the projection before it and `.to` of a float32 tensor hands the parameter itself
+# back. The parameter keeps its planned split (its layout is no tensor's `have`): the rewrite wrote
+# a second scatter of the already split bias, and its dry run met 32 channels against 64.
+HANDED_BACK_PARAMETER = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.up = nn.Linear(d, 4 * d, bias=False)
+        self.delta_bias = nn.Parameter(torch.zeros(4 * d))
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        dt = self.up(x).transpose(1, 2)
+        dt = dt + self.delta_bias.to(dt.dtype)[..., None]
+        return x + self.down(torch.relu(dt).transpose(1, 2))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(16), Block(16)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(2, 8, 16),)
+'''
+
+
+def test_a_parameter_a_call_hands_back_keeps_its_split(tmp_path):
+    root = written(tmp_path, HANDED_BACK_PARAMETER)
+    result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    params = json.loads((root / "out" / "plan.json").read_text())["params"]
+    assert params["blocks.0.delta_bias"]["tp"] == "S(0)" and params["blocks.0.up.weight"]["tp"] == "S(0)"
+    assert "dt = dt + self.delta_bias.to(dt.dtype)[..., None]\n" in (root / "out" / "model.py").read_text()

@@ -125,7 +125,8 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
     needs: dict[int, list[tuple[Node | None, tuple | None, list[Step]]]] = defaultdict(list)
     have: dict[int, Layout] = {}
     passed = {node.index: _passes_through(graph, node) for node in graph.nodes}
-    passed = {index: tid for index, tid in passed.items() if tid is not None}
+    # a parameter's layout is its split, which `have` does not hold: one handed back stays planned as is
+    passed = {index: tid for index, tid in passed.items() if tid is not None and tensors[tid].param is None}
     # expands run whole but built at a split tensor's local size: each rank broadcasts the whole
     # input into its own share, so the input's gradient is a partial sum (a `copy`)
     broadcast_split: set[int] = set()
