@@ -37,9 +37,6 @@
 - timm's ConvNeXt style: a library helper builds the depthwise conv (`create_conv2d(c, c, 3,
   depthwise=True)` setting groups=c inside it): the line passes no groups to divide, so the
   conv is built whole and cut to each rank's share after build().
-- timm's EfficientNet style: a norm layer's `x = self.act(x)` runs nn.SiLU in some instances and
-  nn.Identity (no torch call: no node of the graph) in others; the conversion written at that
-  line runs in every one of them, so its layers run whole, with a warning.
 - timm's ResNet style: the stages (nn.Sequentials of blocks) run as a chain of statements in the
   `else` of `if self.grad_checkpointing:`; --pp is refused at the chain, naming it and what to write.
 - diffusers' ResnetBlock2D style: two convs with biases in a block, split as Megatron splits an
@@ -998,99 +995,6 @@ LIBRARY_BUILT_DEPTHWISE = """
 """
 
 
-IDENTITY_IN_SOME_NORMS = """
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-
-    class NormAct(nn.BatchNorm2d):
-        def __init__(self, c, apply_act=True):
-            super().__init__(c)
-            self.act = nn.SiLU() if apply_act else nn.Identity()
-
-        def forward(self, x):
-            x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training, 0.1, self.eps)
-            x = self.act(x)
-            return x
-
-
-    class SqueezeExcite(nn.Module):
-        def __init__(self, c, r=4):
-            super().__init__()
-            self.reduce = nn.Conv2d(c, c // r, 1)
-            self.expand = nn.Conv2d(c // r, c, 1)
-
-        def forward(self, x):
-            s = self.expand(torch.relu(self.reduce(x.mean((2, 3), keepdim=True))))
-            return x * s.sigmoid()
-
-
-    class DepthwiseSeparable(nn.Module):
-        def __init__(self, c, cout):
-            super().__init__()
-            self.conv_dw = nn.Conv2d(c, c, 3, padding=1, groups=c, bias=False)
-            self.bn1 = NormAct(c)
-            self.se = SqueezeExcite(c)
-            self.conv_pw = nn.Conv2d(c, cout, 1, bias=False)
-            self.bn2 = NormAct(cout, apply_act=False)
-
-        def forward(self, x):
-            x = self.conv_dw(x)
-            x = self.bn1(x)
-            x = self.se(x)
-            x = self.conv_pw(x)
-            x = self.bn2(x)
-            return x
-
-
-    class InvertedResidual(nn.Module):
-        def __init__(self, c, expand=4):
-            super().__init__()
-            mid = c * expand
-            self.conv_pw = nn.Conv2d(c, mid, 1, bias=False)
-            self.bn1 = NormAct(mid)
-            self.conv_dw = nn.Conv2d(mid, mid, 3, padding=1, groups=mid, bias=False)
-            self.bn2 = NormAct(mid)
-            self.se = SqueezeExcite(mid)
-            self.conv_pwl = nn.Conv2d(mid, c, 1, bias=False)
-            self.bn3 = NormAct(c, apply_act=False)
-
-        def forward(self, x):
-            shortcut = x
-            x = self.conv_pw(x)
-            x = self.bn1(x)
-            x = self.conv_dw(x)
-            x = self.bn2(x)
-            x = self.se(x)
-            x = self.conv_pwl(x)
-            x = self.bn3(x)
-            return x + shortcut
-
-
-    class Model(nn.Module):
-        def __init__(self, c=8):
-            super().__init__()
-            self.stem = nn.Conv2d(3, c, 3, padding=1, bias=False)
-            self.bn = NormAct(c)
-            self.blocks = nn.Sequential(DepthwiseSeparable(c, c), InvertedResidual(c))
-            self.head = nn.Linear(c, 4)
-
-        def forward(self, x):
-            x = self.blocks(self.bn(self.stem(x)))
-            return self.head(x.mean((2, 3))).square().mean()
-
-
-    def build():
-        torch.manual_seed(0)
-        return Model()
-
-
-    def example_inputs():
-        return (torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(1)),)
-"""
-
-
 STAGES_CHAINED_IN_A_BRANCH = """
     import torch
     from torch import nn
@@ -1357,13 +1261,6 @@ def test_a_depthwise_conv_a_library_helper_builds_is_cut_after_build(tmp_path):
     code = (root / "out" / "model.py").read_text()
     assert "self.conv_dw = make_conv(c, c, 3, depthwise=True)\n" in code      # as written
     assert "    'blocks.0.conv_dw.weight': (0, 1, ['groups', 'in_channels', 'out_channels']),\n" in code
-
-
-def test_a_line_calling_identity_in_some_instances_runs_its_layers_whole(tmp_path):
-    root = written(tmp_path, IDENTITY_IN_SOME_NORMS)
-    result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)     # the dry run of the output passes
-    assert result.returncode == 0, result.stderr
-    assert "        x = self.act(x)\n" in (root / "out" / "model.py").read_text()     # no conversion there
 
 
 def test_stages_chained_in_a_branch_are_refused_naming_the_chain(tmp_path):

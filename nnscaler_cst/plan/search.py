@@ -123,20 +123,13 @@ def in_mixed_container(graph: Graph, span) -> bool:
 def runs_unlike_layers(graph: Graph, span) -> bool:
     """A line that calls layers of different classes from one call (a loop over a model's
     children, `for name, module in self.items(): x = module(x)`): its argument can take only one
-    conversion, and a split layer and a whole one need different ones, so its layers run whole.
-    So does a line some of whose calls run a layer that makes no torch call (a norm's
-    `self.act(x)` where `act` is nn.Identity in some instances): those calls are no nodes of
-    the graph, yet run the conversions written at the line."""
+    conversion, and a split layer and a whole one need different ones, so its layers run whole."""
     cache = _search_cache(graph)
     if "unlike_lines" not in cache:
         callees: dict = defaultdict(set)
         for node in graph.nodes:
             if node.span is not None and not node.span.via and node.callee_kind == "module":
                 callees[node.span].add(node.callee)
-        working = {p for node in graph.nodes for p in (node.callee_path, node.module_path) if p}
-        for path, (span, _) in graph.trace.module_calls.items():
-            if span in callees and not any(p == path or p.startswith(path + ".") for p in working):
-                callees[span].add(None)     # a call of the line that made no node
         cache["unlike_lines"] = {line for line, kinds in callees.items() if len(kinds) > 1}
     return span in cache["unlike_lines"]
 
@@ -438,8 +431,7 @@ def _unwritable(graph: Graph, sid: SiteId, mixed_whole: bool = False) -> str | N
                 "that line can hold them")
     if runs_unlike_layers(graph, sid[0]):
         return (f"its line {sid[0].start} calls layers of different classes in turn (a loop over a model's "
-                "children, or a layer that makes no torch call, as nn.Identity, in some of them), and one line holds "
-                "one conversion of their input for all of them")
+                "children), and one line holds one conversion of their input for all of them")
     return None
 
 
