@@ -427,7 +427,7 @@ EXPECTED_FORWARD = '''\
 def forward(self, idx, targets):
     if pp_first_stage():  # pipeline: the first stage runs what precedes the blocks
         b, t = idx.size()
-        pos = torch.arange(0, t, dtype=torch.long)  # shape (t)
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)  # shape (t)
         tok_emb = self.transformer.wte(idx)  # token embeddings of shape (b, t, n_embd)
         pos_emb = self.transformer.wpe(pos)  # position embeddings of shape (t, n_embd)
         x = self.transformer.drop(tok_emb + pos_emb)
