@@ -15,8 +15,9 @@ import libcst as cst
 from . import __version__
 from .analysis import Analysis
 from .emit import templates
-from .emit.assemble import (add_comm_import, built_by_code_kept, content_hash, merge_entry, merge_entry_mirrored,
-                            model_files, module_name_of, split_after_build_section, with_header)
+from .emit.assemble import (add_comm_import, built_by_code_kept, content_hash, instance_classes_section,
+                            merge_entry, merge_entry_mirrored, model_files, module_name_of,
+                            split_after_build_section, with_header)
 from .emit.mirrors import library_decorated, plan_mirrors, render_mirror, statement_lines
 from .emit.output import generated_json
 from .emit.programs import programs
@@ -41,6 +42,7 @@ from .plan.batch import check_batch_split, loss_reduction, micro_batch_statistic
 from .plan.choices import choices_from_plan, site_keys
 from .plan.coshard import CoshardChoice, plan_coshard, repeated_forward as coshard_repeated_forward
 from .plan.cost import check_precision, load_cluster, node_time, optimizer_time
+from .plan.instances import instance_groups, site_groups
 from .plan.search import AxisPlan, params_kept_whole, search_axis
 from .plan.whole_sizes import splits_a_read_size
 from .plan.tables import Constraint, load_table, source_annotations, weights_left_whole
@@ -260,15 +262,18 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
     if auto is not None:                # the search's estimate: pipeline, recompute and ZeRO priced together
         plan.estimated_step_seconds = auto.best.seconds
     keys = site_keys(graph)
-    for site in graph.sites.values():
+    for site, group, nodes in ((site, group, nodes) for site in graph.sites.values()
+                               for group, nodes in site_groups(graph, site.nodes)):
         where = keys[site.span]
         chosen = tp_plan or (coshard.searched if coshard is not None else None)
-        choice = chosen.site_choice.get((site.span, site.callee), REPLICATE) if chosen is not None else REPLICATE
-        chunks = coshard.chunks if coshard is not None and choice != REPLICATE and site.nodes[0].index in \
+        sid = (site.span, site.callee, group) if group else (site.span, site.callee)
+        choice = chosen.site_choice.get(sid, REPLICATE) if chosen is not None else REPLICATE
+        chunks = coshard.chunks if coshard is not None and choice != REPLICATE and nodes[0].index in \
             coshard.anchors else 1
         # on one device (--tp 1) only the co-sharded ops are split: into C pieces, all on it
         if tp_plan is not None or chunks > 1:
-            plan.trans.append(OpTrans(where, site.callee, "tp", choice, tp * chunks if choice != REPLICATE else 1))
+            plan.trans.append(OpTrans(where, site.callee, "tp", choice, tp * chunks if choice != REPLICATE else 1,
+                                      group))
             if choice != REPLICATE:     # co-shard: C consecutive pieces per device, one after another
                 plan.assign += [OpAssign(where, "tp", i, plan.devices_of("tp", i // chunks))
                                 for i in range(tp * chunks)]
@@ -276,7 +281,7 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
                                for i in range(tp * chunks - 1) if i % chunks < chunks - 1
                                for device in plan.devices_of("tp", i // chunks)]
         if dp > 1:
-            plan.trans.append(OpTrans(where, site.callee, "dp", "batch", dp))
+            plan.trans.append(OpTrans(where, site.callee, "dp", "batch", dp, group))
             plan.assign += [OpAssign(where, "dp", i, plan.devices_of("dp", i)) for i in range(dp)]
     for pname, info in analysis.trace.params.items():
         layout = tp_plan.param_layout.get(pname) if tp_plan else None
@@ -409,10 +414,15 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
                         hint="pipelines cut the file that holds the block loop")
     recompute = recompute_sites(analysis.graph) if request is not None and request.recompute else ()
 
+    grouped = tuple(instance_groups(analysis.graph).methods) if edits is not None else ()
+    classes: dict[str, str] = {}        # instance -> its variant class (emit/variants.py)
+
     def rewritten(path, in_program=True):
-        return rewrite_module(analysis.sources.get(path), edits or empty, split, analysis.trace.containers,
-                              recompute, chain, in_program, analysis.trace.mixed_containers,
-                              analysis.trace.unsliceable_containers)
+        module, ctx = rewrite_module(analysis.sources.get(path), edits or empty, split, analysis.trace.containers,
+                                     recompute, chain, in_program, analysis.trace.mixed_containers,
+                                     analysis.trace.unsliceable_containers, grouped)
+        classes.update(ctx.instance_classes)
+        return module, ctx
 
     mirrored: dict[str, str] = {}
     traced_library = any(module_name_of(p) in analysis.rules.traced_module_names for p in model_paths)
@@ -439,11 +449,14 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
     after_build = edits.split_after_build if edits is not None else {}
     if after_build:
         ctx.used |= {"split_after_build", edits.axis.upper()}
+    if classes:
+        ctx.used.add("instance_classes")
     module = add_comm_import(module, ctx.used, ctx.needs_torch)
     built_at = sorted({f"{display_path(info.ctor_span.path)}:{info.ctor_span.line}"
                        for name, info in analysis.trace.params.items()
                        if name in after_build and info.ctor_span is not None})
-    body = module.code + split_after_build_section(after_build, built_at, edits.axis.upper() if edits else "")
+    body = module.code + split_after_build_section(after_build, built_at, edits.axis.upper() if edits else "") + \
+        instance_classes_section(classes)
     files: dict[str, str] = {}
     micro = len([a for a in orders[0] if a.kind == "F" and a.cycle is None]) * (stages.stages // stages.per_pipeline) // stages.virtual \
         if orders else 0     # each micro-batch runs through one of the pipelines

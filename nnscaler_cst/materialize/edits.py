@@ -7,7 +7,10 @@ their bias moved after the reduction, vocabulary-split sites their split impleme
 and constructors of split parameters their size arguments divided.
 
 Edits are keyed by source span, so one edit serves every instance of a site; instances that
-would need different edits are refused. Decides nothing about the plan; writes no source.
+would need different edits are refused, except where a block class's instances are planned per
+group (plan/instances.py): each group's edits of that method are kept apart (`group_sites`), and
+its instances get a variant of the class (emit/variants.py). Decides nothing about the plan;
+writes no source.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from ..graph.graph import Graph
 from ..graph.mixed import mixed_edges
 from ..plan.batch import batch_factors, batch_labels, data_parallel_impl
 from ..plan.layouts import REPLICATE, R, Layout, layouts_for, shard
+from ..plan.instances import instance_groups
 from ..plan.search import AxisChoices
 from .buffers import buffer_layouts
 from .size_args import SIZE_ARGUMENTS, SPLIT_SIZES, dims_sized_by_read, expand_broadcasts, locate_size_argument
@@ -87,9 +91,26 @@ class Edits:
     split_after_build: dict[str, tuple[int, int, list[str]]] = field(default_factory=dict)
     # buffers split with their layer's parameters, built split by its divided constructor
     buffer_layout: dict[str, Layout] = field(default_factory=dict)
+    # the sites of a method whose instances are planned per group, per group (plan/instances.py)
+    group_sites: dict[str, dict[Span, SiteEdit]] = field(default_factory=dict)
 
-    def site(self, span: Span) -> SiteEdit:
-        return self.sites.setdefault(span, SiteEdit())
+    def site(self, span: Span, group: str | None = None) -> SiteEdit:
+        sites = self.sites if group is None else self.group_sites.setdefault(group, {})
+        return sites.setdefault(span, SiteEdit())
+
+    def overlaid(self, sites: dict[Span, SiteEdit]) -> "Edits":
+        """These edits with `sites` over their own: a group's sites, for the rewrite of its method."""
+        return dataclasses.replace(self, sites={**self.sites, **sites})
+
+
+def _group(graph: Graph, node: Node) -> str | None:
+    """The group of instances whose edits this invocation's site takes, or None (every instance)."""
+    return instance_groups(graph).of_node.get(node.index)
+
+
+def _site_of(graph: Graph, edits: Edits, node: Node) -> SiteEdit | None:
+    group = _group(graph, node)
+    return (edits.sites if group is None else edits.group_sites.get(group, {})).get(node.span)
 
 
 SETITEM = "Tensor.__setitem__"
@@ -188,7 +209,8 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
     for tid, uses in needs.items():
         producer = tensors[tid].producer
         node = graph.nodes[producer] if producer is not None else None
-        key = (node.span, node.callee, node.outputs.index(tid)) if node is not None and node.span else ("tensor", tid)
+        key = (node.span, node.callee, node.outputs.index(tid), _group(graph, node)) if node is not None and node.span \
+            else ("tensor", tid)
         by_output[key] += [(tid, consumer, path, steps) for consumer, path, steps in uses]
     prefixes = _producer_prefixes(graph, by_output)
     given: dict[tuple, list[Step]] = {}            # each argument's conversion, the same in every instance
@@ -200,11 +222,11 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
         node = graph.nodes[producer] if producer is not None else None
         if prefix:
             instances = [graph.nodes[p] for p in dict.fromkeys(tensors[use[0]].producer for use in uses)]
-            _same(edits.site(node.span), "result", _bias_outside_scatter(graph, instances, prefix,
+            _same(edits.site(node.span, _group(graph, node)), "result", _bias_outside_scatter(graph, instances, prefix,
                                                                        len(tensors[uses[0][0]].shape), edits), node)
         for tid, consumer, path, steps in uses:
             rest = steps[len(prefix):]
-            argument = _argument(consumer, path)
+            argument = _argument(graph, consumer, path)
             if argument is not None:
                 ended = steps_from_end(rest, len(tensors[tid].shape))
                 given_by.setdefault(argument, tid)
@@ -229,7 +251,7 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
                 raise UserError(f"cannot place {_steps_note(rest)} for a tensor of {tensors[tid].shape}: "
                                 "the value is not an argument written in the model's source", _loc(where),
                                 hint="pass the tensor as a plain argument, or pin this op to replicate")
-            site = edits.site(consumer.span)
+            site = edits.site(consumer.span, _group(graph, consumer))
             site.writes = consumer.callee == SETITEM
             site.args[path] = rest
             if len(path) == 3:
@@ -341,7 +363,7 @@ def data_parallel_edits(graph: Graph, edits: Edits | None) -> Edits:
             _same(site, "replace", "dp_layers({self}, {arg0}, DP)", node)
             _note(site, "each BatchNorm it runs sums its statistics over the data-parallel ranks")
             continue
-        site = edits.site(node.span)
+        site = edits.site(node.span, _group(graph, node))
         _same(site, "replace", template, node)
         _note(site, "batch statistics summed over the data-parallel ranks")
     return edits
@@ -355,7 +377,7 @@ def vocab_loss_edits(graph: Graph, losses: list[int], edits: Edits | None) -> Ed
     for index in losses:
         node = graph.nodes[index]
         module = node.callee_kind == "module"
-        site = edits.site(node.span)
+        site = edits.site(node.span, _group(graph, node))
         _same(site, "replace", "vocab_cross_entropy({arg0}, {arg1}, loss={self})" if module
               else "vocab_cross_entropy({arg0}, {arg1}{kwargs})", node)
         _note(site, "with the head: its slice of the logits on every tp x pp device, the loss from "
@@ -386,7 +408,7 @@ def _producer_prefixes(graph: Graph, by_output: dict) -> dict[tuple, list[Step]]
         wholes: dict[tuple, dict[tuple, list[Step]]] = defaultdict(dict)   # argument -> key -> all its steps
         for key, uses in by_output.items():
             for tid, consumer, path, steps in uses:
-                argument = _argument(consumer, path)
+                argument = _argument(graph, consumer, path)
                 if argument is not None:
                     rests[argument][key] = steps_from_end(steps[len(prefix[key]):], len(tensors[tid].shape))
                     wholes[argument][key] = steps
@@ -398,7 +420,7 @@ def _producer_prefixes(graph: Graph, by_output: dict) -> dict[tuple, list[Step]]
         changed = False
         for argument, by_key in rests.items():
             if len({str(r) for r in by_key.values()}) > 1:
-                cut = _cut_before_common_ending(argument, wholes[argument], prefix, tensors, by_output)
+                cut = _cut_before_common_ending(graph, argument, wholes[argument], prefix, by_output)
                 if cut is None:
                     shared = common_prefix([prefix[key] for key in by_key])
                     cut = {key: shared for key in by_key}
@@ -409,15 +431,15 @@ def _producer_prefixes(graph: Graph, by_output: dict) -> dict[tuple, list[Step]]
             return prefix
 
 
-def _cut_before_common_ending(argument, wholes: dict[tuple, list[Step]], prefix: dict, tensors,
+def _cut_before_common_ending(graph: Graph, argument, wholes: dict[tuple, list[Step]], prefix: dict,
                               by_output: dict) -> dict[tuple, list[Step]] | None:
     """Per producer feeding one argument, its steps less the fewest last steps that every
     producer needs alike (dims counted from the end) such that each keeps no more than all its
     uses share; None where no such ending exists."""
     ends = []
     for key, steps in wholes.items():
-        tid = next(tid for tid, consumer, path, _ in by_output[key] if _argument(consumer, path) == argument)
-        ends.append([str(s) for s in steps_from_end(steps, len(tensors[tid].shape))])
+        tid = next(tid for tid, consumer, path, _ in by_output[key] if _argument(graph, consumer, path) == argument)
+        ends.append([str(s) for s in steps_from_end(steps, len(graph.trace.tensors[tid].shape))])
     common = 0
     while all(len(e) > common for e in ends) and len({e[len(e) - 1 - common] for e in ends}) == 1:
         common += 1
@@ -432,7 +454,7 @@ def _check_biases_added(graph: Graph, edits: Edits) -> None:
     """A row-split call's bias is added after the reduction written on its result; a result
     whose partial sums are reduced only where it is used would lose the bias: refused."""
     for node in graph.nodes:
-        site = edits.sites.get(node.span) if node.span is not None else None
+        site = _site_of(graph, edits, node) if node.span is not None else None
         if site is None or site.bias is None:
             continue
         if not site.result or site.result[0].op not in ("reduce", "reduce_scatter"):
@@ -469,12 +491,13 @@ def _list_element_layout(graph: Graph, node: Node, choice: str, name: str,
     return shard(*where) if where else R
 
 
-def _argument(consumer: Node | None, path: tuple | None) -> tuple | None:
-    """One argument as written in source: every instance of the call shares its conversion.
-    None for tensors inside a list argument and for the loss: each such use is its own."""
+def _argument(graph: Graph, consumer: Node | None, path: tuple | None) -> tuple | None:
+    """One argument as written in source: every instance of the call shares its conversion (every
+    instance of its group, where a block class's instances are planned per group). None for
+    tensors inside a list argument and for the loss: each such use is its own."""
     if consumer is None or consumer.span is None or path is None:
         return None
-    return (consumer.span, path)
+    return (consumer.span, path, _group(graph, consumer))
 
 
 def _path_note(path: tuple | None) -> str:
@@ -537,7 +560,7 @@ def _split_site_edits(graph: Graph, node: Node, choice: str, n: int, edits: Edit
                       have: dict[int, Layout]) -> None:
     dims = graph.dims[node.index]
     rule = graph.node_rule[node.index]
-    site = edits.site(node.span)
+    site = edits.site(node.span, _group(graph, node))
     if choice in dims.impl:
         template = dims.impl[choice]
         _same(site, "replace", template, node)

@@ -29,6 +29,7 @@ from ..sizes import format_bytes
 from .batch import batch_labels
 from .cost import DeviceSpec, all_reduce_time, node_time
 from .eliminate import Combination, GaveUp, TooWide, minimize_avoiding
+from .instances import instance_groups
 from .layouts import REPLICATE, R, Layout, layouts_for
 from .memory import saved_bytes
 from .refine import refine_factors
@@ -106,10 +107,19 @@ class AxisPlan:
         return self.choices.options
 
 
-def site_id(graph: Graph, index: int) -> SiteId:
+def line_id(graph: Graph, index: int) -> SiteId:
+    """The site of an invocation as its source line has it: (span, callee), every instance alike."""
     node = graph.nodes[index]
     return (node.span, node.callee) if node.span is not None and (node.mapped or index in graph.unpackings) \
         else ("node", index)
+
+
+def site_id(graph: Graph, index: int) -> SiteId:
+    """The plan's variable for an invocation: its line's, or (span, callee, group) where the
+    instances of its method split unalike and are planned per group (plan/instances.py)."""
+    sid = line_id(graph, index)
+    group = instance_groups(graph).of_node.get(index) if sid[0] != "node" else None
+    return (*sid, group) if group is not None else sid
 
 
 def in_mixed_container(graph: Graph, span) -> bool:
@@ -306,15 +316,21 @@ def _layout(graph: Graph, index: int, label: str):
 
 
 def _site_candidates(graph: Graph, every_size_read: bool) -> dict[SiteId, tuple[list[int], list[tuple[tuple, list[int]]]]]:
+    return _candidate_groups(graph, every_size_read, site_id)
+
+
+def _candidate_groups(graph: Graph, every_size_read: bool, key_of=site_id):
+    """Per site (`key_of`: site_id, or line_id for the sites as lines), its invocations and their
+    candidate splits, the invocations with equal candidates together."""
     cache = _search_cache(graph)
-    key = ("candidates", every_size_read)
+    key = ("candidates", every_size_read, key_of.__name__)
     if key in cache:
         return cache[key]
     batch = batch_labels(graph)
     read_whole = dims_read_whole(graph, every_size_read)
     grouped: dict[SiteId, list[int]] = defaultdict(list)
     for node in graph.nodes:
-        grouped[site_id(graph, node.index)].append(node.index)
+        grouped[key_of(graph, node.index)].append(node.index)
     result = {}
     for sid, nodes in grouped.items():
         # an instance with no derived rule (a 1x1 window's one-row table) runs whole; the
