@@ -19,6 +19,7 @@ from .emit.assemble import (add_comm_import, built_by_code_kept, content_hash, i
                             merge_entry, merge_entry_mirrored, model_files, module_name_of,
                             split_after_build_section, with_header)
 from .emit.mirrors import library_decorated, plan_mirrors, render_mirror, statement_lines
+from .emit.variants import insert_variants
 from .emit.output import generated_json
 from .emit.programs import programs
 from .emit.rewrite import StageSplit, rewrite_module
@@ -426,9 +427,12 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
 
     mirrored: dict[str, str] = {}
     traced_library = any(module_name_of(p) in analysis.rules.traced_module_names for p in model_paths)
+    variant_imports: dict[str, list[str]] = {}      # mirror module -> the variant classes it defines
     if len(model_paths) > 1 or traced_library:  # a model in several files: mirrors, the entry as the program
         module, ctx = rewritten(entry_path)
-        module, mirrored, bases = _mirrored(analysis, module, {str(p): rewritten(p, False) for p in model_paths})
+        module = insert_variants(module, ctx.variants)
+        module, mirrored, bases = _mirrored(analysis, module, {str(p): rewritten(p, False) for p in model_paths},
+                                            variant_imports)
         if mirror_bases is not None:
             mirror_bases.update(bases)
     else:
@@ -439,13 +443,17 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
             imported = []
             if name is not None:
                 module, imported = library_decorated(source.module, module, name)
+            module = insert_variants(module, ctx.variants)
             kept = {resolved(str(source.path)): [statement_lines(source, stmt) for index, stmt in enumerate(source.module.body)
                                                  if index not in imported]}
             entry_module, entry_ctx = rewritten(entry_path)
+            entry_module = insert_variants(entry_module, entry_ctx.variants)
             ctx.used |= entry_ctx.used
             ctx.needs_torch |= entry_ctx.needs_torch
             module = merge_entry(module, model_paths[0], entry_module, entry_path, analysis.entry,
                                  built_by_code_kept(kept, set(kept), analysis.sources))
+        else:
+            module = insert_variants(module, ctx.variants)
     after_build = edits.split_after_build if edits is not None else {}
     if after_build:
         ctx.used |= {"split_after_build", edits.axis.upper()}
@@ -456,7 +464,7 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
                        for name, info in analysis.trace.params.items()
                        if name in after_build and info.ctor_span is not None})
     body = module.code + split_after_build_section(after_build, built_at, edits.axis.upper() if edits else "") + \
-        instance_classes_section(classes)
+        instance_classes_section(classes, variant_imports)
     files: dict[str, str] = {}
     micro = len([a for a in orders[0] if a.kind == "F" and a.cycle is None]) * (stages.stages // stages.per_pipeline) // stages.virtual \
         if orders else 0     # each micro-batch runs through one of the pipelines
@@ -514,11 +522,12 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
 
 
 def _mirrored(analysis: Analysis, entry_module: cst.Module,
-              rewritten: dict[str, tuple[cst.Module, object]]
+              rewritten: dict[str, tuple[cst.Module, object]], variant_imports: dict[str, list[str]]
               ) -> tuple[cst.Module, dict[str, str], dict[str, tuple[str, str]]]:
     """A model in several files: the entry's code as the program, importing from the mirrors; the
     mirrors of its files (emit/mirrors.py) and the package files between them, by output path;
-    and per mirror, its source file and the same definitions before the rewrite (for --diff)."""
+    and per mirror, its source file and the same definitions before the rewrite (for --diff).
+    Fills `variant_imports`: per mirror module, the variant classes (emit/variants.py) it defines."""
     sources = {resolved(p): (analysis.sources.get(p), module) for p, (module, _) in rewritten.items()}
     contexts = {resolved(p): ctx for p, (_, ctx) in rewritten.items()}
     model_classes = {construction.cls for construction in analysis.entry.constructions.values()}
@@ -541,7 +550,13 @@ def _mirrored(analysis: Analysis, entry_module: cst.Module,
     for mirror in mirrors:
         path = resolved(str(mirror.source.path))
         ctx = contexts[path]
-        files[mirror.out_name] = render_mirror(mirror, mirrors, ctx.used, ctx.needs_torch)
+        files[mirror.out_name] = render_mirror(mirror, mirrors, ctx.used, ctx.needs_torch, variants=ctx.variants)
+        kept_classes = {mirror.source.module.body[i].name.value for i in mirror.members
+                        if isinstance(mirror.source.module.body[i], cst.ClassDef)}
+        for cls, classes in ctx.variants.items():
+            if cls in kept_classes:
+                variant_imports.setdefault("." + mirror.out_name[:-3].replace("/", "."), []).extend(
+                    c.name.value for c in classes)
         bases[mirror.out_name] = (display_path(mirror.source.path), render_mirror(mirror, mirrors, set(), False,
                                                                                   original=True))
         library = sys.modules[mirror.module_name]

@@ -69,6 +69,7 @@ class Context:
     in_program: bool = True         # the file becomes a rank's program (False: a mirror the stages share)
     value_first: bool = False       # the current statement's value was moved to a line of its own before it
     instance_classes: dict[str, str] = field(default_factory=dict)   # instance -> its variant class (emit/variants.py)
+    variants: dict[str, list] = field(default_factory=dict)          # class -> its variant classes, to write after it
 
     def note(self, span: Span, text: str) -> None:
         fragments = self.notes.setdefault(span, [])
@@ -950,12 +951,14 @@ def rewrite_module(source: SourceFile, edits: Edits, split: StageSplit | None = 
                    unsliceable: frozenset = frozenset(), grouped: tuple[MethodGroups, ...] = ()
                    ) -> tuple[cst.Module, Context]:
     """`grouped`: the methods whose instances are planned per group (plan/instances.py); those of
-    this file are rewritten per group, as variant classes (emit/variants.py)."""
+    this file are rewritten per group, as variant classes (emit/variants.py): the Context holds
+    them, for the caller to write after their class (insert_variants; a mirror keeps the file's
+    top-level statements as they are)."""
     def once(edits: Edits) -> tuple[cst.Module, Context]:
         return _rewrite_once(source, edits, split, containers, recompute, chain, in_program, mixed, unsliceable)
 
     mine = [m for m in grouped if m.method.path == str(source.path)]
-    return with_variants(edits, mine, once) if mine else once(edits)
+    return with_variants(source.module, edits, mine, once) if mine else once(edits)
 
 
 def _rewrite_once(source: SourceFile, edits: Edits, split: StageSplit | None,

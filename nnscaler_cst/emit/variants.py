@@ -80,43 +80,59 @@ class _SuperOfClass(cst.CSTTransformer):
         return updated
 
 
-def with_variants(edits: Edits, methods: list[MethodGroups], rewrite_once):
-    """The file rewritten with each grouped class's first kind of instance in the class, and a
-    subclass after it per other rewrite; `rewrite_once(edits)` -> (module, Context). The Context
-    returned has `instance_classes`: instance -> variant class name."""
+def with_variants(source: cst.Module, edits: Edits, methods: list[MethodGroups], rewrite_once):
+    """The file rewritten with one kind of each grouped class's instances in the class itself, and
+    its Context: `variants` (class -> the subclasses to write after it, insert_variants) and
+    `instance_classes` (instance -> its variant). `rewrite_once(edits)` -> (module, Context).
+    The class keeps the first kind whose rewrite changes it (so that a mirror holds the class the
+    variants derive from); a kind whose rewrite is the class's own keeps the class."""
     classes = _by_class(methods)
-    first = {span: site for grouped in classes for span, site in
-             _overlay(edits, grouped, next(iter(grouped.kinds))).items()}
-    module, ctx = rewrite_once(edits.overlaid(first))
-    taken = {s.name.value for s in module.body if isinstance(s, (cst.ClassDef, cst.FunctionDef))}
-    after: dict[str, list[cst.ClassDef]] = {}
+    rewrites: dict[str, list[tuple[list[str], tuple, tuple[str, ...], dict, object]]] = {}
     for grouped in classes:
         names = [m.name for m in grouped.methods]
-        own = [m.code for m in (cst.Module([s]) for s in _methods(module, grouped.cls, names))] if names else []
-        made: dict[tuple[str, ...], str] = {}            # rewritten methods' text -> variant class
-        for kind, instances in list(grouped.kinds.items())[1:]:
-            other, other_ctx = rewrite_once(edits.overlaid({**first, **_overlay(edits, grouped, kind)}))
-            rewritten = _methods(other, grouped.cls, names)
-            text = tuple(cst.Module([m]).code for m in rewritten)
-            if list(text) == own:
-                continue            # this kind's rewrite is the class's own: the instances keep the class
+        before = tuple(_text(m) for m in _methods(source, grouped.cls, names))
+        for kind, instances in grouped.kinds.items():
+            overlay = _overlay(edits, grouped, kind)
+            module, ctx = rewrite_once(edits.overlaid(overlay))
+            methods_of_kind = _methods(module, grouped.cls, names)
+            rewrites.setdefault(grouped.cls, []).append(
+                (instances, tuple(_text(m) for m in methods_of_kind), methods_of_kind, overlay, ctx))
+        rewrites[grouped.cls].sort(key=lambda r: r[1] == before)     # a kind that changes the class first
+    first = {span: site for kinds in rewrites.values() for span, site in kinds[0][3].items()}
+    module, ctx = rewrite_once(edits.overlaid(first))
+    taken = {s.name.value for s in module.body if isinstance(s, (cst.ClassDef, cst.FunctionDef))}
+    for cls, kinds in rewrites.items():
+        own = kinds[0][1]
+        made: dict[tuple, str] = {}          # rewritten methods' text -> variant class
+        for instances, text, rewritten, _, kind_ctx in kinds[1:]:
+            if text == own:
+                continue
             if text not in made:
-                name = next(f"{grouped.cls}_{k}" for k in range(1, 1000) if f"{grouped.cls}_{k}" not in taken)
+                name = next(f"{cls}_{k}" for k in range(1, 1000) if f"{cls}_{k}" not in taken)
                 taken.add(name)
                 made[text] = name
-                ctx.used |= other_ctx.used
-                ctx.needs_torch |= other_ctx.needs_torch
-                after.setdefault(grouped.cls, []).append(_variant_class(name, grouped.cls, rewritten, instances))
+                ctx.used |= kind_ctx.used
+                ctx.needs_torch |= kind_ctx.needs_torch
+                ctx.variants.setdefault(cls, []).append(_variant_class(name, cls, rewritten, instances))
             for path in instances:
                 ctx.instance_classes[path] = made[text]
-    if not after:
-        return module, ctx
+    return module, ctx
+
+
+def insert_variants(module: cst.Module, variants: dict[str, list[cst.ClassDef]]) -> cst.Module:
+    """The module with each class's variants right after it."""
+    if not variants:
+        return module
     body = []
     for statement in module.body:
         body.append(statement)
-        if isinstance(statement, cst.ClassDef) and statement.name.value in after:
-            body += after.pop(statement.name.value)
-    return module.with_changes(body=body), ctx
+        if isinstance(statement, cst.ClassDef):
+            body += variants.get(statement.name.value, [])
+    return module.with_changes(body=body)
+
+
+def _text(method: cst.FunctionDef) -> str:
+    return cst.Module([method]).code
 
 
 def _variant_class(name: str, cls: str, methods: list[cst.FunctionDef], instances: list[str]) -> cst.ClassDef:
