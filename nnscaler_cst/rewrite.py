@@ -263,10 +263,11 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
     if auto is not None:                # the search's estimate: pipeline, recompute and ZeRO priced together
         plan.estimated_step_seconds = auto.best.seconds
     keys = site_keys(graph)
+    chosen = tp_plan or (coshard.searched if coshard is not None else None)
     for site, group, nodes in ((site, group, nodes) for site in graph.sites.values()
-                               for group, nodes in site_groups(graph, site.nodes)):
+                               for group, nodes in (site_groups(graph, site.nodes) if chosen is not None
+                                                    else [("", site.nodes)])):
         where = keys[site.span]
-        chosen = tp_plan or (coshard.searched if coshard is not None else None)
         sid = (site.span, site.callee, group) if group else (site.span, site.callee)
         choice = chosen.site_choice.get(sid, REPLICATE) if chosen is not None else REPLICATE
         chunks = coshard.chunks if coshard is not None and choice != REPLICATE and nodes[0].index in \
@@ -415,7 +416,7 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
                         hint="pipelines cut the file that holds the block loop")
     recompute = recompute_sites(analysis.graph) if request is not None and request.recompute else ()
 
-    grouped = tuple(instance_groups(analysis.graph).methods) if edits is not None else ()
+    grouped = tuple(instance_groups(analysis.graph).methods) if edits is not None and edits.groups else ()
     classes: dict[str, str] = {}        # instance -> its variant class (emit/variants.py)
 
     def rewritten(path, in_program=True):

@@ -28,7 +28,8 @@ def _site_rows(graph: Graph, plan: Plan, tp_plan: AxisPlan | None) -> list[tuple
     pieces = {(t.site, t.callee, t.group): t.n for t in plan.trans if t.axis == "tp"}
     keys = site_keys(graph)
     for site, group, nodes in ((site, group, nodes) for site in graph.sites.values()
-                               for group, nodes in site_groups(graph, site.nodes)):
+                               for group, nodes in (site_groups(graph, site.nodes) if tp_plan is not None
+                                                    else [("", site.nodes)])):
         node = nodes[0]
         where = keys[site.span]
         choice = tp_plan.node_choice.get(node.index, REPLICATE) if tp_plan else REPLICATE
