@@ -60,6 +60,25 @@ def _model(tmp_path):
     return path
 
 
+def _package(tmp_path):
+    """The same model as a package, the block class in a file of its own (timm's layers): the
+    variant goes into the block file's mirror, and the program imports it for its table."""
+    blocks, net = CONV_BN_ACT.split("class Net(nn.Module):")
+    net, entry = net.split("def build():")
+    (tmp_path / "convpkg").mkdir()
+    (tmp_path / "convpkg" / "__init__.py").write_text("")
+    (tmp_path / "convpkg" / "blocks.py").write_text(blocks)
+    (tmp_path / "convpkg" / "net.py").write_text("from torch import nn\n\nfrom .blocks import ConvBNAct\n\n\n"
+                                                 "class Net(nn.Module):" + net)
+    (tmp_path / "entry.py").write_text("import torch\n\nfrom convpkg.net import Net\n\n\ndef build():" + entry)
+    return tmp_path / "entry.py"
+
+
+def _cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=900)
+
+
 def test_a_block_class_built_as_depthwise_and_pointwise_convs_gets_a_variant_per_kind(tmp_path):
     result = rewrite(analyze(_model(tmp_path)), PlanRequest(plan="megatron", tp=2))
     layouts = {name: axes["tp"] for name, axes in result.plan.params.items()}
@@ -83,12 +102,16 @@ def test_a_variant_method_calling_super_names_the_class_it_was_written_in():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [("--tp", "2"), ("--dp", "2", "--tp", "2")], ids=["tp2", "dp2xtp2"])
-def test_depthwise_and_pointwise_instances_of_one_class_train_like_one_device(tmp_path, mesh):
-    result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "verify", str(_model(tmp_path)),
-                             "--plan", "megatron", *mesh, "-o", str(tmp_path / "out"), "--json"],
-                            capture_output=True, text=True, timeout=900)
+@pytest.mark.parametrize("model,mesh", [(_model, ("--tp", "2")), (_model, ("--dp", "2", "--tp", "2")),
+                                        (_package, ("--tp", "2"))], ids=["tp2", "dp2xtp2", "package-tp2"])
+def test_depthwise_and_pointwise_instances_of_one_class_train_like_one_device(tmp_path, model, mesh):
+    result = _cli("verify", model(tmp_path), "--plan", "megatron", *mesh, "-o", "out", "--json", cwd=tmp_path)
     start = result.stdout.find("{")
     outcome = json.loads(result.stdout[start:]) if start >= 0 else None
     assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
-    assert "class ConvBNAct_1(ConvBNAct):" in (tmp_path / "out" / "model.py").read_text()
+    program = (tmp_path / "out" / "model.py").read_text()
+    assert "    'pw1': ConvBNAct_1,\n    'pw2': ConvBNAct_1,\n" in program, program
+    if model is _package:       # the variant sits beside its class in the mirror, the program imports it
+        mirror = (tmp_path / "out" / "convpkg" / "blocks.py").read_text()
+        assert "class ConvBNAct(nn.Module):" in mirror and "class ConvBNAct_1(ConvBNAct):" in mirror, mirror
+        assert "from .convpkg.blocks import ConvBNAct_1\nINSTANCE_CLASSES = {" in program, program
