@@ -386,11 +386,12 @@ def vocab_loss_edits(graph: Graph, losses: list[int], edits: Edits | None) -> Ed
     return edits
 
 
-def _producer_prefixes(graph: Graph, by_output: dict, groups: dict[int, str]) -> dict[tuple, list[Step]]:
+def _producer_prefixes(graph: Graph, by_output: dict, groups: dict[int, str] | None = None) -> dict[tuple, list[Step]]:
     """Per producer output, the steps written on the producer: those all its uses share. An
     argument written once but fed by several producers (a block's input: the embedding first,
     the residual after) gets one conversion on its line; where the producers' prefixes would
-    leave its instances different rests, those producers keep their steps off the result."""
+    leave its instances different rests, those producers keep their steps off the result.
+    `groups` (Edits.groups): a grouped method's argument is one per group of its instances."""
     tensors = graph.trace.tensors
     prefix: dict[tuple, list[Step]] = {}
     for key, uses in by_output.items():
@@ -433,7 +434,7 @@ def _producer_prefixes(graph: Graph, by_output: dict, groups: dict[int, str]) ->
 
 
 def _cut_before_common_ending(graph: Graph, argument, wholes: dict[tuple, list[Step]], prefix: dict,
-                              by_output: dict, groups: dict[int, str]) -> dict[tuple, list[Step]] | None:
+                              by_output: dict, groups: dict[int, str] | None) -> dict[tuple, list[Step]] | None:
     """Per producer feeding one argument, its steps less the fewest last steps that every
     producer needs alike (dims counted from the end) such that each keeps no more than all its
     uses share; None where no such ending exists."""
@@ -492,13 +493,13 @@ def _list_element_layout(graph: Graph, node: Node, choice: str, name: str,
     return shard(*where) if where else R
 
 
-def _argument(consumer: Node | None, path: tuple | None, groups: dict[int, str]) -> tuple | None:
+def _argument(consumer: Node | None, path: tuple | None, groups: dict[int, str] | None) -> tuple | None:
     """One argument as written in source: every instance of the call shares its conversion (every
     instance of its group, where a block class's instances are planned per group). None for
     tensors inside a list argument and for the loss: each such use is its own."""
     if consumer is None or consumer.span is None or path is None:
         return None
-    return (consumer.span, path, groups.get(consumer.index))
+    return (consumer.span, path, groups.get(consumer.index) if groups else None)
 
 
 def _path_note(path: tuple | None) -> str:
