@@ -51,8 +51,7 @@ def instance_groups(graph: Graph) -> InstanceGroups:
     devices: the grouping does not change with --tp), each instance running that line as one
     kind, and every instance is of the class defining the method (a subclass's instance would
     lose its own methods to the variant class set on it)."""
-    from .search import REPLICATE, _candidate_groups, _refined, _search_cache, in_mixed_container, line_id, \
-        runs_unlike_layers
+    from .search import REPLICATE, _refined, _search_cache, in_mixed_container, line_candidates, runs_unlike_layers
     cache = _search_cache(graph)
     if "instance_groups" in cache:
         return cache["instance_groups"]
@@ -61,7 +60,7 @@ def instance_groups(graph: Graph) -> InstanceGroups:
     cache["instance_groups"] = found         # the candidates below are read by line, never by group
     kinds: dict[tuple, dict[str, dict[tuple, frozenset]]] = {}   # method -> instance -> {line: its splits}
     unusable: set[tuple] = set()
-    for lid, (nodes, groups) in _candidate_groups(graph, False, line_id).items():
+    for lid, (nodes, groups) in line_candidates(graph, False).items():
         if len(groups) < 2 or lid[0] == "node" or lid[0].via or runs_unlike_layers(graph, lid[0]) or \
                 in_mixed_container(graph, lid[0]) or not all(i in graph.dims for i in nodes):
             continue
