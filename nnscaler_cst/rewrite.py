@@ -15,9 +15,11 @@ import libcst as cst
 from . import __version__
 from .analysis import Analysis
 from .emit import templates
-from .emit.assemble import (add_comm_import, built_by_code_kept, content_hash, merge_entry, merge_entry_mirrored,
-                            model_files, module_name_of, split_after_build_section, with_header)
+from .emit.assemble import (add_comm_import, built_by_code_kept, content_hash, instance_classes_section,
+                            merge_entry, merge_entry_mirrored, model_files, module_name_of,
+                            split_after_build_section, with_header)
 from .emit.mirrors import library_decorated, plan_mirrors, render_mirror, statement_lines
+from .emit.variants import insert_variants
 from .emit.output import generated_json
 from .emit.programs import programs
 from .emit.rewrite import StageSplit, rewrite_module
@@ -41,6 +43,7 @@ from .plan.batch import check_batch_split, loss_reduction, micro_batch_statistic
 from .plan.choices import choices_from_plan, site_keys
 from .plan.coshard import CoshardChoice, plan_coshard, repeated_forward as coshard_repeated_forward
 from .plan.cost import check_precision, load_cluster, node_time, optimizer_time
+from .plan.instances import instance_groups, site_groups
 from .plan.search import AxisPlan, params_kept_whole, search_axis
 from .plan.whole_sizes import splits_a_read_size
 from .plan.tables import Constraint, load_table, source_annotations, weights_left_whole
@@ -260,15 +263,19 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
     if auto is not None:                # the search's estimate: pipeline, recompute and ZeRO priced together
         plan.estimated_step_seconds = auto.best.seconds
     keys = site_keys(graph)
-    for site in graph.sites.values():
+    chosen = tp_plan or (coshard.searched if coshard is not None else None)
+    for site, group, nodes in ((site, group, nodes) for site in graph.sites.values()
+                               for group, nodes in (site_groups(graph, site.nodes) if chosen is not None
+                                                    else [("", site.nodes)])):
         where = keys[site.span]
-        chosen = tp_plan or (coshard.searched if coshard is not None else None)
-        choice = chosen.site_choice.get((site.span, site.callee), REPLICATE) if chosen is not None else REPLICATE
-        chunks = coshard.chunks if coshard is not None and choice != REPLICATE and site.nodes[0].index in \
+        sid = (site.span, site.callee, group) if group else (site.span, site.callee)
+        choice = chosen.site_choice.get(sid, REPLICATE) if chosen is not None else REPLICATE
+        chunks = coshard.chunks if coshard is not None and choice != REPLICATE and nodes[0].index in \
             coshard.anchors else 1
         # on one device (--tp 1) only the co-sharded ops are split: into C pieces, all on it
         if tp_plan is not None or chunks > 1:
-            plan.trans.append(OpTrans(where, site.callee, "tp", choice, tp * chunks if choice != REPLICATE else 1))
+            plan.trans.append(OpTrans(where, site.callee, "tp", choice, tp * chunks if choice != REPLICATE else 1,
+                                      group))
             if choice != REPLICATE:     # co-shard: C consecutive pieces per device, one after another
                 plan.assign += [OpAssign(where, "tp", i, plan.devices_of("tp", i // chunks))
                                 for i in range(tp * chunks)]
@@ -276,7 +283,7 @@ def build_plan(analysis: Analysis, request: PlanRequest, every_size_read: bool =
                                for i in range(tp * chunks - 1) if i % chunks < chunks - 1
                                for device in plan.devices_of("tp", i // chunks)]
         if dp > 1:
-            plan.trans.append(OpTrans(where, site.callee, "dp", "batch", dp))
+            plan.trans.append(OpTrans(where, site.callee, "dp", "batch", dp, group))
             plan.assign += [OpAssign(where, "dp", i, plan.devices_of("dp", i)) for i in range(dp)]
     for pname, info in analysis.trace.params.items():
         layout = tp_plan.param_layout.get(pname) if tp_plan else None
@@ -415,16 +422,24 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
                         hint="pipelines cut the file that holds the block loop")
     recompute = recompute_sites(analysis.graph) if request is not None and request.recompute else ()
 
+    grouped = tuple(instance_groups(analysis.graph).methods) if edits is not None and edits.groups else ()
+    classes: dict[str, str] = {}        # instance -> its variant class (emit/variants.py)
+
     def rewritten(path, in_program=True):
-        return rewrite_module(analysis.sources.get(path), edits or empty, split, analysis.trace.containers,
-                              recompute, chain, in_program, analysis.trace.mixed_containers,
-                              analysis.trace.unsliceable_containers)
+        module, ctx = rewrite_module(analysis.sources.get(path), edits or empty, split, analysis.trace.containers,
+                                     recompute, chain, in_program, analysis.trace.mixed_containers,
+                                     analysis.trace.unsliceable_containers, grouped)
+        classes.update(ctx.instance_classes)
+        return module, ctx
 
     mirrored: dict[str, str] = {}
     traced_library = any(module_name_of(p) in analysis.rules.traced_module_names for p in model_paths)
+    variant_imports: dict[str, list[str]] = {}      # mirror module -> the variant classes it defines
     if len(model_paths) > 1 or traced_library:  # a model in several files: mirrors, the entry as the program
         module, ctx = rewritten(entry_path)
-        module, mirrored, bases = _mirrored(analysis, module, {str(p): rewritten(p, False) for p in model_paths})
+        module = insert_variants(module, ctx.variants)
+        module, mirrored, bases = _mirrored(analysis, module, {str(p): rewritten(p, False) for p in model_paths},
+                                            variant_imports)
         if mirror_bases is not None:
             mirror_bases.update(bases)
     else:
@@ -435,21 +450,28 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
             imported = []
             if name is not None:
                 module, imported = library_decorated(source.module, module, name)
+            module = insert_variants(module, ctx.variants)
             kept = {resolved(str(source.path)): [statement_lines(source, stmt) for index, stmt in enumerate(source.module.body)
                                                  if index not in imported]}
             entry_module, entry_ctx = rewritten(entry_path)
+            entry_module = insert_variants(entry_module, entry_ctx.variants)
             ctx.used |= entry_ctx.used
             ctx.needs_torch |= entry_ctx.needs_torch
             module = merge_entry(module, model_paths[0], entry_module, entry_path, analysis.entry,
                                  built_by_code_kept(kept, set(kept), analysis.sources))
+        else:
+            module = insert_variants(module, ctx.variants)
     after_build = edits.split_after_build if edits is not None else {}
     if after_build:
         ctx.used |= {"split_after_build", edits.axis.upper()}
+    if classes:
+        ctx.used.add("instance_classes")
     module = add_comm_import(module, ctx.used, ctx.needs_torch)
     built_at = sorted({f"{display_path(info.ctor_span.path)}:{info.ctor_span.line}"
                        for name, info in analysis.trace.params.items()
                        if name in after_build and info.ctor_span is not None})
-    body = module.code + split_after_build_section(after_build, built_at, edits.axis.upper() if edits else "")
+    body = module.code + split_after_build_section(after_build, built_at, edits.axis.upper() if edits else "") + \
+        instance_classes_section(classes, variant_imports)
     files: dict[str, str] = {}
     micro = len([a for a in orders[0] if a.kind == "F" and a.cycle is None]) * (stages.stages // stages.per_pipeline) // stages.virtual \
         if orders else 0     # each micro-batch runs through one of the pipelines
@@ -507,11 +529,12 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
 
 
 def _mirrored(analysis: Analysis, entry_module: cst.Module,
-              rewritten: dict[str, tuple[cst.Module, object]]
+              rewritten: dict[str, tuple[cst.Module, object]], variant_imports: dict[str, list[str]]
               ) -> tuple[cst.Module, dict[str, str], dict[str, tuple[str, str]]]:
     """A model in several files: the entry's code as the program, importing from the mirrors; the
     mirrors of its files (emit/mirrors.py) and the package files between them, by output path;
-    and per mirror, its source file and the same definitions before the rewrite (for --diff)."""
+    and per mirror, its source file and the same definitions before the rewrite (for --diff).
+    Fills `variant_imports`: per mirror module, the variant classes (emit/variants.py) it defines."""
     sources = {resolved(p): (analysis.sources.get(p), module) for p, (module, _) in rewritten.items()}
     contexts = {resolved(p): ctx for p, (_, ctx) in rewritten.items()}
     model_classes = {construction.cls for construction in analysis.entry.constructions.values()}
@@ -534,7 +557,13 @@ def _mirrored(analysis: Analysis, entry_module: cst.Module,
     for mirror in mirrors:
         path = resolved(str(mirror.source.path))
         ctx = contexts[path]
-        files[mirror.out_name] = render_mirror(mirror, mirrors, ctx.used, ctx.needs_torch)
+        files[mirror.out_name] = render_mirror(mirror, mirrors, ctx.used, ctx.needs_torch, variants=ctx.variants)
+        kept_classes = {mirror.source.module.body[i].name.value for i in mirror.members
+                        if isinstance(mirror.source.module.body[i], cst.ClassDef)}
+        for cls, classes in ctx.variants.items():
+            if cls in kept_classes:
+                variant_imports.setdefault("." + mirror.out_name[:-3].replace("/", "."), []).extend(
+                    c.name.value for c in classes)
         bases[mirror.out_name] = (display_path(mirror.source.path), render_mirror(mirror, mirrors, set(), False,
                                                                                   original=True))
         library = sys.modules[mirror.module_name]

@@ -735,19 +735,64 @@ def example_inputs():
 '''
 
 
-def test_a_block_line_left_whole_for_unlike_instances_names_each_instance_and_its_splits(tmp_path):
+def test_a_block_class_whose_instances_split_unalike_is_planned_per_instance(tmp_path):
     """One block class (timm's ConvNormAct) serves a depthwise and a pointwise conv from one
-    `x = self.conv(x)`: each alone splits by channels, but no split of the depthwise conv is one of
-    the pointwise conv's, so the line runs whole. The warning names each instance and the layouts
-    it could take, so that the user sees which instances disagree and how."""
+    `x = self.conv(x)`: no split of the depthwise conv is one of the pointwise conv's, so the
+    instances of ConvBN.forward are planned per group (plan/instances.py), each conv split its own
+    way, and no warning says the line runs whole."""
     (tmp_path / "convbn.py").write_text(ONE_BLOCK_CLASS_FOR_UNLIKE_CONVS)
     graph = analyze(tmp_path / "convbn.py").graph
     plan = search_axis(graph, "tp", 2, load_table("megatron").for_axis("tp"))
-    assert plan.param_layout["dw.conv.weight"].kind == "R" and plan.param_layout["pw.conv.weight"].kind == "R"
-    warnings = [w for w in plan.left_whole if re.match(r".*convbn\.py:13:\d+: warning: torch\.nn\.Conv2d ", w)]
+    assert str(plan.param_layout["dw.conv.weight"]) == "S(0)", plan.param_layout    # by its channels
+    assert plan.param_layout["pw.conv.weight"].kind == "S", plan.param_layout
+    conv_sites = sorted(sid[2] for sid in plan.options if sid[0] != "node" and sid[1] == "torch.nn.Conv2d")
+    assert conv_sites == ["dw", "pw"], list(plan.options)
+    assert not [w for w in plan.left_whole if "convbn.py:13:" in w], plan.left_whole
+
+
+ONE_MODULE_RUNS_UNLIKE_CONVS = '''
+import torch
+from torch import nn
+
+
+class Apply(nn.Module):
+    def forward(self, layer, x):
+        x = layer(x)
+        return torch.relu(x)
+
+
+class Net(nn.Module):
+    def __init__(self, c=8, hidden=16):
+        super().__init__()
+        self.dw = nn.Conv2d(c, c, 3, padding=1, groups=c, bias=False)
+        self.pw = nn.Conv2d(c, hidden, 1, bias=False)
+        self.run = Apply()
+
+    def forward(self, x):
+        return self.run(self.pw, self.run(self.dw, x)).square().mean()
+
+
+def build():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(2, 8, 6, 6),)
+'''
+
+
+def test_a_line_one_instance_runs_for_unlike_layers_is_left_whole_naming_each_layer_and_its_splits(tmp_path):
+    """One instance of a block runs the line for a depthwise and a pointwise conv (the layer is an
+    argument): no variant of its class serves both, so the line runs whole. The warning names each
+    layer and the layouts it could take, so that the user sees which disagree and how."""
+    (tmp_path / "apply.py").write_text(ONE_MODULE_RUNS_UNLIKE_CONVS)
+    graph = analyze(tmp_path / "apply.py").graph
+    plan = search_axis(graph, "tp", 2, load_table("megatron").for_axis("tp"))
+    assert plan.param_layout["dw.weight"].kind == "R" and plan.param_layout["pw.weight"].kind == "R"
+    warnings = [w for w in plan.left_whole if re.match(r".*apply\.py:8:\d+: warning: torch\.nn\.Conv2d ", w)]
     assert len(warnings) == 1, plan.left_whole
-    assert "its instances need different layouts: dw.conv splits arg0 S(1) -> S(1); " \
-           "pw.conv splits arg0 S(1) -> P or arg0 R -> S(1)" in warnings[0], warnings[0]
+    assert "its instances need different layouts: dw splits arg0 S(1) -> S(1); " \
+           "pw splits arg0 S(1) -> P or arg0 R -> S(1)" in warnings[0], warnings[0]
 
 
 ONE_LINE_INDEXES_TABLES_OF_DIFFERENT_SIZES = '''
@@ -807,33 +852,55 @@ def example_inputs():
 '''
 
 
+# the same line in a helper outside any class: no variant of a class can hold each block's own split
+TABLES_INDEXED_BY_A_HELPER = ONE_LINE_INDEXES_TABLES_OF_DIFFERENT_SIZES.replace(
+    "        bias = self.table[self.index.view(-1)].view(self.area, self.area, -1).permute(2, 0, 1)\n",
+    "        bias = relative_bias(self.table, self.index, self.area)\n").replace(
+    "class Attention(nn.Module):",
+    "def relative_bias(table, index, area):\n"
+    "    return table[index.view(-1)].view(area, area, -1).permute(2, 0, 1)\n\n\n"
+    "class Attention(nn.Module):")
+
+
 def test_a_line_whose_call_in_one_block_has_no_split_rule_runs_whole_and_the_blocks_stay_split(tmp_path):
-    """One line indexes each block's relative-position table; in the blocks whose window is one
-    token the table has one row and no split rule is derived there (Swin's last stage at a small
-    image). That line's tables run whole, with a warning, and every block's matrices keep
-    Megatron's split; the whole plan was unsatisfiable."""
-    (tmp_path / "relbias.py").write_text(ONE_LINE_INDEXES_TABLES_OF_DIFFERENT_SIZES)
+    """One line (a helper's) indexes each block's relative-position table; in the blocks whose
+    window is one token the table has one row and no split rule is derived there (Swin's last
+    stage at a small image). That line's tables run whole, with a warning, and every block's
+    matrices keep Megatron's split; the whole plan was unsatisfiable."""
+    (tmp_path / "relbias.py").write_text(TABLES_INDEXED_BY_A_HELPER)
     plan = search_axis(analyze(tmp_path / "relbias.py").graph, "tp", 2, load_table("megatron").for_axis("tp"))
     assert plan.param_layout["wide.0.attn.table"].kind == "R"
     for block in ("wide.0", "narrow.1"):
         assert plan.param_layout[f"{block}.attn.qkv.weight"].kind == "S"
         assert plan.param_layout[f"{block}.fc2.weight"].kind == "S"
     assert [w for w in plan.left_whole if re.match(
-        r".*relbias\.py:21:\d+: warning: Tensor\.__getitem__ keeps its weights whole .*"
+        r".*relbias\.py:7:\d+: warning: Tensor\.__getitem__ keeps its weights whole .*"
         r"the one in narrow\.0\.attn has no split rule at its sizes", w)], plan.left_whole
 
 
 def test_a_line_whose_first_call_has_no_split_rule_says_why_its_weights_stay_whole(tmp_path):
     """The block with no split rule runs first: its table's dims carry no reason of their own,
     and the warning gives the line's (it named the table and no reason)."""
-    (tmp_path / "relbias.py").write_text(ONE_LINE_INDEXES_TABLES_OF_DIFFERENT_SIZES.replace(
+    (tmp_path / "relbias.py").write_text(TABLES_INDEXED_BY_A_HELPER.replace(
         "return self.narrow(self.wide(x)[:, :1]).square().mean()",
         "return self.wide(x + self.narrow(x[:, :1])).square().mean()"))
     plan = search_axis(analyze(tmp_path / "relbias.py").graph, "tp", 2, load_table("megatron").for_axis("tp"))
     assert plan.param_layout["narrow.0.attn.table"].kind == "R"
     assert [w for w in plan.left_whole if re.match(
-        r".*relbias\.py:21:\d+: warning: Tensor\.__getitem__ keeps its weights whole .*"
+        r".*relbias\.py:7:\d+: warning: Tensor\.__getitem__ keeps its weights whole .*"
         r"narrow\.0\.attn\.table \(1 x 2\): the 4 calls from this line do not all split this way", w)], plan.left_whole
+
+
+def test_blocks_whose_one_line_splits_in_some_and_has_no_rule_in_others_are_planned_per_instance(tmp_path):
+    """The same line in the blocks' own method: the blocks of each window size are planned apart
+    (plan/instances.py), the wide blocks' tables split by heads, the one-token blocks' whole."""
+    (tmp_path / "relbias.py").write_text(ONE_LINE_INDEXES_TABLES_OF_DIFFERENT_SIZES)
+    plan = search_axis(analyze(tmp_path / "relbias.py").graph, "tp", 2, load_table("megatron").for_axis("tp"))
+    assert str(plan.param_layout["wide.0.attn.table"]) == "S(1)", plan.param_layout
+    assert plan.param_layout["narrow.0.attn.table"].kind == "R"
+    for block in ("wide.0", "narrow.1"):
+        assert plan.param_layout[f"{block}.attn.qkv.weight"].kind == "S"
+        assert plan.param_layout[f"{block}.fc2.weight"].kind == "S"
 
 
 def test_a_constraint_naming_the_layer_still_refuses_a_split_that_cannot_be_made(tmp_path):

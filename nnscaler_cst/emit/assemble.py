@@ -398,6 +398,23 @@ def split_after_build_section(shares: dict[str, tuple[int, int, list[str]]], bui
     return "\n".join(lines)
 
 
+def instance_classes_section(classes: dict[str, str], imports: dict[str, list[str]]) -> str:
+    """The text appended to a rank file whose block instances run variant classes (emit/variants.py):
+    the imports of those a mirror defines (`imports`: mirror module -> names), the table of each
+    instance's class, and build() wrapped to set them (_comm.instance_classes)."""
+    if not classes:
+        return ""
+    text = ("--- one block class, instances split unalike: each of these runs its own variant of its "
+            "class (the class's forward rewritten for its splits), set as its class after build() ---")
+    lines = ["", ""] + [f"# {line}" for line in textwrap.wrap(text, 96, break_long_words=False,
+                                                                 break_on_hyphens=False)]
+    lines += [f"from {module} import {', '.join(sorted(names))}" for module, names in sorted(imports.items())]
+    lines.append("INSTANCE_CLASSES = {  # module: its class")
+    lines += [f"    {path!r}: {name}," for path, name in classes.items()]
+    lines += ["}", "build = instance_classes(build, INSTANCE_CLASSES)", ""]
+    return "\n".join(lines)
+
+
 def merge_entry(model: cst.Module, model_path: Path, entry: cst.Module, entry_path: Path,
                 loaded: Entry | None = None, rewritten_code=None) -> cst.Module:
     """The model file followed by the entry file's own code (build(), example_inputs(), ...),

@@ -244,10 +244,11 @@ def plan_mirrors(rewritten: dict[str, tuple[SourceFile, cst.Module]], model_clas
 
 
 def render_mirror(mirror: Mirror, mirrors: list[Mirror], comm_names: set[str], needs_torch: bool,
-                  original: bool = False) -> str:
+                  original: bool = False, variants: dict[str, list[cst.ClassDef]] | None = None) -> str:
     """The mirror's text: a note, its imports (from the installed module, from other mirrors,
-    from `_comm`), then its kept statements in their order in the source; with `original`, as
-    they are in the source (the base --diff compares the mirror with)."""
+    from `_comm`), then its kept statements in their order in the source, each kept class
+    followed by its `variants` (emit/variants.py); with `original`, as they are in the source
+    (the base --diff compares the mirror with)."""
     namespace = vars(sys.modules[mirror.module_name])
     by_key = {(resolved(str(m.source.path)), _statement_name(m.source.module.body[i])[0]): m
               for m in mirrors for i in m.members if _statement_name(m.source.module.body[i])}
@@ -287,6 +288,9 @@ def render_mirror(mirror: Mirror, mirrors: list[Mirror], comm_names: set[str], n
     if not original:
         body = [stmt.visit(_InnerImports(mirror, mirrors)) for stmt in body]
     body[0] = body[0].with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()])
+    if not original:
+        body = [s for stmt in body for s in [stmt, *(variants or {}).get(getattr(stmt, "name", None) and
+                                                                          stmt.name.value, [])]]
     text = "\n".join(lines) + "\n" + module.with_changes(body=body, header=[], footer=[]).code
     return text if original else text + _table_entries(mirror)
 

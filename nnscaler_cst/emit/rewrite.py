@@ -17,9 +17,11 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 from ..errors import UserError
 from ..materialize.edits import CtorEdit, Edits, SiteEdit
 from ..materialize.size_args import factory_size
+from ..plan.instances import MethodGroups
 from ..source.files import SourceFile, Span
 from ..source.names import bound_on_every_path
 from .expr import COLLECTIVE_NOTES, bias_added, code, collective, divided, parenthesized
+from .variants import with_variants
 
 AXIS = "TP"
 _LOOSER_THAN_ADD = (cst.LeftShift, cst.RightShift, cst.BitAnd, cst.BitXor, cst.BitOr)
@@ -66,6 +68,8 @@ class Context:
     recompute: tuple[Span, ...] = ()                              # the block calls --recompute checkpoints
     in_program: bool = True         # the file becomes a rank's program (False: a mirror the stages share)
     value_first: bool = False       # the current statement's value was moved to a line of its own before it
+    instance_classes: dict[str, str] = field(default_factory=dict)   # instance -> its variant class (emit/variants.py)
+    variants: dict[str, list] = field(default_factory=dict)          # class -> its variant classes, to write after it
 
     def note(self, span: Span, text: str) -> None:
         fragments = self.notes.setdefault(span, [])
@@ -944,7 +948,23 @@ def rewrite_module(source: SourceFile, edits: Edits, split: StageSplit | None = 
                    containers: dict[Span, list[tuple[str, ...]]] | None = None,
                    recompute: tuple[Span, ...] = (), chain: tuple[StageSplit, ...] = (),
                    in_program: bool = True, mixed: frozenset = frozenset(),
-                   unsliceable: frozenset = frozenset()) -> tuple[cst.Module, Context]:
+                   unsliceable: frozenset = frozenset(), grouped: tuple[MethodGroups, ...] = ()
+                   ) -> tuple[cst.Module, Context]:
+    """`grouped`: the methods whose instances are planned per group (plan/instances.py); those of
+    this file are rewritten per group, as variant classes (emit/variants.py): the Context holds
+    them, for the caller to write after their class (insert_variants; a mirror keeps the file's
+    top-level statements as they are)."""
+    def once(edits: Edits) -> tuple[cst.Module, Context]:
+        return _rewrite_once(source, edits, split, containers, recompute, chain, in_program, mixed, unsliceable)
+
+    mine = [m for m in grouped if m.method.path == str(source.path)]
+    return with_variants(source.module, edits, mine, once) if mine else once(edits)
+
+
+def _rewrite_once(source: SourceFile, edits: Edits, split: StageSplit | None,
+                  containers: dict[Span, list[tuple[str, ...]]] | None, recompute: tuple[Span, ...],
+                  chain: tuple[StageSplit, ...], in_program: bool, mixed: frozenset,
+                  unsliceable: frozenset) -> tuple[cst.Module, Context]:
     ctx = Context(edits, split if split is not None and split.function.path == str(source.path) else None,
                   chain=tuple(c for c in chain if c.function.path == str(source.path)),
                   containers=containers or {}, mixed=frozenset(mixed), unsliceable=frozenset(unsliceable),

@@ -7,7 +7,10 @@ their bias moved after the reduction, vocabulary-split sites their split impleme
 and constructors of split parameters their size arguments divided.
 
 Edits are keyed by source span, so one edit serves every instance of a site; instances that
-would need different edits are refused. Decides nothing about the plan; writes no source.
+would need different edits are refused, except where a block class's instances are planned per
+group (plan/instances.py): each group's edits of that method are kept apart (`group_sites`), and
+its instances get a variant of the class (emit/variants.py). Decides nothing about the plan;
+writes no source.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from ..graph.graph import Graph
 from ..graph.mixed import mixed_edges
 from ..plan.batch import batch_factors, batch_labels, data_parallel_impl
 from ..plan.layouts import REPLICATE, R, Layout, layouts_for, shard
+from ..plan.instances import instance_groups
 from ..plan.search import AxisChoices
 from .buffers import buffer_layouts
 from .size_args import SIZE_ARGUMENTS, SPLIT_SIZES, dims_sized_by_read, expand_broadcasts, locate_size_argument
@@ -87,9 +91,27 @@ class Edits:
     split_after_build: dict[str, tuple[int, int, list[str]]] = field(default_factory=dict)
     # buffers split with their layer's parameters, built split by its divided constructor
     buffer_layout: dict[str, Layout] = field(default_factory=dict)
+    # the sites of a method whose instances are planned per group, per group (plan/instances.py)
+    group_sites: dict[str, dict[Span, SiteEdit]] = field(default_factory=dict)
+    groups: dict[int, str] = field(default_factory=dict)     # node index -> its group, where the plan has them
 
-    def site(self, span: Span) -> SiteEdit:
-        return self.sites.setdefault(span, SiteEdit())
+    def site(self, span: Span, group: str | None = None) -> SiteEdit:
+        sites = self.sites if group is None else self.group_sites.setdefault(group, {})
+        return sites.setdefault(span, SiteEdit())
+
+    def overlaid(self, sites: dict[Span, SiteEdit]) -> "Edits":
+        """These edits with `sites` over their own: a group's sites, for the rewrite of its method."""
+        return dataclasses.replace(self, sites={**self.sites, **sites})
+
+
+def _group(edits: Edits, node: Node) -> str | None:
+    """The group of instances whose edits this invocation's site takes, or None (every instance)."""
+    return edits.groups.get(node.index)
+
+
+def _site_of(edits: Edits, node: Node) -> SiteEdit | None:
+    group = _group(edits, node)
+    return (edits.sites if group is None else edits.group_sites.get(group, {})).get(node.span)
 
 
 SETITEM = "Tensor.__setitem__"
@@ -107,7 +129,7 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
     trace = graph.trace
     tensors = trace.tensors
     edits = Edits(plan.axis, n, {}, {}, plan.param_layout, plan.partial_grad_params,
-                  buffer_layout=buffer_layouts(graph, plan.param_layout))
+                  buffer_layout=buffer_layouts(graph, plan.param_layout), groups=instance_groups(graph).of_node)
     layout = {}
     # a fused dim (batch heads) split by heads is in batch / slices groups on each device
     local = {index: dict.fromkeys(labels, plan.batch_slices) for index, labels in batch_factors(graph).items()} \
@@ -194,9 +216,10 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
     for tid, uses in needs.items():
         producer = tensors[tid].producer
         node = graph.nodes[producer] if producer is not None else None
-        key = (node.span, node.callee, node.outputs.index(tid)) if node is not None and node.span else ("tensor", tid)
+        key = (node.span, node.callee, node.outputs.index(tid), _group(edits, node)) if node is not None and node.span \
+            else ("tensor", tid)
         by_output[key] += [(tid, consumer, path, steps) for consumer, path, steps in uses]
-    prefixes = _producer_prefixes(graph, by_output)
+    prefixes = _producer_prefixes(graph, by_output, edits.groups)
     given: dict[tuple, list[Step]] = {}            # each argument's conversion, the same in every instance
     given_by: dict[tuple, int] = {}                # ... and the tensor of the instance that set it
     raw: dict[tuple, set] = defaultdict(set)       # ... as each instance counts its dims
@@ -206,11 +229,11 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
         node = graph.nodes[producer] if producer is not None else None
         if prefix:
             instances = [graph.nodes[p] for p in dict.fromkeys(tensors[use[0]].producer for use in uses)]
-            _same(edits.site(node.span), "result", _bias_outside_scatter(graph, instances, prefix,
+            _same(edits.site(node.span, _group(edits, node)), "result", _bias_outside_scatter(graph, instances, prefix,
                                                                        len(tensors[uses[0][0]].shape), edits), node)
         for tid, consumer, path, steps in uses:
             rest = steps[len(prefix):]
-            argument = _argument(consumer, path)
+            argument = _argument(consumer, path, edits.groups)
             if argument is not None:
                 ended = steps_from_end(rest, len(tensors[tid].shape))
                 given_by.setdefault(argument, tid)
@@ -235,7 +258,7 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
                 raise UserError(f"cannot place {_steps_note(rest)} for a tensor of {tensors[tid].shape}: "
                                 "the value is not an argument written in the model's source", _loc(where),
                                 hint="pass the tensor as a plain argument, or pin this op to replicate")
-            site = edits.site(consumer.span)
+            site = edits.site(consumer.span, _group(edits, consumer))
             site.writes = consumer.callee == SETITEM
             site.args[path] = rest
             if len(path) == 3:
@@ -347,7 +370,7 @@ def data_parallel_edits(graph: Graph, edits: Edits | None) -> Edits:
             _same(site, "replace", "dp_layers({self}, {arg0}, DP)", node)
             _note(site, "each BatchNorm it runs sums its statistics over the data-parallel ranks")
             continue
-        site = edits.site(node.span)
+        site = edits.site(node.span, _group(edits, node))
         _same(site, "replace", template, node)
         _note(site, "batch statistics summed over the data-parallel ranks")
     return edits
@@ -361,7 +384,7 @@ def vocab_loss_edits(graph: Graph, losses: list[int], edits: Edits | None) -> Ed
     for index in losses:
         node = graph.nodes[index]
         module = node.callee_kind == "module"
-        site = edits.site(node.span)
+        site = edits.site(node.span, _group(edits, node))
         _same(site, "replace", "vocab_cross_entropy({arg0}, {arg1}, loss={self})" if module
               else "vocab_cross_entropy({arg0}, {arg1}{kwargs})", node)
         _note(site, "with the head: its slice of the logits on every tp x pp device, the loss from "
@@ -369,11 +392,12 @@ def vocab_loss_edits(graph: Graph, losses: list[int], edits: Edits | None) -> Ed
     return edits
 
 
-def _producer_prefixes(graph: Graph, by_output: dict) -> dict[tuple, list[Step]]:
+def _producer_prefixes(graph: Graph, by_output: dict, groups: dict[int, str] | None = None) -> dict[tuple, list[Step]]:
     """Per producer output, the steps written on the producer: those all its uses share. An
     argument written once but fed by several producers (a block's input: the embedding first,
     the residual after) gets one conversion on its line; where the producers' prefixes would
-    leave its instances different rests, those producers keep their steps off the result."""
+    leave its instances different rests, those producers keep their steps off the result.
+    `groups` (Edits.groups): a grouped method's argument is one per group of its instances."""
     tensors = graph.trace.tensors
     prefix: dict[tuple, list[Step]] = {}
     for key, uses in by_output.items():
@@ -392,7 +416,7 @@ def _producer_prefixes(graph: Graph, by_output: dict) -> dict[tuple, list[Step]]
         wholes: dict[tuple, dict[tuple, list[Step]]] = defaultdict(dict)   # argument -> key -> all its steps
         for key, uses in by_output.items():
             for tid, consumer, path, steps in uses:
-                argument = _argument(consumer, path)
+                argument = _argument(consumer, path, groups)
                 if argument is not None:
                     rests[argument][key] = steps_from_end(steps[len(prefix[key]):], len(tensors[tid].shape))
                     wholes[argument][key] = steps
@@ -404,7 +428,7 @@ def _producer_prefixes(graph: Graph, by_output: dict) -> dict[tuple, list[Step]]
         changed = False
         for argument, by_key in rests.items():
             if len({str(r) for r in by_key.values()}) > 1:
-                cut = _cut_before_common_ending(argument, wholes[argument], prefix, tensors, by_output)
+                cut = _cut_before_common_ending(graph, argument, wholes[argument], prefix, by_output, groups)
                 if cut is None:
                     shared = common_prefix([prefix[key] for key in by_key])
                     cut = {key: shared for key in by_key}
@@ -415,15 +439,15 @@ def _producer_prefixes(graph: Graph, by_output: dict) -> dict[tuple, list[Step]]
             return prefix
 
 
-def _cut_before_common_ending(argument, wholes: dict[tuple, list[Step]], prefix: dict, tensors,
-                              by_output: dict) -> dict[tuple, list[Step]] | None:
+def _cut_before_common_ending(graph: Graph, argument, wholes: dict[tuple, list[Step]], prefix: dict,
+                              by_output: dict, groups: dict[int, str] | None) -> dict[tuple, list[Step]] | None:
     """Per producer feeding one argument, its steps less the fewest last steps that every
     producer needs alike (dims counted from the end) such that each keeps no more than all its
     uses share; None where no such ending exists."""
     ends = []
     for key, steps in wholes.items():
-        tid = next(tid for tid, consumer, path, _ in by_output[key] if _argument(consumer, path) == argument)
-        ends.append([str(s) for s in steps_from_end(steps, len(tensors[tid].shape))])
+        tid = next(tid for tid, consumer, path, _ in by_output[key] if _argument(consumer, path, groups) == argument)
+        ends.append([str(s) for s in steps_from_end(steps, len(graph.trace.tensors[tid].shape))])
     common = 0
     while all(len(e) > common for e in ends) and len({e[len(e) - 1 - common] for e in ends}) == 1:
         common += 1
@@ -438,7 +462,7 @@ def _check_biases_added(graph: Graph, edits: Edits) -> None:
     """A row-split call's bias is added after the reduction written on its result; a result
     whose partial sums are reduced only where it is used would lose the bias: refused."""
     for node in graph.nodes:
-        site = edits.sites.get(node.span) if node.span is not None else None
+        site = _site_of(edits, node) if node.span is not None else None
         if site is None or site.bias is None:
             continue
         if not site.result or site.result[0].op not in ("reduce", "reduce_scatter"):
@@ -475,12 +499,13 @@ def _list_element_layout(graph: Graph, node: Node, choice: str, name: str,
     return shard(*where) if where else R
 
 
-def _argument(consumer: Node | None, path: tuple | None) -> tuple | None:
-    """One argument as written in source: every instance of the call shares its conversion.
-    None for tensors inside a list argument and for the loss: each such use is its own."""
+def _argument(consumer: Node | None, path: tuple | None, groups: dict[int, str] | None) -> tuple | None:
+    """One argument as written in source: every instance of the call shares its conversion (every
+    instance of its group, where a block class's instances are planned per group). None for
+    tensors inside a list argument and for the loss: each such use is its own."""
     if consumer is None or consumer.span is None or path is None:
         return None
-    return (consumer.span, path)
+    return (consumer.span, path, groups.get(consumer.index) if groups else None)
 
 
 def _path_note(path: tuple | None) -> str:
@@ -543,7 +568,7 @@ def _split_site_edits(graph: Graph, node: Node, choice: str, n: int, edits: Edit
                       have: dict[int, Layout]) -> None:
     dims = graph.dims[node.index]
     rule = graph.node_rule[node.index]
-    site = edits.site(node.span)
+    site = edits.site(node.span, _group(edits, node))
     if choice in dims.impl:
         template = dims.impl[choice]
         _same(site, "replace", template, node)

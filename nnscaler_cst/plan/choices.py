@@ -33,13 +33,13 @@ def choices_from_plan(graph: Graph, plan: Plan, axis: str = "tp", *, batch_slice
     if n == 1:
         return None
     refine_factors(graph)
-    wanted = {(t.site, t.callee): t for t in plan.trans if t.axis == axis}
+    wanted = {(t.site, t.callee, t.group): t for t in plan.trans if t.axis == axis}
     keys = site_keys(graph)
     options = site_options(graph, n, batch_slices, every_size_read)
     node_choice: dict[int, str] = {}
     chunks: dict[int, int] = {}
     for sid, opts in options.items():
-        trans = None if sid[0] == "node" else wanted.get((keys[sid[0]], sid[1]))
+        trans = None if sid[0] == "node" else wanted.get((keys[sid[0]], sid[1], sid[2] if len(sid) > 2 else ""))
         algo = trans.algo if trans is not None else REPLICATE
         if trans is not None and trans.n > n:        # co-shard: n = C * |axis|
             chunks.update({i: trans.n // n for i in opts.nodes})

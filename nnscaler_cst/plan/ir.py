@@ -15,6 +15,9 @@ class OpTrans:
     axis: str            # mesh axis the split runs over
     algo: str            # the split label, "batch", or "replicate"
     n: int
+    # the instances it holds for, where a block class's instances split unalike (plan/instances.py):
+    # the module path naming their group; "" for every instance of the site
+    group: str = ""
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from ..sizes import format_bytes
 from .batch import batch_labels
 from .cost import DeviceSpec, all_reduce_time, node_time
 from .eliminate import Combination, GaveUp, TooWide, minimize_avoiding
+from .instances import instance_groups
 from .layouts import REPLICATE, R, Layout, layouts_for
 from .memory import saved_bytes
 from .refine import refine_factors
@@ -106,10 +107,19 @@ class AxisPlan:
         return self.choices.options
 
 
-def site_id(graph: Graph, index: int) -> SiteId:
+def line_id(graph: Graph, index: int) -> SiteId:
+    """The site of an invocation as its source line has it: (span, callee), every instance alike."""
     node = graph.nodes[index]
     return (node.span, node.callee) if node.span is not None and (node.mapped or index in graph.unpackings) \
         else ("node", index)
+
+
+def site_id(graph: Graph, index: int) -> SiteId:
+    """The plan's variable for an invocation: its line's, or (span, callee, group) where the
+    instances of its method split unalike and are planned per group (plan/instances.py)."""
+    sid = line_id(graph, index)
+    group = instance_groups(graph).of_node.get(index) if sid[0] != "node" else None
+    return (*sid, group) if group is not None else sid
 
 
 def in_mixed_container(graph: Graph, span) -> bool:
@@ -306,6 +316,34 @@ def _layout(graph: Graph, index: int, label: str):
 
 
 def _site_candidates(graph: Graph, every_size_read: bool) -> dict[SiteId, tuple[list[int], list[tuple[tuple, list[int]]]]]:
+    """Per site, its invocations and their candidate splits, the invocations with equal candidates
+    together: the lines' (line_candidates), each line whose instances are planned per group
+    (plan/instances.py) taken apart into a site per group."""
+    lines = line_candidates(graph, every_size_read)
+    of_node = instance_groups(graph).of_node
+    if not of_node:
+        return lines
+    cache = _search_cache(graph)
+    key = ("site candidates", every_size_read)
+    if key not in cache:
+        batch, read_whole = batch_labels(graph), dims_read_whole(graph, every_size_read)
+        result = {}
+        for lid, entry in lines.items():
+            if not any(i in of_node for i in entry[0]):
+                result[lid] = entry
+                continue
+            by_group: dict[SiteId, list[int]] = {}
+            for i in entry[0]:
+                by_group.setdefault(site_id(graph, i), []).append(i)
+            for sid, nodes in by_group.items():
+                result[sid] = _candidates_of(graph, sid, nodes, batch, read_whole)
+        cache[key] = result
+    return cache[key]
+
+
+def line_candidates(graph: Graph, every_size_read: bool) -> dict[SiteId, tuple[list[int], list[tuple[tuple, list[int]]]]]:
+    """Per line (line_id), its invocations and their candidate splits, the invocations with equal
+    candidates together (a block's repeats)."""
     cache = _search_cache(graph)
     key = ("candidates", every_size_read)
     if key in cache:
@@ -314,27 +352,29 @@ def _site_candidates(graph: Graph, every_size_read: bool) -> dict[SiteId, tuple[
     read_whole = dims_read_whole(graph, every_size_read)
     grouped: dict[SiteId, list[int]] = defaultdict(list)
     for node in graph.nodes:
-        grouped[site_id(graph, node.index)].append(node.index)
-    result = {}
-    for sid, nodes in grouped.items():
-        # an instance with no derived rule (a 1x1 window's one-row table) runs whole; the
-        # site's options are those every instance has, so the others run whole too
-        splittable = sid[0] != "node" and not runs_unlike_layers(graph, sid[0])
-        operands = set.intersection(*(set(_operand_names(graph, i)) for i in nodes))
-        outputs = min(len(graph.nodes[i].outputs) for i in nodes)
-        groups: dict[tuple, list[int]] = {}      # instances with the same candidates (a block's repeats)
-        for i in nodes:
-            derived = splittable and i in graph.dims
-            labels = [REPLICATE, *(graph.dims[i].splittable() if derived else [])]
-            sizes = graph.dims[i].sizes() if derived else {}
-            candidates = tuple(_Candidate(label, _signature(graph, i, label, operands, outputs), sizes.get(label),
-                                          label == batch.get(i),
-                                          _split_problem(graph, i, label, read_whole) if label != REPLICATE else None)
-                               for label in labels)
-            groups.setdefault(candidates, []).append(i)
-        result[sid] = (nodes, list(groups.items()))
+        grouped[line_id(graph, node.index)].append(node.index)
+    result = {sid: _candidates_of(graph, sid, nodes, batch, read_whole) for sid, nodes in grouped.items()}
     cache[key] = result
     return result
+
+
+def _candidates_of(graph: Graph, sid: SiteId, nodes: list[int], batch, read_whole):
+    # an instance with no derived rule (a 1x1 window's one-row table) runs whole; the
+    # site's options are those every instance has, so the others run whole too
+    splittable = sid[0] != "node" and not runs_unlike_layers(graph, sid[0])
+    operands = set.intersection(*(set(_operand_names(graph, i)) for i in nodes))
+    outputs = min(len(graph.nodes[i].outputs) for i in nodes)
+    groups: dict[tuple, list[int]] = {}      # instances with the same candidates (a block's repeats)
+    for i in nodes:
+        derived = splittable and i in graph.dims
+        labels = [REPLICATE, *(graph.dims[i].splittable() if derived else [])]
+        sizes = graph.dims[i].sizes() if derived else {}
+        candidates = tuple(_Candidate(label, _signature(graph, i, label, operands, outputs), sizes.get(label),
+                                      label == batch.get(i),
+                                      _split_problem(graph, i, label, read_whole) if label != REPLICATE else None)
+                           for label in labels)
+        groups.setdefault(candidates, []).append(i)
+    return nodes, list(groups.items())
 
 
 def site_options(graph: Graph, n: int, batch_slices: int = 1, every_size_read: bool = False,

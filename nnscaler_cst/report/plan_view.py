@@ -12,30 +12,39 @@ from rich.text import Text
 from ..errors import package_path
 from ..graph.graph import Graph
 from ..plan.choices import site_keys
+from ..plan.instances import site_groups
 from ..plan.ir import Plan
 from ..plan.layouts import REPLICATE, layouts_for
 from ..plan.search import AxisPlan
 
 
 def plan_rows(graph: Graph, plan: Plan, tp_plan: AxisPlan | None) -> list[dict[str, Any]]:
+    return [row for _, row in _site_rows(graph, plan, tp_plan)]
+
+
+def _site_rows(graph: Graph, plan: Plan, tp_plan: AxisPlan | None) -> list[tuple[Any, dict[str, Any]]]:
+    """Per site (per group of instances where a block class's instances split unalike), its row."""
     rows = []
-    pieces = {(t.site, t.callee): t.n for t in plan.trans if t.axis == "tp"}
+    pieces = {(t.site, t.callee, t.group): t.n for t in plan.trans if t.axis == "tp"}
     keys = site_keys(graph)
-    for site in graph.sites.values():
-        node = site.nodes[0]
+    for site, group, nodes in ((site, group, nodes) for site in graph.sites.values()
+                               for group, nodes in (site_groups(graph, site.nodes) if tp_plan is not None
+                                                    else [("", site.nodes)])):
+        node = nodes[0]
         where = keys[site.span]
         choice = tp_plan.node_choice.get(node.index, REPLICATE) if tp_plan else REPLICATE
         outs = layouts_for(graph.dims.get(node.index), choice, []).outputs if tp_plan else []
-        n = pieces.get((where, site.callee), 1) if choice != REPLICATE else 1
+        n = pieces.get((where, site.callee, group), 1) if choice != REPLICATE else 1
         per_device = max(n // plan.mesh["tp"], 1)       # > 1: co-shard
-        rows.append({
-            "site": where, "callee": site.callee, "instances": len(site.nodes),
+        rows.append((site, {
+            "site": where, "callee": site.callee, "instances": len(nodes),
+            **({"group": group} if group else {}),
             "tp": choice, "n": n,
             "output_layout": [str(l) for l in outs],
             "devices": [list(plan.devices_of("tp", i // per_device)) for i in range(n)] if choice != REPLICATE else
             [list(range(plan.world_size))],
             "dp": "batch" if plan.mesh["dp"] > 1 else "-",
-        })
+        }))
     return rows
 
 
@@ -139,7 +148,7 @@ def _gib(nbytes: float) -> str:
 
 
 def plan_table(graph: Graph, plan: Plan, tp_plan: AxisPlan | None, binding: list[dict] | None) -> Group:
-    shown = [(site, row) for site, row in zip(graph.sites.values(), plan_rows(graph, plan, tp_plan))
+    shown = [(site, row) for site, row in _site_rows(graph, plan, tp_plan)
              if not (row["tp"] == REPLICATE and row["dp"] == "-")]
     by_file: dict[str, list] = {}
     for site, row in shown:
@@ -156,7 +165,9 @@ def plan_table(graph: Graph, plan: Plan, tp_plan: AxisPlan | None, binding: list
         for column in ("tp split", "n", "output", "tp devices", "dp"):
             ops.add_column(column, overflow="fold", no_wrap=column in ("n", "dp"))
         for site, row in rows:
-            ops.add_row(f"{site.span.line}:{site.span.col + 1}", _callee(row["callee"]), row["tp"], str(row["n"]),
+            # a block class's instances split unalike: each group's row names its first instance
+            callee = _callee(row["callee"]) + (f" in {row['group']}" if "group" in row else "")
+            ops.add_row(f"{site.span.line}:{site.span.col + 1}", callee, row["tp"], str(row["n"]),
                         " ".join(row["output_layout"]), _devices_text(row["devices"]), row["dp"])
         parts.append(ops)
     devices = Table(header_style="bold", title="per device (cost model)")

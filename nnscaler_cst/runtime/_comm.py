@@ -62,7 +62,7 @@ __all__ = [
     "setup", "teardown", "axis_ranks",
     "tp_copy", "tp_reduce", "tp_scatter", "tp_gather",
     "vocab_parallel_embedding", "vocab_parallel_cross_entropy", "tp_multi_head_attention_forward", "tp_recurrent",
-    "split_after_build",
+    "split_after_build", "instance_classes",
     "dp_batch_norm", "dp_functional_batch_norm", "dp_layers",
     "sync_grads", "GradBuckets", "overlap_grads", "wait_grad_buckets",
     "ZeroShards", "ZeroUnit", "zero_shards", "reduce_scatter_grads", "all_gather_params", "free_params",
@@ -432,6 +432,26 @@ def split_after_build(build, shares: dict, axis: Axis):
 
     build_split.__wrapped__ = build
     return build_split
+
+
+def instance_classes(build, classes: dict):
+    """``build`` as the entry file wrote it, then each module in ``classes`` (its path -> a
+    variant of its class) given that class: a block class whose instances split unalike runs
+    each kind's own rewrite of its forward. A module this rank's build() dropped (another
+    pipeline stage's) is skipped. Local work only."""
+
+    def build_variants(*args, **kwargs):
+        model = build(*args, **kwargs)
+        for path, cls in classes.items():
+            try:
+                module = model.get_submodule(path)
+            except AttributeError:
+                continue
+            module.__class__ = cls
+        return model
+
+    build_variants.__wrapped__ = build
+    return build_variants
 
 
 # --------------------------------------------------------------------------
