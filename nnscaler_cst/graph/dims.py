@@ -39,7 +39,7 @@ class TensorDims:
             for factor in factors:
                 if factor.label == label:
                     return d, groups
-                divisor = (local or {}).get(factor.label, 1)
+                divisor = local.get(factor.label, 1) if local else 1
                 groups *= factor.size // divisor if factor.size % divisor == 0 else factor.size
         return None
 
