@@ -257,6 +257,20 @@ def _operand_names(graph: Graph, index: int) -> list[str]:
     return [op.name for op in graph.nodes[index].operands if op.tid is not None]
 
 
+def _kept_operand_names(graph: Graph, index: int) -> tuple[str, ...]:
+    """_operand_names, kept per graph (the search asks for each invocation's once per label)."""
+    cache = _search_cache(graph).setdefault("operand names", {})
+    found = cache.get(index)
+    if found is None:
+        found = cache[index] = tuple(_operand_names(graph, index))
+    return found
+
+
+def _end_name(layout: Layout, ndim: int) -> str:
+    """str(from_end(layout, ndim)), without making a Layout where nothing is split."""
+    return layout.kind if layout.kind != "S" else str(from_end(layout, ndim))
+
+
 def from_end(layout: Layout, ndim: int) -> Layout:
     """A split dim counted from the end: one line called on (B, S, H) in some instances and on
     (tokens, H) in others splits H as dim -1 in both (the emitted collective says `dim=-1`)."""
@@ -282,9 +296,9 @@ def _signature(graph: Graph, index: int, label: str, operands: set[str], outputs
     tensors = graph.trace.tensors
     lay = _layout(graph, index, label)
     named = _operands_by_name(graph, index)
-    ins = tuple(sorted((k, str(from_end(v, len(tensors[named[k].tid].shape))))
+    ins = tuple(sorted((k, _end_name(v, len(tensors[named[k].tid].shape)))
                        for k, v in lay.inputs.items() if k in operands))
-    outs = tuple(str(from_end(lay.outputs[k], len(tensors[node.outputs[k]].shape))) if k < len(lay.outputs)
+    outs = tuple(_end_name(lay.outputs[k], len(tensors[node.outputs[k]].shape)) if k < len(lay.outputs)
                  else str(R) for k in range(outputs))         # an instance with no rule: whole results
     return ins, outs
 
@@ -324,7 +338,7 @@ def _layout(graph: Graph, index: int, label: str):
         cache = graph.__dict__["_layouts"] = _search_cache(graph).setdefault("layouts", {})
     found = cache.get((index, label))
     if found is None:
-        found = cache[(index, label)] = layouts_for(graph.dims.get(index), label, _operand_names(graph, index))
+        found = cache[(index, label)] = layouts_for(graph.dims.get(index), label, _kept_operand_names(graph, index))
     return found
 
 
@@ -381,7 +395,7 @@ def _candidates_of(graph: Graph, sid: SiteId, nodes: list[int], every_size_read:
     # an instance with no derived rule (a 1x1 window's one-row table) runs whole; the
     # site's options are those every instance has, so the others run whole too
     splittable = sid[0] != "node" and not runs_unlike_layers(graph, sid[0])
-    operands = frozenset.intersection(*(frozenset(_operand_names(graph, i)) for i in nodes))
+    operands = frozenset.intersection(*(frozenset(_kept_operand_names(graph, i)) for i in nodes))
     outputs = min(len(graph.nodes[i].outputs) for i in nodes)
     # an invocation's candidates depend on these and on itself alone: a line taken apart into a
     # site per group of instances (_site_candidates) finds its members' already derived
