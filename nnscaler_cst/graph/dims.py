@@ -39,7 +39,7 @@ class TensorDims:
             for factor in factors:
                 if factor.label == label:
                     return d, groups
-                divisor = (local or {}).get(factor.label, 1)
+                divisor = local.get(factor.label, 1) if local else 1
                 groups *= factor.size // divisor if factor.size % divisor == 0 else factor.size
         return None
 
@@ -78,14 +78,14 @@ class OpDims:
 
     def splittable(self) -> list[str]:
         """Labels that may be split, in first-seen order, without broadcast or literal factors."""
-        seen: list[str] = []
+        seen: dict[str, None] = {}          # (a dict keeps the first-seen order)
         for tensor in [*self.inputs.values(), *self.outputs]:
             for factors in tensor.dims:
                 for f in factors:
-                    if f.label not in seen and f.label not in self.fixed and not f.label[0].isdigit():
-                        seen.append(f.label)
-        out_labels = set().union(*(t.labels() for t in self.outputs)) if self.outputs else set()
-        return [l for l in seen if l in out_labels or l in self.reduced or l in self.impl]
+                    seen[f.label] = None
+        out_labels = {f.label for t in self.outputs for factors in t.dims for f in factors}
+        return [l for l in seen if l not in self.fixed and not l[0].isdigit()
+                and (l in out_labels or l in self.reduced or l in self.impl)]
 
 
 # ---- the annotation language -------------------------------------------------------------

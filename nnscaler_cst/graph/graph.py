@@ -165,8 +165,9 @@ class Graph:
 def build_graph(trace: Trace, rules: RuleSet, sources: SourceSet | None = None) -> Graph:
     dims, node_rule, problems = {}, {}, {}
     probed: dict = {}
+    seen: dict = {}
     for node in trace.nodes:
-        rule, node_dims, problem = annotate(node, trace, rules)
+        rule, node_dims, problem = annotate(node, trace, rules, seen)
         if node_dims is None:
             derived = derive(node, trace, probed, rules.size_attributes)
             if derived.dims is not None:

@@ -8,6 +8,7 @@ rules and binds them to traced invocations; it does not decide any split.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import sys
 import textwrap
@@ -20,7 +21,7 @@ from ..errors import Location, UserError, display_path, toml_error
 from ..rules_path import builtin_rules_dir, rules_dirs
 from ..trace.records import Node, TensorList, Trace
 from ..trace.naming import qualified_type, short_type, traced_split
-from .dims import Annotation, DimsError, OpDims, bind
+from .dims import Annotation, DimsError, OpDims, TensorDims, bind
 from .kinds import KINDS, Call
 
 RULES_DIR = builtin_rules_dir()
@@ -255,15 +256,75 @@ def call_of(node: Node, trace: Trace) -> Call:
     return Call(shapes, tids, values, [trace.tensors[t].shape for t in node.outputs], list(node.outputs), lists)
 
 
-def annotate(node: Node, trace: Trace, rules: RuleSet) -> tuple[OpRule | None, OpDims | None, str | None]:
-    """(rule, dims, problem): dims is None when no rule matches or the rule does not fit."""
+def annotate(node: Node, trace: Trace, rules: RuleSet,
+             seen: dict | None = None) -> tuple[OpRule | None, OpDims | None, str | None]:
+    """(rule, dims, problem): dims is None when no rule matches or the rule does not fit.
+    `seen`: the dims of earlier calls by what they depend on (see _call_key), kept by the caller:
+    a call equal to one seen up to its tensor ids gets a copy with its own ids."""
     rule = rules.rule_for(node.callee)
     if rule is None:
         return None, None, "no rule"
+    call = call_of(node, trace)
+    key = _call_key(rule, call) if seen is not None else None
+    if key is not None and key[0] in seen:
+        template, tids = seen[key[0]]
+        return rule, _with_tids(template, dict(zip(tids, key[1]))), None
     try:
-        return rule, rule.instantiate(call_of(node, trace)), None
+        dims = rule.instantiate(call)
     except (DimsError, KeyError, IndexError, TypeError) as exc:
         return rule, None, f"rule {rule.name} does not fit: {exc}"
+    if key is not None:
+        seen[key[0]] = (_with_tids(dims, {}), key[1])      # a copy: the graph's may be refined later
+    return rule, dims, None
+
+
+def _call_tids(call: Call) -> list[int]:
+    return [*call.tids.values(), *call.out_tids, *(t for tids in call.lists.values() for t in tids)]
+
+
+def _call_key(rule: OpRule, call: Call) -> tuple[tuple, list[int]] | None:
+    """(what a rule's dims depend on: the call's operand names, shapes and plain values, which of
+    its tensors are the same; its tensor ids), or None when a value has no exact key."""
+    tids = _call_tids(call)
+    first: dict[int, int] = {}
+    try:
+        key = (id(rule), tuple(call.shapes.items()), tuple(call.out_shapes),
+               tuple((name, len(tids_)) for name, tids_ in call.lists.items()),
+               tuple(first.setdefault(t, len(first)) for t in tids),
+               tuple((name, _exact(value)) for name, value in call.values.items()))
+        hash(key)
+    except TypeError:
+        return None
+    return key, tids
+
+
+def _exact(value):
+    """A key equal only for equal values of the same types (1, 1.0 and True are equal in Python)."""
+    if isinstance(value, (list, tuple)):
+        return type(value).__name__, tuple(_exact(v) for v in value)
+    if isinstance(value, float):
+        return "float", repr(value)
+    if isinstance(value, dict):
+        return "dict", tuple((_exact(k), _exact(v)) for k, v in value.items())
+    return type(value), value
+
+
+def _with_tids(dims: OpDims, tids: dict[int, int]) -> OpDims:
+    """A copy of `dims` with tensor ids mapped (those not in `tids` kept), sharing no mutable part
+    with it; tensors and dim lists shared inside it stay shared in the copy."""
+    tensors: dict[int, TensorDims] = {}
+    lists: dict[int, list] = {}
+
+    def tensor(t: TensorDims) -> TensorDims:
+        if id(t) not in tensors:
+            if id(t.dims) not in lists:
+                lists[id(t.dims)] = list(t.dims)
+            tensors[id(t)] = TensorDims(tids.get(t.tid, t.tid), lists[id(t.dims)])
+        return tensors[id(t)]
+    return dataclasses.replace(
+        dims, inputs={name: tensor(t) for name, t in dims.inputs.items()}, outputs=[tensor(t) for t in dims.outputs],
+        reduced=set(dims.reduced), fixed=set(dims.fixed), impl=dict(dims.impl), shape_only=set(dims.shape_only),
+        free={k: set(v) for k, v in dims.free.items()}, feeds={k: set(v) for k, v in dims.feeds.items()})
 
 
 def _flops_terms(text: str) -> tuple[tuple[str, ...], ...]:

@@ -21,6 +21,7 @@ import z3
 
 from ..errors import Location, UserError
 from ..graph.graph import Graph
+from ..trace.records import Operand
 from ..graph.mixed import mixed_edges
 from ..materialize.conversions import conversion, conversion_time
 from ..materialize.buffers import buffer_split_problem
@@ -174,7 +175,7 @@ def _split_problem(graph: Graph, index: int, label: str, read_whole: dict[int, s
             problem = locate_size_argument(graph, node, out[0].dim)
             if isinstance(problem, str):
                 return problem
-    layouts = layouts_for(dims, label, _operand_names(graph, index))
+    layouts = _layout(graph, index, label)
     whole = splits_read_size(graph, index, layouts, read_whole)
     if whole:
         return whole
@@ -256,10 +257,35 @@ def _operand_names(graph: Graph, index: int) -> list[str]:
     return [op.name for op in graph.nodes[index].operands if op.tid is not None]
 
 
+def _kept_operand_names(graph: Graph, index: int) -> tuple[str, ...]:
+    """_operand_names, kept per graph (the search asks for each invocation's once per label)."""
+    cache = _search_cache(graph).setdefault("operand names", {})
+    found = cache.get(index)
+    if found is None:
+        found = cache[index] = tuple(_operand_names(graph, index))
+    return found
+
+
+def _end_name(layout: Layout, ndim: int) -> str:
+    """str(from_end(layout, ndim)), without making a Layout where nothing is split."""
+    return layout.kind if layout.kind != "S" else str(from_end(layout, ndim))
+
+
 def from_end(layout: Layout, ndim: int) -> Layout:
     """A split dim counted from the end: one line called on (B, S, H) in some instances and on
     (tokens, H) in others splits H as dim -1 in both (the emitted collective says `dim=-1`)."""
     return Layout("S", layout.dim - ndim, layout.groups) if layout.kind == "S" and layout.dim >= 0 else layout
+
+
+def _operands_by_name(graph: Graph, index: int) -> dict[str, Operand]:
+    """node.operand(name) for every name of an invocation, kept per graph."""
+    cache = _search_cache(graph).setdefault("operands by name", {})
+    found = cache.get(index)
+    if found is None:
+        found = cache[index] = {}
+        for op in graph.nodes[index].operands:
+            found.setdefault(op.name, op)
+    return found
 
 
 def _signature(graph: Graph, index: int, label: str, operands: set[str], outputs: int):
@@ -268,10 +294,11 @@ def _signature(graph: Graph, index: int, label: str, operands: set[str], outputs
     counted from the end so that instances of different ranks can agree."""
     node = graph.nodes[index]
     tensors = graph.trace.tensors
-    lay = layouts_for(graph.dims.get(index), label, _operand_names(graph, index))
-    ins = tuple(sorted((k, str(from_end(v, len(tensors[node.operand(k).tid].shape))))
+    lay = _layout(graph, index, label)
+    named = _operands_by_name(graph, index)
+    ins = tuple(sorted((k, _end_name(v, len(tensors[named[k].tid].shape)))
                        for k, v in lay.inputs.items() if k in operands))
-    outs = tuple(str(from_end(lay.outputs[k], len(tensors[node.outputs[k]].shape))) if k < len(lay.outputs)
+    outs = tuple(_end_name(lay.outputs[k], len(tensors[node.outputs[k]].shape)) if k < len(lay.outputs)
                  else str(R) for k in range(outputs))         # an instance with no rule: whole results
     return ins, outs
 
@@ -311,7 +338,7 @@ def _layout(graph: Graph, index: int, label: str):
         cache = graph.__dict__["_layouts"] = _search_cache(graph).setdefault("layouts", {})
     found = cache.get((index, label))
     if found is None:
-        found = cache[(index, label)] = layouts_for(graph.dims.get(index), label, _operand_names(graph, index))
+        found = cache[(index, label)] = layouts_for(graph.dims.get(index), label, _kept_operand_names(graph, index))
     return found
 
 
@@ -326,7 +353,6 @@ def _site_candidates(graph: Graph, every_size_read: bool) -> dict[SiteId, tuple[
     cache = _search_cache(graph)
     key = ("site candidates", every_size_read)
     if key not in cache:
-        batch, read_whole = batch_labels(graph), dims_read_whole(graph, every_size_read)
         result = {}
         for lid, entry in lines.items():
             if not any(i in of_node for i in entry[0]):
@@ -336,7 +362,7 @@ def _site_candidates(graph: Graph, every_size_read: bool) -> dict[SiteId, tuple[
             for i in entry[0]:
                 by_group.setdefault(site_id(graph, i), []).append(i)
             for sid, nodes in by_group.items():
-                result[sid] = _candidates_of(graph, sid, nodes, batch, read_whole)
+                result[sid] = _candidates_of(graph, sid, nodes, every_size_read)
         cache[key] = result
     return cache[key]
 
@@ -348,31 +374,46 @@ def line_candidates(graph: Graph, every_size_read: bool) -> dict[SiteId, tuple[l
     key = ("candidates", every_size_read)
     if key in cache:
         return cache[key]
-    batch = batch_labels(graph)
-    read_whole = dims_read_whole(graph, every_size_read)
     grouped: dict[SiteId, list[int]] = defaultdict(list)
     for node in graph.nodes:
         grouped[line_id(graph, node.index)].append(node.index)
-    result = {sid: _candidates_of(graph, sid, nodes, batch, read_whole) for sid, nodes in grouped.items()}
+    result = {sid: _candidates_of(graph, sid, nodes, every_size_read) for sid, nodes in grouped.items()}
     cache[key] = result
     return result
 
 
-def _candidates_of(graph: Graph, sid: SiteId, nodes: list[int], batch, read_whole):
+def _derivation_inputs(graph: Graph, every_size_read: bool) -> tuple[dict, dict]:
+    """(batch_labels, dims_read_whole), once per graph."""
+    cache = _search_cache(graph)
+    key = ("derivation inputs", every_size_read)
+    if key not in cache:
+        cache[key] = batch_labels(graph), dims_read_whole(graph, every_size_read)
+    return cache[key]
+
+
+def _candidates_of(graph: Graph, sid: SiteId, nodes: list[int], every_size_read: bool):
     # an instance with no derived rule (a 1x1 window's one-row table) runs whole; the
     # site's options are those every instance has, so the others run whole too
     splittable = sid[0] != "node" and not runs_unlike_layers(graph, sid[0])
-    operands = set.intersection(*(set(_operand_names(graph, i)) for i in nodes))
+    operands = frozenset.intersection(*(frozenset(_kept_operand_names(graph, i)) for i in nodes))
     outputs = min(len(graph.nodes[i].outputs) for i in nodes)
+    # an invocation's candidates depend on these and on itself alone: a line taken apart into a
+    # site per group of instances (_site_candidates) finds its members' already derived
+    batch, read_whole = _derivation_inputs(graph, every_size_read)
+    known = _search_cache(graph).setdefault(("node candidates", every_size_read), {})
     groups: dict[tuple, list[int]] = {}      # instances with the same candidates (a block's repeats)
     for i in nodes:
-        derived = splittable and i in graph.dims
-        labels = [REPLICATE, *(graph.dims[i].splittable() if derived else [])]
-        sizes = graph.dims[i].sizes() if derived else {}
-        candidates = tuple(_Candidate(label, _signature(graph, i, label, operands, outputs), sizes.get(label),
-                                      label == batch.get(i),
-                                      _split_problem(graph, i, label, read_whole) if label != REPLICATE else None)
-                           for label in labels)
+        key = (i, splittable, operands, outputs)
+        candidates = known.get(key)
+        if candidates is None:
+            derived = splittable and i in graph.dims
+            labels = [REPLICATE, *(graph.dims[i].splittable() if derived else [])]
+            sizes = graph.dims[i].sizes() if derived else {}
+            candidates = known[key] = tuple(
+                _Candidate(label, _signature(graph, i, label, operands, outputs), sizes.get(label),
+                           label == batch.get(i),
+                           _split_problem(graph, i, label, read_whole) if label != REPLICATE else None)
+                for label in labels)
         groups.setdefault(candidates, []).append(i)
     return nodes, list(groups.items())
 

@@ -132,12 +132,24 @@ def _constructing_call(module: torch.nn.Module, frame, entry_file: str) -> Const
                         entry_line, entry_col, tuple(route) if via is not None else ())
 
 
+_POSITIONS: dict[int, tuple] = {}   # id(code) -> (code, its co_positions()): kept alive, so ids stay unique
+
+
+def instruction_position(frame) -> tuple | None:
+    """co_positions() of the instruction a frame is at (bytes), or None."""
+    code = frame.f_code
+    known = _POSITIONS.get(id(code))
+    if known is None:                   # listing them is a pass over the whole function's bytecode
+        known = _POSITIONS[id(code)] = (code, list(code.co_positions()))
+    positions = known[1]
+    index = frame.f_lasti // 2
+    return positions[index] if 0 <= index < len(positions) else None
+
+
 def _position(frame) -> tuple[int, int, int, int]:
     """(line, col, end line, end col) of the instruction a frame is at, columns in characters."""
     filename = frame.f_code.co_filename
-    positions = list(frame.f_code.co_positions())
-    index = frame.f_lasti // 2
-    line, end_line, col, end_col = positions[index] if 0 <= index < len(positions) else (None,) * 4
+    line, end_line, col, end_col = instruction_position(frame) or (None,) * 4
     if line is None or end_line is None or col is None or end_col is None:
         return frame.f_lineno or 0, 0, 0, 0
     return line, _char_col(filename, line, col), end_line, _char_col(filename, end_line, end_col)

@@ -36,11 +36,14 @@ class SmallConstants(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if getattr(func, "__name__", "").endswith("_") or not self._small(out):
+            return out          # an in-place call, a large result: fake
+        # (a call that is not in place leaves its operands' constants as they were)
         tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         known = {id(a): a.constant for a in tensors if isinstance(a, FakeTensor) and a.constant is not None}
-        out = func(*args, **kwargs)
-        if len(known) < len(tensors) or not self._small(out) or getattr(func, "__name__", "").endswith("_"):
-            return out          # a fake operand, a large or random result, an in-place call: fake
+        if len(known) < len(tensors):
+            return out          # a fake operand: fake
         with unset_fake_temporarily():
             state = torch.get_rng_state()
             real_args, real_kwargs = tree_map_only(FakeTensor, lambda t: known[id(t)], (args, kwargs))

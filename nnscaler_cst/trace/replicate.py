@@ -19,6 +19,7 @@ It must not change what the trace records: a copied call records exactly what tr
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import sys
@@ -36,6 +37,18 @@ _INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}     # nn.Module's
 _HOOKS = tuple(name for name in _INTERNALS if "hook" in name)
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, type(Ellipsis), slice)
 _MISSING = object()
+
+
+@contextlib.contextmanager
+def _unprofiled():
+    """The tracer's profile hook is for the model's calls; with it on, the copy's own
+    bookkeeping (a Python call per tensor id) would cost a hook call each."""
+    profiler = sys.getprofile()
+    sys.setprofile(None)
+    try:
+        yield
+    finally:
+        sys.setprofile(profiler)
 
 
 def candidates(model: torch.nn.Module, leaf_ids: set[int]) -> set[int]:
@@ -153,7 +166,7 @@ class Replicator:
     # ---- the call -----------------------------------------------------------------------
     def call(self, call_impl, module, args, kwargs):
         """nn.Module's call of a candidate block: traced, traced as a template, or copied."""
-        with torch._C.DisableTorchFunction():
+        with torch._C.DisableTorchFunction(), _unprofiled():
             key, leaves = self._key(module, args, kwargs)
             template = None
             if key is not None and key not in self.refused:
@@ -163,7 +176,8 @@ class Replicator:
         forward = module.forward
         if template is not None:
             def stand_in(*a, **k):
-                return self._copy(template, module, leaves)
+                with _unprofiled():
+                    return self._copy(template, module, leaves)
         else:
             def stand_in(*a, **k):
                 return self._record(key, module, forward, leaves, a, k)

@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ..errors import Location, UserError, display_path
-from ..source.entry import Entry, user_frame_location
+from ..source.entry import Entry, user_frame_location, instruction_position as _position
 from ..source.files import SourceSet, Span, resolved
 from .naming import layer_type, qualified_type, short_type, torch_func_name, traced_split
 from .records import UNKNOWN, Node, OpCall, Operand, ParamInfo, StateWrite, TensorInfo, TensorList, Trace
@@ -189,19 +189,6 @@ def _inode(path: str) -> tuple[int, int] | None:
     except (OSError, ValueError):
         return None
     return found.st_dev, found.st_ino
-
-
-_POSITIONS: dict[int, tuple] = {}   # id(code) -> (code, its co_positions()): kept alive, so ids stay unique
-
-
-def _position(frame) -> tuple | None:
-    code = frame.f_code
-    known = _POSITIONS.get(id(code))
-    if known is None:                   # listing them is a pass over the whole function's bytecode
-        known = _POSITIONS[id(code)] = (code, list(code.co_positions()))
-    positions = known[1]
-    index = frame.f_lasti // 2
-    return positions[index] if 0 <= index < len(positions) else None
 
 
 class Tracer(TorchFunctionMode):

@@ -1,0 +1,84 @@
+"""A rule's dims are instantiated once per distinct call and copied for each equal one
+(graph/oprules.py annotate's `seen`): every copy equals what instantiating its own call gives,
+with its own tensor ids, and shares nothing mutable with another node's dims."""
+from __future__ import annotations
+
+import pytest
+
+from nnscaler_cst.analysis import analyze
+from nnscaler_cst.graph.oprules import annotate
+
+MODEL = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        h = self.up(x)
+        h = h * h                       # one tensor twice: the copy keeps it one tensor
+        return x + self.down(torch.cat([h, h], dim=-1)[..., :h.shape[-1]])
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(4) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(2, 4),)
+
+
+def loss(out):
+    return out.sum()
+'''
+
+
+@pytest.fixture(scope="module")
+def graph(tmp_path_factory):
+    path = tmp_path_factory.mktemp("once") / "model.py"
+    path.write_text(MODEL)
+    return analyze(path).graph
+
+
+def test_each_node_gets_the_dims_its_own_call_instantiates(graph):
+    seen: dict = {}
+    copied = 0
+    for node in graph.trace.nodes:
+        before = len(seen)
+        rule, dims, problem = annotate(node, graph.trace, graph.rules, seen)
+        fresh = annotate(node, graph.trace, graph.rules)
+        assert (rule, dims, problem) == fresh
+        copied += dims is not None and len(seen) == before
+    assert copied >= 2 * 5          # the second and third block's calls are copies
+
+
+def test_copies_share_no_mutable_part(graph):
+    seen: dict = {}
+    squares = [node for node in graph.trace.nodes if node.callee == "Tensor.mul"]
+    first, second = (annotate(node, graph.trace, graph.rules, seen)[1] for node in squares[:2])
+    assert first == annotate(squares[0], graph.trace, graph.rules)[1]
+    assert first.inputs["arg0"].tid != second.inputs["arg0"].tid
+    # x * x: one tensor, its two operands labelled alike in both
+    assert first.inputs["arg0"].dims == first.inputs["arg1"].dims
+    assert second.inputs["arg0"].dims == second.inputs["arg1"].dims
+    second.outputs[0].dims.clear()
+    second.reduced.add("k")
+    assert first.outputs[0].dims and "k" not in first.reduced
+    third = annotate(squares[2], graph.trace, graph.rules, seen)[1]
+    assert third.outputs[0].dims and "k" not in third.reduced
