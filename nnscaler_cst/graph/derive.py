@@ -180,13 +180,16 @@ class AtSmallShape:
 # the largest sizes are divided until every tensor of the call is this small.
 SMALL_PROBE_SIZE = 4
 SMALL_PROBE_ELEMENTS = 1 << 16
+# small shapes tried past the first that runs, for one whose divided dims can also be halved
+LARGER_SMALL_SHAPES = 8
 
 
 def at_small_shape(trace: Trace, replay: Replay, tids: list[int], size_attributes=None) -> AtSmallShape | None:
     """A small shape of this call small enough to probe, where it runs (on fake tensors) with
     results of the traced ranks and dtypes; None when none is found. Sizes only the activations
     have (batch, sequence, heads) are divided first, the largest first; a layer's weights only
-    when that is not enough."""
+    when that is not enough. Of those, the first whose divided dims the call also runs halved
+    (_halves_run), else the first that runs."""
     shapes = {tid: trace.tensors[tid].shape for tid in tids}
     in_weights = {s for tid in tids if trace.tensors[tid].param is not None for s in shapes[tid]}
     large = sorted({s for shape in shapes.values() for s in shape if s >= 2 * SMALL_PROBE_SIZE and s % 2 == 0},
@@ -206,13 +209,9 @@ def at_small_shape(trace: Trace, replay: Replay, tids: list[int], size_attribute
                     if _halves_run(caller, shapes, renamed):
                         return view
                     first, tries = first or view, tries + 1
-                    if tries > _LARGER_SMALL_SHAPES:
+                    if tries > LARGER_SMALL_SHAPES:
                         return first
     return first
-
-
-# Small shapes tried past the first that runs, for one whose divided dims can also be halved
-_LARGER_SMALL_SHAPES = 8
 
 
 def _halves_run(caller: _Caller, traced: dict[int, tuple[int, ...]], renamed: dict[int, int]) -> bool:
