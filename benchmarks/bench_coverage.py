@@ -491,7 +491,8 @@ def classify(run: str, code: int | None, out: str, err: str, out_dir: Path | Non
         if failed:
             head = re.match(r"verify failed: (process \S+ exited with -?\d+)", failed[0])
             prefix = f"{head.group(1)}: " if head else ""
-            return "crash", prefix + exception_reason(err.split(failed[0], 1)[1] or failed[0]), {}
+            # the traceback after the line, else the line itself (an error verify found in the results)
+            return "crash", prefix + exception_reason(err.split(failed[0], 1)[1].strip() or failed[0]), {}
     return "crash", f"exit {code}: " + exception_reason(err), {}
 
 

@@ -150,3 +150,13 @@ def test_entries_loss_keeps_a_float64_run_in_float64_and_sums_half_outputs_in_fl
         exec(compile(ast.Module([fn], []), "loss", "exec"), scope)
         assert scope["loss"](torch.randn(2, 3, dtype=torch.float64)).dtype == torch.float64
         assert scope["loss"](torch.randn(2, 3, dtype=torch.bfloat16)).dtype == torch.float32
+
+
+def test_a_verify_failure_without_a_traceback_is_classified_by_its_own_line():
+    """verify's own finding (a parameter missing from the merged state dict) is the last line of
+    stderr, with no traceback after it: the reason is that line, not "no output"."""
+    sys.path.insert(0, str(BENCHMARKS))
+    bench = load(BENCHMARKS / "bench_coverage.py", "bench_coverage_under_test")
+    err = "wrote out_pp2/: 11 files\nverify failed: the parallel run has no vision.pos_embed\n"
+    status, reason, _ = bench.classify("pp2", 1, '{"error": "verify failed"}', err, None)
+    assert status == "crash" and "the parallel run has no vision.pos_embed" in reason

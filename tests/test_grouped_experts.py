@@ -120,6 +120,15 @@ def test_a_grouped_matmul_too_large_to_probe_is_probed_at_a_small_shape_it_accep
         assert dims is not None and _split(dims, "arg1") and not _split(dims, "offs"), problem
 
 
+def test_a_grouped_matmul_too_large_to_probe_keeps_the_splits_of_its_traced_shape(model, monkeypatch):
+    """A small shape at which the call runs whole but not on the halves of a dim it divided (8
+    bfloat16 per row, halved to 4: 8 bytes) would lose that dim's split (gpt-oss's experts kept
+    only the contraction of the first matmul): the probe takes a larger small shape whose halves
+    run, and finds the labels of the traced shape."""
+    monkeypatch.setattr(derive, "MAX_PROBE_ELEMENTS", 64)
+    _assert_megatron_labels(analyze(model))
+
+
 def test_every_second_element_keeps_the_split_of_whole_steps(model):
     analysis = analyze(model)
     node = next(n for n in analysis.trace.nodes if n.callee == "Tensor.__getitem__"

@@ -180,29 +180,55 @@ class AtSmallShape:
 # the largest sizes are divided until every tensor of the call is this small.
 SMALL_PROBE_SIZE = 4
 SMALL_PROBE_ELEMENTS = 1 << 16
+# small shapes tried past the first that runs, for one whose divided dims can also be halved
+LARGER_SMALL_SHAPES = 8
 
 
 def at_small_shape(trace: Trace, replay: Replay, tids: list[int], size_attributes=None) -> AtSmallShape | None:
     """A small shape of this call small enough to probe, where it runs (on fake tensors) with
     results of the traced ranks and dtypes; None when none is found. Sizes only the activations
     have (batch, sequence, heads) are divided first, the largest first; a layer's weights only
-    when that is not enough."""
+    when that is not enough. Of those, the first whose divided dims the call also runs halved
+    (_halves_run), else the first that runs."""
     shapes = {tid: trace.tensors[tid].shape for tid in tids}
     in_weights = {s for tid in tids if trace.tensors[tid].param is not None for s in shapes[tid]}
     large = sorted({s for shape in shapes.values() for s in shape if s >= 2 * SMALL_PROBE_SIZE and s % 2 == 0},
                    reverse=True)
     traced_results = [(tuple(trace.tensors[t].shape), trace.tensors[t].dtype) for t in replay.outputs]
+    first, tries = None, 0
     for divisible in ([s for s in large if s not in in_weights], large):
         for shapes_small, renamed in _divided(shapes, divisible, trace):
             for call_replay in (replay, _with_sizes(replay, renamed)):
                 view = AtSmallShape(trace, call_replay, shapes_small)
-                results = _Caller(view, call_replay, tids, size_attributes=size_attributes).fake_results()
+                caller = _Caller(view, call_replay, tids, size_attributes=size_attributes)
+                results = caller.fake_results()
                 if not isinstance(results, str) and len(results) == len(traced_results) and all(
                         len(shape) == len(want) and str(dtype) == want_dtype and all(
                             n == w or n == renamed.get(w) or (0 < n < w) for n, w in zip(shape, want))
                         for (shape, dtype), (want, want_dtype) in zip(results, traced_results)):
-                    return view
-    return None
+                    if _halves_run(caller, shapes, renamed):
+                        return view
+                    first, tries = first or view, tries + 1
+                    if tries > LARGER_SMALL_SHAPES:
+                        return first
+    return first
+
+
+def _halves_run(caller: _Caller, traced: dict[int, tuple[int, ...]], renamed: dict[int, int]) -> bool:
+    """Whether the call still runs, on fake tensors, with each divided size halved in every
+    operand dim it divided: a kernel with a minimum size or alignment (`torch._grouped_mm` wants
+    strides of a multiple of 16 bytes: 8 bfloat16) runs whole at the small shape but not on its
+    halves, and the probe would find no split of that dim, which the traced shape has."""
+    for size in renamed:
+        halved = dict(caller.base)
+        for tid, t in caller.base.items():
+            for dim, traced_size in enumerate(traced[tid]):
+                if traced_size == size:
+                    halved[tid] = halved[tid].narrow(dim, 0, t.shape[dim] // 2)
+        # laid out as the probe calls them: cloned, so dense
+        if isinstance(caller.fake_results({tid: t.clone() for tid, t in halved.items()}), str):
+            return False
+    return True
 
 
 def _divided(shapes: dict[int, tuple[int, ...]], divisible: list[int], trace: Trace):

@@ -1584,6 +1584,7 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
                     if not first <= k < stop:
                         drop += [m for m in _unused_parts(block, stage, used, every_owner) if m not in drop]
         plan.drop[stage], plan.shadow[stage] = drop, shadow
+    _hold_unused(plan, owners, used)
     # a block of a list each stage keeps whole is held where it is not hollow: its own stage, and a
     # stage whose code reads some of it (tied); one of a list cut apart, on its own stage only
     cut_apart = {b for trunk in plan.trunks if not trunk.iterations for b in trunk.blocks}
@@ -1620,6 +1621,23 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
             tied_ranks = ranks
             if plan.chain or ranks != [0, plan.ranks - 1]:    # not the default: the first and the last
                 plan.tied_ranks = ranks
+
+
+def _hold_unused(plan: StagePlan, owners: list[str], used: dict[str, set[int]]) -> None:
+    """Keep each module that no stage runs (a VLM's vision tower under a text-only forward) on
+    the first stage whose program holds its parent: dropped by every stage, its parameters would
+    be missing from the merged state dict and from every checkpoint. It has no gradient, so the
+    stage holding it only carries it. `owners` is sorted: a module comes before those inside it,
+    which come back with it."""
+    for module in owners:
+        if used.get(module):
+            continue
+        held = [s for s in range(plan.stages)
+                if module not in plan.drop[s] and not any(a in plan.drop[s] for a in _ancestors(module))]
+        keeper = next((s for s in range(plan.stages)
+                       if not any(a in plan.drop[s] for a in _ancestors(module))), None)
+        if not held and keeper is not None:
+            plan.drop[keeper].remove(module)
 
 
 def _unused_parts(block: str, stage: int, used: dict[str, set[int]], owners: list[str]) -> list[str]:
