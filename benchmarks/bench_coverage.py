@@ -477,10 +477,13 @@ def classify(run: str, code: int | None, out: str, err: str, out_dir: Path | Non
                 ("losses", any(e > tol["loss_atol"] + tol["rtol"] * abs(r)
                                for e, r in zip(data["loss_errors"], data["reference_losses"]))),
                 ("parameters", data["max_abs_error"] > tol["param_atol"]),
-                ("first-step gradients", data["max_grad_error"] > tol["grad_rtol"])) if bad]
+                ("first-step gradients", data["max_grad_error"] > tol["grad_rtol"]),
+                ("first-step buffers", data.get("max_buffer_error", 0.0) > tol["grad_rtol"])) if bad]
             reason = (f"{' and '.join(beyond) or 'results'} beyond tolerance: max loss error {losses:.2e}, "
                       f"max param error {data['max_abs_error']:.2e} ({data['worst_param']}), "
-                      f"max grad error {data['max_grad_error']:.2e} ({data['worst_grad']})")
+                      f"max grad error {data['max_grad_error']:.2e} ({data['worst_grad']})" +
+                      (f", max buffer error {data['max_buffer_error']:.2e} ({data['worst_buffer']})"
+                       if data.get("max_buffer_error", 0.0) > tol["grad_rtol"] else ""))
             return "wrong", reason, {k: data.get(k) for k in ("max_abs_error", "max_grad_error", "worst_param",
                                                                "worst_grad", "loss_errors")}
         failed = [l for l in err.splitlines() if l.startswith("verify failed: ")]

@@ -470,6 +470,35 @@ def test_vocab_parallel_cross_entropy_is_numerically_stable_in_float32(ranks):
     ranks.run(_check_vocab_parallel_cross_entropy_stability, 2)
 
 
+def _check_dp_batch_norm_of_a_nearly_constant_channel(rank, world):
+    # 4 values per channel (8 over the batch), spread 1e-3 around 100: the variance is below eps.
+    # torch's CPU kernel accumulates float32 in float64; the data-parallel one must land as near
+    # the float64 result (in float32 throughout, its centred values lost a tenth of themselves)
+    full = (_full(8, 3, 2, 2, dtype=torch.float32) * 1e-3 + 100.0)
+    upstream = _full(8, 3, 2, 2, seed=1, dtype=torch.float32)
+
+    def run(norm, x, grad):
+        x = x.clone().requires_grad_()
+        y = norm(x)
+        y.backward(grad)
+        return y.detach().double(), x.grad.double()
+
+    def whole(x):
+        return F.batch_norm(x, None, None, torch.ones(3, dtype=x.dtype), None, True)
+
+    y, dx = run(lambda x: _comm.dp_functional_batch_norm(x, DP, None, None, torch.ones(3), None, True),
+                full.chunk(world)[rank], upstream.chunk(world)[rank])
+    ref_y, ref_dx = (t.chunk(world)[rank] for t in run(whole, full, upstream))
+    exact_y, exact_dx = (t.chunk(world)[rank] for t in run(whole, full.double(), upstream.double()))
+    assert (y - exact_y).abs().max() <= 2 * (ref_y - exact_y).abs().max() + 1e-6
+    assert (dx - exact_dx).abs().max() <= 2 * (ref_dx - exact_dx).abs().max() + 1e-6
+
+
+@pytest.mark.slow
+def test_dp_batch_norm_accumulates_as_torchs_kernel_does(ranks):
+    ranks.run(_check_dp_batch_norm_of_a_nearly_constant_channel, 2, dp=2)
+
+
 # --------------------------------------------------------------------------
 # Data-parallel gradient sync
 # --------------------------------------------------------------------------

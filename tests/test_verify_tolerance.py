@@ -197,6 +197,16 @@ def test_a_wrong_first_step_is_never_excused_by_the_twin():
     assert not _result([1e-2, 0.0, 0.0], 0.0, 1e-6, twin).passed                   # first loss off
 
 
+def test_a_wrong_buffer_after_the_first_forward_is_never_excused_by_the_twin():
+    """BatchNorm's running statistics are no gradient: only the first forward's buffers, judged
+    before chaos, can tell a wrong update from an unstable model's drift."""
+    twin = {"nudge": 1e-6, "loss_errors": [0.0, 1.0, 1.0], "max_abs_error": 1.0}
+    wrong = _result([0.0, 0.0, 0.0], 0.1, 1e-6, twin)
+    assert wrong.passed
+    wrong.max_buffer_error, wrong.worst_buffer = 3e-2, "norm.running_var"
+    assert not wrong.passed and not wrong.first_step_passed
+
+
 def test_the_first_loss_is_judged_against_the_references_own_rounding_and_no_more():
     """A loss through BatchNorm over four values per channel (ResNet-50 at 32x32, batch 4) lands
     1e-4 from its float64 value in the float32 reference itself: a parallel run as far off is
@@ -256,6 +266,62 @@ def test_the_twin_is_a_real_run_whose_first_step_matches_and_later_steps_drift(t
     assert ref["losses"][0] == twin["losses"][0]
     assert all(torch.equal(ref["grads"][k], twin["grads"][k]) for k in ref["grads"])
     assert ref["losses"][-1] != twin["losses"][-1]
+
+
+BATCH_NORM_UNSTABLE = '''
+import torch
+from torch import nn
+
+
+class Deep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(16)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+
+    def forward(self, x, y):
+        x = self.norm(x)
+        for layer in self.layers:
+            x = torch.tanh(layer(x)) * 3
+        return ((x - y) ** 2).mean()
+
+
+def build():
+    return Deep()
+
+
+def example_inputs():
+    return {"x": torch.randn(8, 16), "y": torch.randn(8, 16)}
+'''
+
+
+@pytest.mark.slow
+def test_a_wrong_running_variance_in_an_unstable_model_fails(tmp_path):
+    """An unstable model (lr 0.5) at DP=2 whose rewritten BatchNorm unbiases the running variance
+    by each rank's count (4/3) instead of the whole batch's (8/7): after three steps the twin's
+    drift (0.16) covered its error (0.07) and verify passed it; the buffers after the first
+    forward show it."""
+    import json
+
+    (tmp_path / "bn_unstable.py").write_text(BATCH_NORM_UNSTABLE.lstrip())
+
+    def verify(*args):
+        result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "verify", "bn_unstable.py", "-o", "out",
+                                 "--lr", "0.5", "--json", *args], cwd=tmp_path, capture_output=True, text=True,
+                                timeout=600)
+        assert result.stdout.find("{") >= 0, result.stdout + result.stderr
+        return result.returncode, json.loads(result.stdout[result.stdout.find("{"):])
+
+    code, outcome = verify("--dp", "2")
+    assert code == 0 and outcome["passed"] and outcome["max_buffer_error"] < 1e-5, outcome
+    comm = tmp_path / "out" / "_comm.py"
+    text = comm.read_text()
+    right = "var.detach() * count / max(count - 1, 1)"
+    assert text.count(right) == 1
+    comm.write_text(text.replace(right, "var.detach() * (count // axis.size) / max(count // axis.size - 1, 1)"))
+    code, outcome = verify()                                  # as it is: hand-edited, not rewritten
+    assert code == 1 and not outcome["passed"] and outcome["worst_buffer"] == "norm.running_var", outcome
+    assert outcome["max_buffer_error"] > 10 * outcome["tolerance"]["grad_rtol"], outcome
 
 
 def test_float64_decides_only_where_float32_failed():

@@ -46,4 +46,6 @@ def _errors(result: VerifyResult) -> str:
     return (f"merged parameters after the last step: max abs error {result.max_abs_error:.2e} "
             f"({result.worst_param}), tolerance {result.param_tolerance():.0e}; first-step "
             f"gradients: max error {result.max_grad_error:.2e} of the largest ({result.worst_grad}), "
-            f"tolerance {result.tolerance['grad_rtol']:.0e}")
+            f"tolerance {result.tolerance['grad_rtol']:.0e}" +
+            (f"; buffers after the first forward: max error {result.max_buffer_error:.2e} of the largest "
+             f"({result.worst_buffer})" if result.worst_buffer else ""))

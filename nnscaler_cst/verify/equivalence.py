@@ -60,6 +60,8 @@ class VerifyResult:
     exact_first_loss: float | None = None    # the first loss in float64, where the model runs in it
     float64: VerifyResult | None = None      # the same check with both runs in float64, when float32 failed
     precision: str = "fp32"          # the dtype the tolerances are for (derived_tolerance)
+    max_buffer_error: float = 0.0    # buffers after the first forward (running statistics), as gradients
+    worst_buffer: str = ""
 
     @property
     def loss_errors(self) -> list[float]:
@@ -81,8 +83,11 @@ class VerifyResult:
 
     @property
     def first_step_passed(self) -> bool:
-        """The first step is free of chaos: its gradients and loss follow from the same weights."""
+        """The first step is free of chaos: its gradients, loss and buffers (what its forward made
+        of BatchNorm's running statistics) follow from the same weights. Later steps may be judged
+        against the twin's drift, which in an unstable model dwarfs a wrong running statistic."""
         return self.max_grad_error <= self.tolerance["grad_rtol"] and \
+            self.max_buffer_error <= self.tolerance["grad_rtol"] and \
             all(e <= t for e, t in zip(self.loss_errors[:1], self.loss_tolerances()[:1]))
 
     @property
@@ -104,6 +109,7 @@ class VerifyResult:
                 "loss_errors": self.loss_errors, "max_abs_error": self.max_abs_error,
                 "max_rel_error": self.max_rel_error, "worst_param": self.worst_param,
                 "max_grad_error": self.max_grad_error, "worst_grad": self.worst_grad,
+                "max_buffer_error": self.max_buffer_error, "worst_buffer": self.worst_buffer,
                 "precision": self.precision, "tolerance": self.tolerance, "loss_tolerances": self.loss_tolerances(),
                 "param_tolerance": self.param_tolerance(), "twin": self.twin, "seconds": round(self.seconds, 2),
                 "noise_driven": self.noise_driven,
@@ -312,10 +318,17 @@ class _Run:
             max_rel = max(max_rel, rel)
         grads = self.package.merge_state_dicts([r["grads"] for r in ranks])
         max_grad, worst_grad = gradient_error(ref["grads"], grads, rounding, tolerance["grad_rtol"])
+        # buffers after the first forward are judged as its gradients are (relative to each one's
+        # largest entry, widened by the reference's own rounding): before any step adds chaos
+        buffers = self.package.merge_state_dicts([r["buffers"] for r in ranks])
+        exact_buffers = ref["buffers"] if float64 else ref.get("exact_buffers")
+        max_buffer, worst_buffer = gradient_error(
+            ref["buffers"], buffers, rounding_of(ref["buffers"], exact_buffers, ref.get("reordered_buffers")),
+            tolerance["grad_rtol"])
         result = VerifyResult(world, len(ref["losses"]), ref["losses"], ranks[0]["losses"], max_abs, max_rel,
                               worst, max_grad, worst_grad, tolerance, 0.0, [r["counters"] for r in ranks],
                               noise_driven=sorted(unmeasured), exact_first_loss=ref.get("exact_loss"),
-                              precision=dtype)
+                              precision=dtype, max_buffer_error=max_buffer, worst_buffer=worst_buffer)
         return result, ref
 
     def judge_later_steps(self, result: VerifyResult, ref: dict, float64: bool = False) -> None:

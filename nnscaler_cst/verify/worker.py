@@ -228,6 +228,31 @@ def capture_first_gradients(model, optimizer, nudge=0.0):
     return captured
 
 
+def persistent_buffers(model):
+    """The buffers a state dict holds (running statistics, counters), as they stand now."""
+    found = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                found[f"{prefix}.{name}" if prefix else name] = buffer.detach().clone()
+    return found
+
+
+def capture_first_buffers(model, optimizer):
+    """The buffers as the first optimizer step finds them: what the first forward made of them
+    (BatchNorm's running statistics), judged before any step can carry rounding into chaos."""
+    captured = {}
+    step = optimizer.step
+
+    def step_and_capture(*a, **k):
+        if not captured:
+            captured.update(persistent_buffers(model))
+        return step(*a, **k)
+
+    optimizer.step = step_and_capture
+    return captured
+
+
 def capture_zero_gradients(model, shards, optimizer, comm):
     """capture_first_gradients under ZeRO: each rank's optimizer sees its shard of the mean gradient
     only, so the shards are gathered (by this harness, outside the counted collectives) and cut
@@ -249,11 +274,11 @@ def capture_zero_gradients(model, shards, optimizer, comm):
 
 
 def exact_first_step(entry, model, seed, max_grad_norm=None):
-    """The first step's loss and gradients in float64, from the same weights and batch: how far
-    the float32 reference itself lands from the exact values (a gradient that is zero in exact
-    arithmetic, a bias before a norm over its own dim, is pure rounding in float32; a loss through
-    BatchNorm over four values per channel carries 1e-4 of it). (None, None) when the model does
-    not run in float64 (code that names float32)."""
+    """The first step's loss, gradients and buffers in float64, from the same weights and batch:
+    how far the float32 reference itself lands from the exact values (a gradient that is zero in
+    exact arithmetic, a bias before a norm over its own dim, is pure rounding in float32; a loss
+    through BatchNorm over four values per channel carries 1e-4 of it). (None, None, None) when
+    the model does not run in float64 (code that names float32)."""
     import copy
     try:
         exact = copy.deepcopy(model).double()
@@ -262,17 +287,18 @@ def exact_first_step(entry, model, seed, max_grad_norm=None):
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(exact.parameters(), max_grad_norm)
     except Exception:       # noqa: BLE001 -- no yardstick; verify judges as before
-        return None, None
+        return None, None, None
     return loss.item(), {name: param.grad.detach().clone()
-                         for name, param in exact.named_parameters(remove_duplicate=False) if param.grad is not None}
+                         for name, param in exact.named_parameters(remove_duplicate=False) if param.grad is not None}, \
+        persistent_buffers(exact)
 
 
 def reordered_first_gradients(entry, model, seed, precision=None, max_grad_norm=None, nudge_weights=False):
-    """The first step's float32 gradients again, summed in another order (twice the intra-op
-    threads: the kernels split their reductions differently): the same arithmetic, so how far
-    they land from the reference's is rounding too. A reference whose one order happens to land
+    """The first step's float32 gradients and buffers again, summed in another order (twice the
+    intra-op threads: the kernels split their reductions differently): the same arithmetic, so how
+    far they land from the reference's is rounding too. A reference whose one order happens to land
     next to float64 (a grouped conv through BatchNorm: 1e-4 there, 0.6% with two threads) would
-    otherwise make the parallel run's own order look like an error. None when it cannot run.
+    otherwise make the parallel run's own order look like an error. (None, None) when it cannot run.
 
     `nudge_weights` (a model held in bf16 or fp16 that does not run in float64): also every half
     precision weight moved by one unit in its last place, in a seeded random direction -- the
@@ -296,11 +322,12 @@ def reordered_first_gradients(entry, model, seed, precision=None, max_grad_norm=
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(again.parameters(), max_grad_norm)
     except Exception:       # noqa: BLE001 -- no second order; verify judges by float64 alone
-        return None
+        return None, None
     finally:
         torch.set_num_threads(threads)
     return {name: param.grad.detach().clone()
-            for name, param in again.named_parameters(remove_duplicate=False) if param.grad is not None}
+            for name, param in again.named_parameters(remove_duplicate=False) if param.grad is not None}, \
+        persistent_buffers(again)
 
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -390,16 +417,19 @@ def reference(args):
         require_float64(model)
     torch.save(model.state_dict(), os.path.join(args.workdir, "init.pt"))
     yardsticks = not args.nudge and not args.float64
-    exact_loss, exact = exact_first_step(entry, model, args.seed, args.max_grad_norm) if yardsticks else (None, None)
+    exact_loss, exact, exact_buffers = exact_first_step(entry, model, args.seed, args.max_grad_norm) \
+        if yardsticks else (None, None, None)
     # float64's own rounding: the yardstick for gradients that are rounding there too
-    reordered = reordered_first_gradients(entry, model, args.seed, args.precision, args.max_grad_norm) \
-        if exact is not None or args.float64 else None
+    reordered, reordered_buffers = reordered_first_gradients(entry, model, args.seed, args.precision,
+                                                             args.max_grad_norm) \
+        if exact is not None or args.float64 else (None, None)
     if yardsticks and exact is None and held_in_half(model):     # no float64: rounding's reach, measured
-        reordered = reordered_first_gradients(entry, model, args.seed, args.precision, args.max_grad_norm,
-                                              nudge_weights=True)
+        reordered, reordered_buffers = reordered_first_gradients(entry, model, args.seed, args.precision,
+                                                                 args.max_grad_norm, nudge_weights=True)
     model.train()
     optimizer = adamw(model.parameters(), args.lr)
     grads = capture_first_gradients(model, optimizer, args.nudge)
+    buffers = capture_first_buffers(model, optimizer)
     scaler = loss_scaler(args.precision)
     losses = []
     for step in range(args.steps):
@@ -414,7 +444,8 @@ def reference(args):
         losses.append(loss.item())
     enter("saving")
     torch.save({"losses": losses, "state": model.state_dict(), "grads": grads, "exact_grads": exact,
-                "exact_loss": exact_loss, "reordered_grads": reordered},
+                "exact_loss": exact_loss, "reordered_grads": reordered, "buffers": buffers,
+                "exact_buffers": exact_buffers, "reordered_buffers": reordered_buffers},
                os.path.join(args.workdir, "twin.pt" if args.nudge else "reference.pt"))
 
 
@@ -443,6 +474,7 @@ def rank(args):
     shards = getattr(model, "zero_shards", None)
     grads = capture_zero_gradients(model, shards, optimizer, comm) if shards is not None \
         else capture_first_gradients(model, optimizer)
+    buffers = capture_first_buffers(model, optimizer)
     comm.reset_counters()
     losses = []
     for k in range(args.steps):
@@ -451,7 +483,8 @@ def rank(args):
     if shards is not None and shards.stage == 3:   # ZeRO-3 holds shards between steps: whole for the check
         comm.all_gather_params(shards, comm.DP)
     enter("saving")
-    torch.save({"losses": losses, "state": model.state_dict(), "grads": grads, "counters": dict(comm.COUNTERS)},
+    torch.save({"losses": losses, "state": model.state_dict(), "grads": grads, "buffers": buffers,
+                "counters": dict(comm.COUNTERS)},
                os.path.join(args.workdir, f"rank{rank}.pt"))
     comm.teardown()
 
