@@ -29,7 +29,7 @@ from ..graph.graph import Graph
 from ..graph.mixed import mixed_edges
 from ..plan.batch import batch_factors, batch_labels, data_parallel_impl
 from ..plan.layouts import REPLICATE, R, Layout, layouts_for, shard
-from ..plan.instances import instance_groups
+from ..plan.instances import instance_groups, mixed_lines
 from ..plan.search import AxisChoices
 from .buffers import buffer_layouts
 from .size_args import SIZE_ARGUMENTS, SPLIT_SIZES, dims_sized_by_read, expand_broadcasts, locate_size_argument
@@ -102,6 +102,12 @@ class Edits:
     def overlaid(self, sites: dict[Span, SiteEdit]) -> "Edits":
         """These edits with `sites` over their own: a group's sites, for the rewrite of its method."""
         return dataclasses.replace(self, sites={**self.sites, **sites})
+
+
+def _mixed_lines(graph: Graph, edits: Edits) -> set[Span]:
+    """The lines running unlike nn.Sequentials that the edits cannot cut apart: those whose
+    instances the plan did not group (a plan without groups never derives them)."""
+    return mixed_lines(graph) if edits.groups else graph.trace.mixed_containers
 
 
 def _group(edits: Edits, node: Node) -> str | None:
@@ -363,7 +369,7 @@ def data_parallel_edits(graph: Graph, edits: Edits | None) -> Edits:
         if template is None or node.span is None:
             continue
         line = dataclasses.replace(node.span, via=())
-        if node.span.via and line in graph.trace.mixed_containers:
+        if node.span.via and line in _mixed_lines(graph, edits):
             # the line calls an nn.Sequential holding it in some instances, other modules in others: no
             # one unrolling serves them all, so the whole call runs each BatchNorm it meets synced
             site = edits.site(line)
@@ -867,7 +873,7 @@ def _check_unrollable(graph: Graph, edits: Edits) -> None:
     its input and its result, the same for every call (the planner's _mixed_facts), move onto the
     line itself (`tp_gather(self.block(tp_copy(x)))`); for any other edit, the parameters of the
     layers it runs are named for the plan to be solved again with them whole (rewrite.py)."""
-    mixed = graph.trace.mixed_containers
+    mixed = _mixed_lines(graph, edits)
     children: dict[Span, list[Span]] = defaultdict(list)
     for span, site in edits.sites.items():
         if span.via and dataclasses.replace(span, via=()) in mixed and \
@@ -875,7 +881,7 @@ def _check_unrollable(graph: Graph, edits: Edits) -> None:
             children[dataclasses.replace(span, via=())].append(span)
     if not children:
         return
-    ends = mixed_edges(graph)
+    ends = mixed_edges(graph, mixed)
     unwritable = []
     for line, spans in sorted(children.items()):
         firsts = {graph.nodes[v].span for v, _ in ends.entries.get(line, [])}
