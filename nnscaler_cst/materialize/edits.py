@@ -805,7 +805,7 @@ def _divided_ctors(graph: Graph, edits: Edits, built_whole: set[Span]) -> dict[S
     or the constructor calls found that no one edit serves."""
     rules = graph.rules
     ctors: dict[Span, list[CtorEdit]] = {}
-    by_span: dict[tuple[Span, str], dict[tuple, int]] = defaultdict(dict)   # (site, attr) -> {size: groups}
+    by_span: dict[tuple[Span, str], dict[tuple, int]] = defaultdict(dict)   # (site, attr) -> {sizes: groups}
     unalike = {key for key, found in _ctor_dims(graph, edits).items() if len(found) > 1}
     lifted: dict[Span, set[Span]] = defaultdict(set)    # helper call divided -> the constructor calls inside
     for name, info in graph.trace.params.items():
@@ -837,8 +837,10 @@ def _divided_ctors(graph: Graph, edits: Edits, built_whole: set[Span]) -> dict[S
             lifted[span].add(info.ctor_span)
         if not _writes_arguments(graph, span, [aliases, *companions]):
             return {info.ctor_span, *lifted.get(span, ())}     # built whole, cut after build()
-        key = tuple(aliases)
-        alike = by_span[(span, info.attr)]         # one divided size serves every instance
+        # one divided size serves every instance, its companions too: a line building depthwise
+        # and pointwise convs divides groups and in_channels for the first only
+        key = (tuple(aliases), tuple(map(tuple, companions)))
+        alike = by_span[(span, info.attr)]
         if alike and alike != {key: layout.groups}:
             return {info.ctor_span, *lifted.get(span, ())}
         alike[key] = layout.groups
