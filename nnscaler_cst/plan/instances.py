@@ -80,7 +80,7 @@ def instance_groups(graph: Graph) -> InstanceGroups:
                 seen = kinds.setdefault(method, {}).setdefault(graph.nodes[i].module_path, {})
                 if seen.setdefault(lid, own) != own:
                     unusable.add(method)      # one instance runs the line as two kinds: no group serves it
-    layer_lists = _layer_lists(graph, kinds, unusable)
+    layer_lists = _layer_lists(graph, kinds)
     for method, by_instance in kinds.items():
         span, cls, name = method
         if method in unusable:
@@ -118,12 +118,12 @@ def _inside(graph: Graph, method: Span) -> list:
             and method.contains(node.span)]
 
 
-def _layer_lists(graph: Graph, kinds: dict, unusable: set) -> dict[Span, dict[str, tuple[tuple[str, ...], ...]]]:
+def _layer_lists(graph: Graph, kinds: dict) -> dict[Span, dict[str, tuple[tuple[str, ...], ...]]]:
     """Each line calling nn.Sequentials of unlike layers in unlike instances of a top-level class
     (MobileNet's inverted residuals with and without an expansion conv): per instance, the layers
     its call runs, added to `kinds` (method -> instance -> {line: its kind}) so that instances
-    running unlike lists go to different groups. A method one instance of which calls several
-    modules from the line (a loop over unlike children) is `unusable`."""
+    running unlike lists go to different groups. A line one instance of which calls several
+    modules (a loop over unlike children), or a module handed in, stays as it is: mixed."""
     trace = graph.trace
     found: dict[Span, dict[str, tuple]] = {}
     for line in sorted(trace.mixed_containers):
@@ -131,20 +131,21 @@ def _layer_lists(graph: Graph, kinds: dict, unusable: set) -> dict[Span, dict[st
         if method is None:
             continue
         instances = {node.module_path for node in _inside(graph, method[0])}
-        lists = found.setdefault(line, {})
+        lists: dict[str, tuple] = {}
+        own: dict[str, frozenset] = {}
         for path, (span, _) in trace.module_calls.items():
             if span != line or path not in trace.line_layers:
                 continue
             caller = max((i for i in instances if path.startswith(i + ".")), key=len, default=None)
             if caller is None or caller in lists:
-                unusable.add(method)    # a module handed in, or one of several the line calls
-                continue
+                break
             layers = trace.line_layers[path]
             lists[caller] = tuple(via for via, _ in layers)
-            kind = frozenset({(path[len(caller) + 1:], tuple(layers))})
-            seen = kinds.setdefault(method, {}).setdefault(caller, {})
-            if seen.setdefault(("layers", line), kind) != kind:
-                unusable.add(method)
+            own[caller] = frozenset({(path[len(caller) + 1:], tuple(layers))})
+        else:
+            found[line] = lists
+            for caller, kind in own.items():
+                kinds.setdefault(method, {}).setdefault(caller, {})[("layers", line)] = kind
     return found
 
 
