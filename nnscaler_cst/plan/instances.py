@@ -140,7 +140,7 @@ def _layer_lists(graph: Graph, kinds: dict) -> dict[Span, dict[str, tuple[tuple[
             if caller is None or caller in lists:
                 break
             layers = trace.line_layers[path]
-            lists[caller] = tuple(via for via, _ in layers)
+            lists[caller] = tuple(via for via, _ in layers if via)     # a module of its own forward: none to cut
             own[caller] = frozenset({(path[len(caller) + 1:], tuple(layers))})
         else:
             found[line] = lists
