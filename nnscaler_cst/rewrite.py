@@ -43,7 +43,7 @@ from .plan.batch import check_batch_split, loss_reduction, micro_batch_statistic
 from .plan.choices import choices_from_plan, site_keys
 from .plan.coshard import CoshardChoice, plan_coshard, repeated_forward as coshard_repeated_forward
 from .plan.cost import check_precision, load_cluster, node_time, optimizer_time
-from .plan.instances import instance_groups, site_groups
+from .plan.instances import instance_groups, mixed_lines, site_groups
 from .plan.search import AxisPlan, params_kept_whole, search_axis
 from .plan.whole_sizes import splits_a_read_size
 from .plan.tables import Constraint, load_table, source_annotations, weights_left_whole
@@ -427,7 +427,8 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
 
     def rewritten(path, in_program=True):
         module, ctx = rewrite_module(analysis.sources.get(path), edits or empty, split, analysis.trace.containers,
-                                     recompute, chain, in_program, analysis.trace.mixed_containers,
+                                     recompute, chain, in_program,
+                                     mixed_lines(analysis.graph) if grouped else analysis.trace.mixed_containers,
                                      analysis.trace.unsliceable_containers, grouped)
         classes.update(ctx.instance_classes)
         return module, ctx

@@ -1184,11 +1184,13 @@ def test_a_line_calling_blocks_built_differently_runs_their_layers_whole(tmp_pat
     assert result.returncode == 0, result.stderr
     assert "return x + dp_layers(self.block, x, DP)  # each BatchNorm it runs sums its statistics over the " \
            "data-parallel ranks" in (root / "dp" / "model.py").read_text()
+    # tensor parallel: each kind of block (with and without the expansion conv) is cut apart as
+    # its own variant (plan/instances.py), its layers split as Megatron's (tests/test_sequential_variants.py)
     result = cli("model.py", "--tp", "2", "-o", "tp", cwd=root)
     assert result.returncode == 0, result.stderr
-    assert "model.py:21:20: warning: torch.nn.Conv2d keeps its weights whole on every tensor-parallel rank: it runs " \
-           "in an nn.Sequential called at model.py:21:20 whose calls run different layers" in result.stderr
-    assert "self.block[" not in (root / "tp" / "model.py").read_text()
+    assert "keeps its weights whole" not in result.stderr
+    code = (root / "tp" / "model.py").read_text()
+    assert "class InvertedResidual_1(InvertedResidual):" in code and "'blocks.1': InvertedResidual_1," in code
 
 
 def test_a_line_calling_a_sequential_and_another_module_in_a_loop_is_not_cut_by_the_first(tmp_path):
@@ -1212,19 +1214,22 @@ def test_a_line_calling_a_sequential_with_a_forward_of_its_own_runs_that_forward
 
 
 @pytest.mark.slow     # over 10 s: keeps the quick subset under 3 minutes
-def test_a_line_calling_sequentials_built_differently_splits_them_with_conversions_around_the_call(tmp_path):
+def test_a_line_calling_sequentials_built_differently_cuts_each_kind_apart_in_a_variant(tmp_path):
     # raft's style: a conv-norm-act nn.Sequential built with a norm layer in one encoder and
-    # without in the other, called from one line (verified by hand: `verify --tp 2` passes)
+    # without in the other, called from one line: the blocks of each kind are a variant of their
+    # class, the first conv split by output channels, the second by input channels (verified by
+    # hand: `verify --tp 2` passes)
     from nnscaler_cst.analysis import analyze
     from nnscaler_cst.rewrite import PlanRequest, rewrite
     out = rewrite(analyze(written(tmp_path, CONV_NORM_ACT) / "model.py"), PlanRequest(plan="megatron", tp=2))
     assert not [w for w in out.plan.warnings if "keeps its weights whole" in w], out.plan.warnings
-    for name in ("features.conv1.0.weight", "context.conv1.0.weight", "features.conv2.0.weight"):
+    for name in ("features.conv1.0.weight", "context.conv1.0.weight"):
         assert out.plan.params[name]["tp"] == "S(0)", out.plan.params[name]
+    for name in ("features.conv2.0.weight", "context.conv2.0.weight"):
+        assert out.plan.params[name]["tp"] == "S(1)", out.plan.params[name]
     code = out.files["model.py"]
-    assert "layers = [nn.Conv2d(cin, cout // 2, 3, padding=1)]  # out_channels / 2" in code
-    assert "y = tp_copy(tp_gather(self.conv1(x), TP, dim=1), TP)" in code      # around the call, not inside
-    assert "self.conv1[" not in code and "self.conv2[" not in code
+    assert "class Block_1(Block):" in code
+    assert "return x + self.conv2[1](tp_reduce(torch.nn.functional.conv2d(y, self.conv2[0].weight" in code
 
 
 @pytest.mark.slow     # over 10 s: keeps the quick subset under 3 minutes

@@ -954,8 +954,9 @@ def rewrite_module(source: SourceFile, edits: Edits, split: StageSplit | None = 
     this file are rewritten per group, as variant classes (emit/variants.py): the Context holds
     them, for the caller to write after their class (insert_variants; a mirror keeps the file's
     top-level statements as they are)."""
-    def once(edits: Edits) -> tuple[cst.Module, Context]:
-        return _rewrite_once(source, edits, split, containers, recompute, chain, in_program, mixed, unsliceable)
+    def once(edits: Edits, layers: dict | None = None) -> tuple[cst.Module, Context]:
+        own = {**(containers or {}), **(layers or {})}   # a variant's nn.Sequential calls run its own layers
+        return _rewrite_once(source, edits, split, own, recompute, chain, in_program, mixed, unsliceable)
 
     mine = [m for m in grouped if m.method.path == str(source.path)]
     return with_variants(source.module, edits, mine, once) if mine else once(edits)

@@ -53,6 +53,13 @@ def _overlay(edits: Edits, grouped: _Grouped, kind: tuple[str, ...]) -> dict[Spa
     return sites
 
 
+def _layers(grouped: _Grouped, kind: tuple[str, ...]) -> dict[Span, list[tuple[str, ...]]]:
+    """The layers each nn.Sequential call of the class's grouped methods runs in the instances of
+    one kind, where its instances run unlike lists (plan/instances.py)."""
+    return {line: list(layers) for method, group in zip(grouped.methods, kind)
+            for name, line, layers in method.layers if name == group}
+
+
 def _class_def(module: cst.Module, name: str) -> tuple[int, cst.ClassDef] | None:
     return next(((k, s) for k, s in enumerate(module.body) if isinstance(s, cst.ClassDef) and s.name.value == name),
                 None)
@@ -83,7 +90,8 @@ class _SuperOfClass(cst.CSTTransformer):
 def with_variants(source: cst.Module, edits: Edits, methods: list[MethodGroups], rewrite_once):
     """The file rewritten with one kind of each grouped class's instances in the class itself, and
     its Context: `variants` (class -> the subclasses to write after it, insert_variants) and
-    `instance_classes` (instance -> its variant). `rewrite_once(edits)` -> (module, Context).
+    `instance_classes` (instance -> its variant). `rewrite_once(edits, layers)` -> (module,
+    Context), `layers` the nn.Sequential calls' layers as that kind runs them (_layers).
     The class keeps the first kind whose rewrite changes it (so that a mirror holds the class the
     variants derive from); a kind whose rewrite is the class's own keeps the class."""
     classes = _by_class(methods)
@@ -92,19 +100,20 @@ def with_variants(source: cst.Module, edits: Edits, methods: list[MethodGroups],
         names = [m.name for m in grouped.methods]
         before = tuple(_text(m) for m in _methods(source, grouped.cls, names))
         for kind, instances in grouped.kinds.items():
-            overlay = _overlay(edits, grouped, kind)
-            module, ctx = rewrite_once(edits.overlaid(overlay))
+            overlay, layers = _overlay(edits, grouped, kind), _layers(grouped, kind)
+            module, ctx = rewrite_once(edits.overlaid(overlay), layers)
             methods_of_kind = _methods(module, grouped.cls, names)
             rewrites.setdefault(grouped.cls, []).append(
-                (instances, tuple(_text(m) for m in methods_of_kind), methods_of_kind, overlay, ctx))
+                (instances, tuple(_text(m) for m in methods_of_kind), methods_of_kind, overlay, ctx, layers))
         rewrites[grouped.cls].sort(key=lambda r: r[1] == before)     # a kind that changes the class first
     first = {span: site for kinds in rewrites.values() for span, site in kinds[0][3].items()}
-    module, ctx = rewrite_once(edits.overlaid(first))
+    module, ctx = rewrite_once(edits.overlaid(first), {line: layers for kinds in rewrites.values()
+                                                       for line, layers in kinds[0][5].items()})
     taken = {s.name.value for s in module.body if isinstance(s, (cst.ClassDef, cst.FunctionDef))}
     for cls, kinds in rewrites.items():
         own = kinds[0][1]
         made: dict[tuple, str] = {}          # rewritten methods' text -> variant class
-        for instances, text, rewritten, _, kind_ctx in kinds[1:]:
+        for instances, text, rewritten, _, kind_ctx, _ in kinds[1:]:
             if text == own:
                 continue
             if text not in made:

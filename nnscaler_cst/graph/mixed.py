@@ -40,8 +40,9 @@ class MixedEdges:
     own_entries: dict[Span, list[tuple[int, str]]] = field(default_factory=dict)
 
 
-def mixed_calls(graph: Graph) -> list[MixedCall]:
-    mixed = graph.trace.mixed_containers
+def mixed_calls(graph: Graph, mixed: set[Span]) -> list[MixedCall]:
+    """The calls from the lines `mixed` (of graph.trace.mixed_containers: those whose instances
+    are not planned per group, plan/instances.py mixed_lines)."""
     calls: dict[tuple[Span, str], MixedCall] = {}
     for node in graph.nodes:
         span = node.span
@@ -73,13 +74,15 @@ def _own_forward_calls(graph: Graph, calls: list[MixedCall]) -> list[MixedCall]:
     return found
 
 
-def mixed_edges(graph: Graph) -> MixedEdges:
-    """Every edge touching a layer of a mixed call, sorted: inside one call, into it, out of it."""
-    cached = graph.__dict__.get("_mixed_edges")      # per graph: the planner asks per axis and size
+def mixed_edges(graph: Graph, lines: set[Span]) -> MixedEdges:
+    """Every edge touching a layer of a mixed call from `lines`, sorted: inside one call, into
+    it, out of it."""
+    cache = graph.__dict__.setdefault("_mixed_edges", {})     # per graph: the planner asks per axis and size
+    cached = cache.get(frozenset(lines))
     if cached is not None:
         return cached
     tensors = graph.trace.tensors
-    calls = mixed_calls(graph)
+    calls = mixed_calls(graph, lines)
     result = MixedEdges(calls, set(), {}, {})
     if calls:
         result.own_forward = _own_forward_calls(graph, calls)
@@ -104,5 +107,5 @@ def mixed_edges(graph: Graph) -> MixedEdges:
                         result.inside.update((index, user) for user in users if call.holds(graph, user))
                     if tid == graph.trace.loss or any(not call.holds(graph, user) for user in users):
                         result.exits.setdefault(call.line, []).append((index, k))
-    graph.__dict__["_mixed_edges"] = result
+    cache[frozenset(lines)] = result
     return result

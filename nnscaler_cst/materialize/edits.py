@@ -29,7 +29,7 @@ from ..graph.graph import Graph
 from ..graph.mixed import mixed_edges
 from ..plan.batch import batch_factors, batch_labels, data_parallel_impl
 from ..plan.layouts import REPLICATE, R, Layout, layouts_for, shard
-from ..plan.instances import instance_groups
+from ..plan.instances import instance_groups, mixed_lines
 from ..plan.search import AxisChoices
 from .buffers import buffer_layouts
 from .size_args import SIZE_ARGUMENTS, SPLIT_SIZES, dims_sized_by_read, expand_broadcasts, locate_size_argument
@@ -102,6 +102,12 @@ class Edits:
     def overlaid(self, sites: dict[Span, SiteEdit]) -> "Edits":
         """These edits with `sites` over their own: a group's sites, for the rewrite of its method."""
         return dataclasses.replace(self, sites={**self.sites, **sites})
+
+
+def _mixed_lines(graph: Graph, edits: Edits) -> set[Span]:
+    """The lines running unlike nn.Sequentials that the edits cannot cut apart: those whose
+    instances the plan did not group (a plan without groups never derives them)."""
+    return mixed_lines(graph) if edits.groups else graph.trace.mixed_containers
 
 
 def _group(edits: Edits, node: Node) -> str | None:
@@ -363,7 +369,7 @@ def data_parallel_edits(graph: Graph, edits: Edits | None) -> Edits:
         if template is None or node.span is None:
             continue
         line = dataclasses.replace(node.span, via=())
-        if node.span.via and line in graph.trace.mixed_containers:
+        if node.span.via and line in _mixed_lines(graph, edits):
             # the line calls an nn.Sequential holding it in some instances, other modules in others: no
             # one unrolling serves them all, so the whole call runs each BatchNorm it meets synced
             site = edits.site(line)
@@ -799,7 +805,7 @@ def _divided_ctors(graph: Graph, edits: Edits, built_whole: set[Span]) -> dict[S
     or the constructor calls found that no one edit serves."""
     rules = graph.rules
     ctors: dict[Span, list[CtorEdit]] = {}
-    by_span: dict[tuple[Span, str], dict[tuple, int]] = defaultdict(dict)   # (site, attr) -> {size: groups}
+    by_span: dict[tuple[Span, str], dict[tuple, int]] = defaultdict(dict)   # (site, attr) -> {sizes: groups}
     unalike = {key for key, found in _ctor_dims(graph, edits).items() if len(found) > 1}
     lifted: dict[Span, set[Span]] = defaultdict(set)    # helper call divided -> the constructor calls inside
     for name, info in graph.trace.params.items():
@@ -831,8 +837,10 @@ def _divided_ctors(graph: Graph, edits: Edits, built_whole: set[Span]) -> dict[S
             lifted[span].add(info.ctor_span)
         if not _writes_arguments(graph, span, [aliases, *companions]):
             return {info.ctor_span, *lifted.get(span, ())}     # built whole, cut after build()
-        key = tuple(aliases)
-        alike = by_span[(span, info.attr)]         # one divided size serves every instance
+        # one divided size serves every instance, its companions too: a line building depthwise
+        # and pointwise convs divides groups and in_channels for the first only
+        key = (tuple(aliases), tuple(map(tuple, companions)))
+        alike = by_span[(span, info.attr)]
         if alike and alike != {key: layout.groups}:
             return {info.ctor_span, *lifted.get(span, ())}
         alike[key] = layout.groups
@@ -867,7 +875,7 @@ def _check_unrollable(graph: Graph, edits: Edits) -> None:
     its input and its result, the same for every call (the planner's _mixed_facts), move onto the
     line itself (`tp_gather(self.block(tp_copy(x)))`); for any other edit, the parameters of the
     layers it runs are named for the plan to be solved again with them whole (rewrite.py)."""
-    mixed = graph.trace.mixed_containers
+    mixed = _mixed_lines(graph, edits)
     children: dict[Span, list[Span]] = defaultdict(list)
     for span, site in edits.sites.items():
         if span.via and dataclasses.replace(span, via=()) in mixed and \
@@ -875,7 +883,7 @@ def _check_unrollable(graph: Graph, edits: Edits) -> None:
             children[dataclasses.replace(span, via=())].append(span)
     if not children:
         return
-    ends = mixed_edges(graph)
+    ends = mixed_edges(graph, mixed)
     unwritable = []
     for line, spans in sorted(children.items()):
         firsts = {graph.nodes[v].span for v, _ in ends.entries.get(line, [])}

@@ -29,12 +29,16 @@ class MethodGroups:
     cls: str                            # the class defining it (every instance's own class)
     name: str                           # the method's name
     groups: tuple[tuple[str, ...], ...]  # module paths, per group; a group is named by its first
+    # (group, line, the layers it runs): a line calling nn.Sequentials of unlike layers in unlike
+    # instances runs one list per group, cut apart as that group's rewrite needs (emit/rewrite.py)
+    layers: tuple[tuple[str, Span, tuple[tuple[str, ...], ...]], ...] = ()
 
 
 @dataclass
 class InstanceGroups:
     methods: list[MethodGroups] = field(default_factory=list)
     of_node: dict[int, str] = field(default_factory=dict)    # node index -> its group's name
+    lines: set[Span] = field(default_factory=set)   # lines of unlike nn.Sequentials, alike within each group
 
     def group_of(self, module_path: str) -> tuple[MethodGroups, str] | None:
         """The method whose calls in `module_path` are grouped, and that instance's group."""
@@ -51,7 +55,7 @@ def instance_groups(graph: Graph) -> InstanceGroups:
     devices: the grouping does not change with --tp), each instance running that line as one
     kind, and every instance is of the class defining the method (a subclass's instance would
     lose its own methods to the variant class set on it)."""
-    from .search import REPLICATE, _refined, _search_cache, in_mixed_container, line_candidates, runs_unlike_layers
+    from .search import REPLICATE, _refined, _search_cache, line_candidates, runs_unlike_layers
     cache = _search_cache(graph)
     if "instance_groups" in cache:
         return cache["instance_groups"]
@@ -62,7 +66,7 @@ def instance_groups(graph: Graph) -> InstanceGroups:
     unusable: set[tuple] = set()
     for lid, (nodes, groups) in line_candidates(graph, False).items():
         if len(groups) < 2 or lid[0] == "node" or lid[0].via or runs_unlike_layers(graph, lid[0]) or \
-                in_mixed_container(graph, lid[0]) or not all(i in graph.dims for i in nodes):
+                not all(i in graph.dims for i in nodes):
             continue
         splits = [frozenset(c.signature for c in candidates if c.problem is None and c.label != REPLICATE)
                   for candidates, _ in groups]
@@ -76,12 +80,12 @@ def instance_groups(graph: Graph) -> InstanceGroups:
                 seen = kinds.setdefault(method, {}).setdefault(graph.nodes[i].module_path, {})
                 if seen.setdefault(lid, own) != own:
                     unusable.add(method)      # one instance runs the line as two kinds: no group serves it
+    layer_lists = _layer_lists(graph, kinds)
     for method, by_instance in kinds.items():
         span, cls, name = method
         if method in unusable:
             continue
-        inside = [node for node in graph.nodes if node.span is not None and node.span.path == span.path
-                  and span.contains(node.span)]
+        inside = _inside(graph, span)
         paths = list(dict.fromkeys(node.module_path for node in inside))
         if not all(graph.trace.module_types.get(p, "").rpartition(".")[2] == cls for p in paths):
             continue
@@ -92,10 +96,56 @@ def instance_groups(graph: Graph) -> InstanceGroups:
         if len(grouped) < 2:
             continue
         groups = tuple(tuple(members) for members in grouped.values())
-        found.methods.append(MethodGroups(span, cls, name, groups))
+        lines = [line for line in layer_lists if span.contains(line) and line.path == span.path]
+        found.methods.append(MethodGroups(span, cls, name, groups, tuple(
+            (members[0], line, layer_lists[line][members[0]]) for members in groups for line in lines
+            if members[0] in layer_lists[line])))
+        found.lines.update(lines)
         name_of = {path: members[0] for members in groups for path in members}
         for node in inside:
             found.of_node[node.index] = name_of[node.module_path]
+    return found
+
+
+def mixed_lines(graph: Graph) -> set[Span]:
+    """The lines calling nn.Sequentials of unlike layers (graph/mixed.py) that no grouping of
+    their instances makes alike: their layers take conversions only around the call."""
+    return graph.trace.mixed_containers - instance_groups(graph).lines
+
+
+def _inside(graph: Graph, method: Span) -> list:
+    return [node for node in graph.nodes if node.span is not None and node.span.path == method.path
+            and method.contains(node.span)]
+
+
+def _layer_lists(graph: Graph, kinds: dict) -> dict[Span, dict[str, tuple[tuple[str, ...], ...]]]:
+    """Each line calling nn.Sequentials of unlike layers in unlike instances of a top-level class
+    (MobileNet's inverted residuals with and without an expansion conv): per instance, the layers
+    its call runs, added to `kinds` (method -> instance -> {line: its kind}) so that instances
+    running unlike lists go to different groups. A line one instance of which calls several
+    modules (a loop over unlike children), or a module handed in, stays as it is: mixed."""
+    trace = graph.trace
+    found: dict[Span, dict[str, tuple]] = {}
+    for line in sorted(trace.mixed_containers):
+        method = _method_of(graph, line)
+        if method is None:
+            continue
+        instances = {node.module_path for node in _inside(graph, method[0])}
+        lists: dict[str, tuple] = {}
+        own: dict[str, frozenset] = {}
+        for path, (span, _) in trace.module_calls.items():
+            if span != line or path not in trace.line_layers:
+                continue
+            caller = max((i for i in instances if path.startswith(i + ".")), key=len, default=None)
+            if caller is None or caller in lists:
+                break
+            layers = trace.line_layers[path]
+            lists[caller] = tuple(via for via, _ in layers if via)     # a module of its own forward: none to cut
+            own[caller] = frozenset({(path[len(caller) + 1:], tuple(layers))})
+        else:
+            found[line] = lists
+            for caller, kind in own.items():
+                kinds.setdefault(method, {}).setdefault(caller, {})[("layers", line)] = kind
     return found
 
 

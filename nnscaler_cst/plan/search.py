@@ -30,7 +30,7 @@ from ..sizes import format_bytes
 from .batch import batch_labels
 from .cost import DeviceSpec, all_reduce_time, node_time
 from .eliminate import Combination, GaveUp, TooWide, minimize_avoiding
-from .instances import instance_groups
+from .instances import instance_groups, mixed_lines
 from .layouts import REPLICATE, R, Layout, layouts_for
 from .memory import saved_bytes
 from .refine import refine_factors
@@ -128,7 +128,7 @@ def in_mixed_container(graph: Graph, span) -> bool:
     be written between its layers (there is one source line for all), only around the call, so
     it splits only where its layers need no conversion between them (_mixed_facts), else runs
     whole (a loop calling different layers from one line: runs_unlike_layers)."""
-    return bool(span.via) and dataclasses.replace(span, via=()) in graph.trace.mixed_containers
+    return bool(span.via) and dataclasses.replace(span, via=()) in mixed_lines(graph)
 
 
 def runs_unlike_layers(graph: Graph, span) -> bool:
@@ -549,7 +549,7 @@ def _solve_mixed_first(graph: Graph, axis: str, n: int, constraints: list[Constr
     their conversions fit around the call; when no plan does that together with the constraints
     (a blanket split of every weight, and a block whose every split needs a conversion between
     its layers), the plan is solved again with those layers whole, each with a warning."""
-    if not mixed_edges(graph).calls:
+    if not mixed_edges(graph, mixed_lines(graph)).calls:
         return _search_axis(graph, axis, n, constraints, mixed_whole=False, **kwargs)
     try:
         return _search_axis(graph, axis, n, constraints, mixed_whole=False, **{**kwargs, "explain": False})
@@ -1287,7 +1287,7 @@ def _cost_tables(graph: Graph, options, n: int, device: DeviceSpec, data_paralle
             found = seconds_of[key] = conversion_time(steps, nbytes, n, device)
         return found
 
-    mixed = mixed_edges(graph)
+    mixed = mixed_edges(graph, mixed_lines(graph))
     inside = {(site_id(graph, u), site_id(graph, v)) for u, v in mixed.inside}
     for key, count in edges.items():
         su, k, sv, name, nbytes, requires_grad, _ = key

@@ -164,6 +164,10 @@ class Trace:
     # nn.Sequential calls on a subclass with its own constructor (torchvision's FCNHead): a slice
     # `head[2:]` rebuilds the class from a dict of layers, which its constructor does not take
     unsliceable_containers: set[Span] = field(default_factory=set)
+    # each module a line of the model's code calls (module_calls, not the layers it runs): the
+    # layers that call runs, in order, with their classes (an nn.Sequential's leaves; the module
+    # itself, `()`): a line whose calls run unlike lists has instances that run it unalike
+    line_layers: dict[str, list[tuple[tuple[str, ...], str]]] = field(default_factory=dict)
 
     def module_type(self, path: str) -> str:
         """The class of the module at `path`, under any of its names ("" if none)."""

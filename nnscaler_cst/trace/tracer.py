@@ -224,6 +224,7 @@ class Tracer(TorchFunctionMode):
         self.mixed_containers: set[Span] = set()    # container calls whose calls run different layers
         self.unsliceable_containers: set[Span] = set()  # container calls whose class cannot be sliced
         self._called_paths: dict[Span, list[str]] = {}   # module call line -> the modules it called
+        self.line_layers: dict[str, list[tuple[tuple[str, ...], str]]] = {}   # module called from a line -> what it runs
         self.replays: dict[int, Replay] = {}   # node index -> how to call it again
         self._entry_args: dict[int, tuple] = {}    # id(frame) -> (code, parameter values) as the call began
         self._awaiting: dict[int, Replay] = {}     # id(frame or module) -> replay whose results are not yet seen
@@ -435,6 +436,7 @@ class Tracer(TorchFunctionMode):
         # one line may call containers of different layers, or a container and another
         # module (a loop over a model's children: IntermediateLayerGetter)
         kinds = self._leaf_kinds(module) if isinstance(module, _CONTAINERS) else [((), layer_type(type(module)))]
+        self.line_layers[path] = [(via, qualified_type(kind)) for via, kind in kinds]
         if self._container_kinds.setdefault(span, kinds) != kinds:
             self.mixed_containers.add(span)
         if isinstance(module, _CONTAINERS):
@@ -771,7 +773,7 @@ class Tracer(TorchFunctionMode):
                      self._saved_by_node(), {*self._saved_storages, *(
                          storage for storage, maker in self._storage_maker.items() if maker is None)},
                      [name for name, m in model.named_modules() if m._state_dict_hooks],
-                     self.unsliceable_containers)
+                     self.unsliceable_containers, self.line_layers)
 
     def _saving(self, tensor: torch.Tensor) -> torch.Tensor:
         """autograd's pack hook: it fires, inside the op being run, for each tensor that op keeps

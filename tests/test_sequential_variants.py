@@ -1,0 +1,120 @@
+"""A line calling nn.Sequentials of unlike layers in unlike instances of its class (MobileNet's
+inverted residual: `self.conv(x)` runs expand / depthwise / project in most blocks, depthwise /
+project where the expansion ratio is 1). One line cannot hold the collectives between the layers
+of both lists, so the layers ran whole on every rank. Now the instances are grouped by the layers
+their call runs (plan/instances.py), and each group's call is cut apart in a variant of the class:
+the pointwise expand split by output channels, the depthwise conv by channels, the project by
+input channels, BatchNorm following the split."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from nnscaler_cst.analysis import analyze
+from nnscaler_cst.rewrite import PlanRequest, rewrite
+
+INVERTED_RESIDUALS = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+
+    class ConvBNAct(nn.Sequential):
+        def __init__(self, cin, cout, k=1, groups=1, act=True):
+            layers = [nn.Conv2d(cin, cout, k, padding=k // 2, groups=groups, bias=False), nn.BatchNorm2d(cout)]
+            if act:
+                layers.append(nn.ReLU6())
+            super().__init__(*layers)
+
+
+    class InvertedResidual(nn.Module):
+        def __init__(self, cin, cout, expand):
+            super().__init__()
+            hidden = cin * expand
+            self.residual = cin == cout
+            layers = [ConvBNAct(cin, hidden)] if expand != 1 else []
+            layers += [ConvBNAct(hidden, hidden, 3, groups=hidden), nn.Conv2d(hidden, cout, 1, bias=False),
+                       nn.BatchNorm2d(cout)]
+            self.conv = nn.Sequential(*layers)
+
+        def forward(self, x):
+            if self.residual:
+                return x + self.conv(x)
+            else:
+                return self.conv(x)
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.features = nn.Sequential(
+                ConvBNAct(3, 8, 3),
+                nn.Sequential(InvertedResidual(8, 4, 1)),
+                nn.Sequential(InvertedResidual(4, 8, 2), InvertedResidual(8, 8, 2)))
+            self.head = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.head(self.features(x).mean((2, 3)))
+
+
+    def build():
+        torch.manual_seed(0)
+        return Net()
+
+
+    def example_inputs():
+        return (torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(1)),)
+
+
+    def loss(output):
+        return output.square().mean()
+''')
+
+
+def _model(tmp_path):
+    path = tmp_path / "mobile.py"
+    path.write_text(INVERTED_RESIDUALS)
+    return path
+
+
+def test_inverted_residuals_with_and_without_expansion_split_their_layers_like_megatron(tmp_path):
+    result = rewrite(analyze(_model(tmp_path)), PlanRequest(plan="megatron", tp=2))
+    params = result.plan.params
+    block = {name: info for name, info in params.items() if name.startswith("features.1.") or
+             name.startswith("features.2.")}
+    numel = lambda info: torch_numel(info["shape"])  # noqa: E731
+    split = sum(numel(info) for info in block.values() if info["tp"].startswith("S"))
+    assert split / sum(numel(info) for info in block.values()) >= 0.9, block
+    layouts = {name: info["tp"] for name, info in block.items()}
+    for b in ("features.2.0", "features.2.1"):       # expand by output channels, project by input channels
+        assert layouts[f"{b}.conv.0.0.weight"] == "S(0)", layouts
+        assert layouts[f"{b}.conv.0.1.weight"] == "S(0)", layouts
+        assert layouts[f"{b}.conv.1.0.weight"] == "S(0)", layouts
+        assert layouts[f"{b}.conv.2.weight"] == "S(1)", layouts
+    assert layouts["features.1.0.conv.0.0.weight"] == "S(0)", layouts     # the depthwise conv by channels
+    assert layouts["features.1.0.conv.1.weight"] == "S(1)", layouts
+    assert not [w for w in result.plan.warnings if "keeps its weights whole" in w], result.plan.warnings
+    text = result.files["model.py"]
+    assert "class InvertedResidual_1(InvertedResidual):" in text, text
+    assert "self.conv[2](self.conv[1][2](self.conv[1][1](self.conv[1][0](" in text, text    # cut in each kind
+    assert "self.conv[3](tp_reduce(self.conv[2](" in text, text
+
+
+def torch_numel(shape):
+    n = 1
+    for size in shape:
+        n *= size
+    return n
+
+
+@pytest.mark.slow
+def test_inverted_residuals_with_and_without_expansion_train_like_one_device(tmp_path):
+    _model(tmp_path)
+    result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "verify", "mobile.py", "--tp", "2", "-o", "out",
+                             "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    start = result.stdout.find("{")
+    outcome = json.loads(result.stdout[start:]) if start >= 0 else None
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
