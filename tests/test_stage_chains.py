@@ -331,6 +331,17 @@ def test_a_plan_solved_again_with_parameters_kept_whole_leaves_unsplittable_conv
     assert "self.gamma = nn.Parameter(1e-1 * torch.ones(dim, 1, 1))\n" in out.files["model.py"]
 
 
+def test_a_parameter_kept_whole_in_one_instance_leaves_the_line_whole_in_all(tmp_path):
+    # one instance's fc2 cannot be built split (a plan solved again): its line is one site for
+    # both blocks, so Megatron's "split every matrix" leaves that site be rather than conflict
+    # with the parameter kept whole (diffusers' UNet2DModel re-plan was unsatisfiable)
+    kept = ("blocks.0.fc2.bias", "blocks.0.fc2.weight")
+    out = rewrite(analyze(_write(tmp_path, LAYER_SCALE)), PlanRequest(plan="megatron", tp=2), whole_params=kept)
+    assert out.plan.params["blocks.0.fc2.weight"]["tp"] == "R"
+    assert out.plan.params["blocks.1.fc2.weight"]["tp"] == "R"
+    assert out.plan.params["blocks.1.fc1.weight"]["tp"] == "S(0)"
+
+
 PROJECTED = '''
 import torch
 import torch.nn as nn

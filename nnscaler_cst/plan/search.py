@@ -581,10 +581,16 @@ def _search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
                   if mixed_whole and sid[0] != "node" and in_mixed_container(graph, sid[0])}
     for constraint in constraints:
         selects, allows = _constraint_answers(graph, constraint)
+        excepted = constraint.select.get("except_params")
         narrowed = []
         for sid in sids:
             opts = options[sid]
             selected = [i for i in opts.nodes if selects(i)]
+            if selected and excepted and any(graph.trace.tensors[tid].param in excepted
+                                             for i in opts.nodes for _, tid in graph.param_operands(i)):
+                # one choice serves every call of a site: where one instance's parameter is kept
+                # whole (a plan solved again, rewrite.py), the constraint leaves the others be too
+                continue
             if selected:
                 narrowed.append((sid, [k for k in range(len(opts.options)) if k in whole_only.get(sid, (k,))
                                        and all(allows(i, opts.labels[i][k]) for i in selected)]))
