@@ -194,13 +194,13 @@ def test_a_value_stored_on_the_model_is_run_again_at_a_second_step(at_repo, monk
     report = dry.dry_run(analysis_of("stored_buffer.py"), result.files)
     assert (0, "forward, backward") in report.checked and (0, "second step") not in report.checked
 
-    from nnscaler_cst.materialize import edits
     from nnscaler_cst.plan import whole_sizes
     from nnscaler_cst.source.files import SourceFile
     monkeypatch.setattr(SourceFile, "value_is_stored", lambda self, node: False)
     # `.to()` hands the buffer back unmodified: what keeps its layout one under both names (and
     # its sizes whole in the replan) is switched off too, so that the slice of the slice is written
-    monkeypatch.setattr(edits, "_passes_through", lambda graph, node: None)
+    from nnscaler_cst.graph.graph import Graph
+    monkeypatch.setattr(Graph, "passed_through", property(lambda self: {}))
     monkeypatch.setattr(whole_sizes, "_handed_back", lambda graph: {})
     with pytest.raises(UserError) as error:
         rewrite(analyze(path), PlanRequest(tp=2))          # a fresh analysis: the planner caches per graph

@@ -1442,6 +1442,64 @@ def test_a_skip_read_again_after_a_call_handed_it_back_keeps_its_one_layout(tmp_
     assert params["down.1.shortcut.weight"]["tp"] == "S(1)" and params["up.1.fc1.weight"]["tp"] == "S(0)"
 
 
+# diffusers' ResnetBlock2D again: `x = x.contiguous()` before the shortcut hands back its input,
+# which the block's first norm also reads; another instance of the block reads a whole tensor.
+# The search priced a gather on the contiguous call (one the norm's instances could then share,
+# on the stem's result); the rewrite converted nothing there, found the norm's instances needing
+# a gather and none, and planned the stem whole again (diffusers AutoencoderKL DP×TP refused).
+# Reads of the handed-back result now take the call's planned conversion first.
+HANDED_BACK_SHORTCUT = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, din, dout):
+        super().__init__()
+        self.norm = nn.LayerNorm(din)
+        self.fc = nn.Linear(din, dout)
+        self.shortcut = nn.Linear(din, dout) if din != dout else None
+
+    def forward(self, x):
+        h = self.fc(self.norm(x))
+        if self.shortcut is not None:
+            x = x.contiguous()
+            x = self.shortcut(x)
+        return x + h
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block1 = Block(64, 64)
+        self.stem = nn.Linear(64, 64)
+        self.block2 = Block(64, 32)
+
+    def forward(self, x):
+        a = self.block1(x)
+        b = self.block2(self.stem(x))
+        return a.pow(2).mean() + b.pow(2).mean()
+
+
+def build():
+    torch.manual_seed(0)
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(8, 16, 64),)
+'''
+
+
+def test_reads_of_a_handed_back_result_take_the_conversion_the_search_priced_on_the_call(tmp_path):
+    root = written(tmp_path, HANDED_BACK_SHORTCUT)
+    result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    assert "could not be written" not in result.stderr          # the plan searched is the plan written
+    params = json.loads((root / "out" / "plan.json").read_text())["params"]
+    assert params["stem.weight"]["tp"] != "R" and params["block2.shortcut.weight"]["tp"] != "R"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model,mode", [(TORCH_ENCODER, ("--tp", "2")),
                                         (MULTIHEAD, ("--tp", "2", "--dp", "2")),
@@ -1456,11 +1514,13 @@ def test_a_skip_read_again_after_a_call_handed_it_back_keeps_its_one_layout(tmp_
                                         (CONFIG_BUILT_LAYERS, ("--tp", "2")),
                                         (HOOKED_STATE_KEYS, ("--tp", "2")),
                                         (SKIP_LIST_UNET, ("--tp", "2")),
+                                        (HANDED_BACK_SHORTCUT, ("--tp", "2")),
                                         (BRANCHES_WITH_A_POOLING_SEQUENTIAL, ("--tp", "2"))],
                          ids=["torch-encoder-tp2", "multihead-attention-dp2xtp2", "torch-encoder-pp2",
                               "branched-vit-pp2", "counting-vit-pp2", "mixed-blocks-dp2xtp2", "helper-built-convs-tp2",
                               "conv-blocks-with-biases-tp2", "relative-position-bias-tp2", "nested-layer-lists-pp2",
                               "config-built-layers-tp2", "hooked-state-keys-tp2", "skip-list-unet-tp2",
+                              "handed-back-shortcut-tp2",
                               "branches-with-a-pooling-sequential-tp2"])
 def test_verifies(tmp_path, model, mode):
     root = written(tmp_path, model)

@@ -392,6 +392,56 @@ def test_a_relative_import_inside_a_mirrored_definition_names_the_installed_modu
     assert "self.proj = nn.Linear(dim // 2, dim)" in (tmp_path / "out" / "localpkg" / "norms" / "gate.py").read_text()
 
 
+# A mirrored class reading a module bound by a dotted import (`import collections.abc`, as
+# transformers' CvtEmbeddings checks `isinstance(patch_size, collections.abc.Iterable)`): the
+# mirror imports the bound name, `collections` (CvT TP=2's dry run failed with a NameError).
+DOTTED_IMPORT_PACKAGE = {
+    "__init__.py": "",
+    "layers.py": """
+        import collections.abc
+
+        import torch.nn as nn
+
+
+        class Mlp(nn.Module):
+            def __init__(self, dim, hidden):
+                super().__init__()
+                sizes = hidden if isinstance(hidden, collections.abc.Iterable) else (hidden,)
+                self.fc1 = nn.Linear(dim, sizes[0])
+                self.fc2 = nn.Linear(sizes[0], dim)
+
+            def forward(self, x):
+                return self.fc2(self.fc1(x).relu())
+    """,
+    "net.py": """
+        import torch.nn as nn
+
+        from .layers import Mlp
+
+
+        class Net(nn.Module):
+            def __init__(self, dim=16, hidden=32):
+                super().__init__()
+                self.mlp = Mlp(dim, hidden)
+
+            def forward(self, x):
+                return (x + self.mlp(x)).pow(2).mean()
+    """,
+}
+
+
+def test_a_mirror_imports_the_module_a_dotted_import_binds(tmp_path):
+    (tmp_path / "dottedpkg").mkdir()
+    for name, text in DOTTED_IMPORT_PACKAGE.items():
+        (tmp_path / "dottedpkg" / name).write_text(textwrap.dedent(text).lstrip("\n"))
+    (tmp_path / "entry.py").write_text(textwrap.dedent(HELPER_ENTRY).replace("helperpkg.net", "dottedpkg.net")
+                                       .lstrip("\n"))
+    result = cli("entry.py", "--tp", "2", "-o", "out", cwd=tmp_path)     # its dry run builds the mirror
+    assert result.returncode == 0, result.stderr
+    layers = (tmp_path / "out" / "dottedpkg" / "layers.py").read_text()
+    assert "from dottedpkg.layers import collections" in layers and "nn.Linear(dim, sizes[0] // 2)" in layers
+
+
 # A layer looked up by its class in a table of another file, as timm's ConvNormAct passes its
 # norm_layer to get_norm_act_layer, which checks `norm_layer in _NORM_ACT_TYPES`: the mirrored
 # block names the rewritten class (its default argument), the registered builder (not defined

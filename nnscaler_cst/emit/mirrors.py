@@ -141,6 +141,8 @@ def _global_reads(source: SourceFile) -> dict[int, set[str]]:
             if access.referents and not all(isinstance(r.scope, GlobalScope) for r in access.referents):
                 continue        # a local, a parameter, a closure variable
             node = access.node
+            while isinstance(node, cst.Attribute):     # `collections.abc.X` after `import collections.abc`
+                node = node.value
             if node not in positions or not isinstance(node, cst.Name):
                 continue
             start = positions[node].start

@@ -21,7 +21,7 @@ from ..source.files import SourceSet, Span
 from ..trace.records import Node, Trace
 from ..errors import Location
 from .batch_probe import batch_kept_apart, half_batch_trace, module_kept_apart
-from .derive import derive
+from .derive import derive, handed_back
 from .dims import OpDims
 from .oprules import OpRule, RuleSet, annotate
 
@@ -115,6 +115,27 @@ class Graph:
         if isinstance(parent, cst.Assign):
             return any(c.index in self.unpackings and self._unpacked(c) is parent.value for c in consumers)
         return False
+
+    @cached_property
+    def passed_through(self) -> dict[int, int]:
+        """Node index -> the operand the call hands back as its one result, unmodified
+        (`x.contiguous()` of a contiguous tensor, `.float()` of a float one): one object under two
+        tensor ids. Every later read of the object (`skips[-1]`, kept from before the call) is
+        traced as a read of the result, so the rewrite converts nothing at such a call and
+        converts reads under either name as reads of the operand (materialize/edits.py). A
+        parameter handed back keeps its own split."""
+        found = {}
+        for node in self.nodes:
+            if len(node.outputs) != 1:
+                continue
+            names = defaultdict(list)
+            for operand in node.operands:
+                if operand.tid is not None:
+                    names[operand.tid].append(operand.name)
+            tid = handed_back(node.outputs[0], node, self.trace, names)
+            if tid is not None and self.trace.tensors[tid].param is None:
+                found[node.index] = tid
+        return found
 
     @cached_property
     def unpackings(self) -> set[int]:

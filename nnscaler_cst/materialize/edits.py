@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 import libcst as cst
 
 from ..errors import UserError
-from ..graph.derive import handed_back
 from ..graph.graph import Graph
 from ..graph.mixed import mixed_edges
 from ..plan.batch import batch_factors, batch_labels, data_parallel_impl
@@ -152,9 +151,7 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
     # what each consumer needs of each tensor
     needs: dict[int, list[tuple[Node | None, tuple | None, list[Step]]]] = defaultdict(list)
     have: dict[int, Layout] = {}
-    passed = {node.index: _passes_through(graph, node) for node in graph.nodes}
-    # a parameter's layout is its split, which `have` does not hold: one handed back stays planned as is
-    passed = {index: tid for index, tid in passed.items() if tid is not None and tensors[tid].param is None}
+    passed = graph.passed_through
     # expands run whole but built at a split tensor's local size: each rank broadcasts the whole
     # input into its own share, so the input's gradient is a partial sum (a `copy`)
     broadcast_split: set[int] = set()
@@ -162,18 +159,20 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
         for k, tid in enumerate(node.outputs):
             outs = lay(node).outputs
             have[tid] = outs[k] if k < len(outs) else R
-        if node.index in passed:    # the same object, so the same layout, whatever the plan chose here
-            have[node.outputs[0]] = have.get(passed[node.index], R)
         if node.callee == "Tensor.expand" and node.outputs and have[node.outputs[0]] == R:
             sized = _dim_sized_by_a_split_tensor(graph, node, have)
             if sized is not None:       # planned whole, but built at the size a split tensor has
                 have[node.outputs[0]] = shard(sized)
                 broadcast_split.add(node.index)
     grad_at = _grad_at_argument(graph)
+    handed: dict[int, list[Step]] = {}     # a call handing back its operand -> the conversion planned there
+    handed_back_as = {graph.nodes[index].outputs[0]: tid for index, tid in passed.items()}
     for node in graph.nodes:
         wanted = lay(node)
+        if node.index in passed:
+            handed[node.index] = []
         for operand in node.operands:
-            if operand.tid is None or tensors[operand.tid].param is not None or operand.tid == passed.get(node.index):
+            if operand.tid is None or tensors[operand.tid].param is not None:
                 continue
             info = tensors[operand.tid]
             if info.buffer is not None and wanted.inputs.get(operand.name) == edits.buffer_layout.get(info.buffer, R):
@@ -189,11 +188,16 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
                 raise UserError(f"{node.callee} would need a partial sum as input", _loc(node))
             if strict:
                 _warn_forced_regather(graph, plan, node, operand.name, steps, edits.warnings)
+            if operand.tid == passed.get(node.index):
+                handed[node.index] = steps
+                continue
             needs[operand.tid].append((node, operand.path, steps))
         for operand in node.operands:   # tensors inside a list (torch.cat): each element converted
             if not isinstance(operand.value, TensorList):
                 continue
             for k, tid in enumerate(operand.value):
+                while tid in handed_back_as:    # unpriced by the search: read as the object it is
+                    tid = handed_back_as[tid]
                 element = (*operand.path, k) if operand.path else None
                 if wanted.split is False:
                     steps = conversion(have.get(tid, R), R, consumer_split=False, requires_grad=False)
@@ -209,13 +213,14 @@ def plan_edits(graph: Graph, plan: AxisChoices, *, strict: bool = True, coshard_
     if trace.loss is not None:
         needs[trace.loss].append((None, None, conversion(have.get(trace.loss, R), R, consumer_split=False,
                                                           requires_grad=False)))
-    for tid in list(needs):     # a handed-back object's reads are its producer's: converted there, once
-        producer, original = tensors[tid].producer, tid
-        while producer is not None and producer in passed:
-            original = passed[producer]
-            producer = tensors[original].producer
-        if original != tid:
-            needs[original] += needs.pop(tid)
+    # A call handing back its operand (`x = x.contiguous()`) gives the same object under a second
+    # name, and reads under either name are traced as reads of its result: nothing is converted on
+    # its line, and each read of the result is a read of the operand that first takes the
+    # conversion the search priced on that call (so that the instances of a line read alike, as
+    # it planned them). Steps all reads share go on the operand's producer.
+    for index in sorted(handed, reverse=True):      # the last call of a chain first
+        reads = needs.pop(graph.nodes[index].outputs[0], [])
+        needs[passed[index]] += [(consumer, path, handed[index] + steps) for consumer, path, steps in reads]
 
     # steps shared by every use of every instance of a producer's output go on the producer
     by_output: dict[tuple, list[tuple[int, Node | None, tuple | None, list[Step]]]] = defaultdict(list)
@@ -304,21 +309,6 @@ def _split_makers(graph: Graph, tids: list[int], have: dict) -> list[str]:
         frontier += [o.tid for o in graph.nodes[producer].operands
                      if o.tid is not None and have.get(o.tid, R).kind != "R"]
     return sorted(found)
-
-
-def _passes_through(graph: Graph, node: Node) -> int | None:
-    """The operand a call hands back as its one result, unmodified (`x.contiguous()` of a
-    contiguous tensor, `.float()` of a float one). The trace gives the result a tensor of its
-    own, and every later read of the object (`skips[-1]`, kept from before the call) reads that
-    one; the rewrite converts nothing here, and converts the object's reads under either name
-    as reads of the operand, so that the object has one layout under every name."""
-    if len(node.outputs) != 1:
-        return None
-    operand_names = defaultdict(list)
-    for operand in node.operands:
-        if operand.tid is not None:
-            operand_names[operand.tid].append(operand.name)
-    return handed_back(node.outputs[0], node, graph.trace, operand_names)
 
 
 def _reaches_a_split_result(dims, name: str, wanted) -> bool:
