@@ -543,8 +543,9 @@ class SplitStages:
         if split.branch is not None:    # the `if`'s condition stays as a guard before the branch's statements
             statement = body[split.branch.index]
             branch_guard = _branch_guard(statement, split.branch.taken, split.branch_at)
+            _, taken = if_branches(statement)[split.branch.taken]
+            in_branch = range(split.branch.index, split.branch.index + len(taken.body))
             body = branch_body(body, split.branch)
-            in_branch = range(split.branch.index, len(body) - (len(function.body.body) - split.branch.index - 1))
         bounds = [start, *(k for k, _ in split.cuts), len(body)]
         received = [None, *(names for _, names in split.cuts)]
         params = function.params
