@@ -38,7 +38,8 @@
   depthwise=True)` setting groups=c inside it): the line passes no groups to divide, so the
   conv is built whole and cut to each rank's share after build().
 - timm's ResNet style: the stages (nn.Sequentials of blocks) run as a chain of statements in the
-  `else` of `if self.grad_checkpointing:`; --pp is refused at the chain, naming it and what to write.
+  `else` of `if self.grad_checkpointing:`; --pp cuts the chain in that branch, each stage first
+  checking the condition still chooses it; refused at the reading when the condition reads a tensor.
 - diffusers' ResnetBlock2D style: two convs with biases in a block, split as Megatron splits an
   MLP: the first by its output channels, the second by its input channels, its partial sums
   reduced and its bias added once after, broadcast over the spatial dims (`bias[:, None, None]`).
