@@ -414,6 +414,10 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
         if trunk.statements is not None:    # the body indices where stages 1, 2, ... start, what crosses each
             cuts = [trunk.statements.starts[a] for a, _ in stages.block_ranges[1:stages.per_pipeline]]
             split.cuts = tuple((k, tuple(trunk.statements.crossing[k])) for k in cuts)
+            branch = trunk.statements.branch
+            if branch is not None:      # its `if`, by file and line, for the guard's error
+                where = analysis.sources.get(trunk.function_span.path).span_of(trunk.function.body.body[branch.index])
+                split.branch, split.branch_at = branch, f"{Path(where.path).name}:{where.line}"
     loops = [c.function for c in chain] + ([split.function] if split is not None else [])
     files_read = {str(analysis.sources.get(p).path) for p in [*model_paths, entry_path]}
     outside = next((span for span in loops if span.path not in files_read), None)

@@ -38,7 +38,8 @@
   depthwise=True)` setting groups=c inside it): the line passes no groups to divide, so the
   conv is built whole and cut to each rank's share after build().
 - timm's ResNet style: the stages (nn.Sequentials of blocks) run as a chain of statements in the
-  `else` of `if self.grad_checkpointing:`; --pp is refused at the chain, naming it and what to write.
+  `else` of `if self.grad_checkpointing:`; --pp cuts the chain in that branch, each stage first
+  checking the condition still chooses it; refused at the reading when the condition reads a tensor.
 - diffusers' ResnetBlock2D style: two convs with biases in a block, split as Megatron splits an
   MLP: the first by its output channels, the second by its input channels, its partial sums
   reduced and its bias added once after, broadcast over the spatial dims (`bias[:, None, None]`).
@@ -1268,12 +1269,36 @@ def test_a_depthwise_conv_a_library_helper_builds_is_cut_after_build(tmp_path):
     assert "    'blocks.0.conv_dw.weight': (0, 1, ['groups', 'in_channels', 'out_channels']),\n" in code
 
 
-def test_stages_chained_in_a_branch_are_refused_naming_the_chain(tmp_path):
+def test_stages_chained_in_a_branch_are_cut_there_each_stage_checking_the_branch(tmp_path):
     root = written(tmp_path, STAGES_CHAINED_IN_A_BRANCH)
     result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    first, last = ((root / "out" / f"model_stage{s}.py").read_text() for s in (0, 1))
+    guard = ("if self.grad_checkpointing:  # pipeline: the stages run the `else` branch, the one the trace took\n"
+             "{0}    raise RuntimeError(\"pipeline: the stages run the `else` branch of the `if` at model.py:24, the "
+             "one the trace \"\n")
+    assert ("            x = self.stem(x)\n            " + guard.format("            ")
+            + "{0}\"took; its condition now chooses another, which no stage can run\")\n"
+              "            x = self.layer1(x)\n            pp_handoff(x)").format(" " * 35) in first
+    assert ("        x, = pp_receive()  # pipeline: stage 1 starts here, from what stage 0 handed on\n        "
+            + guard.format("        ") + "{0}\"took; its condition now chooses another, which no stage can run\")\n"
+            "        x = self.layer2(x)\n        return x.square().mean()\n").format(" " * 31) in last
+    assert "checkpoint_sequential" not in first + last         # the branch the trace did not take is gone
+
+
+@pytest.mark.parametrize("change,refusal", [
+    (("if self.grad_checkpointing:", "if x.sum() > 1e9:"),
+     "model.py:24:12: error: the stages would cut the chain of statements in the branch of this `if` the trace "
+     "took, but its condition reads `x`, a value of the forward, not configuration"),
+    (("[self.layer1, self.layer2], 2", "[self.layer1, self.stem], 2"),
+     "model.py:25:13: error: the stages would cut the chain of statements in the branch of this `if` the trace "
+     "took, and another branch does something other than run the same modules (self.layer1, self.layer2)")],
+    ids=["condition-reads-a-tensor", "other-branch-runs-other-modules"])
+def test_stages_chained_in_a_branch_are_refused_where_the_branch_may_change(tmp_path, change, refusal):
+    root = written(tmp_path, STAGES_CHAINED_IN_A_BRANCH.replace(*change))
+    result = cli("model.py", "--pp", "2", "--micro-batches", "2", "-o", "out", cwd=root)
     assert result.returncode == 2 and not (root / "out").exists()
-    assert "model.py:27:13: error: the stages of blocks (self.layer1 and the calls after it) run as a chain of " \
-           "2 statements inside a branch of an `if`" in result.stderr
+    assert refusal in result.stderr
 
 
 def test_layers_one_constructor_line_builds_from_config_objects_are_cut_after_build(tmp_path):
@@ -1515,13 +1540,14 @@ def test_reads_of_a_handed_back_result_take_the_conversion_the_search_priced_on_
                                         (HOOKED_STATE_KEYS, ("--tp", "2")),
                                         (SKIP_LIST_UNET, ("--tp", "2")),
                                         (HANDED_BACK_SHORTCUT, ("--tp", "2")),
-                                        (BRANCHES_WITH_A_POOLING_SEQUENTIAL, ("--tp", "2"))],
+                                        (BRANCHES_WITH_A_POOLING_SEQUENTIAL, ("--tp", "2")),
+                                        (STAGES_CHAINED_IN_A_BRANCH, ("--pp", "2", "--micro-batches", "2"))],
                          ids=["torch-encoder-tp2", "multihead-attention-dp2xtp2", "torch-encoder-pp2",
                               "branched-vit-pp2", "counting-vit-pp2", "mixed-blocks-dp2xtp2", "helper-built-convs-tp2",
                               "conv-blocks-with-biases-tp2", "relative-position-bias-tp2", "nested-layer-lists-pp2",
                               "config-built-layers-tp2", "hooked-state-keys-tp2", "skip-list-unet-tp2",
                               "handed-back-shortcut-tp2",
-                              "branches-with-a-pooling-sequential-tp2"])
+                              "branches-with-a-pooling-sequential-tp2", "stages-chained-in-a-branch-pp2"])
 def test_verifies(tmp_path, model, mode):
     root = written(tmp_path, model)
     result = cli("verify", "model.py", *mode, "-o", "out", cwd=root)

@@ -18,6 +18,7 @@ from ..errors import UserError
 from ..materialize.edits import CtorEdit, Edits, SiteEdit
 from ..materialize.size_args import factory_size
 from ..plan.instances import MethodGroups
+from ..plan.pipeline import Branch, branch_body, if_branches
 from ..source.files import SourceFile, Span
 from ..source.names import bound_on_every_path
 from .expr import COLLECTIVE_NOTES, bias_added, code, collective, divided, parenthesized
@@ -45,6 +46,10 @@ class StageSplit:
     # a chain of statements (no loop): per later stage, the body index where it starts and what it receives
     cuts: tuple[tuple[int, tuple[str, ...]], ...] = ()
     hoist: str | None = None        # `return self.stages(x)`: the call moved out as `x = self.stages(x)`
+    # the chain of statements runs in the branch of an `if` the trace took: the cuts count the body with
+    # the `if` replaced by that branch's statements; where the `if` is (file:line), for its guard
+    branch: Branch | None = None
+    branch_at: str = ""
     iterations: bool = False        # blocks that are lists of modules: the stage runs its blocks' iterations
 
 
@@ -404,6 +409,32 @@ class CoshardRegions:
         return block.with_changes(body=body)
 
 
+def _branch_guard(statement: cst.If, taken: int, where: str) -> cst.If:
+    """`if <the trace's branch is not taken>: raise RuntimeError(...)`, in the `if`'s place: the
+    conditions of the branches before the taken one, and the negated condition of the taken one."""
+    branches = if_branches(statement)
+    test, _ = branches[taken]
+    tests = [code(_grouped(t, _LOOSER_THAN_OR)) for t, _ in branches[:taken]]
+    if test is not None:
+        tests.append(f"not {code(_grouped(test, _LOOSER_THAN_NOT))}")
+    name = "the `else` branch" if test is None else "the first branch" if taken == 0 else \
+        f"branch {taken + 1} (an `elif`)"
+    guard = cst.parse_statement(
+        f"if {' or '.join(tests)}:  # pipeline: the stages run {name}, the one the trace took\n"
+        f"    raise RuntimeError(\"pipeline: the stages run {name} of the `if` at {where}, the one the trace \"\n"
+        f"                       \"took; its condition now chooses another, which no stage can run\")\n")
+    return guard.with_changes(leading_lines=statement.leading_lines)
+
+
+# expressions that need parentheses as an operand of `or`, and of `not`
+_LOOSER_THAN_OR = (cst.IfExp, cst.Lambda, cst.NamedExpr)
+_LOOSER_THAN_NOT = (*_LOOSER_THAN_OR, cst.BooleanOperation, cst.Comparison)
+
+
+def _grouped(expr: cst.BaseExpression, looser: tuple) -> cst.BaseExpression:
+    return parenthesized(expr) if isinstance(expr, looser) else expr
+
+
 class SplitStages:
     DESCRIPTION = "Guard the prologue to stage 0, receive what it defines elsewhere, hand off after the loop."
 
@@ -508,6 +539,13 @@ class SplitStages:
         end; the last stage skips the earlier runs, receives, and runs the rest as written."""
         body = list(function.body.body)
         start = 1 if body and _is_docstring(body[0]) else 0
+        branch_guard, in_branch = None, range(0)
+        if split.branch is not None:    # the `if`'s condition stays as a guard before the branch's statements
+            statement = body[split.branch.index]
+            branch_guard = _branch_guard(statement, split.branch.taken, split.branch_at)
+            _, taken = if_branches(statement)[split.branch.taken]
+            in_branch = range(split.branch.index, split.branch.index + len(taken.body))
+            body = branch_body(body, split.branch)
         bounds = [start, *(k for k, _ in split.cuts), len(body)]
         received = [None, *(names for _, names in split.cuts)]
         params = function.params
@@ -518,6 +556,10 @@ class SplitStages:
         last = len(bounds) - 2
         for j in range(last + 1):
             run = body[bounds[j]:bounds[j + 1]]
+            entered = next((k for k in range(bounds[j], bounds[j + 1]) if k in in_branch), None)
+            if entered is not None:     # every stage running some of the branch checks it is still the one
+                run.insert(entered - bounds[j], branch_guard if entered == split.branch.index
+                           else branch_guard.with_changes(leading_lines=[]))
             head = []
             if j:
                 names = received[j]

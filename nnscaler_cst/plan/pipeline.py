@@ -66,6 +66,20 @@ class Statements:
     starts: list[int]                    # per unit, the index in the function's body of its first statement
     crossing: dict[int, list[str]]       # body index of a unit's start -> the names handed on there
     block_of: dict[int, int]             # node index -> unit
+    # the chain runs in a branch of an `if` of the body: the indices above count the body with that
+    # `if` replaced by the branch's statements (branch_body)
+    branch: "Branch | None" = None
+
+
+@dataclass(frozen=True)
+class Branch:
+    """The `if` of a function's body whose branch the trace took holds the chain of statements the
+    stages cut (timm's ResNet: `if self.grad_checkpointing: checkpoint_seq([...], x)`, else the
+    stage calls one by one). Its condition reads configuration only, so the trace's branch is the
+    one every step takes; each stage running some of the branch's statements first checks that it
+    still is (a stage holds only its modules: no stage could run another branch)."""
+    index: int          # the `if`'s index in the function's body
+    taken: int          # the branch the trace took: 0 the `if`, then each `elif`, then the `else`
 
 
 @dataclass
@@ -231,8 +245,8 @@ def find_trunk(graph: Graph) -> Trunk:
             raise error
         try:
             chain = _statement_chain(graph, _DIVIDES if graph.blocks else 1.0)
-        except UserError:
-            if not graph.blocks:
+        except UserError as refused:
+            if not graph.blocks or refused.message.startswith(_BRANCH_CUT):    # (says why a branch's chain is not cut)
                 raise
             chain = None            # the blocks' refusal says more than why no statement can be cut
         if chain is None:
@@ -288,45 +302,53 @@ def _statement_chain(graph: Graph, most: float = 1.0) -> Trunk | None:
     work = [node_flops(n, graph.dims.get(n.index), trace) for n in graph.nodes]
     total = sum(work)
     frames = [_own_frames(trace, node) for node in graph.nodes]
-    best, best_key, blocked = None, None, None
+    best, best_key, blocked, refused = None, None, None, None
     for path, function in _calling_functions(graph):
         source = graph.sources.get(path)
         span = source.span_of(function)
-        body = list(function.body.body) if isinstance(function.body, cst.IndentedBlock) else []
-        spans = [source.span_of(stmt) for stmt in body]
-        statement_of = {}
+        written = list(function.body.body) if isinstance(function.body, cst.IndentedBlock) else []
+        sites = {}          # node index -> where this function's code ran it
         for node, own in zip(graph.nodes, frames):
             site = next((f for f in own if f.path == span.path and span.contains(f)), None)
-            k = next((k for k, stmt in enumerate(spans) if site is not None and stmt.contains(site)
-                      and not isinstance(body[k], (cst.FunctionDef, cst.ClassDef))), None)  # (a def runs elsewhere)
-            if k is not None:
-                statement_of[node.index] = k
-        order = [statement_of[i] for i in sorted(statement_of)]
-        if len(set(order)) < 2 or order != sorted(order):     # one statement, or run more than once
-            continue
-        cuts, unsendable = _valid_cuts(body, statement_of)
-        if not cuts:
-            blocked = blocked or (unsendable and (path, function, unsendable))
-            continue
-        starts = [1 if body and _docstring(body[0]) else 0, *cuts]
-        first, last = min(statement_of), max(statement_of)
-        block_of, unit = {}, 0
-        for index in range(first, last + 1):
-            if index in statement_of:
-                unit = sum(1 for start in starts[1:] if start <= statement_of[index])
-            block_of[index] = unit
-        # the busier side of the best cut; the code that runs before the function is called (the code
-        # above it) runs on every stage, so a function called late (a UNet's up block) cuts little
-        before = sum(work[:first])
-        inside = [sum(work[i] for i, u in block_of.items() if u < k) for k in range(1, len(starts))]
-        key = before + min(max(a, total - before - a) for a in inside)
-        if key <= most * total and (best_key is None or key < best_key):
-            crossing = {start: _crossing(body, start) for start in cuts}
-            best_key, best = key, (path, function, span, starts, crossing, block_of)
+            if site is not None:
+                sites[node.index] = site
+        as_written = _statement_of(source, written, sites)
+        # the body as written, and with an `if` replaced by the branch holding its work (a chain there)
+        for branch in [None, *_taken_branches(source, written, as_written, sites)]:
+            body = written if branch is None else branch_body(written, branch)
+            statement_of = as_written if branch is None else _statement_of(source, body, sites)
+            order = [statement_of[i] for i in sorted(statement_of)]
+            if len(set(order)) < 2 or order != sorted(order):     # one statement, or run more than once
+                continue
+            cuts, unsendable = _valid_cuts(body, statement_of)
+            if not cuts:
+                blocked = blocked or (unsendable and (path, function, body, unsendable))
+                continue
+            starts = [1 if body and _docstring(body[0]) else 0, *cuts]
+            first, last = min(statement_of), max(statement_of)
+            block_of, unit = {}, 0
+            for index in range(first, last + 1):
+                if index in statement_of:
+                    unit = sum(1 for start in starts[1:] if start <= statement_of[index])
+                block_of[index] = unit
+            # the busier side of the best cut; the code that runs before the function is called (the code
+            # above it) runs on every stage, so a function called late (a UNet's up block) cuts little
+            before = sum(work[:first])
+            inside = [sum(work[i] for i, u in block_of.items() if u < k) for k in range(1, len(starts))]
+            key = before + min(max(a, total - before - a) for a in inside)
+            if key <= most * total and (best_key is None or key < best_key):
+                refusal = _branch_refusal(source, function, branch, sites) if branch is not None else None
+                if refusal is not None:     # said only when no other cut qualifies
+                    refused = refused or refusal
+                    continue
+                crossing = {start: _crossing(body, start) for start in cuts}
+                best_key, best = key, (path, function, span, starts, crossing, block_of, body, branch)
+    if best is None and refused:
+        raise refused
     if best is None and blocked:
-        path, function, (k, name) = blocked
+        path, function, body, (k, name) = blocked
         source = graph.sources.get(path)
-        binding = next(stmt for stmt in reversed(function.body.body[:k]) if name in _not_values([stmt]))
+        binding = next(stmt for stmt in reversed(body[:k]) if name in _not_values([stmt]))
         raise UserError(f"pipelining cuts {function.name.value} between its statements, and a cut here hands "
                         f"`{name}` on to the next stage: a function, class or module, bound here, which a stage "
                         "cannot send (a hand-off carries tensors, lists and tuples of them, and plain values)",
@@ -334,13 +356,131 @@ def _statement_chain(graph: Graph, most: float = 1.0) -> Trunk | None:
                         hint=f"define `{name}` outside the function (a method, or at module level)")
     if best is None:
         return None
-    path, function, span, starts, crossing, block_of = best
+    path, function, span, starts, crossing, block_of, body, branch = best
     name = function.name.value
     owner = _class_of(graph.sources.get(path), function)
     container = f"{owner.name.value}.{name}" if owner is not None else name
     source = graph.sources.get(path)
-    blocks = [f"{container}:{source.span_of(function.body.body[k]).line}" for k in starts]
-    return Trunk(container, blocks, function, span, starts[0], [], statements=Statements(starts, crossing, block_of))
+    blocks = [f"{container}:{source.span_of(body[k]).line}" for k in starts]
+    return Trunk(container, blocks, function, span, starts[0], [],
+                 statements=Statements(starts, crossing, block_of, branch))
+
+
+def _statement_of(source, body: list, sites: dict[int, Span]) -> dict[int, int]:
+    """Node index -> the index of the statement of `body` that ran it (a def's body runs elsewhere)."""
+    spans = [source.span_of(stmt) for stmt in body]
+    found = {}
+    for index, site in sites.items():
+        k = next((k for k, stmt in enumerate(spans) if stmt.contains(site)
+                  and not isinstance(body[k], (cst.FunctionDef, cst.ClassDef))), None)
+        if k is not None:
+            found[index] = k
+    return found
+
+
+def if_branches(statement: cst.If) -> list[tuple[cst.BaseExpression | None, cst.BaseSuite]]:
+    """The branches of an `if`/`elif`/`else` statement in order: (its condition, None for the
+    `else`; its block)."""
+    found, node = [], statement
+    while isinstance(node, cst.If):
+        found.append((node.test, node.body))
+        node = node.orelse
+    if isinstance(node, cst.Else):
+        found.append((None, node.body))
+    return found
+
+
+def branch_body(body: list, branch: Branch) -> list:
+    """The function's body with the `if` replaced by the statements of the branch the trace took."""
+    _, block = if_branches(body[branch.index])[branch.taken]
+    return [*body[:branch.index], *block.body, *body[branch.index + 1:]]
+
+
+def _taken_branches(source, body: list, statement_of: dict[int, int], sites: dict[int, Span]) -> list[Branch]:
+    """The `if`s of the body with a branch of two statements or more that ran all the work the
+    `if` ran outside its conditions (what a chain of stage calls there looks like), as Branches."""
+    found = []
+    for k, statement in enumerate(body):
+        ran = [sites[i] for i, j in statement_of.items() if j == k]
+        if not isinstance(statement, cst.If) or not ran:
+            continue
+        branches = if_branches(statement)
+        tests = [source.span_of(test) for test, _ in branches if test is not None]
+        work = [site for site in ran if not any(test.contains(site) for test in tests)]
+        blocks = [source.span_of(block) for _, block in branches]
+        taken = next((b for b, block in enumerate(blocks) if work and all(block.contains(s) for s in work)), None)
+        if taken is not None and isinstance(branches[taken][1], cst.IndentedBlock) \
+                and len(branches[taken][1].body) >= 2:
+            found.append(Branch(k, taken))
+    return found
+
+
+def _branch_refusal(source, function: cst.FunctionDef, branch: Branch,
+                    sites: dict[int, Span]) -> UserError | None:
+    """Why the stages cannot cut the chain in the branch the trace took, or None. The conditions
+    that choose it must read configuration only (attributes of `self`, module-level names,
+    constants: `torch.jit.is_scripting()`), never a tensor or other value of the forward, so that
+    every step takes the branch the trace took; and every other branch must run the same modules
+    (timm's `checkpoint_seq([self.layer1, ...], x)`), or the cut would drop what it does."""
+    statement = function.body.body[branch.index]
+    branches = if_branches(statement)
+    chosen = [test for test, _ in branches[:branch.taken + 1] if test is not None]
+    local = _local_names(function) - {"self"}
+    for test in chosen:
+        name = next((n for n in _read_names(test) if n.value in local), None)
+        span = source.span_of(test)
+        op = next((site for site in sites.values() if span.contains(site)), None)
+        if name is not None or op is not None:
+            what = f"`{name.value}`, a value of the forward" if name is not None else "a tensor"
+            return UserError(f"{_BRANCH_CUT}, but its condition reads {what}, not configuration: a later step may "
+                             "choose another branch", source.span_of(name).start if name is not None else op.start,
+                             hint="choose the branch by attributes of the module or constants only (the branch is "
+                                  "fixed when the model is built), or write the chain in the function's body")
+    _, taken = branches[branch.taken]
+    modules = _self_attributes(taken)
+    for b, (test, block) in enumerate(branches):
+        if b != branch.taken and _self_attributes(block) != modules:
+            return UserError(f"{_BRANCH_CUT}, and another branch does something other than run the same modules "
+                             f"({', '.join(f'self.{m}' for m in sorted(modules))}), which no stage could run",
+                             source.span_of(block.body[0] if isinstance(block, cst.IndentedBlock) else block).start,
+                             hint="every other branch of the `if` must run the same modules (checkpointed, say), "
+                                  "or write the chain in the function's body")
+    if branches[-1][0] is not None:
+        return UserError(f"{_BRANCH_CUT}, and the `if` has no `else`: when its condition is false the chain does not run, which no stage could follow",
+                         source.span_of(statement).start,
+                         hint="write the chain in the function's body, or give the `if` an `else` running the same "
+                              "modules")
+    return None
+
+
+_BRANCH_CUT = "the stages would cut the chain of statements in the branch of this `if` the trace took"
+
+
+def _local_names(function: cst.FunctionDef) -> set[str]:
+    """The function's parameters and the names its body binds."""
+    params = function.params
+    found = {p.name.value for p in (*params.posonly_params, *params.params, *params.kwonly_params)}
+    found |= {star.name.value for star in (params.star_arg, params.star_kwarg) if isinstance(star, cst.Param)}
+    return found | names_in(list(function.body.body), True)
+
+
+def _read_names(node: cst.CSTNode):
+    """The names an expression reads, in order (`self.a.b` reads self; a keyword's name is no read)."""
+    if isinstance(node, cst.Name):
+        yield node
+    elif isinstance(node, cst.Attribute):
+        yield from _read_names(node.value)
+    elif isinstance(node, cst.Arg):
+        yield from _read_names(node.value)
+    else:
+        for child in node.children:
+            yield from _read_names(child)
+
+
+def _self_attributes(block: cst.CSTNode) -> set[str]:
+    """The attributes of `self` a block reads (`self.layer1`, `self.layer2`)."""
+    return {node.attr.value for node in _attributes(block)
+            if isinstance(node.value, cst.Name) and node.value.value == "self"}
 
 
 def _own_frames(trace, node) -> list[Span]:
@@ -831,10 +971,10 @@ def _branches_over_blocks(source, loop: cst.CSTNode, body: list, container: str)
     wrong = next((block for block in branches(statement) if not runs_blocks(block)), None) \
         if isinstance(statement, cst.If) else loop
     if isinstance(wrong, cst.IndentedBlock) and len(wrong.body) > 1:
-        # timm's ResNet: `if self.grad_checkpointing: checkpoint_seq([...]) else: x = self.layer1(x) ...`
+        # timm's ResNet, where _statement_chain found no cut in the branch (it cuts one, when it can)
         raise UserError(f"the stages of blocks (self.{attr} and the calls after it) run as a chain of "
-                        f"{len(wrong.body)} statements inside a branch of an `if`; pipelining cuts such a "
-                        "chain only where it is written in the function's body",
+                        f"{len(wrong.body)} statements inside a branch of an `if`, and no cut between those "
+                        "statements divides the model's work (each must run once, in order)",
                         source.span_of(wrong.body[0]).start,
                         hint="write the chain of stage calls in the function's body (as torchvision's ResNet "
                              "does), or run the stages in one statement in each branch")
