@@ -257,9 +257,12 @@ def encoder_decoder(lines: list[str], entry: str, title: str, tp: int = 8, pp: i
 # ---------------------------------------------------------------------------------------------
 
 T5_VOCABS = (32_000, 128_000, 256_000, 512_000, 1_024_000, 2_048_000)     # the artifact's VOCAB_K x 1000
-T5_SHAPES = ((4, 8), (8, 4), (16, 2), (32, 1))      # tp x pp = 32 (the artifact's --max-dp 1: a 46B model)
-SWEEP_SHAPES = ((4, 8), (8, 4), (16, 2))             # the vocabulary sweep's, both sides
+# tp x pp = 32 (the artifact's --max-dp 1: a 46B model), every one: the interlaced pipeline splits the
+# vocabulary over all 32 devices whatever tp is, so it may run its layers with little or no tp
+T5_SHAPES = ((1, 32), (2, 16), (4, 8), (8, 4), (16, 2), (32, 1))
+SWEEP_SHAPES = tuple(s for s in T5_SHAPES if s[1] > 1)     # the vocabulary sweep's, both sides
 T5_MICRO = (256, 128)                               # micro-batches of 1 (the artifact's --mbs 1) and of 2
+CUT_LIMIT = 400                                     # 1F1B's searched cut beyond 8 stages: cuts priced at most
 
 
 def even_cut(count: int, pp: int) -> list[tuple[int, int]]:
@@ -273,10 +276,38 @@ def fits_first(estimate) -> tuple:
     return (0, estimate.seconds) if estimate.memory <= BUDGET else (1, estimate.memory)
 
 
-def cut_search(price_at, count: int, pp: int, seeds, limit: int = 10_000) -> tuple[list[tuple[int, int]], object, int]:
-    """The fastest stage cut that fits (else the one needing least memory): from each seed cut, move
-    one cut point by 1, 2, 4 or 8 blocks while that improves, at most `limit` cuts priced;
-    `price_at(ranges)` is the estimate."""
+def light_cut(count: int, pp: int, heavy: list[int], ends: int, inner: int) -> list[tuple[int, int]] | None:
+    """A cut whose stages holding the vocabulary are light: `ends` blocks on the first and the last
+    stage (the embedding, the head), `inner` on a stage ending at each block of `heavy` (a block after
+    which the model calls a vocabulary module: T5's decoder embedding, which Megatron-LM's T5 also
+    keeps on the decoder's first stage), the other stages sharing the rest evenly, in proportion to
+    each gap. What a Megatron-LM user sets by hand so that those stages fit; a local search moving
+    one cut point at a time only moves their blocks to a neighbour. None where they do not fit."""
+    light = sorted({(0, ends), (count - ends, count), *((h + 1 - inner, h + 1) for h in heavy)})
+    if any(a < 0 or b > count or a >= b for a, b in light) or \
+            any(light[i][1] > light[i + 1][0] for i in range(len(light) - 1)):
+        return None
+    gaps = [(light[i][1], light[i + 1][0]) for i in range(len(light) - 1) if light[i][1] < light[i + 1][0]]
+    rest = pp - len(light)
+    if rest < len(gaps):
+        return None
+    shares = [1] * len(gaps)
+    for _ in range(rest - len(gaps)):       # each further stage to the gap with the most blocks a stage
+        g = max(range(len(gaps)), key=lambda g: (gaps[g][1] - gaps[g][0]) / shares[g])
+        shares[g] += 1
+    cut = list(light)
+    for (a, b), n in zip(gaps, shares):
+        if n > b - a:
+            return None
+        cut += [(a + x, a + y) for x, y in even_cut(b - a, n)]
+    return sorted(cut)
+
+
+def cut_search(price_at, count: int, pp: int, seeds, limit: int = 10_000,
+               starts: int = 2) -> tuple[list[tuple[int, int]], object, int]:
+    """The fastest stage cut that fits (else the one needing least memory): every seed cut priced,
+    then from the best `starts` of them move one cut point by 1, 2, 4 or 8 blocks while that improves,
+    at most `limit` cuts priced; `price_at(ranges)` is the estimate."""
     def ranges_of(points):
         edges = [0, *points, count]
         return [(edges[s], edges[s + 1]) for s in range(pp)]
@@ -286,8 +317,8 @@ def cut_search(price_at, count: int, pp: int, seeds, limit: int = 10_000) -> tup
         if points not in tried:
             tried[points] = price_at(ranges_of(points))
         return tried[points]
-    for seed in seeds:
-        points = tuple(b for _, b in seed[:-1])
+    seeds = sorted((tuple(b for _, b in seed[:-1]) for seed in seeds), key=lambda points: fits_first(priced_at(points)))
+    for points in seeds[:starts]:
         current = priced_at(points)
         improved = True
         while improved and len(tried) < limit:
@@ -307,11 +338,25 @@ def cut_search(price_at, count: int, pp: int, seeds, limit: int = 10_000) -> tup
     return best[0], best[1], len(tried)
 
 
-def megatron_1f1b(graph, blocks, tp: int, pp: int, micro: int, recompute: bool) -> list[tuple[str, object, str]]:
-    """1F1B + Megatron TP at one (tp, pp, micro-batches, recompute) under each stage cut: auto's FLOP
-    balance, Megatron's even split, and the fastest cut that fits (cut_search)."""
-    config = Config(tp=tp, dp=1, pp=pp, micro_batches=micro, recompute=recompute)
-    estimate, _, cost = priced_with(graph, config, blocks, load_table("megatron").for_axis("tp"))
+def vocabulary_blocks(graph, blocks) -> list[int]:
+    """The blocks after which the model calls a vocabulary module (code between blocks counts with the
+    block before it: auto._Blocks)."""
+    from nnscaler_cst.plan import interlaced
+    from nnscaler_cst.plan.pipeline import cut_blocks
+    table = interlaced.load_schedule("interlaced")
+    modules, _ = interlaced.vocab_modules(graph, cut_blocks(graph), 1, table.vocab, table.location)
+    return sorted({blocks.region[n.index] - 1 for n in interlaced.vocab_calls(graph, modules)
+                   if 0 < blocks.region[n.index] <= blocks.count})
+
+
+def megatron_1f1b(graph, blocks, tp: int, pp: int, micro: int, recompute: bool,
+                  sequence_parallel: bool = False) -> list[tuple[str, object, str]]:
+    """1F1B + Megatron TP at one (tp, pp, micro-batches, recompute, Megatron's sequence parallelism)
+    under each stage cut: auto's FLOP balance, Megatron's even split, and the fastest cut that fits
+    (cut_search; at most CUT_LIMIT cuts beyond 8 stages, where each round tries 8 moves per cut point)."""
+    config = Config(tp=tp, dp=1, pp=pp, micro_batches=micro, recompute=recompute, sequence_parallel=sequence_parallel)
+    table = "sequence_parallel" if sequence_parallel else "megatron"
+    estimate, _, cost = priced_with(graph, config, blocks, load_table(table).for_axis("tp"))
     if pp == 1:
         return [("", estimate, "")]
 
@@ -322,7 +367,11 @@ def megatron_1f1b(graph, blocks, tp: int, pp: int, micro: int, recompute: bool) 
                               BUDGET)
     flop_cut = auto._stage_ranges(blocks, pp)
     even = even_cut(blocks.count, pp)
-    searched, found, tried = cut_search(at, blocks.count, pp, [even, flop_cut])
+    heavy = vocabulary_blocks(graph, blocks)
+    light = [c for ends in range(1, blocks.count // pp + 1) for inner in range(1, blocks.count // pp + 1)
+             if (c := light_cut(blocks.count, pp, heavy, ends, inner))] if pp > 2 else []
+    searched, found, tried = cut_search(at, blocks.count, pp, [even, flop_cut, *light],
+                                        limit=10_000 if pp <= 8 else CUT_LIMIT)
     return [("FLOP-balanced cut", at(flop_cut), f"cut {flop_cut}"), ("Megatron's even cut", at(even), f"cut {even}"),
             ("searched cut", found, f"cut {searched} ({tried} cuts priced)")]
 
@@ -365,16 +414,19 @@ def t5_best(graph, shapes=T5_SHAPES, micros=T5_MICRO, log=print, interlaced_shap
     for tp, pp in shapes:
         for recompute in (False, True):
             for micro in micros:
-                for cut, estimate, note in megatron_1f1b(graph, blocks, tp, pp, micro, recompute):
-                    label = "1F1B + Megatron TP" + (" + recompute" if recompute else "") + (f", {cut}" if cut else "")
-                    rows.append((label, estimate, note, None))
-                    log(label, estimate.config.describe(), f"{estimate.seconds:.2f}", f"{estimate.memory / GIB:.1f}")
+                for sequence_parallel in (False, True) if tp > 1 else (False,):
+                    for cut, estimate, note in megatron_1f1b(graph, blocks, tp, pp, micro, recompute, sequence_parallel):
+                        label = ("1F1B + Megatron TP" if pp > 1 else "Megatron TP, no pipeline") + \
+                            (" + SP" if sequence_parallel else "") + (" + recompute" if recompute else "") + \
+                            (f", {cut}" if cut else "")
+                        rows.append((label, estimate, note, None))
+                        log(label, estimate.config.describe(), f"{estimate.seconds:.2f}", f"{estimate.memory / GIB:.1f}")
                 if pp > 1 and micro == micros[0] and (tp, pp) in interlaced_shapes:      # more micro-batches of 1: fewer in flight, less memory
                     for cut, estimate, vocab, note in interlaced_at(graph, blocks, tp, pp, micro, recompute):
                         label = "interlaced" + (" + recompute" if recompute else "") + f", {cut}"
                         rows.append((label, estimate, note, vocab))
                         log(label, estimate.config.describe(), f"{estimate.seconds:.2f}", f"{estimate.memory / GIB:.1f}")
-    base = best([(r[0], r[1]) for r in rows if r[0].startswith("1F1B")])
+    base = best([(r[0], r[1]) for r in rows if not r[0].startswith("interlaced")])    # Megatron-LM's best
     paper = best([(r[0], r[1]) for r in rows if r[0].startswith("interlaced")])
     return rows, base, paper
 
@@ -395,10 +447,10 @@ def t5_breakdown(graph, rows, paper, base) -> str:
             "32 devices, the input's gradient all-reduced; no logits gathered). ")
     if base:
         b = base[1]
-        return text + (f"Best fitting 1F1B + Megatron TP: {base[0]}, {b.config.describe()}, {b.seconds:.2f} s "
+        return text + (f"Best fitting Megatron-LM configuration: {base[0]}, {b.config.describe()}, {b.seconds:.2f} s "
                        f"(stages {', '.join(f'{t:.3f}' for t in b.stage_seconds)} s): **{b.seconds / p.seconds:.2f}x** "
                        "(paper: 2.2x).")
-    least = min((r for r in rows if r[0].startswith("1F1B")), key=lambda r: r[1].memory)
+    least = min((r for r in rows if not r[0].startswith("interlaced")), key=lambda r: r[1].memory)
     return text + (f"No 1F1B + Megatron TP configuration fits 32 GB (32e9 bytes, 29.8 GiB): the least memory is "
                    f"{least[0]}, {least[1].config.describe()}, {least[1].memory / GIB:.1f} GiB at {least[1].seconds:.2f} s. "
                    f"The memory model counts {PARAM_BYTES + GRAD_BYTES + ADAMW_STATE_BYTES} bytes of state per parameter "
@@ -426,10 +478,12 @@ def t5_artifact(lines: list[str]) -> dict:
               "weight for both embeddings and the head; global batch 256; 46 billion parameters, 12.6 billion of "
               "them the table. Every configuration of tp x pp = 32 (dp 1, the artifact's --max-dp 1: a second "
               f"replica of the model does not fit) at {' and '.join(str(m) for m in T5_MICRO)} micro-batches, with and "
-              "without recompute; 1F1B under auto's FLOP-balanced cut, Megatron-LM's even cut (the artifact's megatron "
-              "policy) and a searched cut (a local search over the cut points from those two, each cut priced by the "
-              "planner: the fastest that fits, else the one needing least memory; beyond what Megatron-LM offered the "
-              "paper), interlaced under the tool's cut and, where that does not fit, the same search from the tool's cut (at most 60 cuts, "
+              "without recompute; 1F1B with and without Megatron's sequence parallelism, under auto's FLOP-balanced cut, "
+              "Megatron-LM's even cut (the artifact's megatron policy) and a searched cut (every seed priced: those two "
+              "and cuts whose stages holding the table (the first, the one calling the decoder's embedding, the last) "
+              "take 1 to 64 / pp blocks; then a local search over the cut points from the best two seeds, at most "
+              f"{CUT_LIMIT} cuts beyond 8 stages; each cut priced by the planner: the fastest that fits, else the one "
+              "needing least memory; beyond what Megatron-LM offered the paper), interlaced under the tool's cut and, where that does not fit, the same search from the tool's cut (at most 60 cuts, "
               f"each a whole interlaced price). {len(rows)} configurations priced in {search_seconds:.0f} s. The table: the fitting ones, "
               "fastest first, then for each kind that never fits its least-memory configuration.", "", *TABLE_HEAD]
     lines += [row(label, estimate, note) for label, estimate, note, _ in shown]
@@ -443,10 +497,10 @@ def t5_artifact(lines: list[str]) -> dict:
 
 def win_sentence(out) -> str:
     """Where interlaced starts to win in the sweep, and whether by time or because 1F1B no longer fits."""
-    wins = next(((v, b) for v, b, p, _ in out if p and (not b or b[1].seconds > p[1].seconds)), None)
+    wins = next(((v, b) for v, b, p, *_ in out if p and (not b or b[1].seconds > p[1].seconds)), None)
     if wins is None:
         return "Interlaced wins at none of these vocabularies."
-    before = [(v, b[1].seconds / p[1].seconds) for v, b, p, _ in out if v < wins[0] and b and p]
+    before = [(v, b[1].seconds / p[1].seconds) for v, b, p, *_ in out if v < wins[0] and b and p]
     return (f"Interlaced starts to win at a vocabulary of {wins[0]:,} (of those priced)"
             + (": there 1F1B + Megatron TP no longer fits 32 GB" if wins[1] is None else " (faster)")
             + ("; below it 1F1B fits and is faster (interlaced's speedups " + ", ".join(f"{r:.2f}x" for _, r in before)
@@ -454,8 +508,8 @@ def win_sentence(out) -> str:
 
 
 def t5_vocab_sweep(lines: list[str]) -> list:
-    """The artifact's T5 at each vocabulary of T5_VOCABS: the best fitting of each side, both at tp x pp
-    of 4 x 8, 8 x 4 and 16 x 2 and 256 micro-batches (t5_artifact's winners and runners-up at 2M)."""
+    """The artifact's T5 at each vocabulary of T5_VOCABS: the best fitting of each side, both at every
+    tp x pp = 32 with pp > 1 and 256 micro-batches, and what `--plan auto` chooses."""
     import gc
     out = []
     for vocab in T5_VOCABS:
@@ -464,7 +518,10 @@ def t5_vocab_sweep(lines: list[str]) -> list:
         start = time.perf_counter()
         _, base, paper = t5_best(graph, shapes=SWEEP_SHAPES, micros=(256,), log=lambda *a: None,
                                  interlaced_shapes=SWEEP_SHAPES)
-        out.append((vocab, base, paper, trace_seconds + time.perf_counter() - start))
+        # what the search picks on its own, over its whole space (every tp x dp x pp, schedule,
+        # micro-batches, ZeRO, recompute, sequence parallelism), as `plan --plan auto` prints it
+        chosen = auto.search_auto(graph, DEVICES, CLUSTER, [], BUDGET).best
+        out.append((vocab, base, paper, trace_seconds + time.perf_counter() - start, chosen))
         print("vocab", vocab, base and base[1].config.describe(), base and f"{base[1].seconds:.2f}",
               paper and paper[1].config.describe(), paper and f"{paper[1].seconds:.2f}", flush=True)
         del graph
@@ -472,15 +529,19 @@ def t5_vocab_sweep(lines: list[str]) -> list:
     os.environ.pop("DGX2_T5_VOCAB")
     lines += ["### The vocabulary at which interlaced starts to win", "",
               "The same T5 (hidden 6144, 32 + 32 layers, batch 256) at each vocabulary (`DGX2_T5_VOCAB`), each side "
-              "at its best fitting configuration over tp x pp in {4 x 8, 8 x 4, 16 x 2}, "
-              "256 micro-batches, recompute or not, the cuts as above.", "",
-              "| vocabulary | 1F1B + Megatron TP | est. step s | interlaced | est. step s | speedup | s to trace and price |",
-              "|---|---|---|---|---|---|---|"]
-    for vocab, base, paper, seconds in out:
+              "at its best fitting configuration over tp x pp in {" + ", ".join(f"{t} x {q}" for t, q in SWEEP_SHAPES) +
+              "}, 256 micro-batches, recompute or not (1F1B: Megatron's sequence parallelism or not), the cuts as "
+              "above; and what `--plan auto --devices 32` chooses on its own (the search's own price: "
+              "plan/auto.py's analytic interlaced, which the walk above prices within 10%).", "",
+              "| vocabulary | 1F1B + Megatron TP | est. step s | interlaced | est. step s | speedup | `--plan auto` chooses "
+              "| s to trace and price |",
+              "|---|---|---|---|---|---|---|---|"]
+    for vocab, base, paper, seconds, chosen in out:
         b = f"{base[0]}: {base[1].config.describe()} | {base[1].seconds:.2f}" if base else "none fits | "
         p = f"{paper[0]}: {paper[1].config.describe()} | {paper[1].seconds:.2f}" if paper else "none fits | "
         speed = f"{base[1].seconds / paper[1].seconds:.2f}x" if base and paper else ("only interlaced fits" if paper else "-")
-        lines.append(f"| {vocab:,} | {b} | {p} | {speed} | {seconds:.0f} |")
+        lines.append(f"| {vocab:,} | {b} | {p} | {speed} | {chosen.config.describe()}: {chosen.seconds:.2f} s "
+                     f"| {seconds:.0f} |")
     lines += ["", win_sentence(out), ""]
     return out
 
@@ -663,7 +724,9 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
 """
 
 
-T5_KEY = "T5 at the artifact's setting (vocabulary 2,048,000, hidden 6144): interlaced vs 1F1B + TP"
+T5_KEY = "T5 at the artifact's setting (vocabulary 2,048,000, hidden 6144): interlaced vs Megatron-LM"
+T5_HALF_KEY = "T5 at half the artifact's vocabulary (1,024,000, hidden 6144): interlaced vs Megatron-LM"
+T5_REPORTED = "2.2x (the issue's reading of the paper; the artifact's T5 setting)"
 
 
 def summary_line(key: str, paper, base, reported: str) -> str:
@@ -678,10 +741,11 @@ def summary_line(key: str, paper, base, reported: str) -> str:
             f"{reported} |")
 
 
-def t5_sections(body: list[str]) -> tuple:
+def t5_sections(body: list[str]) -> dict:
+    """The two T5 sections; their summary rows: the artifact's vocabulary, and half of it (from the sweep)."""
     out = t5_artifact(body)
-    t5_vocab_sweep(body)
-    return out["paper"], out["base"], "2.2x (the issue's reading of the paper; the artifact's T5 setting)"
+    half = next(r for r in t5_vocab_sweep(body) if r[0] == 1_024_000)
+    return {T5_KEY: (out["paper"], out["base"], T5_REPORTED), T5_HALF_KEY: (half[2], half[1], T5_REPORTED)}
 
 
 def only_t5(started: float, load_before: str) -> None:
@@ -691,20 +755,15 @@ def only_t5(started: float, load_before: str) -> None:
     text = path.read_text()
     body = [f"Measured at {revision()} by `python benchmarks/bench_dgx2.py --only t5-artifact` (this section and "
             f"its sweep only; load {load_before} at the start).", ""]
-    paper, base, reported = t5_sections(body)
+    summary = t5_sections(body)
     section = "\n".join(["## T5 at the artifact's setting: interlaced against the best fitting 1F1B + Megatron TP", "",
                          *body[:2], *body[4:]]) + "\n"
     start = text.find("## T5 at the artifact's setting")
     end = text.index("## AlphaFold2")
     text = text[:start if start >= 0 else end] + section + text[end:]
-    line = summary_line(T5_KEY, paper, base, reported)
-    lines = text.split("\n")
-    at = next((i for i, l in enumerate(lines) if l.startswith(f"| {T5_KEY}")), None)
-    if at is None:
-        at = next(i for i, l in enumerate(lines) if l.startswith("| mBART-large")) + 1
-        lines.insert(at, line)
-    else:
-        lines[at] = line
+    lines = [l for l in text.split("\n") if not l.startswith("| T5 at ")]     # this run's rows replace them
+    at = next(i for i, l in enumerate(lines) if l.startswith("| mBART-large")) + 1
+    lines[at:at] = [summary_line(key, *row) for key, row in summary.items()]
     text = "\n".join(lines)
     whole = next((l for l in text.split("\n") if l.startswith("Whole benchmark:")), "")
     text = text[:text.index("## Findings")] + FINDINGS + (whole + "\n" if whole else "") + \
@@ -735,7 +794,7 @@ def main() -> None:
     for entry, title in (("dgx2_t5_3b.py", "T5-3B"), ("dgx2_mbart.py", "mBART-large")):
         out = encoder_decoder(body, entry, title)
         results[f"{title}: interlaced vs 1F1B + TP"] = (out["paper"], out["base"], "not found")
-    results[T5_KEY] = t5_sections(body)
+    results.update(t5_sections(body))
     out = alphafold2(body)
     results["AlphaFold2: 3F1B vs TP + DP (DAP-like)"] = (out["paper"], out["base"],
                                                          "up to 3.5x (abstract, with Swin); 3F1B vs DAP: not found")
