@@ -43,6 +43,18 @@ class Action:
     cycle: int | None = None
     call: int = 0      # E / G: which vocabulary call of that step (in the order the step makes them)
 
+    def __hash__(self) -> int:
+        # the dataclass's own hash (of the fields), computed once: the simulator looks each action
+        # up many times per timeline, and the planner simulates hundreds of timelines
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = hash((self.kind, self.stage, self.micro, self.cycle, self.call))
+            object.__setattr__(self, "_hash", found)
+        return found
+
+    def __getstate__(self):            # a hash is per process (string hashing is salted)
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     def __str__(self) -> str:          # torch.distributed.pipelining's action grammar (+ "c<call>", "r<pass>")
         return f"{self.stage}{self.kind}{self.micro}" + (f"c{self.call}" if self.call else "") + \
             (f"r{self.cycle}" if self.cycle is not None else "")

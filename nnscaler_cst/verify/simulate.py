@@ -114,9 +114,13 @@ def simulate(orders: list[list[Action]], stages: int, *, forward_seconds: list[f
         needs = needs_of.get(action)
         if needs is None:
             needs = needs_of[action] = _needs(action, place, passes)
-        if any(need not in done for need, _ in needs):
-            return None
-        return max([clock[rank]] + [done[n] + (latency if src is not None else 0.0) for n, src in needs])
+        arrivals = [clock[rank]]               # (each need looked up once: a step is asked many times)
+        for need, src in needs:
+            at = done.get(need)
+            if at is None:
+                return None
+            arrivals.append(at + (latency if src is not None else 0.0))
+        return max(arrivals)
 
     while True:
         progressed = False
