@@ -34,6 +34,16 @@ class TensorDims:
         """(dim, groups) where `label` sits: groups is the product of the factors before it.
         `local`: labels whose size each device sees divided (the batch, sliced by data
         parallelism): a dim (batch heads) split on heads is `batch / slices` groups there."""
+        if not local:       # the search asks each label of each tensor many times: kept per dims list
+            cache = self.__dict__.get("_where_cache")
+            if cache is None or cache[0] is not self.dims:      # (refine_factors assigns a new list)
+                cache = self.__dict__["_where_cache"] = (self.dims, {})
+            if label not in cache[1]:
+                cache[1][label] = self._where(label, None)
+            return cache[1][label]
+        return self._where(label, local)
+
+    def _where(self, label: str, local: dict[str, int] | None) -> tuple[int, int] | None:
         for d, factors in enumerate(self.dims):
             groups = 1
             for factor in factors:

@@ -43,6 +43,18 @@ class Action:
     cycle: int | None = None
     call: int = 0      # E / G: which vocabulary call of that step (in the order the step makes them)
 
+    def __hash__(self) -> int:
+        # the dataclass's own hash (of the fields), computed once: the simulator looks each action
+        # up many times per timeline, and the planner simulates hundreds of timelines
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = hash((self.kind, self.stage, self.micro, self.cycle, self.call))
+            object.__setattr__(self, "_hash", found)
+        return found
+
+    def __getstate__(self):            # a hash is per process (string hashing is salted)
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     def __str__(self) -> str:          # torch.distributed.pipelining's action grammar (+ "c<call>", "r<pass>")
         return f"{self.stage}{self.kind}{self.micro}" + (f"c{self.call}" if self.call else "") + \
             (f"r{self.cycle}" if self.cycle is not None else "")
@@ -244,6 +256,22 @@ def _compile(expression: str, env: dict[str, int], where: Location):
     return code
 
 
+_SAFE = {"__builtins__": {}, "min": min, "max": max}
+
+
+def _evaluator(where: Location):
+    """evaluate() for many envs with the same names (an order's steps): each expression looked up
+    once, evaluated on the env as given (expressions cannot assign), not on a copy."""
+    codes: dict[str, object] = {}
+
+    def value(expression: str, env: dict[str, int]) -> int:
+        code = codes.get(expression)
+        if code is None:
+            code = codes[expression] = _compiled.get((expression, frozenset(env))) or _compile(expression, env, where)
+        return eval(code, _SAFE, env)
+    return value
+
+
 def _names(text: str) -> set[str]:
     return set(re.findall(r"[A-Za-z_]\w*", text))
 
@@ -257,15 +285,9 @@ def rank_order(table: ScheduleTable, rank: int, ranks: int, micro: int, passes: 
     mine = placement(table, ranks).stages_of(rank)
     warmup_at = Location(table.location.path, _line(Path(table.location.path), "warmup"))
     env["W"] = evaluate(table.warmup, env, warmup_at)
-    # a fresh context each time: where the constraints leave a choice, z3's pick then depends on
-    # the table and the sizes only, not on what this process solved before (same output each run)
-    ctx = z3.Context()
     steps_of = [("F", c) for c in range(1, N + 1)] + [("B", N)]
-    pos = {(kind, c, k): z3.Int(f"{kind}{k}" if c == N else f"{kind}{c}_{k}", ctx) for kind, c in steps_of for k in range(K)}
-    solver = z3.Solver(ctx=ctx)
-    solver.add(z3.Distinct(*pos.values()))
-    for value in pos.values():
-        solver.add(value >= 0, value < len(pos))
+    keys = [(kind, c, k) for kind, c in steps_of for k in range(K)]
+    edges: list[tuple[tuple, tuple]] = []       # (before, after), in the order z3 is given them
     for text in table.order:
         match = _CONSTRAINT.match(text)
         if not match:
@@ -276,6 +298,7 @@ def rank_order(table: ScheduleTable, rank: int, ranks: int, micro: int, passes: 
         # a constraint naming j relates every pair of steps (k, j): an order by a computed key;
         # one naming c holds for every forward pass c = 1..N
         named = _names(text)
+        value = _evaluator(table.location)      # this constraint's names: the same for every step
         for c in (range(1, N + 1) if "c" in named else [None]):
             for k in range(K):
                 for j in (range(K) if "j" in named else [None]):
@@ -284,29 +307,84 @@ def rank_order(table: ScheduleTable, rank: int, ranks: int, micro: int, passes: 
                         local["j"] = j
                     if c is not None:
                         local["c"] = c
-                    if when and not evaluate(when, local, table.location):
+                    if when and not value(when, local):
                         continue
-                    a, b = evaluate(a_index, local, table.location), evaluate(b_index, local, table.location)
-                    pa = evaluate(a_pass, local, table.location) if a_pass and a_kind == "F" else N
-                    pb = evaluate(b_pass, local, table.location) if b_pass and b_kind == "F" else N
+                    a, b = value(a_index, local), value(b_index, local)
+                    pa = value(a_pass, local) if a_pass and a_kind == "F" else N
+                    pb = value(b_pass, local) if b_pass and b_kind == "F" else N
                     if 0 <= a < K and 0 <= b < K and 1 <= pa <= N and 1 <= pb <= N \
                             and (a_kind, pa, a) != (b_kind, pb, b):
-                        solver.add(pos[(a_kind, pa, a)] < pos[(b_kind, pb, b)])
-    if solver.check() != z3.sat:
-        raise UserError(f"the order constraints of schedule {table.name} contradict each other on rank {rank}",
-                        table.location)
-    model = solver.model()
-    steps = sorted(pos, key=lambda key: model.eval(pos[key]).as_long())
+                        edges.append(((a_kind, pa, a), (b_kind, pb, b)))
+    # the tables' constraints usually fix a total order: then it is the only one z3 could pick,
+    # found by a topological sort in milliseconds instead of a z3 solve (most of --plan auto's time)
+    steps = _only_order(keys, edges)
+    if steps is None:
+        steps = _z3_order(table, rank, N, keys, edges)
     out = []
+    value = _evaluator(table.location)
     for kind, c, k in steps:
         local = {**env, "k": k}
-        chunk = evaluate(table.forward_chunk if kind == "F" else table.backward_chunk, local, table.location)
-        m = evaluate(table.micro_batch, local, table.location)
+        chunk = value(table.forward_chunk if kind == "F" else table.backward_chunk, local)
+        m = value(table.micro_batch, local)
         if not 0 <= chunk < V:
             raise UserError(f"schedule {table.name}: step {kind}[{k}] of rank {rank} runs chunk {chunk}, not one of "
                             f"its {V} stages", table.location)
         out.append(Action(kind, mine[chunk], m, c - 1 if kind == "F" and c < N else None))
     return out
+
+
+def _only_order(keys: list[tuple], edges: list[tuple[tuple, tuple]]) -> list[tuple] | None:
+    """The steps in the one order the constraints `edges` allow, or None where they allow several
+    or none (a cycle: z3 then reports them contradictory). Kahn's sort: the order is the only one
+    exactly when a single step is free at every point."""
+    after: dict[tuple, set] = {key: set() for key in keys}
+    for a, b in edges:
+        after[a].add(b)
+    before = dict.fromkeys(keys, 0)
+    for a in after:
+        for b in after[a]:
+            before[b] += 1
+    free = [key for key in keys if not before[key]]
+    order = []
+    while len(free) == 1:
+        key = free.pop()
+        order.append(key)
+        for b in after[key]:
+            before[b] -= 1
+            if not before[b]:
+                free.append(b)
+    return order if len(order) == len(keys) else None
+
+
+# z3's orders by problem: ranks whose warm-up covers all their micro-batches state the same
+# constraints (for any number of ranks), and z3 answers the same problem the same way
+_Z3_ORDERS: dict[tuple, list[tuple]] = {}
+
+
+def _z3_order(table: ScheduleTable, rank: int, N: int, keys: list[tuple], edges: list[tuple[tuple, tuple]]) -> list[tuple]:
+    """The steps ordered by positions z3 finds for the constraints `edges`."""
+    problem = (N, tuple(keys), tuple(edges))
+    if problem not in _Z3_ORDERS:
+        _Z3_ORDERS[problem] = _z3_solve(table, rank, N, keys, edges)
+    return list(_Z3_ORDERS[problem])
+
+
+def _z3_solve(table: ScheduleTable, rank: int, N: int, keys: list[tuple], edges: list[tuple[tuple, tuple]]) -> list[tuple]:
+    # a fresh context each time: where the constraints leave a choice, z3's pick then depends on
+    # the table and the sizes only, not on what this process solved before (same output each run)
+    ctx = z3.Context()
+    pos = {(kind, c, k): z3.Int(f"{kind}{k}" if c == N else f"{kind}{c}_{k}", ctx) for kind, c, k in keys}
+    solver = z3.Solver(ctx=ctx)
+    solver.add(z3.Distinct(*pos.values()))
+    for value in pos.values():
+        solver.add(value >= 0, value < len(pos))
+    for a, b in edges:
+        solver.add(pos[a] < pos[b])
+    if solver.check() != z3.sat:
+        raise UserError(f"the order constraints of schedule {table.name} contradict each other on rank {rank}",
+                        table.location)
+    model = solver.model()
+    return sorted(pos, key=lambda key: model.eval(pos[key]).as_long())
 
 
 def schedule(table: ScheduleTable, ranks: int, micro: int, passes: int = 1) -> list[list[Action]]:

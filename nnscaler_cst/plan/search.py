@@ -580,12 +580,12 @@ def _search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
     whole_only = {sid: {k for k, label in enumerate(options[sid].options) if label == REPLICATE} for sid in sids
                   if mixed_whole and sid[0] != "node" and in_mixed_container(graph, sid[0])}
     for constraint in constraints:
-        selects, allows = _constraint_answers(graph, constraint)
+        selects, allows, selected_at = _constraint_answers(graph, constraint)
         excepted = constraint.select.get("except_params")
         narrowed = []
         for sid in sids:
             opts = options[sid]
-            selected = [i for i in opts.nodes if selects(i)]
+            selected = selected_at(sid, opts.nodes)
             if selected and excepted and any(graph.trace.tensors[tid].param in excepted
                                              for i in opts.nodes for _, tid in graph.param_operands(i)):
                 # one choice serves every call of a site: where one instance's parameter is kept
@@ -670,8 +670,8 @@ def _constraint_answers(graph: Graph, constraint: Constraint):
     cache = _search_cache(graph).setdefault("constraints", {})
     entry = cache.get(id(constraint))
     if entry is None or entry[0] is not constraint:
-        entry = cache[id(constraint)] = (constraint, {}, {})
-    _, selected, allowed = entry
+        entry = cache[id(constraint)] = (constraint, {}, {}, {})
+    _, selected, allowed, by_site = entry
 
     def selects(index: int) -> bool:
         if index not in selected:
@@ -683,7 +683,14 @@ def _constraint_answers(graph: Graph, constraint: Constraint):
         if key not in allowed:
             allowed[key] = constraint.allows(graph, index, label)
         return allowed[key]
-    return selects, allows
+
+    def selected_at(sid, nodes: list[int]) -> list[int]:
+        """A site's instances the constraint selects (its instances are the graph's: kept)."""
+        found = by_site.get(sid)
+        if found is None:
+            found = by_site[sid] = [i for i in nodes if selects(i)]
+        return found
+    return selects, allows, selected_at
 
 
 MAX_SOLVES = 256       # elimination subproblems before the whole problem goes to z3
@@ -1293,6 +1300,23 @@ def _cost_tables(graph: Graph, options, n: int, device: DeviceSpec, data_paralle
             found = seconds_of[key] = conversion_time(steps, nbytes, n, device)
         return found
 
+    # an invocation's layouts counted from the end, per graph: every edge of an output (and every
+    # solve of --plan auto) asks for the same ones
+    ends = _search_cache(graph).setdefault("ends", {})
+
+    def have_of(u: int, label: str, k: int) -> Layout:
+        found = ends.get((u, label, k))
+        if found is None:
+            outs = lay(u, label).outputs
+            found = ends[(u, label, k)] = from_end(outs[k], rank_out(u, k)) if k < len(outs) else R
+        return found
+
+    def need_of(v: int, label: str, name: str) -> Layout:
+        found = ends.get((v, label, name))
+        if found is None:
+            found = ends[(v, label, name)] = from_end(lay(v, label).inputs[name], rank_in(v, name))
+        return found
+
     mixed = mixed_edges(graph, mixed_lines(graph))
     inside = {(site_id(graph, u), site_id(graph, v)) for u, v in mixed.inside}
     for key, count in edges.items():
@@ -1301,11 +1325,10 @@ def _cost_tables(graph: Graph, options, n: int, device: DeviceSpec, data_paralle
         if su is not None:                   # what each producer option hands over, once per edge
             u = options[su].nodes[0]
             table = pair_cost[(su, sv)]
-            haves = [from_end(outs[k], rank_out(u, k)) if k < len(outs) else R
-                     for outs in (lay(u, u_label).outputs for u_label in options[su].labels[u])]
+            haves = [have_of(u, u_label, k) for u_label in options[su].labels[u]]
         for b, label in enumerate(options[sv].labels[v]):
             wanted = lay(v, label)
-            need = from_end(wanted.inputs[name], rank_in(v, name))
+            need = need_of(v, label, name)
             if su is None:
                 steps = convert(R, need, wanted.split, requires_grad)
                 cost = count * seconds(steps, nbytes)

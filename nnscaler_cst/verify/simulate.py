@@ -108,11 +108,19 @@ def simulate(orders: list[list[Action]], stages: int, *, forward_seconds: list[f
     def length(action: Action) -> float:
         return cost[action.stage] * (1.0 if action.kind == "F" else 2.0)
 
+    needs_of: dict[Action, list] = {}        # a blocked step is asked again each round: its needs once
+
     def ready_at(rank, action) -> float | None:
-        needs = _needs(action, place, passes)
-        if any(need not in done for need, _ in needs):
-            return None
-        return max([clock[rank]] + [done[n] + (latency if src is not None else 0.0) for n, src in needs])
+        needs = needs_of.get(action)
+        if needs is None:
+            needs = needs_of[action] = _needs(action, place, passes)
+        arrivals = [clock[rank]]               # (each need looked up once: a step is asked many times)
+        for need, src in needs:
+            at = done.get(need)
+            if at is None:
+                return None
+            arrivals.append(at + (latency if src is not None else 0.0))
+        return max(arrivals)
 
     while True:
         progressed = False
