@@ -1168,8 +1168,10 @@ def training_api(*, partial: str, loss: str, zero: int, micro: int | None, preci
         pieces.update(optimizer_params=OPTIMIZER_PARAMS + GRAD_BUCKETS, gather_before_forward=DP_OVERLAP,
                       dp_finish=DP_FINISH_OVERLAPPED)
     if zero:
+        # ZeRO-2 and 3 keep the gradients sharded under gradient accumulation too: each micro-batch's
+        # backward reduce-scatters into the shard's gradient, which adds them up (FSDP's way)
         pieces = {"optimizer_params": ZERO_OPTIMIZER_PARAMS.format(stage=zero, what=ZERO_WHAT[zero],
-                                                                   hooks=ZERO_HOOKS[zero], overlap=overlap),
+                                                                   hooks=ZERO_HOOKS[zero], overlap=not pipeline),
                   "gather_before_forward": ZERO_GATHER if zero == 3 else "", "dp_finish": ZERO_FINISH[zero],
                   "dp_after_step": ZERO_AFTER_STEP[zero], "clip_pieces": ZERO_CLIP_PIECES.format(),
                   "stepped_grads": ZERO_STEPPED_GRADS}
