@@ -29,6 +29,8 @@ The step of a configuration, per micro-batch of B / (dp M) samples on stage s:
          schedules.simulated_seconds: a pass waits for the one before to come round the whole
          pipeline, which the formula misses once the stages outnumber the passes)
          + max_s (gradient sync over dp and of partial tensor-parallel gradients + optimizer)
+  pp = 1 with M > 1 is gradient accumulation: M t_0, one micro-batch's activations, the sync
+  after the last backward (hidden beside none; ZeRO-2/3: each micro-batch's hooks, hidden)
 Memory per device, the worst stage: parameters, gradients and AdamW state of its stage (ZeRO
 shards them over dp), plus min(pp - s, M) micro-batches of activations (recompute keeps each
 block's inputs only, and rebuilds one block at a time).
