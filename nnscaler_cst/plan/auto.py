@@ -793,7 +793,7 @@ def _refusal(config: Config, batch: int, mixing, blocks: _Blocks, fixed: _Fixed)
 
 def _micro_batch_choices(local_batch: int, pp: int, fixed: _Fixed) -> list[int]:
     """Micro-batches per step: a pipeline's, or without one gradient accumulation's, which trades
-    time (per-call overheads M times, no overlap of the gradient sync) for one micro-batch's activations."""
+    time (per-call overheads M times; a DP sync no longer beside the backward) for activations."""
     if fixed.micro_batches is not None:
         return [fixed.micro_batches] if local_batch % fixed.micro_batches == 0 else []
     return divisors(local_batch)
