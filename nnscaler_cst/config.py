@@ -186,8 +186,6 @@ def check_options(opts: dict[str, Any]) -> None:
         parse_stages(opts["stages"])
         if (opts.get("pp") or 1) < 2:
             raise UserError("--stages needs --pp N with N > 1", hint="e.g. --pp 2 --stages 6")
-    if opts.get("micro_batches") is not None and (opts.get("pp") or 1) < 2:
-        raise UserError("--micro-batches needs --pp N with N > 1", hint="e.g. --pp 2 --micro-batches 4")
     out = opts.get("out")
     if out is not None and Path(out).exists() and not Path(out).is_dir():
         raise UserError(f"-o {out}: is a file, not a folder",

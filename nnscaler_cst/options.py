@@ -41,7 +41,8 @@ OPTIONS = (
            "bytes, or 24GiB, 80GB, 512MiB", "plan", cost_only=True),
     Option("pp", ("--pp",), int, "size", 1, "pipeline stages (ranks)", "pipeline"),
     Option("micro_batches", ("--micro-batches",), int, "size", None,
-           "micro-batches per step (default: pp x virtual stages)", "pipeline"),
+           "micro-batches per step (default: pp x virtual stages); with --pp 1, gradient "
+           "accumulation over this many slices of each rank's batch (default 1)", "pipeline"),
     Option("schedule", ("--schedule",), str, "name", "1f1b",
            "gpipe | 1f1b | interleaved, or any schedule table in rules/plans", "pipeline"),
     Option("stages", ("--stages",), str, "stages", None, "block indices where stages 1.. begin, e.g. 6,12,18",

@@ -104,7 +104,8 @@ def resolve_auto(analysis: Analysis, request: PlanRequest) -> PlanRequest:
     choice = search_auto(analysis.graph, devices, cluster, annotations, request.memory_budget, fixed=fixed)
     config = choice.config
     return replace(request, tp=config.tp, dp=config.dp, pp=config.pp, schedule=config.schedule,
-                   micro_batches=config.micro_batches if config.pp > 1 else None, zero=config.zero,
+                   micro_batches=config.micro_batches if config.pp > 1 or config.micro_batches > 1 else None,
+                   zero=config.zero,
                    recompute=config.recompute, sequence_parallel=config.sequence_parallel, auto=choice)
 
 
@@ -514,7 +515,9 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
     training = templates.training_api(partial=partial, loss=loss_reduction(analysis.graph),
                                       zero=request.zero if request else 0, micro=micro if stages is not None else None,
                                       precision=request.precision if request else None,
-                                      micro_statistics=bool(stages is not None and stages.micro_statistics))
+                                      micro_statistics=bool(stages.micro_statistics if stages is not None
+                                                            else plan.micro_statistics),
+                                      accumulate=_micro_batches(request) if request and stages is None else 1)
     files["__init__.py"] = with_header(templates.INIT.format(title=title, world=plan.world_size, tp=tp, dp=dp,
                                                              pp=pp, splits=splits, aliases=aliases,
                                                              vocab_splits=stages.vocab_params if stages else [],
@@ -591,10 +594,26 @@ def _mirrored(analysis: Analysis, entry_module: cst.Module,
 
 
 def _micro_batches(request: PlanRequest) -> int:
-    """How many pieces each data-parallel rank's batch runs in (1 without a pipeline)."""
+    """How many pieces each data-parallel rank's batch runs in (without a pipeline: gradient
+    accumulation's, 1 unless --micro-batches)."""
     if request.pp < 2:
-        return 1
+        return request.micro_batches or 1
     return request.micro_batches or request.pp * load_schedule(request.schedule).virtual_stages
+
+
+def plan_accumulation(analysis: Analysis, plan: Plan, request: PlanRequest) -> None:
+    """Gradient accumulation (--micro-batches M, no pipeline): M must divide each data-parallel
+    rank's batch; BatchNorm then normalises each micro-batch by its own statistics, as under a
+    pipeline (warned; verify compares with a single device accumulating alike)."""
+    micro = _micro_batches(request)
+    batch = (analysis.trace.batch_size or 1) // plan.mesh["dp"]
+    if batch % micro:
+        raise UserError(f"a batch of {batch} per data-parallel rank does not split into {micro} micro-batches",
+                        _inputs_location(analysis), hint="choose --micro-batches dividing the batch")
+    if micro > 1:
+        normalising = micro_batch_statistics(analysis.graph, f"{micro} micro-batches")
+        plan.micro_statistics = bool(normalising)
+        plan.warnings += statistics_warnings(normalising, micro)
 
 
 def plan_pipeline(analysis: Analysis, plan: Plan, request: PlanRequest) -> tuple[StagePlan, list[list[Action]]]:
@@ -660,6 +679,8 @@ def rewrite(analysis: Analysis, request: PlanRequest, every_size_read: bool = Fa
     stages = orders = None
     if request.pp > 1:
         stages, orders = plan_pipeline(analysis, plan, request)
+    else:
+        plan_accumulation(analysis, plan, request)
     choices = choices_from_plan(analysis.graph, plan, "tp",     # the rewrite reads the plan IR only
                                 batch_slices=plan.mesh["dp"] * _micro_batches(request),
                                 every_size_read=every_size_read)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from nnscaler_cst.analysis import analyze
-from nnscaler_cst.plan.auto import Config, _order_problem, _ranks, estimate_config, pipeline_seconds, search_auto
+from nnscaler_cst.plan.auto import Config, _Fixed, _order_problem, _ranks, estimate_config, pipeline_seconds, search_auto
 from nnscaler_cst.plan.cost import load_cluster
 from nnscaler_cst.plan.schedules import load_schedule, placement, schedule
 from nnscaler_cst.verify.simulate import simulate
@@ -157,33 +157,40 @@ def vocab(tmp_path_factory):
 
 
 def test_where_memory_forces_recompute_the_search_co_shards_the_attention_core(attention):
-    """Under 800 MB per device every plan without co-shard keeps the scores unless it recomputes
+    """Under 400 MB per device every plan without co-shard keeps the scores unless it recomputes
     whole blocks; co-shard (C pieces of the heads per device, the core's forward run again) fits
     and costs less than any recompute (at 1 GB a Chimera pipeline keeps them all: activations are
-    counted as autograd keeps them, the softmax's output alone of the scores)."""
-    choice = search_auto(attention, 2, H100, [], 8e8)
+    counted as autograd keeps them, the softmax's output alone of the scores). At 800 MB (this
+    test's budget before micro-batches were searched at pp = 1) gradient accumulation fits without
+    either: 2 micro-batches hold half the scores, for their per-call overheads twice."""
+    accumulating = search_auto(attention, 2, H100, [], 8e8)
+    assert accumulating.config.pp == 1 and accumulating.config.micro_batches > 1, accumulating.config
+    assert not accumulating.config.recompute and accumulating.config.coshard == 1
+    choice = search_auto(attention, 2, H100, [], 4e8)
     assert choice.config.kind == "co-shard" and choice.config.coshard >= 2 and not choice.config.recompute
     others = [e for e in choice.candidates if e.why_not is None and e.config.kind == "tp x dp"]
     assert others and all(e.config.recompute for e in others)
     assert all(e.seconds > choice.best.seconds for e in others)
     # the same split without co-shard does not fit: recompute is what the others pay for
-    plain = estimate_config(attention, Config(choice.config.tp, choice.config.dp), H100, [], 8e8)
+    plain = estimate_config(attention, Config(choice.config.tp, choice.config.dp), H100, [], 4e8)
     assert plain.why_not is not None
-    again = estimate_config(attention, choice.config, H100, [], 8e8)
+    again = estimate_config(attention, choice.config, H100, [], 4e8)
     assert again.seconds == pytest.approx(choice.best.seconds) and again.memory == choice.best.memory
 
 
 def test_a_huge_shared_vocabulary_makes_the_search_interlace_the_pipeline(vocab):
     """1F1B keeps the whole shared vocabulary weight on its first and on its last stage; the
     interlaced pipeline splits it (and the embedding's and head's work) over the pipeline ranks,
-    and is the fastest plan that fits 2.1 GB, where no plan without it fits (an embedding lookup
+    and is the fastest plan that fits 1.9 GB, where no plan without it fits (an embedding lookup
     costs its output, not a matmul over the table: the FLOP balance gives 1F1B's embedding stage
-    its share of blocks beside the table; before, 1F1B fitted with more micro-batches)."""
-    choice = search_auto(vocab, 4, H100, [], 2.1e9)
+    its share of blocks beside the table; before, 1F1B fitted with more micro-batches). At 2.1 GB
+    (the budget before micro-batches were searched at pp = 1) tp=4 with gradient accumulation over
+    4 micro-batches fits too (2.03 GB) and is priced 0.4% faster."""
+    choice = search_auto(vocab, 4, H100, [], 1.9e9)
     assert choice.config.pp > 1 and choice.config.schedule == "interlaced", choice.config
     same = Config(choice.config.tp, choice.config.dp, choice.config.pp, choice.config.micro_batches,
                   choice.config.zero, choice.config.recompute)
-    one_f_one_b = estimate_config(vocab, same, H100, [], 2.1e9)
+    one_f_one_b = estimate_config(vocab, same, H100, [], 1.9e9)
     assert one_f_one_b.memory > choice.best.memory and one_f_one_b.why_not is not None
     others = [e for e in choice.candidates if e.config.schedule != "interlaced"]
     assert others and all(e.why_not is not None for e in others)
@@ -208,11 +215,16 @@ def test_the_searchs_interlaced_price_is_the_walks(vocab, tp, pp, micro):
 
 @pytest.mark.slow             # about 30 s: the split of an Evoformer block solved for tp 2 and 4
 def test_a_recycling_trunk_under_a_tight_budget_is_pipelined_under_3f1b(tmp_path_factory):
-    # at 100 MB ZeRO-3 with recompute fits (activations counted as autograd keeps them) and wins
+    """Under 60 MB with --pp 2 the trunk is pipelined under 3F1B (3F1B alone orders a recycling
+    trunk). Free to choose pp, the search prefers gradient accumulation at pp = 1 with ZeRO-3 and
+    recompute: no bubble, and ZeRO-3 shards the state as the stages would (3F1B won here before
+    micro-batches were searched at pp = 1)."""
     graph = _fake(tmp_path_factory, "recycling", RECYCLING)
-    choice = search_auto(graph, 4, H100, [], 6e7)
-    assert choice.config.pp > 1 and choice.config.schedule == "3f1b", choice.config
-    assert {e.config.schedule for e in choice.candidates if e.config.pp > 1} == {"3f1b"}
+    choice = search_auto(graph, 4, H100, [], 6e7, fixed=_Fixed(pp=2))
+    assert choice.config.pp == 2 and choice.config.schedule == "3f1b", choice.config
+    free = search_auto(graph, 4, H100, [], 6e7)
+    assert free.config.pp == 1 and free.config.micro_batches > 1 and free.best.seconds < choice.best.seconds
+    assert {e.config.schedule for e in free.candidates if e.config.pp > 1} == {"3f1b"}
 
 
 @pytest.mark.parametrize("order", ["1f1b", "interleaved", "chimera"])

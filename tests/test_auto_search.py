@@ -282,8 +282,15 @@ def test_a_budget_only_zero_1_meets_makes_the_search_shard_the_optimizer_state(n
     assert choice.best.memory == zero1 + activations
     refused = {(e.config.tp, e.config.dp, e.config.pp): e.why_not for e in choice.candidates if e.why_not}
     assert "blocks" in refused[(1, 1, 2)] or "loop" in refused[(1, 1, 2)]     # no blocks to cut into stages
+    # below it, gradient accumulation (micro-batches at pp = 1) holds one micro-batch's activations at a
+    # time: ZeRO-1 with 2, then 4 micro-batches of the rank's 4 samples; below 1 sample's, nothing fits
+    for micro in (2, 4):
+        smaller = search_auto(graph, 2, CPU, [], zero1 + 2 * activations / micro - 1)
+        assert (smaller.config.dp, smaller.config.zero, smaller.config.pp, smaller.config.micro_batches) == \
+            (2, 1, 1, micro), smaller.config
+        assert smaller.best.memory == zero1 + activations / micro
     with pytest.raises(UserError, match="no plan on 2 devices fits"):
-        search_auto(graph, 2, CPU, [], zero1 + activations - 1)
+        search_auto(graph, 2, CPU, [], zero1 + activations / 4 - 1)
 
 
 def test_a_budget_below_the_whole_model_makes_the_search_cut_pipeline_stages(blocks):

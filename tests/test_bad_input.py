@@ -159,7 +159,9 @@ CASES = [
     case("stages_not_numbers", f"model.py --pp 2 --stages a,b {OUT}", ["--stages a,b", "block indices"]),
     case("stages_decreasing", f"model.py --pp 3 --stages 3,1 {OUT}", ["--stages 3,1", "increasing"]),
     case("stages_without_pp", f"model.py --stages 2 {OUT}", ["--stages needs --pp"]),
-    case("micro_batches_without_pp", f"model.py --micro-batches 4 {OUT}", ["--micro-batches needs --pp"]),
+    # without a pipeline --micro-batches is gradient accumulation: it must divide each rank's batch
+    case("accumulation_not_dividing_the_batch", f"model.py --dp 2 --micro-batches 3 {OUT}",
+         ["batch of 4 per data-parallel rank", "3 micro-batches"], at=("model.py", "def example_inputs")),
     case("micro_batches_zero", f"model.py --pp 2 --micro-batches 0 {OUT}", ["--micro-batches 0", "at least 1"]),
     case("diff_of_a_rank_that_does_not_exist", "model.py --tp 2 --diff 7", ["no rank 7", "world of 2"]),
     case("diff_negative_rank", "model.py --tp 2 --diff -1", ["--diff -1", "ranks start at 0"]),

@@ -396,7 +396,8 @@ if __name__ == "__main__":
 '''
 
 
-PIPELINE_STEP = '''MICRO_BATCHES = {micro}
+# The micro-batches of a step: a pipeline's, or gradient accumulation's without one
+MICRO_BATCHES_SPLIT = '''MICRO_BATCHES = {micro}
 
 
 def micro_batches(batch):
@@ -406,7 +407,9 @@ def micro_batches(batch):
     if isinstance(batch, dict):
         return [{{k: piece(v, m) for k, v in batch.items()}} for m in range(MICRO_BATCHES)]
     return [tuple(piece(v, m) for v in batch) for m in range(MICRO_BATCHES)]
+'''
 
+PIPELINE_STEP = MICRO_BATCHES_SPLIT + '''
 
 def replica_grads(stages, module):
     """Pipelines that are replicas (Chimera) hold each model stage on several stages: every copy
@@ -994,6 +997,19 @@ FORWARD_BACKWARD = """    inputs = batch_share(batch)
 PIPELINE_FORWARD_BACKWARD = """    return pipeline_forward_backward(model, batch, module)
 """
 
+# Gradient accumulation (--micro-batches M without a pipeline): the share runs as M micro-batches one
+# after another, their gradients adding up in .grad; finish_backward reduces the sums once a step
+ACCUMULATE_FORWARD_BACKWARD = """    loss_sum = None
+    for inputs in micro_batches(batch_share(batch)):   # one micro-batch's activations held at a time
+        with autocast(device_type_of(model)):
+            output = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+            loss = loss_of(module, output) / (MICRO_BATCHES if AVERAGE_SHARES else 1)
+        scaled(loss).backward()
+        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        del output, loss
+    return full_loss(loss_sum)
+"""
+
 OPTIMIZER_PARAMS = '''
 
 def optimizer_params(model):
@@ -1135,25 +1151,38 @@ BATCH_STATISTICS_PER_MICRO_BATCH = True"""
 
 
 def training_api(*, partial: str, loss: str, zero: int, micro: int | None, precision: str | None,
-                 micro_statistics: bool = False) -> str:
+                 micro_statistics: bool = False, accumulate: int = 1) -> str:
     """The training section of __init__.py for a plan: `partial` the TP_PARTIAL_GRADS entries,
     `loss` the loss's reduction ("mean" or "sum"), `zero` the ZeRO stage (0: replicated state),
     `micro` the micro-batches of a pipeline (None: no pipeline), `precision` the forward's dtype,
-    `micro_statistics` whether BatchNorm normalises each micro-batch by its own statistics."""
+    `micro_statistics` whether BatchNorm normalises each micro-batch by its own statistics,
+    `accumulate` the micro-batches of a step without a pipeline (gradient accumulation)."""
     pipeline = micro is not None
+    accumulating = not pipeline and accumulate > 1
     pieces = {"optimizer_params": OPTIMIZER_PARAMS, "gather_before_forward": "", "dp_finish": DP_FINISH,
               "dp_after_step": "", "clip_pieces": CLIP_PIECES, "stepped_grads": STEPPED_GRADS}
-    if not pipeline:     # one backward a step: the data-parallel reduction overlaps it
+    # one backward a step: the data-parallel reduction overlaps it; several (a pipeline's, gradient
+    # accumulation's): the gradients add up first and finish_backward reduces them once, as a pipeline's
+    overlap = not pipeline and not accumulating
+    if overlap:
         pieces.update(optimizer_params=OPTIMIZER_PARAMS + GRAD_BUCKETS, gather_before_forward=DP_OVERLAP,
                       dp_finish=DP_FINISH_OVERLAPPED)
     if zero:
+        # ZeRO-2 and 3 keep the gradients sharded under gradient accumulation too: each micro-batch's
+        # backward reduce-scatters into the shard's gradient, which adds them up (FSDP's way)
         pieces = {"optimizer_params": ZERO_OPTIMIZER_PARAMS.format(stage=zero, what=ZERO_WHAT[zero],
                                                                    hooks=ZERO_HOOKS[zero], overlap=not pipeline),
                   "gather_before_forward": ZERO_GATHER if zero == 3 else "", "dp_finish": ZERO_FINISH[zero],
                   "dp_after_step": ZERO_AFTER_STEP[zero], "clip_pieces": ZERO_CLIP_PIECES.format(),
                   "stepped_grads": ZERO_STEPPED_GRADS}
+    step = ""
+    if pipeline:
+        step = "\n\n" + PIPELINE_STEP.format(micro=micro).rstrip("\n")
+    elif accumulating:
+        step = "\n\n" + MICRO_BATCHES_SPLIT.format(micro=accumulate).rstrip("\n")
+    if pipeline or accumulating:
+        step += MICRO_BATCH_STATISTICS if micro_statistics else ""
     return TRAINING.format(partial=partial, loss_shares=LOSS_SHARES[loss], precision=PRECISION_CODE[precision],
-                           forward_backward=PIPELINE_FORWARD_BACKWARD if pipeline else FORWARD_BACKWARD,
-                           pipeline_step="\n\n" + PIPELINE_STEP.format(micro=micro).rstrip("\n")
-                           + (MICRO_BATCH_STATISTICS if micro_statistics else "") if pipeline else "",
-                           **pieces)
+                           forward_backward=PIPELINE_FORWARD_BACKWARD if pipeline else
+                           ACCUMULATE_FORWARD_BACKWARD if accumulating else FORWARD_BACKWARD,
+                           pipeline_step=step, **pieces)

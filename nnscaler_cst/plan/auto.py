@@ -29,6 +29,8 @@ The step of a configuration, per micro-batch of B / (dp M) samples on stage s:
          schedules.simulated_seconds: a pass waits for the one before to come round the whole
          pipeline, which the formula misses once the stages outnumber the passes)
          + max_s (gradient sync over dp and of partial tensor-parallel gradients + optimizer)
+  pp = 1 with M > 1 is gradient accumulation: M t_0, one micro-batch's activations, the sync
+  after the last backward (hidden beside none; ZeRO-2/3: each micro-batch's hooks, hidden)
 Memory per device, the worst stage: parameters, gradients and AdamW state of its stage (ZeRO
 shards them over dp), plus min(pp - s, M) micro-batches of activations (recompute keeps each
 block's inputs only, and rebuilds one block at a time).
@@ -72,8 +74,9 @@ class Config:
 
     def describe(self) -> str:
         parts = [f"tp={self.tp}", f"dp={self.dp}", f"pp={self.pp}"]
-        if self.pp > 1:
+        if self.pp > 1 or self.micro_batches > 1:     # pp = 1: gradient accumulation
             parts.append(f"micro-batches={self.micro_batches}")
+        if self.pp > 1:
             parts += [f"schedule={self.schedule}"] if self.schedule != "1f1b" else []
         parts += [f"co-shard={self.coshard}"] if self.coshard > 1 else []
         parts += [f"zero={self.zero}"] if self.zero else []
@@ -718,7 +721,7 @@ def _space_size(devices: int, batch: int, blocks: _Blocks, variants: tuple[str, 
     total = 0
     for tp in divisors(devices):
         for pp in divisors(devices // tp):
-            total += (micro * (len(SCHEDULES) + 1) if pp > 1 else 1) * 4 * 2 * splits
+            total += micro * (len(SCHEDULES) + 1 if pp > 1 else 1) * 4 * 2 * splits
     return total
 
 
@@ -790,8 +793,8 @@ def _refusal(config: Config, batch: int, mixing, blocks: _Blocks, fixed: _Fixed)
 
 
 def _micro_batch_choices(local_batch: int, pp: int, fixed: _Fixed) -> list[int]:
-    if pp == 1:
-        return [1]
+    """Micro-batches per step: a pipeline's, or without one gradient accumulation's, which trades
+    time (per-call overheads M times; a DP sync no longer beside the backward) for activations."""
     if fixed.micro_batches is not None:
         return [fixed.micro_batches] if local_batch % fixed.micro_batches == 0 else []
     return divisors(local_batch)
@@ -938,7 +941,12 @@ def _estimate(config: Config, cost: _Regions, blocks: _Blocks, batch: int, clust
         block = int(_block_maxima(cost, blocks)[1])
         memory = [m + sum(units_in_flight(zero, root, block)) for m, root in zip(memory, roots)]
     stage_memory = [float(m) for m in memory]
-    if pp == 1 and cluster.overlap:     # one backward a step: the output issues these from its hooks
+    if pp == 1 and micro > 1:           # gradient accumulation (emit/templates.py ACCUMULATE_FORWARD_BACKWARD)
+        if zero >= 2:   # every micro-batch's hooks reduce-scatter (ZeRO-3: and gather) again, beside its compute
+            sync_most, hidden = sync_most + (micro - 1) * hidden, micro * hidden
+        else:           # the gradients add up; finish_backward reduces them once, after the last backward
+            hidden = 0.0
+    if pp == 1 and cluster.overlap:     # the output issues these from its hooks, beside the backward
         sync_most -= min(hidden, pipeline)
     estimate = Estimate(config, pipeline + sync_most, max(stage_memory), list(stage_seconds), stage_memory, pipeline,
                         sync_most)

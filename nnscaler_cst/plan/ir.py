@@ -52,6 +52,8 @@ class Plan:
     coshard_memory: float | None = field(default=None, repr=False, compare=False)
     # --plan auto: the search's choice and the configurations it priced (plan/auto.py AutoChoice)
     auto: Any = field(default=None, repr=False, compare=False)
+    # gradient accumulation (--micro-batches M, no pipeline): BatchNorm normalises each micro-batch alone
+    micro_statistics: bool = field(default=False, repr=False, compare=False)
 
     @property
     def world_size(self) -> int:

@@ -260,6 +260,9 @@ class _Checker:
     def _forward_backward(self, rank: int, model) -> None:
         self._place(rank)
         module, inputs = self._batch(rank)
+        if getattr(self.package, "MICRO_BATCHES", 1) > 1:     # gradient accumulation: its first micro-batch
+            share = inputs
+            inputs = self._guard(lambda: self.package.micro_batches(share)[0], rank, "the micro-batch split")
         model.train()
         output = self._guard(lambda: _call(model, inputs), rank, "the forward")
         loss = self._guard(lambda: self.package.loss_of(module, output), rank, "loss()")

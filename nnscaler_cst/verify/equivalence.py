@@ -113,6 +113,7 @@ class VerifyResult:
                 "precision": self.precision, "tolerance": self.tolerance, "loss_tolerances": self.loss_tolerances(),
                 "param_tolerance": self.param_tolerance(), "twin": self.twin, "seconds": round(self.seconds, 2),
                 "noise_driven": self.noise_driven,
+                "collectives": self.counters,     # per rank: calls (and bytes) over the steps
                 "float64": self.float64.to_json() if self.float64 is not None else None,
                 "dropout": "off in both runs (its masks differ between a tensor and its shards)"}
 
