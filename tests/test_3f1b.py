@@ -285,6 +285,28 @@ def test_3f1b_on_four_stages_with_middle_stages_passes_verify_on_gloo(tmp_path):
 
 
 @pytest.mark.slow
+def test_3f1b_with_tp_on_the_evoformer_with_triangle_attention_and_the_extra_msa_stack_passes_verify(tmp_path):
+    """The evoformer with triangle attention (starting and ending node) and an extra-MSA stack of 2
+    blocks (global column attention) before its 4 Evoformer blocks in every cycle, at TP = 2 x PP = 2
+    under 3F1B: the pipeline cuts the longer list (the Evoformer blocks), the extra-MSA stack runs on
+    the first stage in every pass, every new module is split over tp, and the run matches."""
+    text = (REPO / "fixtures" / "evoformer.py").read_text()
+    text = text.replace("    return Evoformer()\n",
+                        "    return Evoformer(blocks=4, tri_heads=2, tri_c_head=4, extra_blocks=2)\n")
+    text = text.replace("(2, 8, 8))}", "(2, 8, 8)),\n            \"extra_msa\": torch.randint(0, AMINO_ACIDS, (2, 6, 8))}")
+    (tmp_path / "evoformer_full.py").write_text(text)
+    out = tmp_path / "out"
+    result = _cli("verify", tmp_path / "evoformer_full.py", "--tp", "2", "--pp", "2", "--schedule", "3f1b",
+                  "--micro-batches", "2", "-o", out)
+    assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr
+    stage0, stage1 = (out / "model_stage0.py").read_text(), (out / "model_stage1.py").read_text()
+    assert "for block in self.blocks:  # pipeline: this stage's blocks of blocks only" in stage0
+    assert "for block in self.extra_blocks:\n" in stage0          # not cut: stage 0 runs all of it
+    assert "self.bias = nn.Linear(c_z, heads // 2, bias=False)" in stage1       # triangle attention's heads split
+    assert "self.k = nn.Linear(c_m, c_head // 2, bias=False)" in stage0         # global column attention split
+
+
+@pytest.mark.slow
 def test_3f1b_with_the_recycling_loop_in_the_entry_around_blocks_of_a_sibling_file_passes_verify(tmp_path):
     """The evoformer split in two files: blocks.py holds the blocks, the entry model.py the class
     with the block loop and the recycling loop (it imports the blocks): the entry's own classes
