@@ -1492,10 +1492,13 @@ def _between_passes(graph: Graph, node, recycle: Recycle, current: int, last: in
     trunk's call runs on the last stage (which ends the pass), the code before it (the next pass's
     inputs) on the first, and so does the code between the loop and a last pass written after it.
     An op inside a function that code calls (`m, z = self.embed(msa)`) goes where the calls of that
-    function are; one whose function is called in both places, or elsewhere, stays with the op before."""
-    span = node.span
-    if span is None:
+    function are; one whose function is called in both places, or elsewhere, stays with the op before.
+    An op of a module is placed by the innermost call around it in that function, else by the
+    outermost one (a block list the loop runs through a helper, `z = self.extra_stack(e, z)`)."""
+    frames = _own_frames(graph.trace, node)
+    if not frames:
         return current
+    span = next((f for f in frames if recycle.function.contains(f)), frames[-1])
     if not recycle.function.contains(span):
         if span not in callers:
             callers[span] = {_recycling_stage(call, recycle, last) for call in _calls_of_function(graph, span, recycle)}
