@@ -298,8 +298,8 @@ def _full_evoformer(tmp_path) -> Path:
 def test_3f1b_prices_the_code_before_the_trunk_of_every_pass_on_the_first_stage(tmp_path):
     """The extra-MSA stack runs before the trunk in every recycling pass, through a helper
     (`z = self.extra_stack(e0, z)`): the planner prices all its passes in the prologue (the first
-    stage, where the rewrite runs it), and the stage plan puts its ops there; only the code after
-    the trunk's call (the recycled values' detach) goes with the last stage."""
+    stage, where the rewrite runs it), and the stage plan puts its ops there and cuts the stages
+    by them; only the code after the trunk's call (the recycled values' detach) goes last."""
     from nnscaler_cst.analysis import analyze
     from nnscaler_cst.plan import auto
     from nnscaler_cst.plan.pipeline import plan_stages
@@ -310,6 +310,8 @@ def test_3f1b_prices_the_code_before_the_trunk_of_every_pass_on_the_first_stage(
     assert all(blocks.region[i] == 0 for i in extra)
     stages = plan_stages(graph, 2, recycling=True)
     assert all(stages.node_stage[i] == 0 for i in extra)
+    # the rewrite cuts where the planner priced: the stack's three passes weigh on the first stage
+    assert stages.block_ranges == auto._stage_ranges(blocks, 2) == [(0, 1), (1, 4)]
 
 
 @pytest.mark.slow

@@ -1328,13 +1328,15 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
     cost = [0.0] * n_blocks
     pro = epi = 0.0
     previous = 0
+    callers: dict = {}
     for node in graph.nodes:
         flops = node_flops(node, graph.dims.get(node.index), graph.trace)
         if node.index in block_of:
             previous = block_of[node.index]
             cost[previous] += flops
-        elif node.index < first:
-            pro += flops
+        elif node.index < first or (trunk.recycle is not None and previous == n_blocks - 1 and node.index < last
+                                    and _between_passes(graph, node, trunk.recycle, 1, -1, callers) == 0):
+            pro += flops            # (recycling: every pass's code before the trunk runs on the first stage)
         elif node.index > last:
             epi += flops
         elif chain:                # between two trunks: on the stage of the block before
