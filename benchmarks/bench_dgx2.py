@@ -536,7 +536,11 @@ def alphafold2(lines: list[str]) -> dict:
               "c_m 256, c_z 128, 128 sequences x 256 residues, triangle attention (4 heads of 32) in every block, and "
               "the extra-MSA stack (1024 extra sequences, c_e 64, 4 blocks with global column attention) before the "
               "blocks in every cycle; global batch 128 in micro-batches of 1. The pipelines cut the 48 Evoformer "
-              "blocks (the longer list); the extra-MSA stack runs on the first stage in every pass. DAP (FastFold's "
+              "blocks (the longer list); the extra-MSA stack runs on the first stage in every pass. "
+              "The sizes are AlphaFold2's initial training (Jumper et al. 2021, Suppl. 1.11, Table 4); nnScaler's "
+              "own AlphaFold2 example lists the same (msrasys/nnscaler examples/alphafold2/alphafold2.py `test`: "
+              "Evoformer s, r = 128, 256 and extra sequences 1024 x 256 for initial training, 512 x 256, 512 x 384 "
+              "and 1024 x 384 for fine-tuning); the crop the OSDI '24 paper's evaluation used: not found. DAP (FastFold's "
               "dynamic axial parallelism) splits the MSA and pair representations along their rows; the nearest plan "
               "this tool expresses is its free tensor-parallel search over every op's dims (`--plan auto`'s split at a "
               "fixed tp), with DP over the rest. Times count the two no-gradient passes as forwards only (see "
@@ -661,10 +665,18 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
   is 89.56 s there. The state bytes are the tool's own (plan/zero.py), not changed for this comparison; the
   artifact trains with fairseq's Adam (examples/adam.py: fp16 weights and gradients, fp32 moments, 12 bytes
   a parameter), under which 1F1B would fit at larger vocabularies and the crossover move up.
-- **AlphaFold2, 3F1B**: with block recompute, plain DP fits in 5.6 GiB per device in this memory model and is the
-  fastest; the fixture has no triangle attention (N_res^3 scores per head), extra-MSA stack or structure module,
-  whose memory is what forces DAP in practice, and this model prices AlphaFold2's many small ops at full matmul
-  rate and memory bandwidth, without per-kernel launch overheads beyond matmul_overhead.
+- **AlphaFold2, 3F1B**: the fixture now has triangle attention around the starting and the ending node in every
+  block (N_res^3 scores per head) and the extra-MSA stack (4 blocks over 1024 extra sequences, c_e 64, global
+  column attention) before the blocks in every cycle; it has no templates or structure module. The extra-MSA
+  stack is heavy: 143 TFLOP a pass at the global batch, about 5.7 Evoformer blocks, and 20.7 GiB of saved
+  activations per protein in the pass with gradient (its row attention's 1024 x 8 x 256 x 256 scores among them). Recompute
+  checkpoints the blocks of the list the pipeline cuts (the 48 Evoformer blocks) and nothing else, so that
+  stack's activations are kept whole: plain DP with 4 micro-batches of 1 fits in 28.2 GiB and is the fastest
+  plan that fits, and every 3F1B plan fails memory, because its first stage runs the stack in every pass and
+  keeps min(D, M) micro-batches of it (47.8 GiB at 2 stages). AlphaFold2 in practice checkpoints the extra-MSA
+  blocks too; this tool's recompute would need to cover a second block list before the cut one for 3F1B to
+  fit here. This model also prices AlphaFold2's many small ops at full matmul rate and memory bandwidth,
+  without per-kernel launch overheads beyond matmul_overhead.
 """
 
 

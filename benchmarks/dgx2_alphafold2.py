@@ -7,6 +7,9 @@ clusters), 256 residues (the crop), 3 recycling passes (N_cycle = 3: two without
 protein per TPU core); and the extra-MSA stack, run in every cycle before the Evoformer blocks: 1024 extra
 sequences embedded to c_e 64, 4 extra-MSA blocks with row attention and global column attention of 8 heads of 8.
 The fixture has no templates or structure module, and embeds sequence ids only (no deletion or profile features).
+nnScaler's own AlphaFold2 example lists the same initial-training sizes (msrasys/nnscaler
+examples/alphafold2/alphafold2.py `test`: s, r = 128, 256; extra sequences 1024 x 256); the crop its OSDI '24
+evaluation used: not found.
 Traced on fake tensors only:
     nnscaler-rewrite schedule benchmarks/dgx2_alphafold2.py --pp 4 --micro-batches 16 --schedule 3f1b
 """
