@@ -295,6 +295,7 @@ def _full_evoformer(tmp_path) -> Path:
     return tmp_path / "evoformer_full.py"
 
 
+@pytest.mark.slow     # a trace, about 8 s: keeps the quick subset under 3 minutes
 def test_3f1b_prices_the_code_before_the_trunk_of_every_pass_on_the_first_stage(tmp_path):
     """The extra-MSA stack runs before the trunk in every recycling pass, through a helper
     (`z = self.extra_stack(e0, z)`): the planner prices all its passes in the prologue (the first
