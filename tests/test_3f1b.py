@@ -8,6 +8,8 @@ so the no-grad passes of later micro-batches fill the bubbles of earlier ones.
 - The simulator: pass c > 0 of a micro-batch waits on the first stage for pass c - 1 from the
   last stage; a table that breaks this is refused naming the steps and ranks that wait.
 - Slow: the rewrite of fixtures/evoformer.py (PP = 2, 3 recycles) passes verify on gloo.
+- Slow: with triangle attention and an extra-MSA stack run before the trunk in every pass, the
+  stack is priced and cut on the first stage, and TP = 2 x PP = 2 passes verify on gloo.
 """
 from __future__ import annotations
 
