@@ -8,6 +8,8 @@ so the no-grad passes of later micro-batches fill the bubbles of earlier ones.
 - The simulator: pass c > 0 of a micro-batch waits on the first stage for pass c - 1 from the
   last stage; a table that breaks this is refused naming the steps and ranks that wait.
 - Slow: the rewrite of fixtures/evoformer.py (PP = 2, 3 recycles) passes verify on gloo.
+- Slow: with triangle attention and an extra-MSA stack run before the trunk in every pass, the
+  stack is priced and cut on the first stage, and TP = 2 x PP = 2 passes verify on gloo.
 """
 from __future__ import annotations
 
@@ -282,6 +284,55 @@ def test_3f1b_on_four_stages_with_middle_stages_passes_verify_on_gloo(tmp_path):
     result = _cli("verify", tmp_path / "evoformer4.py", "--pp", "4", "--schedule", "3f1b", "--micro-batches", "4")
     assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr
     assert "4 gloo processes" in result.stdout
+
+
+def _full_evoformer(tmp_path) -> Path:
+    """fixtures/evoformer.py with triangle attention and an extra-MSA stack of 2 blocks before its 4
+    Evoformer blocks in every cycle."""
+    text = (REPO / "fixtures" / "evoformer.py").read_text()
+    text = text.replace("    return Evoformer()\n",
+                        "    return Evoformer(blocks=4, tri_heads=2, tri_c_head=4, extra_blocks=2)\n")
+    text = text.replace("(2, 8, 8))}", "(2, 8, 8)),\n            \"extra_msa\": torch.randint(0, AMINO_ACIDS, (2, 6, 8))}")
+    (tmp_path / "evoformer_full.py").write_text(text)
+    return tmp_path / "evoformer_full.py"
+
+
+@pytest.mark.slow     # a trace, about 8 s: keeps the quick subset under 3 minutes
+def test_3f1b_prices_the_code_before_the_trunk_of_every_pass_on_the_first_stage(tmp_path):
+    """The extra-MSA stack runs before the trunk in every recycling pass, through a helper
+    (`z = self.extra_stack(e0, z)`): the planner prices all its passes in the prologue (the first
+    stage, where the rewrite runs it), and the stage plan puts its ops there and cuts the stages
+    by them; only the code after the trunk's call (the recycled values' detach) goes last."""
+    from nnscaler_cst.analysis import analyze
+    from nnscaler_cst.plan import auto
+    from nnscaler_cst.plan.pipeline import plan_stages
+    graph = analyze(_full_evoformer(tmp_path), trace_mode="fake").graph
+    blocks = auto._blocks(graph)
+    extra = [n.index for n in graph.nodes if (n.module_path or "").startswith("extra_blocks.")]
+    assert blocks.passes == 3 and len(extra) > 100
+    assert all(blocks.region[i] == 0 for i in extra)
+    stages = plan_stages(graph, 2, recycling=True)
+    assert all(stages.node_stage[i] == 0 for i in extra)
+    # the rewrite cuts where the planner priced: the stack's three passes weigh on the first stage
+    assert stages.block_ranges == auto._stage_ranges(blocks, 2) == [(0, 1), (1, 4)]
+
+
+@pytest.mark.slow
+def test_3f1b_with_tp_on_the_evoformer_with_triangle_attention_and_the_extra_msa_stack_passes_verify(tmp_path):
+    """The evoformer with triangle attention (starting and ending node) and an extra-MSA stack of 2
+    blocks (global column attention) before its 4 Evoformer blocks in every cycle, at TP = 2 x PP = 2
+    under 3F1B: the pipeline cuts the longer list (the Evoformer blocks), the extra-MSA stack runs on
+    the first stage in every pass, every new module is split over tp, and the run matches."""
+    _full_evoformer(tmp_path)
+    out = tmp_path / "out"
+    result = _cli("verify", tmp_path / "evoformer_full.py", "--tp", "2", "--pp", "2", "--schedule", "3f1b",
+                  "--micro-batches", "2", "-o", out)
+    assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr
+    stage0, stage1 = (out / "model_stage0.py").read_text(), (out / "model_stage1.py").read_text()
+    assert "for block in self.blocks:  # pipeline: this stage's blocks of blocks only" in stage0
+    assert "for block in self.extra_blocks:\n" in stage0          # not cut: stage 0 runs all of it
+    assert "self.bias = nn.Linear(c_z, heads // 2, bias=False)" in stage1       # triangle attention's heads split
+    assert "self.k = nn.Linear(c_m, c_head // 2, bias=False)" in stage0         # global column attention split
 
 
 @pytest.mark.slow

@@ -159,7 +159,7 @@ def _blocks(graph: Graph) -> _Blocks:
     cache = _search_cache(graph)
     if "blocks" in cache:
         return cache["blocks"]
-    from .pipeline import find_chain, find_recycle, find_trunk, node_blocks, trunk_passes
+    from .pipeline import _between_passes, find_chain, find_recycle, find_trunk, node_blocks, trunk_passes
     from .recompute import block_activations, recompute_site
     n = len(graph.nodes)
     try:
@@ -167,10 +167,10 @@ def _blocks(graph: Graph) -> _Blocks:
     except UserError as exc:
         cache["blocks"] = _Blocks(0, [0] * n, [], 0.0, 0.0, exc.message, exc.message)
         return cache["blocks"]
-    passes = trunk_passes(graph, trunk)
+    passes, recycle = trunk_passes(graph, trunk), None
     if passes > 1:                          # a trunk run in a recycling loop pipelines under 3F1B;
         try:                                # one run again otherwise is refused per pp (_stages_problem)
-            find_recycle(graph, trunk)
+            recycle = find_recycle(graph, trunk)
         except UserError:
             passes = 1
     chain = find_chain(graph) if passes == 1 else []     # an encoder's blocks, then a decoder's: one chain
@@ -181,8 +181,16 @@ def _blocks(graph: Graph) -> _Blocks:
     pro = epi = 0.0
     region = []
     current = 1
+    callers: dict = {}
     for node in graph.nodes:
         cost = node_flops(node, graph.dims.get(node.index), graph.trace)
+        # between two passes of a recycling loop: the next pass's code before the trunk (its inputs, an
+        # extra-MSA stack) runs on the first stage, as plan_stages places it, so it is priced there
+        if recycle is not None and current == len(cut) and first < node.index < last and \
+                node.index not in block_of and _between_passes(graph, node, recycle, current, -1, callers) == 0:
+            pro += cost
+            region.append(0)
+            continue
         if node.index in block_of:
             flops[block_of[node.index]] += cost
             current = block_of[node.index] + 1

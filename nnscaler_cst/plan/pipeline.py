@@ -1328,13 +1328,15 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
     cost = [0.0] * n_blocks
     pro = epi = 0.0
     previous = 0
+    callers: dict = {}
     for node in graph.nodes:
         flops = node_flops(node, graph.dims.get(node.index), graph.trace)
         if node.index in block_of:
             previous = block_of[node.index]
             cost[previous] += flops
-        elif node.index < first:
-            pro += flops
+        elif node.index < first or (trunk.recycle is not None and previous == n_blocks - 1 and node.index < last
+                                    and _between_passes(graph, node, trunk.recycle, 1, -1, callers) == 0):
+            pro += flops            # (recycling: every pass's code before the trunk runs on the first stage)
         elif node.index > last:
             epi += flops
         elif chain:                # between two trunks: on the stage of the block before
@@ -1492,10 +1494,13 @@ def _between_passes(graph: Graph, node, recycle: Recycle, current: int, last: in
     trunk's call runs on the last stage (which ends the pass), the code before it (the next pass's
     inputs) on the first, and so does the code between the loop and a last pass written after it.
     An op inside a function that code calls (`m, z = self.embed(msa)`) goes where the calls of that
-    function are; one whose function is called in both places, or elsewhere, stays with the op before."""
-    span = node.span
-    if span is None:
+    function are; one whose function is called in both places, or elsewhere, stays with the op before.
+    An op of a module is placed by the innermost call around it in that function, else by the
+    outermost one (a block list the loop runs through a helper, `z = self.extra_stack(e, z)`)."""
+    frames = _own_frames(graph.trace, node)
+    if not frames:
         return current
+    span = next((f for f in frames if recycle.function.contains(f)), frames[-1])
     if not recycle.function.contains(span):
         if span not in callers:
             callers[span] = {_recycling_stage(call, recycle, last) for call in _calls_of_function(graph, span, recycle)}
