@@ -634,7 +634,53 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
    14-18 on 2 cores (CPU seconds, as wall clock was 4-10x that): Swin (tp 4, dp 8) 4.7 s, 0.35 GB; mBART (8, 4)
    7.7 s, 0.58 GB; T5-3B (8, 4) 13.4 s, 0.73 GB; AlphaFold2 (2, 16) 27.5 s, 0.52 GB, of which its fake-tensor trace
    of 14,592 ops is about 18 s and the split search 6 s. Under 4 GB everywhere; over 10 s for T5-3B and AlphaFold2,
-   where the trace itself is most of it.
+   where the trace itself is most of it. Since (h-trace, 0633341 + 035dac0): the tracer records each op with torch
+   functions off (its shape, stride and storage reads no longer pass through SmallConstants' mode) and looks each
+   site's span up once per code position; and a repeated block (a ModuleList child beside siblings of its class) is
+   traced once per signature and its records copied for each equal call (trace/replicate.py: same structure,
+   input shapes/strides/storage sharing, plain arguments, grad state, calling line, and every attribute its forward
+   read; anything else is traced). AlphaFold2's 144 block calls: 2 traced, 142 copied, the records identical to the
+   full trace (tests/test_trace_replicate.py checks that op for op), its trace 26.2 -> 12.1 s CPU. Same command,
+   same revision of everything else, load 6-11 on 2 cores, CPU s (user + sys) / peak RSS, before -> after:
+   AlphaFold2 36.6 s, 0.55 GB -> 19.7 s, 0.52 GB; T5-3B 16.2 s, 0.68 GB -> 13.6 s, 0.75 GB (encoder blocks 2-23
+   copied; block 1 and the decoder's blocks are traced: the decoder's take a cache object, see below);
+   both plans print the same tables byte for byte. Still over 10 s for both.
+   Since (h-speed, general changes, nothing the plan needs left out): the tracer's profile hook is off while
+   a block's records are copied (trace/replicate.py: the copy's own Python calls were a hook call each, about
+   half of the copying time); the split search derives each invocation's candidates once per graph (a line
+   taken apart into per-instance groups reuses them; batch labels and read sizes once; the signature and the
+   split check share the cached layouts; plan/search.py); a rule's dims are instantiated once per distinct call
+   and copied with the call's tensor ids (graph/oprules.py `annotate`, tests/test_instantiate_once.py);
+   SmallConstants walks a call's operands only when its result could be a constant; a frame's source position
+   reads its code's `co_positions()` listed once (transformers' module constructors listed it per module).
+   Measured with the base (298ba31) and this branch started together, so that both see the same load
+   (load 10-14 on 2 cores, wall clock 8-12x the CPU time, so both columns are inflated against the numbers
+   above), `/usr/bin/time nnscaler-rewrite plan benchmarks/dgx2_X.py --tp T --dp D --cluster dgx2-v100x32
+   --precision fp16`, CPU s (user + sys) / peak RSS, before -> after: AlphaFold2 (2, 16) 31.1 s, 0.51 GB -> 24.5 s,
+   0.59 GB (two earlier pairs: 23.0 -> 18.1 s, 23.8 -> 18.9 s: -20% each time; the extra 0.08 GB is the
+   search's kept layouts); T5-3B (8, 4) 23.8 s, 0.68 GB -> 22.9 s, 0.68 GB (an earlier pair 17.5 -> 16.2 s:
+   -4 to -7%); mBART (8, 4) 11.5 s, 0.56 GB -> 10.9 s, 0.57 GB; Swin (4, 8) 6.5 s, 0.36 GB -> 6.0 s, 0.36 GB
+   (these two at c747fbf, before the last two small commits). The base alone at load ~3 the same morning:
+   AlphaFold2 17.5 s, T5-3B 12.5 s, so at that rate about 14 s and 12 s now (an estimate from the ratios).
+   Every plan printed is byte-identical to the base's. What is left of AlphaFold2's time (py-spy, share of
+   the samples): building the model under fake tensors ~30% (FakeTensorMode's dispatch of the 3,514
+   parameters' `empty`, `detach` in `nn.Parameter` and their random initialisation: torch's Python, not
+   ours), the split candidates ~21% (a signature and a split check per invocation and label, 14,592
+   invocations; now derived once), the forward ~14% (2 blocks traced, 142 copied: ~7%), the graph ~11%
+   (kinds, binding, the probes), imports ~10% (leaving the random fills of fake parameters undrawn, by a dispatch mode over
+   FakeTensorMode during build(), gained nothing measurable: the mode costs every other op of the build).
+   T5-3B's (profiled before these changes) is mostly imports: transformers' T5 module with
+   `torch._dynamo`, `torch.distributed.tensor` and triton, which transformers imports, about 40% of its
+   samples, torch's own import another ~15%; its trace ~20% (the 24 decoder blocks traced one by one, see
+   below), the graph's probes ~7%, the search ~8%. Under 4 GB everywhere; under 10 s CPU for Swin and mBART
+   at a quiet machine's rate, not for T5-3B nor AlphaFold2.
+   The block copies are on by default (h-copy): the test that had them off (a line calling a block's
+   Sequential of same-kind conv subclasses came out as calling unlike layers, tests/test_layer_subclasses.py)
+   failed because the attribute probe the template's call puts on each class for its length looked like an
+   overridden method to `layer_type`; the probe is marked and skipped (tests/test_trace_replicate.py
+   `test_a_traced_template_sees_its_layer_subclasses_as_their_torch_layers`). T5-3B's decoder blocks are never
+   copied: each is called with transformers' `EncoderDecoderCache`, an object every block writes its keys and
+   values into, which is no plain argument (correctly traced per block).
 2. **Strided Conv2d was priced at 2 million times its FLOPs** (fixed in 211686f, before this run): plan/cost.py
    `node_flops` counts a conv's c·kh·kw from its weight; `Conv2d(3, 512, 4, stride=4)` on (256, 3, 1536, 1536)
    is 1.86e12 FLOPs. The Swin entry still embeds its patches with reshape + Linear (same FLOPs).
@@ -684,6 +730,30 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
    plan/interlaced.py `estimate` (the walk this section uses) within 4%, where it was up to 1.63x its step
    and 1.84x its memory
    (tests/test_auto_paper_plans.py `test_the_searchs_interlaced_price_is_the_walks`).
+12. **3F1B priced the later passes' extra-MSA stack on the last stage** (fixed): with code before the trunk
+   in the recycling loop (`z = self.extra_stack(e0, z)`, then `m, z = self.trunk(m, z)`), plan/auto.py
+   `_blocks` gave every op between two passes to the last block's region, so passes 2 and 3 of the stack
+   (286 of its 430 TFLOP) and its activations of the pass with gradient (20.7 GiB a protein) were priced on
+   the last stage, while the rewrite runs them on the first; plan/pipeline.py `_between_passes` placed a
+   module's op by its innermost frame (inside the block classes, so by the op before it), and `plan_stages`
+   cut the stages by the first pass's prologue only. Now an op is placed by the innermost call around it in
+   the recycling function (else the outermost, the helper's call), every pass's code before the trunk is
+   priced on the first stage and the cut balances with it (4 stages: stage 0 holds blocks 0-6, was 0-9;
+   tests/test_3f1b.py `test_3f1b_prices_the_code_before_the_trunk_of_every_pass_on_the_first_stage`).
+   Before the fix 3F1B + recompute at 4 stages "fit" in 26.8 GiB (36.50 s); it needs 88.1 GiB.
+13. **`--plan auto` tried no gradient accumulation without a pipeline** (fixed): plan/auto.py
+   `_micro_batch_choices` returned [1] for pp = 1, so its tp x dp plans ran a device's whole share of the
+   batch at once: on AlphaFold2 with the extra-MSA stack its best tp x dp (tp=1 dp=32 zero=3 recompute)
+   needed 107.7 GiB with 4 proteins at once, and it chose a 3F1B plan; on Swin it chose a Chimera pipeline.
+   `--micro-batches M` now runs without a pipeline (the generated step accumulates M slices of each rank's
+   share, the gradients reduced after the last; docs/training.md) and the search offers it at pp = 1.
+14. **Two lists of blocks**: `find_trunk` cuts the longer list (48 Evoformer blocks against 4 extra-MSA
+   blocks). At equal lengths (2 and 2, tried on the small fixture) it takes the list built first, the
+   extra-MSA one, and the 3F1B rewrite cuts that list, all Evoformer blocks on the last stage. With the
+   helper's call under an `if` in the recycling loop (`if e0 is not None: z = self.extra_stack(e0, z)`),
+   3F1B was refused: "the blocks of extra_blocks run 3 times in one forward, and no `for` loop calls it"
+   (plan/pipeline.py `find_recycle` looks at the statement nearest the call, the `if`); the fixture calls
+   the helper in every cycle, over an empty list when the stack is off.
 
 ## Why these estimates are below the paper's
 
