@@ -761,7 +761,7 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
   (one repeated forward of the attention core instead of of every block). The paper's up-to-3.5x is over DeepSpeed,
   Megatron-LM and Alpa as the artifact ran them (DeepSpeed TP 8 with CPU offload; Alpa at global batch 16, see
   cupilot/evaluation/swin_32gpus.sh); this model prices neither offload nor Alpa's plans, nor allocator
-  fragmentation and workspace (it lets Megatron + recompute fit at TP 4 with 24.7 GiB), nor lower matmul efficiency
+  fragmentation and workspace (it lets Megatron + recompute fit at TP 4 with 19.9 GiB), nor lower matmul efficiency
   at the smaller per-device shapes of a larger TP (every matmul runs at 100 TFLOP/s).
 - **T5-3B and mBART, interlaced**: the interlaced pipeline moves the vocabulary's work off the first and last
   stages and spreads it over all 32 devices; at 32k (T5-3B) and 250k (mBART) tokens that work is small next to
@@ -773,29 +773,39 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
   all-reduced over all devices, as Megatron's 1F1B + TP does over its tp group). A call in
   the middle of a stage's step (the decoder's embedding, after encoder layers on the same stage) also holds
   every rank until the owner reaches it (the notes' "calls at").
-- **T5 at the artifact's setting** (2,048,000 tokens, hidden 6144): as the paper says, Megatron's 1F1B + TP
-  does not fit: no tp x pp, micro-batch count, recompute or stage cut brings its embedding and head stages
-  under 32 GB (the least memory: 16 x 2 + recompute, searched cut, 33.4 GiB at 129.06 s), because 1F1B keeps
-  the whole table (12.6 billion parameters, 16 bytes of state each: fp32 weights and gradients and AdamW's
-  two moments, the same 16 bytes as Megatron-LM's fp16 weights and gradients plus fp32 masters and moments)
-  on the first and the last stage's tp group; interlaced spreads it over all 32 devices and fits at 4 x 8
-  with recompute (67.01 s). Against the nearest 1F1B that does not fit that is 1.93x; against the fastest
-  1F1B with memory not counted (8 x 4, 128 micro-batches, 131 GiB) 72.25 / 67.01 = 1.08x. **The term that
-  decides is memory, not time**: in this cost model the vocabulary's work on 1F1B's end stages is small
-  (the head's matmul at 100 TFLOP/s over tp, its cross entropy vocabulary-parallel at 600 GB/s), so 1F1B
-  loses only where its table's state pushes it off its fastest shape, 4 x 8. The sweep shows it: 1F1B at
-  4 x 8 fits up to 512,000 tokens and is faster there (0.80-0.87x); from 1,024,000 it falls back to 8 x 4 with recompute
-  (89.56 s) and interlaced wins, 1.41x, below the paper's 2.2x and the issue's 1.5x. On the interlaced
-  side, at 32,000 tokens its step is 1.25x 1F1B's at the same 4 x 8 (60.24 s against 48.33 s, 46 ms a
-  micro-batch): its vocabulary steps' collectives (17.6 ms a micro-batch at 2M, sized by the hidden state
-  and the tokens, not the vocabulary: each embedding's rows all-reduced and the head's input broadcast and
-  its gradient all-reduced over all 32 devices, across InfiniBand) and the lock-step walk's waits (the
-  decoder's embedding, called in the middle of a stage's step, holds every rank until its owner reaches it;
-  the warm-up keeps 2 (D - 1 - i) + 1 micro-batches in flight instead of D - i). The paper's
-  2.2x would need 1F1B's fitting step near 2.2 x 63.57 = 140 s at 1,024,000 tokens; this model's Megatron
-  is 89.56 s there. The state bytes are the tool's own (plan/zero.py), not changed for this comparison; the
-  artifact trains with fairseq's Adam (examples/adam.py: fp16 weights and gradients, fp32 moments, 12 bytes
-  a parameter), under which 1F1B would fit at larger vocabularies and the crossover move up.
+- **T5 at the artifact's setting** (2,048,000 tokens, hidden 6144): as the paper says, Megatron-LM's 1F1B + TP
+  does not fit: no pipeline of 2 to 32 stages, tp, micro-batch count, sequence parallelism, recompute or stage
+  cut brings its table's stages under 32 GB (16 x 2 + recompute + SP, searched cut, 31.6 GiB at 101.78 s, is
+  the nearest), because 1F1B keeps the whole table (12.6 billion parameters, 16 bytes of state each: fp32
+  weights and gradients and AdamW's two moments, the same 16 bytes as Megatron-LM's fp16 weights and
+  gradients plus fp32 masters and moments) on the first stage, the stage that calls the decoder's embedding
+  and the last stage (Megatron-LM's T5 keeps it there too). The one Megatron-LM configuration that fits is
+  TP 32 without a pipeline (+ SP + recompute, 29.8 GiB), every layer's all-reduces over both nodes'
+  InfiniBand: 965.52 s, so the summary's 20.48x is against a plan nobody would run; the paper reports
+  Megatron-LM out of memory there. Interlaced fits at every tp x pp and is fastest at **1 x 32 with
+  recompute (47.14 s)**: its vocabulary is split over all 32 devices whatever tp is, so its layers need no
+  tensor parallelism (two layers a stage, no TP all-reduce), which 1F1B cannot do (at 1 x 32 its last
+  stage's head alone, a 2,048,000-wide matmul on one device, takes longer than the rest of a stage).
+  `--plan auto --devices 32` finds this plan on its own (44.01 s by its analytic price; the walk prices it
+  7% below the walk's). The earlier comparison priced only 4 x 8, 8 x 4 and 16 x 2, where interlaced took 67.01 s.
+- **The vocabulary at which interlaced wins** (the sweep): at 1,024,000 tokens the best fitting 1F1B + TP is
+  16 x 2 with SP (68.38 s) and interlaced 1 x 32 + recompute takes 43.71 s: **1.56x**, above the issue's
+  1.5x and below the paper's 2.2x. Up to 512,000 tokens 1F1B fits at 4 x 8 and is faster (0.77x at 32,000,
+  0.92x at 512,000). **The term that decides is memory**: 1F1B's step at 4 x 8 grows from 31.26 s to 38.43 s
+  over those vocabularies; at 1,024,000 the table's stages (25 GB of state at tp 4 each, plus a block, plus
+  the head's logits on the last) no longer fit at 4 x 8 under any cut the search tried, and the next
+  fitting shape, 16 x 2, pays tp 16's all-reduces. Interlaced's step grows only from 40.38 s to 47.14 s
+  from 32,000 to 2,048,000 tokens: its vocabulary steps (42.5 ms a micro-batch at 2,048,000, of which
+  24.3 ms compute over 32 devices) and their collectives (sized by the hidden state and the tokens, not the
+  vocabulary: each embedding's rows all-reduced, the head's input broadcast and its gradient all-reduced
+  over all 32 devices, across InfiniBand). At 32,000 tokens those collectives and the lock-step walk's waits
+  (the decoder's embedding, called in the middle of a stage's step, holds every rank until its owner
+  reaches it; the warm-up keeps 2 (D - 1 - i) + 1 micro-batches in flight instead of D - i) are what
+  interlaced pays over 1F1B; `--plan auto` there chooses interlaced with dp 16 x pp 2 and ZeRO-3 (30.50 s),
+  a data-parallel shape the artifact's --max-dp 1 leaves out of this comparison. The state bytes are the
+  tool's own (plan/zero.py), not changed for this comparison; the artifact trains with fairseq's Adam
+  (examples/adam.py: fp16 weights and gradients, fp32 moments, 12 bytes a parameter), under which 1F1B
+  would fit at larger vocabularies and the crossover move up.
 - **AlphaFold2, 3F1B**: the fixture now has triangle attention around the starting and the ending node in every
   block (N_res^3 scores per head) and the extra-MSA stack (4 blocks over 1024 extra sequences, c_e 64, global
   column attention) before the blocks in every cycle; it has no templates or structure module. The extra-MSA
