@@ -601,19 +601,24 @@ def _micro_batches(request: PlanRequest) -> int:
     return request.micro_batches or request.pp * load_schedule(request.schedule).virtual_stages
 
 
-def plan_accumulation(analysis: Analysis, plan: Plan, request: PlanRequest) -> None:
-    """Gradient accumulation (--micro-batches M, no pipeline): M must divide each data-parallel
-    rank's batch; BatchNorm then normalises each micro-batch by its own statistics, as under a
-    pipeline (warned; verify compares with a single device accumulating alike)."""
-    micro = _micro_batches(request)
+def _split_micro_batches(analysis: Analysis, plan: Plan, micro: int) -> bool:
+    """`micro` micro-batches must divide each data-parallel rank's batch; BatchNorm then normalises
+    each by its own statistics (warned; verify compares with a single device accumulating alike).
+    Whether any does."""
     batch = (analysis.trace.batch_size or 1) // plan.mesh["dp"]
     if batch % micro:
         raise UserError(f"a batch of {batch} per data-parallel rank does not split into {micro} micro-batches",
                         _inputs_location(analysis), hint="choose --micro-batches dividing the batch")
-    if micro > 1:
-        normalising = micro_batch_statistics(analysis.graph, f"{micro} micro-batches")
-        plan.micro_statistics = bool(normalising)
-        plan.warnings += statistics_warnings(normalising, micro)
+    if micro < 2:
+        return False
+    normalising = micro_batch_statistics(analysis.graph, f"{micro} micro-batches")
+    plan.warnings += statistics_warnings(normalising, micro)
+    return bool(normalising)
+
+
+def plan_accumulation(analysis: Analysis, plan: Plan, request: PlanRequest) -> None:
+    """Gradient accumulation (--micro-batches M, no pipeline), micro-batches as a pipeline's."""
+    plan.micro_statistics = _split_micro_batches(analysis, plan, _micro_batches(request))
 
 
 def plan_pipeline(analysis: Analysis, plan: Plan, request: PlanRequest) -> tuple[StagePlan, list[list[Action]]]:
@@ -624,14 +629,7 @@ def plan_pipeline(analysis: Analysis, plan: Plan, request: PlanRequest) -> tuple
                          recycling=table.recycling)
     passes = stages.trunk.recycle.passes if stages.trunk.recycle is not None else 1
     micro = _micro_batches(request)
-    batch = (analysis.trace.batch_size or 1) // plan.mesh["dp"]
-    if batch % micro:
-        raise UserError(f"a batch of {batch} per data-parallel rank does not split into {micro} micro-batches",
-                        _inputs_location(analysis), hint="choose --micro-batches dividing the batch")
-    if micro > 1:
-        normalising = micro_batch_statistics(analysis.graph, f"{micro} micro-batches")
-        stages.micro_statistics = bool(normalising)
-        plan.warnings += statistics_warnings(normalising, micro)
+    stages.micro_statistics = _split_micro_batches(analysis, plan, micro)
     tp = plan.mesh.get("tp", 1)
     if table.vocab:       # interlaced: the embedding split over all tp x pp devices, its calls steps of their own
         interlaced.apply(analysis.graph, stages, table, tp)
