@@ -734,7 +734,7 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
    in the recycling loop (`z = self.extra_stack(e0, z)`, then `m, z = self.trunk(m, z)`), plan/auto.py
    `_blocks` gave every op between two passes to the last block's region, so passes 2 and 3 of the stack
    (286 of its 430 TFLOP) and its activations of the pass with gradient (20.7 GiB a protein) were priced on
-   the last stage, while the rewrite runs them on the first; plan/pipeline.py `_between_passes` placed a
+   the last stage, while the rewrite runs them on the first; plan/pipeline.py `between_passes` placed a
    module's op by its innermost frame (inside the block classes, so by the op before it), and `plan_stages`
    cut the stages by the first pass's prologue only. Now an op is placed by the innermost call around it in
    the recycling function (else the outermost, the helper's call), every pass's code before the trunk is
