@@ -4,9 +4,9 @@ With --recompute every repeated block runs under torch.utils.checkpoint at the c
 over its list: forward keeps only the block's inputs, backward runs the block's forward again to
 rebuild the rest. That is the blocks pipelines cut into stages (plan/pipeline.py), and every other
 list of repeated blocks a loop calls one by one (`other_lists`: AlphaFold2's extra-MSA stack beside
-its Evoformer blocks), outside those blocks. The memory
-model reads `block_activations` for the bytes one block holds from its forward to its backward
-either way. Decides and measures; rewrites nothing.
+its Evoformer blocks), outside those blocks. The memory model reads `block_activations` for the
+bytes one block holds from its forward to its backward either way (plan/auto.py prices the other
+lists' blocks from `other_block_inputs` and what their ops save). Decides and measures; rewrites nothing.
 """
 from __future__ import annotations
 
@@ -77,9 +77,8 @@ def other_lists(graph: Graph) -> list[BlockList]:
     neither inside a cut block nor holding one, nor inside a block of another such list (the
     outermost list is checkpointed), in the order the trace first called them. [] when the model
     has no cut blocks (--recompute refuses it)."""
-    cache = graph.__dict__.setdefault("_pipeline_finds", {})
-    if "other_lists" in cache:
-        return cache["other_lists"]
+    if "_other_lists" in graph.__dict__:
+        return graph.__dict__["_other_lists"]
     try:
         cut = cut_blocks(graph)
     except UserError:
@@ -92,7 +91,7 @@ def other_lists(graph: Graph) -> list[BlockList]:
 
     found = []
     for group in graph.blocks.values() if cut else []:
-        if set(group) & set(cut) or any(nested(p, cut) or nested(b, group) for p in group for b in cut) or \
+        if set(group) & set(cut) or any(nested(p, cut) for p in group) or any(nested(b, group) for b in cut) or \
                 not all(p in calls for p in group):
             continue
         spans = {calls[p][0] for p in group}
@@ -101,8 +100,8 @@ def other_lists(graph: Graph) -> list[BlockList]:
             continue
         found.append(BlockList(tuple(sorted(group, key=lambda p: calls[p][1])), span))
     found = [f for f in found if not any(o is not f and nested(f.blocks[0], o.blocks) for o in found)]
-    cache["other_lists"] = sorted(found, key=lambda f: calls[f.blocks[0]][1])
-    return cache["other_lists"]
+    graph.__dict__["_other_lists"] = sorted(found, key=lambda f: calls[f.blocks[0]][1])
+    return graph.__dict__["_other_lists"]
 
 
 def block_of_other_lists(graph: Graph) -> dict[int, tuple[int, int]]:
