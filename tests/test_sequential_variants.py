@@ -118,3 +118,46 @@ def test_inverted_residuals_with_and_without_expansion_train_like_one_device(tmp
     start = result.stdout.find("{")
     outcome = json.loads(result.stdout[start:]) if start >= 0 else None
     assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+
+
+SEQUENTIAL_BLOCKS_IN_A_LOOP = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.ReLU()) for _ in range(4))
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x, target):
+            for block in self.blocks:
+                x = block(x)
+            return nn.functional.cross_entropy(self.head(x), target)
+
+
+    def build():
+        torch.manual_seed(0)
+        return Net()
+
+
+    def example_inputs():
+        torch.manual_seed(1)
+        return torch.randn(4, 16), torch.randint(0, 4, (4,))
+''')
+
+
+def test_a_loop_over_blocks_that_are_each_an_nn_sequential_pipelines_like_one_device(tmp_path):
+    """`x = block(x)` where each block is an nn.Sequential is a call of one block, not of an
+    nn.Sequential holding the blocks: the stages cut the loop (it was refused as a nested loop)."""
+    (tmp_path / "loop.py").write_text(SEQUENTIAL_BLOCKS_IN_A_LOOP)
+    result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "verify", "loop.py", "--pp", "2",
+                             "--micro-batches", "2", "-o", "out", "--json"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=600)
+    start = result.stdout.find("{")
+    outcome = json.loads(result.stdout[start:]) if start >= 0 else None
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+    assert json.loads((tmp_path / "out" / "plan.json").read_text())["mesh"]["pp"] == 2
+    assert (tmp_path / "out" / "model_stage1.py").exists()

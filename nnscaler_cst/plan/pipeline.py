@@ -646,8 +646,11 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
                             hint="pipelining cuts a loop over the blocks themselves (`for block in self.blocks:`), "
                                  "or over all the children of one module, each called once; or use --tp or --dp "
                                  "for this model")
-    # `x = self.blocks(x)` on an nn.Sequential of the blocks
-    if iterated is None and looped is None and span in graph.trace.containers:
+    # `x = self.blocks(x)` on an nn.Sequential of the blocks (not `x = block(x)` in a loop over
+    # blocks that are each an nn.Sequential: there the line calls no module holding the blocks)
+    if iterated is None and looped is None and span in graph.trace.containers and any(
+            s == span and (p == container or container.startswith(p + "."))
+            for p, (s, _) in graph.trace.module_calls.items()):
         outer = _enclosing_sequential(graph.trace, span, container)
         if outer is not None:
             return _trunk_of(graph, outer)
