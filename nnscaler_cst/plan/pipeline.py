@@ -334,7 +334,12 @@ def _statement_chain(graph: Graph, most: float = 1.0) -> Trunk | None:
             # the busier side of the best cut; the code that runs before the function is called (the code
             # above it) runs on every stage, so a function called late (a UNet's up block) cuts little
             before = sum(work[:first])
-            inside = [sum(work[i] for i, u in block_of.items() if u < k) for k in range(1, len(starts))]
+            # a stage holding no parameter would leave its rank's optimizer nothing to train
+            trained = {u for i, u in block_of.items() if graph.param_operands(i)}
+            inside = [sum(work[i] for i, u in block_of.items() if u < k) for k in range(1, len(starts))
+                      if min(trained, default=k) < k <= max(trained, default=k - 1)]
+            if not inside:
+                continue
             key = before + min(max(a, total - before - a) for a in inside)
             if key <= most * total and (best_key is None or key < best_key):
                 refusal = _branch_refusal(source, function, branch, sites) if branch is not None else None

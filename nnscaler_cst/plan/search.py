@@ -141,7 +141,14 @@ def runs_unlike_layers(graph: Graph, span) -> bool:
         for node in graph.nodes:
             if node.span is not None and not node.span.via and node.callee_kind == "module":
                 callees[node.span].add(node.callee)
-        cache["unlike_lines"] = {line for line, kinds in callees.items() if len(kinds) > 1}
+        # a block with a forward of its own leaves no op on the line that calls it, yet takes the
+        # line's conversion too (`for module in self: x = module(x)` over blocks and a head)
+        classes: dict = defaultdict(set)
+        for path, (span, _) in graph.trace.module_calls.items():
+            if not span.via:
+                classes[span].add(graph.trace.module_types.get(path))
+        cache["unlike_lines"] = {line for kinds in (callees, classes) for line, called in kinds.items()
+                                 if len(called) > 1}
     return span in cache["unlike_lines"]
 
 
