@@ -228,3 +228,44 @@ def test_a_statement_cut_that_leaves_a_stage_no_parameter_is_not_taken(tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "net.py:" in result.stderr and "pipeline stages need" in result.stderr, result.stderr
     assert not (tmp_path / "out").exists()
+
+
+LOOP_OVER_A_SLICE = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.ReLU()) for _ in range(5))
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x, target):
+            x = self.blocks[0](x)
+            for block in self.blocks[1:-1]:
+                x = block(x)
+            x = self.blocks[-1](x)
+            return {"loss": nn.functional.cross_entropy(self.head(x), target)}
+
+
+    def build():
+        torch.manual_seed(0)
+        return Net()
+
+
+    def example_inputs():
+        torch.manual_seed(1)
+        return torch.randn(4, 16), torch.randint(0, 4, (4,))
+''')
+
+
+def test_a_loop_over_a_slice_of_the_blocks_pipelines_the_blocks_it_runs(tmp_path):
+    """`self.blocks[0](x)`, a loop over `self.blocks[1:-1]`, `self.blocks[-1](x)`: the stages cut
+    the loop's blocks; the first and last run with the code before and after it (the dry run
+    used to fail: the loop ran 3 iterations, the stages were cut for 5). The output is a dict
+    holding the loss, as the trace reads it."""
+    (tmp_path / "net.py").write_text(LOOP_OVER_A_SLICE)
+    result, outcome = _verify(tmp_path, "--pp", "2", "--micro-batches", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr

@@ -694,7 +694,9 @@ def batch_share(batch):
 def loss_of(module, output):
     if hasattr(module, "loss"):
         return module.loss(output)
-    return output if isinstance(output, torch.Tensor) else output.loss
+    if isinstance(output, torch.Tensor):
+        return output
+    return output["loss"] if isinstance(output, dict) else output.loss
 {optimizer_params}
 
 def forward_backward(model, batch):

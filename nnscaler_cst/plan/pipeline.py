@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
-
+from collections import Counter
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -629,6 +629,12 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
         raise UserError(f"the blocks of {container} are not called as modules from the model's own code", reading,
                         hint="pipelining cuts the calls the trace sees, `block(x)`; `block.forward(x)` bypasses them")
     else:
+        # `for layer in self.layers[:-1]:` then `self.layers[-1](x)`: the stages cut the blocks of
+        # the line calling the most of them (the loop's); one called elsewhere runs where its line runs
+        lines = Counter(calls[p][0] for p in blocks)
+        loop_line, count = lines.most_common(1)[0]
+        if len(lines) > 1 and count >= 2:
+            blocks = [p for p in blocks if calls[p][0] == loop_line]
         span, first = calls[blocks[0]]
     source = graph.sources.get(span.path)
     node = source.node_at(span.line, span.col, span.end_line, span.end_col)

@@ -176,7 +176,9 @@ def load_file(path, name):
 def loss_of(module, output):
     if hasattr(module, "loss"):
         return module.loss(output)
-    return output if isinstance(output, torch.Tensor) else output.loss
+    if isinstance(output, torch.Tensor):
+        return output
+    return output["loss"] if isinstance(output, dict) else output.loss
 
 
 def widened(value):
