@@ -317,20 +317,67 @@ def test_3f1b_prices_the_code_before_the_trunk_of_every_pass_on_the_first_stage(
     assert stages.block_ranges == auto._stage_ranges(blocks, 2) == [(0, 1), (1, 4)]
 
 
+@pytest.mark.slow     # a trace, about 8 s
+def test_recompute_checkpoints_the_extra_msa_stack_and_prices_it(tmp_path):
+    """--recompute checkpoints every list of repeated blocks, not only the one the pipeline cuts: the
+    extra-MSA stack's blocks keep their inputs only, its pass with gradient runs its forward again,
+    and what its blocks saved leaves the first stage's memory (its blocks run there)."""
+    from nnscaler_cst.analysis import analyze
+    from nnscaler_cst.plan.auto import Config, estimate_config
+    from nnscaler_cst.plan.cost import load_cluster
+    from nnscaler_cst.plan.recompute import other_block_inputs, other_lists, recompute_sites
+    graph = analyze(_full_evoformer(tmp_path), trace_mode="fake").graph
+    (extra,) = other_lists(graph)
+    assert extra.blocks == ("extra_blocks.0", "extra_blocks.1") and extra.span.line == \
+        graph.trace.module_calls["extra_blocks.0"][0].line
+    assert len(recompute_sites(graph)) == 2 and extra.span in recompute_sites(graph)
+    saved = sum(graph.trace.saved.get(n.index, 0) for n in graph.nodes
+                if (n.module_path or "").startswith("extra_blocks."))
+    kept = sum(other_block_inputs(graph).values())
+    assert 0 < kept < saved
+    cluster = load_cluster("h100-node")
+    plain, checkpointed = (estimate_config(graph, Config(1, 1, 2, 2, schedule="3f1b", recompute=r), cluster, [], 1e12)
+                           for r in (False, True))
+    # stage 0 holds both micro-batches (half the batch each) of the stack: all of what it saved, of
+    # which recompute keeps the blocks' inputs (and the block on stage 0 drops its own: 146 kB before)
+    dropped = plain.stage_memory[0] - checkpointed.stage_memory[0]
+    assert dropped > saved - kept, (dropped, saved, kept)
+    assert checkpointed.seconds > plain.seconds
+
+
+def test_find_trunk_takes_the_list_with_more_weights_of_two_equally_long(tmp_path):
+    """Two lists of 2 blocks (an extra-MSA stack of width 8 built before 2 Evoformer blocks of width
+    16): the pipeline cuts the Evoformer blocks, the heavier list, not the one built first."""
+    from nnscaler_cst.analysis import analyze
+    from nnscaler_cst.plan.pipeline import find_trunk
+    text = (REPO / "fixtures" / "evoformer.py").read_text()
+    text = text.replace("    return Evoformer()\n", "    return Evoformer(blocks=2, extra_blocks=2)\n")
+    text = text.replace("(2, 8, 8))}", "(2, 8, 8)),\n            \"extra_msa\": torch.randint(0, AMINO_ACIDS, (2, 6, 8))}")
+    (tmp_path / "evoformer_two.py").write_text(text)
+    graph = analyze(tmp_path / "evoformer_two.py", trace_mode="fake").graph
+    assert [len(g) for g in graph.blocks.values()] == [2, 2]
+    assert find_trunk(graph).blocks == ["blocks.0", "blocks.1"]
+
+
 @pytest.mark.slow
-def test_3f1b_with_tp_on_the_evoformer_with_triangle_attention_and_the_extra_msa_stack_passes_verify(tmp_path):
+@pytest.mark.parametrize("recompute", [False, True])
+def test_3f1b_with_tp_on_the_evoformer_with_triangle_attention_and_the_extra_msa_stack_passes_verify(tmp_path,
+                                                                                                     recompute):
     """The evoformer with triangle attention (starting and ending node) and an extra-MSA stack of 2
     blocks (global column attention) before its 4 Evoformer blocks in every cycle, at TP = 2 x PP = 2
     under 3F1B: the pipeline cuts the longer list (the Evoformer blocks), the extra-MSA stack runs on
-    the first stage in every pass, every new module is split over tp, and the run matches."""
+    the first stage in every pass, every new module is split over tp, and the run matches. With
+    --recompute every block of both lists runs under a checkpoint."""
     _full_evoformer(tmp_path)
     out = tmp_path / "out"
     result = _cli("verify", tmp_path / "evoformer_full.py", "--tp", "2", "--pp", "2", "--schedule", "3f1b",
-                  "--micro-batches", "2", "-o", out)
+                  "--micro-batches", "2", "-o", out, *(["--recompute"] if recompute else []))
     assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr
     stage0, stage1 = (out / "model_stage0.py").read_text(), (out / "model_stage1.py").read_text()
     assert "for block in self.blocks:  # pipeline: this stage's blocks of blocks only" in stage0
     assert "for block in self.extra_blocks:\n" in stage0          # not cut: stage 0 runs all of it
+    checkpointed = [f"{v}, z = torch.utils.checkpoint.checkpoint(block, {v}, z, use_reentrant=False)" for v in "em"]
+    assert all((c in stage0) == recompute for c in checkpointed), stage0
     assert "self.bias = nn.Linear(c_z, heads // 2, bias=False)" in stage1       # triangle attention's heads split
     assert "self.k = nn.Linear(c_m, c_head // 2, bias=False)" in stage0         # global column attention split
 

@@ -153,14 +153,18 @@ class _Blocks:
     input_bytes: float = 0.0            # a block's tensor inputs that need gradients (the hidden state)
     ranges: dict[int, list[tuple[int, int]]] = field(default_factory=dict)   # stages -> block ranges
     passes: int = 1                     # how often the forward runs the trunk (recycling: 3F1B)
+    # the blocks of the other lists --recompute checkpoints (plan/recompute.py other_lists): each op's
+    # (list, block), and what each block keeps with recompute (its inputs that need a gradient)
+    checkpointed: dict[int, tuple[int, int]] = field(default_factory=dict)
+    checkpoint_inputs: dict[tuple[int, int], int] = field(default_factory=dict)
 
 
 def _blocks(graph: Graph) -> _Blocks:
     cache = _search_cache(graph)
     if "blocks" in cache:
         return cache["blocks"]
-    from .pipeline import _between_passes, find_chain, find_recycle, find_trunk, node_blocks, trunk_passes
-    from .recompute import block_activations, recompute_site
+    from .pipeline import between_passes, find_chain, find_recycle, find_trunk, node_blocks, trunk_passes
+    from .recompute import block_activations, block_of_other_lists, other_block_inputs, recompute_site
     n = len(graph.nodes)
     try:
         trunk = find_trunk(graph)
@@ -187,7 +191,7 @@ def _blocks(graph: Graph) -> _Blocks:
         # between two passes of a recycling loop: the next pass's code before the trunk (its inputs, an
         # extra-MSA stack) runs on the first stage, as plan_stages places it, so it is priced there
         if recycle is not None and current == len(cut) and first < node.index < last and \
-                node.index not in block_of and _between_passes(graph, node, recycle, current, -1, callers) == 0:
+                node.index not in block_of and between_passes(graph, node, recycle, current, -1, callers) == 0:
             pro += cost
             region.append(0)
             continue
@@ -211,7 +215,9 @@ def _blocks(graph: Graph) -> _Blocks:
     except UserError as exc:
         problem = exc.message
     inputs = float(block_activations(graph).inputs) if problem is None else 0.0
-    cache["blocks"] = _Blocks(len(cut), region, flops, pro, epi, None, problem, inputs, passes=passes)
+    others = block_of_other_lists(graph) if problem is None else {}
+    cache["blocks"] = _Blocks(len(cut), region, flops, pro, epi, None, problem, inputs, passes=passes,
+                              checkpointed=others, checkpoint_inputs=other_block_inputs(graph) if others else {})
     return cache["blocks"]
 
 
@@ -231,7 +237,9 @@ class _Regions:
     """Sums per region at the traced batch: seconds whose terms scale with the batch (bw) and
     those that do not (fx: latency, per-call overhead), the same for a forward alone (what
     recompute repeats), saved activation bytes per device, and the parameters each region uses
-    (canonical name -> elements held by one device)."""
+    (canonical name -> elements held by one device). The other block lists' blocks (_Blocks.
+    checkpointed) in a region: what their ops save, what the blocks keep with recompute, and the
+    most one of them saves (what its recompute rebuilds at once)."""
 
     bw: list[float]
     fx: list[float]
@@ -247,6 +255,9 @@ class _Regions:
     shared: tuple = field(default_factory=lambda: (0.0, 0.0, 0.0, {}))
     shared_hidden: list[float] = field(default_factory=list)     # bytes, per vocabulary call
     held_once: float = 0.0              # co-shard: bytes one piece of one block's regions holds while it runs
+    checkpointed_saved: list[float] = field(default_factory=list)
+    checkpointed_kept: list[float] = field(default_factory=list)
+    checkpointed_most: list[float] = field(default_factory=list)
 
 
 def _split_devices(device: DeviceSpec) -> tuple[DeviceSpec, DeviceSpec]:
@@ -314,7 +325,9 @@ def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, de
     tensors = trace.tensors
     count = blocks.count + 2
     out = _Regions([0.0] * count, [0.0] * count, [0.0] * count, [0.0] * count, [0.0] * count,
-                   [dict() for _ in range(count)], [0.0] * count)
+                   [dict() for _ in range(count)], [0.0] * count, checkpointed_saved=[0.0] * count,
+                   checkpointed_kept=[0.0] * count, checkpointed_most=[0.0] * count)
+    checkpointed, block_saved = blocks.checkpointed, {}
     bw_dev, fx_dev = _split_devices(device)
     choice = tp_plan.node_choice if tp_plan is not None else {}
     layouts = tp_plan.param_layout if tp_plan is not None else {}
@@ -382,10 +395,14 @@ def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, de
         fx[region] += costs[1]
         # recompute reruns a block for its backward: a no_grad recycling pass is never rerun (masks
         # inside a block, which it does rerun, are cheap and left out too)
-        if 0 < region <= blocks.count and fact.grad:
+        if (0 < region <= blocks.count or index in checkpointed) and fact.grad:
             forward_bw[region] += costs[2]
             forward_fx[region] += costs[3]
         saved[region] += fact.saved / ways
+        if index in checkpointed and fact.grad:
+            out.checkpointed_saved[region] += fact.saved / ways
+            key = (region, checkpointed[index])
+            block_saved[key] = block_saved.get(key, 0.0) + fact.saved / ways
         held = out.params[region]
         for param, elements in fact.params:
             layout = layouts.get(param)
@@ -399,6 +416,9 @@ def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, de
         region = blocks.region[u]
         out.bw[region] += conversion_time(steps, tensors[loss].nbytes, n, bw_dev)
         out.fx[region] += conversion_time(steps, tensors[loss].nbytes, n, fx_dev)
+    for (region, block), nbytes in block_saved.items():
+        out.checkpointed_kept[region] += blocks.checkpoint_inputs.get(block, 0)
+        out.checkpointed_most[region] = max(out.checkpointed_most[region], nbytes)
     for held in out.params:             # a parameter the vocabulary ops share is theirs (tied weights)
         for param in out.shared[3]:
             held.pop(param, None)
@@ -860,10 +880,11 @@ class _Stages:
 
     bw: list[float]
     fx: list[float]
-    forward_bw: list[float]             # its blocks' only
+    forward_bw: list[float]             # its blocks' only (and the other lists' blocks, _Regions)
     forward_fx: list[float]
     saved: list[float]
-    saved_outside_blocks: list[float]
+    saved_outside_blocks: list[float]   # with recompute: the other lists' blocks keep their inputs
+    rebuilt_outside_blocks: list[float]     # the most one of the other lists' blocks rebuilds
     blocks: list[int]
     params: list[int]                   # elements one device holds
     partial_seconds: list[float]
@@ -885,17 +906,19 @@ def _stages(cost: _Regions, blocks: _Blocks, pp: int) -> _Stages:
     shared_held = sum(shared_params.values()) / pp
     rows = []
     for regions, count in layout:
-        inside = [r for r in regions if 0 < r < last]
         params: dict[str, float] = {}
         outside: dict[str, float] = {}
         for r in regions:
             params.update(cost.params[r])
             if not 0 < r < last:
                 outside.update(cost.params[r])
+        outside_blocks = [r for r in regions if not 0 < r < last]
         rows.append((sum(cost.bw[r] for r in regions) + shared_bw / pp, sum(cost.fx[r] for r in regions) + shared_fx,
-                     sum(cost.forward_bw[r] for r in inside), sum(cost.forward_fx[r] for r in inside),
+                     sum(cost.forward_bw[r] for r in regions), sum(cost.forward_fx[r] for r in regions),
                      sum(cost.saved[r] for r in regions) + shared_saved / pp,
-                     sum(cost.saved[r] for r in regions if not 0 < r < last) + shared_saved / pp,
+                     sum(cost.saved[r] - cost.checkpointed_saved[r] + cost.checkpointed_kept[r]
+                         for r in outside_blocks) + shared_saved / pp,
+                     max((cost.checkpointed_most[r] for r in regions), default=0.0),
                      count, int(round(sum(params.values()) + shared_held)), sum(cost.partial_seconds[r] for r in regions),
                      sum(outside.values()) + shared_held))
     columns = [list(c) for c in zip(*rows)]
@@ -937,12 +960,13 @@ def _estimate(config: Config, cost: _Regions, blocks: _Blocks, batch: int, clust
     synced = parts.get(("sync", pp, dp, zero, order))
     if synced is None:
         synced = parts[("sync", pp, dp, zero, order)] = _stage_state(config, cost, blocks, cluster)
-    state, sync_most, hidden, roots, with_blocks = synced
+    state, sync_most, hidden, roots, with_blocks, others = synced
     fraction = 1.0 / (dp * micro)
     memory = [s + a for s, a in zip(state, activations)]
-    if config.recompute:
-        recomputed = fraction * _block_maxima(cost, blocks)[0]
-        memory = [m + recomputed if n else m for m, n in zip(memory, with_blocks)]
+    if config.recompute:                # one block rebuilt at once: a cut one, or one of another list
+        most = _block_maxima(cost, blocks)[0]
+        memory = [m + fraction * max(most if n else 0.0, o) if n or o else m
+                  for m, n, o in zip(memory, with_blocks, others)]
     if cost.held_once:                  # co-shard: one piece of one block's regions while it runs
         memory = [m + fraction * cost.held_once for m in memory]
     if zero >= 2:
@@ -1048,7 +1072,8 @@ def pipeline_seconds(order: str, pp: int, micro: int, chunk: list[float]) -> tup
 def _stage_state(config: Config, cost: _Regions, blocks: _Blocks, cluster: ClusterSpec):
     """Per pipeline rank, the bytes of parameters, gradients and optimizer state one device holds,
     the slowest rank's gradient sync and optimizer step, the sync the output hides, each rank's
-    parameters outside the blocks (ZeRO's root unit), and whether it runs blocks: what depends
+    parameters outside the blocks (ZeRO's root unit), whether it runs blocks and the most one block
+    of the other lists rebuilds under recompute: what depends
     on (pp, dp, ZeRO, schedule) alone. Replicated pipelines (Chimera) also sum the gradients of
     the two copies of a model stage over the pipeline."""
     tp, dp, pp, zero = config.tp, config.dp, config.pp, config.zero
@@ -1057,7 +1082,7 @@ def _stage_state(config: Config, cost: _Regions, blocks: _Blocks, cluster: Clust
     ranks, length = _ranks(config.schedule, pp)
     copies = _table(config.schedule).pipelines if pp > 1 else 1
     st = _stages(cost, blocks, length)
-    states, sync_most, hidden, roots, with_blocks = [], 0.0, 0.0, [], []
+    states, sync_most, hidden, roots, with_blocks, others = [], 0.0, 0.0, [], [], []
     for mine in ranks:
         held = sorted(set(mine))
         params = sum(st.params[m] for m in held)
@@ -1082,7 +1107,8 @@ def _stage_state(config: Config, cost: _Regions, blocks: _Blocks, cluster: Clust
         sync_most = max(sync_most, sync)
         roots.append(sum(st.outside_params[m] for m in held))
         with_blocks.append(any(st.blocks[m] for m in held))
-    return states, sync_most, hidden, roots, with_blocks
+        others.append(max(st.rebuilt_outside_blocks[m] for m in held))
+    return states, sync_most, hidden, roots, with_blocks, others
 
 
 _links: dict = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -216,10 +217,11 @@ def find_trunk(graph: Graph) -> Trunk:
             raise _no_blocks(graph)
         # blocks called as modules, or lists of modules a loop runs one per iteration, first (Funnel's
         # encoder holds ModuleLists of layers, never called themselves, whose layers are the blocks),
-        # then a loop that calls no other blocks, then the longest
+        # then a loop that calls no other blocks, then the longest, then the one holding more weights
+        # (two lists of equal length: the trunk, not a stack beside it built first)
         paths = max(graph.blocks.values(), key=lambda group: (
             sum(p in calls for p in group) >= 2 or _lists_of_modules(graph, group),
-            _loop_runs_once(group, calls), len(group)))
+            _loop_runs_once(group, calls), len(group), _weights(graph, group)))
         trunk = _trunk_of(graph, paths)
         turns = _runs_in_turn(graph, trunk)
         if turns is not None:       # the stages divide the iterations, the blocks kept whole
@@ -252,6 +254,13 @@ def find_trunk(graph: Graph) -> Trunk:
         if chain is None:
             raise error
         return chain
+
+
+def _weights(graph: Graph, group: list[str]) -> int:
+    """Parameter elements the blocks of `group` hold."""
+    prefixes = tuple(p + "." for p in group)
+    return sum(math.prod(info.shape) for info in graph.trace.params.values()
+               if any(alias.startswith(prefixes) for alias in info.aliases))
 
 
 def _lists_of_modules(graph: Graph, group: list[str]) -> bool:
@@ -1349,7 +1358,7 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
             previous = block_of[node.index]
             cost[previous] += flops
         elif node.index < first or (trunk.recycle is not None and previous == n_blocks - 1 and node.index < last
-                                    and _between_passes(graph, node, trunk.recycle, 1, -1, callers) == 0):
+                                    and between_passes(graph, node, trunk.recycle, 1, -1, callers) == 0):
             pro += flops            # (recycling: every pass's code before the trunk runs on the first stage)
         elif node.index > last:
             epi += flops
@@ -1395,7 +1404,7 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
             current = stages - 1
         elif trunk.recycle is not None and node.index < last_pass:   # between two passes: before the
             # trunk's call or after it
-            current = _between_passes(graph, node, trunk.recycle, current, stages - 1, callers)
+            current = between_passes(graph, node, trunk.recycle, current, stages - 1, callers)
         node_stage[node.index] = current if node.index >= first else 0
     seconds = [0.0] * stages
     for node in graph.nodes:
@@ -1503,7 +1512,7 @@ def _class_of(source, node: cst.CSTNode) -> cst.ClassDef | None:
     return node
 
 
-def _between_passes(graph: Graph, node, recycle: Recycle, current: int, last: int, callers: dict) -> int:
+def between_passes(graph: Graph, node, recycle: Recycle, current: int, last: int, callers: dict) -> int:
     """The stage of an op run between two passes of the recycling loop: the loop's code after the
     trunk's call runs on the last stage (which ends the pass), the code before it (the next pass's
     inputs) on the first, and so does the code between the loop and a last pass written after it.

@@ -1,10 +1,12 @@
 """Activation recompute per block: where the checkpoint goes, and what it saves.
 
-With --recompute every repeated block (the ones pipelines cut into stages, plan/pipeline.py)
-runs under torch.utils.checkpoint at the call in the loop over the blocks: forward keeps only
-the block's inputs, backward runs the block's forward again to rebuild the rest. The memory
-model reads `block_activations` for the bytes one block holds from its forward to its backward
-either way. Decides and measures; rewrites nothing.
+With --recompute every repeated block runs under torch.utils.checkpoint at the call in the loop
+over its list: forward keeps only the block's inputs, backward runs the block's forward again to
+rebuild the rest. That is the blocks pipelines cut into stages (plan/pipeline.py), and every other
+list of repeated blocks a loop calls one by one (`other_lists`: AlphaFold2's extra-MSA stack beside
+its Evoformer blocks), outside those blocks. The memory model reads `block_activations` for the
+bytes one block holds from its forward to its backward either way (plan/auto.py prices the other
+lists' blocks from `other_block_inputs` and what their ops save). Decides and measures; rewrites nothing.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from ..graph.graph import Graph
 from ..source.files import Span
 from .cost import DeviceSpec, compute_time, node_flops
 from .memory import saved_bytes
-from .pipeline import find_chain, find_trunk, node_blocks
+from .pipeline import _called_in_loop, cut_blocks, find_chain, find_trunk, node_blocks
 
 
 @dataclass(frozen=True)
@@ -54,16 +56,83 @@ def recompute_site(graph: Graph) -> Span:
 
 def recompute_sites(graph: Graph) -> tuple[Span, ...]:
     """The block calls --recompute checkpoints: one per block list of a chain (an encoder's and a
-    decoder's, plan/pipeline.py find_chain), else the one trunk's."""
+    decoder's, plan/pipeline.py find_chain), else the one trunk's; then each other list's."""
     chain = find_chain(graph)
-    if not chain:
-        return (recompute_site(graph),)
-    spans = []
-    for trunk in chain:
-        span = graph.trace.module_calls[trunk.blocks[0]][0]
-        if span not in spans:                   # T5: one loop serves both lists
-            spans.append(span)
-    return tuple(spans)
+    spans = [graph.trace.module_calls[trunk.blocks[0]][0] for trunk in chain] if chain else [recompute_site(graph)]
+    spans += [blocks.span for blocks in other_lists(graph)]
+    return tuple(dict.fromkeys(spans))          # T5: one loop serves both lists
+
+
+@dataclass(frozen=True)
+class BlockList:
+    """A list of repeated blocks the pipeline does not cut, which --recompute checkpoints too."""
+
+    blocks: tuple[str, ...]     # module paths, in call order
+    span: Span                  # the call of a block in the loop over them
+
+
+def other_lists(graph: Graph) -> list[BlockList]:
+    """The lists of repeated blocks (graph.blocks) besides the ones the pipeline cuts whose blocks
+    one call in a `for` or `while` loop runs (`for block in self.extra_blocks: e, z = block(e, z)`),
+    neither inside a cut block nor holding one, nor inside a block of another such list (the
+    outermost list is checkpointed), in the order the trace first called them. [] when the model
+    has no cut blocks (--recompute refuses it)."""
+    if "_other_lists" in graph.__dict__:
+        return graph.__dict__["_other_lists"]
+    try:
+        cut = cut_blocks(graph)
+    except UserError:
+        cut = []
+    trace = graph.trace
+    calls = trace.module_calls
+
+    def nested(path: str, outer) -> bool:
+        return any(path.startswith(b + ".") for b in outer)
+
+    found = []
+    for group in graph.blocks.values() if cut else []:
+        if set(group) & set(cut) or any(nested(p, cut) for p in group) or any(nested(b, group) for b in cut) or \
+                not all(p in calls for p in group):
+            continue
+        spans = {calls[p][0] for p in group}
+        span = next(iter(spans))
+        if len(spans) != 1 or span in trace.containers or not _called_in_loop(graph, span):
+            continue
+        found.append(BlockList(tuple(sorted(group, key=lambda p: calls[p][1])), span))
+    found = [f for f in found if not any(o is not f and nested(f.blocks[0], o.blocks) for o in found)]
+    graph.__dict__["_other_lists"] = sorted(found, key=lambda f: calls[f.blocks[0]][1])
+    return graph.__dict__["_other_lists"]
+
+
+def block_of_other_lists(graph: Graph) -> dict[int, tuple[int, int]]:
+    """Each op run inside a block of `other_lists`: (its list, the block's position in it)."""
+    where = {b: (k, j) for k, found in enumerate(other_lists(graph)) for j, b in enumerate(found.blocks)}
+    if not where:
+        return {}
+    out = {}
+    for node in graph.nodes:
+        path = node.module_path or ""
+        while path:
+            if path in where:
+                out[node.index] = where[path]
+                break
+            path = path.rpartition(".")[0]
+    return out
+
+
+def other_block_inputs(graph: Graph) -> dict[tuple[int, int], int]:
+    """What each block of `other_lists` keeps with recompute: the tensors handed into it that need
+    a gradient (a pass without gradient keeps nothing), as `block_activations` counts a cut block's."""
+    trace = graph.trace
+    inside: dict[tuple[int, int], set[int]] = {}
+    for index, key in block_of_other_lists(graph).items():
+        inside.setdefault(key, set()).add(index)
+    kept = {}
+    for key, mine in inside.items():
+        passed = {t for i in mine for t in graph.nodes[i].inputs if trace.tensors[t].producer not in mine
+                  and trace.tensors[t].param is None and trace.tensors[t].buffer is None}
+        kept[key] = sum(trace.tensors[t].nbytes for t in passed if trace.tensors[t].requires_grad)
+    return kept
 
 
 def block_activations(graph: Graph) -> BlockActivations:
@@ -88,9 +157,12 @@ def block_activations(graph: Graph) -> BlockActivations:
 
 
 def recompute_seconds(graph: Graph, split_ways: int, device: DeviceSpec) -> float:
-    """The extra time recompute costs a step: every block's forward runs a second time."""
+    """The extra time recompute costs a step: every block's forward runs a second time (the other
+    lists' blocks: where they run with gradient)."""
     trunk = find_trunk(graph)
+    others = block_of_other_lists(graph)
     inside = [n for n in graph.nodes if any(n.module_path == b or n.module_path.startswith(b + ".")
-                                            for b in trunk.blocks)]
+                                            for b in trunk.blocks) or (n.index in others and any(
+                                                graph.trace.tensors[t].requires_grad for t in n.outputs))]
     return sum(compute_time(node_flops(n, graph.dims.get(n.index), graph.trace), split_ways, device) / 3.0
                for n in inside)
