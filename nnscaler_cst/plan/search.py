@@ -147,9 +147,9 @@ def runs_unlike_layers(graph: Graph, span) -> bool:
         # rewrite cuts apart; not one line's calls in unlike instances, grouped in plan/instances.py)
         trace = graph.trace
         classes: dict = defaultdict(set)
-        for path, (span, _) in trace.module_calls.items():
-            if not span.via and span not in trace.containers:
-                classes[(span, path.rpartition(".")[0])].add(trace.module_types.get(path))
+        for path, (line, _) in trace.module_calls.items():
+            if not line.via and line not in trace.containers:
+                classes[(line, path.rpartition(".")[0])].add(trace.module_types.get(path))
         cache["unlike_lines"] = {line for line, called in callees.items() if len(called) > 1} | {
             line for (line, _), called in classes.items() if len(called) > 1}
     return span in cache["unlike_lines"]
