@@ -118,3 +118,154 @@ def test_inverted_residuals_with_and_without_expansion_train_like_one_device(tmp
     start = result.stdout.find("{")
     outcome = json.loads(result.stdout[start:]) if start >= 0 else None
     assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+
+
+SEQUENTIAL_BLOCKS_IN_A_LOOP = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.ReLU()) for _ in range(4))
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x, target):
+            for block in self.blocks:
+                x = block(x)
+            return nn.functional.cross_entropy(self.head(x), target)
+
+
+    def build():
+        torch.manual_seed(0)
+        return Net()
+
+
+    def example_inputs():
+        torch.manual_seed(1)
+        return torch.randn(4, 16), torch.randint(0, 4, (4,))
+''')
+
+
+def test_a_loop_over_blocks_that_are_each_an_nn_sequential_pipelines_like_one_device(tmp_path):
+    """`x = block(x)` where each block is an nn.Sequential is a call of one block, not of an
+    nn.Sequential holding the blocks: the stages cut the loop (it was refused as a nested loop)."""
+    (tmp_path / "loop.py").write_text(SEQUENTIAL_BLOCKS_IN_A_LOOP)
+    result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "verify", "loop.py", "--pp", "2",
+                             "--micro-batches", "2", "-o", "out", "--json"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=600)
+    start = result.stdout.find("{")
+    outcome = json.loads(result.stdout[start:]) if start >= 0 else None
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+    assert json.loads((tmp_path / "out" / "plan.json").read_text())["mesh"]["pp"] == 2
+    assert (tmp_path / "out" / "model_stage1.py").exists()
+
+
+MODEL_LOOPING_OVER_ITS_OWN_CHILDREN = textwrap.dedent('''
+    import torch
+    from torch import nn
+    import torch.nn.functional as F
+
+
+    class Block(nn.Module):
+        def __init__(self, d=16):
+            super().__init__()
+            self.fc1 = nn.Linear(d, 4 * d)
+            self.fc2 = nn.Linear(4 * d, d)
+            self.norm = nn.LayerNorm(d)
+
+        def forward(self, x):
+            return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+    class Net(nn.Sequential):
+        def __init__(self):
+            super().__init__(*[Block() for _ in range(4)], nn.Linear(16, 4))
+
+        def forward(self, x, target):
+            for module in self:
+                x = module(x)
+            return F.cross_entropy(x.mean(1), target)
+
+
+    def build():
+        torch.manual_seed(0)
+        return Net()
+
+
+    def example_inputs():
+        torch.manual_seed(1)
+        return torch.randn(4, 8, 16), torch.randint(0, 4, (4,))
+''')
+
+
+def _verify(tmp_path, *options):
+    result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "verify", "net.py", *options, "-o", "out",
+                             "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    start = result.stdout.find("{")
+    return result, json.loads(result.stdout[start:]) if start >= 0 else None
+
+
+def test_a_line_calling_blocks_and_a_head_in_turn_keeps_the_head_whole(tmp_path):
+    """`x = module(x)` runs four blocks (their ops on lines of their own) and a Linear head. A
+    split head needs a conversion at that line's argument, which every block's call would take
+    too (their gradients summed twice over): the head runs whole, and the blocks still split."""
+    (tmp_path / "net.py").write_text(MODEL_LOOPING_OVER_ITS_OWN_CHILDREN)
+    result, outcome = _verify(tmp_path, "--tp", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr
+    params = json.loads((tmp_path / "out" / "plan.json").read_text())["params"]
+    assert params["4.weight"]["tp"] == "R" and params["0.fc1.weight"]["tp"] == "S(0)", params
+
+
+def test_a_statement_cut_that_leaves_a_stage_no_parameter_is_not_taken(tmp_path):
+    """The only cut between that forward's statements puts the loss alone on a stage, whose
+    rank's optimizer would get no parameter: refused with exit 2, and nothing written."""
+    (tmp_path / "net.py").write_text(MODEL_LOOPING_OVER_ITS_OWN_CHILDREN)
+    result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "net.py", "--pp", "2", "-o", "out"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "net.py:" in result.stderr and "pipeline stages need" in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+LOOP_OVER_A_SLICE = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.ReLU()) for _ in range(5))
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x, target):
+            x = self.blocks[0](x)
+            for block in self.blocks[1:-1]:
+                x = block(x)
+            x = self.blocks[-1](x)
+            return {"loss": nn.functional.cross_entropy(self.head(x), target)}
+
+
+    def build():
+        torch.manual_seed(0)
+        return Net()
+
+
+    def example_inputs():
+        torch.manual_seed(1)
+        return torch.randn(4, 16), torch.randint(0, 4, (4,))
+''')
+
+
+def test_a_loop_over_a_slice_of_the_blocks_pipelines_the_blocks_it_runs(tmp_path):
+    """`self.blocks[0](x)`, a loop over `self.blocks[1:-1]`, `self.blocks[-1](x)`: the stages cut
+    the loop's blocks; the first and last run with the code before and after it (the dry run
+    used to fail: the loop ran 3 iterations, the stages were cut for 5). The output is a dict
+    holding the loss, as the trace reads it."""
+    (tmp_path / "net.py").write_text(LOOP_OVER_A_SLICE)
+    result, outcome = _verify(tmp_path, "--pp", "2", "--micro-batches", "2")
+    assert result.returncode == 0 and outcome and outcome["passed"] is True, result.stdout + result.stderr

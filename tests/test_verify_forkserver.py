@@ -155,3 +155,18 @@ def test_the_server_imports_the_installed_libraries_the_entry_imports(tmp_path, 
                   process_env())], 120, server)
         assert server.pids, "the reference run was no fork"
     assert (tmp_path / "seen.txt").read_text() == "True False"
+
+
+def test_a_server_that_dies_starting_is_reported_at_once(tmp_path):
+    """A server whose start-up fails (an import error in it) used to leave the launcher waiting
+    for its `ready` until the whole run's deadline: it is a LaunchError carrying its output."""
+    (tmp_path / "sitecustomize.py").write_text("import os, sys\nprint('broken start-up', flush=True)\nos._exit(3)\n")
+    env = {**process_env(), "PYTHONPATH": str(tmp_path)}
+    server = forkserver.ForkServer(forkserver.WORKER, env)
+    start = time.monotonic()
+    try:
+        with pytest.raises(LaunchError, match="broken start-up"):
+            server.wait_ready(120)
+    finally:
+        server.close()
+    assert time.monotonic() - start < 30

@@ -327,8 +327,7 @@ def batch_for(module, step, seed, device):
 
 
 def moved(batch, device):
-    move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x
-    return {{k: move(v) for k, v in batch.items()}} if isinstance(batch, dict) else tuple(map(move, batch))
+    return _comm.map_tensors(lambda x: x.to(device), batch)
 
 
 def user_batches(spec, start, device):
@@ -402,11 +401,8 @@ MICRO_BATCHES_SPLIT = '''MICRO_BATCHES = {micro}
 
 def micro_batches(batch):
     """The batch in MICRO_BATCHES equal slices of dim 0."""
-    def piece(x, m):
-        return x.chunk(MICRO_BATCHES, dim=0)[m] if isinstance(x, torch.Tensor) and x.dim() > 0 else x
-    if isinstance(batch, dict):
-        return [{{k: piece(v, m) for k, v in batch.items()}} for m in range(MICRO_BATCHES)]
-    return [tuple(piece(v, m) for v in batch) for m in range(MICRO_BATCHES)]
+    return [_comm.map_tensors(lambda x: x.chunk(MICRO_BATCHES, dim=0)[m] if x.dim() > 0 else x, batch)
+            for m in range(MICRO_BATCHES)]
 '''
 
 PIPELINE_STEP = MICRO_BATCHES_SPLIT + '''
@@ -690,19 +686,17 @@ def setup(backend=None):
 
 def batch_share(batch):
     \"\"\"This data-parallel rank's share of a full batch: its slice of dim 0 of every tensor.\"\"\"
-    def share(x):
-        if isinstance(x, torch.Tensor) and x.dim() > 0 and _comm.DP.size > 1:
-            return x.chunk(_comm.DP.size, dim=0)[_comm.DP.rank]
-        return x
-    if isinstance(batch, dict):
-        return {{k: share(v) for k, v in batch.items()}}
-    return tuple(share(v) for v in batch)
+    if _comm.DP.size == 1:
+        return batch
+    return _comm.map_tensors(lambda x: x.chunk(_comm.DP.size, dim=0)[_comm.DP.rank] if x.dim() > 0 else x, batch)
 
 
 def loss_of(module, output):
     if hasattr(module, "loss"):
         return module.loss(output)
-    return output if isinstance(output, torch.Tensor) else output.loss
+    if isinstance(output, torch.Tensor):
+        return output
+    return output["loss"] if isinstance(output, dict) else output.loss
 {optimizer_params}
 
 def forward_backward(model, batch):

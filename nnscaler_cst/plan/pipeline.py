@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
-
+from collections import Counter
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -343,7 +343,12 @@ def _statement_chain(graph: Graph, most: float = 1.0) -> Trunk | None:
             # the busier side of the best cut; the code that runs before the function is called (the code
             # above it) runs on every stage, so a function called late (a UNet's up block) cuts little
             before = sum(work[:first])
-            inside = [sum(work[i] for i, u in block_of.items() if u < k) for k in range(1, len(starts))]
+            # a stage holding no parameter would leave its rank's optimizer nothing to train
+            trained = {u for i, u in block_of.items() if graph.param_operands(i)}
+            inside = [sum(work[i] for i, u in block_of.items() if u < k) for k in range(1, len(starts))
+                      if min(trained, default=k) < k <= max(trained, default=k - 1)]
+            if not inside:
+                continue
             key = before + min(max(a, total - before - a) for a in inside)
             if key <= most * total and (best_key is None or key < best_key):
                 refusal = _branch_refusal(source, function, branch, sites) if branch is not None else None
@@ -633,6 +638,12 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
         raise UserError(f"the blocks of {container} are not called as modules from the model's own code", reading,
                         hint="pipelining cuts the calls the trace sees, `block(x)`; `block.forward(x)` bypasses them")
     else:
+        # `for layer in self.layers[:-1]:` then `self.layers[-1](x)`: the stages cut the blocks of
+        # the line calling the most of them (the loop's); one called elsewhere runs where its line runs
+        lines = Counter(calls[p][0] for p in blocks)
+        loop_line, count = lines.most_common(1)[0]
+        if len(lines) > 1 and count >= 2:
+            blocks = [p for p in blocks if calls[p][0] == loop_line]
         span, first = calls[blocks[0]]
     source = graph.sources.get(span.path)
     node = source.node_at(span.line, span.col, span.end_line, span.end_col)
@@ -655,8 +666,11 @@ def _trunk_of(graph: Graph, paths: list[str]) -> Trunk:
                             hint="pipelining cuts a loop over the blocks themselves (`for block in self.blocks:`), "
                                  "or over all the children of one module, each called once; or use --tp or --dp "
                                  "for this model")
-    # `x = self.blocks(x)` on an nn.Sequential of the blocks
-    if iterated is None and looped is None and span in graph.trace.containers:
+    # `x = self.blocks(x)` on an nn.Sequential of the blocks (not `x = block(x)` in a loop over
+    # blocks that are each an nn.Sequential: there the line calls no module holding the blocks)
+    if iterated is None and looped is None and span in graph.trace.containers and any(
+            s == span and (p == container or container.startswith(p + "."))
+            for p, (s, _) in graph.trace.module_calls.items()):
         outer = _enclosing_sequential(graph.trace, span, container)
         if outer is not None:
             return _trunk_of(graph, outer)

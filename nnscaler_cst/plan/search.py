@@ -141,7 +141,17 @@ def runs_unlike_layers(graph: Graph, span) -> bool:
         for node in graph.nodes:
             if node.span is not None and not node.span.via and node.callee_kind == "module":
                 callees[node.span].add(node.callee)
-        cache["unlike_lines"] = {line for line, kinds in callees.items() if len(kinds) > 1}
+        # a block with a forward of its own leaves no op on the line that calls it, yet takes the
+        # line's conversion too (`for module in self: x = module(x)` over blocks and a head): the
+        # children of one module called in turn from one line (not an nn.Sequential's, which the
+        # rewrite cuts apart; not one line's calls in unlike instances, grouped in plan/instances.py)
+        trace = graph.trace
+        classes: dict = defaultdict(set)
+        for path, (line, _) in trace.module_calls.items():
+            if not line.via and line not in trace.containers:
+                classes[(line, path.rpartition(".")[0])].add(trace.module_types.get(path))
+        cache["unlike_lines"] = {line for line, called in callees.items() if len(called) > 1} | {
+            line for (line, _), called in classes.items() if len(called) > 1}
     return span in cache["unlike_lines"]
 
 

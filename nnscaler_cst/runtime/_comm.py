@@ -115,6 +115,18 @@ PP_TP = Axis("pp_tp")  # the tp x pp devices of one data-parallel replica, by (p
 GLOBAL_RANK = 0  # rebound by setup: read it as _comm.GLOBAL_RANK, not via `from _comm import`
 
 
+def map_tensors(fn, batch):
+    """`fn` on every tensor of a batch, through nested dicts, lists and tuples; the rest kept."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {k: map_tensors(fn, v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        items = [map_tensors(fn, v) for v in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)   # a namedtuple
+    return batch
+
+
 def setup(rank: int, world_size: int, *, tp: int = 1, dp: int = 1, pp: int = 1,
           backend: str | None = None, pp_replicas: list | None = None, pp_tied: list | None = None) -> None:
     """Initialise torch.distributed (if needed) and build the tp x dp x pp mesh.

@@ -96,7 +96,7 @@ class Entry:
             value = output.get("loss")
         if isinstance(value, torch.Tensor) and value.dim() == 0:
             return value
-        raise UserError("the model output is not a scalar loss and has no `.loss`",
+        raise UserError("the model output is not a scalar loss and has no `.loss` nor a \"loss\" key",
                         Location(display_path(self.path)),
                         hint="define `def loss(output): return <scalar tensor>` in the entry file")
 

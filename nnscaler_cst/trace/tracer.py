@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ..errors import Location, UserError, display_path
+from ..runtime._comm import map_tensors
 from ..source.entry import Entry, user_frame_location, instruction_position as _position
 from ..source.files import SourceSet, Span, resolved
 from .naming import layer_type, qualified_type, short_type, torch_func_name, traced_split
@@ -958,9 +959,11 @@ class Tracer(TorchFunctionMode):
         return Span(str(source.path), pos[0], source.char_col(pos[0], pos[2]), pos[1], source.char_col(pos[1], pos[3]))
 
     def _inputs(self, inputs) -> dict[str, int]:
+        """Each tensor of the inputs by its name: `tokens`, `arg0`, or `arg0['tokens']` inside a
+        dict, list or tuple handed in as one argument (`forward(self, batch)`)."""
         items = inputs.items() if isinstance(inputs, dict) else (
             (f"arg{i}", v) for i, v in enumerate(inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
-        return {name: self._tid(value, input_name=name) for name, value in items if isinstance(value, torch.Tensor)}
+        return {name: self._tid(value, input_name=name) for name, value in _named_tensors(items)}
 
     def _set_outputs(self, loss_tid) -> None:
         """A node's outputs: what it produced that another node (or the loss) consumes."""
@@ -1082,22 +1085,24 @@ def _strides(tensor: torch.Tensor) -> tuple[int, ...] | None:
         return None
 
 
+def _named_tensors(items):
+    """(name, tensor) for each tensor under the (name, value) pairs, in dicts, lists and tuples."""
+    for name, value in items:
+        if isinstance(value, torch.Tensor):
+            yield name, value
+        elif isinstance(value, dict):
+            yield from _named_tensors((f"{name}[{k!r}]", v) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            yield from _named_tensors((f"{name}[{i}]", v) for i, v in enumerate(value))
+
+
 def _batch_slice(inputs, slices: int):
     """The example inputs cut to the first 1/slices of the batch (the first input's dim 0)."""
-    values = list(inputs.values()) if isinstance(inputs, dict) else \
-        list(inputs) if isinstance(inputs, (tuple, list)) else [inputs]
-    batch = next((v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim()), None)
+    batch = next((v.shape[0] for _, v in _named_tensors([("", inputs)]) if v.dim()), None)
     if batch is None or batch % slices:
         raise UserError(f"the batch of {batch} does not split into {slices} slices")
-
-    def cut(value):
-        return value[:batch // slices] if isinstance(value, torch.Tensor) and value.dim() and \
-            value.shape[0] == batch else value
-    if isinstance(inputs, dict):
-        return {k: cut(v) for k, v in inputs.items()}
-    if isinstance(inputs, (tuple, list)):
-        return type(inputs)(cut(v) for v in inputs)
-    return cut(inputs)
+    return map_tensors(lambda value: value[:batch // slices] if value.dim() and value.shape[0] == batch else value,
+                       inputs)
 
 
 def _model_or_torch_frame(frame, own_files) -> bool:

@@ -141,8 +141,8 @@ class ForkServer:
             if time.monotonic() > deadline:
                 from .launch import LaunchError
                 raise LaunchError(f"the fork server did not start within {timeout:.0f}s")
-            select.select([self.sock], [], [], 0.1)
-            self._receive(block=False)
+            if select.select([self.sock], [], [], 0.1)[0] and self._receive(block=False) is None:
+                self._server_gone()     # it died starting (an import failed): say so, not wait out the time
 
     def serves(self, cmd: list[str]) -> bool:
         """Whether `cmd` runs as a fork: a worker command, and a server that could fork safely

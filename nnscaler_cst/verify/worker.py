@@ -176,7 +176,9 @@ def load_file(path, name):
 def loss_of(module, output):
     if hasattr(module, "loss"):
         return module.loss(output)
-    return output if isinstance(output, torch.Tensor) else output.loss
+    if isinstance(output, torch.Tensor):
+        return output
+    return output["loss"] if isinstance(output, dict) else output.loss
 
 
 def widened(value):
@@ -353,6 +355,19 @@ def nudge_half_weights(model):
 MICRO_BATCHES = None
 
 
+def map_tensors(fn, batch):
+    """`fn` on every tensor of a batch, through nested dicts, lists and tuples (runtime/_comm.py's
+    map_tensors, which this process may not import: the tool is blocked here)."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {k: map_tensors(fn, v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        items = [map_tensors(fn, v) for v in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+    return batch
+
+
 def micro_batches(batch):
     """The batch as the pipeline's micro-batches: micro-batch m is the m-th of MICRO_BATCHES slices
     of each data-parallel share, joined (the data-parallel ranks sum BatchNorm's statistics over
@@ -362,12 +377,10 @@ def micro_batches(batch):
     micro, shares, _ = MICRO_BATCHES
 
     def piece(x, m):
-        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        if x.dim() == 0:
             return x
         return torch.cat([share.chunk(micro)[m] for share in x.chunk(shares)])
-    if isinstance(batch, dict):
-        return [{k: piece(v, m) for k, v in batch.items()} for m in range(micro)]
-    return [tuple(piece(v, m) for v in batch) for m in range(micro)]
+    return [map_tensors(lambda x: piece(x, m), batch) for m in range(micro)]
 
 
 def step_loss(entry, model, batch, precision=None, scaler=None):
