@@ -392,3 +392,29 @@ def test_zero_3_gathers_one_block_at_a_time_and_frees_it(tmp_path):
         assert seen["after"] == 0
         assert seen["gathers"] == 2 * 2 * blocks + 1 + 2, seen
         assert seen["root"] == [True] * blocks + [False] * blocks, seen     # the last: its gather in flight
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_pipelines_zero_2_and_3_hold_whole_gradients_until_the_schedule_ends(stage, tmp_path):
+    """A pipeline's gradients add up over its micro-batches whole, and finish_backward reduce-
+    scatters them once (ZeroShards with overlap=False): measured on each of 4 ranks (pp 2 x dp 2),
+    the gradients are the stage's whole ones at the backward's end, so the planner prices them
+    whole at pp > 1 (plan/auto.py _stage_state), not as ZeRO-2's shard."""
+    out = tmp_path / "zero_out"
+    subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", str(REPO / "fixtures" / "gpt.py"), "--pp", "2", "--dp", "2",
+                    "--micro-batches", "2", "--zero", str(stage), "-o", out],
+                   cwd=tmp_path, check=True, capture_output=True, timeout=600)
+    script = tmp_path / "measure.py"
+    script.write_text(MEASURE.replace('comm.setup(rank, world, tp=package.TP_SIZE, dp=package.DP_SIZE, '
+                                      'pp=package.PP_SIZE, backend="gloo")', 'package.setup("gloo")'))
+    env = {**os.environ, "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29610 + stage),
+           "PYTHONWARNINGS": "ignore"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(out)], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(4)]
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+        measured = json.loads(stdout.strip().splitlines()[-1])
+        whole = state_bytes_per_device(measured["count"], 1, 2).grads
+        assert measured["grads"] >= whole > state_bytes_per_device(measured["count"], stage, 2).grads, measured

@@ -969,9 +969,10 @@ def _estimate(config: Config, cost: _Regions, blocks: _Blocks, batch: int, clust
                   for m, n, o in zip(memory, with_blocks, others)]
     if cost.held_once:                  # co-shard: one piece of one block's regions while it runs
         memory = [m + fraction * cost.held_once for m in memory]
-    if zero >= 2:
+    if zero >= 2:                       # (a pipeline's gradients are whole already: _stage_state)
         block = int(_block_maxima(cost, blocks)[1])
-        memory = [m + sum(units_in_flight(zero, root, block)) for m, root in zip(memory, roots)]
+        in_flight = [units_in_flight(zero, root, block) for root in roots]
+        memory = [m + params + (grads if pp == 1 else 0.0) for m, (params, grads) in zip(memory, in_flight)]
     stage_memory = [float(m) for m in memory]
     if pp == 1 and micro > 1:           # gradient accumulation (emit/templates.py ACCUMULATE_FORWARD_BACKWARD)
         if zero >= 2:   # every micro-batch's hooks reduce-scatter (ZeRO-3: and gather) again, beside its compute
@@ -1103,7 +1104,11 @@ def _stage_state(config: Config, cost: _Regions, blocks: _Blocks, cluster: Clust
             hidden = max(hidden, {0: dp_link.latency + 2 * spread, 1: 0.0, 2: dp_link.latency + spread,
                                   3: 3 * (dp_link.latency + spread)}[zero])
         sync += params / (dp if zero else 1) * device.seconds_per_param
-        states.append(state_bytes_per_device(params, zero, dp).total)
+        state = state_bytes_per_device(params, zero, dp)
+        if pp > 1 and zero >= 2:    # a pipeline's gradients add up over its micro-batches whole, and
+            # finish_backward reduce-scatters them once (ZeroShards' overlap=False, emit/templates.py)
+            state = replace(state, grads=state_bytes_per_device(params, 1, dp).grads)
+        states.append(state.total)
         sync_most = max(sync_most, sync)
         roots.append(sum(st.outside_params[m] for m in held))
         with_blocks.append(any(st.blocks[m] for m in held))
