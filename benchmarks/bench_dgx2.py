@@ -242,8 +242,8 @@ def encoder_decoder(lines: list[str], entry: str, title: str, tp: int = 8, pp: i
               "of every rank, the stages balanced without them, in lock step.", "", *TABLE_HEAD]
     lines += [row(label, estimate, note) for label, estimate, note in rows]
     lines += ["", "The planner's estimate against the tool's simulator (verify/simulate.py) over the same per-stage "
-              f"and per-call times, all {micro} micro-batches (the estimate simulates 2D and 3D micro-batches and "
-              "extrapolates; 1F1B's is its closed formula):", "",
+              f"and per-call times, all {micro} micro-batches (the estimate simulates 2D, 3D ... micro-batches until "
+              "its period is steady and extrapolates; 1F1B's is its closed formula):", "",
               "| | 1F1B + TP: estimate s | simulated s | bubble | interlaced: estimate s | simulated s | bubble |",
               "|---|---|---|---|---|---|---|"]
     for recompute, (be, bs, bb, ie, is_, ib, _) in sim.items():
@@ -607,8 +607,6 @@ def af2_decides(graph, paper, base) -> str:
             f"of every pass, and the stages are cut by FLOPs, without recompute's second forward), the flat plan "
             f"{flat.config.micro_batches} x {flat.stage_seconds[0]:.2f} = {flat_work:.2f} s; the pipeline's timeline "
             f"(auto's `simulated_seconds` over the 3F1B table) adds {idle:.2f} s to its work"
-            + (" (negative: the simulator's steady period, measured between 2D and 3D micro-batches and "
-               "extrapolated, comes out below the busiest rank's micro-batch; left as found)" if idle < 0 else "")
             + f"; the syncs are {pipe.sync_seconds:.2f} s and {flat.sync_seconds:.2f} s ({params:.0f} M parameters: "
             f"data parallelism's gradient all-reduce is small and hidden behind the backward). **The term that "
             f"decides is {decides}** ({terms[decides]:+.2f} s against 3F1B). Recompute keeps a block's inputs per "
@@ -792,7 +790,7 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
    tp x pp = 32 devices, each call an SPMD step of every rank (the owner paused at its call, the others between
    two of their own steps; an embedding's backward step after its owner's B), the stages in lock step. Its
    estimate is the planner's (plan/interlaced.py `estimate`: the walk's orders on the simulator's timeline at
-   2D and 3D micro-batches, extrapolated) and agrees with the simulator over all 256 micro-batches (the
+   2D, 3D ... micro-batches until the period is steady, extrapolated) and agrees with the simulator over all 256 micro-batches (the
    tables' second part). The old design, where the other ranks waited through the owner's whole step, was
    simulated at 2.2-2.3x 1F1B's step.
 8. **3F1B's estimate missed the recycling wait** (fixed): auto's 1F1B formula over the stage times priced
@@ -846,6 +844,13 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
    3F1B was refused: "the blocks of extra_blocks run 3 times in one forward, and no `for` loop calls it"
    (plan/pipeline.py `find_recycle` looks at the statement nearest the call, the `if`); the fixture calls
    the helper in every cycle, over an empty list when the stack is off.
+15. **3F1B's estimate fell below its busiest rank's work** (fixed): plan/schedules.py `simulated_seconds`
+   measured the steady period between 2D and 3D micro-batches, but 3F1B's diagonals of N passes with a heavier
+   first stage (the extra-MSA stack) fill for longer: at 2 stages (5.99 / 5.73 s) the step grew 11.10, 11.00,
+   11.74, then 11.98 s per 2 micro-batches from 8 on, so the extrapolation priced tp=4 dp=4 pp=2 at 187.10 s
+   against 32 x 5.99 = 191.55 s of work on its first rank and 192.62 s simulated over all 32 micro-batches. It
+   now simulates 2D, 3D, 4D ... micro-batches until two successive periods agree (at most 12 D, else the whole
+   timeline) and never prices a step below the busiest rank's work (tests/test_simulated_period.py).
 
 ## Why these estimates are below the paper's
 

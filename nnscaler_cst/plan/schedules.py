@@ -421,14 +421,22 @@ def to_csv(orders: list[list[Action]]) -> str:
     return "\n".join(",".join(str(a) for a in order) for order in orders) + "\n"
 
 
+STEADY_WITHIN = 12       # simulated_seconds: the most multiples of D·V·P it waits for a steady period
+
+
 def simulated_seconds(table: ScheduleTable, stage_seconds: list[float], micro: int, passes: int = 1,
                       orders_for=None, vocab=None) -> float:
     """The pipeline's seconds per step under the table's order: the simulator's timeline
     (verify/simulate.py) over `stage_seconds` (per stage and micro-batch, all its passes: a
     forward per pass, the backward twice a forward). `orders_for(m)`: the ranks' orders for m
     micro-batches (default: the table's). A schedule repeats once every rank is in its steady
-    state, so the step grows by the same period per micro-batch after 2D of them: measured
-    between 2D and 3D micro-batches and extrapolated (z3 orders 3D, not thousands)."""
+    state, so the step grows by the same period per D·V·P micro-batches from then on: the spans
+    at 2, 3, 4 ... times D·V·P micro-batches until two successive periods agree, extrapolated
+    from there (z3 orders a few D, not thousands). How soon the period settles depends on the
+    table and the stages' imbalance: 3F1B's diagonals of N passes with a heavier first stage
+    take more than 2D micro-batches to fill, and a period measured before then is short. No step
+    is shorter than its busiest rank's work, M times its stages' seconds per micro-batch (a
+    bound the extrapolation is held to; the vocabulary steps only add to it)."""
     from ..verify.simulate import simulate
     ranks = len(stage_seconds)
     forward = [t / (passes + 2.0) for t in stage_seconds]
@@ -440,9 +448,19 @@ def simulated_seconds(table: ScheduleTable, stage_seconds: list[float], micro: i
                           vocab=vocab)
         return max(e.end for e in events)
 
+    busiest = max(sum(stage_seconds[v] for v in place.stages_of(r)) for r in range(max(place.ranks) + 1))
     step = ranks * table.virtual_stages * table.pipelines     # micro-batch counts the table accepts
-    short, longer = 2 * step, 3 * step
-    if micro <= longer:
-        return span(micro)
-    at_short, at_longer = span(short), span(longer)
-    return at_longer + (micro - longer) * (at_longer - at_short) / (longer - short)
+    if micro <= 3 * step:
+        return max(span(micro), micro * busiest)
+    spans = [span(2 * step), span(3 * step)]
+    k = 3
+    while (k + 1) * step < micro and k < STEADY_WITHIN:
+        k += 1
+        spans.append(span(k * step))
+        if abs((spans[-1] - spans[-2]) - (spans[-2] - spans[-3])) <= 1e-9 * spans[-1]:
+            break
+    else:
+        if (k + 1) * step >= micro:           # not settled before `micro`: the whole timeline
+            return max(span(micro), micro * busiest)
+    period = max((spans[-1] - spans[-2]) / step, busiest)
+    return max(spans[-1] + (micro - k * step) * period, micro * busiest)
