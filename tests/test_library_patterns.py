@@ -61,6 +61,9 @@
   loop, one of them handed back by `x = x.contiguous()` in a block that splits its shortcut:
   a call handing back its operand converts nothing, so the object keeps one layout under both
   names and every instance of the concatenation reads it alike.
+- timm's DLA style: one line calls a projection that is an nn.Sequential in some instances and an
+  nn.Identity in others, in trees nested in trees: the Identity hands its input back, so no
+  conversion goes around that line; its layers take and hand over their tensors as they are.
 Quick tests read the plan and the written code; the gloo runs are slow.
 """
 from __future__ import annotations
@@ -509,6 +512,94 @@ CONV_NORM_ACT = """
 
     def example_inputs():
         return (torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(1)),)
+"""
+
+
+# timm's DLA style: a tree's projection is an nn.Sequential where the tree changes width and an
+# nn.Identity elsewhere, called from one line; the trees nest, so their instances are not planned
+# per group. Where the line runs the Identity its result is its input: a conversion written
+# around the line would convert that input too.
+AGGREGATION_TREE = """
+    import torch
+    import torch.nn as nn
+
+
+    class Basic(nn.Module):
+        def __init__(self, cin, cout, stride=1):
+            super().__init__()
+            self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+            self.bn1 = nn.BatchNorm2d(cout)
+            self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+            self.bn2 = nn.BatchNorm2d(cout)
+
+        def forward(self, x, shortcut=None):
+            if shortcut is None:
+                shortcut = x
+            out = torch.relu(self.bn1(self.conv1(x)))
+            out = self.bn2(self.conv2(out))
+            out += shortcut
+            return torch.relu(out)
+
+
+    class Root(nn.Module):
+        def __init__(self, cin, cout):
+            super().__init__()
+            self.conv = nn.Conv2d(cin, cout, 1, bias=False)
+            self.bn = nn.BatchNorm2d(cout)
+
+        def forward(self, children):
+            return torch.relu(self.bn(self.conv(torch.cat(children, 1))))
+
+
+    class Tree(nn.Module):
+        def __init__(self, levels, cin, cout, stride=1, root_dim=0):
+            super().__init__()
+            root_dim = root_dim or 2 * cout
+            self.downsample = nn.MaxPool2d(stride, stride=stride) if stride > 1 else nn.Identity()
+            self.project = nn.Identity()
+            if levels == 1:
+                self.tree1 = Basic(cin, cout, stride)
+                self.tree2 = Basic(cout, cout)
+                if cin != cout:
+                    self.project = nn.Sequential(nn.Conv2d(cin, cout, 1, bias=False), nn.BatchNorm2d(cout))
+                self.root = Root(root_dim, cout)
+            else:
+                self.tree1 = Tree(levels - 1, cin, cout, stride)
+                self.tree2 = Tree(levels - 1, cout, cout, root_dim=root_dim + cout)
+                self.root = None
+
+        def forward(self, x, shortcut=None, children=None):
+            children = [] if children is None else children
+            bottom = self.downsample(x)
+            shortcut = self.project(bottom)
+            x1 = self.tree1(x, shortcut)
+            if self.root is not None:
+                return self.root([self.tree2(x1), x1] + children)
+            children.append(x1)
+            return self.tree2(x1, None, children)
+
+
+    class Model(nn.Module):
+        def __init__(self, width=16):
+            super().__init__()
+            self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+            self.level1 = Tree(1, width, 2 * width, 2)
+            self.level2 = Tree(2, 2 * width, 4 * width, 2)
+            self.level3 = Tree(1, 4 * width, 8 * width, 2)
+            self.head = nn.Linear(8 * width, 10)
+
+        def forward(self, x):
+            x = self.level3(self.level2(self.level1(self.stem(x))))
+            return self.head(x.mean((2, 3))).square().mean()
+
+
+    def build():
+        torch.manual_seed(0)
+        return Model()
+
+
+    def example_inputs():
+        return (torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1)),)
 """
 
 
@@ -1214,6 +1305,16 @@ def test_a_line_calling_a_sequential_with_a_forward_of_its_own_runs_that_forward
     assert "x = dp_batch_norm(x, mod, DP)" in code
 
 
+def test_a_line_running_an_identity_in_other_instances_takes_no_conversion_around_it(tmp_path):
+    # timm's dla34 at --tp 2: the projection's layers split with tp_copy / tp_gather around the
+    # line, and the instances running nn.Identity gathered their whole input (the dry run failed)
+    root = written(tmp_path, AGGREGATION_TREE)
+    result = cli("model.py", "--tp", "2", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    line = next(text for text in (root / "out" / "model.py").read_text().splitlines() if "self.project(" in text)
+    assert "tp_" not in line, line
+
+
 @pytest.mark.slow     # over 10 s: keeps the quick subset under 3 minutes
 def test_a_line_calling_sequentials_built_differently_cuts_each_kind_apart_in_a_variant(tmp_path):
     # raft's style: a conv-norm-act nn.Sequential built with a norm layer in one encoder and
@@ -1541,13 +1642,14 @@ def test_reads_of_a_handed_back_result_take_the_conversion_the_search_priced_on_
                                         (SKIP_LIST_UNET, ("--tp", "2")),
                                         (HANDED_BACK_SHORTCUT, ("--tp", "2")),
                                         (BRANCHES_WITH_A_POOLING_SEQUENTIAL, ("--tp", "2")),
+                                        (AGGREGATION_TREE, ("--dp", "2", "--tp", "2")),
                                         (STAGES_CHAINED_IN_A_BRANCH, ("--pp", "2", "--micro-batches", "2"))],
                          ids=["torch-encoder-tp2", "multihead-attention-dp2xtp2", "torch-encoder-pp2",
                               "branched-vit-pp2", "counting-vit-pp2", "mixed-blocks-dp2xtp2", "helper-built-convs-tp2",
                               "conv-blocks-with-biases-tp2", "relative-position-bias-tp2", "nested-layer-lists-pp2",
                               "config-built-layers-tp2", "hooked-state-keys-tp2", "skip-list-unet-tp2",
                               "handed-back-shortcut-tp2",
-                              "branches-with-a-pooling-sequential-tp2", "stages-chained-in-a-branch-pp2"])
+                              "branches-with-a-pooling-sequential-tp2", "aggregation-tree-dp2xtp2", "stages-chained-in-a-branch-pp2"])
 def test_verifies(tmp_path, model, mode):
     root = written(tmp_path, model)
     result = cli("verify", "model.py", *mode, "-o", "out", cwd=root)

@@ -38,6 +38,10 @@ class MixedEdges:
     # written in their own forward, so the planner leaves them free; only one the line holds too
     # must be theirs (materialize/edits.py)
     own_entries: dict[Span, list[tuple[int, str]]] = field(default_factory=dict)
+    # lines one of whose calls runs no op (an nn.Identity in the instances without a projection):
+    # there the call's result is its input, so a conversion written around the line would convert
+    # that input too, which the plan did not ask for; no conversion goes around these lines
+    passing: set[Span] = field(default_factory=set)
 
 
 def mixed_calls(graph: Graph, mixed: set[Span]) -> list[MixedCall]:
@@ -86,6 +90,8 @@ def mixed_edges(graph: Graph, lines: set[Span]) -> MixedEdges:
     result = MixedEdges(calls, set(), {}, {})
     if calls:
         result.own_forward = _own_forward_calls(graph, calls)
+        result.passing = {call.line for call in result.own_forward
+                          if not any(call.holds(graph, node.index) for node in graph.nodes)}
         for call in [*calls, *result.own_forward]:
             own_forward = not call.layers
             for index in call.layers or [n.index for n in graph.nodes if call.holds(graph, n.index)]:
