@@ -960,7 +960,7 @@ def _estimate(config: Config, cost: _Regions, blocks: _Blocks, batch: int, clust
     synced = parts.get(("sync", pp, dp, zero, order))
     if synced is None:
         synced = parts[("sync", pp, dp, zero, order)] = _stage_state(config, cost, blocks, cluster)
-    state, sync_most, hidden, roots, with_blocks, others = synced
+    state, sync_most, hidden, roots, with_blocks, others, gather_most = synced
     fraction = 1.0 / (dp * micro)
     memory = [s + a for s, a in zip(state, activations)]
     if config.recompute:                # one block rebuilt at once: a cut one, or one of another list
@@ -979,6 +979,10 @@ def _estimate(config: Config, cost: _Regions, blocks: _Blocks, batch: int, clust
             sync_most, hidden = sync_most + (micro - 1) * hidden, micro * hidden
         else:           # the gradients add up; finish_backward reduces them once, after the last backward
             hidden = 0.0
+    if pp > 1 and zero == 3:
+        # a stage's units are gathered for every pass of every micro-batch and for its backward, one
+        # after the other in the schedule (no overlap): M x (passes + 1) gathers, two priced above
+        sync_most += (micro * (blocks.passes + 1) - 2) * gather_most
     if pp == 1 and cluster.overlap:     # the output issues these from its hooks, beside the backward
         sync_most -= min(hidden, pipeline)
     estimate = Estimate(config, pipeline + sync_most, max(stage_memory), list(stage_seconds), stage_memory, pipeline,
@@ -1084,6 +1088,7 @@ def _stage_state(config: Config, cost: _Regions, blocks: _Blocks, cluster: Clust
     copies = _table(config.schedule).pipelines if pp > 1 else 1
     st = _stages(cost, blocks, length)
     states, sync_most, hidden, roots, with_blocks, others = [], 0.0, 0.0, [], [], []
+    gather_most = 0.0           # ZeRO-3: one all-gather of the rank's parameters
     for mine in ranks:
         held = sorted(set(mine))
         params = sum(st.params[m] for m in held)
@@ -1098,6 +1103,7 @@ def _stage_state(config: Config, cost: _Regions, blocks: _Blocks, cluster: Clust
                 sync += dp_link.latency + 2 * spread
             if zero == 3:                         # parameters gathered for backward too
                 sync += dp_link.latency + spread
+                gather_most = max(gather_most, dp_link.latency + spread)
             # issued from the forward's and the backward's hooks (runtime/_comm.py): DP's bucket
             # all-reduces, ZeRO-2's reduce-scatters, ZeRO-3's too and its gathers; ZeRO-1 and 2
             # gather the updated shards after the step, ZeRO-1 reduce-scatters after the backward
@@ -1113,7 +1119,7 @@ def _stage_state(config: Config, cost: _Regions, blocks: _Blocks, cluster: Clust
         roots.append(sum(st.outside_params[m] for m in held))
         with_blocks.append(any(st.blocks[m] for m in held))
         others.append(max(st.rebuilt_outside_blocks[m] for m in held))
-    return states, sync_most, hidden, roots, with_blocks, others
+    return states, sync_most, hidden, roots, with_blocks, others, gather_most
 
 
 _links: dict = {}
