@@ -82,3 +82,29 @@ def test_copies_share_no_mutable_part(graph):
     assert first.outputs[0].dims and "k" not in first.reduced
     third = annotate(squares[2], graph.trace, graph.rules, seen)[1]
     assert third.outputs[0].dims and "k" not in third.reduced
+
+
+@pytest.mark.parametrize("fixture", ["gpt.py", "evoformer.py"])
+def test_layouts_kept_per_structure_equal_each_invocations_own(fixture):
+    """The search derives an invocation's layouts and signature once per _structure (plan/search.py):
+    for every invocation and label, what it is handed equals what its own dims give."""
+    from pathlib import Path
+    from nnscaler_cst.plan import search
+    from nnscaler_cst.plan.layouts import REPLICATE, layouts_for
+    graph = analyze(Path(__file__).resolve().parents[1] / "fixtures" / fixture).graph
+    search._refined(graph)
+    checked = 0
+    for node in graph.nodes:
+        i = node.index
+        dims = graph.dims.get(i)
+        names = search._kept_operand_names(graph, i)
+        operands = frozenset(names)
+        for label in [REPLICATE, *(dims.splittable() if dims is not None else [])]:
+            own = layouts_for(dims, label, names)
+            kept = search._layout(graph, i, label)
+            assert (kept.inputs, kept.outputs, kept.split) == (own.inputs, own.outputs, own.split), (fixture, i, label)
+            signature = search._signature(graph, i, label, operands, len(node.outputs), search._structure(graph, i))
+            assert signature == search._derived_signature(graph, i, label, operands, len(node.outputs))
+            checked += 1
+    structures = len(set(search._search_cache(graph)["structure numbers"].values()))
+    assert checked > len(graph.nodes) and structures < len(graph.nodes)    # some shared, as a block's repeats

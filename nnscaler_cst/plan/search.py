@@ -298,10 +298,43 @@ def _operands_by_name(graph: Graph, index: int) -> dict[str, Operand]:
     return found
 
 
-def _signature(graph: Graph, index: int, label: str, operands: set[str], outputs: int):
+def _structure(graph: Graph, index: int) -> int:
+    """All that _signature and _layout read of an invocation (its operand names, the factors of
+    each operand's and result's dims, its reduced labels, the ranks), numbered: a block's repeats
+    have equal structures, so their layouts are derived once (thousands of invocations in a deep
+    model), and a number hashes faster than the tuple."""
+    cache = _search_cache(graph).setdefault("structures", {})
+    found = cache.get(index)
+    if found is not None:
+        return found
+    numbers = _search_cache(graph).setdefault("structure numbers", {})
+    dims = graph.dims.get(index)
+    names = _kept_operand_names(graph, index)
+    named = _operands_by_name(graph, index)
+    tensors = graph.trace.tensors
+    ranks = tuple(len(tensors[named[k].tid].shape) for k in names)
+    out_ranks = tuple(len(tensors[t].shape) for t in graph.nodes[index].outputs)
+    structure = (names, ranks, out_ranks) if dims is None else (
+        names, ranks, out_ranks, tuple((k, tuple(t.dims)) for k, t in dims.inputs.items()),
+        tuple(tuple(t.dims) for t in dims.outputs), frozenset(dims.reduced))
+    found = cache[index] = numbers.setdefault(structure, len(numbers))
+    return found
+
+
+def _signature(graph: Graph, index: int, label: str, operands: set[str], outputs: int, structure: int):
     """The layouts a choice implies, on the operands and results every instance of the site has
     (one call site may pass an optional mask in some instances and not in others), split dims
-    counted from the end so that instances of different ranks can agree."""
+    counted from the end so that instances of different ranks can agree; kept per `structure`
+    (_structure)."""
+    cache = _search_cache(graph).setdefault("signatures", {})
+    key = (structure, label, operands, outputs)
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = _derived_signature(graph, index, label, operands, outputs)
+    return found
+
+
+def _derived_signature(graph: Graph, index: int, label: str, operands: set[str], outputs: int):
     node = graph.nodes[index]
     tensors = graph.trace.tensors
     lay = _layout(graph, index, label)
@@ -342,13 +375,19 @@ def _refined(graph: Graph) -> None:
 
 
 def _layout(graph: Graph, index: int, label: str):
-    """layouts_for an invocation's choice, kept per graph."""
+    """layouts_for an invocation's choice, kept per graph, one object for the invocations of one
+    _structure (read only)."""
     cache = graph.__dict__.get("_layouts")
     if cache is None:
         cache = graph.__dict__["_layouts"] = _search_cache(graph).setdefault("layouts", {})
     found = cache.get((index, label))
     if found is None:
-        found = cache[(index, label)] = layouts_for(graph.dims.get(index), label, _kept_operand_names(graph, index))
+        shared = _search_cache(graph).setdefault("layouts by structure", {})
+        key = (_structure(graph, index), label)
+        found = shared.get(key)
+        if found is None:
+            found = shared[key] = layouts_for(graph.dims.get(index), label, _kept_operand_names(graph, index))
+        cache[(index, label)] = found
     return found
 
 
@@ -419,8 +458,9 @@ def _candidates_of(graph: Graph, sid: SiteId, nodes: list[int], every_size_read:
             derived = splittable and i in graph.dims
             labels = [REPLICATE, *(graph.dims[i].splittable() if derived else [])]
             sizes = graph.dims[i].sizes() if derived else {}
+            structure = _structure(graph, i)
             candidates = known[key] = tuple(
-                _Candidate(label, _signature(graph, i, label, operands, outputs), sizes.get(label),
+                _Candidate(label, _signature(graph, i, label, operands, outputs, structure), sizes.get(label),
                            label == batch.get(i),
                            _split_problem(graph, i, label, read_whole) if label != REPLICATE else None)
                 for label in labels)
