@@ -464,3 +464,56 @@ def test_a_pipelines_zero_3_gathers_every_micro_batch_and_the_estimate_counts_ea
             for micro in (2, 4) for zero in (2, 3)}
     assert sync[(4, 2)] == pytest.approx(sync[(2, 2)])           # ZeRO-2: one reduce-scatter, one gather
     assert sync[(4, 3)] > sync[(2, 3)] > sync[(2, 2)]
+
+
+UNUSED_IN_A_BLOCK = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+        self.unused = nn.Linear(d, d)        # built, never called
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Model(nn.Module):
+    def __init__(self, d=16, n=3):
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.out = nn.Linear(d, 1)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x).pow(2).mean()
+
+
+def build():
+    torch.manual_seed(0)
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(8, 8, generator=torch.Generator().manual_seed(1)),)
+'''
+
+
+@pytest.mark.slow
+def test_zero_3_with_several_backwards_a_step_and_an_unused_parameter_trains_like_one_device(tmp_path):
+    """A block unit counts its gradients to know when its backward is done (then it is freed);
+    a parameter the forward never uses gets none, and the count it left short carried over into
+    the next micro-batch's backward, which freed the unit before its own backward had run
+    ("setStorage: ... out of bounds for storage of size 0"). Each backward now counts afresh."""
+    (tmp_path / "model.py").write_text(UNUSED_IN_A_BLOCK)
+    result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "verify", "model.py", "--dp", "2", "--zero", "3",
+                             "--micro-batches", "2", "-o", "out"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr

@@ -1296,6 +1296,10 @@ class ZeroShards:
         return torch.utils._pytree.tree_unflatten(flat, spec)
 
     def _pre_backward(self, u: ZeroUnit) -> None:
+        # this backward's gradients counted afresh: a parameter the forward left unused gets none,
+        # and its missing count must not carry over into the next micro-batch's backward, where
+        # the unit would be freed before its own backward had run
+        u.ready = 0
         self.gather(u)
         if u in self.forward_order:
             at = self.forward_order.index(u)
