@@ -187,9 +187,9 @@ def verify(*args) -> tuple[subprocess.CompletedProcess, dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("entry, tp, stage", [
-    ("gpt.py", 1, 1), ("gpt.py", 1, 2), ("gpt.py", 1, 3),
+    ("gpt.py", 1, 1), ("gpt.py", 1, 2),
     ("hf_llama.py", 1, 3),      # stages 1 and 2 shard the same flat buffers as on gpt.py: one library model suffices
-    ("gpt.py", 2, 3),
+    ("gpt.py", 2, 3),           # (gpt.py at tp 1: as at tp 2; a model of blocks at dp 2 x M 2: the unused parameter's test)
 ])
 def test_zero_trains_like_the_single_device_run(entry, tp, stage, tmp_path):
     result, outcome = verify(f"fixtures/{entry}", "--tp", tp, "--dp", 2, "--zero", stage, "-o", tmp_path / "out")
