@@ -712,6 +712,12 @@ def rewrite(analysis: Analysis, request: PlanRequest, every_size_read: bool = Fa
         misshapen = [name for name in getattr(error, "misshapen_params", ())
                      if edits is not None and ({analysis.trace.params[name].ctor_span,
                                                 analysis.trace.params[name].ctor_caller} & set(edits.ctors))]
+        if not misshapen and getattr(error, "in_build", False) and edits is not None and edits.split_after_build:
+            # build() ran the model (a lazy layer's first call, a warm-up) while the layers cut
+            # after build() were still whole
+            misshapen = sorted(name for name in edits.split_after_build if name in analysis.trace.params)
+            error.why_whole = ("build() runs the model, before the layers it builds whole (torch's lazy layers, "
+                               "sized by their first call) are cut to each rank's share")
         if misshapen:
             error.misshapen_params = misshapen
             if not replan:
@@ -748,8 +754,9 @@ def _planned_again(analysis: Analysis, request: PlanRequest, every_size_read: bo
             continue
         first = sorted(kept)[0]
         more = f" (and {len(kept) - 1} more)" if len(kept) > 1 else ""
+        why = getattr(failure, "why_whole", None) or getattr(error, "why_whole", None) or error.message
         again.plan.warnings.append(f"{error.location}: warning: {first}{more} stays whole on every tensor-parallel "
-                                   f"rank: the plan that split it could not be written ({error.message})")
+                                   f"rank: the plan that split it could not be written ({why})")
         return again
     raise error
 

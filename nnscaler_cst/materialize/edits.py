@@ -770,11 +770,16 @@ def _ctor_edits(graph: Graph, edits: Edits) -> None:
     its layers are built whole and cut to each rank's share right after build()
     (`edits.split_after_build`)."""
     built_whole: set[Span] = set()
+    spans = {info.ctor_span for info in graph.trace.params.values() if info.ctor_span is not None}
     while True:
         ctors = _divided_ctors(graph, edits, built_whole)
         if isinstance(ctors, dict):
             break
-        built_whole |= ctors
+        # a constructor call inside one built whole is built whole too: the outer call makes its
+        # parameters from the inner call's layer (`weight_norm(nn.Conv1d(...))` replaces the conv's
+        # weight with its own), so they are cut after build() together
+        built_whole |= ctors | {span for span in spans if any(outer.path == span.path and outer.contains(span)
+                                                              for outer in ctors)}
     edits.ctors = ctors
     sizes = graph.rules.size_attributes
     for name, info in graph.trace.params.items():

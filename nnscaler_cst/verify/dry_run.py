@@ -434,6 +434,7 @@ class _Checker:
         error = self._internal(rank, message, location, generated)
         if what == "build()":
             error.misshapen_params = self._written_at_construction(exc)
+            error.in_build = True
         return error
 
     def _written_at_construction(self, exc: Exception) -> list[str]:
