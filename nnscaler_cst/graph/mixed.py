@@ -41,6 +41,7 @@ class MixedEdges:
     # lines one of whose calls runs no op (an nn.Identity in the instances without a projection):
     # there the call's result is its input, so a conversion written around the line would convert
     # that input too, which the plan did not ask for; no conversion goes around these lines
+    # (materialize/edits.py _check_unrollable: the plan is solved again with their layers whole)
     passing: set[Span] = field(default_factory=set)
 
 

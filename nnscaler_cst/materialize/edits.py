@@ -893,8 +893,10 @@ def _check_unrollable(graph: Graph, edits: Edits) -> None:
                 or (args and any(len(path) != 2 or path[0] != "pos" for path in args[0])):
             unwritable.append(line)
             continue
-        if not _own_forwards_converted(graph, edits, line, ends, args[0] if args else {},
-                                       results[0] if results else []):
+        if line in ends.passing or not _own_forwards_converted(graph, edits, line, ends, args[0] if args else {},
+                                                               results[0] if results else []):
+            # (a passing line's other instances hand their input back: a conversion around the
+            # call would convert it there too, which the plan did not ask for)
             unwritable.append(line)
             continue
         around = edits.site(line)

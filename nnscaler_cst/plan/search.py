@@ -1163,17 +1163,12 @@ def _param_facts(graph: Graph, options, uses, var) -> list:
 def _edge_facts(graph: Graph, options, impossible: dict) -> list:
     """Pairs of splits no collective sequence connects, one fact per producer and consumer."""
     facts = []
-    passing = mixed_edges(graph, mixed_lines(graph)).passing
     for (su, sv), hard in impossible.items():
         producer, consumer = (graph.nodes[options[s].nodes[0]] for s in (su, sv))
         where = producer.span.start if producer.span is not None else "?"
-        why = f"no collective turns the result of {producer.callee} ({where}) into the layout {consumer.callee} needs"
-        line = next((span for span in (sid[0] for sid in (su, sv) if sid[0] != "node" and sid[0].via)
-                     if dataclasses.replace(span, via=()) in passing), None)
-        if line is not None:
-            why += (f" without a collective around the call at {dataclasses.replace(line, via=()).start}, which in "
-                    "other instances runs no layer (an nn.Identity) and hands its input back unconverted")
-        fact = _Fact(f"edge:{len(facts)}", _site_location(graph, options, sv), why)
+        fact = _Fact(f"edge:{len(facts)}", _site_location(graph, options, sv),
+                     f"no collective turns the result of {producer.callee} ({where}) into the layout "
+                     f"{consumer.callee} needs")
         facts.append((z3.Bool(fact.id), z3.And(hard), fact))
     return facts
 
@@ -1374,10 +1369,6 @@ def _cost_tables(graph: Graph, options, n: int, device: DeviceSpec, data_paralle
 
     mixed = mixed_edges(graph, mixed_lines(graph))
     inside = {(site_id(graph, u), site_id(graph, v)) for u, v in mixed.inside}
-    # the ends of a line that also runs no op (mixed.passing) take and hand over tensors unconverted
-    fixed_in = {(site_id(graph, v), name) for line in mixed.passing for v, name in mixed.entries.get(line, [])}
-    fixed_out = {(site_id(graph, u), k) for line in mixed.passing for u, k in mixed.exits.get(line, [])}
-    unconvertible: dict[SiteId, set[int]] = defaultdict(set)
     for key, count in edges.items():
         su, k, sv, name, nbytes, requires_grad, _ = key
         v = consumer_of[key]
@@ -1390,17 +1381,13 @@ def _cost_tables(graph: Graph, options, n: int, device: DeviceSpec, data_paralle
             need = need_of(v, label, name)
             if su is None:
                 steps = convert(R, need, wanted.split, requires_grad)
-                if steps and (sv, name) in fixed_in:
-                    unconvertible[sv].add(b)
-                    continue
                 cost = count * seconds(steps, nbytes)
                 if cost:
                     unary[sv][b] += ns(cost)
                 continue
             for a, have in enumerate(haves):
                 steps = convert(have, need, wanted.split, requires_grad)
-                if steps is None or (steps and ((su, sv) in inside           # between a mixed call's layers
-                                                or (sv, name) in fixed_in or (su, k) in fixed_out)):
+                if steps is None or (steps and (su, sv) in inside):     # between a mixed call's layers
                     table[(a, b)] = None
                 elif table.get((a, b), 0.0) is not None:
                     table[(a, b)] = table.get((a, b), 0.0) + count * seconds(steps, nbytes)
@@ -1418,7 +1405,7 @@ def _cost_tables(graph: Graph, options, n: int, device: DeviceSpec, data_paralle
                 unary[su][a] += ns(cost)
     pairs: dict[tuple[SiteId, SiteId], dict[tuple[int, int], int]] = defaultdict(dict)
     impossible: dict[tuple[SiteId, SiteId], list[tuple[int, int]]] = defaultdict(list)
-    impossible_alone: dict[SiteId, set[int]] = defaultdict(set, unconvertible)
+    impossible_alone: dict[SiteId, set[int]] = defaultdict(set)
     for (su, sv), table in pair_cost.items():
         for (a, b), cost in table.items():
             if su == sv and a != b:
