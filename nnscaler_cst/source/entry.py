@@ -73,25 +73,24 @@ class Entry:
         finally:
             torch.nn.Module.__init__ = module_init
         if not isinstance(model, torch.nn.Module):
-            code = getattr(self.build_fn, "__code__", None)
-            raise UserError(f"build() returned {type(model).__name__}, not an nn.Module",
-                            Location(display_path(code.co_filename), code.co_firstlineno) if code
-                            else Location(display_path(self.path)),
+            raise UserError(f"build() returned {type(model).__name__}, not an nn.Module", self._build_location(),
                             hint="build() returns the model: `def build(): return MyModel(...)`")
         self.constructions = {name: sites.get(id(m)) or Construction(type(m))
                               for name, m in model.named_modules()}
         lazy = [name for name, p in model.named_parameters()
                 if isinstance(p, torch.nn.parameter.UninitializedParameter)]
         if lazy:
-            code = getattr(self.build_fn, "__code__", None)
             raise UserError(f"build() returned a model whose lazy layers are not initialised yet ({lazy[0]}"
                             + (f" and {len(lazy) - 1} more" if len(lazy) > 1 else "") + "): their sizes are "
-                            "known only after a first call",
-                            Location(display_path(code.co_filename), code.co_firstlineno) if code
-                            else Location(display_path(self.path)),
+                            "known only after a first call", self._build_location(),
                             hint="call the model once on an example batch inside build(), as torch's lazy "
                                  "modules ask, or build those layers with their input sizes")
         return model
+
+    def _build_location(self) -> Location:
+        code = getattr(self.build_fn, "__code__", None)
+        return Location(display_path(code.co_filename), code.co_firstlineno) if code \
+            else Location(display_path(self.path))
 
     def call_model(self, model: torch.nn.Module, inputs: Any) -> Any:
         return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
