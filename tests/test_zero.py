@@ -394,63 +394,55 @@ def test_zero_3_gathers_one_block_at_a_time_and_frees_it(tmp_path):
         assert seen["root"] == [True] * blocks + [False] * blocks, seen     # the last: its gather in flight
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", [2])       # ZeRO-3: in the test of its gathers, below
-def test_a_pipelines_zero_2_and_3_hold_whole_gradients_until_the_schedule_ends(stage, tmp_path):
-    """A pipeline's gradients add up over its micro-batches whole, and finish_backward reduce-
-    scatters them once (ZeroShards with overlap=False): measured on each of 4 ranks (pp 2 x dp 2),
-    the gradients are the stage's whole ones at the backward's end, so the planner prices them
-    whole at pp > 1 (plan/auto.py _stage_state), not as ZeRO-2's shard."""
-    out = tmp_path / "zero_out"
+def _pipeline_step_measured(tmp_path: Path, stage: int, micro: int, port: int) -> list[dict]:
+    """MEASURE on each of 4 gloo ranks of the GPT fixture at pp 2 x dp 2 under ZeRO `stage`, with the
+    step's all-gathers and the rank's units too."""
+    out = tmp_path / f"zero{stage}_m{micro}"
     subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", str(REPO / "fixtures" / "gpt.py"), "--pp", "2", "--dp", "2",
-                    "--micro-batches", "2", "--zero", str(stage), "-o", out],
+                    "--micro-batches", str(micro), "--zero", str(stage), "-o", out],
                    cwd=tmp_path, check=True, capture_output=True, timeout=600)
-    script = tmp_path / "measure.py"
-    script.write_text(MEASURE.replace('comm.setup(rank, world, tp=package.TP_SIZE, dp=package.DP_SIZE, '
-                                      'pp=package.PP_SIZE, backend="gloo")', 'package.setup("gloo")'))
-    env = {**os.environ, "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29610 + stage),
-           "PYTHONWARNINGS": "ignore"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(out)], env={**env, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(4)]
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 0, stderr[-3000:]
-        measured = json.loads(stdout.strip().splitlines()[-1])
-        whole = state_bytes_per_device(measured["count"], 1, 2).grads
-        assert measured["grads"] >= whole > state_bytes_per_device(measured["count"], stage, 2).grads, measured
-
-
-@pytest.mark.slow
-def test_a_pipelines_zero_3_gathers_every_micro_batch_and_the_estimate_counts_each_gather(tmp_path):
-    """Under a pipeline, ZeRO-3 holds whole gradients until the schedule ends (as ZeRO-2, above) and
-    frees a stage's units after each forward and backward, so every
-    micro-batch gathers each block unit twice: measured on 4 gloo ranks (pp 2 x dp 2) at 2 and 4
-    micro-batches, the step's all-gathers grow by 2 per block unit per added micro-batch (and 1-2 for
-    the stage's own unit).
-    The planner (plan/auto.py) prices M x (passes + 1) gathers of a stage's parameters, not one."""
-    from nnscaler_cst.analysis import analyze
-    from nnscaler_cst.plan.auto import Config, estimate_config
-    from nnscaler_cst.plan.cost import load_cluster
     script = tmp_path / "measure.py"
     script.write_text(MEASURE.replace(
         'comm.setup(rank, world, tp=package.TP_SIZE, dp=package.DP_SIZE, pp=package.PP_SIZE, backend="gloo")',
         'package.setup("gloo")').replace(
         '"count": count,', '"count": count, "gathers": comm.COUNTERS["all_gather"], '
         '"units": len(model.zero_shards.units),'))
+    env = {**os.environ, "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "PYTHONWARNINGS": "ignore"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(out)], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(4)]
+    measured = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+        measured.append(json.loads(stdout.strip().splitlines()[-1]))
+    return measured
+
+
+@pytest.mark.slow
+def test_a_pipelines_zero_2_holds_whole_gradients_until_the_schedule_ends(tmp_path):
+    """A pipeline's gradients add up over its micro-batches whole, and finish_backward reduce-
+    scatters them once (ZeroShards with overlap=False): measured on each of 4 ranks (pp 2 x dp 2),
+    the gradients are the stage's whole ones at the backward's end, so the planner prices them
+    whole at pp > 1 (plan/auto.py _stage_state), not as ZeRO-2's shard (ZeRO-3: below)."""
+    for measured in _pipeline_step_measured(tmp_path, 2, 2, 29612):
+        whole = state_bytes_per_device(measured["count"], 1, 2).grads
+        assert measured["grads"] >= whole > state_bytes_per_device(measured["count"], 2, 2).grads, measured
+
+
+@pytest.mark.slow
+def test_a_pipelines_zero_3_gathers_every_micro_batch_and_the_estimate_counts_each_gather(tmp_path):
+    """Under a pipeline, ZeRO-3 holds whole gradients until the schedule ends (as ZeRO-2, above) and
+    frees a stage's units after each forward and backward, so every micro-batch gathers each block
+    unit twice: measured on 4 gloo ranks (pp 2 x dp 2) at 2 and 4 micro-batches, the step's
+    all-gathers grow by 2 per block unit per added micro-batch (and 1-2 for the stage's own unit).
+    The planner (plan/auto.py) prices M x (passes + 1) gathers of a stage's parameters, not one."""
+    from nnscaler_cst.analysis import analyze
+    from nnscaler_cst.plan.auto import Config, estimate_config
+    from nnscaler_cst.plan.cost import load_cluster
     gathers = {}
     for micro in (2, 4):
-        out = tmp_path / f"zero3_m{micro}"
-        subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", str(REPO / "fixtures" / "gpt.py"), "--pp", "2",
-                        "--dp", "2", "--micro-batches", str(micro), "--zero", "3", "-o", out],
-                       cwd=tmp_path, check=True, capture_output=True, timeout=600)
-        env = {**os.environ, "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29620 + micro),
-               "PYTHONWARNINGS": "ignore"}
-        procs = [subprocess.Popen([sys.executable, str(script), str(out)], env={**env, "RANK": str(r)},
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(4)]
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=300)
-            assert proc.returncode == 0, stderr[-3000:]
-            measured = json.loads(stdout.strip().splitlines()[-1])
+        for measured in _pipeline_step_measured(tmp_path, 3, micro, 29620 + micro):
             gathers[(micro, measured["rank"])] = (measured["gathers"], measured["units"])
             whole = state_bytes_per_device(measured["count"], 1, 2).grads      # as ZeRO-2's, above
             assert measured["grads"] >= whole > state_bytes_per_device(measured["count"], 3, 2).grads, measured
