@@ -769,6 +769,18 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
    `test_a_traced_template_sees_its_layer_subclasses_as_their_torch_layers`). T5-3B's decoder blocks are never
    copied: each is called with transformers' `EncoderDecoderCache`, an object every block writes its keys and
    values into, which is no plain argument (correctly traced per block).
+   Since (6d24865): the search derives an invocation's layouts and split signature once per structure (its
+   operand names, dims' factors, reduced labels and ranks: a block's repeats share one; plan/search.py
+   `_structure`, checked against each invocation's own in tests/test_instantiate_once.py). AlphaFold2
+   (2, 16), three runs of base (35b66f5) and branch alternated beside a coverage sweep (load 2-3), fastest
+   of each, CPU s / peak RSS: 18.5 s, 0.80 GB -> 16.6 s, 0.64 GB (the base alone on a quiet machine the same
+   hour: 17.5 s); every plan printed byte-identical (AlphaFold2, mBART, Swin, and the fixtures at tp, pp and
+   auto). A py-spy profile of what is left (of ~16 s): imports 17% (torch, sympy through fake tensors,
+   torch.distributed.tensor), the fake-tensor build 15%, the 142 copied and 2 traced blocks 14%, the forward
+   outside them 7%, the graph's rule instantiation and probes 13%, the split candidates 18% (now mostly
+   `_split_problem`, per invocation: its size arguments, read sizes and parameters are the invocation's
+   own), the rest of the search 12%. No one of them halves the time: planning AlphaFold2 under 10 s is
+   still open.
 2. **Strided Conv2d was priced at 2 million times its FLOPs** (fixed in 211686f, before this run): plan/cost.py
    `node_flops` counts a conv's c·kh·kw from its weight; `Conv2d(3, 512, 4, stride=4)` on (256, 3, 1536, 1536)
    is 1.86e12 FLOPs. The Swin entry still embeds its patches with reshape + Linear (same FLOPs).
@@ -918,7 +930,7 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
   (crop 384, 512 clusters, 5120 extra sequences) one extra-MSA block of one protein rebuilds 36.9 GiB in the
   backward, so DP + recompute (53.5 GiB) and 3F1B without tensor parallelism (53.5 GiB on its first stage, which
   runs the stack) do not fit; both need tp 4 (or auto's tp 2 with sequence parallelism and ZeRO-3, 185.93 s),
-  and at tp 4 3F1B (187.10 s) and TP + DP (186.78 s) tie within 0.2%: the term that decides is the first stage's
+  and at tp 4 3F1B (193.35 s) trails TP + DP (186.78 s) by 3.5%: the term that decides is the first stage's
   load (the stack of every pass on it, the cut balanced by FLOPs without recompute's second forward). This model
   also prices AlphaFold2's many small ops at full matmul rate and memory bandwidth, without per-kernel launch
   overheads beyond matmul_overhead, and neither chunking (AlphaFold2's and FastFold's way to cut the scores'
