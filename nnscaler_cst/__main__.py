@@ -37,6 +37,11 @@ def main(argv: list[str] | None = None) -> None:
     if not (whole_process and command in IMMEDIATE_EXIT):
         cli_main(argv)
         return
+    run_and_exit(cli_main, argv)
+
+
+def run_and_exit(cli_main, argv: list[str]) -> None:
+    """cli_main(argv) as the whole process, which ends at once when done (IMMEDIATE_EXIT)."""
     code = None
     try:
         cli_main(argv)

@@ -7,6 +7,7 @@ from pathlib import Path
 from .errors import display_path
 from .graph.graph import Graph, build_graph
 from .graph.oprules import RuleSet, load_rules
+from .lifetimes import objects_so_far_kept
 from .source.entry import Entry, load_entry
 from .report.progress import say
 from .source.files import SourceSet
@@ -31,7 +32,8 @@ def analyze(model_file: str | Path, *, model_class: str | None = None, trace_mod
     trace = trace_model(entry, sources, library_modules=rules.library_modules, mode=trace_mode,
                         traced_modules=rules.traced_modules)
     say(f"probing the ops of {display_path(model_file)} for their split rules")
-    graph = build_graph(trace, rules, sources)
+    with objects_so_far_kept():             # the trace lives on through the graph
+        graph = build_graph(trace, rules, sources)
     graph.retrace = lambda slices: trace_model(entry, sources, library_modules=rules.library_modules, mode=trace.mode,
                                                traced_modules=rules.traced_modules,
                                                batch_slices=slices)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import gc
 import inspect as pyinspect
 import json
 import os
@@ -416,6 +415,7 @@ def verify(model_file: Path = typer.Argument(..., help="model or entry file"),
 def _plan_command(model_file: Path, options: dict, json_out: bool, explain: bool, verbose: bool):
     _state["verbose"], _state["json"] = verbose, json_out
     from .analysis import analyze
+    from .lifetimes import objects_so_far_kept
     from .plan.cost import load_cluster
     from .plan.explain import binding_constraints
     from .plan.tables import load_table, source_annotations
@@ -429,12 +429,8 @@ def _plan_command(model_file: Path, options: dict, json_out: bool, explain: bool
             analysis = analyze(model_file, model_class=opts["model"])
         # the trace and graph live on through the search: kept out of the garbage collector's
         # full passes, which would rescan their millions of objects (~5% of the search)
-        gc.freeze()
-        try:
-            with _step("searching the plan"):
-                solved, tp_plan = build_plan(analysis, request)
-        finally:
-            gc.unfreeze()       # (a caller in the same process collects them as before)
+        with objects_so_far_kept(), _step("searching the plan"):
+            solved, tp_plan = build_plan(analysis, request)
         _print_warnings(solved.warnings)
         binding = None
         if explain and tp_plan is not None:
@@ -576,4 +572,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    # `python -m nnscaler_cst.cli plan ...` is a whole process, as the console script's is: it
+    # ends at once when done (see __main__.py's IMMEDIATE_EXIT)
+    from nnscaler_cst.__main__ import IMMEDIATE_EXIT, run_and_exit
+    if sys.argv[1:2] and sys.argv[1] in IMMEDIATE_EXIT:
+        run_and_exit(main, sys.argv[1:])
     main()

@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ..errors import Location, UserError, display_path
+from ..lifetimes import objects_so_far_kept
 from ..runtime._comm import map_tensors
 from ..source.entry import Entry, user_frame_location, instruction_position as _position
 from ..source.files import SourceSet, Span, resolved
@@ -743,8 +744,9 @@ class Tracer(TorchFunctionMode):
             if mode == "fake" and self.replicate:
                 self.replicator = Replicator(self, model)
             try:
-                with self, _StateWriteRecorder(self), _CopiedBlocks(self.replicator), torch.autograd.graph.saved_tensors_hooks(
-                        self._saving, lambda tensor: tensor):
+                # the model and its parameters live on through the forward
+                with objects_so_far_kept(), self, _StateWriteRecorder(self), _CopiedBlocks(self.replicator), \
+                        torch.autograd.graph.saved_tensors_hooks(self._saving, lambda tensor: tensor):
                     sys.setprofile(self._profile)
                     output = self._call_user(lambda: entry.call_model(model, inputs), "the model's forward")
                     loss = self._call_user(lambda: entry.loss(output), "loss()")
@@ -763,9 +765,10 @@ class Tracer(TorchFunctionMode):
                 raise UserError("backward() raised RuntimeError: element 0 of tensors does not require grad and "
                                 "does not have a grad_fn", Location(display_path(entry.path)),
                                 hint="the model must run on its example inputs on one CPU device")
-        self._set_outputs(loss_tid)
-        if not self.leaf_types:
-            self.role_layers = self._role_layers(model)
+        with objects_so_far_kept():       # the forward's records live on
+            self._set_outputs(loss_tid)
+            if not self.leaf_types:
+                self.role_layers = self._role_layers(model)
         batch = next((self.tensors[t].shape[0] for t in input_tids.values() if self.tensors[t].shape), None)
         return Trace(mode, sorted(self.own_files), self.nodes, self.ops, self.tensors, params, input_tids,
                      loss_tid, {name: qualified_type(type(m)) for name, m in model.named_modules()}, batch,
