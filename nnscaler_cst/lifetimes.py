@@ -26,3 +26,17 @@ def objects_so_far_kept():
         _depth -= 1
         if not _depth:
             gc.unfreeze()
+
+
+@contextlib.contextmanager
+def every_object_visible():
+    """gc.get_referrers finds no frozen object: the frozen ones are let back for the call, and
+    frozen again after it (with what the phase has made since, which lives on as well)."""
+    frozen = gc.get_freeze_count()
+    if frozen:
+        gc.unfreeze()
+    try:
+        yield
+    finally:
+        if frozen:
+            gc.freeze()

@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..lifetimes import every_object_visible
+
 
 @dataclass(frozen=True)
 class TensorRef:
@@ -80,7 +82,8 @@ def function_of(code: types.CodeType, module_globals: dict | None = None) -> Cal
     if code not in _FUNCTIONS:
         found = _by_qualified_name(code, module_globals) if module_globals is not None else None
         if found is None:   # a closure, or renamed: every function object on the heap (slow with a big heap)
-            found = [f for f in gc.get_referrers(code) if isinstance(f, types.FunctionType) and f.__code__ is code]
+            with every_object_visible():
+                found = [f for f in gc.get_referrers(code) if isinstance(f, types.FunctionType) and f.__code__ is code]
             found = found[0] if len(found) == 1 else None
         _FUNCTIONS[code] = found
     return _FUNCTIONS[code]
