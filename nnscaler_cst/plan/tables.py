@@ -149,17 +149,21 @@ def chunks_for(constraints: list[Constraint], graph: Graph, index: int) -> int:
     return max(asked) if asked else 1
 
 
-def _matrices(graph: Graph, index: int) -> list[str]:
+def _matrices(graph: Graph, index: int) -> tuple[str, ...]:
     """The layer weights an op holds: parameters with two or more dims above 1, read by an op
     whose rule names them (a structural kind adding a position table is not a layer; a rule
-    derived by the probe names every operand)."""
-    rule = graph.node_rule.get(index)
-    if rule is not None and rule.kind is not None and rule.kind not in LAYER_KINDS:
-        return []
-    views = _weight_views(graph)
-    return [op.name for op in graph.nodes[index].operands if op.tid is not None
-            and (graph.trace.tensors[op.tid].param is not None or op.tid in views)
-            and sum(size > 1 for size in graph.trace.tensors[op.tid].shape) >= 2]
+    derived by the probe names every operand). Kept per graph, as _weight_views: a constraint
+    asks per node and label."""
+    known = graph.__dict__.setdefault("_matrices", {})
+    found = known.get(index)
+    if found is None:
+        rule = graph.node_rule.get(index)
+        views = _weight_views(graph)
+        found = known[index] = () if rule is not None and rule.kind is not None and rule.kind not in LAYER_KINDS \
+            else tuple(op.name for op in graph.nodes[index].operands if op.tid is not None
+                       and (graph.trace.tensors[op.tid].param is not None or op.tid in views)
+                       and sum(size > 1 for size in graph.trace.tensors[op.tid].shape) >= 2)
+    return found
 
 
 # Calls that hand on their one tensor operand's values in another layout or dtype
