@@ -781,6 +781,16 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
    `_split_problem`, per invocation: its size arguments, read sizes and parameters are the invocation's
    own), the rest of the search 12%. No one of them halves the time: planning AlphaFold2 under 10 s is
    still open.
+   Since (7886959, from h-ptime): the objects made before a phase (the model through its forward, the
+   forward's records, the trace through the graph, all of it through the search) are kept out of the
+   garbage collector's full passes (lifetimes.py; each pass rescanned the whole trace: 23 passes and 4.6 s
+   of AlphaFold2's 27.6 s at load 5), `python -m nnscaler_cst.cli plan` ends at once when done, and a
+   constraint's weight matrices are kept per node. With the structures above, h-ptime's pairs (base c535e4a,
+   load 5.5-6.5, CPU s / peak RSS): AlphaFold2 29.0 s, 0.80 GB -> 15.5 s, 0.63 GB; T5-3B 13.4 -> 12.6 s;
+   mBART 9.7 -> 8.0 s; Swin 5.2 -> 4.3 s; the artifact's T5 (`--tp 8`) 16.0 -> 12.1 s; scaled to a quiet
+   machine by the pairs' ratios (an estimate): AlphaFold2 9.0-10.4 s, T5-3B 10.4-11.3 s. On main after the
+   merge, AlphaFold2 once at load ~4: 13.6 CPU s, 0.64 GB, its plan byte-identical. Not yet measured on a
+   quiet machine.
 2. **Strided Conv2d was priced at 2 million times its FLOPs** (fixed in 211686f, before this run): plan/cost.py
    `node_flops` counts a conv's c·kh·kw from its weight; `Conv2d(3, 512, 4, stride=4)` on (256, 3, 1536, 1536)
    is 1.86e12 FLOPs. The Swin entry still embeds its patches with reshape + Linear (same FLOPs).
