@@ -69,3 +69,17 @@ def test_random_and_large_tensors_stay_fake():
         x = torch.randn(4, 8)
         assert (x + torch.arange(8)).constant is None          # a fake operand: fake
     assert torch.equal(before, torch.get_rng_state())
+
+
+def test_an_init_fill_of_an_unknown_fake_weight_is_skipped_and_a_known_constant_is_not(monkeypatch):
+    # a layer's init computes values no fake trace can read; thousands of them were a fifth of a
+    # deep model's build
+    filled = []
+    uniform = torch.Tensor.uniform_
+    monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, *a, **k: filled.append(self) or uniform(self, *a, **k))
+    with quiet_fake_mode():
+        layer = torch.nn.Linear(8, 8)
+        assert filled == [] and layer.weight.shape == (8, 8) and layer.weight.requires_grad
+        known = torch.arange(4.0)
+        torch.nn.init.uniform_(known)                     # a constant's values would change: run
+        assert len(filled) == 1 and known.constant is None

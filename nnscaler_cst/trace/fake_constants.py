@@ -13,7 +13,9 @@ the output too (minutes for a CNN at its own image size).
 of whose tensor arguments are such constants (or that has none: a factory) a constant too,
 computed for real, when it is small, on the CPU, needs no gradient, and drew no random
 numbers. Everything else stays fake. It never changes what a call computes, only whether its
-values are known.
+values are known. The one call it does not run is a `torch.nn.init` fill of a fake tensor
+whose values are unknown (a new layer's weight): it would compute values nobody can read, and
+a model's thousands of them took a fifth of its build.
 
 torch's private fake-tensor API (`constant`, its storage mapping, unset_fake_temporarily) is
 used here only.
@@ -28,6 +30,10 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 # The largest constant kept real: a schedule per block, a relative-position table of a window.
 MAX_CONSTANT_NUMEL = 4096
 
+# torch.nn.init's in-place fills (kaiming_uniform_, normal_, ones_, orthogonal_, ...)
+_INIT_FILLS = frozenset(f for name, f in vars(torch.nn.init).items()
+                        if callable(f) and name.endswith("_") and not name.startswith("_"))
+
 
 class SmallConstants(TorchFunctionMode):
     def __init__(self, fake_mode: FakeTensorMode):
@@ -36,6 +42,10 @@ class SmallConstants(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _INIT_FILLS:
+            filled = args[0] if args else kwargs.get("tensor")     # (torch.nn.init passes it by name)
+            if isinstance(filled, FakeTensor) and filled.constant is None:
+                return filled
         out = func(*args, **kwargs)
         if getattr(func, "__name__", "").endswith("_") or not self._small(out):
             return out          # an in-place call, a large result: fake

@@ -72,11 +72,12 @@ class _CtorRecorder:
     def __enter__(self):
         original = torch.nn.Parameter.__new__
         stacks = self.stacks
+        outside = sys._getframe(1)      # the tool's frames from here out: no model file among them
 
         def recording_new(cls, data=None, requires_grad=True):
             param = original(cls, data, requires_grad)
             stack, frame = [], sys._getframe(1)
-            while frame is not None:
+            while frame is not None and frame is not outside:
                 owner = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
                 constructing = type(owner) if isinstance(owner, torch.nn.Module) else None
                 stack.append((frame.f_code.co_filename, _position(frame), constructing))
