@@ -30,7 +30,7 @@ from .materialize.edits import Edits, data_parallel_edits, one_device_edits, pla
 from .materialize.state_keys import hooked_key_splits
 from .plan.ir import OpAssign, OpOrder, OpTrans, Plan
 from .plan.pipeline import StagePlan, plan_stages
-from .plan.recompute import recompute_seconds, recompute_site, recompute_sites
+from .plan.recompute import recompute_seconds, recompute_site, recompute_sites, restored_buffers
 from .plan import interlaced
 from .plan.schedules import Action, Placement, load_schedule, placement, schedule, to_csv
 from .plan.zero import check_zero
@@ -39,7 +39,8 @@ from .verify.dry_run import dry_run
 from .plan.layouts import REPLICATE
 from .plan.auto import AutoChoice, dp_only, search_auto
 from .plan.auto import _Fixed as Fixed
-from .plan.batch import check_batch_split, loss_reduction, micro_batch_statistics, statistics_warnings
+from .plan.batch import (buffer_write_warnings, buffers_written, check_batch_split, loss_reduction,
+                         micro_batch_statistics, statistics_warnings)
 from .plan.choices import choices_from_plan, site_keys
 from .plan.coshard import CoshardChoice, plan_coshard, repeated_forward as coshard_repeated_forward
 from .plan.cost import check_precision, load_cluster, node_time, optimizer_time
@@ -425,7 +426,8 @@ def render(analysis: Analysis, plan: Plan, edits: Edits | None, source_label: st
     if outside is not None:
         raise UserError("the loop over the blocks is in none of the model's files", outside.start,
                         hint="pipelines cut the file that holds the block loop")
-    recompute = recompute_sites(analysis.graph) if request is not None and request.recompute else ()
+    recompute = restored_buffers(analysis.graph, recompute_sites(analysis.graph)) \
+        if request is not None and request.recompute else {}
 
     grouped = tuple(instance_groups(analysis.graph).methods) if edits is not None and edits.groups else ()
     classes: dict[str, str] = {}        # instance -> its variant class (emit/variants.py)
@@ -603,8 +605,8 @@ def _micro_batches(request: PlanRequest) -> int:
 
 def _split_micro_batches(analysis: Analysis, plan: Plan, micro: int) -> bool:
     """`micro` micro-batches must divide each data-parallel rank's batch; BatchNorm then normalises
-    each by its own statistics (warned; verify compares with a single device accumulating alike).
-    Whether any does."""
+    each by its own statistics, and a buffer the forward writes is written once per micro-batch
+    (warned; verify compares with a single device accumulating alike). Whether any does."""
     batch = (analysis.trace.batch_size or 1) // plan.mesh["dp"]
     if batch % micro:
         raise UserError(f"a batch of {batch} per data-parallel rank does not split into {micro} micro-batches",
@@ -612,8 +614,10 @@ def _split_micro_batches(analysis: Analysis, plan: Plan, micro: int) -> bool:
     if micro < 2:
         return False
     normalising = micro_batch_statistics(analysis.graph, f"{micro} micro-batches")
-    plan.warnings += statistics_warnings(normalising, micro)
-    return bool(normalising)
+    statistics = {node.index for node in normalising}     # (BatchNorm's count of batches: warned above)
+    written = {index: names for index, names in buffers_written(analysis.graph).items() if index not in statistics}
+    plan.warnings += statistics_warnings(normalising, micro) + buffer_write_warnings(analysis.graph, written, micro)
+    return bool(normalising or written)
 
 
 def plan_accumulation(analysis: Analysis, plan: Plan, request: PlanRequest) -> None:

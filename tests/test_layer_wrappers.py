@@ -5,6 +5,9 @@
   conv's constructor is not divided under tensor parallelism (it would be cut twice: once by
   the divided sizes, once after build()), both are built whole and cut after build() together.
   A spectrally normed conv beside it (its power iteration's buffers) stays as the plan has it.
+  Its forward writes those buffers: once per micro-batch under a pipeline (warned, as one device
+  accumulating gradients does), and once a forward under recompute (put back around backward's
+  second forward).
 - `nn.LazyLinear` is sized by its first call. A build() that returns it uninitialised is refused
   at build() (exit 2, nothing written). One whose build() calls the model runs that call in each
   rank's build(), before the layers built whole are cut: they are kept whole, with a warning.
@@ -126,3 +129,22 @@ def test_lazy_layers_a_build_calls_stay_whole_under_tensor_parallelism(tmp_path)
     assert result.returncode == 0, result.stderr
     assert "stays whole on every tensor-parallel rank" in result.stderr
     assert "build() runs the model, before the layers it builds whole" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", [("--pp", "2", "--micro-batches", "2"), ("--tp", "2", "--recompute")],
+                         ids=["pp2-m2", "tp2-recompute"])
+def test_a_spectral_norms_power_iteration_runs_once_a_forward_under_micro_batches_and_recompute(tmp_path, plan):
+    """Its forward writes its `_u` and `_v` buffers. Under micro-batches they are written once per
+    micro-batch (warned; verify's reference accumulates alike); under recompute, backward's second
+    forward starts from the buffers the first one started from and leaves them as it left them."""
+    (tmp_path / "model.py").write_text(NORMED)
+    result = cli("verify", "model.py", *plan, "-o", "out", cwd=tmp_path)
+    assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr
+    if "--recompute" in plan:
+        assert "context_fn=buffers_kept_through_recompute(block, ('conv2.parametrizations.weight.0._u', " \
+               "'conv2.parametrizations.weight.0._v'))" in (tmp_path / "out" / "model.py").read_text()
+    else:
+        assert "model.py:14:20: warning: this call writes the buffers blocks.0.conv2.parametrizations.weight.0._u, " \
+               "blocks.0.conv2.parametrizations.weight.0._v in the forward, once for each of the 2 micro-batches" \
+               in result.stderr, result.stderr

@@ -215,6 +215,57 @@ def test_recompute_keeps_only_each_blocks_input_between_forward_and_backward(tmp
     assert plain_blocks[0] <= estimate.kept(recompute=False) <= 1.6 * plain_blocks[0]
 
 
+NORMED_BLOCKS = """
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+        self.norm = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return x + torch.relu(self.norm(self.conv(x)))
+
+
+class Model(nn.Module):
+    def __init__(self, c=8):
+        super().__init__()
+        self.inp = nn.Conv2d(3, c, 1)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(2))
+        self.out = nn.Linear(c, 1)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x.mean((2, 3))).pow(2).mean()
+
+
+def build():
+    torch.manual_seed(0)
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1)),)
+"""
+
+
+@pytest.mark.slow
+def test_a_blocks_batch_norm_statistics_change_once_a_forward_under_recompute(tmp_path):
+    """Backward's second forward of a block would update BatchNorm's running statistics (and its
+    count of batches) again: the output puts them back as the forward left them, so they end each
+    step as the single-device run's (verify compares them after the last step)."""
+    (tmp_path / "model.py").write_text(NORMED_BLOCKS)
+    result = run_cli("verify", "model.py", "--dp", 2, "--recompute", "-o", "out", cwd=tmp_path)
+    assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr
+    assert "context_fn=buffers_kept_through_recompute(block, ('norm.num_batches_tracked', 'norm.running_mean', " \
+           "'norm.running_var'))" in (tmp_path / "out" / "model.py").read_text()
+
+
 # ---- equivalence on gloo ---------------------------------------------------------------------------
 
 RUNS = {

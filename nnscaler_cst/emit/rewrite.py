@@ -70,7 +70,8 @@ class Context:
     before: list[cst.SimpleStatementLine] = field(default_factory=list)  # go before the current statement
     after: list[cst.SimpleStatementLine] = field(default_factory=list)   # go after the current statement
     assigned: dict[Span, list] = field(default_factory=dict)     # `x[i] = v` target span -> steps for v
-    recompute: tuple[Span, ...] = ()                              # the block calls --recompute checkpoints
+    # the block calls --recompute checkpoints, each with the buffers its blocks' forward writes
+    recompute: dict[Span, tuple[str, ...]] = field(default_factory=dict)
     in_program: bool = True         # the file becomes a rank's program (False: a mirror the stages share)
     value_first: bool = False       # the current statement's value was moved to a line of its own before it
     instance_classes: dict[str, str] = field(default_factory=dict)   # instance -> its variant class (emit/variants.py)
@@ -364,18 +365,23 @@ class RecomputeBlocks:
             call = call.args[0].value
         if not isinstance(call, cst.Call):
             raise UserError("--recompute found no call of the block here (please report it)", span.start)
-        template = cst.parse_expression("torch.utils.checkpoint.checkpoint(block, use_reentrant=False)")
+        restored = self.ctx.recompute[span]      # buffers the block's forward writes
+        kept = f", context_fn=buffers_kept_through_recompute({code(call.func)}, {restored!r})" if restored else ""
+        template = cst.parse_expression(f"torch.utils.checkpoint.checkpoint(block, use_reentrant=False{kept})")
+        if restored:
+            self.ctx.used.add("buffers_kept_through_recompute")
         args = list(call.args)
         # the user's layout kept: one argument per line stays so, a trailing comma stays last
         between = args[0].comma if args and isinstance(args[0].comma, cst.Comma) else cst.MaybeSentinel.DEFAULT
-        flag = template.args[1]
+        flags = list(template.args[1:])
         if args and isinstance(args[-1].comma, cst.Comma):
-            flag = flag.with_changes(comma=args[-1].comma)
+            flags[-1] = flags[-1].with_changes(comma=args[-1].comma)
             args[-1] = args[-1].with_changes(comma=between)
-        checkpointed = template.with_changes(args=[cst.Arg(call.func, comma=between), *args, flag],
+        checkpointed = template.with_changes(args=[cst.Arg(call.func, comma=between), *args, *flags],
                                              whitespace_before_args=call.whitespace_before_args)
         self.ctx.needs_torch = True
-        self.ctx.note(span, "recompute: the block keeps only its inputs; backward reruns its forward")
+        self.ctx.note(span, "recompute: the block keeps only its inputs; backward reruns its forward"
+                      + (", its buffers put back as the forward left them" if restored else ""))
         return node.deep_replace(call, checkpointed) if call is not node else checkpointed
 
 
@@ -988,7 +994,7 @@ class FileRewriter(cst.CSTTransformer):
 
 def rewrite_module(source: SourceFile, edits: Edits, split: StageSplit | None = None,
                    containers: dict[Span, list[tuple[str, ...]]] | None = None,
-                   recompute: tuple[Span, ...] = (), chain: tuple[StageSplit, ...] = (),
+                   recompute: dict[Span, tuple[str, ...]] | None = None, chain: tuple[StageSplit, ...] = (),
                    in_program: bool = True, mixed: frozenset = frozenset(),
                    unsliceable: frozenset = frozenset(), grouped: tuple[MethodGroups, ...] = ()
                    ) -> tuple[cst.Module, Context]:
@@ -1005,13 +1011,13 @@ def rewrite_module(source: SourceFile, edits: Edits, split: StageSplit | None = 
 
 
 def _rewrite_once(source: SourceFile, edits: Edits, split: StageSplit | None,
-                  containers: dict[Span, list[tuple[str, ...]]] | None, recompute: tuple[Span, ...],
+                  containers: dict[Span, list[tuple[str, ...]]] | None, recompute: dict[Span, tuple[str, ...]] | None,
                   chain: tuple[StageSplit, ...], in_program: bool, mixed: frozenset,
                   unsliceable: frozenset) -> tuple[cst.Module, Context]:
     ctx = Context(edits, split if split is not None and split.function.path == str(source.path) else None,
                   chain=tuple(c for c in chain if c.function.path == str(source.path)),
                   containers=containers or {}, mixed=frozenset(mixed), unsliceable=frozenset(unsliceable),
-                  recompute=recompute, in_program=in_program)
+                  recompute=recompute or {}, in_program=in_program)
     wrapper = MetadataWrapper(source.module)
     module = wrapper.visit(FileRewriter(source, ctx))
     path = str(source.path)

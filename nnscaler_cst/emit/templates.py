@@ -1136,11 +1136,14 @@ PRECISION_CODE = {None: "None", "fp32": "None", "tf32": "None  # tf32 prices mat
                   "bf16": "torch.bfloat16", "fp16": "torch.float16"}
 
 
-# BatchNorm under a pipeline: each micro-batch normalised by its own statistics
+# BatchNorm under micro-batches: each normalised by its own statistics; buffers the forward writes:
+# written once per micro-batch
 MICRO_BATCH_STATISTICS = """
-# BatchNorm normalises each micro-batch by its own statistics, as GPipe and torch.distributed.pipelining
-# do: a step computes what one device computes accumulating gradients over MICRO_BATCHES micro-batches
-# (verify compares with that), not one pass over the whole batch.
+# Each micro-batch runs the forward's per-call state on its own, as GPipe and torch.distributed.pipelining
+# do: BatchNorm normalises it by its own statistics, and buffers the forward writes (spectral norm's
+# power iteration, a step counter) are written once per micro-batch. A step computes what one device
+# computes accumulating gradients over MICRO_BATCHES micro-batches (verify compares with that), not one
+# pass over the whole batch.
 BATCH_STATISTICS_PER_MICRO_BATCH = True"""
 
 

@@ -47,9 +47,47 @@ def micro_batch_statistics(graph: Graph, what: str) -> list[Node]:
     output says so, and verify compares with that). Any other op mixing the samples is refused at
     its line; [] when none mixes them."""
     check_batch_split(graph, what)      # an op mixing samples that is no batch statistic
+    return batch_statistics(graph)
+
+
+def batch_statistics(graph: Graph) -> list[Node]:
+    """The ops that normalise by statistics over the batch (BatchNorm)."""
     return [graph.nodes[index] for index, label in batch_labels(graph).items()
             if index in graph.dims and label in graph.dims[index].fixed
             and data_parallel_impl(graph.dims[index], label) is not None]
+
+
+def buffers_written(graph: Graph) -> dict[int, list[str]]:
+    """Per node, the buffers its calls write in place in the forward (spectral norm's power
+    iteration, a step counter, an EMA codebook; BatchNorm's statistics are
+    micro_batch_statistics'): under micro-batches they are written once per micro-batch, as one
+    device accumulating gradients over the same micro-batches writes them (verify compares with
+    that). A buffer written twice in a forward is followed through its first write's result."""
+    names = {tid: info.buffer for tid, info in graph.trace.tensors.items() if info.buffer is not None}
+    found: dict[int, list[str]] = {}
+    for op in graph.trace.ops:
+        for before, after in op.writes:
+            name = names.get(before)
+            if name is not None:
+                if after is not None:
+                    names[after] = name
+                if name not in found.setdefault(op.node, []):
+                    found[op.node].append(name)
+    return found
+
+
+def buffer_write_warnings(graph: Graph, written: dict[int, list[str]], micro: int) -> list[str]:
+    """One warning per source line of the nodes buffers_written found."""
+    lines: dict = {}
+    for index in written:
+        span = graph.nodes[index].span
+        if span is not None:
+            lines.setdefault(span, []).append(index)
+    return [f"{span.start}: warning: this call writes {'the buffers' if len(written[calls[0]]) > 1 else 'the buffer'} "
+            f"{', '.join(written[calls[0]])} in the forward, once for each of the {micro} micro-batches: a step "
+            f"computes what one device computes accumulating gradients over {micro} micro-batches, and verify "
+            f"compares with that" + (f" (so do its {len(calls) - 1} more calls from this line)" if len(calls) > 1 else "")
+            for span, calls in lines.items()]
 
 
 def statistics_warnings(nodes: list[Node], micro: int) -> list[str]:

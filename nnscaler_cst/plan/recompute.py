@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ..errors import UserError
 from ..graph.graph import Graph
 from ..source.files import Span
+from .batch import batch_statistics, buffers_written
 from .cost import DeviceSpec, compute_time, node_flops
 from .memory import saved_bytes
 from .pipeline import _called_in_loop, cut_blocks, find_chain, find_trunk, node_blocks
@@ -61,6 +62,25 @@ def recompute_sites(graph: Graph) -> tuple[Span, ...]:
     spans = [graph.trace.module_calls[trunk.blocks[0]][0] for trunk in chain] if chain else [recompute_site(graph)]
     spans += [blocks.span for blocks in other_lists(graph)]
     return tuple(dict.fromkeys(spans))          # T5: one loop serves both lists
+
+
+def restored_buffers(graph: Graph, sites: tuple[Span, ...]) -> dict[Span, tuple[str, ...]]:
+    """Per block call --recompute checkpoints, the buffers (named from the block) its blocks'
+    forward writes: spectral norm's power iteration, a step counter, BatchNorm's running
+    statistics. Backward's second forward would write them again; the output restores them
+    around it (runtime/_comm.py buffers_kept_through_recompute), so that they change once a
+    forward as without recompute."""
+    tensors = graph.trace.tensors
+    written = [name for names in buffers_written(graph).values() for name in names]
+    written += [tensors[tid].buffer for node in batch_statistics(graph) for tid in node.inputs
+                if tensors[tid].buffer is not None]
+    calls = graph.trace.module_calls
+    restored = {}
+    for span in sites:
+        blocks = [path for path, (at, _) in calls.items() if at == span]
+        names = [name[len(block) + 1:] for block in blocks for name in written if name.startswith(block + ".")]
+        restored[span] = tuple(dict.fromkeys(names))
+    return restored
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ What it must not do
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import pickle
@@ -870,6 +871,41 @@ def coshard(fn, chunks: int, in_dims: tuple, out_dims: int):
                                                      **kwargs) for c in range(chunks)]
         return _joined(results, out_dims)
     return run
+
+
+def buffers_kept_through_recompute(block: torch.nn.Module, names: tuple):
+    """``context_fn`` for ``torch.utils.checkpoint`` of a block whose forward writes the buffers
+    ``names`` (spectral norm's power iteration, a step counter, BatchNorm's running statistics).
+    Backward's second forward starts from the values the first one started from, and the values
+    the first one left are put back after it: the buffers change once a forward, as without
+    recompute, and the recomputed activations are the forward's own. (The blocks of one call may
+    differ: each keeps those of ``names`` it has.)"""
+    def kept() -> dict:         # looked up each time: a forward may assign a buffer anew
+        buffers = dict(block.named_buffers())
+        return {name: buffers[name] for name in names if name in buffers}
+
+    def contexts():
+        started = {}
+
+        @contextlib.contextmanager
+        def forward():
+            started.update((name, buffer.detach().clone()) for name, buffer in kept().items())
+            yield
+
+        @contextlib.contextmanager
+        def recompute():
+            left = {name: buffer.detach().clone() for name, buffer in kept().items()}
+            with torch.no_grad():
+                for name, buffer in kept().items():
+                    buffer.copy_(started[name])
+            try:
+                yield
+            finally:
+                with torch.no_grad():
+                    for name, buffer in kept().items():
+                        buffer.copy_(left[name])
+        return forward(), recompute()
+    return contexts
 
 
 def _joined(results: list, dim: int):

@@ -79,6 +79,10 @@ class OpCall:
     mapped: bool
     returns_input: bool = False     # every output is an input object the call left unmodified
     reduction: str | None = None    # a loss function's reduction= ("mean", "sum", ...), when given
+    # operands the call wrote in place (out=, Tensor.add_, setitem, BatchNorm's running statistics):
+    # (tid before the write, tid of the result that hands it back or None), to find the buffers a
+    # forward changes (plan/batch.py buffers_written)
+    writes: list[tuple[int, int | None]] = field(default_factory=list)
 
 
 @dataclass

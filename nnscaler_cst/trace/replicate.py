@@ -434,7 +434,8 @@ class Replicator:
             for k in range(o0, o1):
                 op = tracer.ops[k]
                 tracer.ops.append(dataclasses.replace(op, node=node_of(op.node), inputs=[tid(t) for t in op.inputs],
-                                                      outputs=[tid(t) for t in op.outputs]))
+                                                      outputs=[tid(t) for t in op.outputs],
+                                                      writes=[(tid(a), b if b is None else tid(b)) for a, b in op.writes]))
             q0, q1 = template.queries
             tracer.size_queries.extend((span, tid(t), dim) for span, t, dim in tracer.size_queries[q0:q1])
             for event in template.log:

@@ -384,7 +384,8 @@ class Tracer(TorchFunctionMode):
         # Recording reads tensors' shapes, strides and storages: with torch functions off, those
         # reads skip the modes below this one (SmallConstants), a Python call each per tensor read.
         with torch._C.DisableTorchFunction():
-            versions = {id(t): t._version for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            flat_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            versions = {id(t): t._version for t in flat_in}
         out = func(*args, **kwargs)
         with torch._C.DisableTorchFunction():
             result = args[0] if func is _SETITEM else out
@@ -392,7 +393,9 @@ class Tracer(TorchFunctionMode):
             if flat_out:
                 # an input handed back unmodified (dropout with p=0): the cost model prices it at nothing
                 unmodified = all(versions.get(id(t)) == t._version for t in flat_out)
-                self._record(func, args, kwargs, flat_out, unmodified)
+                # operands written in place (out=, add_, BatchNorm's running statistics)
+                written = [t for t in flat_in if versions[id(t)] != t._version]
+                self._record(func, args, kwargs, flat_out, unmodified, written)
             elif args and isinstance(args[0], torch.Tensor) and torch_func_name(func) in _SIZE_QUERIES:
                 self._record_size_query(args, kwargs)
         return out
@@ -495,7 +498,7 @@ class Tracer(TorchFunctionMode):
             frame = frame.f_back
         return False
 
-    def _record(self, func, args, kwargs, flat_out, returns_input: bool = False):
+    def _record(self, func, args, kwargs, flat_out, returns_input: bool = False, written: list = ()):
         caller = sys._getframe(3)
         own = self.own_frame(caller)
         in_tids = [self._tid(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
@@ -516,9 +519,13 @@ class Tracer(TorchFunctionMode):
             self._open_node(func, args, kwargs, caller, own, contained)
             self._current = key
         node = self.nodes[-1]
+        # an operand written and not handed back (BatchNorm's running mean) keeps its tid
+        handed_back = {id(t) for t in flat_out}
+        writes = [(self._tid_of[id(t)], None) for t in written if id(t) not in handed_back and id(t) in self._tid_of]
+        written_ids = {id(t) for t in written}
         out_tids = []
         for tensor in flat_out:
-            self._tid_of.pop(id(tensor), None)   # an in-place result is a new version
+            before = self._tid_of.pop(id(tensor), None)   # an in-place result is a new version
             tid = self._tid(tensor, producer=node.index)
             storage = _storage(tensor)
             if storage is not None:
@@ -527,12 +534,14 @@ class Tracer(TorchFunctionMode):
                     self._log.append(("made", storage, node.index))
             out_tids.append(tid)
             node.produced.append(tid)
+            if before is not None and id(tensor) in written_ids:
+                writes.append((before, tid))
         replay = self.replays.get(node.index)
         if replay is not None and replay.outputs is None and replay.fn is func:
             replay.outputs = out_tids
         reduction = kwargs.get("reduction") if kwargs else None
         self.ops.append(OpCall(torch_func_name(func), node.index, in_tids, out_tids, node.mapped, returns_input,
-                               reduction if isinstance(reduction, str) else None))
+                               reduction if isinstance(reduction, str) else None, writes))
         node.ops.append(len(self.ops) - 1)
 
     def _span(self, own) -> Span | None:
