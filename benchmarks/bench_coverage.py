@@ -236,7 +236,11 @@ def enumerate_archs() -> tuple[list[Arch], list[dict]]:
     for model_type in sorted(chosen):
         kind, cls_name = chosen[model_type]
         config_name = config_names.get(model_type)
-        config_cls, model_cls = getattr(transformers, config_name or "-", None), getattr(transformers, cls_name, None)
+        try:        # a lazily exported class whose own requirements are missing raises, not None
+            config_cls, model_cls = getattr(transformers, config_name or "-", None), getattr(transformers, cls_name, None)
+        except Exception as exc:     # noqa: BLE001 - any import failure leaves the type out
+            left_out.append({"name": model_type, "reason": f"{cls_name} does not import: {type(exc).__name__}"})
+            continue
         if config_cls is None or model_cls is None:
             left_out.append({"name": model_type, "reason": f"{config_name or 'config'} / {cls_name} not exported "
                              "by transformers"})
