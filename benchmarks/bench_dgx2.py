@@ -803,7 +803,8 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
    SmallConstants' mode (no mode of its own: trace/fake_constants.py), and a parameter's constructor stack
    stops at the tool's frames. AlphaFold2's build() under fake tensors 3.4 -> 2.65 s, its forward 2.3 ->
    2.7 s (it now pays the fake dispatch's first-call imports), the whole 13.3-13.4 -> 12.9-13.0 s wall, base
-   and branch alternated beside the bench (load ~1.5). Where the rest goes (phase timers around trace_model,
+   and branch alternated beside the bench (load ~1.5); quiet again at 78c1fca: 13.0 and 14.4 s wall, so no
+   gain is visible against the base's quiet 12.8 s. Where the rest goes (phase timers around trace_model,
    build_graph and build_plan): torch's import 1.1 s, build 2.65 s, forward 2.7 s, the rest of the trace
    0.5 s, the graph 0.8 s, the split candidates 2.25 s, the rest of the search 2.2 s. Planning AlphaFold2
    under 10 s is still open: every phase is per invocation or per parameter (14,592 ops, 4,847 parameters).
