@@ -519,10 +519,11 @@ class Tracer(TorchFunctionMode):
             self._open_node(func, args, kwargs, caller, own, contained)
             self._current = key
         node = self.nodes[-1]
-        # an operand written and not handed back (BatchNorm's running mean) keeps its tid
-        handed_back = {id(t) for t in flat_out}
-        writes = [(self._tid_of[id(t)], None) for t in written if id(t) not in handed_back and id(t) in self._tid_of]
+        # an operand written and not handed back (BatchNorm's running mean) keeps its tid; most ops
+        # write nothing, and pay nothing here
         written_ids = {id(t) for t in written}
+        handed_back = {id(t) for t in flat_out} if written else set()
+        writes = [(self._tid_of[id(t)], None) for t in written if id(t) not in handed_back and id(t) in self._tid_of]
         out_tids = []
         for tensor in flat_out:
             before = self._tid_of.pop(id(tensor), None)   # an in-place result is a new version
