@@ -427,9 +427,7 @@ def _plan_command(model_file: Path, options: dict, json_out: bool, explain: bool
         request = _request(opts)
         with _step(f"tracing {model_file}"):
             analysis = analyze(model_file, model_class=opts["model"])
-        # the trace and graph live on through the search: kept out of the garbage collector's
-        # full passes, which would rescan their millions of objects (~5% of the search)
-        with objects_so_far_kept(), _step("searching the plan"):
+        with _step("searching the plan"):
             solved, tp_plan = build_plan(analysis, request)
         _print_warnings(solved.warnings)
         binding = None
@@ -446,7 +444,10 @@ def _plan_command(model_file: Path, options: dict, json_out: bool, explain: bool
         else:
             console.print(plan_table(analysis.graph, solved, tp_plan, binding))
 
-    _run(body)
+    # the model, its trace and graph, the search's tables live until the command ends: kept out of
+    # the garbage collector's full passes, which would rescan their millions of objects
+    with objects_so_far_kept():
+        _run(body)
 
 
 @app.command()
