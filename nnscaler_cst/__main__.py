@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> None:
     request = _check_request(argv)
     if request is not None and _answer_from_cache(*request):
         return
+    from .verify.launch import OMP_WAIT
+    os.environ.setdefault(*OMP_WAIT)        # before torch loads (why: verify/launch.py)
     from .cli import SUBCOMMANDS, main as cli_main
     command = argv[0] if argv and argv[0] in SUBCOMMANDS else "rewrite"
     if not (whole_process and command in IMMEDIATE_EXIT):

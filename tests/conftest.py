@@ -13,6 +13,10 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# Before any test module loads torch: OpenMP threads sleep at a barrier instead of spinning, as
+# the tool's own processes do (nnscaler_cst/verify/launch.py OMP_WAIT), since two test workers
+# and their ranks share the cores.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The tests' fixed cpu-gloo spec (tests/rules/devices/cpu-gloo.toml) shadows the built-in one, which
 # benchmarks/calibrate_cpu.py measures per machine; a test that sets the variable itself replaces it.
 os.environ["NNSCALER_RULES_PATH"] = os.pathsep.join(

@@ -88,3 +88,15 @@ def test_time_spent_waiting_for_a_cpu_does_not_count_against_the_deadline():
         for spinner in spinners:
             spinner.kill()
             spinner.wait()
+
+
+def test_ranks_wait_at_openmp_barriers_asleep_unless_the_user_says_otherwise(tmp_path, monkeypatch):
+    """A rank's (and the reference's) OpenMP threads sleep at a barrier: spinning, they take the
+    core of a thread of another process (launch.py OMP_WAIT). A policy the user set is kept."""
+    read = "import os; open(os.environ['OUT'] + os.environ['RANK'], 'w').write(os.environ['OMP_WAIT_POLICY'])\n"
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    launch.run_world([sys.executable, "-c", read], 1, timeout=60, OUT=tmp_path / "default")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    launch.run_world([sys.executable, "-c", read], 1, timeout=60, OUT=tmp_path / "set")
+    assert (tmp_path / "default0").read_text() == "PASSIVE"
+    assert (tmp_path / "set0").read_text() == "ACTIVE"

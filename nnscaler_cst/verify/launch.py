@@ -71,7 +71,15 @@ def process_env(**extra) -> dict:
     env = dict(os.environ)
     env.update({k: str(v) for k, v in extra.items()})
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault(*OMP_WAIT)
     return env
+
+
+# OpenMP threads that sleep, not spin, at a barrier: the reference's reordered pass runs two
+# threads beside the ranks, and a spinning thread takes the core its partner needs (MobileNetV2's
+# float64 verify on a busy 2-core machine: 111 s with spinning, 30 s without). libgomp reads it
+# when torch loads, so it goes in each process's environment (and the console script's own).
+OMP_WAIT = ("OMP_WAIT_POLICY", "PASSIVE")
 
 
 class _Process:
