@@ -808,6 +808,14 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
    build_graph and build_plan): torch's import 1.1 s, build 2.65 s, forward 2.7 s, the rest of the trace
    0.5 s, the graph 0.8 s, the split candidates 2.25 s, the rest of the search 2.2 s. Planning AlphaFold2
    under 10 s is still open: every phase is per invocation or per parameter (14,592 ops, 4,847 parameters).
+   Since (310a79c): inside a phase the collector's full passes come after 1000 young-generation passes
+   instead of 10 (lifetimes.py), and `plan`'s whole command is one phase, so the model's build is one too.
+   gc callbacks over AlphaFold2's `plan`: 24 full passes, 1.56 s of 2.06 s collecting -> 3 passes, 0.55 s;
+   RSS 0.63 GB either way. Quiet (load 0.3), three runs: 11.5, 11.6, 11.6 s wall (11.6-11.7 s CPU); T5-3B
+   8.1 s. Still over 10 s for AlphaFold2: a py-spy profile now shows build 3.4 s and forward 3.1 s under
+   load (fake dispatch, about 0.2 ms an op, 11,000 of them in the build), the split candidates 2.3 s (per
+   invocation: `_split_problem` reads the invocation's own size arguments, read sizes and parameters, so a
+   block's repeats cannot share it without proving those equal), the rest of the search 1.6 s.
 2. **Strided Conv2d was priced at 2 million times its FLOPs** (fixed in 211686f, before this run): plan/cost.py
    `node_flops` counts a conv's c·kh·kw from its weight; `Conv2d(3, 512, 4, stride=4)` on (256, 3, 1536, 1536)
    is 1.86e12 FLOPs. The Swin entry still embeds its patches with reshape + Linear (same FLOPs).
@@ -911,36 +919,43 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
   every rank until the owner reaches it (the notes' "calls at").
 - **T5 at the artifact's setting** (2,048,000 tokens, hidden 6144): as the paper says, Megatron-LM's 1F1B + TP
   does not fit: no pipeline of 2 to 32 stages, tp, micro-batch count, sequence parallelism, recompute or stage
-  cut brings its table's stages under 32 GB (16 x 2 + recompute + SP, searched cut, 31.6 GiB at 101.78 s, is
+  cut brings its table's stages under 32 GB (16 x 2 + recompute + SP, searched cut, 31.7 GiB at 101.82 s, is
   the nearest), because 1F1B keeps the whole table (12.6 billion parameters, 16 bytes of state each: fp32
   weights and gradients and AdamW's two moments, the same 16 bytes as Megatron-LM's fp16 weights and
   gradients plus fp32 masters and moments) on the first stage, the stage that calls the decoder's embedding
-  and the last stage (Megatron-LM's T5 keeps it there too). The one Megatron-LM configuration that fits is
-  TP 32 without a pipeline (+ SP + recompute, 29.8 GiB), every layer's all-reduces over both nodes'
-  InfiniBand: 965.52 s, so the summary's 20.48x is against a plan nobody would run; the paper reports
-  Megatron-LM out of memory there. Interlaced fits at every tp x pp and is fastest at **1 x 32 with
-  recompute (47.14 s)**: its vocabulary is split over all 32 devices whatever tp is, so its layers need no
-  tensor parallelism (two layers a stage, no TP all-reduce), which 1F1B cannot do (at 1 x 32 its last
-  stage's head alone, a 2,048,000-wide matmul on one device, takes longer than the rest of a stage).
-  `--plan auto --devices 32` finds this plan on its own (44.01 s by its analytic price; the walk prices it
-  7% below the walk's). The earlier comparison priced only 4 x 8, 8 x 4 and 16 x 2, where interlaced took 67.01 s.
+  and the last stage (Megatron-LM's T5 keeps it there too). TP 32 without a pipeline (+ SP + recompute), which
+  fit at 2ba4402 (29.8 GiB, 965.52 s, every layer's all-reduces over both nodes' InfiniBand), is now just over
+  the budget (the recompute rows of every model rose by 0.2-1.5 GiB since 2ba4402; not traced to its commit),
+  so no Megatron-LM configuration fits, as the paper reports. Interlaced fits at every tp x pp and is fastest
+  at **1 x 32 with recompute (48.19 s, 27.9 GiB)**: its vocabulary is split over all 32 devices whatever tp is,
+  so its layers need no tensor parallelism (two layers a stage, no TP all-reduce), which 1F1B cannot do (at
+  1 x 32 its last stage's head alone, a 2,048,000-wide matmul on one device, takes longer than the rest of a
+  stage). **`--plan auto --devices 32` fits nothing here** (it found this plan at 2ba4402): its analytic
+  memory gives the same configuration 31.1 GiB against the walk's 27.9 (stage 0: 31.09 / 27.88 GiB, stage 1:
+  30.75 / 26.22, stage 31: 25.12 / 25.14: `estimate_config` against plan/interlaced.py `price`). The two accountings differ in
+  two terms: auto's `_stage_times` keeps a stage's block activations for 1F1B's D - i micro-batches in
+  flight, where the interlaced table's warm-up keeps 2 (D - 1 - i) + 1 (the walk's count, too low in auto);
+  and auto's `_stages` spreads the vocabulary steps' saved tensors over every stage (shared / pp) and
+  multiplies them by that stage's micro-batches in flight, where the walk holds one micro-batch's (the
+  head's step and its backward run at the last stage's adjacent F and B: too high in auto). Not resolved.
 - **The vocabulary at which interlaced wins** (the sweep): at 1,024,000 tokens the best fitting 1F1B + TP is
   16 x 2 with SP (68.42 s) and interlaced 1 x 32 + recompute takes 44.76 s: **1.53x**, above the issue's
   1.5x and below the paper's 2.2x. Up to 512,000 tokens 1F1B fits at 4 x 8 and is faster (0.76x at 32,000,
-  0.90x at 512,000). At 1,024,000 `--plan auto` now fits nothing in 29.8 GiB: its memory model gives the
-  interlaced 1 x 32 + recompute plan 31.1 GiB a device, which the walk that prices this table fits; the two
-  memory accountings disagree there (found at f41f212, not resolved). **The term that decides is memory**: 1F1B's step at 4 x 8 grows from 31.26 s to 38.43 s
+  0.90x at 512,000). `--plan auto` chooses interlaced 1 x 32 + recompute at 1,024,000 (41.53 s by its
+  analytic price), and also at 128,000 to 512,000, where its own 1F1B prices use the FLOP-balanced cut only
+  and its interlaced price is 8% under the walk's (within the issue's 10%, enough to turn the choice); at
+  32,000 it chooses the table's best, 1F1B + TP + SP at 4 x 8 (31.39 s). The "fits nothing" of the f41f212
+  run was the 2,048,000 row (above), not 1,024,000. **The term that decides is memory**: 1F1B's step at 4 x 8 grows from 31.39 s to 38.70 s
   over those vocabularies; at 1,024,000 the table's stages (25 GB of state at tp 4 each, plus a block, plus
   the head's logits on the last) no longer fit at 4 x 8 under any cut the search tried, and the next
-  fitting shape, 16 x 2, pays tp 16's all-reduces. Interlaced's step grows only from 40.38 s to 47.14 s
+  fitting shape, 16 x 2, pays tp 16's all-reduces. Interlaced's step grows only from 41.44 s to 48.19 s
   from 32,000 to 2,048,000 tokens: its vocabulary steps (42.5 ms a micro-batch at 2,048,000, of which
   24.3 ms compute over 32 devices) and their collectives (sized by the hidden state and the tokens, not the
   vocabulary: each embedding's rows all-reduced, the head's input broadcast and its gradient all-reduced
   over all 32 devices, across InfiniBand). At 32,000 tokens those collectives and the lock-step walk's waits
   (the decoder's embedding, called in the middle of a stage's step, holds every rank until its owner
   reaches it; the warm-up keeps 2 (D - 1 - i) + 1 micro-batches in flight instead of D - i) are what
-  interlaced pays over 1F1B; `--plan auto` there chooses interlaced with dp 16 x pp 2 and ZeRO-3 (30.50 s),
-  a data-parallel shape the artifact's --max-dp 1 leaves out of this comparison. The state bytes are the
+  interlaced pays over 1F1B. The state bytes are the
   tool's own (plan/zero.py), not changed for this comparison; the artifact trains with fairseq's Adam
   (examples/adam.py: fp16 weights and gradients, fp32 moments, 12 bytes a parameter), under which 1F1B
   would fit at larger vocabularies and the crossover move up.
