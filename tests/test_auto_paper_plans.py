@@ -196,21 +196,25 @@ def test_a_huge_shared_vocabulary_makes_the_search_interlace_the_pipeline(vocab)
     assert others and all(e.why_not is not None for e in others)
 
 
-@pytest.mark.parametrize("tp, pp, micro", [(1, 4, 16), (2, 2, 16), (1, 2, 8)])
-def test_the_searchs_interlaced_price_is_the_walks(vocab, tp, pp, micro):
+@pytest.mark.parametrize("tp, pp, micro, recompute", [(1, 4, 16, False), (2, 2, 16, False), (1, 2, 8, False),
+                                                      (1, 4, 16, True)])
+def test_the_searchs_interlaced_price_is_the_walks(vocab, tp, pp, micro, recompute):
     """What `--plan auto` prices an interlaced configuration at (estimate_config, the search's
     analytic form) agrees with plan/interlaced.py `estimate` (the walk of the steps' order on the
-    simulator's timeline) within 10%, time and memory: every vocabulary step, the head's fused
-    cross entropy included, runs on each of the tp x pp devices on 1/(tp x pp) of the vocabulary
-    and the stages are balanced without them (before: the steps at 1/pp, the loss on the last
-    stage, the cut balanced with the table's ops on the end stages: up to 1.63x the walk's step and
-    1.84x its memory at 10ca8ff)."""
+    simulator's timeline) within 10% in time, and within 1% in each stage's memory: every
+    vocabulary step, the head's fused cross entropy included, runs on each of the tp x pp devices
+    on 1/(tp x pp) of the vocabulary, the stages are balanced without them, a stage keeps the
+    table's lock-step warm-up of micro-batches (2 (D - 1 - i) + 1), and a step's saved tensors
+    live while their owner stage holds the micro-batch (before: the steps at 1/pp, the loss on the
+    last stage: up to 1.63x the walk's step and 1.84x its memory at 10ca8ff; then 1F1B's D - i in
+    flight and the steps' tensors on every stage's count: 4% over at stage 0 here, and at the
+    artifact's T5 31.1 against 27.9 GiB, so the search fit nothing where the walk fit interlaced)."""
     from nnscaler_cst.plan import interlaced
-    config = Config(tp=tp, dp=4 // (tp * pp), pp=pp, micro_batches=micro, schedule="interlaced")
+    config = Config(tp=tp, dp=4 // (tp * pp), pp=pp, micro_batches=micro, schedule="interlaced", recompute=recompute)
     searched = estimate_config(vocab, config, H100, [], 1e12)
     walked = interlaced.estimate(vocab, config, H100, [], 1e12, table=None)
     assert searched.seconds == pytest.approx(walked.seconds, rel=0.1)
-    assert searched.memory == pytest.approx(walked.memory, rel=0.1)
+    assert searched.stage_memory == pytest.approx(walked.stage_memory, rel=0.01)
 
 
 # fixtures/evoformer.py (3 recycles) with 8 blocks, its batch of 2 proteins: on 4 devices data

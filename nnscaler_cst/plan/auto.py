@@ -252,8 +252,11 @@ class _Regions:
     # their regions: every one of the tp x pp devices runs each step on its 1/(tp x pp) of the
     # vocabulary (bw, saved and {param: elements} here are 1/tp of the op's; _stages takes 1/pp)
     # and all-reduces each call's hidden state over those devices
-    shared: tuple = field(default_factory=lambda: (0.0, 0.0, 0.0, {}))
+    shared: tuple = field(default_factory=lambda: (0.0, 0.0, {}))      # (bw, fx, {param: elements})
     shared_hidden: list[float] = field(default_factory=list)     # bytes, per vocabulary call
+    # what the steps save, per region whose op calls them: a step's tensors live on every device
+    # while its owner stage holds that micro-batch (its backward step runs at the owner's B)
+    shared_saved_at: dict[int, float] = field(default_factory=dict)
     held_once: float = 0.0              # co-shard: bytes one piece of one block's regions holds while it runs
     checkpointed_saved: list[float] = field(default_factory=list)
     checkpointed_kept: list[float] = field(default_factory=list)
@@ -384,10 +387,11 @@ def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, de
             # per-call fixed cost is paid whole; its hand-offs are the shares (_stage_times)
             whole_bw = node_time(node, graph.dims.get(index), trace, bw_dev, 1, dims_of=graph.dims.get)
             whole_fx = node_time(node, graph.dims.get(index), trace, fx_dev, 1, dims_of=graph.dims.get)
-            shared_bw, shared_fx, shared_saved, shared_params = out.shared
+            shared_bw, shared_fx, shared_params = out.shared
             for param, elements in fact.params:
                 shared_params[param] = elements / n
-            out.shared = (shared_bw + whole_bw / n, shared_fx + whole_fx, shared_saved + fact.saved / n, shared_params)
+            out.shared = (shared_bw + whole_bw / n, shared_fx + whole_fx, shared_params)
+            out.shared_saved_at[region] = out.shared_saved_at.get(region, 0.0) + fact.saved / n
             if fact.params:             # a vocabulary call (a fused loss's views and loss read no weight)
                 out.shared_hidden.append(_hidden_bytes(node, trace))
             continue
@@ -420,7 +424,7 @@ def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, de
         out.checkpointed_kept[region] += blocks.checkpoint_inputs.get(block, 0)
         out.checkpointed_most[region] = max(out.checkpointed_most[region], nbytes)
     for held in out.params:             # a parameter the vocabulary ops share is theirs (tied weights)
-        for param in out.shared[3]:
+        for param in out.shared[2]:
             held.pop(param, None)
     if tp_plan is not None:
         first_use = {}
@@ -902,7 +906,7 @@ def _stages(cost: _Regions, blocks: _Blocks, pp: int) -> _Stages:
     else:
         layout = [(([0] if s == 0 else []) + list(range(a + 1, b + 1)) + ([last] if s == pp - 1 else []), b - a)
                   for s, (a, b) in enumerate(_stage_ranges(blocks, pp))]
-    shared_bw, shared_fx, shared_saved, shared_params = cost.shared
+    shared_bw, shared_fx, shared_params = cost.shared     # (what the steps save: _stage_times)
     shared_held = sum(shared_params.values()) / pp
     rows = []
     for regions, count in layout:
@@ -915,9 +919,9 @@ def _stages(cost: _Regions, blocks: _Blocks, pp: int) -> _Stages:
         outside_blocks = [r for r in regions if not 0 < r < last]
         rows.append((sum(cost.bw[r] for r in regions) + shared_bw / pp, sum(cost.fx[r] for r in regions) + shared_fx,
                      sum(cost.forward_bw[r] for r in regions), sum(cost.forward_fx[r] for r in regions),
-                     sum(cost.saved[r] for r in regions) + shared_saved / pp,
+                     sum(cost.saved[r] for r in regions),
                      sum(cost.saved[r] - cost.checkpointed_saved[r] + cost.checkpointed_kept[r]
-                         for r in outside_blocks) + shared_saved / pp,
+                         for r in outside_blocks),
                      max((cost.checkpointed_most[r] for r in regions), default=0.0),
                      count, int(round(sum(params.values()) + shared_held)), sum(cost.partial_seconds[r] for r in regions),
                      sum(outside.values()) + shared_held))
@@ -1013,8 +1017,10 @@ def _stage_times(config: Config, cost: _Regions, blocks: _Blocks, cluster: Clust
       V stages per rank (interleaved)             (D - 1) max_s t_s             (t_s: a 1/V chunk)
       P pipelines (Chimera, P = 2)                (D - P) / P max_s t_s         (its bubble formula)
     Activations: stage s of a pipeline keeps min(D·V/P - s, M/P) micro-batches (1F1B's warm-up);
-    interleaved keeps the forwards its table's warm-up W runs before the first backward, W + 1
-    chunks of 1/V of the rank's stages. Interlaced: every device runs each vocabulary step (the
+    interleaved and interlaced keep the forwards their table's warm-up W runs before the first
+    backward, W + 1 chunks of 1/V of the rank's stages (interlaced: 2 (D - 1 - s) + 1), and every
+    device keeps a vocabulary step's saved tensors as long as the step's owner stage keeps its
+    micro-batch. Interlaced: every device runs each vocabulary step (the
     calls, a fused head's loss) on its 1/(tp x pp) of the vocabulary and all-reduces each call's
     hidden state over the tp x pp devices (the analytic price of the steps, as the paper schedules
     them: no rank waits in another's step; plan/interlaced.py `price` walks their order)."""
@@ -1044,19 +1050,31 @@ def _stage_times(config: Config, cost: _Regions, blocks: _Blocks, cluster: Clust
     if pp > 1 and V == 1 and P == 1 and config.schedule not in ("1f1b", INTERLACED):
         # 3f1b: each pass waits for the one before to come round the pipeline, which the formula misses
         pipeline = simulated_seconds(table, chunk, micro, blocks.passes)     # the table read once (_table)
-    if V == 1 and P == 1:
+    if V == 1 and P == 1 and (config.schedule != INTERLACED or pp == 1):
         activations = [kept[s] * min(pp - s, micro) for s in range(pp)]
-    elif P == 1:
+    elif P == 1:        # interleaved; interlaced, whose lock-step warm-up is twice 1F1B's
         from .schedules import evaluate
         K = V * micro
-        activations = []
-        for r, mine in enumerate(ranks):
-            warmup = evaluate(table.warmup, {"i": r, "D": pp, "M": micro, "V": V, "P": P, "K": K, "N": 1},
-                              table.location)
-            activations.append(sum(kept[m] for m in mine) / V * min(warmup + 1, K))
+        flights = [min(evaluate(table.warmup, {"i": r, "D": pp, "M": micro, "V": V, "P": P, "K": K, "N": 1},
+                                table.location) + 1, K) for r in range(pp)]
+        activations = [sum(kept[m] for m in mine) / V * flight for mine, flight in zip(ranks, flights)]
+        if cost.shared_saved_at and V == 1:
+            # the vocabulary steps' saved tensors, on every device, for as long as their owner
+            # stage holds the micro-batch (a head on the last stage: one; an embedding on the first: W + 1)
+            owner = _stage_of_region(blocks, pp)
+            steps = sum(fraction * saved / pp * flights[owner[r]] for r, saved in cost.shared_saved_at.items())
+            activations = [a + steps for a in activations]
     else:
         activations = [sum(kept[m] * min(length - m, micro // P) for m in mine) for mine in ranks]
     return stage_seconds, activations, pipeline
+
+
+def _stage_of_region(blocks: _Blocks, pp: int) -> dict[int, int]:
+    """The stage running each region: the prologue the first, the epilogue the last."""
+    owner = {0: 0, blocks.count + 1: pp - 1}
+    for s, (a, b) in enumerate(_stage_ranges(blocks, pp)):
+        owner.update((r, s) for r in range(a + 1, b + 1))
+    return owner
 
 
 def pipeline_seconds(order: str, pp: int, micro: int, chunk: list[float]) -> tuple[list[float], float]:

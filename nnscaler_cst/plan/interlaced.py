@@ -491,7 +491,7 @@ def price(graph: Graph, config, cluster, constraints: list[Constraint] | None = 
     # a fused head's views and loss run in its step, not in a stage's (their memory: `softmax` below)
     losses = frozenset(i for chain in runs.values() for i in chain[1:])
     cost = auto._regions(graph, blocks, plan, tp, device, losses)
-    cost = replace(cost, shared=(0.0, 0.0, 0.0, {}), shared_hidden=[])
+    cost = replace(cost, shared=(0.0, 0.0, {}), shared_hidden=[], shared_saved_at={})
     one_f_one_b = replace(config, schedule="1f1b")      # its stage times and memory, priced as 1F1B's
     base = auto._estimate(one_f_one_b, cost, blocks, graph.trace.batch_size or 1, cluster, budget)
     ranges = auto._stage_ranges(blocks, pp)
