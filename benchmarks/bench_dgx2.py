@@ -930,14 +930,17 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
   at **1 x 32 with recompute (48.19 s, 27.9 GiB)**: its vocabulary is split over all 32 devices whatever tp is,
   so its layers need no tensor parallelism (two layers a stage, no TP all-reduce), which 1F1B cannot do (at
   1 x 32 its last stage's head alone, a 2,048,000-wide matmul on one device, takes longer than the rest of a
-  stage). **`--plan auto --devices 32` fits nothing here** (it found this plan at 2ba4402): its analytic
-  memory gives the same configuration 31.1 GiB against the walk's 27.9 (stage 0: 31.09 / 27.88 GiB, stage 1:
-  30.75 / 26.22, stage 31: 25.12 / 25.14: `estimate_config` against plan/interlaced.py `price`). The two accountings differ in
-  two terms: auto's `_stage_times` keeps a stage's block activations for 1F1B's D - i micro-batches in
-  flight, where the interlaced table's warm-up keeps 2 (D - 1 - i) + 1 (the walk's count, too low in auto);
-  and auto's `_stages` spreads the vocabulary steps' saved tensors over every stage (shared / pp) and
-  multiplies them by that stage's micro-batches in flight, where the walk holds one micro-batch's (the
-  head's step and its backward run at the last stage's adjacent F and B: too high in auto). Not resolved.
+  stage). `--plan auto --devices 32` finds this plan on its own since 19b7ba2 (45.10 s by its analytic price,
+  27.95 GiB; the walk's 48.19 s and 27.90 GiB). In this run (82f6361) it fit nothing: its analytic memory gave
+  the plan 31.1 GiB (stage 0: 31.09 against the walk's 27.88 GiB, stage 1: 30.75 / 26.22, stage 31: 25.12 /
+  25.14, `estimate_config` against plan/interlaced.py `price`). The two accountings differed in two terms:
+  auto's `_stage_times` kept a stage's block activations for 1F1B's D - i micro-batches in flight, where the
+  interlaced table's warm-up keeps 2 (D - 1 - i) + 1 (too low in auto); and auto's `_stages` spread the
+  vocabulary steps' saved tensors over every stage (shared / pp) times that stage's micro-batches in flight,
+  where they live while the step's owner holds its micro-batch (the head's: one, at the last stage; too high
+  in auto). 19b7ba2 counts both as the schedule runs them; every stage now within 0.4% of the walk (the first
+  stage 26.45 against 27.88 GiB: the walk prices the encoder's embedding in stage 0's region, whole on tp,
+  where the step runs it split over all 32 devices). The column of the table below is this run's.
 - **The vocabulary at which interlaced wins** (the sweep): at 1,024,000 tokens the best fitting 1F1B + TP is
   16 x 2 with SP (68.42 s) and interlaced 1 x 32 + recompute takes 44.76 s: **1.53x**, above the issue's
   1.5x and below the paper's 2.2x. Up to 512,000 tokens 1F1B fits at 4 x 8 and is faster (0.76x at 32,000,
@@ -945,7 +948,7 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
   analytic price), and also at 128,000 to 512,000, where its own 1F1B prices use the FLOP-balanced cut only
   and its interlaced price is 8% under the walk's (within the issue's 10%, enough to turn the choice); at
   32,000 it chooses the table's best, 1F1B + TP + SP at 4 x 8 (31.39 s). The "fits nothing" of the f41f212
-  run was the 2,048,000 row (above), not 1,024,000. **The term that decides is memory**: 1F1B's step at 4 x 8 grows from 31.39 s to 38.70 s
+  run was the 2,048,000 row (above), not 1,024,000; since 19b7ba2 auto chooses interlaced there too. **The term that decides is memory**: 1F1B's step at 4 x 8 grows from 31.39 s to 38.70 s
   over those vocabularies; at 1,024,000 the table's stages (25 GB of state at tp 4 each, plus a block, plus
   the head's logits on the last) no longer fit at 4 x 8 under any cut the search tried, and the next
   fitting shape, 16 x 2, pays tp 16's all-reduces. Interlaced's step grows only from 41.44 s to 48.19 s
