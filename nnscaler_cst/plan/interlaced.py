@@ -495,10 +495,7 @@ def price(graph: Graph, config, cluster, constraints: list[Constraint] | None = 
     one_f_one_b = replace(config, schedule="1f1b")      # its stage times and memory, priced as 1F1B's
     base = auto._estimate(one_f_one_b, cost, blocks, graph.trace.batch_size or 1, cluster, budget)
     ranges = auto._stage_ranges(blocks, pp)
-    stage_of_region = {0: 0, blocks.count + 1: pp - 1}
-    for s, (a, b) in enumerate(ranges):
-        for r in range(a + 1, b + 1):
-            stage_of_region[r] = s
+    stage_of_region = auto._stage_of_region(blocks, pp)
     fraction = 1.0 / (dp * micro)
     pp_line, everyone = cluster.axis(tp * dp, pp), cluster.axis(1, pieces)   # one device per pipeline rank; tp x pp
     owned = [0.0] * pp
