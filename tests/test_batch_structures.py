@@ -61,6 +61,7 @@ def test_the_tensors_inside_a_batch_structure_are_the_models_inputs(model):
                                                                             "arg0['keep'][0]"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [["--dp", "2", "--micro-batches", "2"], ["--pp", "2", "--micro-batches", "2"]])
 def test_a_dict_batch_trains_like_one_device_under_data_parallel_and_pipelines(model, options):
     result = subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", "verify", "net.py", *options, "-o", "out",

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 TEXT_ONLY_VLM = textwrap.dedent('''
     import torch
     import torch.nn as nn
@@ -100,6 +102,7 @@ def test_a_module_no_stage_runs_is_held_by_the_first_stage_holding_its_parent(tm
     assert "head" in plan.drop[0] and "head.image_proj" not in plan.drop[1]
 
 
+@pytest.mark.slow
 def test_the_merged_state_dict_of_a_pipeline_has_the_unused_modules(tmp_path):
     (tmp_path / "text_only_vlm.py").write_text(TEXT_ONLY_VLM)
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}

@@ -149,6 +149,7 @@ SEQUENTIAL_BLOCKS_IN_A_LOOP = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_a_loop_over_blocks_that_are_each_an_nn_sequential_pipelines_like_one_device(tmp_path):
     """`x = block(x)` where each block is an nn.Sequential is a call of one block, not of an
     nn.Sequential holding the blocks: the stages cut the loop (it was refused as a nested loop)."""
@@ -208,6 +209,7 @@ def _verify(tmp_path, *options):
     return result, json.loads(result.stdout[start:]) if start >= 0 else None
 
 
+@pytest.mark.slow
 def test_a_line_calling_blocks_and_a_head_in_turn_keeps_the_head_whole(tmp_path):
     """`x = module(x)` runs four blocks (their ops on lines of their own) and a Linear head. A
     split head needs a conversion at that line's argument, which every block's call would take
@@ -261,6 +263,7 @@ LOOP_OVER_A_SLICE = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_a_loop_over_a_slice_of_the_blocks_pipelines_the_blocks_it_runs(tmp_path):
     """`self.blocks[0](x)`, a loop over `self.blocks[1:-1]`, `self.blocks[-1](x)`: the stages cut
     the loop's blocks; the first and last run with the code before and after it (the dry run
