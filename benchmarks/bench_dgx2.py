@@ -927,8 +927,8 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
   fit at 2ba4402 (29.8 GiB, 965.52 s, every layer's all-reduces over both nodes' InfiniBand), is now just over
   the budget (the recompute rows of every model rose by 0.2-1.5 GiB since 2ba4402: bisected to 0199347, which
   prices recompute over every repeated block list; T5-3B's `estimate_config` at 8 x 4, 256 micro-batches,
-  recompute: 8.207 -> 8.425 GiB, 11.07 -> 11.25 s; whether T5's two chained stacks count there as other lists
-  is not checked),
+  recompute: 8.207 -> 8.425 GiB, 11.07 -> 11.25 s; T5-3B has no other lists (both stacks are cut), so it is
+  another part of that commit, not found),
   so no Megatron-LM configuration fits, as the paper reports. Interlaced fits at every tp x pp and is fastest
   at **1 x 32 with recompute (48.19 s, 27.9 GiB)**: its vocabulary is split over all 32 devices whatever tp is,
   so its layers need no tensor parallelism (two layers a stage, no TP all-reduce), which 1F1B cannot do (at
