@@ -83,3 +83,14 @@ def test_an_init_fill_of_an_unknown_fake_weight_is_skipped_and_a_known_constant_
         known = torch.arange(4.0)
         torch.nn.init.uniform_(known)                     # a constant's values would change: run
         assert len(filled) == 1 and known.constant is None
+
+
+def test_uninitialized_memory_is_no_constant():
+    # torch.empty's values are whatever memory held: a layer's weight and bias are made so, and
+    # keeping them as constants computed them for real, then ran their init fills on the values
+    # (a deep model's parameters: a third of its build)
+    with quiet_fake_mode():
+        assert torch.empty(4).constant is None
+        assert torch.zeros(4).constant is not None        # a fill: known
+        layer = torch.nn.Linear(8, 8)
+        assert layer.bias.constant is None and layer.bias.shape == (8,)

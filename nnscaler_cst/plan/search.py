@@ -189,14 +189,15 @@ def _split_problem(graph: Graph, index: int, label: str, read_whole: dict[int, s
     whole = splits_read_size(graph, index, layouts, read_whole)
     if whole:
         return whole
-    for name, tid in graph.param_operands(index):
+    tensors = graph.trace.tensors
+    param_operands = graph.param_operands(index)
+    for name, tid in param_operands:
         layout = layouts.inputs.get(name)
         if layout is not None and layout.kind == "S":
-            problem = parameter_size_problem(graph, graph.trace.tensors[tid].param, layout.dim)
+            problem = parameter_size_problem(graph, tensors[tid].param, layout.dim)
             if problem:
                 return problem
-    params = {graph.trace.tensors[tid].param: layouts.inputs[name] for name, tid in graph.param_operands(index)
-              if name in layouts.inputs}
+    params = {tensors[tid].param: layouts.inputs[name] for name, tid in param_operands if name in layouts.inputs}
     problem = buffer_split_problem(graph, index, layouts.inputs, params)
     if problem:
         return problem
@@ -230,7 +231,7 @@ def parameter_size_problem(graph: Graph, param: str | None, dim: int) -> str | N
         return None
     rank = len(info.shape)
     dim %= max(rank, 1)
-    found = _search_cache(graph).setdefault("factory_sizes", {})
+    found = _search_table(graph, "factory_sizes")
     if (param, dim) not in found:
         span = info.ctor_span
         source = graph.sources.get(span.path)
@@ -269,7 +270,7 @@ def _operand_names(graph: Graph, index: int) -> list[str]:
 
 def _kept_operand_names(graph: Graph, index: int) -> tuple[str, ...]:
     """_operand_names, kept per graph (the search asks for each invocation's once per label)."""
-    cache = _search_cache(graph).setdefault("operand names", {})
+    cache = _search_table(graph, "operand names")
     found = cache.get(index)
     if found is None:
         found = cache[index] = tuple(_operand_names(graph, index))
@@ -289,7 +290,7 @@ def from_end(layout: Layout, ndim: int) -> Layout:
 
 def _operands_by_name(graph: Graph, index: int) -> dict[str, Operand]:
     """node.operand(name) for every name of an invocation, kept per graph."""
-    cache = _search_cache(graph).setdefault("operands by name", {})
+    cache = _search_table(graph, "operands by name")
     found = cache.get(index)
     if found is None:
         found = cache[index] = {}
@@ -303,11 +304,11 @@ def _structure(graph: Graph, index: int) -> int:
     each operand's and result's dims, its reduced labels, the ranks), numbered: a block's repeats
     have equal structures, so their layouts are derived once (thousands of invocations in a deep
     model), and a number hashes faster than the tuple."""
-    cache = _search_cache(graph).setdefault("structures", {})
+    cache = _search_table(graph, "structures")
     found = cache.get(index)
     if found is not None:
         return found
-    numbers = _search_cache(graph).setdefault("structure numbers", {})
+    numbers = _search_table(graph, "structure numbers")
     dims = graph.dims.get(index)
     names = _kept_operand_names(graph, index)
     named = _operands_by_name(graph, index)
@@ -326,7 +327,7 @@ def _signature(graph: Graph, index: int, label: str, operands: set[str], outputs
     (one call site may pass an optional mask in some instances and not in others), split dims
     counted from the end so that instances of different ranks can agree; kept per `structure`
     (_structure)."""
-    cache = _search_cache(graph).setdefault("signatures", {})
+    cache = _search_table(graph, "signatures")
     key = (structure, label, operands, outputs)
     found = cache.get(key)
     if found is None:
@@ -366,6 +367,15 @@ def _search_cache(graph: Graph) -> dict:
     return cache
 
 
+def _search_table(graph: Graph, name) -> dict:
+    """_search_cache(graph)[name], empty at first: a lookup (asked per invocation and label)."""
+    cache = _search_cache(graph)
+    found = cache.get(name)
+    if found is None:
+        found = cache[name] = {}
+    return found
+
+
 def _refined(graph: Graph) -> None:
     """refine_factors, once per graph: it runs to its fixed point, so a second run changes nothing."""
     cache = _search_cache(graph)
@@ -379,10 +389,10 @@ def _layout(graph: Graph, index: int, label: str):
     _structure (read only)."""
     cache = graph.__dict__.get("_layouts")
     if cache is None:
-        cache = graph.__dict__["_layouts"] = _search_cache(graph).setdefault("layouts", {})
+        cache = graph.__dict__["_layouts"] = _search_table(graph, "layouts")
     found = cache.get((index, label))
     if found is None:
-        shared = _search_cache(graph).setdefault("layouts by structure", {})
+        shared = _search_table(graph, "layouts by structure")
         key = (_structure(graph, index), label)
         found = shared.get(key)
         if found is None:
@@ -449,7 +459,7 @@ def _candidates_of(graph: Graph, sid: SiteId, nodes: list[int], every_size_read:
     # an invocation's candidates depend on these and on itself alone: a line taken apart into a
     # site per group of instances (_site_candidates) finds its members' already derived
     batch, read_whole = _derivation_inputs(graph, every_size_read)
-    known = _search_cache(graph).setdefault(("node candidates", every_size_read), {})
+    known = _search_table(graph, ("node candidates", every_size_read))
     groups: dict[tuple, list[int]] = {}      # instances with the same candidates (a block's repeats)
     for i in nodes:
         key = (i, splittable, operands, outputs)
@@ -717,7 +727,7 @@ def _search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
 def _constraint_answers(graph: Graph, constraint: Constraint):
     """constraint.selects and .allows, each answer kept per graph: they read only the graph, and
     --plan auto asks the same ones for every tensor-parallel size."""
-    cache = _search_cache(graph).setdefault("constraints", {})
+    cache = _search_table(graph, "constraints")
     entry = cache.get(id(constraint))
     if entry is None or entry[0] is not constraint:
         entry = cache[id(constraint)] = (constraint, {}, {}, {})
@@ -816,7 +826,7 @@ def _eliminated(graph: Graph, options, var, tables: "_Tables", uses, allowed_by,
         agreement = _agreement_key(graph, options, tables, picked)
         if not agreement:
             return None
-        answers = _search_cache(graph).setdefault("agreement_answers", {})
+        answers = _search_table(graph, "agreement_answers")
         if agreement not in answers:
             disagree = _disagreeing_sources(graph, options, tables.edges, tables.consumer_of, tables.lay, var,
                                             tables.loss_source, tables.rank_in, tables.rank_out, fixed=picked)
@@ -1062,7 +1072,7 @@ def unread_params_follow_constructor(graph: Graph, param_layout: dict[str, Layou
 
 def _partial_grad_params(graph: Graph, node_choice: dict[int, str]) -> list[str]:
     out: dict[str, None] = {}
-    cache = _search_cache(graph).setdefault("partial_grads", {})
+    cache = _search_table(graph, "partial_grads")
     for node in graph.nodes:
         key = (node.index, node_choice[node.index])
         found = cache.get(key)
@@ -1086,7 +1096,7 @@ def _partial_grads_of(graph: Graph, index: int, label: str) -> list[str]:
 
 
 def _param_operands(graph: Graph, index: int) -> list[tuple[str, int]]:
-    cache = _search_cache(graph).setdefault("param_operands", {})
+    cache = _search_table(graph, "param_operands")
     if index not in cache:
         cache[index] = graph.param_operands(index)
     return cache[index]
@@ -1352,7 +1362,7 @@ def _cost_tables(graph: Graph, options, n: int, device: DeviceSpec, data_paralle
 
     # an invocation's layouts counted from the end, per graph: every edge of an output (and every
     # solve of --plan auto) asks for the same ones
-    ends = _search_cache(graph).setdefault("ends", {})
+    ends = _search_table(graph, "ends")
 
     def have_of(u: int, label: str, k: int) -> Layout:
         found = ends.get((u, label, k))

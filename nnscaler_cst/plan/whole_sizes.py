@@ -159,13 +159,20 @@ def _unpacked_dims(source, assign: cst.Assign, rank: int) -> set[int | None]:
 def splits_read_size(graph: Graph, index: int, lay: ChoiceLayouts, read: dict[int, set[int | None]]) -> str | None:
     """Why this layout would split a dim whose full size a call reads, or None."""
     node = graph.nodes[index]
-    held = [(lay.outputs[k], tid) for k, tid in enumerate(node.outputs) if k < len(lay.outputs)]
-    held += [(lay.inputs[op.name], op.tid) for op in node.operands if op.tid is not None and op.name in lay.inputs]
-    for layout, tid in held:
+    # (asked per invocation and candidate split: most tensors have no size read, so look those up first)
+    for k, tid in enumerate(node.outputs):
         dims = read.get(tid)
-        if dims and layout.kind == "S" and (ANY_DIM in dims or layout.dim in dims):
-            return f"it would split dim {layout.dim} of a tensor whose full size the source reads"
+        if dims and k < len(lay.outputs) and _splits_read(lay.outputs[k], dims):
+            return f"it would split dim {lay.outputs[k].dim} of a tensor whose full size the source reads"
+    for op in node.operands:
+        dims = read.get(op.tid) if op.tid is not None else None
+        if dims and op.name in lay.inputs and _splits_read(lay.inputs[op.name], dims):
+            return f"it would split dim {lay.inputs[op.name].dim} of a tensor whose full size the source reads"
     return None
+
+
+def _splits_read(layout, dims: set[int | None]) -> bool:
+    return layout.kind == "S" and (ANY_DIM in dims or layout.dim in dims)
 
 
 def splits_a_read_size(graph: Graph, node_choice: dict[int, str]) -> bool:

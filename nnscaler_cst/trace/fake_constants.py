@@ -12,10 +12,11 @@ the output too (minutes for a CNN at its own image size).
 `SmallConstants` (a TorchFunctionMode under the FakeTensorMode) makes the result of a call all
 of whose tensor arguments are such constants (or that has none: a factory) a constant too,
 computed for real, when it is small, on the CPU, needs no gradient, and drew no random
-numbers. Everything else stays fake. It never changes what a call computes, only whether its
-values are known. The one call it does not run is a `torch.nn.init` fill of a fake tensor
-whose values are unknown (a new layer's weight): it would compute values nobody can read, and
-a model's thousands of them took a fifth of its build.
+numbers, and is no factory of uninitialized memory (`torch.empty`: a new layer's weight and
+bias, whose values nobody can know). Everything else stays fake. It never changes what a call
+computes, only whether its values are known. The one call it does not run is a `torch.nn.init`
+fill of a fake tensor whose values are unknown (a new layer's weight): it would compute values
+nobody can read, and a model's thousands of them took a fifth of its build.
 
 torch's private fake-tensor API (`constant`, its storage mapping, unset_fake_temporarily) is
 used here only.
@@ -34,6 +35,11 @@ MAX_CONSTANT_NUMEL = 4096
 _INIT_FILLS = frozenset(f for name, f in vars(torch.nn.init).items()
                         if callable(f) and name.endswith("_") and not name.startswith("_"))
 
+# Factories of uninitialized memory: no values to know (computing a layer's small bias for real,
+# then its init fill on the values, was a third of a deep model's build)
+_UNINITIALIZED = frozenset({torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty,
+                            torch.Tensor.new_empty_strided})
+
 
 class SmallConstants(TorchFunctionMode):
     def __init__(self, fake_mode: FakeTensorMode):
@@ -47,7 +53,7 @@ class SmallConstants(TorchFunctionMode):
             if isinstance(filled, FakeTensor) and filled.constant is None:
                 return filled
         out = func(*args, **kwargs)
-        if getattr(func, "__name__", "").endswith("_") or not self._small(out):
+        if func in _UNINITIALIZED or getattr(func, "__name__", "").endswith("_") or not self._small(out):
             return out          # an in-place call, a large result: fake
         # (a call that is not in place leaves its operands' constants as they were)
         tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
