@@ -151,6 +151,7 @@ class _Blocks:
     why_no_blocks: str | None = None
     recompute_problem: str | None = None
     input_bytes: float = 0.0            # a block's tensor inputs that need gradients (the hidden state)
+    shared_input_bytes: float = 0.0     # ... that every block reads (an encoder's output): kept once
     ranges: dict[int, list[tuple[int, int]]] = field(default_factory=dict)   # stages -> block ranges
     passes: int = 1                     # how often the forward runs the trunk (recycling: 3F1B)
     # the blocks of the other lists --recompute checkpoints (plan/recompute.py other_lists): each op's
@@ -214,10 +215,11 @@ def _blocks(graph: Graph) -> _Blocks:
         recompute_site(graph)
     except UserError as exc:
         problem = exc.message
-    inputs = float(block_activations(graph).inputs) if problem is None else 0.0
+    kept = block_activations(graph) if problem is None else None
     others = block_of_other_lists(graph) if problem is None else {}
-    cache["blocks"] = _Blocks(len(cut), region, flops, pro, epi, None, problem, inputs, passes=passes,
-                              checkpointed=others, checkpoint_inputs=other_block_inputs(graph) if others else {})
+    cache["blocks"] = _Blocks(len(cut), region, flops, pro, epi, None, problem, float(kept.inputs) if kept else 0.0,
+                              float(kept.shared_inputs) if kept else 0.0, passes=passes, checkpointed=others,
+                              checkpoint_inputs=other_block_inputs(graph) if others else {})
     return cache["blocks"]
 
 
@@ -1030,9 +1032,10 @@ def _stage_times(config: Config, cost: _Regions, blocks: _Blocks, cluster: Clust
     ranks, length = _ranks(config.schedule, pp)
     fraction = 1.0 / (dp * micro)                 # of the traced batch, per micro-batch
     pp_link = _link(cluster, tp * dp, pp)
-    hidden = blocks.input_bytes / (tp if config.sequence_parallel else 1)
+    hidden, shared = (b / (tp if config.sequence_parallel else 1) for b in (blocks.input_bytes, blocks.shared_input_bytes))
     st = _stages(cost, blocks, length)
-    hand_off = pp_link.latency + fraction * hidden / pp_link.bandwidth if pp > 1 else 0.0
+    # a stage hands on what its blocks read: the hidden state and what every block reads
+    hand_off = pp_link.latency + fraction * (hidden + shared) / pp_link.bandwidth if pp > 1 else 0.0
     # each call's hidden state all-reduced over its step's tp x pp devices, whose slowest link is the pipeline's
     shares = sum(all_reduce_time(fraction * h, tp * pp, pp_link) for h in cost.shared_hidden) if pp > 1 else 0.0
     chunk, kept = [], []
@@ -1040,7 +1043,7 @@ def _stage_times(config: Config, cost: _Regions, blocks: _Blocks, cluster: Clust
         seconds = fraction * st.bw[s] + st.fx[s] + shares
         if config.recompute:
             seconds += fraction * st.forward_bw[s] + st.forward_fx[s]
-            saved = st.saved_outside_blocks[s] + st.blocks[s] * hidden
+            saved = st.saved_outside_blocks[s] + st.blocks[s] * hidden + (shared if st.blocks[s] else 0.0)
         else:
             saved = st.saved[s]
         seconds += st.sends[s] * hand_off        # one send each way per neighbour, per micro-batch

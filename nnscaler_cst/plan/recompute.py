@@ -27,8 +27,10 @@ class BlockActivations:
     container: str       # module path of the blocks' container: transformer.h
     blocks: int          # how many blocks it holds
     saved: int           # bytes a block keeps from forward to backward without recompute
-    inputs: int          # bytes a block keeps with recompute: its tensor inputs only
+    inputs: int          # bytes a block keeps with recompute: its tensor inputs only (the hidden state)
     rebuilt: int         # bytes its recompute holds at once in backward (one block's activations)
+    shared_inputs: int = 0   # inputs the later blocks read too (an encoder's output every decoder
+    #                          block cross-attends to): kept once, whatever the number of blocks
 
     def kept(self, recompute: bool) -> int:
         """Bytes one block holds between its forward and its backward."""
@@ -169,11 +171,23 @@ def block_activations(graph: Graph) -> BlockActivations:
     saved = int(sum(saved_bytes(n, trace) for n in inside))
     mine = {n.index for n in inside}
     passed = {t for n in inside for t in n.inputs if trace.tensors[t].producer not in mine
-              and trace.tensors[t].param is None and trace.tensors[t].buffer is None}
+              and trace.tensors[t].param is None and trace.tensors[t].buffer is None
+              and trace.tensors[t].requires_grad}
     # what the checkpoint keeps: the hidden state handed in (masks and position tables that need
-    # no gradient are kept once for all blocks, not per block)
-    inputs = sum(trace.tensors[t].nbytes for t in passed if trace.tensors[t].requires_grad)
-    return BlockActivations(trunk.container, len(trunk.blocks), saved, inputs, saved)
+    # no gradient are kept once for all blocks, not per block); a tensor the next block reads too
+    # is one tensor kept for all of them
+    later = _read_by_later_blocks(graph, trunk.blocks, passed)
+    inputs = sum(trace.tensors[t].nbytes for t in passed - later)
+    shared = sum(trace.tensors[t].nbytes for t in later)
+    return BlockActivations(trunk.container, len(trunk.blocks), saved, inputs, saved, shared)
+
+
+def _read_by_later_blocks(graph: Graph, blocks: list[str], tensors: set[int]) -> set[int]:
+    """Those of `tensors` that an op of another block of the list reads."""
+    block_of = node_blocks(graph, blocks)
+    first = min(block_of.values(), default=0)
+    return {t for node in graph.nodes if block_of.get(node.index, first) != first
+            for t in node.inputs if t in tensors}
 
 
 def recompute_seconds(graph: Graph, split_ways: int, device: DeviceSpec) -> float:
