@@ -816,6 +816,13 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
    load (fake dispatch, about 0.2 ms an op, 11,000 of them in the build), the split candidates 2.3 s (per
    invocation: `_split_problem` reads the invocation's own size arguments, read sizes and parameters, so a
    block's repeats cannot share it without proving those equal), the rest of the search 1.6 s.
+   Since (96811d7): `torch.empty`'s values are no constant in SmallConstants' mode (every small bias and norm
+   weight, 64 of an Evoformer block's 93 parameters, was made for real with the random state read twice, and
+   its init fill then ran on the values in FakeTensorMode's uncached path); an Evoformer block's build under
+   fake tensors 36.5 -> 22.6 ms. The candidate loop's table lookups make no dict per call. AlphaFold2's `plan`
+   with nothing else running (load 0.8-1.7): 10.3, 10.5, 10.8 s wall (10.4-10.9 s CPU), 0.63 GB; just over
+   10 s still. What is left is torch's (fake dispatch: 4,883 `empty` and 4,883 `detach` in the build, 0.13
+   and 0.09 ms each, 5,888 ops in the forward; 1.7 s of imports) or per invocation (115,647 candidate splits).
 2. **Strided Conv2d was priced at 2 million times its FLOPs** (fixed in 211686f, before this run): plan/cost.py
    `node_flops` counts a conv's c·kh·kw from its weight; `Conv2d(3, 512, 4, stride=4)` on (256, 3, 1536, 1536)
    is 1.86e12 FLOPs. The Swin entry still embeds its patches with reshape + Linear (same FLOPs).
