@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -65,3 +66,40 @@ def test_a_model_that_names_float32_gets_no_float64_run(project, tmp_path):
             assert _run(project, str(tmp_path), forks).compare(TIGHT, float64=True) == (None, {})
     finally:
         shutil.copy(REPO / "fixtures" / "mlp.py", entry)
+
+
+NAMES_FLOAT32 = '''
+import torch
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        grid = torch.arange(8).float()          # as RAFT's coordinate grid: float32 whatever the weights
+        return self.fc(grid * x.float()).pow(2).mean()
+
+
+def build():
+    return Model()
+
+
+def example_inputs():
+    return (torch.randn(4, 8),)
+'''
+
+
+def test_a_model_that_names_float32_has_its_rounding_measured_by_another_order(tmp_path):
+    """Without a float64 run there was no yardstick for the reference's own rounding, and an
+    ill-conditioned float32 model was called wrong: torchvision's RAFT at TP=2 (its feature
+    encoder's weight gradients 1.4% off, as far as one thread against two moves them in one process).
+    The reference now measures its rounding by the same step in another order."""
+    (tmp_path / "entry.py").write_text(NAMES_FLOAT32)
+    done = subprocess.run([sys.executable, str(equivalence.WORKER), "reference", str(tmp_path / "entry.py"),
+                           str(tmp_path), "--steps", "1"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    ref = torch.load(tmp_path / "reference.pt")
+    assert ref["exact_grads"] is None                      # it does not run in float64
+    assert set(ref["reordered_grads"]) == set(ref["grads"]) == {"fc.weight", "fc.bias"}
