@@ -926,22 +926,24 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
   every rank until the owner reaches it (the notes' "calls at").
 - **T5 at the artifact's setting** (2,048,000 tokens, hidden 6144): as the paper says, Megatron-LM's 1F1B + TP
   does not fit: no pipeline of 2 to 32 stages, tp, micro-batch count, sequence parallelism, recompute or stage
-  cut brings its table's stages under 32 GB (16 x 2 + recompute + SP, searched cut, 31.7 GiB at 101.82 s, is
+  cut brings its table's stages under 32 GB (16 x 2 + recompute + SP, searched cut, 31.6 GiB at 101.82 s, is
   the nearest), because 1F1B keeps the whole table (12.6 billion parameters, 16 bytes of state each: fp32
   weights and gradients and AdamW's two moments, the same 16 bytes as Megatron-LM's fp16 weights and
   gradients plus fp32 masters and moments) on the first stage, the stage that calls the decoder's embedding
-  and the last stage (Megatron-LM's T5 keeps it there too). TP 32 without a pipeline (+ SP + recompute), which
-  fit at 2ba4402 (29.8 GiB, 965.52 s, every layer's all-reduces over both nodes' InfiniBand), is now just over
-  the budget (the recompute rows of every model rose by 0.2-1.5 GiB since 2ba4402: bisected to 0199347, which
-  prices recompute over every repeated block list; T5-3B's `estimate_config` at 8 x 4, 256 micro-batches,
-  recompute: 8.207 -> 8.425 GiB, 11.07 -> 11.25 s; T5-3B has no other lists (both stacks are cut), so it is
-  another part of that commit, not found),
-  so no Megatron-LM configuration fits, as the paper reports. Interlaced fits at every tp x pp and is fastest
-  at **1 x 32 with recompute (48.19 s, 27.9 GiB)**: its vocabulary is split over all 32 devices whatever tp is,
+  and the last stage (Megatron-LM's T5 keeps it there too). The one Megatron-LM configuration that fits is TP 32
+  without a pipeline + SP + recompute (29.8 GiB, 965.52 s: every layer's all-reduces over both nodes'
+  InfiniBand), so interlaced is **20.03x** faster here. From 0199347 to f1e8ca8 it was priced just over the
+  budget: the recompute rows of every model rose by 0.2-1.5 GiB, because find_trunk's new tie-break (equal
+  lists broken by weights) made T5's decoder the representative list, and `block_activations` counted the
+  encoder's output, which every decoder block reads, once per block (T5-3B's `estimate_config` at 8 x 4, 256
+  micro-batches, recompute: 8.207 -> 8.425 GiB); a checkpoint holds a reference to it, one tensor for all
+  blocks, and since f1e8ca8 it is counted once (8.222 GiB; T5-3B's 1F1B + TP + recompute row 1.9 -> 1.7 GiB).
+  No 1F1B pipeline fits, as the paper reports. Interlaced fits at every tp x pp and is fastest
+  at **1 x 32 with recompute (48.19 s, 27.2 GiB)**: its vocabulary is split over all 32 devices whatever tp is,
   so its layers need no tensor parallelism (two layers a stage, no TP all-reduce), which 1F1B cannot do (at
   1 x 32 its last stage's head alone, a 2,048,000-wide matmul on one device, takes longer than the rest of a
   stage). `--plan auto --devices 32` finds this plan on its own since 19b7ba2 (45.10 s by its analytic price,
-  27.95 GiB; the walk's 48.19 s and 27.90 GiB). In this run (82f6361) it fit nothing: its analytic memory gave
+  27.95 GiB; the walk's 48.19 s and 27.90 GiB; this run's walk: 27.2 GiB). At 82f6361 it fit nothing: its analytic memory gave
   the plan 31.1 GiB (stage 0: 31.09 against the walk's 27.88 GiB, stage 1: 30.75 / 26.22, stage 31: 25.12 /
   25.14, `estimate_config` against plan/interlaced.py `price`). The two accountings differed in two terms:
   auto's `_stage_times` kept a stage's block activations for 1F1B's D - i micro-batches in flight, where the
@@ -958,7 +960,9 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
   analytic price), and also at 128,000 to 512,000, where its own 1F1B prices use the FLOP-balanced cut only
   and its interlaced price is 8% under the walk's (within the issue's 10%, enough to turn the choice); at
   32,000 it chooses the table's best, 1F1B + TP + SP at 4 x 8 (31.39 s). The "fits nothing" of the f41f212
-  run was the 2,048,000 row (above), not 1,024,000; since 19b7ba2 auto chooses interlaced there too. **The term that decides is memory**: 1F1B's step at 4 x 8 grows from 31.39 s to 38.70 s
+  run was the 2,048,000 row (above), not 1,024,000; since 19b7ba2 auto chooses interlaced there too (45.10 s).
+  The sweep prices pipelines only (tp x pp from 1 x 32 to 16 x 2): at 2,048,000 it finds no 1F1B, where the
+  section above finds TP 32 without a pipeline (965.52 s). **The term that decides is memory**: 1F1B's step at 4 x 8 grows from 31.39 s to 38.70 s
   over those vocabularies; at 1,024,000 the table's stages (25 GB of state at tp 4 each, plus a block, plus
   the head's logits on the last) no longer fit at 4 x 8 under any cut the search tried, and the next
   fitting shape, 16 x 2, pays tp 16's all-reduces. Interlaced's step grows only from 41.44 s to 48.19 s
