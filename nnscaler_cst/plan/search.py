@@ -15,6 +15,7 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import libcst as cst
 import z3
@@ -155,66 +156,69 @@ def runs_unlike_layers(graph: Graph, span) -> bool:
     return span in cache["unlike_lines"]
 
 
-def option_valid(graph: Graph, index: int, label: str, n: int, local_batch: dict[int, tuple[str, int]],
-                 read_whole: dict[int, set]) -> str | None:
-    """Why `label` cannot split this invocation n ways, or None when it can. `local_batch`:
-    each op's batch label and the number of slices data parallelism and micro-batches cut it in;
-    `read_whole`: the tensor dims whose full size the source reads."""
-    dims = graph.dims[index]
-    size = dims.sizes().get(label)
-    batch_label, slices = local_batch.get(index, (None, 1))
-    if size is not None and label == batch_label:
-        size //= slices
-    return _divides(size, n) or _split_problem(graph, index, label, read_whole)
-
-
 def _divides(size: int | None, n: int) -> str | None:
     if size is None or size % n:
         return f"a dim of size {size} is not divisible by {n} devices"
     return None
 
 
-def _split_problem(graph: Graph, index: int, label: str, read_whole: dict[int, set]) -> str | None:
-    """What rules a split by `label` out whatever the number of devices: a size argument or a
-    size the source reads that it would make wrong, a whole operand it would add once per device."""
+def _split_problems(graph: Graph, index: int, labels: list[str], read_whole: dict[int, set]) -> list[str | None]:
+    """What rules a split by each label out whatever the number of devices: a size argument or a
+    size the source reads that it would make wrong, a whole operand it would add once per device.
+    (Asked for every invocation and label of a model: AlphaFold2's 115,647; what does not depend
+    on the label is looked up once.)"""
+    if labels == [REPLICATE]:       # (an invocation with no rule)
+        return [None]
     dims = graph.dims[index]
     node = graph.nodes[index]
-    if node.callee in SIZE_ARGUMENTS:
-        out = layouts_for(dims, label, []).outputs
-        if out and out[0].kind == "S":
-            problem = locate_size_argument(graph, node, out[0].dim)
-            if isinstance(problem, str):
-                return problem
-    layouts = _layout(graph, index, label)
-    whole = splits_read_size(graph, index, layouts, read_whole)
-    if whole:
-        return whole
     tensors = graph.trace.tensors
+    sized = node.callee in SIZE_ARGUMENTS
+    reads = any(t in read_whole for t in node.outputs) or any(
+        op.tid in read_whole for op in node.operands if op.tid is not None)
+    buffers = any(tensors[op.tid].buffer is not None for op in node.operands if op.tid is not None)
     param_operands = graph.param_operands(index)
-    for name, tid in param_operands:
-        layout = layouts.inputs.get(name)
-        if layout is not None and layout.kind == "S":
-            problem = parameter_size_problem(graph, tensors[tid].param, layout.dim)
-            if problem:
-                return problem
-    params = {tensors[tid].param: layouts.inputs[name] for name, tid in param_operands if name in layouts.inputs}
-    problem = buffer_split_problem(graph, index, layouts.inputs, params)
-    if problem:
-        return problem
-    bias = graph.partial_bias(index) if label in dims.reduced else None
-    if bias is not None and node.operand(bias) is not None and node.operand(bias).tid is not None and \
-            not graph.result_wrappable(node):
-        # the rewrite adds the bias to the reduced result (materialize/edits.py _check_biases_added)
-        return "its bias is added once after its partial sums are reduced, and its result is stored or unpacked " \
-               "where it is made, so the reduction cannot be written on it"
     rule = graph.node_rule.get(index)
-    # a derived partial sum was probed with every other operand whole: none is added twice
-    if label in dims.reduced and label not in dims.impl and not (rule is not None and rule.name == "derived"):
-        bias = graph.partial_bias(index)
-        for name, tensor in dims.inputs.items():
-            if label not in tensor.labels() and name != bias and graph.trace.tensors[tensor.tid].shape:
-                return f"splitting {label} would add {name} once per device"
-    return None
+    bias = graph.partial_bias(index)
+    structure = _structure(graph, index)
+    layouts_of = _search_table(graph, "layouts by structure")      # (_layout's, looked up here first)
+
+    def problem(label: str) -> str | None:
+        if sized:
+            out = layouts_for(dims, label, []).outputs
+            if out and out[0].kind == "S":
+                found = locate_size_argument(graph, node, out[0].dim)
+                if isinstance(found, str):
+                    return found
+        layouts = layouts_of.get((structure, label)) or _layout(graph, index, label)
+        if reads:
+            whole = splits_read_size(graph, index, layouts, read_whole)
+            if whole:
+                return whole
+        for name, tid in param_operands:
+            layout = layouts.inputs.get(name)
+            if layout is not None and layout.kind == "S":
+                found = parameter_size_problem(graph, tensors[tid].param, layout.dim)
+                if found:
+                    return found
+        if buffers:
+            params = {tensors[tid].param: layouts.inputs[name] for name, tid in param_operands if name in layouts.inputs}
+            found = buffer_split_problem(graph, index, layouts.inputs, params)
+            if found:
+                return found
+        if label not in dims.reduced:
+            return None
+        if bias is not None and node.operand(bias) is not None and node.operand(bias).tid is not None and \
+                not graph.result_wrappable(node):
+            # the rewrite adds the bias to the reduced result (materialize/edits.py _check_biases_added)
+            return "its bias is added once after its partial sums are reduced, and its result is stored or " \
+                   "unpacked where it is made, so the reduction cannot be written on it"
+        # a derived partial sum was probed with every other operand whole: none is added twice
+        if label not in dims.impl and not (rule is not None and rule.name == "derived"):
+            for name, tensor in dims.inputs.items():
+                if label not in tensor.labels() and name != bias and tensors[tensor.tid].shape:
+                    return f"splitting {label} would add {name} once per device"
+        return None
+    return [problem(label) if label != REPLICATE else None for label in labels]
 
 
 def parameter_size_problem(graph: Graph, param: str | None, dim: int) -> str | None:
@@ -304,7 +308,9 @@ def _structure(graph: Graph, index: int) -> int:
     each operand's and result's dims, its reduced labels, the ranks), numbered: a block's repeats
     have equal structures, so their layouts are derived once (thousands of invocations in a deep
     model), and a number hashes faster than the tuple."""
-    cache = _search_table(graph, "structures")
+    cache = graph.__dict__.get("_structures")     # (asked per invocation and label: no call to find it)
+    if cache is None:
+        cache = graph.__dict__["_structures"] = _search_table(graph, "structures")
     found = cache.get(index)
     if found is not None:
         return found
@@ -347,15 +353,15 @@ def _derived_signature(graph: Graph, index: int, label: str, operands: set[str],
     return ins, outs
 
 
-@dataclass(frozen=True)
-class _Candidate:
-    """One way to split one invocation, with what does not depend on the number of devices."""
+class _Candidate(NamedTuple):
+    """One way to split one invocation, with what does not depend on the number of devices (a
+    tuple: a model's candidates are made and hashed by the hundred thousand)."""
 
     label: str
     signature: tuple
     size: int | None             # the label's traced (global) size
     batch: bool                  # the label is this op's batch dim (data parallelism divides it)
-    problem: str | None          # _split_problem's answer
+    problem: str | None          # _split_problems' answer
 
 
 def _search_cache(graph: Graph) -> dict:
@@ -369,11 +375,10 @@ def _search_cache(graph: Graph) -> dict:
 
 def _search_table(graph: Graph, name) -> dict:
     """_search_cache(graph)[name], empty at first: a lookup (asked per invocation and label)."""
-    cache = _search_cache(graph)
-    found = cache.get(name)
-    if found is None:
-        found = cache[name] = {}
-    return found
+    try:
+        return graph.__dict__["_search_cache"][name]
+    except KeyError:
+        return _search_cache(graph).setdefault(name, {})
 
 
 def _refined(graph: Graph) -> None:
@@ -460,6 +465,7 @@ def _candidates_of(graph: Graph, sid: SiteId, nodes: list[int], every_size_read:
     # site per group of instances (_site_candidates) finds its members' already derived
     batch, read_whole = _derivation_inputs(graph, every_size_read)
     known = _search_table(graph, ("node candidates", every_size_read))
+    signatures = _search_table(graph, "signatures")     # (_signature's, looked up here first)
     groups: dict[tuple, list[int]] = {}      # instances with the same candidates (a block's repeats)
     for i in nodes:
         key = (i, splittable, operands, outputs)
@@ -470,10 +476,10 @@ def _candidates_of(graph: Graph, sid: SiteId, nodes: list[int], every_size_read:
             sizes = graph.dims[i].sizes() if derived else {}
             structure = _structure(graph, i)
             candidates = known[key] = tuple(
-                _Candidate(label, _signature(graph, i, label, operands, outputs, structure), sizes.get(label),
-                           label == batch.get(i),
-                           _split_problem(graph, i, label, read_whole) if label != REPLICATE else None)
-                for label in labels)
+                _Candidate(label, signatures.get((structure, label, operands, outputs)) or
+                           _signature(graph, i, label, operands, outputs, structure), sizes.get(label),
+                           label == batch.get(i), problem)
+                for label, problem in zip(labels, _split_problems(graph, i, labels, read_whole)))
         groups.setdefault(candidates, []).append(i)
     return nodes, list(groups.items())
 
@@ -730,7 +736,9 @@ def _constraint_answers(graph: Graph, constraint: Constraint):
     cache = _search_table(graph, "constraints")
     entry = cache.get(id(constraint))
     if entry is None or entry[0] is not constraint:
-        entry = cache[id(constraint)] = (constraint, {}, {}, {})
+        # constraints selecting alike (`params = "matrix"`) share the answers of `selects`
+        selected = _search_table(graph, "selections").setdefault(repr(constraint.select), {})
+        entry = cache[id(constraint)] = (constraint, selected, {}, {})
     _, selected, allowed, by_site = entry
 
     def selects(index: int) -> bool:

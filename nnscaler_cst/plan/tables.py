@@ -281,12 +281,13 @@ def _residual_labels(graph: Graph) -> dict[int, frozenset[str]]:
 
 def leaves_partial_param_grad(graph: Graph, index: int, label: str) -> bool:
     """A split that keeps a weight whole leaves each device with part of its gradient."""
-    if label == REPLICATE:
+    params = graph.param_operands(index)
+    if label == REPLICATE or not params:      # (asked for every op and label: most hold no weight)
         return False
     dims = graph.dims[index]
     bias = graph.partial_bias(index) if label in dims.reduced or label in dims.impl else None
     return any(name != bias and (name not in dims.inputs or dims.inputs[name].where(label) is None)
-               for name, _ in graph.param_operands(index))
+               for name, _ in params)
 
 
 @dataclass

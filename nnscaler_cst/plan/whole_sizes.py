@@ -26,6 +26,7 @@ def dims_read_whole(graph: Graph, every_read: bool = False) -> dict[int, set[int
     at_span = {n.span: n for n in graph.nodes if n.span is not None}
     handed_back = _handed_back(graph) if every_read else {}
     out: dict[int, set[int | None]] = defaultdict(set)
+    innermost: dict = {}
     for span, tid, dim in graph.trace.size_queries:
         # `key.float().reshape(*key.shape[:-1], -1, 2)` on a float32 key: float() hands key back,
         # so the trace sees the view's own input read, but the source reads `key`, which the
@@ -38,9 +39,12 @@ def dims_read_whole(graph: Graph, every_read: bool = False) -> dict[int, set[int
             for t in (tid, *earlier):
                 out[t].update(dims)
             continue
-        around = [s for s in at_span if s != span and s.contains(span)]
-        # the innermost call around the read: it starts last, and of those ends first
-        consumer = max(around, key=lambda s: (s.line, s.col, -s.end_line, -s.end_col), default=None)
+        consumer = innermost.get(span, span)
+        if consumer is span:      # (a block's repeats read their sizes at one span: found once)
+            around = [s for s in at_span if s != span and s.contains(span)]
+            # the innermost call around the read: it starts last, and of those ends first
+            consumer = innermost[span] = max(around, key=lambda s: (s.line, s.col, -s.end_line, -s.end_col),
+                                             default=None)
         if consumer is None and not every_read:
             continue                # assigned to a name: local is right where views use it
         view = at_span[consumer] if consumer is not None else None

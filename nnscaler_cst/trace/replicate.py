@@ -51,6 +51,14 @@ def _unprofiled():
         sys.setprofile(profiler)
 
 
+def _replaced(record, **changes):
+    """dataclasses.replace without its checks of every field: a copied block's records number in
+    the hundreds, a deep model's copies in the hundreds too."""
+    new = object.__new__(type(record))
+    new.__dict__.update(record.__dict__, **changes)
+    return new
+
+
 def candidates(model: torch.nn.Module, leaf_ids: set[int]) -> set[int]:
     """id() of the modules held in a ModuleList or nn.Sequential beside another of their class."""
     found: set[int] = set()
@@ -416,7 +424,7 @@ class Replicator:
                 return storages[s]
             for t in range(t0, t1):
                 info = tracer.tensors[t]
-                tracer.tensors[tid(t)] = dataclasses.replace(
+                tracer.tensors[tid(t)] = _replaced(
                     info, tid=tid(t), producer=node_of(info.producer),
                     storage=None if info.storage is None else (storage(info.storage[0]), info.storage[1]))
             for i in range(n0, n1):
@@ -433,7 +441,7 @@ class Replicator:
                     tracer.replays[node_of(i)] = self._moved(replay, tid, modules)
             for k in range(o0, o1):
                 op = tracer.ops[k]
-                tracer.ops.append(dataclasses.replace(op, node=node_of(op.node), inputs=[tid(t) for t in op.inputs],
+                tracer.ops.append(_replaced(op, node=node_of(op.node), inputs=[tid(t) for t in op.inputs],
                                                       outputs=[tid(t) for t in op.outputs],
                                                       writes=[(tid(a), b if b is None else tid(b)) for a, b in op.writes]))
             q0, q1 = template.queries
