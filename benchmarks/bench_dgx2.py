@@ -823,6 +823,14 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
    with nothing else running (load 0.8-1.7): 10.3, 10.5, 10.8 s wall (10.4-10.9 s CPU), 0.63 GB; just over
    10 s still. What is left is torch's (fake dispatch: 4,883 `empty` and 4,883 `detach` in the build, 0.13
    and 0.09 ms each, 5,888 ops in the forward; 1.7 s of imports) or per invocation (115,647 candidate splits).
+   Since (b914ec3): an invocation's split checks look up once what does not depend on the label (its size
+   reads, buffers, parameters, rule: plan/search.py `_split_problems`), candidates are tuples, constraints
+   selecting alike share their answers, a copied block's records are cloned without `dataclasses.replace`,
+   and a size read's enclosing call is found once per source span. Quiet (load 0.7), `/usr/bin/time
+   nnscaler-rewrite plan benchmarks/dgx2_alphafold2.py --tp 2 --dp 16 --cluster dgx2-v100x32 --precision fp16`:
+   9.48-9.95 s wall over five runs (9.1-9.6 s CPU), 0.61 GB; the fine-tune crop's entry 9.49-9.74 s; T5-3B
+   (8, 4) 7.9 s, mBART 5.4 s, Swin 2.9 s. **Every DGX-2 setting now plans under 10 s**, each plan
+   byte-identical to the base's; AlphaFold2's margin is thin (a busy machine takes it over).
 2. **Strided Conv2d was priced at 2 million times its FLOPs** (fixed in 211686f, before this run): plan/cost.py
    `node_flops` counts a conv's c·kh·kw from its weight; `Conv2d(3, 512, 4, stride=4)` on (256, 3, 1536, 1536)
    is 1.86e12 FLOPs. The Swin entry still embeds its patches with reshape + Linear (same FLOPs).

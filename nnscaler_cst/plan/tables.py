@@ -237,10 +237,13 @@ def _residual_labels(graph: Graph) -> dict[int, frozenset[str]]:
     backwards from what leaves the block, through such ops, to the operands of that shape."""
     tensors = graph.trace.tensors
     paths = sorted({p for ps in graph.blocks.values() for p in ps}, key=len)
+    outermost: dict[str, str | None] = {}      # module path -> the outermost block holding it
     members: dict[str, list[int]] = {}
     for node in graph.nodes:
         where = node.module_path or ""
-        block = next((p for p in paths if where == p or where.startswith(p + ".")), None)
+        if where not in outermost:
+            outermost[where] = next((p for p in paths if where == p or where.startswith(p + ".")), None)
+        block = outermost[where]
         if block is not None:
             members.setdefault(block, []).append(node.index)
     out: dict[int, frozenset[str]] = {}
