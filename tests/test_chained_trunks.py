@@ -169,6 +169,21 @@ def test_plan_auto_prices_stages_over_the_whole_chain(tmp_path):
     assert blocks.count == 4 and _stage_ranges(blocks, 2) == [(0, 3), (3, 4)]     # as plan_stages cuts it
 
 
+def test_the_encoder_output_is_kept_and_handed_on_only_where_decoder_blocks_read_it(tmp_path):
+    # every decoder block reads the encoder's output: the stages holding decoder blocks keep it
+    # (once, under recompute), and the cuts from where it is made to its last reader carry it;
+    # the encoder's stages neither keep nor send it (auto priced it on every stage)
+    from nnscaler_cst.plan.auto import _blocks, _regions, _stage_ranges, _stages
+    from nnscaler_cst.plan.cost import load_cluster
+    graph = analyze(_write(tmp_path)).graph
+    blocks = _blocks(graph)
+    assert _stage_ranges(blocks, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]    # enc 0, enc 1, dec 0, dec 1
+    stages = _stages(_regions(graph, blocks, None, 1, load_cluster("cpu-gloo").axis(1, 1)), blocks, 4)
+    assert stages.reads_shared == [False, False, True, True]
+    # enc 0 | enc 1: not made yet; enc 1 | dec 0 and dec 0 | dec 1: carried; each cut counts on both sides
+    assert stages.shared_sends == [0, 1, 2, 1]
+
+
 def test_recompute_checkpoints_the_blocks_of_every_list_of_the_chain(tmp_path):
     files = rewrite(analyze(_write(tmp_path)), PlanRequest(pp=2, micro_batches=2, recompute=True)).files
     text = files["model_stage0.py"]

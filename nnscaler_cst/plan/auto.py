@@ -151,7 +151,9 @@ class _Blocks:
     why_no_blocks: str | None = None
     recompute_problem: str | None = None
     input_bytes: float = 0.0            # a block's tensor inputs that need gradients (the hidden state)
-    shared_input_bytes: float = 0.0     # ... that every block reads (an encoder's output): kept once
+    shared_input_bytes: float = 0.0     # ... that every block reads (an encoder's output): kept once,
+    shared_readers: frozenset[int] = frozenset()    # by the stages holding these blocks (0-based),
+    shared_made: int = 0                # and handed on from the stage of this region (0: the prologue)
     ranges: dict[int, list[tuple[int, int]]] = field(default_factory=dict)   # stages -> block ranges
     passes: int = 1                     # how often the forward runs the trunk (recycling: 3F1B)
     # the blocks of the other lists --recompute checkpoints (plan/recompute.py other_lists): each op's
@@ -217,9 +219,13 @@ def _blocks(graph: Graph) -> _Blocks:
         problem = exc.message
     kept = block_activations(graph) if problem is None else None
     others = block_of_other_lists(graph) if problem is None else {}
+    shared = kept.shared_tensors if kept else frozenset()
+    tensors = graph.trace.tensors
+    readers = frozenset(block_of[n.index] for n in graph.nodes if n.index in block_of and shared.intersection(n.inputs))
+    made = max((region[tensors[t].producer] for t in shared if tensors[t].producer is not None), default=0)
     cache["blocks"] = _Blocks(len(cut), region, flops, pro, epi, None, problem, float(kept.inputs) if kept else 0.0,
-                              float(kept.shared_inputs) if kept else 0.0, passes=passes, checkpointed=others,
-                              checkpoint_inputs=other_block_inputs(graph) if others else {})
+                              float(kept.shared_inputs) if kept else 0.0, readers, made, passes=passes,
+                              checkpointed=others, checkpoint_inputs=other_block_inputs(graph) if others else {})
     return cache["blocks"]
 
 
@@ -896,6 +902,8 @@ class _Stages:
     partial_seconds: list[float]
     outside_params: list[float]         # of those, outside the blocks (ZeRO's root unit)
     sends: list[int]                    # hand-offs per micro-batch: to the next stage and back to the previous
+    shared_sends: list[int]             # ... of those, the ones that carry what later blocks read too
+    reads_shared: list[bool]            # a block of the stage reads it (_Blocks.shared_readers)
 
 
 def _stages(cost: _Regions, blocks: _Blocks, pp: int) -> _Stages:
@@ -928,7 +936,15 @@ def _stages(cost: _Regions, blocks: _Blocks, pp: int) -> _Stages:
                      count, int(round(sum(params.values()) + shared_held)), sum(cost.partial_seconds[r] for r in regions),
                      sum(outside.values()) + shared_held))
     columns = [list(c) for c in zip(*rows)]
-    cache[pp] = _Stages(*columns, sends=[int(s < pp - 1) + int(s > 0) for s in range(pp)])
+    # what every later block reads (an encoder's output) crosses a cut once it is made, while a block
+    # after the cut reads it (not between the encoder's stages)
+    ranges = [(0, blocks.count)] if pp == 1 else _stage_ranges(blocks, pp)     # blocks a..b-1 on each stage
+    reading = blocks.shared_readers
+    carries = [s < pp - 1 and blocks.shared_made <= b and any(i >= b for i in reading)
+               for s, (_, b) in enumerate(ranges)]
+    cache[pp] = _Stages(*columns, sends=[int(s < pp - 1) + int(s > 0) for s in range(pp)],
+                        shared_sends=[int(carries[s]) + int(s > 0 and carries[s - 1]) for s in range(pp)],
+                        reads_shared=[any(a <= i < b for i in reading) for a, b in ranges])
     return cache[pp]
 
 
@@ -1034,8 +1050,9 @@ def _stage_times(config: Config, cost: _Regions, blocks: _Blocks, cluster: Clust
     pp_link = _link(cluster, tp * dp, pp)
     hidden, shared = (b / (tp if config.sequence_parallel else 1) for b in (blocks.input_bytes, blocks.shared_input_bytes))
     st = _stages(cost, blocks, length)
-    # a stage hands on what its blocks read: the hidden state and what every block reads
-    hand_off = pp_link.latency + fraction * (hidden + shared) / pp_link.bandwidth if pp > 1 else 0.0
+    # a stage hands on the hidden state, and what every later block reads where the next stage reads it
+    hand_off = pp_link.latency + fraction * hidden / pp_link.bandwidth if pp > 1 else 0.0
+    shared_hand_off = fraction * shared / pp_link.bandwidth if pp > 1 else 0.0
     # each call's hidden state all-reduced over its step's tp x pp devices, whose slowest link is the pipeline's
     shares = sum(all_reduce_time(fraction * h, tp * pp, pp_link) for h in cost.shared_hidden) if pp > 1 else 0.0
     chunk, kept = [], []
@@ -1043,10 +1060,10 @@ def _stage_times(config: Config, cost: _Regions, blocks: _Blocks, cluster: Clust
         seconds = fraction * st.bw[s] + st.fx[s] + shares
         if config.recompute:
             seconds += fraction * st.forward_bw[s] + st.forward_fx[s]
-            saved = st.saved_outside_blocks[s] + st.blocks[s] * hidden + (shared if st.blocks[s] else 0.0)
+            saved = st.saved_outside_blocks[s] + st.blocks[s] * hidden + (shared if st.reads_shared[s] else 0.0)
         else:
             saved = st.saved[s]
-        seconds += st.sends[s] * hand_off        # one send each way per neighbour, per micro-batch
+        seconds += st.sends[s] * hand_off + st.shared_sends[s] * shared_hand_off   # each way, per neighbour
         chunk.append(seconds)
         kept.append(fraction * saved)
     stage_seconds, pipeline = pipeline_seconds(config.schedule, pp, micro, chunk)

@@ -31,6 +31,7 @@ class BlockActivations:
     rebuilt: int         # bytes its recompute holds at once in backward (one block's activations)
     shared_inputs: int = 0   # inputs the later blocks read too (an encoder's output every decoder
     #                          block cross-attends to): kept once, whatever the number of blocks
+    shared_tensors: frozenset[int] = frozenset()     # ... their tensor ids
 
     def kept(self, recompute: bool) -> int:
         """Bytes one block holds between its forward and its backward."""
@@ -179,7 +180,7 @@ def block_activations(graph: Graph) -> BlockActivations:
     later = _read_by_later_blocks(graph, trunk.blocks, passed)
     inputs = sum(trace.tensors[t].nbytes for t in passed - later)
     shared = sum(trace.tensors[t].nbytes for t in later)
-    return BlockActivations(trunk.container, len(trunk.blocks), saved, inputs, saved, shared)
+    return BlockActivations(trunk.container, len(trunk.blocks), saved, inputs, saved, shared, frozenset(later))
 
 
 def _read_by_later_blocks(graph: Graph, blocks: list[str], tensors: set[int]) -> set[int]:
