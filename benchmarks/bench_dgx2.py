@@ -946,6 +946,9 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
   encoder's output, which every decoder block reads, once per block (T5-3B's `estimate_config` at 8 x 4, 256
   micro-batches, recompute: 8.207 -> 8.425 GiB); a checkpoint holds a reference to it, one tensor for all
   blocks, and since f1e8ca8 it is counted once (8.222 GiB; T5-3B's 1F1B + TP + recompute row 1.9 -> 1.7 GiB).
+  Since 180c766 auto keeps it only on the stages whose blocks read it and hands it across a cut only from where
+  it is made to its last reader, not between the encoder's stages (T5-3B tp 8 x pp 4, 256 micro-batches,
+  recompute: 11.587 -> 11.586 s, 1.665 -> 1.649 GiB: a small term; the tables here are from f1e8ca8).
   No 1F1B pipeline fits, as the paper reports. Interlaced fits at every tp x pp and is fastest
   at **1 x 32 with recompute (48.19 s, 27.2 GiB)**: its vocabulary is split over all 32 devices whatever tp is,
   so its layers need no tensor parallelism (two layers a stage, no TP all-reduce), which 1F1B cannot do (at
