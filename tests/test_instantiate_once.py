@@ -108,3 +108,32 @@ def test_layouts_kept_per_structure_equal_each_invocations_own(fixture):
             checked += 1
     structures = len(set(search._search_cache(graph)["structure numbers"].values()))
     assert checked > len(graph.nodes) and structures < len(graph.nodes)    # some shared, as a block's repeats
+
+
+# blocks each holding a parameter built by a factory in the model file (recorded for warnings)
+GAINS = MODEL.replace("self.up = nn.Linear(d, 2 * d)", "self.up = nn.Linear(d, 2 * d)\n        self.gain = nn.Parameter(torch.ones(d))") \
+    .replace("return x + self.down(", "return x * self.gain + self.down(")
+
+
+@pytest.mark.parametrize("fixture", ["gpt.py", "evoformer.py", "vit.py", "gains"])
+def test_candidates_shared_by_alike_invocations_equal_each_invocations_own(fixture, monkeypatch, tmp_path):
+    """The search derives one candidate list per structure and _split_context (plan/search.py): the
+    sites, their groups and the warnings' record of factory-built parameters are those every
+    invocation deriving its own gives."""
+    from pathlib import Path
+    from nnscaler_cst.plan import search
+    path = Path(__file__).resolve().parents[1] / "fixtures" / fixture
+    if fixture == "gains":
+        path = tmp_path / "model.py"
+        path.write_text(GAINS)
+
+    def derived(share: bool):
+        monkeypatch.setattr(search, "SHARE_CANDIDATES", share)
+        graph = analyze(path).graph
+        found = {every: search.line_candidates(graph, every) for every in (False, True)}
+        cache = search._search_cache(graph)
+        return found, cache.get("factory_sizes"), len(cache.get(("candidates by context", False), {})), len(graph.nodes)
+    shared, sizes, contexts, nodes = derived(True)
+    own, own_sizes, _, _ = derived(False)
+    assert shared == own and sizes == own_sizes
+    assert 0 < contexts < nodes / 2       # a block's repeats share one derivation

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class DimsError(ValueError):
     """An annotation does not fit the traced shapes."""
 
 
-@dataclass(frozen=True)
-class Factor:
+class Factor(NamedTuple):
+    """One factor of a dim (a tuple: a deep model's dims are hashed by the hundred thousand)."""
+
     label: str
     size: int
 

@@ -166,7 +166,7 @@ def _split_problems(graph: Graph, index: int, labels: list[str], read_whole: dic
     """What rules a split by each label out whatever the number of devices: a size argument or a
     size the source reads that it would make wrong, a whole operand it would add once per device.
     (Asked for every invocation and label of a model: AlphaFold2's 115,647; what does not depend
-    on the label is looked up once.)"""
+    on the label is looked up once.) _split_context lists what it reads: keep the two together."""
     if labels == [REPLICATE]:       # (an invocation with no rule)
         return [None]
     dims = graph.dims[index]
@@ -221,18 +221,35 @@ def _split_problems(graph: Graph, index: int, labels: list[str], read_whole: dic
     return [problem(label) if label != REPLICATE else None for label in labels]
 
 
+def _split_context(graph: Graph, index: int, read_whole: dict[int, set]) -> tuple | None:
+    """All that _split_problems reads of an invocation besides its _structure (keep the two
+    together: a check added there reads something to add here), so that a block's repeats derive
+    their candidates once. None where it reads the call's own size arguments or buffers, or records
+    what it finds (parameters built by a factory in the model file): those derive on their own."""
+    node = graph.nodes[index]
+    dims = graph.dims.get(index)
+    tensors = graph.trace.tensors
+    if dims is None or node.callee in SIZE_ARGUMENTS or any(
+            tensors[op.tid].buffer is not None for op in node.operands if op.tid is not None) or any(
+            _factory_built(graph, tensors[tid].param) for _, tid in graph.param_operands(index)):
+        return None
+    reads = tuple((k, frozenset(read_whole[t])) for k, t in enumerate(node.outputs) if t in read_whole) + tuple(
+        (k, op.name, frozenset(read_whole[op.tid])) for k, op in enumerate(node.operands) if op.tid in read_whole)
+    rule = graph.node_rule.get(index)
+    bias = graph.partial_bias(index)
+    added = bias is not None and dims.reduced and node.operand(bias) is not None and node.operand(bias).tid is not None
+    return (node.callee, frozenset(dims.fixed), frozenset(dims.impl), rule.name if rule is not None else None, bias,
+            graph.result_wrappable(node) if added else None, reads)
+
+
 def parameter_size_problem(graph: Graph, param: str | None, dim: int) -> str | None:
     """Why splitting `param` on `dim` cannot be written at its construction, or None. A parameter
     made in the model file by a tensor factory (`nn.Parameter(init * torch.ones(n))`) is built at
     its local size by dividing the factory's size argument; where that argument cannot be found
     the parameter stays whole (and the split that needs it is not an option), with a warning."""
-    info = graph.trace.params.get(param) if param is not None else None
-    if info is None or info.ctor_span is None or graph.sources is None:
+    if not _factory_built(graph, param):
         return None
-    rule = graph.rules.ctor_for(info.module_type)
-    # without a rule, the layer is built whole and cut after build() (materialize/edits.py)
-    if rule is None or (rule.params.get(info.attr) or rule.params.get("*")) != [["*"]]:
-        return None
+    info = graph.trace.params[param]
     rank = len(info.shape)
     dim %= max(rank, 1)
     found = _search_table(graph, "factory_sizes")
@@ -250,6 +267,17 @@ def parameter_size_problem(graph: Graph, param: str | None, dim: int) -> str | N
             found[(param, dim)] = size if isinstance(size, str) else None
     problem = found[(param, dim)]
     return f"parameter {param} stays whole: {problem}" if problem else None
+
+
+def _factory_built(graph: Graph, param: str | None) -> bool:
+    """A parameter the model file makes with a tensor factory, whose size argument a split must
+    divide (parameter_size_problem); a layer without such a rule is built whole and cut after
+    build() (materialize/edits.py)."""
+    info = graph.trace.params.get(param) if param is not None else None
+    if info is None or info.ctor_span is None or graph.sources is None:
+        return False
+    rule = graph.rules.ctor_for(info.module_type)
+    return rule is not None and (rule.params.get(info.attr) or rule.params.get("*")) == [["*"]]
 
 
 def params_kept_whole(graph: Graph, param_layout: dict[str, Layout]) -> list[str]:
@@ -455,6 +483,11 @@ def _derivation_inputs(graph: Graph, every_size_read: bool) -> tuple[dict, dict]
     return cache[key]
 
 
+# Invocations whose structure and _split_context are equal share their candidates (off: each
+# derives its own; tests/test_instantiate_once.py compares the two)
+SHARE_CANDIDATES = True
+
+
 def _candidates_of(graph: Graph, sid: SiteId, nodes: list[int], every_size_read: bool):
     # an instance with no derived rule (a 1x1 window's one-row table) runs whole; the
     # site's options are those every instance has, so the others run whole too
@@ -465,21 +498,30 @@ def _candidates_of(graph: Graph, sid: SiteId, nodes: list[int], every_size_read:
     # site per group of instances (_site_candidates) finds its members' already derived
     batch, read_whole = _derivation_inputs(graph, every_size_read)
     known = _search_table(graph, ("node candidates", every_size_read))
+    alike = _search_table(graph, ("candidates by context", every_size_read))     # a block's repeats
     signatures = _search_table(graph, "signatures")     # (_signature's, looked up here first)
     groups: dict[tuple, list[int]] = {}      # instances with the same candidates (a block's repeats)
     for i in nodes:
         key = (i, splittable, operands, outputs)
         candidates = known.get(key)
         if candidates is None:
+            structure = _structure(graph, i)
+            context = _split_context(graph, i, read_whole) if SHARE_CANDIDATES else None
+            if context is not None:
+                context = (splittable, operands, outputs, structure, batch.get(i), context)
+                candidates = alike.get(context)
+        if candidates is None:
             derived = splittable and i in graph.dims
             labels = [REPLICATE, *(graph.dims[i].splittable() if derived else [])]
             sizes = graph.dims[i].sizes() if derived else {}
-            structure = _structure(graph, i)
-            candidates = known[key] = tuple(
+            candidates = tuple(
                 _Candidate(label, signatures.get((structure, label, operands, outputs)) or
                            _signature(graph, i, label, operands, outputs, structure), sizes.get(label),
                            label == batch.get(i), problem)
                 for label, problem in zip(labels, _split_problems(graph, i, labels, read_whole)))
+            if context is not None:
+                alike[context] = candidates
+        known[key] = candidates
         groups.setdefault(candidates, []).append(i)
     return nodes, list(groups.items())
 
