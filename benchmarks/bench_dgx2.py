@@ -831,6 +831,10 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
    9.48-9.95 s wall over five runs (9.1-9.6 s CPU), 0.61 GB; the fine-tune crop's entry 9.49-9.74 s; T5-3B
    (8, 4) 7.9 s, mBART 5.4 s, Swin 2.9 s. **Every DGX-2 setting now plans under 10 s**, each plan
    byte-identical to the base's; AlphaFold2's margin is thin (a busy machine takes it over).
+   Since (6376698): invocations with equal structure and split context (plan/search.py `_split_context`: a
+   block's repeats) share one candidate derivation, checked against each deriving its own
+   (tests/test_instantiate_once.py), and a dim's factors are tuples: AlphaFold2 9.20-9.78 s wall over four
+   runs (8.9-9.4 s CPU), 0.60 GB; its fine-tune crop 9.24 s; the artifact's T5 (8, 4) 8.38 s, 1.04 GB.
 2. **Strided Conv2d was priced at 2 million times its FLOPs** (fixed in 211686f, before this run): plan/cost.py
    `node_flops` counts a conv's c·kh·kw from its weight; `Conv2d(3, 512, 4, stride=4)` on (256, 3, 1536, 1536)
    is 1.86e12 FLOPs. The Swin entry still embeds its patches with reshape + Linear (same FLOPs).
