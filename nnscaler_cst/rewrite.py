@@ -101,13 +101,15 @@ def resolve_auto(analysis: Analysis, request: PlanRequest) -> PlanRequest:
     fixed = Fixed(pp=request.pp if request.pp > 1 else None, micro_batches=request.micro_batches,
                   zero=request.zero or None, recompute=True if request.recompute else None,
                   sequence_parallel=True if request.sequence_parallel else None,
-                  schedule=request.schedule if request.schedule != "1f1b" else None)
+                  schedule=request.schedule if request.schedule != "1f1b" else None,
+                  search_cuts=request.stage_cuts is None)
     choice = search_auto(analysis.graph, devices, cluster, annotations, request.memory_budget, fixed=fixed)
     config = choice.config
     return replace(request, tp=config.tp, dp=config.dp, pp=config.pp, schedule=config.schedule,
                    micro_batches=config.micro_batches if config.pp > 1 or config.micro_batches > 1 else None,
                    zero=config.zero,
-                   recompute=config.recompute, sequence_parallel=config.sequence_parallel, auto=choice)
+                   recompute=config.recompute, sequence_parallel=config.sequence_parallel,
+                   stage_cuts=list(config.cuts) if config.cuts else request.stage_cuts, auto=choice)
 
 
 def _refuse_sequence_parallel_that_moves_nothing(graph, constraints) -> None:

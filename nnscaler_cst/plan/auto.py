@@ -9,9 +9,12 @@ among those dividing the co-sharded ops' split dims per device, and the pipeline
 table (1f1b, interleaved virtual stages, Chimera's two pipelines, the interlaced vocabulary
 split; 3f1b alone where the trunk recycles). Every configuration is priced with the cost model
 (plan/cost.py) and the memory model per device (plan/memory.py) and the fastest one that fits
-the memory budget wins. Constraints prune the space before pricing (a dp dividing the batch,
-ZeRO only with dp, stages no more than blocks, micro-batches a schedule can order, a vocabulary
-the pipeline divides, a C dividing the heads, the smallest fitting C only): `space` counts
+the memory budget wins. A pipeline's stages are cut where plan/pipeline.py cuts them (FLOPs
+balanced); for the most promising 1F1B and 3F1B configurations the cut is searched too, priced
+whole (_search_cuts), and a better one goes to the rewrite as --stages would. Constraints
+prune the space before pricing (a dp dividing the batch, ZeRO only with dp, stages no more than
+blocks, micro-batches a schedule can order, a vocabulary the pipeline divides, a C dividing the
+heads, the smallest fitting C only): `space` counts
 the configurations without them.
 
 Two levels, as the splits do not depend on the rest: an op's split is chosen once per tp
@@ -71,6 +74,7 @@ class Config:
     # the forward runs the trunk several times (recycling)
     schedule: str = "1f1b"
     coshard: int = 1                    # C: pieces per device of the co-sharded ops (rules/plans/coshard.toml)
+    cuts: tuple[int, ...] = ()          # the blocks starting stages 1.. (as --stages); () the FLOP-balanced cut
 
     def describe(self) -> str:
         parts = [f"tp={self.tp}", f"dp={self.dp}", f"pp={self.pp}"]
@@ -82,6 +86,7 @@ class Config:
         parts += [f"zero={self.zero}"] if self.zero else []
         parts += ["recompute"] if self.recompute else []
         parts += ["sequence-parallel"] if self.sequence_parallel else []
+        parts += [f"stages={','.join(map(str, self.cuts))}"] if self.cuts else []
         return " ".join(parts)
 
     @property
@@ -94,7 +99,7 @@ class Config:
     def features(self) -> tuple:
         """Tie-break among equally fast plans: the one with less machinery."""
         return (self.pp, self.schedule not in ("1f1b", "3f1b"), self.coshard, self.zero, self.recompute,
-                self.sequence_parallel, self.tp, self.micro_batches)
+                self.sequence_parallel, self.tp, self.micro_batches, bool(self.cuts))
 
 
 @dataclass
@@ -160,13 +165,15 @@ class _Blocks:
     # (list, block), and what each block keeps with recompute (its inputs that need a gradient)
     checkpointed: dict[int, tuple[int, int]] = field(default_factory=dict)
     checkpoint_inputs: dict[tuple[int, int], int] = field(default_factory=dict)
+    uncut: frozenset[int] = frozenset()     # blocks no stage may start at (pipeline.uncut_points)
+    searched: bool = False              # `ranges` is a cut being searched: prices are not kept (_with_cut)
 
 
 def _blocks(graph: Graph) -> _Blocks:
     cache = _search_cache(graph)
     if "blocks" in cache:
         return cache["blocks"]
-    from .pipeline import between_passes, find_chain, find_recycle, find_trunk, node_blocks, trunk_passes
+    from .pipeline import between_passes, find_chain, find_recycle, find_trunk, node_blocks, trunk_passes, uncut_points
     from .recompute import block_activations, block_of_other_lists, other_block_inputs, recompute_site
     n = len(graph.nodes)
     try:
@@ -225,15 +232,22 @@ def _blocks(graph: Graph) -> _Blocks:
     made = max((region[tensors[t].producer] for t in shared if tensors[t].producer is not None), default=0)
     cache["blocks"] = _Blocks(len(cut), region, flops, pro, epi, None, problem, float(kept.inputs) if kept else 0.0,
                               float(kept.shared_inputs) if kept else 0.0, readers, made, passes=passes,
-                              checkpointed=others, checkpoint_inputs=other_block_inputs(graph) if others else {})
+                              checkpointed=others, checkpoint_inputs=other_block_inputs(graph) if others else {},
+                              uncut=frozenset(uncut_points(graph, chain)))
     return cache["blocks"]
 
 
 def _stage_ranges(blocks: _Blocks, stages: int) -> list[tuple[int, int]]:
     if stages not in blocks.ranges:
         from .pipeline import _balanced
-        blocks.ranges[stages] = _balanced(blocks.flops, stages, blocks.prologue_flops, blocks.epilogue_flops)
+        blocks.ranges[stages] = _balanced(blocks.flops, stages, blocks.prologue_flops, blocks.epilogue_flops,
+                                          blocks.uncut)
     return blocks.ranges[stages]
+
+
+def _with_cut(blocks: _Blocks, stages: int, ranges: list[tuple[int, int]]) -> _Blocks:
+    """`blocks` cut into `stages` at `ranges` (per stage, its blocks a..b - 1 as (a, b))."""
+    return replace(blocks, ranges={stages: ranges}, searched=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -520,6 +534,7 @@ class _Fixed:
     recompute: bool | None = None
     sequence_parallel: bool | None = None
     schedule: str | None = None
+    search_cuts: bool = True            # False: the user gave --stages
 
 
 # The pipeline schedules searched for a trunk the forward runs once (rules/plans/*.toml); a trunk
@@ -619,6 +634,8 @@ def search_auto(graph: Graph, devices: int, cluster: ClusterSpec, constraints: l
         return regions[key]
 
     estimates: list[Estimate] = []
+    twins: dict[int, Estimate] = {}     # id of an estimate at a searched cut -> the same at the FLOP-balanced cut
+    cut_families: list[tuple[int, list[Estimate], list[_Regions]]] = []    # (where in estimates, family, costs)
     evaluated = 0
     for tp in divisors(devices):
         for pp in divisors(devices // tp):
@@ -642,7 +659,7 @@ def search_auto(graph: Graph, devices: int, cluster: ClusterSpec, constraints: l
                         estimates.append(Estimate(replace(config, sequence_parallel=variant == "sequence_parallel",
                                                           coshard=2 if variant == COSHARD else 1), why_not=plan.message))
                         continue
-                    family = []
+                    family, costs = [], []
                     factors = coshard_factors(graph, plan, anchors, tp) if variant == COSHARD else [1]
                     if not factors:
                         estimates.append(Estimate(replace(config, coshard=2), why_not="no co-shard factor C > 1 "
@@ -669,13 +686,14 @@ def search_auto(graph: Graph, devices: int, cluster: ClusterSpec, constraints: l
                                                                 variant == "sequence_parallel", order, chunks),
                                                          cost, blocks_for(order), batch, cluster, budget)
                                     family.append(estimate)
+                                    costs.append(cost)
                                     if estimate.why_not is None:
                                         break
-                    feasible = [e for e in family if e.why_not is None]
-                    if feasible:
-                        estimates.append(min(feasible, key=lambda e: (e.seconds, e.config.features())))
-                    elif family:
-                        estimates.append(min(family, key=lambda e: (e.memory, e.seconds)))
+                    if family:
+                        if pp > 1 and order in ("1f1b", "3f1b") and fixed.search_cuts:
+                            cut_families.append((len(estimates), family, costs))
+                        estimates.append(_family_best(family))
+    _search_cuts(estimates, cut_families, blocks, batch, cluster, budget, twins)
     while True:
         feasible = [e for e in estimates if e.why_not is None]
         if not feasible:
@@ -685,7 +703,11 @@ def search_auto(graph: Graph, devices: int, cluster: ClusterSpec, constraints: l
                             "; ".join(f"{e.config.describe()}: {e.why_not}" for e in [*tried, *refused]),
                             hint="raise --memory-budget or use more devices")
         best = min(feasible, key=lambda e: (e.seconds, e.config.features()))
-        problem = _stages_problem(graph, best.config.pp, best.config.schedule)
+        problem = _stages_problem(graph, best.config.pp, best.config.schedule, best.config.cuts)
+        if problem is not None and best.config.cuts:     # that cut only: the FLOP-balanced one instead
+            best.why_not = problem
+            estimates.append(twins[id(best)])
+            continue
         if problem is None:
             problem = _order_problem(best.config, blocks)
             if problem is None:
@@ -765,24 +787,24 @@ def _space_size(devices: int, batch: int, blocks: _Blocks, variants: tuple[str, 
     return total
 
 
-def _stages_problem(graph: Graph, pp: int, order: str = "1f1b") -> str | None:
-    """Why the rewrite would refuse to cut the model into `pp` stages under this schedule
-    (plan_stages' own checks: module state set in code only some stages run, blocks the forward
-    runs more than once)."""
+def _stages_problem(graph: Graph, pp: int, order: str = "1f1b", cuts: tuple[int, ...] = ()) -> str | None:
+    """Why the rewrite would refuse to cut the model into `pp` stages under this schedule, at
+    `cuts` (() the FLOP-balanced cut): plan_stages' own checks (module state set in code only some
+    stages run, blocks the forward runs more than once)."""
     if pp == 1:
         return None
     cache = _search_cache(graph).setdefault("stage_problems", {})
-    if (pp, order) not in cache:
+    if (pp, order, cuts) not in cache:
         from .pipeline import plan_stages
         from .schedules import placement
         table = _table(order)
         try:
-            plan_stages(graph, pp, table.virtual_stages, placement=placement(table, pp),
+            plan_stages(graph, pp, table.virtual_stages, list(cuts) or None, placement=placement(table, pp),
                         recycling=_blocks(graph).passes > 1)
-            cache[(pp, order)] = None
+            cache[(pp, order, cuts)] = None
         except UserError as exc:
-            cache[(pp, order)] = exc.message
-    return cache[(pp, order)]
+            cache[(pp, order, cuts)] = exc.message
+    return cache[(pp, order, cuts)]
 
 
 _orders: dict = {}
@@ -907,7 +929,7 @@ class _Stages:
 
 
 def _stages(cost: _Regions, blocks: _Blocks, pp: int) -> _Stages:
-    cache = cost.__dict__.setdefault("_stages", {})
+    cache = {} if blocks.searched else cost.__dict__.setdefault("_stages", {})
     if pp in cache:
         return cache[pp]
     last = blocks.count + 1
@@ -974,7 +996,7 @@ def _estimate(config: Config, cost: _Regions, blocks: _Blocks, batch: int, clust
     ZeRO only, so each part is computed once and kept on `cost` (the same floating-point
     operations in the same order as pricing each configuration from scratch: same figures)."""
     dp, pp, micro, zero, order = config.dp, config.pp, config.micro_batches, config.zero, config.schedule
-    parts = cost.__dict__.setdefault("_parts", {})
+    parts = {} if blocks.searched else cost.__dict__.setdefault("_parts", {})
     timed = parts.get(("time", pp, dp, micro, config.recompute, order))
     if timed is None:
         timed = parts[("time", pp, dp, micro, config.recompute, order)] = _stage_times(config, cost, blocks, cluster)
@@ -1012,6 +1034,187 @@ def _estimate(config: Config, cost: _Regions, blocks: _Blocks, batch: int, clust
     if estimate.memory > budget:
         estimate.why_not = f"needs {format_bytes(estimate.memory)} per device, budget {format_bytes(budget)}"
     return estimate
+
+
+CUT_TRIES = 48          # stage cuts priced per configuration whose cut is searched (_cut_search)
+CUT_SEARCHES = 32       # configurations whose cut is searched, the most promising first (_search_cuts)
+
+
+def _rank(estimate: Estimate) -> tuple:
+    """Fitting before not, then the faster; of two that do not fit, the smaller."""
+    return (0, estimate.seconds) if estimate.why_not is None else (1, estimate.memory)
+
+
+def _cut_search(estimate: Estimate, cost: _Regions, blocks: _Blocks, batch: int, cluster: ClusterSpec,
+                budget: float, fitting: tuple[int, ...]) -> Estimate:
+    """The configuration at the best stage cut found, from the FLOP-balanced one it was priced at
+    (what plan_stages cuts without --stages): FLOPs miss what memory-bound ops cost and what a
+    stage holds (an embedding table: bytes, no FLOPs). The seeds `fitting` (_fitting_balanced) and
+    the cut balancing the stages' priced seconds, then one cut point at a time moved by 1, 2, 4 or
+    8 blocks while that fits where the cut before did not, needs less memory where neither fits, or
+    is faster; at most CUT_TRIES cuts priced. A cut other than the FLOP-balanced one is the config's `cuts`, handed to the
+    rewrite as --stages would be."""
+    config = estimate.config
+    length = _ranks(config.schedule, config.pp)[1]
+    count = blocks.count
+
+    def ranges_of(points: tuple[int, ...]) -> list[tuple[int, int]]:
+        edges = [0, *points, count]
+        return [(edges[s], edges[s + 1]) for s in range(length)]
+
+    def price(points: tuple[int, ...]) -> Estimate:
+        return _estimate(replace(config, cuts=points), cost, _with_cut(blocks, length, ranges_of(points)), batch,
+                         cluster, budget)
+    default = tuple(b for _, b in _stage_ranges(blocks, length)[:-1])
+    tried = {default: estimate}
+    best_points, best = default, estimate
+    seeds = [fitting, tuple(b for _, b in _time_balanced(config, cost, blocks, length)[:-1])]
+    for points in seeds:
+        if len(points) == length - 1 and list(points) == sorted(set(points)) and 0 < points[0] and \
+                points[-1] < count and not blocks.uncut.intersection(points) and points not in tried:
+            tried[points] = price(points)
+            if _rank(tried[points]) < _rank(best):
+                best_points, best = points, tried[points]
+    improved = True
+    while improved and len(tried) < CUT_TRIES:
+        improved = False
+        for i in range(length - 1):
+            for step in (1, -1, 2, -2, 4, -4, 8, -8):
+                moved = best_points[:i] + (best_points[i] + step,) + best_points[i + 1:]
+                edges = [0, *moved, count]
+                if moved in tried or len(tried) >= CUT_TRIES or blocks.uncut.intersection(moved) or \
+                        any(edges[s + 1] <= edges[s] for s in range(length)):
+                    continue
+                tried[moved] = price(moved)
+                if _rank(tried[moved]) < _rank(best):
+                    best_points, best, improved = moved, tried[moved], True
+    return estimate if best_points == default else best
+
+
+def _family_best(family: list[Estimate]) -> Estimate:
+    """Of a (tp, pp, schedule, variant)'s configurations, the fastest that fits, else the smallest."""
+    feasible = [e for e in family if e.why_not is None]
+    if feasible:
+        return min(feasible, key=lambda e: (e.seconds, e.config.features()))
+    return min(family, key=lambda e: (e.memory, e.seconds))
+
+
+def _lower_bound(estimate: Estimate) -> float:
+    """No stage cut makes the step faster than its micro-batches of the stages' mean seconds."""
+    return estimate.config.micro_batches * sum(estimate.stage_seconds) / len(estimate.stage_seconds)
+
+
+def _search_cuts(estimates: list[Estimate], families: list, blocks: _Blocks, batch: int, cluster: ClusterSpec,
+                 budget: float, twins: dict[int, Estimate]) -> None:
+    """The stage cut searched (_cut_search) for the pipeline configurations where a cut could win:
+    those whose lower bound beats the fastest fitting configuration found so far, most promising
+    first, CUT_SEARCHES of them at most; each family's entry in `estimates` replaced by its best after."""
+    bound = min((e.seconds for e in estimates if e.why_not is None), default=math.inf)
+    members = sorted(((_lower_bound(e), f, i) for f, (_, family, _) in enumerate(families)
+                      for i, e in enumerate(family)), key=lambda m: m[0])
+    changed, searched = set(), 0
+    for lower, f, i in members:
+        if lower >= bound or searched == CUT_SEARCHES:
+            break
+        _, family, costs = families[f]
+        fitting = _fitting_balanced(family[i], costs[i], blocks, budget)
+        if not fitting and family[i].why_not is not None:
+            continue                    # no cut fits by the rough memory either
+        searched += 1
+        found = _cut_search(family[i], costs[i], blocks, batch, cluster, budget, fitting)
+        if found is not family[i]:
+            twins[id(found)] = family[i]
+            family[i] = found
+            changed.add(f)
+        if found.why_not is None:
+            bound = min(bound, found.seconds)
+    for f in changed:
+        at, family, _ = families[f]
+        estimates[at] = _family_best(family)
+
+
+def _fitting_balanced(estimate: Estimate, cost: _Regions, blocks: _Blocks, budget: float) -> tuple[int, ...]:
+    """The cut whose slowest stage (_time_balanced's seconds) is the fastest among those whose every
+    stage fits `budget` by a rough memory: stage s of 1F1B's order keeps min(stages - s, M)
+    micro-batches of its regions' activations (with recompute, its blocks' inputs) beside its
+    parameters' state, plus what the whole memory model adds to that on stage s at the FLOP-balanced
+    cut `estimate` was priced at. A seed for _cut_search, which prices it with the whole model; ()
+    where no cut fits by that memory."""
+    config, stages, count = estimate.config, estimate.config.pp, blocks.count
+    seconds = _region_seconds(config, cost, blocks)
+    state, kept = _region_memory(config, cost, blocks)
+    sums = [[0.0], [0.0], [0.0]]                # prefix sums over the blocks (regions 1..count)
+    for r in range(1, count + 1):
+        for column, value in zip(sums, (seconds[r], state[r], kept[r])):
+            column.append(column[-1] + value)
+    time_sum, state_sum, kept_sum = sums
+    held = [min(stages - s, config.micro_batches) for s in range(stages)]
+
+    def rough(stage: int, start: int, end: int) -> float:
+        first, last = stage == 0, stage == stages - 1
+        return (state_sum[end] - state_sum[start] + (state[0] if first else 0.0) + (state[-1] if last else 0.0)
+                + held[stage] * (kept_sum[end] - kept_sum[start] + (kept[0] if first else 0.0)
+                                 + (kept[-1] if last else 0.0)))
+    ends_of = _stage_ranges(blocks, stages)
+    room = [budget - (estimate.stage_memory[s] - rough(s, *ends_of[s])) for s in range(stages)]
+    inf = math.inf
+    best = [time_sum[count] - time_sum[start] + seconds[-1] if rough(stages - 1, start, count) <= room[-1] else inf
+            for start in range(count + 1)]      # the last stage: blocks start.. and the epilogue
+    ends: list[list[int]] = []
+    for stage in range(stages - 2, -1, -1):
+        here, end_at = [inf] * (count + 1), [0] * (count + 1)
+        later = stages - stage - 1
+        extra = seconds[0] if stage == 0 else 0.0
+        for start in (range(1) if stage == 0 else range(stage, count - later)):
+            for end in range(start + 1, count - later + 1):
+                if end in blocks.uncut:
+                    continue
+                if rough(stage, start, end) > room[stage]:
+                    break                       # longer stages hold more
+                worst = max(time_sum[end] - time_sum[start] + extra, best[end])
+                if worst < here[start]:
+                    here[start], end_at[start] = worst, end
+        best = here
+        ends.append(end_at)
+    if best[0] == inf:
+        return ()
+    ends.reverse()
+    points, start = [], 0
+    for stage in range(stages - 1):
+        start = ends[stage][start]
+        points.append(start)
+    return tuple(points)
+
+
+def _region_memory(config: Config, cost: _Regions, blocks: _Blocks) -> tuple[list[float], list[float]]:
+    """Each region's rough bytes (_fitting_balanced): its parameters' state, and what one micro-batch
+    keeps of its activations (with recompute, a block's inputs)."""
+    fraction = 1.0 / (config.dp * config.micro_batches)
+    per_element = state_bytes_per_device(10 ** 6, config.zero, config.dp).total / 10 ** 6
+    elements = cost.__dict__.get("_region_elements")
+    if elements is None:
+        elements = cost.__dict__["_region_elements"] = [sum(p.values()) for p in cost.params]
+    count = blocks.count
+    return ([e * per_element for e in elements],
+            [fraction * (blocks.input_bytes if config.recompute and 0 < r <= count else cost.saved[r])
+             for r in range(count + 2)])
+
+
+def _region_seconds(config: Config, cost: _Regions, blocks: _Blocks) -> list[float]:
+    """Each region's seconds per micro-batch (_stage_times' terms but the hand-offs every stage pays)."""
+    fraction = 1.0 / (config.dp * config.micro_batches)
+    seconds = [fraction * cost.bw[r] + cost.fx[r] for r in range(blocks.count + 2)]
+    if config.recompute:
+        seconds = [t + fraction * cost.forward_bw[r] + cost.forward_fx[r] for r, t in enumerate(seconds)]
+    return seconds
+
+
+def _time_balanced(config: Config, cost: _Regions, blocks: _Blocks, stages: int) -> list[tuple[int, int]]:
+    """The cut whose stages' priced seconds per micro-batch (_stage_times' per-region terms, without
+    the hand-offs every stage pays alike) have the least maximum."""
+    seconds = _region_seconds(config, cost, blocks)
+    from .pipeline import _balanced
+    return _balanced(seconds[1:-1], stages, seconds[0], seconds[-1], blocks.uncut)
 
 
 def _block_maxima(cost: _Regions, blocks: _Blocks) -> tuple[float, float]:
@@ -1203,4 +1406,8 @@ def estimate_config(graph: Graph, config: Config, cluster: ClusterSpec, constrai
         anchors = {i for i in range(len(graph.nodes)) if chunks_for(rules, graph, i) != 1}
         cost = _coshard_regions(graph, blocks, cost, plan, anchors, config.coshard, config.tp,
                                 cluster.axis(1, config.tp))
+    if config.cuts:
+        length = _ranks(config.schedule, config.pp)[1]
+        edges = [0, *config.cuts, blocks.count]
+        blocks = _with_cut(blocks, length, [(edges[s], edges[s + 1]) for s in range(length)])
     return _estimate(config, cost, blocks, graph.trace.batch_size or 1, cluster, budget)

@@ -1364,10 +1364,7 @@ def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | No
             epi += flops
         elif chain:                # between two trunks: on the stage of the block before
             cost[previous] += flops
-    # a trunk whose code before its loop reads its own blocks (`self.layers[0].self_attn.batch_first`
-    # in nn.TransformerDecoder) runs that code on a stage holding its first block: no cut at its start
-    uncut = {sum(len(t.blocks) for t in chain[:i]): reads for i, t in enumerate(chain)
-             if i and (reads := _prologue_reads_blocks(graph, t)) is not None}
+    uncut = uncut_points(graph, chain)
     if cuts:
         bounds = [0, *cuts, n_blocks]
         if len(bounds) != stages + 1 or bounds != sorted(set(bounds)):
@@ -1598,6 +1595,14 @@ def chain_container(chain: list[Trunk], block: int) -> str:
             return trunk.container
         block -= len(trunk.blocks)
     return chain[-1].container
+
+
+def uncut_points(graph: Graph, chain: list[Trunk]) -> dict:
+    """Block indices no stage may start at, each with where the reason lies: a trunk of the chain
+    whose code before its loop reads its own blocks (`self.layers[0].self_attn.batch_first` in
+    nn.TransformerDecoder) runs that code on a stage holding its first block."""
+    return {sum(len(t.blocks) for t in chain[:i]): reads for i, t in enumerate(chain)
+            if i and (reads := _prologue_reads_blocks(graph, t)) is not None}
 
 
 def _prologue_reads_blocks(graph: Graph, trunk: Trunk):
