@@ -1011,6 +1011,15 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
   also prices AlphaFold2's many small ops at full matmul rate and memory bandwidth, without per-kernel launch
   overheads beyond matmul_overhead, and neither chunking (AlphaFold2's and FastFold's way to cut the scores'
   memory) nor DAP's all-to-alls.
+  Since 784d1c2 `--plan auto` also searches the stage cut (plan/auto.py `_search_cuts`): no cut helps 3F1B
+  here, as its micro-batches of the stages' mean time already exceed the flat plan: 8 x (3.284 + 3.112) / 2 =
+  25.58 s against auto's DP + ZeRO-3 + recompute at 24.38 s, and at the fine-tuning sizes 32 x (5.986 +
+  5.726) / 2 = 187.38 s against auto's 185.93 s, so the search does not even price a cut for it. nnScaler's
+  own AlphaFold2 benchmark (msrasys/nnscaler, examples/alphafold2/README.md: fp16, one device, which it does
+  not name) measured the Evoformer stack's training at s, r = 128, 256 at a 4.4 GB peak with its larger
+  recompute policy (8.1 GB with the smaller), and at 512, 384 at 17.8 GB; the extra-MSA stack at 5120 x 384
+  with chunking at 16.2 GB: one protein fits one 32 GB V100, so data parallelism needs no DAP at initial
+  training, as this model finds, and with chunking (not priced here) not at fine-tuning either.
 """
 
 

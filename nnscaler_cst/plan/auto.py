@@ -166,7 +166,7 @@ class _Blocks:
     checkpointed: dict[int, tuple[int, int]] = field(default_factory=dict)
     checkpoint_inputs: dict[tuple[int, int], int] = field(default_factory=dict)
     uncut: frozenset[int] = frozenset()     # blocks no stage may start at (pipeline.uncut_points)
-    searched: bool = False              # `ranges` is a cut being searched: prices are not kept (_with_cut)
+    searched: bool = False              # `ranges` is a cut being searched: prices are not kept (_cut_at)
 
 
 def _blocks(graph: Graph) -> _Blocks:
@@ -245,9 +245,10 @@ def _stage_ranges(blocks: _Blocks, stages: int) -> list[tuple[int, int]]:
     return blocks.ranges[stages]
 
 
-def _with_cut(blocks: _Blocks, stages: int, ranges: list[tuple[int, int]]) -> _Blocks:
-    """`blocks` cut into `stages` at `ranges` (per stage, its blocks a..b - 1 as (a, b))."""
-    return replace(blocks, ranges={stages: ranges}, searched=True)
+def _cut_at(blocks: _Blocks, stages: int, points: tuple[int, ...]) -> _Blocks:
+    """`blocks` cut into `stages`, stage s + 1 starting at block points[s] (as --stages takes them)."""
+    edges = [0, *points, blocks.count]
+    return replace(blocks, ranges={stages: [(edges[s], edges[s + 1]) for s in range(stages)]}, searched=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1052,19 +1053,12 @@ def _cut_search(estimate: Estimate, cost: _Regions, blocks: _Blocks, batch: int,
     stage holds (an embedding table: bytes, no FLOPs). The seeds `fitting` (_fitting_balanced) and
     the cut balancing the stages' priced seconds, then one cut point at a time moved by 1, 2, 4 or
     8 blocks while that fits where the cut before did not, needs less memory where neither fits, or
-    is faster; at most CUT_TRIES cuts priced. A cut other than the FLOP-balanced one is the config's `cuts`, handed to the
-    rewrite as --stages would be."""
-    config = estimate.config
-    length = _ranks(config.schedule, config.pp)[1]
-    count = blocks.count
-
-    def ranges_of(points: tuple[int, ...]) -> list[tuple[int, int]]:
-        edges = [0, *points, count]
-        return [(edges[s], edges[s + 1]) for s in range(length)]
+    is faster; at most CUT_TRIES cuts priced. A cut other than the FLOP-balanced one is the config's
+    `cuts`, handed to the rewrite as --stages would be. (1F1B and 3F1B: one model stage per rank.)"""
+    config, length, count = estimate.config, estimate.config.pp, blocks.count
 
     def price(points: tuple[int, ...]) -> Estimate:
-        return _estimate(replace(config, cuts=points), cost, _with_cut(blocks, length, ranges_of(points)), batch,
-                         cluster, budget)
+        return _estimate(replace(config, cuts=points), cost, _cut_at(blocks, length, points), batch, cluster, budget)
     default = tuple(b for _, b in _stage_ranges(blocks, length)[:-1])
     tried = {default: estimate}
     best_points, best = default, estimate
@@ -1407,7 +1401,5 @@ def estimate_config(graph: Graph, config: Config, cluster: ClusterSpec, constrai
         cost = _coshard_regions(graph, blocks, cost, plan, anchors, config.coshard, config.tp,
                                 cluster.axis(1, config.tp))
     if config.cuts:
-        length = _ranks(config.schedule, config.pp)[1]
-        edges = [0, *config.cuts, blocks.count]
-        blocks = _with_cut(blocks, length, [(edges[s], edges[s + 1]) for s in range(length)])
+        blocks = _cut_at(blocks, _ranks(config.schedule, config.pp)[1], config.cuts)
     return _estimate(config, cost, blocks, graph.trace.batch_size or 1, cluster, budget)
