@@ -954,11 +954,11 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
   it is made to its last reader, not between the encoder's stages (T5-3B tp 8 x pp 4, 256 micro-batches,
   recompute: 11.587 -> 11.586 s, 1.665 -> 1.649 GiB: a small term; the tables here are from f1e8ca8).
   No 1F1B pipeline fits, as the paper reports. Interlaced fits at every tp x pp and is fastest
-  at **1 x 32 with recompute (48.19 s, 27.2 GiB)**: its vocabulary is split over all 32 devices whatever tp is,
+  at **1 x 32 with recompute (48.13 s, 27.2 GiB; the T5 sections were re-run at 784d1c2)**: its vocabulary is split over all 32 devices whatever tp is,
   so its layers need no tensor parallelism (two layers a stage, no TP all-reduce), which 1F1B cannot do (at
   1 x 32 its last stage's head alone, a 2,048,000-wide matmul on one device, takes longer than the rest of a
-  stage). `--plan auto --devices 32` finds this plan on its own since 19b7ba2 (45.10 s by its analytic price,
-  27.95 GiB; the walk's 48.19 s and 27.90 GiB; this run's walk: 27.2 GiB). At 82f6361 it fit nothing: its analytic memory gave
+  stage). `--plan auto --devices 32` finds this plan on its own since 19b7ba2 (45.04 s by its analytic price
+  at 784d1c2; the walk's 48.13 s and 27.2 GiB). At 82f6361 it fit nothing: its analytic memory gave
   the plan 31.1 GiB (stage 0: 31.09 against the walk's 27.88 GiB, stage 1: 30.75 / 26.22, stage 31: 25.12 /
   25.14, `estimate_config` against plan/interlaced.py `price`). The two accountings differed in two terms:
   auto's `_stage_times` kept a stage's block activations for 1F1B's D - i micro-batches in flight, where the
@@ -969,18 +969,26 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
   stage 26.45 against 27.88 GiB: the walk prices the encoder's embedding in stage 0's region, whole on tp,
   where the step runs it split over all 32 devices). The column of the table below is this run's.
 - **The vocabulary at which interlaced wins** (the sweep): at 1,024,000 tokens the best fitting 1F1B + TP is
-  16 x 2 with SP (68.42 s) and interlaced 1 x 32 + recompute takes 44.76 s: **1.53x**, above the issue's
+  16 x 2 with SP (68.42 s) and interlaced 1 x 32 + recompute takes 44.70 s: **1.53x**, above the issue's
   1.5x and below the paper's 2.2x. Up to 512,000 tokens 1F1B fits at 4 x 8 and is faster (0.76x at 32,000,
-  0.90x at 512,000). `--plan auto` chooses interlaced 1 x 32 + recompute at 1,024,000 (41.53 s by its
-  analytic price), and also at 128,000 to 512,000, where its own 1F1B prices use the FLOP-balanced cut only
-  and its interlaced price is 8% under the walk's (within the issue's 10%, enough to turn the choice); at
-  32,000 it chooses the table's best, 1F1B + TP + SP at 4 x 8 (31.39 s). The "fits nothing" of the f41f212
-  run was the 2,048,000 row (above), not 1,024,000; since 19b7ba2 auto chooses interlaced there too (45.10 s).
+  0.90x at 512,000). `--plan auto` chooses interlaced 1 x 32 + recompute at 1,024,000 (41.47 s by its
+  analytic price). Since 784d1c2 it searches the stage cut of its 1F1B and 3F1B configurations (plan/auto.py
+  `_search_cuts`: seeds fitting a rough per-stage memory and balancing the priced stage times, then one cut
+  point at a time, each cut priced whole), and from 32,000 to 512,000 it chooses 1F1B + TP + SP at 4 x 8 with
+  a cut of its own, as the table finds 1F1B faster there: 30.78 s at 32,000 (the table's FLOP-balanced 31.39
+  s), 34.50 s at 128,000 (the table's searched 35.93 s), 34.52 s at 256,000 (38.65 s), 38.69 s at 512,000
+  (38.69 s). Its cuts (`stages=5,15,25,34,42,50,58` at 128,000: 5, 10, 10, 9, 8, 8, 8 and 6 blocks a stage, the
+  first holding the embedding and the last the head the lightest) are faster than the table's own search found at 128,000
+  and 256,000 (priced alike: `estimate_config` of auto's cut at 128,000 gives 34.50 s, 29.18 GiB), so the
+  table's 1F1B column is slower than 1F1B can be at those sizes; at 1,024,000 and 2,048,000 neither search
+  finds a fitting 4 x 8 cut. Before, auto priced 1F1B at the FLOP-balanced cut only and chose interlaced
+  from 128,000 to 512,000. The "fits nothing" of the f41f212
+  run was the 2,048,000 row (above), not 1,024,000; since 19b7ba2 auto chooses interlaced there too (45.04 s).
   The sweep prices pipelines only (tp x pp from 1 x 32 to 16 x 2): at 2,048,000 it finds no 1F1B, where the
-  section above finds TP 32 without a pipeline (965.52 s). **The term that decides is memory**: 1F1B's step at 4 x 8 grows from 31.39 s to 38.70 s
+  section above finds TP 32 without a pipeline (965.52 s). **The term that decides is memory**: 1F1B's step at 4 x 8 grows from 31.39 s to 38.69 s
   over those vocabularies; at 1,024,000 the table's stages (25 GB of state at tp 4 each, plus a block, plus
   the head's logits on the last) no longer fit at 4 x 8 under any cut the search tried, and the next
-  fitting shape, 16 x 2, pays tp 16's all-reduces. Interlaced's step grows only from 41.44 s to 48.19 s
+  fitting shape, 16 x 2, pays tp 16's all-reduces. Interlaced's step grows only from 41.38 s to 48.13 s
   from 32,000 to 2,048,000 tokens: its vocabulary steps (42.5 ms a micro-batch at 2,048,000, of which
   24.3 ms compute over 32 devices) and their collectives (sized by the hidden state and the tokens, not the
   vocabulary: each embedding's rows all-reduced, the head's input broadcast and its gradient all-reduced
