@@ -560,10 +560,20 @@ PASSES = 3
 
 
 def af2_row(graph, blocks, config: Config, label: str, table):
-    """One AlphaFold2 row: the estimate, and for 3F1B its order simulated over every micro-batch."""
+    """One AlphaFold2 row: the estimate, and for 3F1B its order simulated over every micro-batch. A
+    pipeline is priced at the stage cut `--plan auto` would search for it (auto's `_fitting_balanced`
+    seed and `_cut_search`), the FLOP-balanced cut's figures in the note where the search moved it."""
     from nnscaler_cst.plan.schedules import schedule
     start = time.perf_counter()
-    estimate = priced_with(graph, config, blocks, [])[0]      # 3F1B: the planner's (its order simulated)
+    estimate, _, cost = priced_with(graph, config, blocks, [])     # 3F1B: the planner's (its order simulated)
+    at_flops = ""
+    if config.pp > 1:
+        batch = graph.trace.batch_size or 1
+        fitting = auto._fitting_balanced(estimate, cost, blocks, BUDGET)
+        searched = auto._cut_search(estimate, cost, blocks, batch, CLUSTER, BUDGET, fitting)
+        if searched is not estimate:
+            at_flops = (f"; at the FLOP-balanced cut {estimate.seconds:.2f} s, {estimate.memory / GIB:.1f} GiB")
+            estimate = searched
     planned = time.perf_counter() - start
     note = f"{planned:.0f} s to plan"
     if config.pp > 1:
@@ -576,25 +586,31 @@ def af2_row(graph, blocks, config: Config, label: str, table):
         formula = sum(estimate.stage_seconds) + (micro - 1) * max(estimate.stage_seconds) + estimate.sync_seconds
         note = (f"simulated {span + estimate.sync_seconds:.2f} s, bubble {100 * bubble:.1f}% (1F1B's formula "
                 f"over the same stage times: {formula:.2f} s); stages "
-                f"{' / '.join(f'{s:.2f}' for s in estimate.stage_seconds)} s a micro-batch; {note}")
+                f"{' / '.join(f'{s:.2f}' for s in estimate.stage_seconds)} s a micro-batch{at_flops}; {note}")
     print(label, estimate.config.describe(), f"{estimate.seconds:.2f}", f"{estimate.memory / GIB:.1f} GiB", note,
           flush=True)
     return label, estimate, note
 
 
 def af2_auto(graph):
-    """What `--plan auto --devices 32` chooses (search_auto, as the CLI calls it)."""
+    """What `--plan auto --devices 32` chooses (search_auto, as the CLI calls it), and the fastest fitting
+    configuration it priced without a pipeline (its ZeRO stages and sequence parallelism included)."""
     start = time.perf_counter()
     choice = auto.search_auto(graph, DEVICES, CLUSTER, [], BUDGET)
     note = f"`--plan auto --devices 32`'s choice, {time.perf_counter() - start:.0f} s to search"
     print("auto", choice.config.describe(), f"{choice.best.seconds:.2f}", flush=True)
-    return "auto's choice", choice.best, note
+    flat = min((e for e in choice.candidates if e.why_not is None and e.config.pp == 1), key=lambda e: e.seconds)
+    label = ("DP" if flat.config.tp == 1 else "TP (the search's own split: pair and MSA dims) + DP") + \
+        " (`--plan auto`'s best without a pipeline)"
+    return ("auto's choice", choice.best, note), (label, flat, "the fastest fitting plan without a pipeline of "
+                                                          "those `--plan auto` priced")
 
 
-def af2_decides(graph, paper, base) -> str:
+def af2_decides(paper, base, rows) -> str:
     """The cost-model terms between 3F1B's best and the best fitting plan without a pipeline: the
     busiest pipeline rank's work (M micro-batches of its stage) against the flat plan's (M of the
-    whole model), the pipeline's idle time (auto's simulated timeline less that work), and the syncs."""
+    whole model), the pipeline's idle time (auto's simulated timeline less that work), and the syncs;
+    and the memory a pipeline frees on its first stage, against the flat plan at the pipeline's tp."""
     if paper is None or base is None:
         return ""
     pipe, flat = paper[1], base[1]
@@ -603,23 +619,40 @@ def af2_decides(graph, paper, base) -> str:
     idle = pipe.pipeline_seconds - work
     terms = {"the busiest stage's load": work - flat_work, "the pipeline bubble": idle,
              "the gradient sync": pipe.sync_seconds - flat.sync_seconds}
-    decides = max(terms, key=terms.get)
-    params = sum(math.prod(p.shape) for p in graph.trace.params.values()) / 1e6
-    return (f"3F1B's best ({pipe.config.describe()}) against {base[0]} ({flat.config.describe()}): "
+    cut = (f"cut at blocks {','.join(map(str, pipe.config.cuts))} by `--plan auto`'s stage-cut search" if pipe.config.cuts
+           else "cut by FLOPs, which the stage-cut search keeps")
+    text = (f"3F1B's best ({pipe.config.describe()}) against {base[0]} ({flat.config.describe()}): "
             f"{pipe.seconds:.2f} s against {flat.seconds:.2f} s. The pipeline's busiest rank works "
             f"{pipe.config.micro_batches} x {max(pipe.stage_seconds):.2f} = {work:.2f} s (stages "
-            f"{' / '.join(f'{t:.2f}' for t in pipe.stage_seconds)} s a micro-batch: the first runs the extra-MSA stack "
-            f"of every pass, and the stages are cut by FLOPs, without recompute's second forward), the flat plan "
-            f"{flat.config.micro_batches} x {flat.stage_seconds[0]:.2f} = {flat_work:.2f} s; the pipeline's timeline "
-            f"(auto's `simulated_seconds` over the 3F1B table) adds {idle:.2f} s to its work"
-            + f"; the syncs are {pipe.sync_seconds:.2f} s and {flat.sync_seconds:.2f} s ({params:.0f} M parameters: "
-            f"data parallelism's gradient all-reduce is small and hidden behind the backward). **The term that "
-            f"decides is {decides}** ({terms[decides]:+.2f} s against 3F1B). Recompute keeps a block's inputs per "
-            "micro-batch of one protein under DP as under a pipeline, so a pipeline frees no activation memory that "
-            "DP with micro-batches of one protein (and ZeRO-3 for the state) does not; 3F1B can only win where the "
-            "devices cannot all take proteins of their own and tensor parallelism's collectives cost more than "
-            "the bubble (the test `test_where_dp_cannot_fill_the_devices_and_tp_pays_for_its_links_the_search_"
-            "chooses_3f1b`: 2 proteins on 4 devices of gloo's links).")
+            f"{' / '.join(f'{t:.2f}' for t in pipe.stage_seconds)} s a micro-batch, {cut}; the first runs the "
+            f"extra-MSA stack of every pass), the flat plan {flat.config.micro_batches} x "
+            f"{flat.stage_seconds[0]:.2f} = {flat_work:.2f} s; the pipeline's timeline (auto's `simulated_seconds` "
+            f"over the 3F1B table) adds {idle:.2f} s to its work; the syncs are {pipe.sync_seconds:.2f} s and "
+            f"{flat.sync_seconds:.2f} s. ")
+    if pipe.seconds < flat.seconds:
+        gain = min(terms, key=terms.get)
+        same_tp = min((r[1] for r in rows if r[1].config.pp == 1 and r[1].config.tp == pipe.config.tp
+                       and not r[1].config.sequence_parallel),
+                      key=lambda e: e.memory, default=None)
+        text += f"**What 3F1B wins by is {gain}** ({terms[gain]:+.2f} s against 3F1B)"
+        if same_tp is not None and same_tp.memory > BUDGET:
+            text += (f": it fits at tp {pipe.config.tp}, where the flat plan needs {same_tp.memory / GIB:.1f} GiB "
+                     f"({same_tp.config.describe()}) and so a wider split or sequence parallelism. Under recompute a device keeps the inputs "
+                     "of the blocks it runs, for the micro-batches in flight on it, beside the one block rebuilt in "
+                     "the backward: without a pipeline one protein's inputs of all 48 blocks beside the extra-MSA "
+                     f"block's rebuild; on 3F1B's first stage ({pipe.stage_memory[0] / GIB:.1f} GiB) the same "
+                     "rebuild beside the inputs of its few blocks for each micro-batch in flight, the other stages "
+                     "holding no extra-MSA block.")
+        else:
+            text += "."
+        return text
+    decides = max(terms, key=terms.get)
+    return text + (f"**The term that decides is {decides}** ({terms[decides]:+.2f} s against 3F1B). Where one "
+                   f"protein fits at tp {flat.config.tp} without a pipeline, a pipeline frees no memory that "
+                   "pays for its bubble: 3F1B pays where the flat plan needs a wider tensor-parallel split than a "
+                   "pipeline's stages do (the fine-tuning sizes below) or where the devices cannot all take "
+                   "proteins of their own (the test `test_where_dp_cannot_fill_the_devices_and_tp_pays_for_its_"
+                   "links_the_search_chooses_3f1b`: 2 proteins on 4 devices of gloo's links).")
 
 
 def alphafold2(lines: list[str]) -> dict:
@@ -641,7 +674,7 @@ def alphafold2(lines: list[str]) -> dict:
             rows.append(af2_row(graph, blocks, Config(tp=1, dp=dp, pp=pp, micro_batches=batch // dp,
                                                       recompute=recompute, schedule="3f1b"),
                                 "3F1B" + (" + recompute" if recompute else ""), table))
-    chosen = af2_auto(graph)
+    chosen, _ = af2_auto(graph)
     command = schedule_picture("dgx2_alphafold2.py", 4, 8, "3f1b", "dgx2_alphafold2_3f1b.svg")
     out = {"base": best([r for r in rows if r[0].startswith("TP")]), "dp": best([r for r in rows if r[0].startswith("DP")]),
            "paper": best([r for r in rows if r[0].startswith("3F1B")]), "svg": "dgx2_alphafold2_3f1b.svg"}
@@ -661,7 +694,7 @@ def alphafold2(lines: list[str]) -> dict:
               "fixed tp), with DP over the rest. Times count the two no-gradient passes as forwards only (see "
               "the cost model's own no-grad pricing: plan/cost.py `node_time`).", "", *TABLE_HEAD]
     lines += [row(label, estimate, note) for label, estimate, note in [*rows, chosen]]
-    lines += ["", af2_decides(graph, out["paper"], out["dp"]), "", f"Picture: {command}", ""]
+    lines += ["", af2_decides(out["paper"], out["dp"], rows), "", f"Picture: {command}", ""]
     out["fine"] = alphafold2_fine_tuning(lines, table)
     return out
 
@@ -682,7 +715,8 @@ def alphafold2_fine_tuning(lines: list[str], table) -> dict:
         rows.append(af2_row(graph, blocks, Config(tp=tp, dp=dp, pp=pp, micro_batches=batch // dp, recompute=True,
                                                   schedule="3f1b"), "3F1B + recompute" + (" + TP" if tp > 1 else ""),
                             table))
-    chosen = af2_auto(graph)
+    chosen, flat = af2_auto(graph)
+    rows.append(flat)
     out = {"base": best([r for r in rows if r[0].startswith(("TP", "DP"))]),
            "paper": best([r for r in rows if r[0].startswith("3F1B")])}
     # what one protein's recompute rebuilds at once: an extra-MSA block (the first stage) against an Evoformer block
@@ -700,8 +734,7 @@ def alphafold2_fine_tuning(lines: list[str], table) -> dict:
     lines += ["", f"DP + recompute needs {dp_row.memory / GIB:.1f} GiB: recompute rebuilds one block at a time in "
               f"the backward, and one extra-MSA block of one protein saves {extra_block:.1f} GiB (its row attention's "
               f"5120 x 8 x 384 x 384 scores among them; an Evoformer block {trunk_block:.1f} GiB). A pipeline runs "
-              "that stack whole on its first stage, so 3F1B needs the same tensor-parallel split as TP + DP to "
-              "fit. " + af2_decides(graph, out["paper"], out["base"]), ""]
+              "that stack whole on its first stage, so no plan fits without tensor parallelism. " + af2_decides(out["paper"], out["base"], rows), ""]
     return out
 
 
