@@ -562,7 +562,8 @@ PASSES = 3
 def af2_row(graph, blocks, config: Config, label: str, table):
     """One AlphaFold2 row: the estimate, and for 3F1B its order simulated over every micro-batch. A
     pipeline is priced at the stage cut `--plan auto` would search for it (auto's `_fitting_balanced`
-    seed and `_cut_search`), the FLOP-balanced cut's figures in the note where the search moved it."""
+    seed and `_cut_search`) where that cut fits and the FLOP-balanced one does not or is slower, the
+    FLOP-balanced cut's figures in the note."""
     from nnscaler_cst.plan.schedules import schedule
     start = time.perf_counter()
     estimate, _, cost = priced_with(graph, config, blocks, [])     # 3F1B: the planner's (its order simulated)
@@ -571,7 +572,7 @@ def af2_row(graph, blocks, config: Config, label: str, table):
         batch = graph.trace.batch_size or 1
         fitting = auto._fitting_balanced(estimate, cost, blocks, BUDGET)
         searched = auto._cut_search(estimate, cost, blocks, batch, CLUSTER, BUDGET, fitting)
-        if searched is not estimate:
+        if searched.why_not is None and (estimate.why_not is not None or searched.seconds < estimate.seconds):
             at_flops = (f"; at the FLOP-balanced cut {estimate.seconds:.2f} s, {estimate.memory / GIB:.1f} GiB")
             estimate = searched
     planned = time.perf_counter() - start
@@ -634,7 +635,7 @@ def af2_decides(paper, base, rows) -> str:
         same_tp = min((r[1] for r in rows if r[1].config.pp == 1 and r[1].config.tp == pipe.config.tp
                        and not r[1].config.sequence_parallel),
                       key=lambda e: e.memory, default=None)
-        text += f"**What 3F1B wins by is {gain}** ({terms[gain]:+.2f} s against 3F1B)"
+        text += f"**What 3F1B wins by is {gain}** ({-terms[gain]:.2f} s less than the flat plan's)"
         if same_tp is not None and same_tp.memory > BUDGET:
             text += (f": it fits at tp {pipe.config.tp}, where the flat plan needs {same_tp.memory / GIB:.1f} GiB "
                      f"({same_tp.config.describe()}) and so a wider split or sequence parallelism. Under recompute a device keeps the inputs "
