@@ -1044,24 +1044,34 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
   2 stages, takes 27.04 s against 25.60 s, its first stage loaded with the stack's passes and its bubble; `--plan
   auto` chooses DP with 2 micro-batches, ZeRO-3 and recompute (24.38 s). With recompute a pipeline keeps a
   block's inputs per micro-batch of one protein as DP does, and DP's gradient sync of 84 M parameters is small,
-  so 3F1B pays only where the devices cannot all take proteins of their own. At AlphaFold2's fine-tuning sizes
-  (crop 384, 512 clusters, 5120 extra sequences) one extra-MSA block of one protein rebuilds 36.9 GiB in the
-  backward, so DP + recompute (53.5 GiB) and 3F1B without tensor parallelism (53.5 GiB on its first stage, which
-  runs the stack) do not fit; both need tp 4 (or auto's tp 2 with sequence parallelism and ZeRO-3, 185.93 s),
-  and at tp 4 3F1B (193.35 s) trails TP + DP (186.78 s) by 3.5%: the term that decides is the first stage's
-  load (the stack of every pass on it, the cut balanced by FLOPs without recompute's second forward). This model
-  also prices AlphaFold2's many small ops at full matmul rate and memory bandwidth, without per-kernel launch
-  overheads beyond matmul_overhead, and neither chunking (AlphaFold2's and FastFold's way to cut the scores'
-  memory) nor DAP's all-to-alls.
-  Since 784d1c2 `--plan auto` also searches the stage cut (plan/auto.py `_search_cuts`): no cut helps 3F1B
-  here, as its micro-batches of the stages' mean time already exceed the flat plan: 8 x (3.284 + 3.112) / 2 =
-  25.58 s against auto's DP + ZeRO-3 + recompute at 24.38 s, and at the fine-tuning sizes 32 x (5.986 +
-  5.726) / 2 = 187.38 s against auto's 185.93 s, so the search does not even price a cut for it. nnScaler's
-  own AlphaFold2 benchmark (msrasys/nnscaler, examples/alphafold2/README.md: fp16, one device, which it does
-  not name) measured the Evoformer stack's training at s, r = 128, 256 at a 4.4 GB peak with its larger
-  recompute policy (8.1 GB with the smaller), and at 512, 384 at 17.8 GB; the extra-MSA stack at 5120 x 384
-  with chunking at 16.2 GB: one protein fits one 32 GB V100, so data parallelism needs no DAP at initial
-  training, as this model finds, and with chunking (not priced here) not at fine-tuning either.
+  so at these sizes 3F1B pays only where the devices cannot all take proteins of their own. `--plan auto`'s
+  stage-cut search (plan/auto.py `_search_cuts`, since 784d1c2) does not change that: 3F1B's micro-batches of
+  its stages' mean time already exceed the flat plan, 8 x (3.284 + 3.112) / 2 = 25.58 s against auto's
+  DP + ZeRO-3 + recompute at 24.38 s, so no cut can help it.
+  **At AlphaFold2's fine-tuning sizes `--plan auto` chooses 3F1B** (crop 384, 512 clusters, 5120 extra
+  sequences): tp 2 x dp 4 x pp 4, ZeRO-1, recompute, its own cut `stages=1,17,33`, 174.61 s, 29.6 GiB, 1.06x
+  over the fastest fitting plan without a pipeline (tp 2 x dp 16 with sequence parallelism and ZeRO-3,
+  185.93 s) and 1.07x over TP + DP at tp 4 (186.78 s). One extra-MSA block of one protein rebuilds 36.9 GiB
+  in the backward, so nothing fits without tensor parallelism; what pays is where the memory sits. Under
+  recompute a device keeps the inputs of the blocks it runs, for the micro-batches in flight on it, beside the
+  one block rebuilt in the backward: without a pipeline one protein's inputs of all 48 blocks sit beside the
+  extra-MSA rebuild, and tp 2 needs 34.6 GiB (33.5 with ZeRO-3); a pipeline's first stage, cut after one
+  block, holds the same rebuild beside its one block's inputs for the micro-batches in flight (29.6 GiB),
+  the other stages no extra-MSA block, so tp 2 fits where the flat plan needs tp 4 or sequence parallelism.
+  At the FLOP-balanced cut the same 3F1B needs 34.9 GiB: the search's cut is what makes it fit (BENCH rows
+  for pipelines are priced at the searched cut since 4dc011b, the FLOP cut's figures in their notes). Below
+  the paper's (3F1B vs DAP: not found; up to 3.5x across Swin and AlphaFold2 in the abstract), the terms that
+  hold the estimate at 1.06x are the bubble (8.63 s, 12.9% at 4 stages; the simulator's timeline of the
+  3F1B order gives the same 174.61 s) and the first stage's light load (3.78 s a micro-batch against 5.19 s:
+  memory keeps blocks off it). This model also prices AlphaFold2's many small ops at full matmul rate and
+  memory bandwidth, without per-kernel launch overheads beyond matmul_overhead, and neither chunking
+  (AlphaFold2's and FastFold's way to cut the scores' memory) nor DAP's all-to-alls. nnScaler's own
+  AlphaFold2 benchmark (msrasys/nnscaler, examples/alphafold2/README.md: fp16, one device, which it does not
+  name) measured the Evoformer stack's training at s, r = 128, 256 at a 4.4 GB peak with its larger recompute
+  policy (8.1 GB with the smaller), and at 512, 384 at 17.8 GB; the extra-MSA stack at 5120 x 384 with
+  chunking at 16.2 GB: one protein fits one 32 GB V100, so data parallelism needs no DAP at initial training,
+  as this model finds. Chunking (not priced here) would shrink the fine-tuning rebuild too and favour the
+  flat plans: 3F1B's win at fine-tuning holds for this unchunked model.
 """
 
 

@@ -286,13 +286,15 @@ def test_3f1b_on_four_stages_with_middle_stages_passes_verify_on_gloo(tmp_path):
     assert "4 gloo processes" in result.stdout
 
 
-def _full_evoformer(tmp_path) -> Path:
+def _full_evoformer(tmp_path, batch: int = 2) -> Path:
     """fixtures/evoformer.py with triangle attention and an extra-MSA stack of 2 blocks before its 4
-    Evoformer blocks in every cycle."""
+    Evoformer blocks in every cycle, `batch` proteins."""
     text = (REPO / "fixtures" / "evoformer.py").read_text()
     text = text.replace("    return Evoformer()\n",
                         "    return Evoformer(blocks=4, tri_heads=2, tri_c_head=4, extra_blocks=2)\n")
     text = text.replace("(2, 8, 8))}", "(2, 8, 8)),\n            \"extra_msa\": torch.randint(0, AMINO_ACIDS, (2, 6, 8))}")
+    text = text.replace("(2, 4, 8)", f"({batch}, 4, 8)").replace("(2, 8, 8)", f"({batch}, 8, 8)")
+    text = text.replace("(2, 6, 8)", f"({batch}, 6, 8)")
     (tmp_path / "evoformer_full.py").write_text(text)
     return tmp_path / "evoformer_full.py"
 
@@ -360,18 +362,22 @@ def test_find_trunk_takes_the_list_with_more_weights_of_two_equally_long(tmp_pat
 
 
 @pytest.mark.slow
-def test_3f1b_with_tp_on_the_evoformer_with_triangle_attention_and_the_extra_msa_stack_passes_verify(tmp_path):
+def test_3f1b_with_tp_dp_zero_and_a_cut_on_the_evoformer_with_the_extra_msa_stack_passes_verify(tmp_path):
     """The evoformer with triangle attention (starting and ending node) and an extra-MSA stack of 2
-    blocks (global column attention) before its 4 Evoformer blocks in every cycle, at TP = 2 x PP = 2
-    under 3F1B: the pipeline cuts the longer list (the Evoformer blocks), the extra-MSA stack runs on
-    the first stage in every pass, every new module is split over tp, and the run matches with
-    --recompute, every block of both lists under a checkpoint (the other 3F1B tests run without it)."""
-    _full_evoformer(tmp_path)
+    blocks (global column attention) before its 4 Evoformer blocks in every cycle, 4 proteins, under
+    the plan family `--plan auto` picks at AlphaFold2's fine-tuning sizes (benchmarks/BENCH_DGX2.md):
+    3F1B at TP = 2 x DP = 2 x PP = 2 with ZeRO-1, the first stage cut after one block (what the
+    stage-cut search hands over as --stages). The pipeline cuts the longer list (the Evoformer
+    blocks), the extra-MSA stack runs on the first stage in every pass, every new module is split
+    over tp, and the run matches with --recompute, every block of both lists under a checkpoint."""
+    _full_evoformer(tmp_path, batch=4)
     out = tmp_path / "out"
-    result = _cli("verify", tmp_path / "evoformer_full.py", "--tp", "2", "--pp", "2", "--schedule", "3f1b",
-                  "--micro-batches", "2", "-o", out, "--recompute")
+    result = _cli("verify", tmp_path / "evoformer_full.py", "--tp", "2", "--dp", "2", "--pp", "2", "--schedule",
+                  "3f1b", "--zero", "1", "--stages", "1", "--micro-batches", "2", "-o", out, "--recompute")
     assert result.returncode == 0 and "PASSED" in result.stdout, result.stdout + result.stderr
+    assert "8 gloo processes" in result.stdout
     stage0, stage1 = (out / "model_stage0.py").read_text(), (out / "model_stage1.py").read_text()
+    assert "STAGE_BLOCKS = {0: (0, 1)}" in stage0 and "STAGE_BLOCKS = {1: (1, 4)}" in stage1
     assert "for block in self.blocks:  # pipeline: this stage's blocks of blocks only" in stage0
     assert "for block in self.extra_blocks:\n" in stage0          # not cut: stage 0 runs all of it
     checkpointed = [f"{v}, z = torch.utils.checkpoint.checkpoint(block, {v}, z, use_reentrant=False)" for v in "em"]
