@@ -140,7 +140,12 @@ def swin(lines: list[str]) -> dict:
               f"`benchmarks/dgx2_swin.py` (traced in {trace_seconds:.0f} s): depths 2-2-18-2, C = 512, heads of 32, "
               "image 1536, window 48, global batch 256 in micro-batches of 1 (gradient accumulation), TP x DP = 32.",
               "", *TABLE_HEAD]
-    lines += [row(label, estimate, note) for label, estimate, note in rows]
+    start = time.perf_counter()
+    choice = auto.search_auto(graph, DEVICES, CLUSTER, [], BUDGET)
+    print("auto", choice.config.describe(), f"{choice.best.seconds:.2f}", flush=True)
+    chosen = ("auto's choice", choice.best,
+              f"`--plan auto --devices 32`'s choice, {time.perf_counter() - start:.0f} s to search")
+    lines += [row(label, estimate, note) for label, estimate, note in [*rows, chosen]]
     return {"rows": rows}
 
 
@@ -355,7 +360,8 @@ def megatron_1f1b(graph, blocks, tp: int, pp: int, micro: int, recompute: bool,
                   sequence_parallel: bool = False) -> list[tuple[str, object, str]]:
     """1F1B + Megatron TP at one (tp, pp, micro-batches, recompute, Megatron's sequence parallelism)
     under each stage cut: auto's FLOP balance, Megatron's even split, and the fastest cut that fits
-    (cut_search; at most CUT_LIMIT cuts beyond 8 stages, where each round tries 8 moves per cut point)."""
+    (cut_search from Megatron's, auto's and vocabulary-light seeds, auto's the ones `--plan auto`'s own stage-cut
+    search starts from; at most CUT_LIMIT cuts beyond 8 stages, where each round tries 8 moves per cut point)."""
     config = Config(tp=tp, dp=1, pp=pp, micro_batches=micro, recompute=recompute, sequence_parallel=sequence_parallel)
     table = "sequence_parallel" if sequence_parallel else "megatron"
     estimate, _, cost = priced_with(graph, config, blocks, load_table(table).for_axis("tp"))
@@ -372,7 +378,12 @@ def megatron_1f1b(graph, blocks, tp: int, pp: int, micro: int, recompute: bool,
     heavy = vocabulary_blocks(graph, blocks)
     light = [c for ends in range(1, blocks.count // pp + 1) for inner in range(1, blocks.count // pp + 1)
              if (c := light_cut(blocks.count, pp, heavy, ends, inner))] if pp > 2 else []
-    searched, found, tried = cut_search(at, blocks.count, pp, [even, flop_cut, *light],
+    fitting = auto._fitting_balanced(at(flop_cut), cost, blocks, BUDGET)
+    seeds = [even, flop_cut, auto._time_balanced(config, cost, blocks, pp), *light]
+    if fitting:
+        edges = [0, *fitting, blocks.count]
+        seeds.append([(edges[s], edges[s + 1]) for s in range(pp)])
+    searched, found, tried = cut_search(at, blocks.count, pp, seeds,
                                         limit=10_000 if pp <= 8 else CUT_LIMIT)
     return [("FLOP-balanced cut", at(flop_cut), f"cut {flop_cut}"), ("Megatron's even cut", at(even), f"cut {even}"),
             ("searched cut", found, f"cut {searched} ({tried} cuts priced)")]
