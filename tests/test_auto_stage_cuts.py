@@ -89,3 +89,39 @@ def test_the_rewrite_cuts_where_the_search_chose(model):
     assert result.plan.auto.config.cuts == (1,)
     assert result.stages.block_ranges == [(0, 1), (1, 4)]
     assert "stages=1" in result.plan.name
+
+
+# The same net with its blocks run in a recycling loop (AlphaFold2's way): pipelined under 3F1B only
+RECYCLING = MODEL.replace('''        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()''', '''        x0 = self.embed(ids)
+        prev = torch.zeros_like(x0)
+        for cycle in range(3):
+            last = cycle == 2
+            with torch.set_grad_enabled(last and torch.is_grad_enabled()):
+                x = self.trunk(x0 + prev)
+            if not last:
+                prev = x.detach()
+        return x.pow(2).mean()
+
+    def trunk(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x''')
+
+
+def test_3f1b_on_a_recycling_trunk_is_cut_where_it_fits(tmp_path):
+    """3F1B's first stage holds the table and runs what comes before the trunk in every pass: the
+    search cuts its stages as it cuts 1F1B's, and the rewrite takes that cut."""
+    assert RECYCLING != MODEL
+    path = tmp_path / "model.py"
+    path.write_text(RECYCLING)
+    analysis = analyze(path)
+    at_flops = estimate_config(analysis.graph, Config(1, 1, 2, schedule="3f1b"), CPU, [], BUDGET)
+    assert at_flops.why_not is not None and at_flops.stage_memory[0] >= (TABLE + 2 * BLOCK) * STATE
+    result = rewrite(analysis, PlanRequest(plan="auto", devices=2, pp=2, memory_budget=BUDGET))
+    chosen = result.plan.auto
+    assert (chosen.config.schedule, chosen.config.cuts) == ("3f1b", (1,)), chosen.config
+    assert chosen.best.why_not is None and chosen.best.stage_memory[0] >= (TABLE + BLOCK) * STATE
+    assert result.stages.block_ranges == [(0, 1), (1, 4)] and "schedule=3f1b" in result.plan.name
