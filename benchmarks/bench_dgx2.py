@@ -921,7 +921,7 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
    recompute repeats, so the recycling passes 1 and 2 of AlphaFold2 cost their forwards and save nothing
    (this script's own correction, `one_gradient_pass`, is gone; it had also divided the gradient pass's
    saved activations by 3).
-5. **Co-shard refuses TP 16 on Swin**: "cannot co-shard into 16x64 pieces: `qkv` has 1 along dim 2 on each
+5. **Co-shard refuses TP 16 on Swin**: "cannot co-shard into 16x2 pieces: `attn` has 1 along dim 1 on each
    device": the first stage's 16 heads leave one per device and co-shard cuts heads only.
 6. **What `plan` and `schedule` do not price**: `plan` has no --pp/--schedule (its co-shard estimate now adds
    the forward of every statement of the co-shard regions, the matmuls too, as this script does: plan/coshard.py
@@ -994,12 +994,19 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
 
 ## Why these estimates are below the paper's
 
-- **Swin, co-shard**: the gain here is only what co-shard saves over Megatron's full recompute at the same TP
-  (one repeated forward of the attention core instead of of every block). The paper's up-to-3.5x is over DeepSpeed,
+- **Swin, co-shard**: each side at its own best fitting configuration (since 5b4ab34 the table sweeps tp 2 to
+  16, each with and without ZeRO-1, and DeepSpeed's ZeRO-3): co-shard (C=8) + ZeRO-1 at tp 2 x dp 16, 33.41 s,
+  against Megatron TP + recompute + distributed optimizer at tp 2 (36.76 s): **1.10x**; against DeepSpeed ZeRO-3
+  + Megatron TP + recompute at tp 2 (36.35 s): 1.09x. `--plan auto` finds co-shard on its own (C=2 with ZeRO-3,
+  33.02 s). Before, the table swept tp 4 to 16 without ZeRO and reported 1.14x (co-shard at tp 4, 36.69 s, against
+  Megatron + recompute at tp 4, 41.71 s): Megatron fits at tp 2 once its optimizer state is sharded (31.1 -> 26.4
+  GiB), and tp 2 pays fewer all-reduces. **The term that decides is recompute's second forward**: Megatron's
+  recompute adds 10.70 s at tp 2 (36.76 against 26.06 s without, which needs 106.7 GiB), co-shard's repeated
+  forward of the attention core 7.34 s; the gain is only the difference. The paper's up-to-3.5x is over DeepSpeed,
   Megatron-LM and Alpa as the artifact ran them (DeepSpeed TP 8 with CPU offload; Alpa at global batch 16, see
   cupilot/evaluation/swin_32gpus.sh); this model prices neither offload nor Alpa's plans, nor allocator
-  fragmentation and workspace (it lets Megatron + recompute fit at TP 4 with 19.9 GiB), nor lower matmul efficiency
-  at the smaller per-device shapes of a larger TP (every matmul runs at 100 TFLOP/s).
+  fragmentation and workspace (it lets Megatron + recompute fit at TP 2 with 26.4 GiB), nor lower matmul
+  efficiency at the smaller per-device shapes of a larger TP (every matmul runs at 100 TFLOP/s).
 - **T5-3B and mBART, interlaced**: the interlaced pipeline moves the vocabulary's work off the first and last
   stages and spreads it over all 32 devices; at 32k (T5-3B) and 250k (mBART) tokens that work is small next to
   the layers, and what decides the comparison is communication the vocabulary steps add on every rank: this
@@ -1018,7 +1025,7 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
   gradients plus fp32 masters and moments) on the first stage, the stage that calls the decoder's embedding
   and the last stage (Megatron-LM's T5 keeps it there too). The one Megatron-LM configuration that fits is TP 32
   without a pipeline + SP + recompute (29.8 GiB, 965.52 s: every layer's all-reduces over both nodes'
-  InfiniBand), so interlaced is **20.03x** faster here. From 0199347 to f1e8ca8 it was priced just over the
+  InfiniBand), so interlaced is **20.06x** faster here. From 0199347 to f1e8ca8 it was priced just over the
   budget: the recompute rows of every model rose by 0.2-1.5 GiB, because find_trunk's new tie-break (equal
   lists broken by weights) made T5's decoder the representative list, and `block_activations` counted the
   encoder's output, which every decoder block reads, once per block (T5-3B's `estimate_config` at 8 x 4, 256
@@ -1026,9 +1033,9 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
   blocks, and since f1e8ca8 it is counted once (8.222 GiB; T5-3B's 1F1B + TP + recompute row 1.9 -> 1.7 GiB).
   Since 180c766 auto keeps it only on the stages whose blocks read it and hands it across a cut only from where
   it is made to its last reader, not between the encoder's stages (T5-3B tp 8 x pp 4, 256 micro-batches,
-  recompute: 11.587 -> 11.586 s, 1.665 -> 1.649 GiB: a small term; the tables here are from f1e8ca8).
+  recompute: 11.587 -> 11.586 s, 1.665 -> 1.649 GiB: a small term; the tables here are from d9ec343).
   No 1F1B pipeline fits, as the paper reports. Interlaced fits at every tp x pp and is fastest
-  at **1 x 32 with recompute (48.13 s, 27.2 GiB; the T5 sections were re-run at 784d1c2)**: its vocabulary is split over all 32 devices whatever tp is,
+  at **1 x 32 with recompute (48.13 s, 27.2 GiB; the whole benchmark re-run at d9ec343)**: its vocabulary is split over all 32 devices whatever tp is,
   so its layers need no tensor parallelism (two layers a stage, no TP all-reduce), which 1F1B cannot do (at
   1 x 32 its last stage's head alone, a 2,048,000-wide matmul on one device, takes longer than the rest of a
   stage). `--plan auto --devices 32` finds this plan on its own since 19b7ba2 (45.04 s by its analytic price
@@ -1044,22 +1051,22 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
   where the step runs it split over all 32 devices). The column of the table below is this run's.
 - **The vocabulary at which interlaced wins** (the sweep): at 1,024,000 tokens the best fitting 1F1B + TP is
   16 x 2 with SP (68.42 s) and interlaced 1 x 32 + recompute takes 44.70 s: **1.53x**, above the issue's
-  1.5x and below the paper's 2.2x. Up to 512,000 tokens 1F1B fits at 4 x 8 and is faster (0.76x at 32,000,
+  1.5x and below the paper's 2.2x. Up to 512,000 tokens 1F1B fits at 4 x 8 and is faster (0.74x at 32,000,
   0.90x at 512,000). `--plan auto` chooses interlaced 1 x 32 + recompute at 1,024,000 (41.47 s by its
   analytic price). Since 784d1c2 it searches the stage cut of its 1F1B and 3F1B configurations (plan/auto.py
   `_search_cuts`: seeds fitting a rough per-stage memory and balancing the priced stage times, then one cut
   point at a time, each cut priced whole), and from 32,000 to 512,000 it chooses 1F1B + TP + SP at 4 x 8 with
-  a cut of its own, as the table finds 1F1B faster there: 30.78 s at 32,000 (the table's FLOP-balanced 31.39
-  s), 34.50 s at 128,000 (the table's searched 35.93 s), 34.52 s at 256,000 (38.65 s), 38.69 s at 512,000
-  (38.69 s). Its cuts (`stages=5,15,25,34,42,50,58` at 128,000: 5, 10, 10, 9, 8, 8, 8 and 6 blocks a stage, the
-  first holding the embedding and the last the head the lightest) are faster than the table's own search found at 128,000
-  and 256,000 (priced alike: `estimate_config` of auto's cut at 128,000 gives 34.50 s, 29.18 GiB), so the
-  table's 1F1B column is slower than 1F1B can be at those sizes; at 1,024,000 and 2,048,000 neither search
-  finds a fitting 4 x 8 cut. Before, auto priced 1F1B at the FLOP-balanced cut only and chose interlaced
+  a cut of its own, as the table finds 1F1B faster there: 30.78 s at 32,000, 34.50 s at 128,000, 34.52 s at
+  256,000, 38.69 s at 512,000. Its cuts (`stages=5,15,25,34,42,50,58` at 128,000: 5, 10, 10, 9, 8, 8, 8 and 6
+  blocks a stage, the first holding the embedding and the last the head the lightest) were faster than the
+  table's own search found at 128,000 and 256,000 (35.93 and 38.65 s, from FLOP, even and vocabulary-light
+  seeds); since 5b4ab34 the table's search also starts from auto's seeds and finds the same cuts (the 1F1B
+  column equals auto's choice from 32,000 to 512,000). At 1,024,000 and 2,048,000 neither search finds a
+  fitting 4 x 8 cut. Before 784d1c2, auto priced 1F1B at the FLOP-balanced cut only and chose interlaced
   from 128,000 to 512,000. The "fits nothing" of the f41f212
   run was the 2,048,000 row (above), not 1,024,000; since 19b7ba2 auto chooses interlaced there too (45.04 s).
   The sweep prices pipelines only (tp x pp from 1 x 32 to 16 x 2): at 2,048,000 it finds no 1F1B, where the
-  section above finds TP 32 without a pipeline (965.52 s). **The term that decides is memory**: 1F1B's step at 4 x 8 grows from 31.39 s to 38.69 s
+  section above finds TP 32 without a pipeline (965.52 s). **The term that decides is memory**: 1F1B's step at 4 x 8 grows from 30.78 s to 38.69 s
   over those vocabularies; at 1,024,000 the table's stages (25 GB of state at tp 4 each, plus a block, plus
   the head's logits on the last) no longer fit at 4 x 8 under any cut the search tried, and the next
   fitting shape, 16 x 2, pays tp 16's all-reduces. Interlaced's step grows only from 41.38 s to 48.13 s
@@ -1103,7 +1110,10 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
   the paper's (3F1B vs DAP: not found; up to 3.5x across Swin and AlphaFold2 in the abstract), the terms that
   hold the estimate at 1.06x are the bubble (8.63 s, 12.9% at 4 stages; the simulator's timeline of the
   3F1B order gives the same 174.61 s) and the first stage's light load (3.78 s a micro-batch against 5.19 s:
-  memory keeps blocks off it). This model also prices AlphaFold2's many small ops at full matmul rate and
+  memory keeps blocks off it). The fit is thin: 29.6 of 29.8 GiB, inside the memory model's measured error
+  (benchmarks/BENCH_MEMORY.md: measured / estimate 0.91-1.04 on CPU processes, 1.04 with recompute), so this
+  estimate does not settle that it fits a V100; the next fitting 3F1B (tp 4 x dp 4 x pp 2, stages=19, 193.24 s,
+  24.2 GiB) trails the flat plans. This model also prices AlphaFold2's many small ops at full matmul rate and
   memory bandwidth, without per-kernel launch overheads beyond matmul_overhead, and neither chunking
   (AlphaFold2's and FastFold's way to cut the scores' memory) nor DAP's all-to-alls. nnScaler's own
   AlphaFold2 benchmark (msrasys/nnscaler, examples/alphafold2/README.md: fp16, one device, which it does not
