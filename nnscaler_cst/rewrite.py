@@ -29,7 +29,7 @@ from .materialize.conversions import fused_collectives
 from .materialize.edits import Edits, data_parallel_edits, one_device_edits, plan_edits, vocab_loss_edits
 from .materialize.state_keys import hooked_key_splits
 from .plan.ir import OpAssign, OpOrder, OpTrans, Plan
-from .plan.pipeline import StagePlan, plan_stages
+from .plan.pipeline import StagePlan, stages_to_rewrite
 from .plan.recompute import recompute_seconds, recompute_site, recompute_sites, restored_buffers
 from .plan import interlaced
 from .plan.schedules import Action, Placement, load_schedule, placement, schedule, to_csv
@@ -631,8 +631,8 @@ def plan_pipeline(analysis: Analysis, plan: Plan, request: PlanRequest) -> tuple
     """Stages as op_assign, the schedule as op_order; simulated before anything is written."""
     table = load_schedule(request.schedule)
     place = placement(table, request.pp)
-    stages = plan_stages(analysis.graph, request.pp, table.virtual_stages, request.stage_cuts, place,
-                         recycling=table.recycling)
+    stages = stages_to_rewrite(analysis.graph, request.pp, table.virtual_stages, request.stage_cuts, place,
+                               table.recycling)
     passes = stages.trunk.recycle.passes if stages.trunk.recycle is not None else 1
     micro = _micro_batches(request)
     stages.micro_statistics = _split_micro_batches(analysis, plan, micro)

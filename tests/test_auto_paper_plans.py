@@ -178,6 +178,25 @@ def test_where_memory_forces_recompute_the_search_co_shards_the_attention_core(a
     assert again.seconds == pytest.approx(choice.best.seconds) and again.memory == choice.best.memory
 
 
+def test_co_shard_is_priced_only_where_it_could_win(attention):
+    """Co-shard only adds to its split's time (one more forward of the regions it cuts), so a
+    family whose split is already slower than the fastest fitting plan is not priced (pricing it
+    rewrites the model): the bound it reports holds for every configuration of the family, and the
+    choice is the one pricing them all would make."""
+    choice = search_auto(attention, 4, H100, [], 8e8)
+    unpriced = [e for e in choice.candidates if (e.why_not or "").startswith("co-shard not priced")]
+    assert unpriced and choice.config.coshard == 1
+    for e in unpriced:
+        assert e.seconds >= choice.best.seconds
+        tp, dp = e.config.tp, e.config.dp
+        for micro in (1, 2):
+            for zero in (0, 1):
+                for recompute in (False, True):
+                    priced = estimate_config(attention, Config(tp, dp, 1, micro, zero, recompute, coshard=2), H100,
+                                             [], 8e8)
+                    assert priced.seconds >= e.seconds * (1 - 1e-12), (priced.config.describe(), e.seconds)
+
+
 def test_a_huge_shared_vocabulary_makes_the_search_interlace_the_pipeline(vocab):
     """1F1B keeps the whole shared vocabulary weight on its first and on its last stage; the
     interlaced pipeline splits it (and the embedding's and head's work) over the pipeline ranks,

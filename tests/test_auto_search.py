@@ -127,12 +127,61 @@ def test_the_split_search_costs_what_z3s_optimiser_finds(fixture, table, tp, dp,
     graph = analyze(FIXTURES / f"{fixture}.py").graph
     constraints = load_table(table).for_axis("tp") if table else []
     device = CPU.axis(1, tp)
+    solved_by_z3 = search._solved_by_z3
+
+    def declined(*args, **kwargs):
+        raise AssertionError("elimination handed the problem to z3")
     with fused_collectives(table == "sequence_parallel"):
+        monkeypatch.setattr(search, "_solved_by_z3", declined)
         fast = search.search_axis(graph, "tp", tp, constraints, device, data_parallel=dp)
+        monkeypatch.setattr(search, "_solved_by_z3", solved_by_z3)
         monkeypatch.setattr(search, "_eliminated", lambda *args, **kwargs: None)
         slow = search.search_axis(graph, "tp", tp, constraints, device, data_parallel=dp)
     assert fast.cost == pytest.approx(slow.cost, rel=1e-12, abs=1e-12)
     assert fast.memory == slow.memory
+
+
+def test_shared_arguments_group_where_a_producer_feeds_two_of_them():
+    """Arguments fed by several producers must agree; a producer feeding two of them joins their
+    facts, and no fact spans two groups (so a conflict is named within one group)."""
+    sources = {"a": {"s1", "s2"}, "b": {"s2", "s3"}, "c": {"s4", "s5"}, "d": {"s3", "s6"}, "e": {"s7"}}
+    groups = search._agreement_groups(sources, {"a", "b", "c", "d"})
+    assert groups == [(frozenset("abd"), ["s1", "s2", "s3", "s6"]), (frozenset("c"), ["s4", "s5"])]
+    # joined late: two groups found apart merge when an argument shares a producer with each
+    joined = search._agreement_groups({"a": {"s1", "s2"}, "b": {"s3", "s4"}, "c": {"s2", "s3"}}, {"a", "b", "c"})
+    assert joined == [(frozenset("abc"), ["s1", "s2", "s3", "s4"])]
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_conflict_is_named_among_its_groups_facts_with_the_same_optimum(tp, monkeypatch):
+    """hf_llama's cheapest split breaks an argument's agreement (four groups of shared arguments):
+    z3 names the choices breaking it among that group's facts, the search goes on by elimination
+    (never handing the problem to z3), and ends at the optimum it reaches with every fact in one
+    group, as it named them before."""
+    graph = analyze(FIXTURES / "hf_llama.py").graph
+    checked = []
+    disagreeing = search._disagreeing_sources
+
+    def recorded(*args, fixed=None, only=None, **kwargs):
+        if fixed is None:
+            checked.append(only)
+        return disagreeing(*args, fixed=fixed, only=only, **kwargs)
+
+    def declined(*args, **kwargs):
+        raise AssertionError("elimination handed the problem to z3")
+    groups = []
+    grouping = search._agreement_groups
+    monkeypatch.setattr(search, "_agreement_groups", lambda *args: groups.append(grouping(*args)) or groups[-1])
+    monkeypatch.setattr(search, "_disagreeing_sources", recorded)
+    monkeypatch.setattr(search, "_solved_by_z3", declined)
+    grouped = search.search_axis(graph, "tp", tp, [], CPU.axis(1, tp))
+    assert groups and len(groups[-1]) > 1
+    assert checked and all(only is not None for only in checked)      # a conflict was named, in a group
+    monkeypatch.setattr(search, "_agreement_groups", lambda sources, shared: [
+        (frozenset(shared), sorted({s for a in shared for s in sources[a]}, key=str))] if shared else [])
+    graph.__dict__.pop("_search_cache")         # z3's answers were kept per group
+    whole = search.search_axis(graph, "tp", tp, [], CPU.axis(1, tp))
+    assert (grouped.cost, grouped.memory) == (whole.cost, whole.memory)
 
 
 def test_z3s_optimiser_stopped_at_its_limit_gives_a_valid_plan_and_says_so(monkeypatch):

@@ -637,7 +637,51 @@ def search_auto(graph: Graph, devices: int, cluster: ClusterSpec, constraints: l
     estimates: list[Estimate] = []
     twins: dict[int, Estimate] = {}     # id of an estimate at a searched cut -> the same at the FLOP-balanced cut
     cut_families: list[tuple[int, list[Estimate], list[_Regions]]] = []    # (where in estimates, family, costs)
+    deferred: list = []                 # co-shard families: (the least time they could take, config, members, C)
     evaluated = 0
+
+    def family_configs(tp: int, dp: int, pp: int, order: str, variant: str, plan):
+        """Each (micro-batches, ZeRO, recompute) of a (tp, pp, schedule, variant), with the key of
+        the split it prices on."""
+        base = math.gcd(devices // tp, batch)
+        for micro in _micro_batch_choices(batch // dp, pp, fixed):
+            if micro > 1 and mixing is not None or _micro_problem(order, pp, micro):
+                continue
+            key = (tp, variant, base)
+            if plan is not None and not _valid_for(graph, plan, tp, dp * micro):
+                key = (tp, variant, batch)
+                if isinstance(tp_plan(*key), UserError):
+                    continue
+            for zero in _zero_choices(dp, fixed, order):
+                for recompute in _recompute_choices(blocks, fixed):
+                    yield Config(tp, dp, pp, micro, zero, recompute, variant == "sequence_parallel", order), key
+
+    def price_family(members, factors: list[int], search_cut: bool) -> Estimate | None:
+        """Price a family's configurations and keep its best (co-shard: the smallest C that fits,
+        every C costing the same time); a family whose every split was refused, the refusal."""
+        nonlocal evaluated
+        family, costs, refused = [], [], None
+        for config, key in members:
+            for chunks in factors:
+                cost = priced(*key, chunks)
+                if isinstance(cost, UserError):
+                    refused = refused or Estimate(replace(config, coshard=chunks), why_not=cost.message)
+                    continue
+                evaluated += 1
+                estimate = _estimate(replace(config, coshard=chunks), cost, blocks_for(config.schedule), batch,
+                                     cluster, budget)
+                family.append(estimate)
+                costs.append(cost)
+                if estimate.why_not is None:
+                    break
+        if not family:
+            if refused is not None:
+                estimates.append(refused)
+            return None
+        if search_cut:
+            cut_families.append((len(estimates), family, costs))
+        estimates.append(_family_best(family))
+        return estimates[-1]
     for tp in divisors(devices):
         for pp in divisors(devices // tp):
             dp = devices // (tp * pp)
@@ -660,49 +704,67 @@ def search_auto(graph: Graph, devices: int, cluster: ClusterSpec, constraints: l
                         estimates.append(Estimate(replace(config, sequence_parallel=variant == "sequence_parallel",
                                                           coshard=2 if variant == COSHARD else 1), why_not=plan.message))
                         continue
-                    family, costs = [], []
                     factors = coshard_factors(graph, plan, anchors, tp) if variant == COSHARD else [1]
                     if not factors:
                         estimates.append(Estimate(replace(config, coshard=2), why_not="no co-shard factor C > 1 "
                                                   "divides the co-sharded ops' split dims per device"))
                         continue
-                    for micro in _micro_batch_choices(batch // dp, pp, fixed):
-                        if micro > 1 and mixing is not None or _micro_problem(order, pp, micro):
-                            continue
-                        slices = dp * micro
-                        key = (tp, variant, base)
-                        if plan is not None and not _valid_for(graph, plan, tp, slices):
-                            key = (tp, variant, batch)
-                            if isinstance(tp_plan(*key), UserError):
-                                continue
-                        for zero in _zero_choices(dp, fixed, order):
-                            for recompute in _recompute_choices(blocks, fixed):
-                                # co-shard: the smallest C that fits (every C costs the same time)
-                                for chunks in factors:
-                                    cost = priced(*key, chunks)
-                                    if isinstance(cost, UserError):
-                                        continue
-                                    evaluated += 1
-                                    estimate = _estimate(Config(tp, dp, pp, micro, zero, recompute,
-                                                                variant == "sequence_parallel", order, chunks),
-                                                         cost, blocks_for(order), batch, cluster, budget)
-                                    family.append(estimate)
-                                    costs.append(cost)
-                                    if estimate.why_not is None:
-                                        break
-                    if family:
-                        if pp > 1 and order in ("1f1b", "3f1b") and fixed.search_cuts:
-                            cut_families.append((len(estimates), family, costs))
-                        estimates.append(_family_best(family))
+                    members = list(family_configs(tp, dp, pp, order, variant, plan))
+                    if variant == COSHARD:
+                        # priced after the rest, and only where it could win: co-shard only adds to the
+                        # time of its split without it (one more forward of the regions), and pricing
+                        # its regions rewrites the model (plan_edits)
+                        bound = min((_estimate(replace(c, coshard=factors[0]), priced(*key), blocks, batch, cluster,
+                                               math.inf).seconds for c, key in members), default=math.inf)
+                        deferred.append((bound, config, members, factors))
+                        continue
+                    price_family(members, factors, pp > 1 and order in ("1f1b", "3f1b") and fixed.search_cuts)
+    fastest = min((e.seconds for e in estimates if e.why_not is None), default=math.inf)
+    unpriced: list[tuple[float, Estimate, list, list[int]]] = []     # co-shard families it could not win
+    for bound, config, members, factors in sorted(deferred, key=lambda d: d[0]):
+        if bound >= fastest:
+            unpriced.append((bound, Estimate(replace(config, coshard=factors[0]), seconds=bound, why_not=(
+                f"co-shard not priced: without its repeated forward its split takes {bound:.4g} s a step, "
+                f"the fastest fitting plan {fastest:.4g} s")), members, factors))
+            estimates.append(unpriced[-1][1])
+            continue
+        best = price_family(members, factors, False)
+        if best is not None and best.why_not is None:
+            fastest = min(fastest, best.seconds)
     _search_cuts(estimates, cut_families, blocks, batch, cluster, budget, twins)
+    while True:
+        best = _choose(graph, estimates, blocks, twins)
+        # the rewrite refused a cut the bound was measured against: the co-shard families that
+        # could now win are priced after all
+        late = [u for u in unpriced if best is None or u[0] < best.seconds]
+        if not late:
+            break
+        for u in late:
+            unpriced.remove(u)
+            estimates[:] = [e for e in estimates if e is not u[1]]
+            price_family(u[2], u[3], False)
+    if best is None:
+        tried = sorted((e for e in estimates if e.memory < math.inf), key=lambda e: e.memory)[:4]
+        refused = [e for e in estimates if e.memory == math.inf][:4]
+        raise UserError(f"no plan on {devices} devices fits {format_bytes(budget)} per device: " +
+                        "; ".join(f"{e.config.describe()}: {e.why_not}" for e in [*tried, *refused]),
+                        hint="raise --memory-budget or use more devices")
+    chosen = best.config
+    variant = _variant_of(chosen)
+    plan = solved.get((chosen.tp, variant, math.gcd(devices // chosen.tp, batch))) if chosen.tp > 1 else None
+    if plan is not None and not _valid_for(graph, plan, chosen.tp, chosen.dp * chosen.micro_batches):
+        plan = solved[(chosen.tp, variant, batch)]
+    return AutoChoice(best, plan, estimates, evaluated, budget,
+                      space=_space_size(devices, batch, blocks, variants))
+
+
+def _choose(graph: Graph, estimates: list[Estimate], blocks: _Blocks, twins: dict) -> Estimate | None:
+    """The fastest fitting estimate the rewrite can cut and order as priced; None when none fits.
+    A refused searched cut gives way to its FLOP-balanced twin; a refused pp, every estimate with it."""
     while True:
         feasible = [e for e in estimates if e.why_not is None]
         if not feasible:
-            tried = sorted((e for e in estimates if e.memory < math.inf), key=lambda e: e.memory)[:4]
-            refused = [e for e in estimates if e.memory == math.inf][:4]
-            raise UserError(f"no plan on {devices} devices fits {format_bytes(budget)} per device: " +
-                            "; ".join(f"{e.config.describe()}: {e.why_not}" for e in [*tried, *refused]),
-                            hint="raise --memory-budget or use more devices")
+            return None
         best = min(feasible, key=lambda e: (e.seconds, e.config.features()))
         problem = _stages_problem(graph, best.config.pp, best.config.schedule, best.config.cuts)
         if problem is not None and best.config.cuts:     # that cut only: the FLOP-balanced one instead
@@ -712,19 +774,12 @@ def search_auto(graph: Graph, devices: int, cluster: ClusterSpec, constraints: l
         if problem is None:
             problem = _order_problem(best.config, blocks)
             if problem is None:
-                break
+                return best
             best.why_not = problem      # this number of micro-batches only
             continue
         for e in estimates:             # the rewrite could not cut the model so: no configuration with this pp
             if (e.config.pp, e.config.schedule) == (best.config.pp, best.config.schedule):
                 e.why_not = problem
-    chosen = best.config
-    variant = _variant_of(chosen)
-    plan = solved.get((chosen.tp, variant, math.gcd(devices // chosen.tp, batch))) if chosen.tp > 1 else None
-    if plan is not None and not _valid_for(graph, plan, chosen.tp, chosen.dp * chosen.micro_batches):
-        plan = solved[(chosen.tp, variant, batch)]
-    return AutoChoice(best, plan, estimates, evaluated, budget,
-                      space=_space_size(devices, batch, blocks, variants))
 
 
 def _variant_of(config: Config) -> str:
@@ -796,12 +851,12 @@ def _stages_problem(graph: Graph, pp: int, order: str = "1f1b", cuts: tuple[int,
         return None
     cache = _search_cache(graph).setdefault("stage_problems", {})
     if (pp, order, cuts) not in cache:
-        from .pipeline import plan_stages
+        from .pipeline import checked_stages
         from .schedules import placement
         table = _table(order)
         try:
-            plan_stages(graph, pp, table.virtual_stages, list(cuts) or None, placement=placement(table, pp),
-                        recycling=_blocks(graph).passes > 1)
+            checked_stages(graph, pp, table.virtual_stages, list(cuts) or None, placement(table, pp),
+                           _blocks(graph).passes > 1)
             cache[(pp, order, cuts)] = None
         except UserError as exc:
             cache[(pp, order, cuts)] = exc.message

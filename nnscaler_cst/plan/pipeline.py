@@ -1309,6 +1309,24 @@ def handoff_variables(function: cst.FunctionDef, loop_index: int) -> list[str]:
     return order
 
 
+def checked_stages(graph: Graph, ranks: int, virtual: int, cuts: list[int] | None, placement,
+                   recycling: bool) -> None:
+    """plan_stages, for its checks (a UserError when the rewrite could not cut so); the plan is
+    kept for `stages_to_rewrite`: --plan auto checks the cut it chooses, and the rewrite then cuts it
+    (AlphaFold2: 3 s each)."""
+    kept = graph.__dict__.setdefault("_checked_stages", {})
+    kept[(ranks, virtual, tuple(cuts or ()), placement, recycling)] = plan_stages(graph, ranks, virtual, cuts,
+                                                                                    placement, recycling)
+
+
+def stages_to_rewrite(graph: Graph, ranks: int, virtual: int, cuts: list[int] | None, placement,
+                      recycling: bool) -> StagePlan:
+    """plan_stages, or the plan `checked_stages` made of the same arguments (handed over once: the
+    rewrite fills it in)."""
+    kept = graph.__dict__.get("_checked_stages", {}).pop((ranks, virtual, tuple(cuts or ()), placement, recycling), None)
+    return kept if kept is not None else plan_stages(graph, ranks, virtual, cuts, placement, recycling)
+
+
 def plan_stages(graph: Graph, ranks: int, virtual: int = 1, cuts: list[int] | None = None,
                 placement=None, recycling: bool = False) -> StagePlan:
     """`placement` (plan.schedules.Placement): the schedule table's op-assign; with replicated

@@ -863,35 +863,40 @@ def _eliminated(graph: Graph, options, var, tables: "_Tables", uses, allowed_by,
                     if la != lb:
                         grid[a][b] = inf
     domains = [len(options[sid].options) for sid in sids]
-    checker = None
+    checkers: dict[frozenset, z3.Solver] = {}
     involved = {var[sid].get_id(): sid for sid in sids}
+
+    def disagreeing(arguments: frozenset, fixed: dict | None = None) -> list:
+        return [expr for hard in _disagreeing_sources(
+            graph, options, tables.edges, tables.consumer_of, tables.lay, var, tables.loss_source,
+            tables.rank_in, tables.rank_out, fixed=fixed, only=arguments).values() for expr in hard]
 
     def conflict(assignment: list[int]) -> Combination | None:
         """None when the optimum keeps every argument's agreement, else the combination of
         choices z3 names as breaking one (the unsat core of the choices as assumptions)."""
-        nonlocal checker
         picked = {sid: assignment[index[sid]] for sid in sids}
-        # --plan auto checks the optimum of every tensor-parallel size, and most of them hand the
-        # shared arguments the same steps: z3's answer is kept per _agreement_key
-        agreement = _agreement_key(graph, options, tables, picked)
-        if not agreement:
-            return None
+        # The facts fall apart into groups of shared arguments joined by a producer (_agreement_
+        # groups), over variables of their own: the assignment keeps them all when it keeps each.
+        # --plan auto checks the optimum of every tensor-parallel size, and most of them hand a
+        # group the same steps: z3's answer is kept per group's _agreement_key
         answers = _search_table(graph, "agreement_answers")
-        if agreement not in answers:
-            disagree = _disagreeing_sources(graph, options, tables.edges, tables.consumer_of, tables.lay, var,
-                                            tables.loss_source, tables.rank_in, tables.rank_out, fixed=picked)
-            fixed = z3.Solver()
-            fixed.add(*[var[sid] == k for sid, k in picked.items()])
-            fixed.add(*[expr for hard in disagree.values() for expr in hard])
-            answers[agreement] = fixed.check() == z3.sat
-        if answers[agreement]:
+        broken = None
+        for arguments, agreement in _agreement_key(graph, options, tables, picked):
+            if agreement not in answers:
+                fixed = z3.Solver()
+                fixed.add(*[var[sid] == k for sid, k in picked.items()])
+                fixed.add(*disagreeing(arguments, picked))
+                answers[agreement] = fixed.check() == z3.sat
+            if not answers[agreement]:
+                broken = arguments
+                break
+        if broken is None:
             return None
-        if checker is None:
-            checker = z3.Solver()
+        checker = checkers.get(broken)
+        if checker is None:     # that group's facts over every choice, to name the choices breaking it
+            checker = checkers[broken] = z3.Solver()
             checker.add(*[var[sid] >= 0 for sid in sids], *[var[sid] < domains[index[sid]] for sid in sids])
-            checker.add(*[expr for hard in _disagreeing_sources(
-                graph, options, tables.edges, tables.consumer_of, tables.lay, var, tables.loss_source,
-                tables.rank_in, tables.rank_out).values() for expr in hard])
+            checker.add(*disagreeing(broken))
         if checker.check(*[var[sid] == k for sid, k in picked.items()]) != z3.unsat:
             raise GaveUp("z3 did not confirm the conflict")
         core = [involved[c.arg(0).get_id()] for c in checker.unsat_core()]
@@ -913,7 +918,7 @@ def _eliminated(graph: Graph, options, var, tables: "_Tables", uses, allowed_by,
     except (TooWide, GaveUp):
         return None
     if not math.isfinite(value):
-        return INFEASIBLE if checker is None else None    # None: z3 then names the conflict
+        return INFEASIBLE if not checkers else None    # None: z3 then names the conflict
     return {sid: assignment[index[sid]] for sid in sids}
 
 
@@ -1542,30 +1547,48 @@ def _use_steps(options, lay, rank_in, rank_out, loss_source, source, feeds, inst
     return uses, table
 
 
-def _agreement_key(graph: Graph, options, tables: "_Tables", picked: dict) -> tuple:
-    """What the argument-agreement facts of one assignment amount to: per producer output feeding
-    a shared argument, whether its steps may go on its result and each use's steps. The facts
-    _disagreeing_sources(fixed=picked) writes are a function of this alone (the option indices
-    only select which steps; codes are the steps' text), so equal keys are equally satisfiable.
-    Empty when no argument is shared."""
+def _agreement_key(graph: Graph, options, tables: "_Tables", picked: dict) -> list[tuple[frozenset, tuple]]:
+    """What the argument-agreement facts of one assignment amount to, per group of shared
+    arguments (`_agreement_groups`): per producer output feeding one, whether its steps may go on
+    its result and each use's steps. The facts _disagreeing_sources(fixed=picked, only=group)
+    writes are a function of this alone (the option indices only select which steps; codes are
+    the steps' text), so equal keys are equally satisfiable. Empty when no argument is shared."""
     edges_key = ("agreement_args", id(tables.edges))
     cache = _search_cache(graph)
     fed = cache.get(edges_key)
     if fed is None or fed[0] is not tables.edges:
-        fed = cache[edges_key] = (tables.edges, _arguments_fed(tables.edges, tables.consumer_of))
+        found = _arguments_fed(tables.edges, tables.consumer_of)
+        fed = cache[edges_key] = (tables.edges, found, _agreement_groups(found[3], found[4]))
     instance, grad, feeds, sources, shared = fed[1]
-    key = []
-    for source in sorted({s for a in shared for s in sources[a]}, key=str):
-        su = source[0]
-        uses, table = _use_steps(options, tables.lay, tables.rank_in, tables.rank_out, tables.loss_source, source,
-                                 feeds, instance, grad, picked)
-        wraps = su is not None and graph.result_wrappable(graph.nodes[options[su].nodes[0]])
-        key.append((source, wraps, tuple(uses), tuple((use, tuple(steps)) for (use, _, _), steps in table.items())))
-    return tuple(key)
+    keys = []
+    for arguments, group_sources in fed[2]:
+        key = []
+        for source in group_sources:
+            su = source[0]
+            uses, table = _use_steps(options, tables.lay, tables.rank_in, tables.rank_out, tables.loss_source,
+                                     source, feeds, instance, grad, picked)
+            wraps = su is not None and graph.result_wrappable(graph.nodes[options[su].nodes[0]])
+            key.append((source, wraps, tuple(uses), tuple((use, tuple(steps)) for (use, _, _), steps in table.items())))
+        keys.append((arguments, (tuple(sorted(arguments, key=str)), tuple(key))))
+    return keys
+
+
+def _agreement_groups(sources: dict, shared: set) -> list[tuple[frozenset, list]]:
+    """The shared arguments in groups joined by a producer output feeding two of them, each with its
+    producer outputs (sorted): no fact of _disagreeing_sources spans two groups, so an assignment
+    keeps them all when it keeps each group's, and a conflict names choices of one group only."""
+    group_of: dict = {}
+    for argument in sorted(shared, key=str):
+        joined = {group_of[s] for s in sources[argument] if s in group_of}
+        group = (set().union(*joined) if joined else set()) | {argument}
+        for source in {s for a in group for s in sources[a]}:
+            group_of[source] = frozenset(group)
+    groups = sorted(set(group_of.values()), key=lambda g: min(map(str, g)))
+    return [(g, sorted({s for a in g for s in sources[a]}, key=str)) for g in groups]
 
 
 def _disagreeing_sources(graph: Graph, options, edges, consumer_of, lay, var, loss_source, rank_in,
-                         rank_out, fixed: dict | None = None) -> dict:
+                         rank_out, fixed: dict | None = None, only: frozenset | None = None) -> dict:
     """An argument written once in source but fed by different producers in different instances
     (a block's input: the embedding first, the previous block's residual after) gets one
     conversion on its line, so what each producer leaves to it must be the same. What a producer
@@ -1575,8 +1598,11 @@ def _disagreeing_sources(graph: Graph, options, edges, consumer_of, lay, var, lo
     In z3, per producer output: each use's steps as codes by position, the length of the prefix
     they share, and per shared argument the code of what is left; the codes must be equal. Every
     term joins the producer's choice with one consumer's, so a value read by many sites costs
-    terms in proportion, not in product."""
+    terms in proportion, not in product. `only`: the facts of these shared arguments alone (a group
+    of _agreement_groups)."""
     instance, grad, feeds, sources, shared = _arguments_fed(edges, consumer_of)
+    if only is not None:
+        shared = shared & only
     # z3 builds an expression per call of its Python API; equal expressions are one term (hash-
     # consed), so each is built once here: same assertions, a third of the time for a 7B model
     built: dict[tuple, z3.BoolRef] = {}
