@@ -41,9 +41,14 @@ def coshard_regions(graph: Graph, plan: AxisChoices, sites: dict, lay, have, dev
     `devices`: how many devices the pieces spread over (default the axis size); 1 when the plan's
     axis is a stand-in of C ways that only says which dims the pieces cut (co-shard on one device)."""
     regions: dict[tuple, Region] = {}
+    # every call of one source line (a block's instances) has the same region, over all of them
+    by_line: dict[tuple, Region] = {}
     for index, chunks in sorted(plan.chunks.items()):
         node = graph.nodes[index]
-        region = _region(graph, plan, sites, lay, have, node, chunks, plan.n if devices is None else devices)
+        line = (node.span, node.callee, chunks)
+        if line not in by_line:
+            by_line[line] = _region(graph, plan, sites, lay, have, node, chunks, plan.n if devices is None else devices)
+        region = by_line[line]
         key = (region.block, region.first)
         if regions.setdefault(key, region) != region:
             raise UserError("two co-sharded ops in one region ask for different pieces", node.span.start)

@@ -1207,10 +1207,15 @@ def _fitting_balanced(estimate: Estimate, cost: _Regions, blocks: _Blocks, budge
     ends_of = _stage_ranges(blocks, stages)
     room = [budget - (estimate.stage_memory[s] - rough(s, *ends_of[s])) for s in range(stages)]
     inf = math.inf
+    shortest = next((end for end in range(1, count - stages + 2) if end not in blocks.uncut), None)
+    if shortest is None or rough(0, 0, shortest) > room[0]:
+        return ()                               # not even the shortest first stage fits
     best = [time_sum[count] - time_sum[start] + seconds[-1] if rough(stages - 1, start, count) <= room[-1] else inf
             for start in range(count + 1)]      # the last stage: blocks start.. and the epilogue
     ends: list[list[int]] = []
     for stage in range(stages - 2, -1, -1):
+        if min(best) == inf:                    # the stages after this one fit from no start
+            return ()
         here, end_at = [inf] * (count + 1), [0] * (count + 1)
         later = stages - stage - 1
         extra = seconds[0] if stage == 0 else 0.0

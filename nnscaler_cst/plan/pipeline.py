@@ -1885,11 +1885,16 @@ def _computed_on_later_stages(graph: Graph, plan: StagePlan, shadows: set[str]) 
         return set()
     consumers = graph.consumers
     tensors = graph.trace.tensors
+    inside: dict[str, dict] = {module: {} for module in shadows}      # the first stage's nodes in each, by index
+    for n in graph.nodes:
+        if plan.node_stage[n.index] == 0:
+            for path in {n.module_path, n.callee_path or ""}:
+                for module in (path, *_ancestors(path)):
+                    if module in inside:
+                        inside[module][n.index] = n
     live = set()
     for module in sorted(shadows):
-        inside = [n for n in graph.nodes if plan.node_stage[n.index] == 0 and any(
-            p == module or p.startswith(module + ".") for p in (n.module_path, n.callee_path or ""))]
-        frontier = [t for n in inside for t in n.outputs]
+        frontier = [t for n in inside[module].values() for t in n.outputs]
         seen = set(frontier)
         while frontier and module not in live:
             tid = frontier.pop()
