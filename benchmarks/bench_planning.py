@@ -104,16 +104,15 @@ def part1(folder: Path, before: Path | None) -> list[str]:
     lines += [f"nnscaler-rewrite plan {' '.join(args)}".replace(str(folder), "/tmp/gpt_96") for _, args, _ in rows]
     lines += ["```", "(`/tmp/gpt_96/gpt_96.py` is fixtures/gpt.py with `n_layer: int = 96`.)", ""]
     if before is not None:
-        lines += [f"The same commands at `{before}` (the search before this change: dp x tp only, z3's "
-                  "optimiser per tp), where they finish:", "",
-                  "| command | wall s | CPU s | load | result |", "|---|---|---|---|---|"]
+        base = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=before, capture_output=True,
+                              text=True).stdout.strip() or "unknown"
+        lines += [f"The same commands at an older checkout (`--before`, {base}):", "",
+                  "| command | wall s | CPU s | load | chosen |", "|---|---|---|---|---|"]
         for label, args, _ in rows:
-            if "512" in label or "175B" in label:
-                continue                 # the old search has no answer there (issue 9) and takes many minutes
             old_args = [a.replace(str(ROOT), str(before)) for a in args]
             got = timed_command([sys.executable, "-m", "nnscaler_cst", "plan", *old_args], cwd=before)
             print("before:", label, got, flush=True)
-            result = "ok" if got["ok"] else got["error"][:100]
+            result = got["chosen"] or ("default plan" if got["ok"] else "failed: " + got["error"][:80])
             lines.append(f"| {label} | {got['wall']:.1f} | {got['cpu']:.1f} | {got['load']} | {result} |")
         lines.append("")
     return lines
