@@ -1190,13 +1190,11 @@ def _fitting_balanced(estimate: Estimate, cost: _Regions, blocks: _Blocks, budge
     cut `estimate` was priced at. A seed for _cut_search, which prices it with the whole model; ()
     where no cut fits by that memory."""
     config, stages, count = estimate.config, estimate.config.pp, blocks.count
-    seconds = _region_seconds(config, cost, blocks)
     state, kept = _region_memory(config, cost, blocks)
-    sums = [[0.0], [0.0], [0.0]]                # prefix sums over the blocks (regions 1..count)
+    state_sum, kept_sum = [0.0], [0.0]          # prefix sums over the blocks (regions 1..count)
     for r in range(1, count + 1):
-        for column, value in zip(sums, (seconds[r], state[r], kept[r])):
-            column.append(column[-1] + value)
-    time_sum, state_sum, kept_sum = sums
+        state_sum.append(state_sum[-1] + state[r])
+        kept_sum.append(kept_sum[-1] + kept[r])
     held = [min(stages - s, config.micro_batches) for s in range(stages)]
 
     def rough(stage: int, start: int, end: int) -> float:
@@ -1210,6 +1208,10 @@ def _fitting_balanced(estimate: Estimate, cost: _Regions, blocks: _Blocks, budge
     shortest = next((end for end in range(1, count - stages + 2) if end not in blocks.uncut), None)
     if shortest is None or rough(0, 0, shortest) > room[0]:
         return ()                               # not even the shortest first stage fits
+    seconds = _region_seconds(config, cost, blocks)
+    time_sum = [0.0]
+    for r in range(1, count + 1):
+        time_sum.append(time_sum[-1] + seconds[r])
     best = [time_sum[count] - time_sum[start] + seconds[-1] if rough(stages - 1, start, count) <= room[-1] else inf
             for start in range(count + 1)]      # the last stage: blocks start.. and the epilogue
     ends: list[list[int]] = []
