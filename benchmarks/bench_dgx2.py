@@ -962,6 +962,17 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
    block's repeats) share one candidate derivation, checked against each deriving its own
    (tests/test_instantiate_once.py), and a dim's factors are tuples: AlphaFold2 9.20-9.78 s wall over four
    runs (8.9-9.4 s CPU), 0.60 GB; its fine-tune crop 9.24 s; the artifact's T5 (8, 4) 8.38 s, 1.04 GB.
+   `--plan auto --devices 32` searches far more than one plan and is still over 10 s where the fixed plan is
+   near it. Since 9ae287c and fc19295 (session 36) an argument-agreement conflict is named among its group's
+   facts only (plan/search.py `_agreement_groups`: z3 over one group of shared arguments, not all), co-shard
+   is priced only where its split without co-shard beats the fastest fitting plan (a bound, tested to hold)
+   and finds a source line's region once, not per block instance, and the cut the search checks is kept for
+   the rewrite. `/usr/bin/time nnscaler-rewrite plan benchmarks/dgx2_<entry>.py --plan auto --devices 32
+   --cluster dgx2-v100x32 --precision fp16`, one run each, quiet, before -> after (same choices): Swin 4.7 ->
+   4.4 s, mBART 8.4 -> 6.3 s, T5-3B 18.2 -> 12.7 s, the artifact's T5 14.7 -> 12.2 s, AlphaFold2 24.7 -> 19.4
+   s, its fine-tune crop 29.3 -> 22.8 s, each under 1 GB. What is left of AlphaFold2's fine-tune search: its
+   18 tensor-parallel splits 5 s, pricing their regions 2.7 s, 3F1B's simulated orders 3 s (464 of them),
+   checking the chosen cut with plan_stages 3 s, besides the trace and graph that `plan` at a fixed tp pays.
 2. **Strided Conv2d was priced at 2 million times its FLOPs** (fixed in 211686f, before this run): plan/cost.py
    `node_flops` counts a conv's c·kh·kw from its weight; `Conv2d(3, 512, 4, stride=4)` on (256, 3, 1536, 1536)
    is 1.86e12 FLOPs. The Swin entry still embeds its patches with reshape + Linear (same FLOPs).
