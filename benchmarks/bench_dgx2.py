@@ -1262,25 +1262,32 @@ SWIN_OFFLOAD_KEY = "Swin-H-like: co-shard vs DeepSpeed ZeRO-3 + CPU offload (as 
 
 
 def only_swin(started: float, load_before: str) -> None:
-    """`--only swin`: the Swin section and its summary rows rewritten in the BENCH_DGX2.md there is, the other
-    sections (and the findings, edited by hand since) left as they were."""
-    path = ROOT / "benchmarks" / "BENCH_DGX2.md"
-    text = path.read_text()
+    """`--only swin`: the Swin section and its summary rows rewritten in the BENCH_DGX2.md there is."""
     body: list[str] = []
     results = swin_results(swin(body)["rows"])
-    body[2:2] = [f"Measured at {revision()} by `python benchmarks/bench_dgx2.py --only swin` (this section only: "
-                 f"{time.perf_counter() - started:.0f} s wall, load {load_before} at the start and {load()} at the "
-                 "end).", ""]
-    start, end = text.index("## Swin-Transformer"), text.index("No picture: co-shard")
-    lines = (text[:start] + "\n".join(body) + "\n\n" + text[end:]).split("\n")
+    rewrite_section("swin", "## Swin-Transformer", "No picture: co-shard", "| Swin-H-like", body, results, started,
+                    load_before, gap="\n\n")
+
+
+def rewrite_section(option: str, heading: str, until: str, row_prefix: str, body: list[str], results: dict,
+                    started: float, load_before: str, gap: str = "\n") -> None:
+    """`--only OPTION`: one section (from `heading` to `until`) and its summary rows rewritten in the
+    BENCH_DGX2.md there is, the other sections (and the findings, edited by hand since) left as they were."""
+    path = ROOT / "benchmarks" / "BENCH_DGX2.md"
+    text = path.read_text()
+    body[2:2] = [f"Measured at {revision()} by `python benchmarks/bench_dgx2.py --only {option}` (this section "
+                 f"only: {time.perf_counter() - started:.0f} s wall, load {load_before} at the start and {load()} "
+                 "at the end).", ""]
+    start, end = text.index(heading), text.index(until)
+    lines = (text[:start] + "\n".join(body) + gap + text[end:]).split("\n")
     for key, (paper, base, reported) in results.items():
         at = next((i for i, l in enumerate(lines) if l.startswith(f"| {key} |")), None)
-        if at is None:                  # a new row: after the last Swin one
-            at = max(i for i, l in enumerate(lines) if l.startswith("| Swin-H-like")) + 1
+        if at is None:                  # a new row: after the section's last one
+            at = max(i for i, l in enumerate(lines) if l.startswith(row_prefix)) + 1
             lines.insert(at, "")
         lines[at] = summary_line(key, paper, base, reported)
     path.write_text("\n".join(lines))
-    print("wrote benchmarks/BENCH_DGX2.md (Swin)")
+    print(f"wrote benchmarks/BENCH_DGX2.md ({option})")
 
 
 def alphafold2_results(out: dict) -> dict:
@@ -1295,25 +1302,10 @@ AF2_FINE_KEY = "AlphaFold2 at fine-tuning sizes (crop 384, 512 + 5120 extra sequ
 
 
 def only_alphafold2(started: float, load_before: str) -> None:
-    """`--only alphafold2`: the AlphaFold2 section and its summary rows rewritten in the BENCH_DGX2.md there
-    is, the other sections (and the findings, edited by hand since) left as they were."""
-    path = ROOT / "benchmarks" / "BENCH_DGX2.md"
-    text = path.read_text()
+    """`--only alphafold2`: the AlphaFold2 section and its summary rows rewritten in the BENCH_DGX2.md there is."""
     body: list[str] = []
     results = alphafold2_results(alphafold2(body))
-    body[2:2] = [f"Measured at {revision()} by `python benchmarks/bench_dgx2.py --only alphafold2` (this section "
-                 f"only: {time.perf_counter() - started:.0f} s wall, load {load_before} at the start and {load()} "
-                 "at the end).", ""]
-    start, end = text.index("## AlphaFold2"), text.index("## Findings")
-    lines = (text[:start] + "\n".join(body) + "\n" + text[end:]).split("\n")
-    for key, (paper, base, reported) in results.items():
-        at = next((i for i, l in enumerate(lines) if l.startswith(f"| {key} |")), None)
-        if at is None:                  # a new row: after the last AlphaFold2 one
-            at = max(i for i, l in enumerate(lines) if l.startswith("| AlphaFold2")) + 1
-            lines.insert(at, "")
-        lines[at] = summary_line(key, paper, base, reported)
-    path.write_text("\n".join(lines))
-    print("wrote benchmarks/BENCH_DGX2.md (AlphaFold2)")
+    rewrite_section("alphafold2", "## AlphaFold2", "## Findings", "| AlphaFold2", body, results, started, load_before)
 
 
 def main() -> None:
