@@ -152,14 +152,14 @@ def test_constructor_sizes_left_whole(at_repo, monkeypatch):
 
 def test_pipeline_stage_missing_a_module_it_calls(at_repo, monkeypatch):
     """The last stage made to drop ln_f, which it still calls: caught on stage 1's forward."""
-    original = rewrite_module.plan_stages
+    original = rewrite_module.stages_to_rewrite
 
     def broken(*args, **kwargs):
         stages = original(*args, **kwargs)
         stages.drop[stages.stages - 1] = [*stages.drop[stages.stages - 1], "transformer.ln_f"]
         return stages
 
-    monkeypatch.setattr(rewrite_module, "plan_stages", broken)
+    monkeypatch.setattr(rewrite_module, "stages_to_rewrite", broken)
     gpt = REPO / "fixtures" / "gpt.py"
     line, col = line_of(gpt, "self.transformer.ln_f(x)")
     with pytest.raises(UserError) as error:
