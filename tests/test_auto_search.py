@@ -184,6 +184,35 @@ def test_a_conflict_is_named_among_its_groups_facts_with_the_same_optimum(tp, mo
     assert (grouped.cost, grouped.memory) == (whole.cost, whole.memory)
 
 
+def test_conflicts_named_in_one_split_search_are_ruled_out_in_another_only_where_z3_confirms_them(monkeypatch):
+    """--plan auto solves the split of each tensor-parallel size at several batch slicings: the
+    conflicts z3 named at one are ruled out from the start at the next (fewer eliminations, the
+    same optimum as a search knowing none), and only after z3 confirms each breaks that problem's
+    own facts: a combination the optimum itself holds, planted as if named before, changes nothing."""
+    graph = analyze(FIXTURES / "hf_llama.py").graph
+    solves = []
+    eliminated = eliminate.minimize
+    monkeypatch.setattr(eliminate, "minimize", lambda *args: solves.append(1) or eliminated(*args))
+
+    def search_at(slices: int):
+        solves.clear()
+        plan = search.search_axis(graph, "tp", 2, [], CPU.axis(1, 2), data_parallel=slices)
+        return (plan.cost, plan.memory, plan.choices.node_choice), len(solves), plan.site_choice
+    alone, alone_solves, optimum = search_at(1)
+    named = search._search_table(graph, "known_conflicts")
+    assert named, "hf_llama's split names no conflict: the test needs one"
+    planted = {arguments: {tuple((sid, optimum[sid]) for sid, _ in combination) for combination in combinations}
+               for arguments, combinations in named.items()}
+    graph.__dict__.pop("_search_cache")
+    search_at(2)
+    assert search._search_table(graph, "known_conflicts")
+    warm, warm_solves, _ = search_at(1)
+    assert warm == alone and warm_solves < alone_solves
+    graph.__dict__.pop("_search_cache")
+    search._search_table(graph, "known_conflicts").update(planted)     # held by the optimum: no conflict
+    assert search_at(1)[0] == alone
+
+
 def test_z3s_optimiser_stopped_at_its_limit_gives_a_valid_plan_and_says_so(monkeypatch):
     """A model elimination declines (too densely connected: DeepSeek-V4 at TP=2 ran past 400 s
     in z3) gets the best plan z3 found within Z3_LIMIT_S, at worst a feasible one, with a warning;

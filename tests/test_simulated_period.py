@@ -28,3 +28,25 @@ def test_step_not_below_busiest_rank_and_matches_whole_timeline(name, passes, ch
     assert estimate >= micro * max(chunk) - 1e-9
     whole = _whole(table, chunk, micro, passes)
     assert abs(estimate - whole) <= 0.1 * whole
+
+
+@pytest.mark.parametrize("name,passes,ranks,micro", [("1f1b", 1, 4, 12), ("interleaved", 1, 2, 8),
+                                                     ("chimera", 1, 2, 4), ("3f1b", 3, 2, 6)])
+def test_a_timeline_walked_once_gives_the_simulators_span_for_any_stage_times(name, passes, ranks, micro):
+    """verify/simulate.py Timeline (what the planner prices hundreds of stage times with): the
+    order of the steps is walked once; each set of times (uneven, with a hand-off latency) then
+    ends exactly where the simulator's own walk ends."""
+    import random
+
+    from nnscaler_cst.verify.simulate import Timeline
+    table = load_schedule(name)
+    orders = cached_schedule(table, ranks, micro, passes)
+    place = placement(table, ranks)
+    timeline = Timeline(orders, len(place.ranks), place, passes)
+    rng = random.Random(0)
+    for _ in range(25):
+        forward = [rng.uniform(0.1, 3.0) for _ in place.ranks]
+        latency = rng.choice([0.0, 0.05])
+        events = simulate(orders, len(place.ranks), forward_seconds=forward, latency=latency, placement=place,
+                          passes=passes)
+        assert timeline.span(forward, latency) == max(e.end for e in events)

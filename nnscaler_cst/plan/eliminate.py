@@ -40,8 +40,8 @@ Combination = tuple[tuple[int, ...], tuple[int, ...]]
 
 
 def minimize_avoiding(domains: list[int], unary: list[list[float]], pairs: dict[tuple[int, int], list[list[float]]],
-                      conflict: Callable[[list[int]], Combination | None], max_solves: int = 256
-                      ) -> tuple[float, list[int]]:
+                      conflict: Callable[[list[int]], Combination | None], max_solves: int = 256,
+                      known: list[Combination] = ()) -> tuple[float, list[int]]:
     """`minimize`, over the assignments `conflict` accepts. `conflict(assignment)` is None for an
     acceptable assignment, else a combination it holds that no acceptable one may hold.
 
@@ -52,9 +52,10 @@ def minimize_avoiding(domains: list[int], unary: list[list[float]], pairs: dict[
     when it holds a named combination (s1=v1, ..., sk=vk), is replaced by k children that split
     what remains without it (child j fixes s1..s(j-1) to v1..v(j-1) and rules out vj at sj). A
     child's optimum is at least its parent's, so the first acceptable optimum popped is the
-    least acceptable assignment. Raises GaveUp after `max_solves` eliminations."""
+    least acceptable assignment. Raises GaveUp after `max_solves` eliminations. `known`:
+    combinations the caller already knows `conflict` refuses, ruled out from the first solve."""
     inf = math.inf
-    known: list[Combination] = []
+    known = list(known)
     solves = 0
 
     def counted() -> None:

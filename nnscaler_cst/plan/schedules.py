@@ -421,6 +421,8 @@ def to_csv(orders: list[list[Action]]) -> str:
     return "\n".join(",".join(str(a) for a in order) for order in orders) + "\n"
 
 
+_TIMELINES: dict = {}    # simulated_seconds: the Timeline of each set of orders _ORDERS keeps
+
 STEADY_WITHIN = 12       # simulated_seconds: the most multiples of D·V·P it waits for a steady period
 
 
@@ -437,16 +439,25 @@ def simulated_seconds(table: ScheduleTable, stage_seconds: list[float], micro: i
     take more than 2D micro-batches to fill, and a period measured before then is short. No step
     is shorter than its busiest rank's work, M times its stages' seconds per micro-batch (a
     bound the extrapolation is held to; the vocabulary steps only add to it)."""
-    from ..verify.simulate import simulate
+    from ..verify.simulate import Timeline, simulate
     ranks = len(stage_seconds)
     forward = [t / (passes + 2.0) for t in stage_seconds]
     place = placement(table, ranks)
+    kept = orders_for is None            # the table's own orders, kept per size: so is their timeline
     orders_for = orders_for or (lambda m: cached_schedule(table, ranks, m, passes))
 
     def span(m: int) -> float:
-        events = simulate(orders_for(m), len(place.ranks), forward_seconds=forward, placement=place, passes=passes,
-                          vocab=vocab)
-        return max(e.end for e in events)
+        orders = orders_for(m)
+        if vocab:
+            events = simulate(orders, len(place.ranks), forward_seconds=forward, placement=place, passes=passes,
+                              vocab=vocab)
+            return max(e.end for e in events)
+        if not kept:
+            return Timeline(orders, len(place.ranks), place, passes).span(forward)
+        key = (id(orders), place, passes)
+        if key not in _TIMELINES:
+            _TIMELINES[key] = Timeline(orders, len(place.ranks), place, passes)
+        return _TIMELINES[key].span(forward)
 
     busiest = max(sum(stage_seconds[v] for v in place.stages_of(r)) for r in range(max(place.ranks) + 1))
     step = ranks * table.virtual_stages * table.pipelines     # micro-batch counts the table accepts

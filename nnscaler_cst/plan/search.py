@@ -865,11 +865,33 @@ def _eliminated(graph: Graph, options, var, tables: "_Tables", uses, allowed_by,
     domains = [len(options[sid].options) for sid in sids]
     checkers: dict[frozenset, z3.Solver] = {}
     involved = {var[sid].get_id(): sid for sid in sids}
+    _, groups, group_sites = _agreement_structure(graph, tables)
+    # each group's facts name its own sites only: z3 is told those sites' choices, not every site's
+    group_sids = {arguments: [sid for sid in sids if sid in group_sites[arguments]] for arguments, _ in groups}
 
     def disagreeing(arguments: frozenset, fixed: dict | None = None) -> list:
         return [expr for hard in _disagreeing_sources(
             graph, options, tables.edges, tables.consumer_of, tables.lay, var, tables.loss_source,
             tables.rank_in, tables.rank_out, fixed=fixed, only=arguments).values() for expr in hard]
+
+    def checker_for(arguments: frozenset) -> z3.Solver:
+        """That group's facts over every choice of its sites, to name the choices breaking it.
+        Building them is most of a conflict's cost, and --plan auto's other searches often build
+        the very same ones (same sites and variables, same steps per pair of options): kept per
+        graph by what they are built from."""
+        checker = checkers.get(arguments)
+        if checker is None:
+            built = _search_table(graph, "agreement_checkers")
+            key = _agreement_key(graph, options, tables, None, only=arguments)[0][1] + tuple(
+                (sid, index[sid], domains[index[sid]]) for sid in group_sids[arguments])
+            checker = built.get(key)
+            if checker is None:
+                checker = built[key] = z3.Solver()
+                checker.add(*[var[sid] >= 0 for sid in group_sids[arguments]],
+                            *[var[sid] < domains[index[sid]] for sid in group_sids[arguments]])
+                checker.add(*disagreeing(arguments))
+            checkers[arguments] = checker
+        return checker
 
     def conflict(assignment: list[int]) -> Combination | None:
         """None when the optimum keeps every argument's agreement, else the combination of
@@ -884,7 +906,7 @@ def _eliminated(graph: Graph, options, var, tables: "_Tables", uses, allowed_by,
         for arguments, agreement in _agreement_key(graph, options, tables, picked):
             if agreement not in answers:
                 fixed = z3.Solver()
-                fixed.add(*[var[sid] == k for sid, k in picked.items()])
+                fixed.add(*[var[sid] == picked[sid] for sid in group_sids[arguments]])
                 fixed.add(*disagreeing(arguments, picked))
                 answers[agreement] = fixed.check() == z3.sat
             if not answers[agreement]:
@@ -892,12 +914,9 @@ def _eliminated(graph: Graph, options, var, tables: "_Tables", uses, allowed_by,
                 break
         if broken is None:
             return None
-        checker = checkers.get(broken)
-        if checker is None:     # that group's facts over every choice, to name the choices breaking it
-            checker = checkers[broken] = z3.Solver()
-            checker.add(*[var[sid] >= 0 for sid in sids], *[var[sid] < domains[index[sid]] for sid in sids])
-            checker.add(*disagreeing(broken))
-        if checker.check(*[var[sid] == k for sid, k in picked.items()]) != z3.unsat:
+        checker = checker_for(broken)
+        own = {sid: picked[sid] for sid in group_sids[broken]}
+        if checker.check(*[var[sid] == k for sid, k in own.items()]) != z3.unsat:
             raise GaveUp("z3 did not confirm the conflict")
         core = [involved[c.arg(0).get_id()] for c in checker.unsat_core()]
         if not core:
@@ -910,11 +929,29 @@ def _eliminated(graph: Graph, options, var, tables: "_Tables", uses, allowed_by,
                 core = rest
         if not core:
             raise GaveUp("the facts conflict whatever the choices")
+        known_conflicts.setdefault(broken, set()).add(tuple(sorted(
+            (sid, options[sid].options[picked[sid]]) for sid in core)))
         sites = tuple(sorted(index[sid] for sid in core))
         return sites, tuple(assignment[v] for v in sites)
 
+    # Conflicts named in the graph's other split searches (--plan auto's other sizes and
+    # variants), by site and option name: each is ruled out from the start where z3 confirms it
+    # breaks this problem's facts too (it names the same steps at most sizes), which spares the
+    # eliminations and cores that would find it again
+    known_conflicts = _search_table(graph, "known_conflicts")
+    confirmed: list[Combination] = []
+    for arguments in [a for a, _ in groups if a in known_conflicts]:
+        for combination in sorted(known_conflicts[arguments], key=str):
+            if not all(sid in index and label in options[sid].options for sid, label in combination):
+                continue
+            chosen = [(sid, options[sid].options.index(label)) for sid, label in combination]
+            if any(unary[index[sid]][k] == inf for sid, k in chosen):
+                continue                # ruled out here already
+            if checker_for(arguments).check(*[var[sid] == k for sid, k in chosen]) == z3.unsat:
+                sites = sorted((index[sid], k) for sid, k in chosen)
+                confirmed.append((tuple(v for v, _ in sites), tuple(k for _, k in sites)))
     try:
-        value, assignment = minimize_avoiding(domains, unary, pairs, conflict, MAX_SOLVES)
+        value, assignment = minimize_avoiding(domains, unary, pairs, conflict, MAX_SOLVES, known=confirmed)
     except (TooWide, GaveUp):
         return None
     if not math.isfinite(value):
@@ -1547,28 +1584,45 @@ def _use_steps(options, lay, rank_in, rank_out, loss_source, source, feeds, inst
     return uses, table
 
 
-def _agreement_key(graph: Graph, options, tables: "_Tables", picked: dict) -> list[tuple[frozenset, tuple]]:
-    """What the argument-agreement facts of one assignment amount to, per group of shared
-    arguments (`_agreement_groups`): per producer output feeding one, whether its steps may go on
-    its result and each use's steps. The facts _disagreeing_sources(fixed=picked, only=group)
-    writes are a function of this alone (the option indices only select which steps; codes are
-    the steps' text), so equal keys are equally satisfiable. Empty when no argument is shared."""
+def _agreement_structure(graph: Graph, tables: "_Tables"):
+    """Per edge set, once: _arguments_fed, the groups of shared arguments (`_agreement_groups`),
+    and per group the sites its facts name (its producers' and every consumer of what they feed)."""
     edges_key = ("agreement_args", id(tables.edges))
     cache = _search_cache(graph)
     fed = cache.get(edges_key)
     if fed is None or fed[0] is not tables.edges:
         found = _arguments_fed(tables.edges, tables.consumer_of)
-        fed = cache[edges_key] = (tables.edges, found, _agreement_groups(found[3], found[4]))
-    instance, grad, feeds, sources, shared = fed[1]
+        groups = _agreement_groups(found[3], found[4])
+        feeds = found[2]
+        sites = {arguments: frozenset({su for su, _ in sources if su is not None} |
+                                      {use[0] for source in sources for use in feeds[source]})
+                 for arguments, sources in groups}
+        fed = cache[edges_key] = (tables.edges, found, groups, sites)
+    return fed[1], fed[2], fed[3]
+
+
+def _agreement_key(graph: Graph, options, tables: "_Tables", picked: dict | None,
+                   only: frozenset | None = None) -> list[tuple[frozenset, tuple]]:
+    """What the argument-agreement facts of one assignment amount to, per group of shared
+    arguments (`_agreement_groups`): per producer output feeding one, whether its steps may go on
+    its result and each use's steps. The facts _disagreeing_sources(fixed=picked, only=group)
+    writes are a function of this alone (the option indices only select which steps; codes are
+    the steps' text), so equal keys are equally satisfiable. Empty when no argument is shared.
+    `picked` None: the steps of every pair of options (what the facts over every choice are
+    built from, with the option indices); `only`: that group's key alone."""
+    (instance, grad, feeds, sources, shared), groups, _ = _agreement_structure(graph, tables)
     keys = []
-    for arguments, group_sources in fed[2]:
+    for arguments, group_sources in groups:
+        if only is not None and arguments != only:
+            continue
         key = []
         for source in group_sources:
             su = source[0]
             uses, table = _use_steps(options, tables.lay, tables.rank_in, tables.rank_out, tables.loss_source,
                                      source, feeds, instance, grad, picked)
             wraps = su is not None and graph.result_wrappable(graph.nodes[options[su].nodes[0]])
-            key.append((source, wraps, tuple(uses), tuple((use, tuple(steps)) for (use, _, _), steps in table.items())))
+            key.append((source, wraps, tuple(uses), tuple(((use, a, b) if picked is None else use, tuple(steps))
+                                                           for (use, a, b), steps in table.items())))
         keys.append((arguments, (tuple(sorted(arguments, key=str)), tuple(key))))
     return keys
 
