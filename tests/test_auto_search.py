@@ -213,6 +213,22 @@ def test_conflicts_named_in_one_split_search_are_ruled_out_in_another_only_where
     assert search_at(1)[0] == alone
 
 
+def test_region_prices_kept_across_the_splits_of_one_size_are_those_of_a_fresh_pricing():
+    """plan/auto.py `_regions` keeps each op's price per graph, axis size and device, by the key
+    a repeated block's ops share (site, shapes, split and the producers' splits): pricing one
+    split after another at that size gives the second exactly what pricing it alone gives."""
+    from nnscaler_cst.plan import auto
+    graph = analyze(FIXTURES / "hf_llama.py").graph
+    blocks, device = auto._blocks(graph), CPU.axis(1, 2)
+    first, second = (search.search_axis(graph, "tp", 2, table, device)
+                     for table in ([], load_table("sequence_parallel").for_axis("tp")))
+    assert first.choices.node_choice != second.choices.node_choice
+    auto._regions(graph, blocks, first, 2, device)
+    after_first = auto._regions(graph, blocks, second, 2, device)
+    search._search_table(graph, "region_prices").clear()
+    assert after_first == auto._regions(graph, blocks, second, 2, device)
+
+
 def test_z3s_optimiser_stopped_at_its_limit_gives_a_valid_plan_and_says_so(monkeypatch):
     """A model elimination declines (too densely connected: DeepSeek-V4 at TP=2 ran past 400 s
     in z3) gets the best plan z3 found within Z3_LIMIT_S, at worst a feasible one, with a warning;

@@ -78,8 +78,10 @@ def _region(graph: Graph, plan: AxisChoices, sites: dict, lay, have, anchor: Nod
     spans = [source.span_of(s) for s in body]
     at = body.index(statement)
     members: dict[int, list[Node]] = {}
+    first_line, last_line = spans[0].line, spans[-1].end_line
     for node in graph.nodes:
-        if node.span is not None and node.span.path == anchor.span.path:
+        if node.span is not None and node.span.path == anchor.span.path and \
+                first_line <= node.span.line <= last_line:
             for k, span in enumerate(spans):
                 if span.contains(node.span):
                     members.setdefault(k, []).append(node)

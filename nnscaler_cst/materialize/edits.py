@@ -669,9 +669,9 @@ def _dim_sized_by_a_split_tensor(graph: Graph, node: Node, have: dict[int, Layou
     time that size is the local one, so the result is split there even where the plan runs
     the call whole. (Where it does not broadcast, the cautious re-plan keeps x whole:
     plan/whole_sizes.py.)"""
-    for span, tid, dim in graph.trace.size_queries:
+    for span, tid, dim in _size_queries_in(graph, node.span):
         layout = have.get(tid, R)
-        if layout.kind != "S" or layout.groups != 1 or not node.span.contains(span):
+        if layout.kind != "S" or layout.groups != 1:
             continue
         at = dims_sized_by_read(graph, node, span, len(graph.trace.tensors[tid].shape), dim).get(layout.dim)
         if at is not None and expand_broadcasts(graph, node, at):
@@ -679,10 +679,24 @@ def _dim_sized_by_a_split_tensor(graph: Graph, node: Node, have: dict[int, Layou
     return None
 
 
+def _size_queries_in(graph: Graph, span: Span) -> list[tuple[Span, int, int | None]]:
+    """The trace's size reads (`x.size(-1)`) inside `span`, in trace order: found by line, as each
+    split op asks (a model reads sizes thousands of times)."""
+    trace = graph.trace
+    index = trace.__dict__.get("_size_queries_by_line")
+    if index is None or index[0] != len(trace.size_queries):
+        by_line: dict[int, list[int]] = defaultdict(list)
+        for k, (read, _, _) in enumerate(trace.size_queries):
+            by_line[read.line].append(k)
+        index = trace.__dict__["_size_queries_by_line"] = (len(trace.size_queries), by_line)
+    found = sorted(k for line in range(span.line, span.end_line + 1) for k in index[1].get(line, ()))
+    return [trace.size_queries[k] for k in found if span.contains(trace.size_queries[k][0])]
+
+
 def _reads_local_size(graph: Graph, node: Node, have: dict[int, Layout]) -> bool:
-    for span, tid, dim in graph.trace.size_queries:
+    for span, tid, dim in _size_queries_in(graph, node.span):
         layout = have.get(tid, R)
-        if layout.kind == "S" and node.span.contains(span):
+        if layout.kind == "S":
             rank = len(graph.trace.tensors[tid].shape)
             if dim is None or dim % rank == layout.dim:
                 return True

@@ -53,7 +53,8 @@ from .cost import ClusterSpec, DeviceSpec, all_gather_time, all_reduce_time, nod
 from .layouts import REPLICATE, R
 from .memory import saved_bytes
 from .zero import state_bytes_per_device, units_in_flight
-from .search import BYTES_PER_PARAM_STATE, AxisPlan, _layout, _search_cache, from_end, search_axis, site_id
+from .search import (BYTES_PER_PARAM_STATE, AxisPlan, _layout, _search_cache, _search_table, from_end,
+                     search_axis, site_id)
 from .schedules import simulated_seconds
 from .tables import Constraint, load_table
 
@@ -358,9 +359,10 @@ def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, de
     choice = tp_plan.node_choice if tp_plan is not None else {}
     layouts = tp_plan.param_layout if tp_plan is not None else {}
     facts = _node_facts(graph)
-    priced: dict[tuple, tuple[float, float, float, float]] = {}
-    converted: dict[tuple, tuple[float, float, float, float]] = {}
     split = n > 1 and tp_plan is not None
+    # an op's price is a function of its key below, the axis size and the device: the other
+    # splits --plan auto prices at this size ask mostly for the same keys
+    priced, converted = _search_table(graph, "region_prices").setdefault((n, device, split), ({}, {}))
 
     def convert(have, need, split: bool, grad: bool, nbytes: float) -> tuple[float, float, float, float]:
         key = (have, need, split, grad, nbytes)

@@ -1575,8 +1575,18 @@ def _calls_of_function(graph: Graph, span: Span, recycle: Recycle) -> list[Span]
         inner = source.parents.get(inner)
     if inner is None:
         return []
+    # every op of a function asks (an Evoformer's embedding: thousands of ops): one walk per function
+    walked = graph.__dict__.setdefault("_calls_of_function", {})
+    key = (span.path, source.span_of(inner), recycle.function)
+    if key not in walked:
+        walked[key] = _loop_function_calls(graph, inner.name.value, recycle)
+    return walked[key]
+
+
+def _loop_function_calls(graph: Graph, name: str, recycle: Recycle) -> list[Span]:
+    """The calls of `name` (`self.name(...)` or `name(...)`) in the function holding the loop."""
     holder = graph.sources.get(recycle.function.path)
-    name, calls = inner.name.value, []
+    calls = []
 
     class Calls(cst.CSTVisitor):
         def visit_Call(self, call: cst.Call) -> None:

@@ -1165,8 +1165,12 @@ def unread_params_follow_constructor(graph: Graph, param_layout: dict[str, Layou
 def _partial_grad_params(graph: Graph, node_choice: dict[int, str]) -> list[str]:
     out: dict[str, None] = {}
     cache = _search_table(graph, "partial_grads")
-    for node in graph.nodes:
-        key = (node.index, node_choice[node.index])
+    reading = _search_cache(graph).get("param_readers")
+    if reading is None:                  # only an op reading a parameter leaves its gradient partial
+        reading = _search_cache(graph)["param_readers"] = [i for i in range(len(graph.nodes))
+                                                           if _param_operands(graph, i)]
+    for index in reading:
+        key = (index, node_choice[index])
         found = cache.get(key)
         if found is None:
             found = cache[key] = _partial_grads_of(graph, *key)
@@ -1414,14 +1418,23 @@ def _cost_tables(graph: Graph, options, n: int, device: DeviceSpec, data_paralle
     memory = {sid: [0] * len(opts.options) for sid, opts in options.items()}
     for site, (sid, opts) in enumerate(options.items()):
         labels = opts.labels
+        # a site has an instance per block, most alike (the same labels, one list object, and
+        # shapes): each kind priced once, times its instances
+        kinds: dict[tuple, list] = {}
+        for i in opts.nodes:
+            kind = kinds.get((id(labels[i]), shape_of[i]))
+            if kind is None:
+                kinds[(id(labels[i]), shape_of[i])] = [i, 1]
+            else:
+                kind[1] += 1
         for k in range(len(opts.options)):
             total, saved = 0.0, 0.0
-            for i in opts.nodes:             # price()'s cache inlined: a site has an instance per block
+            for i, count in kinds.values():
                 label = labels[i][k]
                 found = priced.get((site, label, shape_of[i]))
                 seconds, kept = found if found is not None else price(site, i, label)
-                total += seconds
-                saved += kept
+                total += seconds * count
+                saved += kept * count
             if total:
                 unary[sid][k] += ns(total)
             if saved:
