@@ -9,6 +9,7 @@ the cost model, or cut where the user says (--stages). Decides; rewrites nothing
 """
 from __future__ import annotations
 
+import bisect
 import copy
 import functools
 import math
@@ -1242,8 +1243,8 @@ def _runs(graph: Graph, module: str, count: int) -> list[list[int]]:
     in order: its ops from its first call on, in `count` equal runs that start at one call site.
     Refused when its runs differ (a branch on the iteration inside it)."""
     start = graph.trace.module_calls[module][1]
-    inside = [n.index for n in graph.nodes[start:]
-              if any(p == module or p.startswith(module + ".") for p in (n.module_path, n.callee_path or ""))]
+    within = _nodes_within(graph).get(module, [])
+    inside = within[bisect.bisect_left(within, start):]
     size, rest = divmod(len(inside), count)
     runs = [inside[k * size:(k + 1) * size] for k in range(count)]
     if rest or not size or len({graph.nodes[run[0]].span for run in runs}) != 1:
@@ -1253,6 +1254,22 @@ def _runs(graph: Graph, module: str, count: int) -> list[list[int]]:
                         f"{count} runs), so the stages cannot tell its iterations apart", span.start,
                         hint="run the same code in every iteration of the shared layer, or run it without --pp")
     return runs
+
+
+def _nodes_within(graph: Graph) -> dict[str, list[int]]:
+    """Per module path, the ops run in it or in a module inside it (their module or callee path is
+    it or below it), in order; once per graph (each block of a trunk asks)."""
+    found = graph.__dict__.get("_nodes_within")
+    if found is None:
+        found = graph.__dict__["_nodes_within"] = {}
+        for node in graph.nodes:
+            for path in {node.module_path, node.callee_path or ""} - {""}:
+                parts = path.split(".")
+                for k in range(1, len(parts) + 1):
+                    held = found.setdefault(".".join(parts[:k]), [])
+                    if not held or held[-1] != node.index:
+                        held.append(node.index)
+    return found
 
 
 def _loop_runs_once(group: list[str], calls: dict) -> bool:
@@ -1757,8 +1774,9 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
             used.setdefault(other, set()).update(used.get(name, ()))
 
     everywhere = set()                      # modules running, or holding something that runs, on every stage
+    every_stage = {node.index for node in graph.nodes if _runs_on_every_stage(graph, plan, node)}
     for node in graph.nodes:
-        if _runs_on_every_stage(graph, plan, node):
+        if node.index in every_stage:
             for path in filter(None, (node.module_path, node.callee_path)):
                 everywhere.update((path, *_ancestors(path)))
             if "" in _read_owners(graph, node):     # the model's own parameter (ViT's pos_embedding) read
@@ -1790,7 +1808,7 @@ def _ownership(graph: Graph, plan: StagePlan) -> None:
     # stage whose code reads some of it (tied); one of a list cut apart, on its own stage only
     cut_apart = {b for trunk in plan.trunks if not trunk.iterations for b in trunk.blocks}
     not_held = [set(plan.drop[s]) | set(plan.shadow[s]) | cut_apart for s in range(plan.stages)]
-    live = _computed_on_later_stages(graph, plan, {m for s in plan.shadow.values() for m in s})
+    live = _computed_on_later_stages(graph, plan, {m for s in plan.shadow.values() for m in s}, every_stage)
     tied_ranks = None       # the pipeline ranks holding the tied parameters: one group for all of them
     # a module several iterations of the loop run (one layer whose weights they share): every stage
     # holding it computes with it, like a shadow read by later stages
@@ -1885,12 +1903,13 @@ def _read_owners(graph: Graph, node) -> list[str]:
     return owners
 
 
-def _computed_on_later_stages(graph: Graph, plan: StagePlan, shadows: set[str]) -> set[str]:
+def _computed_on_later_stages(graph: Graph, plan: StagePlan, shadows: set[str], every_stage: set[int]) -> set[str]:
     """The shadow modules whose output a stage after the first computes with: a value made by
     code above the cut function (which every stage runs), flowing through more such code into a
     call another stage runs (CpmAnt's position bias, read by every block). Each stage's copy then
     takes part in the loss, and its gradient counts. A shadow read for its shape only (the
-    embedding a later stage replaces by the value it receives) has no such consumer."""
+    embedding a later stage replaces by the value it receives) has no such consumer. `every_stage`:
+    the ops _runs_on_every_stage."""
     if not shadows:
         return set()
     consumers = graph.consumers
@@ -1915,7 +1934,7 @@ def _computed_on_later_stages(graph: Graph, plan: StagePlan, shadows: set[str]) 
                 if plan.node_stage[index] != 0:
                     live.add(module)
                     break
-                if _runs_on_every_stage(graph, plan, node):
+                if index in every_stage:
                     fresh = [t for t in node.outputs if t not in seen]
                     seen.update(fresh)
                     frontier.extend(fresh)
