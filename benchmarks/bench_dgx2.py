@@ -976,15 +976,18 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
    a group's facts are built once per set of steps and told only their own sites' choices; 3F1B's step is read
    off a timeline walked once per order (verify/simulate.py `Timeline`, exact against the simulator); an op's
    price is kept across the splits of one tp size; a site's alike instances are priced once; a co-shard region
-   and a split op's size reads are found by line, not by a scan of every op. Three runs each, before (65b3f12) ->
-   after, same choices, each under 1.1 GB, on a machine whose one thread's fp32 matmul runs 92 GFLOP/s (213 on
-   the one of earlier sessions): Swin 4.3 -> 4.1-4.6 s, mBART 6.0 -> 5.4-5.8 s, **T5-3B 13.2 -> 9.0-10.0 s**,
+   and a split op's size reads are found by line, not by a scan of every op; a module's ops are indexed once per
+   graph for the trunk's search, and the ops running on every stage found once per stage plan (b04ad85: 0.9 s
+   less of AlphaFold2's, in-process; runs of one command drift by 2 s here). Three runs each at 8f8c85e, before
+   (65b3f12) -> after, same choices, each under 1.1 GB, on a machine whose one thread's fp32 matmul runs 92
+   GFLOP/s (213 on the one of earlier sessions): Swin 4.3 -> 4.1-4.6 s, mBART 6.0 -> 5.4-5.8 s, **T5-3B 13.2 -> 9.0-10.0 s**,
    the artifact's T5 12.3 -> 10.3-10.9 s (2.0 s of it importing transformers' T5, 0.7 s the co-shard regions
    it then refuses), AlphaFold2 19.7 -> 17.1-18.1 s, its fine-tune crop 22.7 -> 18.8-19.6 s. AlphaFold2's floor
    is the 7.2 s a fixed `plan` also pays (importing torch 1.4 s, the trace of its 24,133 ops 3.9 s, building
-   the model in fake tensors 1.4 s of it, the instance groups 1.3 s); its search is 18 splits 3.9 s, the
-   stage check 1.3 s, the blocks 1.3 s, co-shard 1.1 s, their regions 1.1 s, 3F1B's z3 orders 0.9 s, each a
-   pass over every op of 48 identical blocks that a per-block pass would not repeat.
+   the model in fake tensors 1.4 s of it, the instance groups 1.3 s); its search is 18 splits 3.9 s, co-shard
+   1.1 s, their regions 1.1 s, the stage check 0.9 s, 3F1B's z3 orders 0.9 s, its timelines 0.7 s, the blocks
+   0.7 s, each a pass over every op of 48 identical blocks x 3 recycling passes that a per-block pass would not
+   repeat.
 2. **Strided Conv2d was priced at 2 million times its FLOPs** (fixed in 211686f, before this run): plan/cost.py
    `node_flops` counts a conv's c·kh·kw from its weight; `Conv2d(3, 512, 4, stride=4)` on (256, 3, 1536, 1536)
    is 1.86e12 FLOPs. The Swin entry still embeds its patches with reshape + Linear (same FLOPs).
