@@ -868,6 +868,8 @@ def _eliminated(graph: Graph, options, var, tables: "_Tables", uses, allowed_by,
     _, groups, group_sites = _agreement_structure(graph, tables)
     # each group's facts name its own sites only: z3 is told those sites' choices, not every site's
     group_sids = {arguments: [sid for sid in sids if sid in group_sites[arguments]] for arguments, _ in groups}
+    # conflicts named by the graph's split searches, by site and option name (see below)
+    known_conflicts = _search_table(graph, "known_conflicts")
 
     def disagreeing(arguments: frozenset, fixed: dict | None = None) -> list:
         return [expr for hard in _disagreeing_sources(
@@ -938,7 +940,6 @@ def _eliminated(graph: Graph, options, var, tables: "_Tables", uses, allowed_by,
     # variants), by site and option name: each is ruled out from the start where z3 confirms it
     # breaks this problem's facts too (it names the same steps at most sizes), which spares the
     # eliminations and cores that would find it again
-    known_conflicts = _search_table(graph, "known_conflicts")
     confirmed: list[Combination] = []
     for arguments in [a for a, _ in groups if a in known_conflicts]:
         for combination in sorted(known_conflicts[arguments], key=str):
