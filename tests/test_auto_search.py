@@ -39,6 +39,19 @@ WIDTH = 15            # odd: no weight matrix splits two ways, so tensor paralle
 FLOAT = 4
 
 
+@pytest.fixture(scope="module")
+def _llama_analysis():
+    return analyze(FIXTURES / "hf_llama.py")
+
+
+@pytest.fixture
+def llama(_llama_analysis):
+    """hf_llama's graph, traced once per module, without what earlier searches kept on it."""
+    graph = _llama_analysis.graph
+    graph.__dict__.pop("_search_cache", None)
+    return graph
+
+
 def cli(*args, cwd=REPO):
     return subprocess.run([sys.executable, "-m", "nnscaler_cst.cli", *map(str, args)], cwd=cwd,
                           capture_output=True, text=True, timeout=900)
@@ -153,12 +166,12 @@ def test_shared_arguments_group_where_a_producer_feeds_two_of_them():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
-def test_a_conflict_is_named_among_its_groups_facts_with_the_same_optimum(tp, monkeypatch):
+def test_a_conflict_is_named_among_its_groups_facts_with_the_same_optimum(tp, monkeypatch, llama):
     """hf_llama's cheapest split breaks an argument's agreement (four groups of shared arguments):
     z3 names the choices breaking it among that group's facts, the search goes on by elimination
     (never handing the problem to z3), and ends at the optimum it reaches with every fact in one
     group, as it named them before."""
-    graph = analyze(FIXTURES / "hf_llama.py").graph
+    graph = llama
     checked = []
     disagreeing = search._disagreeing_sources
 
@@ -184,12 +197,12 @@ def test_a_conflict_is_named_among_its_groups_facts_with_the_same_optimum(tp, mo
     assert (grouped.cost, grouped.memory) == (whole.cost, whole.memory)
 
 
-def test_conflicts_named_in_one_split_search_are_ruled_out_in_another_only_where_z3_confirms_them(monkeypatch):
+def test_conflicts_named_in_one_split_search_are_ruled_out_in_another_only_where_z3_confirms_them(monkeypatch, llama):
     """--plan auto solves the split of each tensor-parallel size at several batch slicings: the
     conflicts z3 named at one are ruled out from the start at the next (fewer eliminations, the
     same optimum as a search knowing none), and only after z3 confirms each breaks that problem's
     own facts: a combination the optimum itself holds, planted as if named before, changes nothing."""
-    graph = analyze(FIXTURES / "hf_llama.py").graph
+    graph = llama
     solves = []
     eliminated = eliminate.minimize
     monkeypatch.setattr(eliminate, "minimize", lambda *args: solves.append(1) or eliminated(*args))
@@ -213,12 +226,12 @@ def test_conflicts_named_in_one_split_search_are_ruled_out_in_another_only_where
     assert search_at(1)[0] == alone
 
 
-def test_region_prices_kept_across_the_splits_of_one_size_are_those_of_a_fresh_pricing():
+def test_region_prices_kept_across_the_splits_of_one_size_are_those_of_a_fresh_pricing(llama):
     """plan/auto.py `_regions` keeps each op's price per graph, axis size and device, by the key
     a repeated block's ops share (site, shapes, split and the producers' splits): pricing one
     split after another at that size gives the second exactly what pricing it alone gives."""
     from nnscaler_cst.plan import auto
-    graph = analyze(FIXTURES / "hf_llama.py").graph
+    graph = llama
     blocks, device = auto._blocks(graph), CPU.axis(1, 2)
     first, second = (search.search_axis(graph, "tp", 2, table, device)
                      for table in ([], load_table("sequence_parallel").for_axis("tp")))
@@ -227,6 +240,63 @@ def test_region_prices_kept_across_the_splits_of_one_size_are_those_of_a_fresh_p
     after_first = auto._regions(graph, blocks, second, 2, device)
     search._search_table(graph, "region_prices").clear()
     assert after_first == auto._regions(graph, blocks, second, 2, device)
+
+
+@pytest.mark.slow
+def test_split_searches_sharing_a_graphs_tables_find_what_each_finds_alone(llama):
+    """plan/search.py keeps, per graph, the cost tables of each size and slicing (shared by the
+    variants --plan auto solves at that size; the ops' own prices also across fused collectives)
+    and each constraint's answers per group of alike instances (shared across sizes). Each of
+    these searches, solved after the others on one graph, finds exactly what it finds alone."""
+    graph = llama
+    variants = [("auto", [], False)] + [(name, load_table(name).for_axis("tp"), load_table(name).fused_collectives)
+                                        for name in ("sequence_parallel", "coshard", "megatron")]
+
+    def solved(n, table, fused, slices):
+        with fused_collectives(fused):
+            plan = search.search_axis(graph, "tp", n, table, CPU.axis(1, n), data_parallel=slices, explain=False)
+        return plan.choices.node_choice, plan.cost, plan.memory, plan.restricted, plan.left_whole
+
+    runs = [(n, name, table, fused, slices) for n in (2, 4) for slices in (1, 2) for name, table, fused in variants]
+    together = [solved(n, table, fused, slices) for n, _, table, fused, slices in runs]
+    assert len({repr(plan[0]) for plan in together}) > 3        # the variants split unalike
+    for (n, name, table, fused, slices), shared in zip(runs, together):
+        graph.__dict__.pop("_search_cache")
+        assert solved(n, table, fused, slices) == shared, (n, name, slices)
+
+
+@pytest.mark.slow
+def test_a_constraint_asked_per_group_of_alike_instances_answers_as_asked_per_instance(llama):
+    """The search narrows a site by a constraint per group of instances with equal candidates
+    (one list of labels, `allows_every`, kept across sizes): the options left are those every
+    selected instance allows, asked one by one, at each size, for tables and for constraints that
+    select some instances of a site only (one layer's weights, one layer's module)."""
+    from nnscaler_cst.errors import Location
+    from nnscaler_cst.plan.tables import Constraint
+    graph = llama
+    layer0 = sorted(p for p in graph.trace.params if ".0." in p and p.endswith("weight"))
+    assert layer0
+    here = Location("test", 1, 1)
+    constraints = [*(c for name in ("sequence_parallel", "coshard", "megatron") for c in load_table(name).for_axis("tp")),
+                   Constraint("layer0-whole", here, "tp", {"params": layer0}, forbid="splitting-params"),
+                   Constraint("layer1-replicated", here, "tp", {"module": "*layers.1*"}, algo="replicate")]
+    candidates = search._site_candidates(graph, False)
+    narrowed = 0
+    for n in (2, 4, 2):
+        options = search.site_options(graph, n)
+        for constraint in constraints:
+            _, allows, selected_at, groups_selected, allows_every = search._constraint_answers(graph, constraint)
+            for sid, opts in options.items():
+                selected = selected_at(sid, opts.nodes)
+                if not selected:
+                    continue
+                kinds = groups_selected(sid, candidates[sid][1], selected, False)
+                for k in range(len(opts.options)):
+                    alone = all(allows(i, opts.labels[i][k]) for i in selected)
+                    assert alone == all(allows_every(kind, opts.labels[kind[0]][k]) for kind in kinds), \
+                        (n, constraint.id, sid, k)
+                    narrowed += not alone
+    assert narrowed       # some constraint rules some option out
 
 
 def test_z3s_optimiser_stopped_at_its_limit_gives_a_valid_plan_and_says_so(monkeypatch):

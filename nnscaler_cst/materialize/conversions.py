@@ -33,6 +33,11 @@ def fused_collectives(enabled: bool):
         _FUSED.reset(token)
 
 
+def fusing() -> bool:
+    """Whether the plan being solved may fuse pairs of collectives (what it is priced with)."""
+    return _FUSED.get()
+
+
 SPLIT_DIM_STEPS = ("gather", "scatter", "reduce_scatter", "all_gather")     # the steps that name a dim
 
 

@@ -362,7 +362,7 @@ def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, de
     split = n > 1 and tp_plan is not None
     # an op's price is a function of its key below, the axis size and the device: the other
     # splits --plan auto prices at this size ask mostly for the same keys
-    priced, converted = _search_table(graph, "region_prices").setdefault((n, device, split), ({}, {}))
+    priced, converted, own = _search_table(graph, "region_prices").setdefault((n, device, split), ({}, {}, {}))
 
     def convert(have, need, split: bool, grad: bool, nbytes: float) -> tuple[float, float, float, float]:
         key = (have, need, split, grad, nbytes)
@@ -376,9 +376,13 @@ def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, de
     def price(node, fact: _NodeFacts, label: str, ways: int) -> tuple[float, float, float, float]:
         """The op's compute and the conversions of its operands, forward and backward and forward alone."""
         index = node.index
-        dims = graph.dims.get(index)
-        total = [node_time(node, dims, trace, dev, ways, dims_of=graph.dims.get, forward_only=fwd, label=label)
-                 for fwd in (False, True) for dev in (bw_dev, fx_dev)]
+        times = own.get((fact.key_id, label))     # the op's own: whatever its producers' splits
+        if times is None:
+            dims = graph.dims.get(index)
+            times = own[(fact.key_id, label)] = [
+                node_time(node, dims, trace, dev, ways, dims_of=graph.dims.get, forward_only=fwd, label=label)
+                for fwd in (False, True) for dev in (bw_dev, fx_dev)]
+        total = list(times)
         if split:
             wanted = _layout(graph, index, label)
             for name, rank, nbytes, requires_grad, u, k in fact.operands:
@@ -451,15 +455,24 @@ def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, de
     for held in out.params:             # a parameter the vocabulary ops share is theirs (tied weights)
         for param in out.shared[2]:
             held.pop(param, None)
-    if tp_plan is not None:
-        first_use = {}
-        for node, fact in zip(graph.nodes, facts):
-            for param, _ in fact.params:
-                first_use.setdefault(param, blocks.region[node.index])
+    if tp_plan is not None and tp_plan.partial_grad_params:
+        first_use = _first_use(graph, blocks, facts)
         for name in tp_plan.partial_grad_params:
             out.partial_seconds[first_use.get(name, 0)] += all_reduce_time(
                 tensors[trace.params[name].tid].nbytes, n, device)
     return out
+
+
+def _first_use(graph: Graph, blocks: _Blocks, facts: list[_NodeFacts]) -> dict[str, int]:
+    """Each parameter's region of first use, per graph and regions (where its gradient is ready)."""
+    found = _search_table(graph, "first_use").get(id(blocks.region))
+    if found is None or found[0] is not blocks.region:
+        first_use: dict[str, int] = {}
+        for node, fact in zip(graph.nodes, facts):
+            for param, _ in fact.params:
+                first_use.setdefault(param, blocks.region[node.index])
+        found = _search_table(graph, "first_use")[id(blocks.region)] = (blocks.region, first_use)
+    return found[1]
 
 
 def _hidden_bytes(node, trace) -> float:

@@ -24,7 +24,7 @@ from ..errors import Location, UserError
 from ..graph.graph import Graph
 from ..trace.records import Operand
 from ..graph.mixed import mixed_edges
-from ..materialize.conversions import conversion, conversion_time
+from ..materialize.conversions import conversion, conversion_time, fusing
 from ..materialize.buffers import buffer_split_problem
 from ..materialize.size_args import SIZE_ARGUMENTS, factory_size, locate_size_argument, shape_names
 from ..sizes import format_bytes
@@ -687,8 +687,9 @@ def _search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
     # the second try (_solve_mixed_first): the layers of mixed calls have only their whole option
     whole_only = {sid: {k for k, label in enumerate(options[sid].options) if label == REPLICATE} for sid in sids
                   if mixed_whole and sid[0] != "node" and in_mixed_container(graph, sid[0])}
+    candidates = _site_candidates(graph, every_size_read)
     for constraint in constraints:
-        selects, allows, selected_at = _constraint_answers(graph, constraint)
+        _, _, selected_at, groups_selected, allows_every = _constraint_answers(graph, constraint)
         excepted = constraint.select.get("except_params")
         narrowed = []
         for sid in sids:
@@ -700,8 +701,10 @@ def _search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
                 # whole (a plan solved again, rewrite.py), the constraint leaves the others be too
                 continue
             if selected:
+                # the instances with equal candidates have one list of labels (site_options): asked per group
+                kinds = groups_selected(sid, candidates[sid][1], selected, every_size_read)
                 narrowed.append((sid, [k for k in range(len(opts.options)) if k in whole_only.get(sid, (k,))
-                                       and all(allows(i, opts.labels[i][k]) for i in selected)]))
+                                       and all(allows_every(kind, opts.labels[kind[0]][k]) for kind in kinds)]))
         # a blanket split that fits some weights leaves the others whole; one that fits none
         # stays hard, so that the unsat core says which sizes do not divide (unless a line's
         # calls split differently: no size would help there)
@@ -726,7 +729,15 @@ def _search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
                 narrowed_to.append((sid, allowed, constraint))
 
     uses = _param_uses(graph, options)
-    tables = _cost_tables(graph, options, n, device, data_parallel, uses)
+    # the tables read the options (the sizes and slicing), never the constraints: --plan auto's
+    # variants of one tensor-parallel size (free, sequence parallel, co-shard) share them
+    # variants of one tensor-parallel size (free, sequence parallel, co-shard) share them, and the
+    # ops' own prices do not depend on whether collectives fuse either
+    key = (n, device, data_parallel, micro_batches, every_size_read, mixed_whole)
+    tables = _search_table(graph, "cost_tables").get((*key, fusing()))
+    if tables is None:
+        tables = _search_table(graph, "cost_tables")[(*key, fusing())] = _cost_tables(
+            graph, options, n, device, data_parallel, uses, _search_table(graph, "op_costs").setdefault(key, {}))
     allowed_by = {sid: set(range(len(options[sid].options))) for sid in sids}
     for sid, allowed, _ in narrowed_to:
         allowed_by[sid] &= set(allowed)
@@ -780,8 +791,8 @@ def _constraint_answers(graph: Graph, constraint: Constraint):
     if entry is None or entry[0] is not constraint:
         # constraints selecting alike (`params = "matrix"`) share the answers of `selects`
         selected = _search_table(graph, "selections").setdefault(repr(constraint.select), {})
-        entry = cache[id(constraint)] = (constraint, selected, {}, {})
-    _, selected, allowed, by_site = entry
+        entry = cache[id(constraint)] = (constraint, selected, {}, {}, {}, {})
+    _, selected, allowed, by_site, kinds_at, every = entry
 
     def selects(index: int) -> bool:
         if index not in selected:
@@ -800,7 +811,26 @@ def _constraint_answers(graph: Graph, constraint: Constraint):
         if found is None:
             found = by_site[sid] = [i for i in nodes if selects(i)]
         return found
-    return selects, allows, selected_at
+
+    def groups_selected(sid, groups, chosen: list[int], every_size_read: bool) -> list[tuple[int, ...]]:
+        """A site's selected instances (`chosen`) per candidate group (_candidates_of: equal
+        candidates, so one list of labels in any search's site_options), where a group has some."""
+        key = (sid, every_size_read)
+        found = kinds_at.get(key)
+        if found is None:
+            chosen = set(chosen)
+            found = kinds_at[key] = [kind for kind in (tuple(i for i in members if i in chosen)
+                                                       for _, members in groups) if kind]
+        return found
+
+    def allows_every(kind: tuple[int, ...], label: str) -> bool:
+        """allows(i, label) for every instance of one kind: the same at every size that names `label`."""
+        key = (id(kind), label)         # kinds_at keeps each kind alive: ids stay unique
+        found = every.get(key)
+        if found is None:
+            found = every[key] = all(allows(i, label) for i in kind)
+        return found
+    return selects, allows, selected_at, groups_selected, allows_every
 
 
 MAX_SOLVES = 256       # elimination subproblems before the whole problem goes to z3
@@ -1377,9 +1407,11 @@ def _mixed_facts(graph: Graph, options, mixed, lay, rank_in, rank_out, impossibl
         agree(list(ends.items()))
 
 
-def _cost_tables(graph: Graph, options, n: int, device: DeviceSpec, data_parallel: int, uses) -> _Tables:
+def _cost_tables(graph: Graph, options, n: int, device: DeviceSpec, data_parallel: int, uses,
+                 op_costs: dict | None = None) -> _Tables:
     """The step time (ns), the memory per device (bytes), and the pairs of choices no collective
-    sequence can connect, per site option and pair of options."""
+    sequence can connect, per site option and pair of options. `op_costs`: where the ops' own
+    time and the memory (what no conversion changes) are kept for another call with these options."""
     tensors = graph.trace.tensors
     producer_out, edges, consumer_of = _graph_edges(graph)
 
@@ -1400,46 +1432,61 @@ def _cost_tables(graph: Graph, options, n: int, device: DeviceSpec, data_paralle
                  tuple(tensors[t].shape for t in node.outputs),
                  any(tensors[t].requires_grad for t in node.outputs)), len(interned)) for node in graph.nodes}
 
-    # A model's repeated blocks call each site with the same shapes: price each once.
-    priced: dict[tuple, tuple[float, float]] = {}
+    def op_tables() -> tuple[dict, dict]:
+        """Each option's own compute time and the memory it holds (saved tensors, parameter state)."""
+        # A model's repeated blocks call each site with the same shapes: price each once.
+        priced: dict[tuple, tuple[float, float]] = {}
 
-    def price(site: int, index: int, label: str) -> tuple[float, float]:
-        key = (site, label, shape_of[index])
-        if key not in priced:
-            ways = n if label != REPLICATE else 1
-            seconds = node_time(graph.nodes[index], graph.dims.get(index), graph.trace, device, ways,
-                                dims_of=graph.dims.get, label=label)
-            if graph.dims.get(index) is not None and leaves_partial_param_grad(graph, index, label):
-                seconds += sum(all_reduce_time(tensors[tid].nbytes, n, device)
-                               for _, tid in _param_operands(graph, index))
-            priced[key] = seconds, saved_bytes(graph.nodes[index], graph.trace) / ways
-        return priced[key]
+        def price(site: int, index: int, label: str) -> tuple[float, float]:
+            key = (site, label, shape_of[index])
+            if key not in priced:
+                ways = n if label != REPLICATE else 1
+                seconds = node_time(graph.nodes[index], graph.dims.get(index), graph.trace, device, ways,
+                                    dims_of=graph.dims.get, label=label)
+                if graph.dims.get(index) is not None and leaves_partial_param_grad(graph, index, label):
+                    seconds += sum(all_reduce_time(tensors[tid].nbytes, n, device)
+                                   for _, tid in _param_operands(graph, index))
+                priced[key] = seconds, saved_bytes(graph.nodes[index], graph.trace) / ways
+            return priced[key]
 
-    unary = {sid: [0] * len(opts.options) for sid, opts in options.items()}
-    memory = {sid: [0] * len(opts.options) for sid, opts in options.items()}
-    for site, (sid, opts) in enumerate(options.items()):
-        labels = opts.labels
-        # a site has an instance per block, most alike (the same labels, one list object, and
-        # shapes): each kind priced once, times its instances
-        kinds: dict[tuple, list] = {}
-        for i in opts.nodes:
-            kind = kinds.get((id(labels[i]), shape_of[i]))
-            if kind is None:
-                kinds[(id(labels[i]), shape_of[i])] = [i, 1]
-            else:
-                kind[1] += 1
-        for k in range(len(opts.options)):
-            total, saved = 0.0, 0.0
-            for i, count in kinds.values():
-                label = labels[i][k]
-                found = priced.get((site, label, shape_of[i]))
-                seconds, kept = found if found is not None else price(site, i, label)
-                total += seconds * count
-                saved += kept * count
-            if total:
-                unary[sid][k] += ns(total)
-            if saved:
-                memory[sid][k] += int(saved / data_parallel)
+        unary = {sid: [0] * len(opts.options) for sid, opts in options.items()}
+        memory = {sid: [0] * len(opts.options) for sid, opts in options.items()}
+        for site, (sid, opts) in enumerate(options.items()):
+            labels = opts.labels
+            # a site has an instance per block, most alike (the same labels, one list object, and
+            # shapes): each kind priced once, times its instances
+            kinds: dict[tuple, list] = {}
+            for i in opts.nodes:
+                kind = kinds.get((id(labels[i]), shape_of[i]))
+                if kind is None:
+                    kinds[(id(labels[i]), shape_of[i])] = [i, 1]
+                else:
+                    kind[1] += 1
+            for k in range(len(opts.options)):
+                total, saved = 0.0, 0.0
+                for i, count in kinds.values():
+                    label = labels[i][k]
+                    found = priced.get((site, label, shape_of[i]))
+                    seconds, kept = found if found is not None else price(site, i, label)
+                    total += seconds * count
+                    saved += kept * count
+                if total:
+                    unary[sid][k] += ns(total)
+                if saved:
+                    memory[sid][k] += int(saved / data_parallel)
+
+        # weights, gradients and optimizer state, counted at the first site that uses each parameter
+        for param, ((sid, layouts), *_) in uses.items():
+            size = tensors[graph.trace.params[param].tid].nbytes // 4 * BYTES_PER_PARAM_STATE
+            for k, layout in enumerate(layouts):
+                memory[sid][k] += size // (n if layout.kind == "S" else 1)
+        return unary, memory
+
+    op_costs = {} if op_costs is None else op_costs
+    if "unary" not in op_costs:
+        op_costs["unary"], op_costs["memory"] = op_tables()
+    unary = {sid: list(row) for sid, row in op_costs["unary"].items()}
+    memory = {sid: list(row) for sid, row in op_costs["memory"].items()}
 
     def rank_in(index: int, name: str) -> int:
         return len(tensors[graph.nodes[index].operand(name).tid].shape)
@@ -1538,12 +1585,6 @@ def _cost_tables(graph: Graph, options, n: int, device: DeviceSpec, data_paralle
                     pairs[(su, sv)][(a, b)] = ns(cost)
 
     _mixed_facts(graph, options, mixed, lay, rank_in, rank_out, impossible)
-
-    # weights, gradients and optimizer state, counted at the first site that uses each parameter
-    for param, ((sid, layouts), *_) in uses.items():
-        size = tensors[graph.trace.params[param].tid].nbytes // 4 * BYTES_PER_PARAM_STATE
-        for k, layout in enumerate(layouts):
-            memory[sid][k] += size // (n if layout.kind == "S" else 1)
 
     return _Tables(unary, dict(pairs), dict(impossible), dict(impossible_alone), memory, edges, consumer_of, lay,
                    loss_source, rank_in, rank_out)
