@@ -41,6 +41,7 @@ block's inputs only, and rebuilds one block at a time).
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field, replace
 
 
@@ -48,13 +49,13 @@ from ..errors import UserError
 from ..graph.graph import Graph
 from ..materialize.conversions import conversion, conversion_time, fused_collectives
 from ..sizes import format_bytes
-from .batch import batch_labels, batch_split_problem
+from .batch import batch_split_problem
 from .cost import ClusterSpec, DeviceSpec, all_gather_time, all_reduce_time, node_time, node_flops, optimizer_time
 from .layouts import REPLICATE, R
 from .memory import saved_bytes
 from .zero import state_bytes_per_device, units_in_flight
-from .search import (BYTES_PER_PARAM_STATE, AxisPlan, _layout, _search_cache, _search_table, from_end,
-                     search_axis, site_id)
+from .search import (BYTES_PER_PARAM_STATE, AxisPlan, _derivation_inputs, _layout, _search_cache, _search_table,
+                     from_end, search_axis, site_id)
 from .schedules import simulated_seconds
 from .tables import Constraint, load_table
 
@@ -310,6 +311,8 @@ class _NodeFacts:
     # as small ints (equal ints exactly when the tuples are equal), with the producer node
     key_id: int = 0
     operand_ids: tuple = ()             # per operand: (id, producer node or None)
+    operands_id: int = 0                # the operands' ids together, interned
+    producers: object = None            # their producers' labels out of a node -> label dict (None: none)
 
 
 def _node_facts(graph: Graph) -> list[_NodeFacts]:
@@ -340,6 +343,9 @@ def _node_facts(graph: Graph) -> list[_NodeFacts]:
             fact.operand_ids = tuple(
                 (interned.setdefault((o[:4], facts[o[4]].key[0], o[5]), len(interned)), o[4]) if o[4] is not None
                 else (interned.setdefault(("input", o), len(interned)), None) for o in fact.operands)
+            fact.operands_id = interned.setdefault(("operands", tuple(o for o, _ in fact.operand_ids)), len(interned))
+            producers = [u for _, u in fact.operand_ids if u is not None]
+            fact.producers = operator.itemgetter(*producers) if producers else None
         cache["node_facts"] = facts
         cache["producers"] = producer
     return cache["node_facts"]
@@ -360,6 +366,8 @@ def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, de
     layouts = tp_plan.param_layout if tp_plan is not None else {}
     facts = _node_facts(graph)
     split = n > 1 and tp_plan is not None
+    # every op's label, for the producers' labels read at once (a search labels every op)
+    labels = choice if len(choice) == len(graph.nodes) else {i: choice.get(i, REPLICATE) for i in range(len(graph.nodes))}
     # an op's price is a function of its key below, the axis size and the device: the other
     # splits --plan auto prices at this size ask mostly for the same keys
     priced, converted, own = _search_table(graph, "region_prices").setdefault((n, device, split), ({}, {}, {}))
@@ -405,8 +413,8 @@ def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, de
         label = choice.get(index, REPLICATE)
         ways = n if label != REPLICATE else 1
         # a repeated block's op costs what its first instance cost: same site, shapes, split and producers
-        key = (fact.key_id, label, tuple((o, choice.get(u, REPLICATE)) if u is not None else o
-                                         for o, u in fact.operand_ids)) if split else (fact.key_id, label)
+        key = (fact.key_id, label, fact.operands_id, fact.producers and fact.producers(labels)) if split \
+            else (fact.key_id, label)
         costs = priced.get(key)
         if costs is None:
             costs = priced[key] = price(node, fact, label, ways)
@@ -964,9 +972,24 @@ def _valid_for(graph: Graph, plan: AxisPlan, n: int, slices: int) -> bool:
     split = plan.__dict__.get("_batch_splits")
     if split is None:                     # the traced sizes of the batch dims the split divides
         choice = plan.node_choice
-        split = plan.__dict__["_batch_splits"] = {size for index, (label, size) in _batch_sizes(graph).items()
-                                                  if choice.get(index) == label}
+        try:
+            split = {size for label, size, labels_of in _batch_groups(graph) if label in labels_of(choice)}
+        except KeyError:                  # a split that does not label every op
+            split = {size for index, (label, size) in _batch_sizes(graph).items() if choice.get(index) == label}
+        plan.__dict__["_batch_splits"] = split
     return all(size is not None and (size // slices) % n == 0 for size in split)
+
+
+def _batch_groups(graph: Graph) -> list[tuple[str, int | None, object]]:
+    """The ops by batch label and size: (label, size, their labels read out of a node -> label dict)."""
+    cache = _search_cache(graph)
+    if "batch_groups" not in cache:
+        groups: dict[tuple, list[int]] = {}
+        for index, key in _batch_sizes(graph).items():
+            groups.setdefault(key, []).append(index)
+        cache["batch_groups"] = [(label, size, operator.itemgetter(*indices, indices[0]))     # always a tuple
+                                 for (label, size), indices in groups.items()]
+    return cache["batch_groups"]
 
 
 def _batch_sizes(graph: Graph) -> dict[int, tuple[str, int | None]]:
@@ -974,7 +997,7 @@ def _batch_sizes(graph: Graph) -> dict[int, tuple[str, int | None]]:
     cache = _search_cache(graph)
     if "batch_sizes" not in cache:
         cache["batch_sizes"] = {index: (label, graph.dims[index].sizes().get(label))
-                                for index, label in batch_labels(graph).items() if index in graph.dims}
+                                for index, label in _derivation_inputs(graph, False)[0].items() if index in graph.dims}
     return cache["batch_sizes"]
 
 
