@@ -987,7 +987,15 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
    the model in fake tensors 1.4 s of it, the instance groups 1.3 s); its search is 18 splits 3.9 s, co-shard
    1.1 s, their regions 1.1 s, the stage check 0.9 s, 3F1B's z3 orders 0.9 s, its timelines 0.7 s, the blocks
    0.7 s, each a pass over every op of 48 identical blocks x 3 recycling passes that a per-block pass would not
-   repeat.
+   repeat. Since session 38 (579cf6b, f168a96) the cost tables of one size and batch slicing are kept per graph and
+   shared by the variants solved there (the ops' own prices across fused collectives too), a constraint narrows a
+   site once per group of alike instances (kept across sizes), `_regions` keeps an op's own times apart from its
+   producers' splits and reads those at once, and a split's batch dims are found by group: `search_auto` alone
+   (trace done, the process's schedule orders kept; min of 3) AlphaFold2 9.40 -> 8.04 s, its fine-tune crop 12.54
+   -> 10.50 s, T5-3B 3.46 -> 3.13 s, the same choices on all six settings. End to end, three runs each alternating
+   with ff59cab on a machine whose one thread's fp32 matmul runs 82 GFLOP/s: AlphaFold2 16.9-19.4 -> 15.9-17.4 s,
+   its fine-tune crop 19.6-21.1 -> 17.3-18.3 s; T5-3B (9.9-10.9 -> 9.9-10.8 s), the artifact's T5 (10.8-11.9 ->
+   10.6-12.3 s), mBART and Swin within the drift. A fixed `plan` of AlphaFold2 (tp 2, dp 16) takes 9.4-9.6 s here.
 2. **Strided Conv2d was priced at 2 million times its FLOPs** (fixed in 211686f, before this run): plan/cost.py
    `node_flops` counts a conv's c·kh·kw from its weight; `Conv2d(3, 512, 4, stride=4)` on (256, 3, 1536, 1536)
    is 1.86e12 FLOPs. The Swin entry still embeds its patches with reshape + Linear (same FLOPs).
