@@ -991,8 +991,8 @@ FINDINGS = """## Findings: what crashed, what was refused, what the cost model l
    shared by the variants solved there (the ops' own prices across fused collectives too), a constraint narrows a
    site once per group of alike instances (kept across sizes), `_regions` keeps an op's own times apart from its
    producers' splits and reads those at once, and a split's batch dims are found by group: `search_auto` alone
-   (trace done, the process's schedule orders kept; min of 3) AlphaFold2 9.40 -> 8.04 s, its fine-tune crop 12.54
-   -> 10.50 s, T5-3B 3.46 -> 3.13 s, the same choices on all six settings. End to end, three runs each alternating
+   (after the trace, in the CLI's collector phase, the process's schedule orders kept; min of 3) AlphaFold2 9.00 ->
+   7.19 s, its fine-tune crop 10.85 -> 8.88 s, T5-3B 3.37 -> 2.68 s, the same choices on all six settings. End to end, three runs each alternating
    with ff59cab on a machine whose one thread's fp32 matmul runs 82 GFLOP/s: AlphaFold2 16.9-19.4 -> 15.9-17.4 s,
    its fine-tune crop 19.6-21.1 -> 17.3-18.3 s; T5-3B (9.9-10.9 -> 9.9-10.8 s), the artifact's T5 (10.8-11.9 ->
    10.6-12.3 s), mBART and Swin within the drift. A fixed `plan` of AlphaFold2 (tp 2, dp 16) takes 9.4-9.6 s here.
