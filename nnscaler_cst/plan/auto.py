@@ -368,6 +368,7 @@ def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, de
     split = n > 1 and tp_plan is not None
     # every op's label, for the producers' labels read at once (a search labels every op)
     labels = choice if len(choice) == len(graph.nodes) else {i: choice.get(i, REPLICATE) for i in range(len(graph.nodes))}
+    last_block = blocks.count
     # an op's price is a function of its key below, the axis size and the device: the other
     # splits --plan auto prices at this size ask mostly for the same keys
     priced, converted, own = _search_table(graph, "region_prices").setdefault((n, device, split), ({}, {}, {}))
@@ -407,10 +408,8 @@ def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, de
         return tuple(total)
 
     bw, fx, forward_bw, forward_fx, saved = out.bw, out.fx, out.forward_bw, out.forward_fx, out.saved
-    for node, fact in zip(graph.nodes, facts):
-        index = node.index
-        region = blocks.region[index]
-        label = choice.get(index, REPLICATE)
+    for index, (node, fact, region) in enumerate(zip(graph.nodes, facts, blocks.region)):
+        label = labels[index]
         ways = n if label != REPLICATE else 1
         # a repeated block's op costs what its first instance cost: same site, shapes, split and producers
         key = (fact.key_id, label, fact.operands_id, fact.producers and fact.producers(labels)) if split \
@@ -418,7 +417,7 @@ def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, de
         costs = priced.get(key)
         if costs is None:
             costs = priced[key] = price(node, fact, label, ways)
-        if index in apart:
+        if apart and index in apart:
             # the runtime splits the step's op on the vocabulary over tp too, whatever its label on
             # tp: its bandwidth terms, what it saves and its weight are 1/n of the whole op's; its
             # per-call fixed cost is paid whole; its hand-offs are the shares (_stage_times)
@@ -436,18 +435,20 @@ def _regions(graph: Graph, blocks: _Blocks, tp_plan: AxisPlan | None, n: int, de
         fx[region] += costs[1]
         # recompute reruns a block for its backward: a no_grad recycling pass is never rerun (masks
         # inside a block, which it does rerun, are cheap and left out too)
-        if (0 < region <= blocks.count or index in checkpointed) and fact.grad:
+        in_list = checkpointed and index in checkpointed
+        if (0 < region <= last_block or in_list) and fact.grad:
             forward_bw[region] += costs[2]
             forward_fx[region] += costs[3]
         saved[region] += fact.saved / ways
-        if index in checkpointed and fact.grad:
+        if in_list and fact.grad:
             out.checkpointed_saved[region] += fact.saved / ways
             key = (region, checkpointed[index])
             block_saved[key] = block_saved.get(key, 0.0) + fact.saved / ways
-        held = out.params[region]
-        for param, elements in fact.params:
-            layout = layouts.get(param)
-            held[param] = elements / (n if layout is not None and layout.kind == "S" else 1)
+        if fact.params:
+            held = out.params[region]
+            for param, elements in fact.params:
+                layout = layouts.get(param)
+                held[param] = elements / (n if layout is not None and layout.kind == "S" else 1)
     loss = trace.loss
     producer = _search_cache(graph)["producers"] if split and loss is not None else {}
     if loss in producer and producer[loss][0] not in apart:     # a loss apart is whole on its step's devices
