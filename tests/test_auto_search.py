@@ -250,7 +250,7 @@ def test_split_searches_sharing_a_graphs_tables_find_what_each_finds_alone(llama
     these searches, solved after the others on one graph, finds exactly what it finds alone."""
     graph = llama
     variants = [("auto", [], False)] + [(name, load_table(name).for_axis("tp"), load_table(name).fused_collectives)
-                                        for name in ("sequence_parallel", "coshard", "megatron")]
+                                        for name in ("sequence_parallel", "coshard")]
 
     def solved(n, table, fused, slices):
         with fused_collectives(fused):
@@ -259,7 +259,7 @@ def test_split_searches_sharing_a_graphs_tables_find_what_each_finds_alone(llama
 
     runs = [(n, name, table, fused, slices) for n in (2, 4) for slices in (1, 2) for name, table, fused in variants]
     together = [solved(n, table, fused, slices) for n, _, table, fused, slices in runs]
-    assert len({repr(plan[0]) for plan in together}) > 3        # the variants split unalike
+    assert len({repr(plan[0]) for plan in together}) > 2        # the variants split unalike
     for (n, name, table, fused, slices), shared in zip(runs, together):
         graph.__dict__.pop("_search_cache")
         assert solved(n, table, fused, slices) == shared, (n, name, slices)

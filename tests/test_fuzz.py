@@ -55,7 +55,7 @@ def test_drawn_model_trains_on_one_device(model, tmp_path_factory):
 
 
 @pytest.mark.slow
-@settings(derandomize=True, max_examples=6, deadline=None, database=None,
+@settings(derandomize=True, max_examples=4, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(model=models(), data=st.data())
 def test_drawn_model_verifies_or_is_refused_with_a_location(model, data):

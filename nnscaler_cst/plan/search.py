@@ -730,7 +730,6 @@ def _search_axis(graph: Graph, axis: str, n: int, constraints: list[Constraint],
 
     uses = _param_uses(graph, options)
     # the tables read the options (the sizes and slicing), never the constraints: --plan auto's
-    # variants of one tensor-parallel size (free, sequence parallel, co-shard) share them
     # variants of one tensor-parallel size (free, sequence parallel, co-shard) share them, and the
     # ops' own prices do not depend on whether collectives fuse either
     key = (n, device, data_parallel, micro_batches, every_size_read, mixed_whole)
